@@ -1,0 +1,140 @@
+"""Settings: keyword arguments > environment (`STALLFREE_*`) > TOML file > defaults.
+
+Nested sections use `__` in environment names, e.g. `STALLFREE_RUNTIME__OVERLAP=false`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field("tiny", description="Hugging Face model directory, or a preset: tiny, bench-cpu")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    seed: int = Field(0, description="Seed for preset weights and unseeded sampling")
+    max_context_len: int | None = Field(
+        None, gt=1, description="Cap on prompt + output tokens; default: the model's own"
+    )
+
+
+class CacheConfig(_Section):
+    page_size: int = Field(1, ge=1, le=256, description="Tokens per KV page")
+    max_total_tokens: int = Field(16384, ge=16, description="KV slots in the device pool")
+    max_running_requests: int = Field(256, ge=1, description="Request slots")
+
+
+class SchedulerConfig(_Section):
+    max_prefill_tokens: int = Field(4096, ge=1, description="Token budget of one prefill batch")
+    chunked_prefill_size: int = Field(
+        2048, ge=1, description="Longest prompt chunk one request prefills in a step"
+    )
+    new_token_ratio: float = Field(
+        0.4,
+        ge=0.0,
+        le=1.0,
+        description="Share of each running request's remaining max_new_tokens that admission reserves",
+    )
+    max_waiting_requests: int | None = Field(
+        None, ge=1, description="Reject new requests beyond this many waiting"
+    )
+
+
+class RuntimeConfig(_Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    overlap: bool = Field(True, description="Launch batch N+1 before processing batch N")
+    cpu_mirrors: bool = Field(
+        True, description="Schedule from host mirrors; false is the legacy mode that syncs"
+    )
+    strict: bool = Field(False, description="host_read on the schedule path raises (tests)")
+    check_mirrors: bool = Field(False, description="Assert mirror parity after every batch op")
+    stream_threads: int = Field(
+        0, ge=0, description="torch intra-op threads of the CPU stream worker; 0 = torch default"
+    )
+
+
+class HisparseConfig(_Section):
+    enabled: bool = False
+    top_k: int = Field(64, ge=1)
+    device_buffer_size: int = Field(128, ge=1)
+    host_to_device_ratio: float = Field(4.0, gt=0)
+    sparse_layers: list[int] | None = Field(None, description="Default: every layer but the first")
+    min_sparse_len: int = Field(0, ge=0, description="Shorter sequences attend densely")
+
+    @model_validator(mode="after")
+    def _buffer_holds_top_k(self) -> HisparseConfig:
+        if self.device_buffer_size < self.top_k:
+            raise ValueError(
+                f"device_buffer_size ({self.device_buffer_size}) must be >= top_k ({self.top_k})"
+            )
+        return self
+
+
+class StallfreeConfig(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="STALLFREE_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+    )
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    hisparse: HisparseConfig = Field(default_factory=HisparseConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StallfreeConfig:
+        if self.cache.max_total_tokens < self.cache.page_size * 2:
+            raise ValueError("cache.max_total_tokens must hold at least two pages")
+        return self
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(toml_path: str | Path | None = None, **overrides: Any) -> StallfreeConfig:
+    """Build a config from a TOML file, `STALLFREE_*` variables and keyword overrides.
+
+    Overrides are nested dicts (`runtime={"overlap": False}`); they win over the environment,
+    which wins over the file.
+    """
+    file_values: dict[str, Any] = {}
+    if toml_path is not None:
+        with open(toml_path, "rb") as f:
+            file_values = tomllib.load(f)
+    env_values = StallfreeConfig().model_dump(exclude_unset=True)
+    merged = _deep_merge(_deep_merge(file_values, env_values), overrides)
+    return StallfreeConfig(**merged)

@@ -1,0 +1,101 @@
+"""Memory pools. Free lists are host-owned; `req_to_token` rows and KV live on the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class ReqToTokenPool:
+    """Request slots. Row `i` of `req_to_token` holds the KV slot of each token of request `i`."""
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = device
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self._free: list[int] = list(range(size - 1, -1, -1))
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        taken = self._free[-n:] if n else []
+        del self._free[len(self._free) - n :]
+        return taken[::-1]
+
+    def free(self, slot: int) -> None:
+        if not 0 <= slot < self.size or slot in self._free_set():
+            raise RuntimeError(f"double free of request slot {slot}")
+        self._free.append(slot)
+
+    def _free_set(self) -> set[int]:
+        return set(self._free)
+
+
+class TokenToKVPoolAllocator:
+    """KV slot allocator in pages of `page_size` tokens. Page 0 is reserved as padding."""
+
+    def __init__(self, num_slots: int, page_size: int) -> None:
+        self.page_size = page_size
+        self.num_pages = num_slots // page_size
+        self.size = self.num_pages * page_size  # usable slots
+        # NOTE: page 0 (slots 0..page_size-1) is never handed out, so padded writes are harmless.
+        self._free_pages: list[int] = list(range(self.num_pages, 0, -1))
+        self._free_set: set[int] = set(self._free_pages)
+
+    def available_size(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    def available_pages(self) -> int:
+        return len(self._free_pages)
+
+    def alloc_pages(self, n: int) -> list[int] | None:
+        if n > len(self._free_pages):
+            return None
+        taken = [self._free_pages.pop() for _ in range(n)]
+        self._free_set.difference_update(taken)
+        return taken
+
+    def free_pages(self, pages: list[int]) -> None:
+        for p in pages:
+            if p in self._free_set or not 1 <= p <= self.num_pages:
+                raise RuntimeError(f"double free of KV page {p}")
+        self._free_pages.extend(pages)
+        self._free_set.update(pages)
+
+    def usage(self) -> float:
+        return 1.0 - len(self._free_pages) / self.num_pages
+
+
+@dataclass(slots=True)
+class KVCacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class KVCache:
+    """Per-layer K and V buffers of shape [num_slots, num_kv_heads, head_dim] on the device."""
+
+    def __init__(
+        self, shape: KVCacheShape, num_slots: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.shape = shape
+        self.num_slots = num_slots
+        self.dtype = dtype
+        self.device = device
+        dims = (num_slots, shape.num_kv_heads, shape.head_dim)
+        self.k_buffers = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.v_buffers = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+
+    def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer][loc] = k.to(self.dtype)
+        self.v_buffers[layer][loc] = v.to(self.dtype)
+
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.shape.num_layers * self.shape.num_kv_heads * self.shape.head_dim * elem
