@@ -23,7 +23,9 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    path: str = Field("tiny", description="Hugging Face model directory, or a preset: tiny, bench-cpu")
+    path: str = Field(
+        "tiny", description="Hugging Face model directory, or a preset: tiny, bench-cpu"
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     seed: int = Field(0, description="Seed for preset weights and unseeded sampling")
     max_context_len: int | None = Field(

@@ -89,8 +89,12 @@ class KVCache:
         self.dtype = dtype
         self.device = device
         dims = (num_slots, shape.num_kv_heads, shape.head_dim)
-        self.k_buffers = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        self.v_buffers = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.k_buffers = [
+            torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)
+        ]
+        self.v_buffers = [
+            torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)
+        ]
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffers[layer][loc] = k.to(self.dtype)

@@ -1,0 +1,1 @@
+"""stallfree.bench"""

@@ -1,0 +1,85 @@
+"""The scheduler loops. Overlap: build and launch N+1, then process N. Plain: one at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from stallfree.overlap.stream import StreamError
+from stallfree.runtime.model_runner import LaunchedBatch, ModelRunner
+from stallfree.runtime.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class LoopStats:
+    steps: int = 0
+    overlap_steps: int = 0  # launches made while an earlier batch was still unprocessed
+    schedule_seconds: float = 0.0
+    step_failures: int = 0
+    schedule_sinks: list[Callable[[float], None]] = field(default_factory=list)
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.overlap = overlap
+        self.stats = LoopStats()
+        self.wake = asyncio.Event()
+        self.stopping = False
+        self.on_step_error: Callable[[LaunchedBatch, BaseException], None] | None = None
+
+    def _schedule_and_launch(self) -> LaunchedBatch | None:
+        start = time.perf_counter()
+        batch = self.scheduler.get_next_batch()
+        launched = None
+        if batch is not None:
+            launched = self.runner.launch(batch, self.scheduler.on_launched())
+            self.stats.steps += 1
+        elapsed = time.perf_counter() - start
+        self.stats.schedule_seconds += elapsed
+        if batch is not None:
+            for sink in self.stats.schedule_sinks:
+                sink(elapsed)
+        return launched
+
+    async def _process(self, launched: LaunchedBatch) -> None:
+        try:
+            token_ids = await launched.wait_token_ids()
+        except StreamError as exc:
+            self.stats.step_failures += 1
+            self.scheduler.fail_batch(launched.reqs, f"step failed: {exc}")
+            if self.on_step_error is not None:
+                self.on_step_error(launched, exc)
+        else:
+            self.scheduler.process_tokens(launched.reqs, launched.output_rows, token_ids)
+        self.scheduler.on_processed(launched.seq)
+
+    async def run(self) -> None:
+        in_flight: LaunchedBatch | None = None
+        while True:
+            launched = self._schedule_and_launch()
+            if self.overlap:
+                if in_flight is not None:
+                    if launched is not None:
+                        self.stats.overlap_steps += 1
+                    await self._process(in_flight)
+                in_flight = launched
+            elif launched is not None:
+                await self._process(launched)
+            if in_flight is None and launched is None:
+                if self.stopping and not self.scheduler.has_work():
+                    return
+                if self.scheduler.has_work():
+                    await asyncio.sleep(0.001)  # nothing fit this round; never spin hot
+                else:
+                    self.wake.clear()
+                    await self.wake.wait()
+            else:
+                # NOTE: yield so consumers stream tokens while the next step runs on the stream.
+                await asyncio.sleep(0)
+
+    def notify(self) -> None:
+        self.wake.set()

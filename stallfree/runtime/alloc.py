@@ -1,0 +1,120 @@
+"""Host-side allocation for a batch. Every index is decided here, on the host, then uploaded."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from stallfree.runtime.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+    from stallfree.runtime.req import Req
+    from stallfree.runtime.schedule_batch import ScheduleBatch
+
+
+class OutOfMemoryError(RuntimeError):
+    """The pool cannot hold what admission promised; a scheduling bug, not a user error."""
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def new_pages_needed(req: Req, end: int, page_size: int) -> int:
+    return max(0, pages_for(end, page_size) - len(req.kv_pages))
+
+
+def alloc_req_slots(pool: ReqToTokenPool, reqs: list[Req]) -> None:
+    missing = [r for r in reqs if r.req_pool_idx is None]
+    slots = pool.alloc(len(missing))
+    if slots is None:
+        raise OutOfMemoryError(f"no free request slot for {len(missing)} requests")
+    for req, slot in zip(missing, slots, strict=True):
+        req.req_pool_idx = slot
+
+
+def _token_slots(req: Req, start: int, end: int, page_size: int) -> torch.Tensor:
+    pages = torch.tensor(req.kv_pages, dtype=torch.int64)
+    pos = torch.arange(start, end, dtype=torch.int64)
+    return pages[pos // page_size] * page_size + pos % page_size
+
+
+def _grow_pages(allocator: TokenToKVPoolAllocator, req: Req, end: int) -> None:
+    n = new_pages_needed(req, end, allocator.page_size)
+    if n:
+        pages = allocator.alloc_pages(n)
+        if pages is None:
+            raise OutOfMemoryError(f"KV pool exhausted growing request {req.rid} to {end} tokens")
+        req.kv_pages.extend(pages)
+
+
+def alloc_for_extend(
+    batch: ScheduleBatch, extend_lens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (out_cache_loc, req_pool_indices_device, req_pool_indices_cpu).
+
+    The CPU tensor is built from the host allocation; the device one is a non-blocking copy.
+    The new `req_to_token` entries are written on the stream.
+    """
+    ctx = batch.ctx
+    alloc_req_slots(ctx.req_to_token_pool, batch.reqs)
+    locs, rows, cols = [], [], []
+    for req, ext in zip(batch.reqs, extend_lens, strict=True):
+        start = req.num_computed_tokens
+        _grow_pages(ctx.allocator, req, start + ext)
+        locs.append(_token_slots(req, start, start + ext, ctx.allocator.page_size))
+        rows.append(torch.full((ext,), req.req_pool_idx, dtype=torch.int64))
+        cols.append(torch.arange(start, start + ext, dtype=torch.int64))
+    out_cache_loc_cpu = torch.cat(locs) if locs else torch.empty(0, dtype=torch.int64)
+    req_pool_indices_cpu = torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=torch.int64)
+    stream = ctx.stream
+    out_cache_loc = stream.upload(out_cache_loc_cpu)
+    if locs:
+        _write_req_to_token(
+            batch, stream.upload(torch.cat(rows)), stream.upload(torch.cat(cols)), out_cache_loc
+        )
+    batch.out_cache_loc_cpu = out_cache_loc_cpu
+    return out_cache_loc, stream.upload(req_pool_indices_cpu), req_pool_indices_cpu
+
+
+def decode_pages_needed(seq_lens_cpu: torch.Tensor, page_size: int) -> int:
+    """Pages one decode step needs: one per request whose next token starts a page."""
+    return int((seq_lens_cpu % page_size == 0).sum())
+
+
+def alloc_for_decode(batch: ScheduleBatch, seq_lens_cpu: torch.Tensor) -> torch.Tensor:
+    """KV slots for one new token per request, at position `seq_lens_cpu` (the length so far)."""
+    ctx = batch.ctx
+    page_size = ctx.allocator.page_size
+    locs = []
+    for req, seq_len in zip(batch.reqs, seq_lens_cpu.tolist(), strict=True):
+        _grow_pages(ctx.allocator, req, seq_len + 1)
+        locs.append(req.kv_pages[seq_len // page_size] * page_size + seq_len % page_size)
+    out_cache_loc_cpu = torch.tensor(locs, dtype=torch.int64)
+    batch.out_cache_loc_cpu = out_cache_loc_cpu
+    out_cache_loc = ctx.stream.upload(out_cache_loc_cpu)
+    _write_req_to_token(batch, batch.req_pool_indices, batch.seq_lens, out_cache_loc)
+    return out_cache_loc
+
+
+def _write_req_to_token(
+    batch: ScheduleBatch, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor
+) -> None:
+    table = batch.ctx.req_to_token_pool.req_to_token
+
+    def write() -> None:
+        table[rows, cols] = locs
+
+    batch.ctx.stream.submit(write)
+
+
+def free_req_memory(
+    batch_ctx_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, req: Req
+) -> None:
+    """Return a request's slot and KV pages. Idempotent: overlap may free a request twice."""
+    if req.req_pool_idx is not None:
+        batch_ctx_pool.free(req.req_pool_idx)
+    if req.kv_pages:
+        allocator.free_pages(req.kv_pages)
+    req.req_pool_idx = None
+    req.kv_pages = []

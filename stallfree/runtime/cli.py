@@ -1,0 +1,120 @@
+"""The `stallfree` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from stallfree.config import StallfreeConfig, load_config
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="HF model directory or preset (tiny, bench-cpu)")
+    p.add_argument("--config", help="TOML config file")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--cpu-mirrors", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--page-size", type=int)
+    p.add_argument("--max-total-tokens", type=int)
+    p.add_argument("--max-running-requests", type=int)
+    p.add_argument("--chunked-prefill-size", type=int)
+    p.add_argument("--max-prefill-tokens", type=int)
+
+
+def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
+    overrides: dict[str, dict[str, Any]] = {
+        "model": {},
+        "runtime": {},
+        "cache": {},
+        "scheduler": {},
+    }
+    pairs = {
+        "model": ("model", "path"),
+        "device": ("runtime", "device"),
+        "overlap": ("runtime", "overlap"),
+        "cpu_mirrors": ("runtime", "cpu_mirrors"),
+        "page_size": ("cache", "page_size"),
+        "max_total_tokens": ("cache", "max_total_tokens"),
+        "max_running_requests": ("cache", "max_running_requests"),
+        "chunked_prefill_size": ("scheduler", "chunked_prefill_size"),
+        "max_prefill_tokens": ("scheduler", "max_prefill_tokens"),
+    }
+    for flag, (section, key) in pairs.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[section][key] = value
+    return load_config(args.config, **{k: v for k, v in overrides.items() if v})
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from stallfree.runtime.engine import Engine
+    from stallfree.runtime.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    async with Engine(config_from_args(args)) as engine:
+        async for chunk in engine.generate(args.prompt, params):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            if chunk.finished:
+                sys.stdout.write("\n")
+                print(
+                    f"[{chunk.finish_reason}: {chunk.prompt_tokens} prompt + "
+                    f"{chunk.completion_tokens} completion tokens]",
+                    file=sys.stderr,
+                )
+                if chunk.error:
+                    print(f"error: {chunk.error}", file=sys.stderr)
+                    return 1
+    return 0
+
+
+def _run(coro: Any) -> int:
+    try:
+        import uvloop
+
+        return int(uvloop.run(coro))
+    except ImportError:  # pragma: no cover
+        return int(asyncio.run(coro))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stallfree", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream one completion")
+    _add_engine_flags(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--ignore-eos", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _run(_generate(args))
+    except ValidationError as exc:
+        print(f"stallfree: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as exc:
+        print(f"stallfree: {exc}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Launch a `ScheduleBatch` on the stream: forward, sample, stash, copy ids to pinned host memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stallfree.overlap.stream import Event
+from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.req import Req
+from stallfree.runtime.sampler import Sampler, SamplingBatch
+from stallfree.runtime.schedule_batch import BatchContext, ScheduleBatch
+
+_I64 = torch.int64
+
+
+@dataclass(slots=True, eq=False)
+class LaunchedBatch:
+    """A batch whose tensors now belong to the stream; kept alive until its result is processed."""
+
+    seq: int
+    mode: ForwardMode
+    reqs: list[Req]
+    output_rows: list[bool]
+    token_ids_host: torch.Tensor  # pinned; valid once `event` has fired
+    event: Event
+    forward_batch: ForwardBatch  # NOTE: holds the launched device tensors alive
+
+    async def wait_token_ids(self) -> list[int]:
+        await self.event.wait()
+        return self.token_ids_host.tolist()
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, ctx: BatchContext, sampler: Sampler) -> None:
+        self.model = model
+        self.ctx = ctx
+        self.sampler = sampler
+
+    def launch(self, batch: ScheduleBatch, seq: int) -> LaunchedBatch:
+        ctx = self.ctx
+        stream = ctx.stream
+        with ctx.monitor.schedule_path():
+            fb = batch.to_forward_batch()
+            params = [r.sampling_params for r in batch.reqs]
+            sb = SamplingBatch.build(params, batch.output_steps, stream.upload)
+            rows_cpu = torch.tensor(
+                [i for i, real in enumerate(batch.output_rows) if real], dtype=_I64
+            )
+            stash_rows = stream.upload(rows_cpu)
+            stash_slots = stream.upload(fb.req_pool_indices_cpu[rows_cpu])
+            token_ids_host = stream.host_buffer((len(batch.reqs),), _I64)
+        stream.submit(self._step, fb, sb, stash_slots, stash_rows, token_ids_host)
+        event = stream.record_event()
+        return LaunchedBatch(
+            seq=seq,
+            mode=batch.forward_mode,
+            reqs=list(batch.reqs),
+            output_rows=list(batch.output_rows),
+            token_ids_host=token_ids_host,
+            event=event,
+            forward_batch=fb,
+        )
+
+    def _step(
+        self,
+        fb: ForwardBatch,
+        sb: SamplingBatch,
+        stash_slots: torch.Tensor,
+        stash_rows: torch.Tensor,
+        token_ids_host: torch.Tensor,
+    ) -> None:
+        """Runs on the stream, in order after every earlier enqueued write."""
+        if fb.mode is ForwardMode.DECODE:
+            fb.input_ids = self.ctx.future_map.resolve(fb.req_pool_indices)
+        logits = self.model(fb)
+        next_ids = self.sampler.sample(logits, sb)
+        self.ctx.future_map.stash(stash_slots, stash_rows, next_ids)
+        token_ids_host.copy_(next_ids, non_blocking=True)

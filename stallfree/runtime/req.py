@@ -1,0 +1,88 @@
+"""A request's host-side state. The host is authoritative for every field here."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from stallfree.runtime.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_new_tokens or the context limit
+    ABORT = "abort"  # cancelled by the client or a deadline
+    ERROR = "error"  # the step that computed it failed
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    max_context_len: int = 1 << 30
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    finished_reason: FinishReason | None = None
+    finish_message: str | None = None
+    # memory: host-owned allocation
+    req_pool_idx: int | None = None
+    kv_pages: list[int] = field(default_factory=list)
+    # progress
+    num_computed_tokens: int = 0  # tokens whose KV is written or enqueued
+    num_scheduled_outputs: int = 0  # outputs sampled or in flight
+    num_retractions: int = 0
+    # host bookkeeping for the consumer side, opaque to the scheduler
+    sink: Any = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens a (re)prefill must compute: the prompt and every known output."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def in_flight_outputs(self) -> int:
+        return self.num_scheduled_outputs - len(self.output_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return (
+            self.num_computed_tokens
+            >= len(self.origin_input_ids) + len(self.output_ids) - (1 if self.output_ids else 0)
+            and self.num_scheduled_outputs > 0
+        )
+
+    def wants_more_decode(self) -> bool:
+        """Host-known: another decode step may still produce a token this request keeps."""
+        params = self.sampling_params
+        if self.finished or self.num_scheduled_outputs >= params.max_new_tokens:
+            return False
+        return len(self.origin_input_ids) + self.num_scheduled_outputs < self.max_context_len
+
+    def finish(self, reason: FinishReason, message: str | None = None) -> None:
+        if self.finished_reason is None:
+            self.finished_reason = reason
+            self.finish_message = message
+            self.status = ReqStatus.FINISHED
+
+    def reset_for_retract(self) -> None:
+        self.req_pool_idx = None
+        self.kv_pages = []
+        self.num_computed_tokens = 0
+        self.num_retractions += 1
+        self.status = ReqStatus.WAITING

@@ -1,0 +1,314 @@
+"""Host-side scheduling: admission, chunked prefill, decode, retraction and deferred free.
+
+Nothing here reads a device tensor when `cpu_mirrors` is on. `get_next_batch` builds batch N+1
+while batch N may still be running; `process_result` applies batch N's tokens afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from stallfree.config import SchedulerConfig
+from stallfree.runtime.alloc import (
+    decode_pages_needed,
+    free_req_memory,
+    new_pages_needed,
+    pages_for,
+)
+from stallfree.runtime.forward_batch import ForwardMode
+from stallfree.runtime.req import FinishReason, Req, ReqStatus
+from stallfree.runtime.schedule_batch import BatchContext, ScheduleBatch
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_prefill_batches: int = 0
+    num_decode_batches: int = 0
+    num_retractions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+# Called with (req, new_token_id); returns True when a stop string matched.
+TokenHook = Callable[[Req, int], bool]
+FinishHook = Callable[[Req], None]
+
+
+@dataclass(slots=True)
+class Scheduler:
+    config: SchedulerConfig
+    ctx: BatchContext
+    max_running_requests: int
+    on_token: TokenHook = lambda req, tok: False
+    on_finish: FinishHook = lambda req: None
+    waiting: deque[Req] = field(default_factory=deque)
+    running_batch: ScheduleBatch | None = None
+    chunked_req: Req | None = None
+    last_extend: ScheduleBatch | None = None
+    launch_seq: int = 0
+    processed_seq: int = 0
+    pending_frees: list[tuple[int, Req]] = field(default_factory=list)
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+
+    def __post_init__(self) -> None:
+        self.running_batch = ScheduleBatch.init_new([], self.ctx)
+        self.running_batch.prepare_for_idle()
+
+    # ------------------------------------------------------------------ intake
+
+    def add_request(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort(
+        self, req: Req, reason: FinishReason = FinishReason.ABORT, message: str | None = None
+    ) -> None:
+        if req.finished:
+            return
+        if req.status is ReqStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        self._finish(req, reason, message)
+
+    @property
+    def num_running(self) -> int:
+        assert self.running_batch is not None
+        n = len(self.running_batch.reqs) + (self.chunked_req is not None)
+        if self.last_extend is not None:
+            n += sum(1 for r in self.last_extend.reqs if r is not self.chunked_req)
+        return n
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.chunked_req is not None or self.num_running > 0
+
+    # ------------------------------------------------------------------ schedule path
+
+    def get_next_batch(self) -> ScheduleBatch | None:
+        with self.ctx.monitor.schedule_path():
+            self._merge_last_extend()
+            self._filter_running()
+            batch = self._new_prefill_batch()
+            if batch is not None:
+                self.last_extend = batch
+                self.stats.num_prefill_batches += 1
+                return batch
+            running = self.running_batch
+            assert running is not None
+            if running.is_empty():
+                return None
+            self._make_room_for_decode(running)
+            if running.is_empty():
+                return None
+            running.prepare_for_decode()
+            self.stats.num_decode_batches += 1
+            return running
+
+    def add_prebuilt(self, batch: ScheduleBatch, first_token_id: int) -> None:
+        """Join requests whose prompt KV was imported; their first token came with them."""
+        for req in batch.reqs:
+            req.status = ReqStatus.RUNNING
+            req.num_scheduled_outputs = 1
+            req.output_ids.append(first_token_id)
+            self._check_finished(req, first_token_id)
+        keep = [i for i, r in enumerate(batch.reqs) if r.wants_more_decode()]
+        if keep:
+            batch.filter_batch(keep)
+            assert self.running_batch is not None
+            self.running_batch.merge_batch(batch)
+
+    def _merge_last_extend(self) -> None:
+        batch, self.last_extend = self.last_extend, None
+        if batch is None:
+            return
+        keep = [
+            i
+            for i, r in enumerate(batch.reqs)
+            if r is not self.chunked_req and r.wants_more_decode()
+        ]
+        if keep:
+            batch.filter_batch(keep)
+            assert self.running_batch is not None
+            self.running_batch.merge_batch(batch)
+
+    def _filter_running(self) -> None:
+        running = self.running_batch
+        assert running is not None
+        keep = [i for i, r in enumerate(running.reqs) if r.wants_more_decode()]
+        if len(keep) != len(running.reqs):
+            running.filter_batch(keep)
+
+    def _reserved_tokens(self) -> int:
+        """KV the running requests may still need, scaled by `new_token_ratio`."""
+        ratio = self.config.new_token_ratio
+        assert self.running_batch is not None
+        reqs = list(self.running_batch.reqs)
+        if self.last_extend is not None:
+            reqs.extend(self.last_extend.reqs)
+        remaining = sum(
+            max(0, r.sampling_params.max_new_tokens - r.num_scheduled_outputs) for r in reqs
+        )
+        return math.ceil(remaining * ratio)
+
+    def _new_prefill_batch(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        allocator = self.ctx.allocator
+        page_size = allocator.page_size
+        budget = self.config.max_prefill_tokens
+        free_tokens = allocator.available_size() - self._reserved_tokens()
+        free_slots = self.ctx.req_to_token_pool.available_size()
+        reqs: list[Req] = []
+        lens: list[int] = []
+
+        chunked = self.chunked_req
+        if chunked is not None:
+            ext = min(
+                len(chunked.fill_ids) - chunked.num_computed_tokens,
+                self.config.chunked_prefill_size,
+                budget,
+            )
+            cost = (
+                new_pages_needed(chunked, chunked.num_computed_tokens + ext, page_size) * page_size
+            )
+            if cost > allocator.available_size():
+                return None
+            reqs.append(chunked)
+            lens.append(ext)
+            budget -= ext
+            free_tokens -= cost
+            if chunked.num_computed_tokens + ext == len(chunked.fill_ids):
+                self.chunked_req = None
+
+        while self.waiting and budget > 0 and self.chunked_req is None:
+            req = self.waiting[0]
+            if req.in_flight_outputs:
+                break  # a retracted request waits for its in-flight token before re-prefill
+            if self.num_running + len(reqs) - (chunked is not None) >= self.max_running_requests:
+                break
+            if free_slots <= 0:
+                break
+            remaining = len(req.fill_ids)
+            ext = min(remaining, self.config.chunked_prefill_size, budget)
+            reserve = math.ceil(
+                (remaining - ext + req.sampling_params.max_new_tokens - req.num_scheduled_outputs)
+                * self.config.new_token_ratio
+            )
+            cost = pages_for(ext, page_size) * page_size + reserve
+            alone = not reqs and self.num_running == 0
+            if cost > free_tokens:
+                if alone and self._can_never_fit(req):
+                    self.waiting.popleft()
+                    self._finish(req, FinishReason.ERROR, "request does not fit in the KV cache")
+                    continue
+                if not (alone and pages_for(ext, page_size) <= allocator.available_pages()):
+                    break
+            self.waiting.popleft()
+            req.status = ReqStatus.RUNNING
+            reqs.append(req)
+            lens.append(ext)
+            budget -= ext
+            free_tokens -= cost
+            free_slots -= 1
+            if ext < remaining:
+                self.chunked_req = req
+
+        if not reqs:
+            return None
+        batch = ScheduleBatch.init_new(reqs, self.ctx)
+        batch.prepare_for_extend(lens)
+        self.stats.prompt_tokens += sum(lens)
+        return batch
+
+    def _can_never_fit(self, req: Req) -> bool:
+        allocator = self.ctx.allocator
+        return pages_for(len(req.fill_ids) + 1, allocator.page_size) > allocator.num_pages
+
+    def _make_room_for_decode(self, running: ScheduleBatch) -> None:
+        allocator = self.ctx.allocator
+        seq_lens_host = running.host_seq_lens("schedule.page_count")
+        if decode_pages_needed(seq_lens_host, allocator.page_size) <= allocator.available_pages():
+            return
+        retracted = running.retract_decode(decode_pages_needed(seq_lens_host, allocator.page_size))
+        for req in reversed(retracted):
+            # NOTE: freed at once, not deferred: the launched batch reads these slots before any
+            # later batch can write them, because both are ordered on the same stream.
+            free_req_memory(self.ctx.req_to_token_pool, allocator, req)
+            req.reset_for_retract()
+            self.waiting.appendleft(req)
+            self.stats.num_retractions += 1
+        if decode_pages_needed(running.host_seq_lens("schedule.retract"), allocator.page_size) > (
+            allocator.available_pages()
+        ):
+            victim = running.reqs[0]
+            running.filter_batch([])
+            self._finish(victim, FinishReason.ERROR, "KV cache too small for this request")
+
+    # ------------------------------------------------------------------ results
+
+    def on_launched(self) -> int:
+        self.launch_seq += 1
+        return self.launch_seq
+
+    def process_tokens(
+        self, batch_reqs: list[Req], output_rows: list[bool], token_ids: list[int]
+    ) -> None:
+        for req, real, tok in zip(batch_reqs, output_rows, token_ids, strict=True):
+            if not real or req.finished:
+                continue  # an intermediate chunk, or the one-step overlap lag after finishing
+            if req.in_flight_outputs <= 0:
+                continue  # retracted and recomputed since; this token is stale
+            req.output_ids.append(tok)
+            self.stats.generation_tokens += 1
+            self._check_finished(req, tok)
+
+    def _check_finished(self, req: Req, tok: int) -> None:
+        params = req.sampling_params
+        if not params.ignore_eos and tok in req.eos_token_ids:
+            self._finish(req, FinishReason.STOP)
+        elif tok in params.stop_token_ids:
+            self._finish(req, FinishReason.STOP)
+        elif self.on_token(req, tok):
+            self._finish(req, FinishReason.STOP)
+        elif len(req.output_ids) >= params.max_new_tokens:
+            self._finish(req, FinishReason.LENGTH)
+        elif len(req.origin_input_ids) + len(req.output_ids) >= req.max_context_len:
+            self._finish(req, FinishReason.LENGTH)
+
+    def fail_batch(self, batch_reqs: list[Req], message: str) -> None:
+        for req in batch_reqs:
+            if not req.finished:
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                self._finish(req, FinishReason.ERROR, message)
+
+    def _finish(self, req: Req, reason: FinishReason, message: str | None = None) -> None:
+        req.finish(reason, message)
+        if req.req_pool_idx is not None or req.kv_pages:
+            # NOTE: deferred: the launched batch N+1 may still read this request's slots.
+            self.pending_frees.append((self.launch_seq, req))
+            if self.processed_seq == self.launch_seq:
+                self.release_deferred()  # nothing in flight can read it
+        self.on_finish(req)
+
+    def on_processed(self, seq: int) -> None:
+        self.processed_seq = max(self.processed_seq, seq)
+        self.release_deferred()
+
+    def release_deferred(self, everything: bool = False) -> None:
+        keep = []
+        for tag, req in self.pending_frees:
+            if everything or tag <= self.processed_seq:
+                free_req_memory(self.ctx.req_to_token_pool, self.ctx.allocator, req)
+                if self.ctx.hisparse is not None:
+                    self.ctx.hisparse.request_finished(req)
+            else:
+                keep.append((tag, req))
+        self.pending_frees = keep
+
+    def is_decode(self, batch: ScheduleBatch) -> bool:
+        return batch.forward_mode is ForwardMode.DECODE

@@ -1,0 +1,48 @@
+"""A BatchContext on the CPU stream with no model, for batch-level tests."""
+
+from __future__ import annotations
+
+import torch
+
+from stallfree.overlap.future_map import FutureMap
+from stallfree.overlap.host_read import SyncMonitor
+from stallfree.overlap.stream import CpuStream
+from stallfree.runtime.memory_pool import (
+    KVCache,
+    KVCacheShape,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+)
+from stallfree.runtime.req import Req
+from stallfree.runtime.sampling_params import SamplingParams
+from stallfree.runtime.schedule_batch import BatchContext
+
+
+def make_ctx(
+    page_size: int = 1,
+    num_tokens: int = 256,
+    num_reqs: int = 16,
+    max_context: int = 128,
+    cpu_mirrors: bool = True,
+    strict: bool = False,
+) -> BatchContext:
+    stream = CpuStream()
+    device = torch.device("cpu")
+    num_slots = (num_tokens // page_size + 1) * page_size
+    return BatchContext(
+        req_to_token_pool=ReqToTokenPool(num_reqs, max_context, device),
+        allocator=TokenToKVPoolAllocator(num_slots - page_size, page_size),
+        kv_cache=KVCache(KVCacheShape(1, 1, 4), num_slots, torch.float32, device),
+        stream=stream,
+        monitor=SyncMonitor(stream, strict=strict),
+        future_map=FutureMap(num_reqs, device),
+        cpu_mirrors=cpu_mirrors,
+    )
+
+
+def make_req(rid: str, prompt_len: int, max_new_tokens: int = 16) -> Req:
+    return Req(
+        rid=rid,
+        origin_input_ids=list(range(1, prompt_len + 1)),
+        sampling_params=SamplingParams(max_new_tokens=max_new_tokens),
+    )
