@@ -1,0 +1,36 @@
+"""Helpers to run a concurrent workload through an Engine."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+from stallfree import Engine, SamplingParams, load_config
+
+
+def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 256) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def engine_config(model: str, **sections: dict[str, Any]):
+    base: dict[str, dict[str, Any]] = {
+        "model": {"path": model},
+        "runtime": {"device": "cpu"},
+        "cache": {},
+        "scheduler": {},
+    }
+    for key, values in sections.items():
+        base.setdefault(key, {}).update(values)
+    return load_config(**base)
+
+
+async def run_greedy(
+    engine: Engine, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    results = await asyncio.gather(*(engine.complete(p, params) for p in prompts))
+    for r in results:
+        assert r.error is None, r.error
+    return [r.token_ids for r in results]

@@ -1,0 +1,79 @@
+"""Greedy outputs equal transformers' greedy generate, token for token, in every mode."""
+
+from __future__ import annotations
+
+import pytest
+
+from stallfree import Engine
+from tests.engine_util import engine_config, random_prompts, run_greedy
+from tests.hf_models import hf_greedy, make_llama, make_qwen2
+
+NEW_TOKENS = 32
+PROMPTS = random_prompts(8, seed=1)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model_and_reference(request, tmp_path_factory):
+    make = {"llama": make_llama, "qwen2": make_qwen2}[request.param]
+    path = make(tmp_path_factory.mktemp(request.param))
+    reference = [hf_greedy(path, p, NEW_TOKENS) for p in PROMPTS]
+    return str(path), reference
+
+
+MODES = [
+    pytest.param(True, True, id="overlap-mirrors"),
+    pytest.param(True, False, id="overlap-legacy"),
+    pytest.param(False, True, id="plain-mirrors"),
+    pytest.param(False, False, id="plain-legacy"),
+]
+
+WORKLOADS = {
+    "roomy": {},
+    # page_size > 1, prefill chunks of 7 tokens and a pool small enough to force retraction
+    "stressed": {
+        "cache": {"page_size": 4, "max_total_tokens": 192, "max_running_requests": 8},
+        "scheduler": {"chunked_prefill_size": 7, "max_prefill_tokens": 16},
+    },
+}
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+@pytest.mark.parametrize(("overlap", "mirrors"), MODES)
+async def test_greedy_equals_transformers(model_and_reference, workload, overlap, mirrors):
+    path, reference = model_and_reference
+    cfg = engine_config(
+        path,
+        runtime={"overlap": overlap, "cpu_mirrors": mirrors, "strict": mirrors},
+        **WORKLOADS[workload],
+    )
+    async with Engine(cfg) as engine:
+        outputs = await run_greedy(engine, PROMPTS, NEW_TOKENS)
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free
+        stats = engine.scheduler.stats
+        monitor = engine.monitor
+    for i, (got, want) in enumerate(zip(outputs, reference, strict=True)):
+        assert got == want, f"prompt {i} (len {len(PROMPTS[i])}) diverged"
+    if workload == "stressed":
+        assert stats.num_retractions > 0
+        assert stats.prompt_tokens > sum(len(p) for p in PROMPTS)  # retracted work recomputed
+    if mirrors:
+        assert monitor.schedule_path_reads == 0
+        assert monitor.total_stalls() == 0
+    else:
+        assert monitor.stall_counts["schedule.page_count"] > 0
+        if workload == "stressed":
+            assert monitor.stall_counts["schedule.retract"] > 0
+
+
+async def test_page_size_one_with_tiny_chunks(model_and_reference):
+    path, reference = model_and_reference
+    cfg = engine_config(
+        path,
+        runtime={"strict": True},
+        cache={"page_size": 1},
+        scheduler={"chunked_prefill_size": 3, "max_prefill_tokens": 5},
+    )
+    async with Engine(cfg) as engine:
+        outputs = await run_greedy(engine, PROMPTS, NEW_TOKENS)
+    assert outputs == reference
