@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from stallfree.overlap.stream import StreamError
+from stallfree.runtime.forward_batch import ForwardMode
 from stallfree.runtime.model_runner import LaunchedBatch, ModelRunner
+from stallfree.runtime.observer import EngineObserver
 from stallfree.runtime.scheduler import Scheduler
 
 
@@ -18,12 +20,19 @@ class LoopStats:
     overlap_steps: int = 0  # launches made while an earlier batch was still unprocessed
     schedule_seconds: float = 0.0
     step_failures: int = 0
-    schedule_sinks: list[Callable[[float], None]] = field(default_factory=list)
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        overlap: bool,
+        observer: EngineObserver | None = None,
+    ) -> None:
         self.scheduler = scheduler
+        self.observer = observer or EngineObserver()
+        self._in_flight = False
         self.runner = runner
         self.overlap = overlap
         self.stats = LoopStats()
@@ -40,9 +49,12 @@ class SchedulerLoop:
             self.stats.steps += 1
         elapsed = time.perf_counter() - start
         self.stats.schedule_seconds += elapsed
-        if batch is not None:
-            for sink in self.stats.schedule_sinks:
-                sink(elapsed)
+        if launched is not None:
+            overlapped = self.overlap and self._in_flight
+            self.observer.on_schedule(elapsed)
+            self.observer.on_step(
+                len(launched.reqs), launched.mode is ForwardMode.DECODE, overlapped
+            )
         return launched
 
     async def _process(self, launched: LaunchedBatch) -> None:
@@ -67,6 +79,7 @@ class SchedulerLoop:
                         self.stats.overlap_steps += 1
                     await self._process(in_flight)
                 in_flight = launched
+                self._in_flight = in_flight is not None
             elif launched is not None:
                 await self._process(launched)
             if in_flight is None and launched is None:

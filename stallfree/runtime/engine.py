@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from stallfree.runtime.memory_pool import (
 )
 from stallfree.runtime.model.loader import load_model
 from stallfree.runtime.model_runner import ModelRunner
+from stallfree.runtime.observer import EngineObserver, ObserverFanout
 from stallfree.runtime.req import Req
 from stallfree.runtime.sampler import Sampler
 from stallfree.runtime.sampling_params import SamplingParams
@@ -99,6 +101,11 @@ class Engine:
         self._loop_task: asyncio.Task[None] | None = None
         self._rid_counter = itertools.count()
         self._reqs: dict[str, Req] = {}
+        self.observers = ObserverFanout()
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        """Register lifecycle hooks (e.g. Prometheus collectors); call before `start`."""
+        self.observers.observers.append(observer)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -127,6 +134,8 @@ class Engine:
         num_slots = (pages_for(cfg.cache.max_total_tokens, page_size) + 1) * page_size
         self.stream = make_stream(self.device, cfg.runtime.stream_threads)
         self.monitor = SyncMonitor(self.stream, strict=cfg.runtime.strict)
+        self.monitor.stall_sinks.append(self.observers.on_stall)
+        self.monitor.mirror_sinks.append(self.observers.on_mirror_read)
         slots = cfg.cache.max_running_requests
         self.ctx = BatchContext(
             req_to_token_pool=ReqToTokenPool(slots, self.max_context_len, self.device),
@@ -149,9 +158,13 @@ class Engine:
             max_running_requests=slots,
             on_token=self._on_token,
             on_finish=self._on_finish,
+            observer=self.observers,
         )
         self.runner = ModelRunner(loaded.model, self.ctx, Sampler(cfg.model.seed, self.device))
-        self.loop = SchedulerLoop(self.scheduler, self.runner, overlap=cfg.runtime.overlap)
+        self.loop = SchedulerLoop(
+            self.scheduler, self.runner, overlap=cfg.runtime.overlap, observer=self.observers
+        )
+        self.observers.on_start(self)
         self._loop_task = asyncio.create_task(self.loop.run(), name="stallfree-scheduler")
         self._started = True
 
@@ -229,6 +242,7 @@ class Engine:
             stops=list(params.stop),
         )
         self._reqs[rid] = req
+        self.observers.on_request_added(req)
         return req
 
     async def generate(
@@ -297,6 +311,7 @@ class Engine:
         delta = sink.detok.step([tok])
         sink.text += delta
         sink.held_ids.append(tok)
+        self.observers.on_tokens(req, 1, time.perf_counter())
         if sink.stops:
             idx = find_stop(sink.text, sink.stops, len(sink.text) - len(delta))
             if idx is not None:
@@ -328,6 +343,7 @@ class Engine:
         )
 
     def _on_finish(self, req: Req) -> None:
+        self.observers.on_request_finished(req, time.perf_counter())
         sink: _Stream | None = req.sink
         if sink is None:
             return

@@ -7,6 +7,7 @@ while batch N may still be running; `process_result` applies batch N's tokens af
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from stallfree.runtime.alloc import (
     pages_for,
 )
 from stallfree.runtime.forward_batch import ForwardMode
+from stallfree.runtime.observer import EngineObserver
 from stallfree.runtime.req import FinishReason, Req, ReqStatus
 from stallfree.runtime.schedule_batch import BatchContext, ScheduleBatch
 
@@ -44,6 +46,7 @@ class Scheduler:
     max_running_requests: int
     on_token: TokenHook = lambda req, tok: False
     on_finish: FinishHook = lambda req: None
+    observer: EngineObserver = field(default_factory=EngineObserver)
     waiting: deque[Req] = field(default_factory=deque)
     running_batch: ScheduleBatch | None = None
     chunked_req: Req | None = None
@@ -207,6 +210,9 @@ class Scheduler:
                     break
             self.waiting.popleft()
             req.status = ReqStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.perf_counter()
+                self.observer.on_request_scheduled(req)
             reqs.append(req)
             lens.append(ext)
             budget -= ext
@@ -239,6 +245,7 @@ class Scheduler:
             req.reset_for_retract()
             self.waiting.appendleft(req)
             self.stats.num_retractions += 1
+            self.observer.on_retracted(req)
         if decode_pages_needed(running.host_seq_lens("schedule.retract"), allocator.page_size) > (
             allocator.available_pages()
         ):
