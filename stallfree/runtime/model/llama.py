@@ -1,0 +1,224 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) in plain torch, with HF parameter names."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.model.attention import PagedAttention
+
+if TYPE_CHECKING:
+    from stallfree.runtime.model.loader import ModelArchConfig
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
+    ) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, **factory: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, **factory))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
+    """Float32 inverse frequencies on the host, computed exactly as HF does."""
+    dim = arch.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (arch.rope_theta**exponents)
+    scaling = arch.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(
+        f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3"
+    )
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_ctx / high) * ~(wavelen > old_ctx / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        self._inv_freq_f32 = rope_inv_freq(arch)
+        self.register_buffer("inv_freq", self._inv_freq_f32.clone(), persistent=False)
+
+    def _apply(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+    ) -> RotaryEmbedding:
+        # model.to(dtype) would round inv_freq; HF keeps it float32, so re-derive from the master.
+        super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq_f32.to(self.inv_freq.device)
+        return self
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer_id: int, **factory: Any) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+        )
+        hidden, q_out, kv_out = (
+            arch.hidden_size,
+            arch.num_heads * arch.head_dim,
+            arch.num_kv_heads * arch.head_dim,
+        )
+        self.q_proj = nn.Linear(hidden, q_out, bias=arch.qkv_bias, **factory)
+        self.k_proj = nn.Linear(hidden, kv_out, bias=arch.qkv_bias, **factory)
+        self.v_proj = nn.Linear(hidden, kv_out, bias=arch.qkv_bias, **factory)
+        self.o_proj = nn.Linear(q_out, hidden, bias=arch.o_bias, **factory)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        fb: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = h.shape[0]
+        q = self.q_proj(h).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(h).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(h).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = backend.forward(q, k, v, self.layer_id, fb)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArchConfig, **factory: Any) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False, **factory)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False, **factory)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer_id: int, **factory: Any) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, layer_id, **factory)
+        self.mlp = LlamaMLP(arch, **factory)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **factory)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **factory)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        fb: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, fb, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArchConfig, **factory: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, **factory)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, i, **factory) for i in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **factory)
+        self.rotary_emb = RotaryEmbedding(arch)
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward(fb)` returns float32 logits [batch_size, vocab] for each request's last token.
+
+    Layers call `self.attn_backend.forward(q, k, v, layer_id, fb)`; swap it to change attention.
+    """
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        factory = {"device": device, "dtype": dtype}
+        self.model = LlamaModel(arch, **factory)
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, **factory)
+        self.attn_backend: AttentionBackend = PagedAttention(arch.sliding_window)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.arch.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        if fb.mode is ForwardMode.IDLE or fb.batch_size == 0:
+            weight = self.lm_head_weight()
+            return torch.empty((0, self.arch.vocab_size), dtype=torch.float32, device=weight.device)
+        h = self.model.embed_tokens(fb.input_ids)
+        rope = self.model.rotary_emb(fb.positions, h.dtype)
+        backend = self.attn_backend
+        for layer in self.model.layers:
+            h = layer(h, rope, fb, backend)
+        last = _last_tokens(h, fb)
+        return F.linear(self.model.norm(last), self.lm_head_weight()).float()
+
+
+def _last_tokens(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    """Rows of each request's last token, sliced with host offsets (no index tensor upload)."""
+    if fb.mode is ForwardMode.DECODE or all(n == 1 for n in fb.extend_lens_cpu):
+        return h
+    ends = []
+    total = 0
+    for n in fb.extend_lens_cpu:
+        total += n
+        ends.append(total)
+    return torch.stack([h[e - 1] for e in ends])

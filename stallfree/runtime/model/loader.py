@@ -1,0 +1,271 @@
+"""Model configs, Hugging Face directory loading, and seeded random presets."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stallfree.runtime.model.llama import LlamaForCausalLM
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelLoadError(ValueError):
+    """A model directory or preset cannot be turned into a runnable model."""
+
+
+@dataclass(slots=True)
+class ModelArchConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    architecture: str = "LlamaForCausalLM"
+    # Llama's `attention_bias` also puts a bias on o_proj; Qwen2 biases only q/k/v.
+    o_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelArchConfig:
+        arch = _architecture(cfg)
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r}; expected 'silu'")
+        if cfg.get("mlp_bias"):
+            raise ModelLoadError("unsupported mlp_bias=true")
+        heads = int(cfg["num_attention_heads"])
+        theta, scaling = parse_rope(cfg)
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if is_qwen2 else attention_bias,
+            sliding_window=_sliding_window(cfg, is_qwen2),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_as_id_list(cfg.get("eos_token_id")),
+            architecture=arch,
+            o_bias=False if is_qwen2 else attention_bias,
+        )
+
+
+def _architecture(cfg: dict[str, Any]) -> str:
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else _MODEL_TYPES.get(cfg.get("model_type", ""), cfg.get("model_type"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return str(arch)
+
+
+def parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from a v5 `rope_parameters` or a v4 `rope_theta`/`rope_scaling`."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = cfg.get("rope_theta", 10000.0)
+        scaling = dict(cfg.get("rope_scaling") or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return float(theta), None
+    scaling["rope_type"] = rope_type
+    return float(theta), scaling
+
+
+def _sliding_window(cfg: dict[str, Any], is_qwen2: bool) -> int | None:
+    if is_qwen2 and not cfg.get("use_sliding_window", False):
+        return None
+    window = cfg.get("sliding_window")
+    return int(window) if window else None
+
+
+def _as_id_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+# ---------------------------------------------------------------------------- presets
+
+_BYTE_TOKENIZER = {"vocab_size": 260, "bos_token_id": 256, "eos_token_ids": [257]}
+
+PRESETS: dict[str, ModelArchConfig] = {
+    "tiny": ModelArchConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        architecture="preset:tiny",
+        **_BYTE_TOKENIZER,
+    ),
+    "bench-cpu": ModelArchConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_layers=4,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=64,
+        max_position_embeddings=4096,
+        architecture="preset:bench-cpu",
+        **_BYTE_TOKENIZER,
+    ),
+}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ModelArchConfig
+    dtype: torch.dtype
+    path: str | None
+    name: str
+
+
+def load_model(path_or_preset: str, dtype: str, device: torch.device, seed: int) -> LoadedModel:
+    """Load a Hugging Face model directory, or build a preset with seeded random weights."""
+    device = torch.device(device)
+    if path_or_preset in PRESETS:
+        return _load_preset(path_or_preset, dtype, device, seed)
+    path = Path(path_or_preset)
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model path {path_or_preset!r} does not exist; expected a Hugging Face directory "
+            f"or a preset: {', '.join(PRESETS)}"
+        )
+    return _load_directory(path, dtype, device)
+
+
+def _resolve_dtype(dtype: str, config_dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ModelLoadError(f"unsupported dtype {dtype!r}; expected auto or {list(_DTYPES)}")
+        return _DTYPES[dtype]
+    resolved = _DTYPES.get(str(config_dtype).removeprefix("torch."), torch.float32)
+    # Half precision matmuls on CPU are slow and poorly covered; "auto" means "sensible".
+    return torch.float32 if device.type == "cpu" else resolved
+
+
+def _load_preset(name: str, dtype: str, device: torch.device, seed: int) -> LoadedModel:
+    arch = replace(PRESETS[name], eos_token_ids=list(PRESETS[name].eos_token_ids))
+    torch_dtype = _resolve_dtype(dtype, "float32", device)
+    model = LlamaForCausalLM(arch, device=torch.device("cpu"), dtype=torch.float32)
+    _init_random(model, torch.Generator().manual_seed(seed))
+    model = model.to(device=device, dtype=torch_dtype).eval()
+    return LoadedModel(model=model, arch=arch, dtype=torch_dtype, path=None, name=name)
+
+
+def _init_random(model: LlamaForCausalLM, gen: torch.Generator) -> None:
+    """std 0.1 at width 64, shrinking as 1/sqrt(fan_in) so wider presets keep unit-scale
+    activations while the tiny preset's logits stay peaky."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                fan_in = param.shape[1] if not name.endswith("embed_tokens.weight") else 64
+                std = 0.1 * math.sqrt(64 / fan_in)
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+# ---------------------------------------------------------------------------- directories
+
+
+def _load_directory(path: Path, dtype: str, device: torch.device) -> LoadedModel:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"model directory {str(path)!r} has no config.json")
+    cfg = json.loads(config_file.read_text())
+    arch = ModelArchConfig.from_hf(cfg)
+    torch_dtype = _resolve_dtype(dtype, cfg.get("dtype") or cfg.get("torch_dtype"), device)
+    # Meta construction skips a throwaway random init of every weight.
+    model = LlamaForCausalLM(arch, device=torch.device("meta"), dtype=torch_dtype)
+    state = _read_safetensors(path, model, device, torch_dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model = model.to(device).eval()
+    return LoadedModel(model=model, arch=arch, dtype=torch_dtype, path=str(path), name=path.name)
+
+
+def _read_safetensors(
+    path: Path, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model directory {str(path)!r} has no *.safetensors files")
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if key == "lm_head.weight" and model.arch.tie_word_embeddings:
+                    continue  # some tied checkpoints still store the duplicate
+                _check_shape(key, tuple(f.get_slice(key).get_shape()), expected)
+                state[key] = f.get_tensor(key).to(dtype)
+    _check_complete(set(state), set(expected))
+    return state
+
+
+def _check_shape(key: str, shape: tuple[int, ...], expected: dict[str, tuple[int, ...]]) -> None:
+    if key not in expected:
+        raise ModelLoadError(f"unexpected tensor in checkpoint: {key}")
+    if shape != expected[key]:
+        raise ModelLoadError(
+            f"shape mismatch for {key}: checkpoint has {list(shape)}, "
+            f"config expects {list(expected[key])}"
+        )
+
+
+def _check_complete(found: set[str], expected: set[str]) -> None:
+    missing = sorted(expected - found)
+    if missing:
+        shown = ", ".join(missing[:8]) + (
+            f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
+        )
+        raise ModelLoadError(f"missing tensors in checkpoint: {shown}")

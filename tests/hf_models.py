@@ -1,0 +1,145 @@
+"""Tiny random Hugging Face models (with a byte-level tokenizer) for tests."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BOS_ID = 256
+EOS_ID = 257
+VOCAB_SIZE = 260
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "initializer_range": 0.15,
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    "tie_word_embeddings": False,
+}
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_llama(tmp_path: Path, **overrides: Any) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _save(tmp_path / "llama", LlamaConfig, LlamaForCausalLM, overrides)
+
+
+def make_qwen2(tmp_path: Path, **overrides: Any) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _save(tmp_path / "qwen2", Qwen2Config, Qwen2ForCausalLM, overrides)
+
+
+def make_mistral(tmp_path: Path, **overrides: Any) -> Path:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _save(tmp_path / "mistral", MistralConfig, MistralForCausalLM, overrides)
+
+
+def _save(out: Path, config_cls: Any, model_cls: Any, overrides: dict[str, Any]) -> Path:
+    seed = overrides.pop("seed", 0)
+    config = config_cls(**{**_COMMON, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    _perturb(model, config.initializer_range)
+    model.save_pretrained(out, safe_serialization=True)
+    write_tokenizer(out)
+    return out
+
+
+def _perturb(model: Any, std: float) -> None:
+    """HF starts biases at 0 and norms at 1; randomise them so tests notice if one is ignored."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, std)
+            elif name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte (what ByteLevel emits)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def write_tokenizer(out: Path) -> None:
+    """tokenizer.json where byte b is token b, plus <s>=256 and </s>=257."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "add_bos_token": True,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": _COMMON["max_position_embeddings"],
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+@functools.cache
+def _load_hf(model_dir: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    """HF float32 logits [len(ids), vocab] of one full-sequence forward."""
+    model = _load_hf(str(model_dir))
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Exactly `max_new_tokens` greedy tokens from `generate` (EOS cannot stop it early)."""
+    return list(_hf_greedy(str(model_dir), tuple(prompt_ids), max_new_tokens))
+
+
+@functools.cache
+def _hf_greedy(model_dir: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    from transformers import GenerationConfig
+
+    model = _load_hf(model_dir)
+    gen = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=EOS_ID,
+    )
+    inputs = torch.tensor([list(prompt_ids)])
+    with torch.no_grad():
+        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=gen)
+    return tuple(int(t) for t in out[0, len(prompt_ids) :])

@@ -1,0 +1,308 @@
+"""The torch Llama-family model against Hugging Face, the paged KV path, and the loader."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.memory_pool import KVCache, KVCacheShape, ReqToTokenPool
+from stallfree.runtime.model import (
+    PRESETS,
+    LlamaForCausalLM,
+    ModelArchConfig,
+    ModelLoadError,
+    load_model,
+)
+from tests.hf_models import hf_greedy, hf_logits, make_llama, make_mistral, make_qwen2
+
+CPU = torch.device("cpu")
+ATOL = 1e-4
+PROMPT_A = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108]  # 12 tokens
+PROMPT_B = [256, 84, 104, 101, 32, 113, 117, 105, 99]  # 9 tokens
+
+
+class Harness:
+    """Request rows and KV slots by hand; slots come from a shuffled free list so a
+    request's KV is scattered, as it is with real paging."""
+
+    def __init__(self, model: LlamaForCausalLM, num_slots: int = 512, num_reqs: int = 4) -> None:
+        arch = model.arch
+        self.model = model
+        self.pool = ReqToTokenPool(num_reqs, 256, CPU)
+        shape = KVCacheShape(arch.num_layers, arch.num_kv_heads, arch.head_dim)
+        self.kv = KVCache(shape, num_slots, torch.float32, CPU)
+        self.free = list(range(1, num_slots))  # slot 0 is padding
+        random.Random(0).shuffle(self.free)
+        self.lens: dict[int, int] = {}
+
+    def batch(self, mode: ForwardMode, reqs: list[tuple[int, list[int]]]) -> ForwardBatch:
+        ids, positions, locs, prefixes = [], [], [], []
+        for row, tokens in reqs:
+            prefix = self.lens.get(row, 0)
+            new = [self.free.pop() for _ in tokens]
+            self.pool.req_to_token[row, prefix : prefix + len(tokens)] = torch.tensor(new)
+            self.lens[row] = prefix + len(tokens)
+            ids += tokens
+            positions += range(prefix, prefix + len(tokens))
+            locs += new
+            prefixes.append(prefix)
+        rows = torch.tensor([row for row, _ in reqs])
+        seq_lens = torch.tensor([self.lens[row] for row, _ in reqs])
+        return ForwardBatch(
+            mode=mode,
+            batch_size=len(reqs),
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor(positions),
+            out_cache_loc=torch.tensor(locs),
+            req_pool_indices=rows,
+            seq_lens=seq_lens,
+            req_pool_indices_cpu=rows.clone(),
+            seq_lens_cpu=seq_lens.clone(),
+            extend_lens_cpu=[len(t) for _, t in reqs],
+            prefix_lens_cpu=prefixes,
+            req_to_token=self.pool.req_to_token,
+            kv_cache=self.kv,
+        )
+
+    def run(self, mode: ForwardMode, reqs: list[tuple[int, list[int]]]) -> torch.Tensor:
+        return self.model(self.batch(mode, reqs))
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {
+        "llama": make_llama(root),
+        "qwen2": make_qwen2(root),
+        "mistral": make_mistral(root, sliding_window=4),
+        "llama-tied": make_llama(root / "tied", tie_word_embeddings=True),
+        "llama-rope3": make_llama(
+            root / "rope3",
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 50000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        "llama-linear": make_llama(
+            root / "linear",
+            rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0},
+        ),
+    }
+
+
+def _ours(model_dir: Path) -> LlamaForCausalLM:
+    return load_model(str(model_dir), "auto", CPU, 0).model
+
+
+# ---------------------------------------------------------------------------- parity with HF
+
+
+@pytest.mark.parametrize(
+    "name", ["llama", "qwen2", "mistral", "llama-tied", "llama-rope3", "llama-linear"]
+)
+def test_single_extend_matches_hf(hf_dirs: dict[str, Path], name: str) -> None:
+    logits = Harness(_ours(hf_dirs[name])).run(ForwardMode.EXTEND, [(0, PROMPT_A)])
+    assert logits.shape == (1, 260) and logits.dtype == torch.float32
+    torch.testing.assert_close(logits[0], hf_logits(hf_dirs[name], PROMPT_A)[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+def test_chunked_prefill_then_decode_matches_hf(hf_dirs: dict[str, Path], name: str) -> None:
+    model_dir = hf_dirs[name]
+    h = Harness(_ours(model_dir))
+    gen_a, gen_b = hf_greedy(model_dir, PROMPT_A, 3), hf_greedy(model_dir, PROMPT_B, 3)
+    ref_a, ref_b = hf_logits(model_dir, PROMPT_A + gen_a), hf_logits(model_dir, PROMPT_B + gen_b)
+    # Row 2 and row 0: request slots need not be in order.
+    first = h.run(ForwardMode.EXTEND, [(2, PROMPT_A[:7]), (0, PROMPT_B)])
+    torch.testing.assert_close(first[0], ref_a[6], atol=ATOL, rtol=0)
+    torch.testing.assert_close(first[1], ref_b[8], atol=ATOL, rtol=0)
+    second = h.run(ForwardMode.EXTEND, [(2, PROMPT_A[7:])])
+    torch.testing.assert_close(second[0], ref_a[11], atol=ATOL, rtol=0)
+    assert int(second[0].argmax()) == gen_a[0] and int(first[1].argmax()) == gen_b[0]
+    for step in range(3):
+        out = h.run(ForwardMode.DECODE, [(2, [gen_a[step]]), (0, [gen_b[step]])])
+        torch.testing.assert_close(out[0], ref_a[12 + step], atol=ATOL, rtol=0)
+        torch.testing.assert_close(out[1], ref_b[9 + step], atol=ATOL, rtol=0)
+
+
+def test_hf_greedy_is_exact_length(hf_dirs: dict[str, Path]) -> None:
+    assert len(hf_greedy(hf_dirs["llama"], PROMPT_B, 5)) == 5
+
+
+def test_sliding_window_changes_long_context(hf_dirs: dict[str, Path]) -> None:
+    model = _ours(hf_dirs["mistral"])
+    windowed = Harness(model).run(ForwardMode.EXTEND, [(0, PROMPT_A)])
+    model.attn_backend.sliding_window = None  # type: ignore[attr-defined]
+    full = Harness(model).run(ForwardMode.EXTEND, [(0, PROMPT_A)])
+    assert not torch.allclose(windowed, full, atol=1e-3)
+
+
+def test_attn_backend_is_swappable(hf_dirs: dict[str, Path]) -> None:
+    model = _ours(hf_dirs["llama"])
+    seen: list[int] = []
+    inner = model.attn_backend
+
+    class Spy:
+        def forward(self, q, k, v, layer_id, fb):  # type: ignore[no-untyped-def]
+            seen.append(layer_id)
+            return inner.forward(q, k, v, layer_id, fb)
+
+    model.attn_backend = Spy()
+    logits = Harness(model).run(ForwardMode.EXTEND, [(0, PROMPT_B)])
+    assert seen == [0, 1]
+    torch.testing.assert_close(
+        logits[0], hf_logits(hf_dirs["llama"], PROMPT_B)[-1], atol=ATOL, rtol=0
+    )
+
+
+def test_idle_batch_returns_empty_logits() -> None:
+    model = load_model("tiny", "auto", CPU, 0).model
+    fb = Harness(model).batch(ForwardMode.IDLE, [])
+    assert model(fb).shape == (0, 260)
+
+
+# ---------------------------------------------------------------------------- config parsing
+
+
+def test_parameter_names_match_hf(hf_dirs: dict[str, Path]) -> None:
+    for name, tied in (("qwen2", False), ("llama-tied", True)):
+        stored = set(load_file(str(hf_dirs[name] / "model.safetensors")))
+        ours = {n for n, _ in _ours(hf_dirs[name]).named_parameters()}
+        assert ours == stored - {"lm_head.weight"} if tied else ours == stored
+
+
+def test_from_hf_v4_style_rope_and_eos_list() -> None:
+    cfg = _hf_config(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0})
+    cfg["eos_token_id"] = [257, 258]
+    arch = ModelArchConfig.from_hf(cfg)
+    assert arch.rope_theta == 500000.0 and arch.rope_scaling == {
+        "type": "linear",
+        "factor": 2.0,
+        "rope_type": "linear",
+    }
+    assert arch.eos_token_ids == [257, 258] and arch.head_dim == 16
+
+
+def test_from_hf_unsupported_rope_type_is_named() -> None:
+    with pytest.raises(ValueError, match="'yarn'"):
+        ModelArchConfig.from_hf(_hf_config(rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+
+
+def test_from_hf_qwen2_sliding_window_only_when_enabled() -> None:
+    cfg = _hf_config(architectures=["Qwen2ForCausalLM"], sliding_window=8)
+    assert ModelArchConfig.from_hf(cfg).sliding_window is None
+    assert ModelArchConfig.from_hf({**cfg, "use_sliding_window": True}).sliding_window == 8
+    assert ModelArchConfig.from_hf(cfg).qkv_bias
+
+
+def _hf_config(**overrides: object) -> dict[str, object]:
+    cfg: dict[str, object] = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 260,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "eos_token_id": 257,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+# ---------------------------------------------------------------------------- loader errors
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unsupported_architecture(tmp_path: Path, hf_dirs: dict[str, Path]) -> None:
+    d = _copy(hf_dirs["llama"], tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"GPT2LMHeadModel.*LlamaForCausalLM"):
+        load_model(str(d), "auto", CPU, 0)
+
+
+def test_missing_tensor(tmp_path: Path, hf_dirs: dict[str, Path]) -> None:
+    d = _copy(hf_dirs["llama"], tmp_path / "m")
+    state = load_file(str(d / "model.safetensors"))
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"missing.*model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model(str(d), "auto", CPU, 0)
+
+
+def test_unexpected_tensor(tmp_path: Path, hf_dirs: dict[str, Path]) -> None:
+    d = _copy(hf_dirs["llama"], tmp_path / "m")
+    save_file({"model.layers.0.extra.weight": torch.zeros(2)}, str(d / "extra.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"unexpected.*model\.layers\.0\.extra\.weight"):
+        load_model(str(d), "auto", CPU, 0)
+
+
+def test_shape_mismatch(tmp_path: Path, hf_dirs: dict[str, Path]) -> None:
+    d = _copy(hf_dirs["llama"], tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"shape mismatch for model\.layers\.0\.mlp\.\w+_proj"):
+        load_model(str(d), "auto", CPU, 0)
+
+
+def test_sharded_checkpoint_loads(tmp_path: Path, hf_dirs: dict[str, Path]) -> None:
+    d = _copy(hf_dirs["llama"], tmp_path / "m")
+    state = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    keys = sorted(state)
+    save_file({k: state[k] for k in keys[::2]}, str(d / "model-00001-of-00002.safetensors"))
+    save_file({k: state[k] for k in keys[1::2]}, str(d / "model-00002-of-00002.safetensors"))
+    logits = Harness(_ours(d)).run(ForwardMode.EXTEND, [(0, PROMPT_B)])
+    torch.testing.assert_close(
+        logits[0], hf_logits(hf_dirs["llama"], PROMPT_B)[-1], atol=ATOL, rtol=0
+    )
+
+
+def test_nonexistent_path(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"does not exist.*tiny, bench-cpu"):
+        load_model(str(tmp_path / "nope"), "auto", CPU, 0)
+
+
+def test_dtype_resolution(hf_dirs: dict[str, Path]) -> None:
+    assert load_model(str(hf_dirs["llama"]), "bfloat16", CPU, 0).dtype == torch.bfloat16
+    loaded = load_model(str(hf_dirs["llama"]), "auto", CPU, 0)
+    assert loaded.dtype == torch.float32 and loaded.name == "llama"
+    assert loaded.path == str(hf_dirs["llama"])
+
+
+# ---------------------------------------------------------------------------- presets
+
+
+@pytest.mark.parametrize("name", ["tiny", "bench-cpu"])
+def test_presets_build_and_run(name: str) -> None:
+    loaded = load_model(name, "auto", CPU, 0)
+    assert loaded.path is None and loaded.arch == PRESETS[name] and loaded.dtype == torch.float32
+    h = Harness(loaded.model)
+    first = h.run(ForwardMode.EXTEND, [(0, PROMPT_A), (1, PROMPT_B)])
+    step = h.run(ForwardMode.DECODE, [(0, [5]), (1, [6])])
+    assert first.shape == step.shape == (2, 260)
+    assert torch.isfinite(first).all() and torch.isfinite(step).all()
+    assert float(first.std()) > 0.1  # not collapsed
+
+
+def test_preset_weights_follow_seed() -> None:
+    w = [load_model("tiny", "auto", CPU, s).model.lm_head.weight for s in (0, 0, 1)]
+    assert torch.equal(w[0], w[1]) and not torch.equal(w[0], w[2])
