@@ -132,14 +132,17 @@ def _hf_greedy(model_dir: str, prompt_ids: tuple[int, ...], max_new_tokens: int)
     from transformers import GenerationConfig
 
     model = _load_hf(model_dir)
+    model.generation_config.eos_token_id = None  # the saved default would still stop on EOS
     gen = GenerationConfig(
         do_sample=False,
         max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
         eos_token_id=None,
         pad_token_id=EOS_ID,
     )
     inputs = torch.tensor([list(prompt_ids)])
     with torch.no_grad():
         out = model.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=gen)
-    return tuple(int(t) for t in out[0, len(prompt_ids) :])
+    new = tuple(int(t) for t in out[0, len(prompt_ids) :])
+    # NOTE: no min_new_tokens: it masks the EOS logit, which the engine (ignore_eos) does not.
+    assert len(new) == max_new_tokens, "generate stopped early; eos_token_id=None should prevent it"
+    return new

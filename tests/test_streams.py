@@ -71,7 +71,7 @@ def test_host_read_counts_stalls_and_strict_mode_raises_on_schedule_path():
         torch.add, torch.ones(3, dtype=torch.int64), 1, shape=(3,), dtype=torch.int64
     )
     assert monitor.host_read(t, "outside").tolist() == [2, 2, 2]  # allowed off the schedule path
-    with monitor.schedule_path(), pytest.raises(ScheduleSyncError, match="schedule.page_count"):
+    with monitor.schedule_path(), pytest.raises(ScheduleSyncError, match=r"schedule\.page_count"):
         monitor.host_read(t, "schedule.page_count")
     assert monitor.stall_counts == {"outside": 1}
     lax = SyncMonitor(stream, strict=False)

@@ -273,15 +273,16 @@ class Scheduler:
 
     def _check_finished(self, req: Req, tok: int) -> None:
         params = req.sampling_params
-        if not params.ignore_eos and tok in req.eos_token_ids:
+        stop_string = self.on_token(req, tok)
+        if (
+            stop_string
+            or (not params.ignore_eos and tok in req.eos_token_ids)
+            or tok in params.stop_token_ids
+        ):
             self._finish(req, FinishReason.STOP)
-        elif tok in params.stop_token_ids:
-            self._finish(req, FinishReason.STOP)
-        elif self.on_token(req, tok):
-            self._finish(req, FinishReason.STOP)
-        elif len(req.output_ids) >= params.max_new_tokens:
-            self._finish(req, FinishReason.LENGTH)
-        elif len(req.origin_input_ids) + len(req.output_ids) >= req.max_context_len:
+        elif len(req.output_ids) >= params.max_new_tokens or (
+            len(req.origin_input_ids) + len(req.output_ids) >= req.max_context_len
+        ):
             self._finish(req, FinishReason.LENGTH)
 
     def fail_batch(self, batch_reqs: list[Req], message: str) -> None:
