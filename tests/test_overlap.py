@@ -1,0 +1,160 @@
+"""The overlap scheduler: one step ahead, zero schedule-path syncs, deferred free, no leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import pytest
+
+from stallfree import Engine
+from stallfree.config import SchedulerConfig
+from stallfree.runtime.req import FinishReason
+from stallfree.runtime.scheduler import Scheduler
+from tests.batch_harness import make_ctx, make_req
+from tests.engine_util import engine_config, random_prompts, run_greedy
+from tests.hf_models import make_llama
+
+
+def _scheduler(**kw) -> Scheduler:
+    ctx = make_ctx(num_tokens=512, num_reqs=8, max_context=128)
+    return Scheduler(config=SchedulerConfig(**kw), ctx=ctx, max_running_requests=8)
+
+
+def _launch(sched: Scheduler, computed: Counter) -> tuple | None:
+    batch = sched.get_next_batch()
+    if batch is None:
+        return None
+    for req, n in zip(batch.reqs, batch.extend_lens_cpu, strict=True):
+        computed[req.rid] += n
+    return sched.on_launched(), list(batch.reqs), list(batch.output_rows)
+
+
+def _process(sched: Scheduler, launched: tuple, token: int = 1) -> None:
+    seq, reqs, rows = launched
+    sched.process_tokens(reqs, rows, [token] * len(reqs))
+    sched.on_processed(seq)
+
+
+def test_scheduler_runs_one_step_ahead_without_over_scheduling():
+    sched = _scheduler(chunked_prefill_size=4)
+    reqs = [
+        make_req(f"r{i}", n, max_new_tokens=m) for i, (n, m) in enumerate([(3, 5), (9, 2), (5, 1)])
+    ]
+    for r in reqs:
+        sched.add_request(r)
+    computed: Counter = Counter()
+    first = _launch(sched, computed)
+    second = _launch(sched, computed)  # scheduled before any result arrived
+    assert first is not None and second is not None
+    in_flight = [first, second]
+    while in_flight:
+        _process(sched, in_flight.pop(0))
+        nxt = _launch(sched, computed)
+        if nxt is not None:
+            in_flight.append(nxt)
+    for r in reqs:
+        assert r.finished_reason is FinishReason.LENGTH
+        assert len(r.output_ids) == r.sampling_params.max_new_tokens
+        # prompt + one decode input per output after the first; no lag token is needed when the
+        # limit is known on the host
+        assert computed[r.rid] == len(r.origin_input_ids) + r.sampling_params.max_new_tokens - 1
+    sched.ctx.stream.synchronize()
+    assert sched.ctx.allocator.available_pages() == sched.ctx.allocator.num_pages
+    assert sched.ctx.req_to_token_pool.available_size() == sched.ctx.req_to_token_pool.size
+    sched.ctx.stream.close()
+
+
+def test_eos_costs_at_most_one_dropped_lag_token_and_aborts_land_in_order():
+    sched = _scheduler()
+    eos = 99
+    a = make_req("a", 4, max_new_tokens=50)
+    a.eos_token_ids = frozenset({eos})
+    b = make_req("b", 4, max_new_tokens=50)
+    for r in (a, b):
+        sched.add_request(r)
+    computed: Counter = Counter()
+    launched = [_launch(sched, computed), _launch(sched, computed)]  # prefill, then first decode
+    _process(sched, launched.pop(0))  # first tokens
+    launched.append(_launch(sched, computed))
+    # batch 2's result: `a` emits EOS while batch 3 (which still holds `a`) is in flight
+    seq, reqs, rows = launched.pop(0)
+    sched.process_tokens(reqs, rows, [eos if r is a else 1 for r in reqs])
+    sched.on_processed(seq)
+    assert a.finished_reason is FinishReason.STOP
+    assert a.req_pool_idx is not None  # deferred: batch 3 may still read its slots
+    # abort `b` while batch 3 is in flight and batch 4 is launched
+    launched.append(_launch(sched, computed))
+    sched.abort(b)
+    assert b.finished_reason is FinishReason.ABORT and b.req_pool_idx is not None
+    outputs_before = (list(a.output_ids), list(b.output_ids))
+    while launched:
+        _process(sched, launched.pop(0))
+        nxt = _launch(sched, computed)
+        assert nxt is None  # nothing schedules a finished or aborted request again
+    assert (list(a.output_ids), list(b.output_ids)) == outputs_before  # lag tokens dropped
+    assert a.req_pool_idx is None and b.req_pool_idx is None
+    assert computed["a"] <= len(a.origin_input_ids) + len(a.output_ids) - 1 + 1
+    assert sched.ctx.allocator.available_pages() == sched.ctx.allocator.num_pages
+    sched.ctx.stream.close()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    return str(make_llama(tmp_path_factory.mktemp("llama")))
+
+
+async def test_zero_schedule_path_reads_over_200_decode_steps_with_mirrors(llama):
+    cfg = engine_config(llama, runtime={"strict": True, "overlap": True, "cpu_mirrors": True})
+    async with Engine(cfg) as engine:
+        await run_greedy(engine, random_prompts(4, seed=3), 200)
+        assert engine.scheduler.stats.num_decode_batches >= 199
+        assert engine.monitor.schedule_path_reads == 0
+        assert engine.monitor.total_stalls() == 0
+        assert engine.monitor.mirror_reads["seq_lens_cpu"] >= 200
+        assert engine.loop.stats.overlap_steps >= 199
+
+
+async def test_legacy_mode_stalls_at_every_mirror_site(llama):
+    cfg = engine_config(
+        llama,
+        runtime={"overlap": True, "cpu_mirrors": False},
+        cache={"page_size": 4, "max_total_tokens": 160, "max_running_requests": 8},
+    )
+    async with Engine(cfg) as engine:
+        await run_greedy(engine, random_prompts(8, seed=4), 40)
+        assert engine.scheduler.stats.num_retractions > 0
+        for site in ("schedule.page_count", "schedule.retract"):
+            assert engine.monitor.stall_counts[site] > 0, site
+        assert engine.monitor.mirror_reads == {}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_no_leaks_after_random_cancellations(llama, overlap):
+    rng = random.Random(5)
+    cfg = engine_config(
+        llama,
+        runtime={"overlap": overlap, "check_mirrors": True},
+        cache={"page_size": 2, "max_total_tokens": 256, "max_running_requests": 12},
+        scheduler={"chunked_prefill_size": 16},
+    )
+    async with Engine(cfg) as engine:
+        prompts = random_prompts(24, seed=6)
+
+        async def one(p: list[int]) -> int:
+            n = 0
+            async for chunk in engine.generate(p, {"max_new_tokens": 30, "ignore_eos": True}):
+                n += len(chunk.token_ids)
+            return n
+
+        tasks = [asyncio.create_task(one(p)) for p in prompts]
+        for _ in range(10):
+            await asyncio.sleep(rng.uniform(0.001, 0.02))
+            rng.choice(tasks).cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        cancelled = sum(isinstance(r, asyncio.CancelledError) for r in results)
+        assert 0 < cancelled <= 10
+        assert all(r == 30 for r in results if isinstance(r, int))
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free
