@@ -194,6 +194,7 @@ def _load_preset(name: str, dtype: str, device: torch.device, seed: int) -> Load
     torch_dtype = _resolve_dtype(dtype, "float32", device)
     model = LlamaForCausalLM(arch, device=torch.device("cpu"), dtype=torch.float32)
     _init_random(model, torch.Generator().manual_seed(seed))
+    _mute_unprintable(model)
     model = model.to(device=device, dtype=torch_dtype).eval()
     return LoadedModel(model=model, arch=arch, dtype=torch_dtype, path=None, name=name)
 
@@ -211,6 +212,19 @@ def _init_random(model: LlamaForCausalLM, gen: torch.Generator) -> None:
                 fan_in = param.shape[1] if not name.endswith("embed_tokens.weight") else 64
                 std = 0.1 * math.sqrt(64 / fan_in)
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+def _mute_unprintable(model: LlamaForCausalLM) -> None:
+    """Zero the output rows of bytes outside printable ASCII and of the specials.
+
+    A random byte-level model otherwise streams invalid UTF-8; with these rows at logit 0 the
+    argmax is almost always a printable byte, so demos print text.
+    """
+    keep = torch.zeros(model.arch.vocab_size, dtype=torch.bool)
+    keep[32:127] = True
+    keep[10] = True
+    with torch.no_grad():
+        model.lm_head_weight()[~keep] = 0.0
 
 
 # ---------------------------------------------------------------------------- directories
