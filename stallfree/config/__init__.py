@@ -2,20 +2,26 @@
 
 from stallfree.config.settings import (
     CacheConfig,
+    FaultConfig,
     HisparseConfig,
+    MetricsConfig,
     ModelConfig,
     RuntimeConfig,
     SchedulerConfig,
+    ServerConfig,
     StallfreeConfig,
     load_config,
 )
 
 __all__ = [
     "CacheConfig",
+    "FaultConfig",
     "HisparseConfig",
+    "MetricsConfig",
     "ModelConfig",
     "RuntimeConfig",
     "SchedulerConfig",
+    "ServerConfig",
     "StallfreeConfig",
     "load_config",
 ]

@@ -26,7 +26,9 @@ class ModelConfig(_Section):
     path: str = Field(
         "tiny", description="Hugging Face model directory, or a preset: tiny, bench-cpu"
     )
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="Weights and KV dtype; auto = the checkpoint's, float32 on CPU"
+    )
     seed: int = Field(0, description="Seed for preset weights and unseeded sampling")
     max_context_len: int | None = Field(
         None, gt=1, description="Cap on prompt + output tokens; default: the model's own"
@@ -56,7 +58,9 @@ class SchedulerConfig(_Section):
 
 
 class RuntimeConfig(_Section):
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto = CUDA when available, else the CPU-emulated stream"
+    )
     overlap: bool = Field(True, description="Launch batch N+1 before processing batch N")
     cpu_mirrors: bool = Field(
         True, description="Schedule from host mirrors; false is the legacy mode that syncs"
@@ -66,13 +70,21 @@ class RuntimeConfig(_Section):
     stream_threads: int = Field(
         0, ge=0, description="torch intra-op threads of the CPU stream worker; 0 = torch default"
     )
+    max_consecutive_step_failures: int = Field(
+        3, ge=1, description="Failed steps in a row before the engine fails closed"
+    )
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="Default per-request deadline; a request past it is aborted"
+    )
 
 
 class HisparseConfig(_Section):
-    enabled: bool = False
-    top_k: int = Field(64, ge=1)
-    device_buffer_size: int = Field(128, ge=1)
-    host_to_device_ratio: float = Field(4.0, gt=0)
+    enabled: bool = Field(False, description="Host-offloaded top-k sparse attention")
+    top_k: int = Field(64, ge=1, description="Tokens each sparse layer attends to per step")
+    device_buffer_size: int = Field(128, ge=1, description="Device KV slots per request and layer")
+    host_to_device_ratio: float = Field(
+        4.0, gt=0, description="Host KV pool size relative to the device pool"
+    )
     sparse_layers: list[int] | None = Field(None, description="Default: every layer but the first")
     min_sparse_len: int = Field(0, ge=0, description="Shorter sequences attend densely")
 
@@ -83,6 +95,43 @@ class HisparseConfig(_Section):
                 f"device_buffer_size ({self.device_buffer_size}) must be >= top_k ({self.top_k})"
             )
         return self
+
+
+class ServerConfig(_Section):
+    host: str = Field("127.0.0.1", description="Bind address; loopback unless set")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one")
+    api_key: str | None = Field(None, description="Bearer token the HTTP API requires, if set")
+    served_model_name: str | None = Field(
+        None, description="Model id in the API and the metrics; default: model.path"
+    )
+    graceful_shutdown_s: float = Field(
+        30.0, ge=0, description="On SIGTERM, how long in-flight requests may take to finish"
+    )
+
+    def model_name(self, model_path: str) -> str:
+        return self.served_model_name or model_path
+
+
+class MetricsConfig(_Section):
+    enabled: bool = Field(True, description="Attach Prometheus metrics to every engine")
+    engine_label: str | None = Field(
+        None, description="Value of the `engine` label; default: a per-process counter"
+    )
+
+
+class FaultConfig(_Section):
+    """Fault injection for reliability tests; off unless enabled."""
+
+    enabled: bool = Field(False, description="Inject faults into launched steps (tests only)")
+    seed: int = Field(0, description="Seed of the fault schedule")
+    fail_step_rate: float = Field(
+        0.0, ge=0, le=1, description="Share of steps whose forward raises"
+    )
+    slow_step_rate: float = Field(0.0, ge=0, le=1, description="Share of steps made slow")
+    slow_step_seconds: float = Field(0.05, ge=0, description="Extra time of a slow step")
+    fail_copy_rate: float = Field(
+        0.0, ge=0, le=1, description="Share of steps whose device-to-host copy fails"
+    )
 
 
 class StallfreeConfig(BaseSettings):
@@ -98,6 +147,9 @@ class StallfreeConfig(BaseSettings):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     hisparse: HisparseConfig = Field(default_factory=HisparseConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    faults: FaultConfig = Field(default_factory=FaultConfig)
 
     @classmethod
     def settings_customise_sources(

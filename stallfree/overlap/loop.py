@@ -20,6 +20,7 @@ class LoopStats:
     overlap_steps: int = 0  # launches made while an earlier batch was still unprocessed
     schedule_seconds: float = 0.0
     step_failures: int = 0
+    max_iteration_gap: float = 0.0  # longest loop iteration while work was pending
 
 
 class SchedulerLoop:
@@ -29,7 +30,11 @@ class SchedulerLoop:
         runner: ModelRunner,
         overlap: bool,
         observer: EngineObserver | None = None,
+        max_consecutive_failures: int = 3,
     ) -> None:
+        self.max_consecutive_failures = max_consecutive_failures
+        self.consecutive_failures = 0
+        self.failed_closed = False
         self.scheduler = scheduler
         self.observer = observer or EngineObserver()
         self._in_flight = False
@@ -62,16 +67,27 @@ class SchedulerLoop:
             token_ids = await launched.wait_token_ids()
         except StreamError as exc:
             self.stats.step_failures += 1
+            self.consecutive_failures += 1
             self.scheduler.fail_batch(launched.reqs, f"step failed: {exc}")
             if self.on_step_error is not None:
                 self.on_step_error(launched, exc)
+            if self.consecutive_failures >= self.max_consecutive_failures:
+                self.failed_closed = True
         else:
+            self.consecutive_failures = 0
             self.scheduler.process_tokens(launched.reqs, launched.output_rows, token_ids)
         self.scheduler.on_processed(launched.seq)
 
     async def run(self) -> None:
         in_flight: LaunchedBatch | None = None
+        tick = time.perf_counter()
         while True:
+            now = time.perf_counter()
+            self.stats.max_iteration_gap = max(self.stats.max_iteration_gap, now - tick)
+            tick = now
+            if self.failed_closed:
+                await self._fail_closed(in_flight)
+                return
             launched = self._schedule_and_launch()
             if self.overlap:
                 if in_flight is not None:
@@ -90,9 +106,17 @@ class SchedulerLoop:
                 else:
                     self.wake.clear()
                     await self.wake.wait()
+                    tick = time.perf_counter()  # idle time is not a stall
             else:
                 # NOTE: yield so consumers stream tokens while the next step runs on the stream.
                 await asyncio.sleep(0)
+
+    async def _fail_closed(self, in_flight: LaunchedBatch | None) -> None:
+        """Too many failed steps in a row: drain what is launched, fail everything else."""
+        if in_flight is not None:
+            await self._process(in_flight)
+        n = self.consecutive_failures
+        self.scheduler.fail_all(f"engine failed closed after {n} consecutive step failures")
 
     def notify(self) -> None:
         self.wake.set()

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from stallfree.config import StallfreeConfig, load_config
+from stallfree.overlap.faults import FaultInjector
 from stallfree.overlap.future_map import FutureMap
 from stallfree.overlap.host_read import SyncMonitor
 from stallfree.overlap.loop import SchedulerLoop
@@ -26,7 +27,7 @@ from stallfree.runtime.memory_pool import (
 from stallfree.runtime.model.loader import load_model
 from stallfree.runtime.model_runner import ModelRunner
 from stallfree.runtime.observer import EngineObserver, ObserverFanout
-from stallfree.runtime.req import Req
+from stallfree.runtime.req import FinishReason, Req
 from stallfree.runtime.sampler import Sampler
 from stallfree.runtime.sampling_params import SamplingParams
 from stallfree.runtime.schedule_batch import BatchContext, ScheduleBatch
@@ -40,6 +41,10 @@ class InvalidRequestError(ValueError):
 
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full, or the engine is shutting down."""
+
+
+class EngineUnhealthyError(RuntimeError):
+    """The engine failed closed after repeated step failures and takes no new work."""
 
 
 @dataclass(slots=True)
@@ -160,12 +165,20 @@ class Engine:
             on_finish=self._on_finish,
             observer=self.observers,
         )
-        self.runner = ModelRunner(loaded.model, self.ctx, Sampler(cfg.model.seed, self.device))
+        faults = FaultInjector(cfg.faults) if cfg.faults.enabled else None
+        self.runner = ModelRunner(
+            loaded.model, self.ctx, Sampler(cfg.model.seed, self.device), faults=faults
+        )
         self.loop = SchedulerLoop(
-            self.scheduler, self.runner, overlap=cfg.runtime.overlap, observer=self.observers
+            self.scheduler,
+            self.runner,
+            overlap=cfg.runtime.overlap,
+            observer=self.observers,
+            max_consecutive_failures=cfg.runtime.max_consecutive_step_failures,
         )
         self.observers.on_start(self)
         self._loop_task = asyncio.create_task(self.loop.run(), name="stallfree-scheduler")
+        self._loop_task.add_done_callback(self._on_loop_exit)
         self._started = True
 
     async def shutdown(self, drain: bool = True) -> None:
@@ -218,6 +231,10 @@ class Engine:
     ) -> Req:
         if not self._started or self._closing:
             raise EngineOverloadedError("engine is not running")
+        if not self.healthy:
+            raise EngineUnhealthyError(
+                "engine failed closed after repeated step failures; it takes no new requests"
+            )
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
@@ -250,19 +267,42 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | dict | None = None,
         rid: str | None = None,
+        timeout: float | None = None,
     ) -> AsyncIterator[GenerationChunk]:
-        """Stream a completion. Cancelling the consumer aborts the request and frees its memory."""
+        """Stream a completion. Cancelling the consumer aborts the request and frees its memory.
+
+        `timeout` (seconds, default `runtime.request_timeout_s`) is a deadline for the whole
+        request; past it the request is aborted and its last chunk says so.
+        """
         req = self._admit(prompt, params, rid)
         self.scheduler.add_request(req)
         self.loop.notify()
-        async for chunk in self._drain(req):
+        async for chunk in self._drain(req, timeout):
             yield chunk
 
-    async def _drain(self, req: Req) -> AsyncIterator[GenerationChunk]:
+    async def _next_chunk(
+        self, req: Req, deadline: float | None, timeout: float | None
+    ) -> GenerationChunk:
         sink: _Stream = req.sink
+        if deadline is None:
+            return await sink.queue.get()
+        remaining = deadline - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(sink.queue.get(), max(remaining, 0.0))
+        except asyncio.TimeoutError:
+            if not req.finished:
+                self.scheduler.abort(req, FinishReason.ABORT, f"deadline of {timeout}s exceeded")
+                self.loop.notify()
+            return await sink.queue.get()
+
+    async def _drain(
+        self, req: Req, timeout: float | None = None
+    ) -> AsyncIterator[GenerationChunk]:
+        timeout = timeout if timeout is not None else self.config.runtime.request_timeout_s
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         try:
             while True:
-                chunk = await sink.queue.get()
+                chunk = await self._next_chunk(req, deadline, timeout)
                 yield chunk
                 if chunk.finished:
                     return
@@ -276,12 +316,13 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | dict | None = None,
         rid: str | None = None,
+        timeout: float | None = None,
     ) -> GenerationResult:
         """Await the whole output."""
         texts: list[str] = []
         ids: list[int] = []
         last: GenerationChunk | None = None
-        async for chunk in self.generate(prompt, params, rid):
+        async for chunk in self.generate(prompt, params, rid, timeout):
             texts.append(chunk.text)
             ids.extend(chunk.token_ids)
             last = chunk
@@ -305,6 +346,19 @@ class Engine:
         return True
 
     # ------------------------------------------------------------------ streaming hooks
+
+    def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
+        """If the scheduler task dies, no consumer may wait forever: fail what is pending."""
+        if task.cancelled() or task.exception() is None:
+            if not self.loop.failed_closed:
+                return
+            message = "engine failed closed"
+        else:
+            message = f"scheduler stopped: {task.exception()!r}"
+        for req in list(self._reqs.values()):
+            if not req.finished:
+                req.finish(FinishReason.ERROR, message)
+                self._on_finish(req)
 
     def _on_token(self, req: Req, tok: int) -> bool:
         sink: _Stream = req.sink
@@ -356,6 +410,13 @@ class Engine:
         self._push(req, tail, final=True)
 
     # ------------------------------------------------------------------ introspection
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine has failed closed or its scheduler task has died."""
+        if not self._started or self.loop.failed_closed:
+            return False
+        return self._loop_task is not None and not self._loop_task.done()
 
     def pool_usage(self) -> PoolUsage:
         pool, allocator = self.ctx.req_to_token_pool, self.ctx.allocator

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stallfree.overlap.faults import Fault, FaultInjector
 from stallfree.overlap.stream import Event
 from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.req import Req
@@ -33,10 +34,17 @@ class LaunchedBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, ctx: BatchContext, sampler: Sampler) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ctx: BatchContext,
+        sampler: Sampler,
+        faults: FaultInjector | None = None,
+    ) -> None:
         self.model = model
         self.ctx = ctx
         self.sampler = sampler
+        self.faults = faults
 
     def launch(self, batch: ScheduleBatch, seq: int) -> LaunchedBatch:
         ctx = self.ctx
@@ -51,7 +59,8 @@ class ModelRunner:
             stash_rows = stream.upload(rows_cpu)
             stash_slots = stream.upload(fb.req_pool_indices_cpu[rows_cpu])
             token_ids_host = stream.host_buffer((len(batch.reqs),), _I64)
-        stream.submit(self._step, fb, sb, stash_slots, stash_rows, token_ids_host)
+        fault = self.faults.plan() if self.faults is not None else Fault.NONE
+        stream.submit(self._step, fb, sb, stash_slots, stash_rows, token_ids_host, fault)
         event = stream.record_event()
         return LaunchedBatch(
             seq=seq,
@@ -70,11 +79,18 @@ class ModelRunner:
         stash_slots: torch.Tensor,
         stash_rows: torch.Tensor,
         token_ids_host: torch.Tensor,
+        fault: Fault = Fault.NONE,
     ) -> None:
         """Runs on the stream, in order after every earlier enqueued write."""
+        if fault is not Fault.NONE:
+            assert self.faults is not None
+            self.faults.before_forward(fault)
         if fb.mode is ForwardMode.DECODE:
             fb.input_ids = self.ctx.future_map.resolve(fb.req_pool_indices)
         logits = self.model(fb)
         next_ids = self.sampler.sample(logits, sb)
         self.ctx.future_map.stash(stash_slots, stash_rows, next_ids)
+        if fault is Fault.FAIL_COPY:
+            assert self.faults is not None
+            self.faults.before_copy(fault)
         token_ids_host.copy_(next_ids, non_blocking=True)

@@ -294,6 +294,22 @@ class Scheduler:
                     self.chunked_req = None
                 self._finish(req, FinishReason.ERROR, message)
 
+    def fail_all(self, message: str) -> None:
+        """Finish every queued and running request with an error (the engine failed closed)."""
+        assert self.running_batch is not None
+        reqs = list(self.waiting) + list(self.running_batch.reqs)
+        if self.last_extend is not None:
+            reqs += self.last_extend.reqs
+        if self.chunked_req is not None:
+            reqs.append(self.chunked_req)
+        self.waiting.clear()
+        self.chunked_req = None
+        self.last_extend = None
+        self.running_batch.filter_batch([])
+        for req in dict.fromkeys(reqs):
+            if not req.finished:
+                self._finish(req, FinishReason.ERROR, message)
+
     def _finish(self, req: Req, reason: FinishReason, message: str | None = None) -> None:
         req.finish(reason, message)
         if req.req_pool_idx is not None or req.kv_pages:
