@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pydantic import BaseModel
+
 from stallfree.config.settings import StallfreeConfig
 
 
@@ -11,10 +13,10 @@ def config_table() -> str:
         "| --- | --- | --- | --- |",
     ]
     for section, field in StallfreeConfig.model_fields.items():
-        model = field.default_factory
-        assert model is not None
-        for name, info in model.model_fields.items():  # type: ignore[attr-defined]
-            default = info.default if info.default_factory is None else info.default_factory()
+        model = field.annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        for name, info in model.model_fields.items():
+            default = info.get_default(call_default_factory=True)
             env = f"STALLFREE_{section.upper()}__{name.upper()}"
             rows.append(
                 f"| `{section}.{name}` | `{default!r}` | `{env}` | {info.description or ''} |"

@@ -114,8 +114,12 @@ class CpuEvent(Event):
             loop = asyncio.get_running_loop()
             fut: asyncio.Future[None] = loop.create_future()
 
+            def resolve() -> None:
+                if not fut.done():
+                    fut.set_result(None)
+
             def wake() -> None:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+                loop.call_soon_threadsafe(resolve)
 
             with self._lock:
                 registered = not self._done.is_set()

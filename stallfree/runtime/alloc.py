@@ -60,6 +60,7 @@ def alloc_for_extend(
     alloc_req_slots(ctx.req_to_token_pool, batch.reqs)
     locs, rows, cols = [], [], []
     for req, ext in zip(batch.reqs, extend_lens, strict=True):
+        assert req.req_pool_idx is not None
         start = req.num_computed_tokens
         _grow_pages(ctx.allocator, req, start + ext)
         locs.append(_token_slots(req, start, start + ext, ctx.allocator.page_size))

@@ -70,6 +70,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
         self._inv_freq_f32 = rope_inv_freq(arch)
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", self._inv_freq_f32.clone(), persistent=False)
 
     def _apply(

@@ -128,7 +128,7 @@ def _as_id_list(value: int | list[int] | None) -> list[int]:
 
 # ---------------------------------------------------------------------------- presets
 
-_BYTE_TOKENIZER = {"vocab_size": 260, "bos_token_id": 256, "eos_token_ids": [257]}
+_BYTE_TOKENIZER: dict[str, Any] = {"vocab_size": 260, "bos_token_id": 256, "eos_token_ids": [257]}
 
 PRESETS: dict[str, ModelArchConfig] = {
     "tiny": ModelArchConfig(
