@@ -1,6 +1,9 @@
-"""Render the configuration table for the README: `python -m stallfree.config.doc`."""
+"""The README's configuration table: `python -m stallfree.config.doc [README.md]` rewrites it."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 from pydantic import BaseModel
 
@@ -24,5 +27,18 @@ def config_table() -> str:
     return "\n".join(rows)
 
 
+START, END = "<!-- config-table:start -->", "<!-- config-table:end -->"
+
+
+def update_readme(path: Path) -> None:
+    text = path.read_text()
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(f"{head}{START}\n{config_table()}\n{END}{tail}")
+
+
 if __name__ == "__main__":
-    print(config_table())
+    if len(sys.argv) > 1:
+        update_readme(Path(sys.argv[1]))
+    else:
+        print(config_table())
