@@ -193,3 +193,16 @@ def test_legacy_mode_reads_device_through_host_read() -> None:
     batch.check_mirror_parity()
     assert batch.seq_lens_cpu.tolist() == [4, 5]
     ctx.stream.close()
+
+
+def test_pools_refuse_double_free() -> None:
+    ctx = make_ctx(page_size=2)
+    slot = ctx.req_to_token_pool.alloc(1)[0]
+    ctx.req_to_token_pool.free(slot)
+    with pytest.raises(RuntimeError, match="double free of request slot"):
+        ctx.req_to_token_pool.free(slot)
+    pages = ctx.allocator.alloc_pages(2)
+    ctx.allocator.free_pages(pages)
+    with pytest.raises(RuntimeError, match="double free of KV page"):
+        ctx.allocator.free_pages(pages[:1])
+    ctx.stream.close()

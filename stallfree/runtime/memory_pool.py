@@ -16,6 +16,7 @@ class ReqToTokenPool:
         self.device = device
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
         self._free: list[int] = list(range(size - 1, -1, -1))
+        self._free_set: set[int] = set(self._free)
 
     def available_size(self) -> int:
         return len(self._free)
@@ -23,17 +24,15 @@ class ReqToTokenPool:
     def alloc(self, n: int) -> list[int] | None:
         if n > len(self._free):
             return None
-        taken = self._free[-n:] if n else []
-        del self._free[len(self._free) - n :]
-        return taken[::-1]
+        taken = [self._free.pop() for _ in range(n)]
+        self._free_set.difference_update(taken)
+        return taken
 
     def free(self, slot: int) -> None:
-        if not 0 <= slot < self.size or slot in self._free_set():
+        if not 0 <= slot < self.size or slot in self._free_set:
             raise RuntimeError(f"double free of request slot {slot}")
         self._free.append(slot)
-
-    def _free_set(self) -> set[int]:
-        return set(self._free)
+        self._free_set.add(slot)
 
 
 class TokenToKVPoolAllocator:
