@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from stallfree.config import StallfreeConfig, load_config
+from stallfree.hisparse import install_hisparse, resolve_sparse_layers
 from stallfree.overlap.faults import FaultInjector
 from stallfree.overlap.future_map import FutureMap
 from stallfree.overlap.host_read import SyncMonitor
@@ -135,6 +136,7 @@ class Engine:
         self.max_context_len = min(
             cfg.model.max_context_len or arch.max_position_embeddings, arch.max_position_embeddings
         )
+        sparse_layers = resolve_sparse_layers(cfg.hisparse, arch) if cfg.hisparse.enabled else None
         page_size = cfg.cache.page_size
         num_slots = (pages_for(cfg.cache.max_total_tokens, page_size) + 1) * page_size
         self.stream = make_stream(self.device, cfg.runtime.stream_threads)
@@ -157,6 +159,8 @@ class Engine:
             cpu_mirrors=cfg.runtime.cpu_mirrors,
             check_mirrors=cfg.runtime.check_mirrors,
         )
+        if sparse_layers is not None:
+            install_hisparse(cfg.hisparse, sparse_layers, self.ctx, loaded.model)
         self.scheduler = Scheduler(
             config=cfg.scheduler,
             ctx=self.ctx,
@@ -458,6 +462,9 @@ class Engine:
             yield chunk
 
     def _import_kv(self, req: Req, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if self.ctx.hisparse is not None:
+            self._reqs.pop(req.rid, None)
+            raise InvalidRequestError("prebuilt KV import is not supported with hisparse enabled")
         arch = self.loaded.arch
         n = len(req.origin_input_ids)
         want = (n, arch.num_kv_heads, arch.head_dim)

@@ -242,6 +242,8 @@ class Scheduler:
             # NOTE: freed at once, not deferred: the launched batch reads these slots before any
             # later batch can write them, because both are ordered on the same stream.
             free_req_memory(self.ctx.req_to_token_pool, allocator, req)
+            if self.ctx.hisparse is not None:
+                self.ctx.hisparse.request_retracted(req)
             req.reset_for_retract()
             self.waiting.appendleft(req)
             self.stats.num_retractions += 1

@@ -1,0 +1,499 @@
+"""`HisparseCoordinator`: host-side bookkeeping for HiSparse, and the device ops it enqueues.
+
+Two halves, never mixed:
+- the schedule path (`forward_extras`, `map_last_loc_to_buffer`, `request_finished`) decides
+  everything from host state and the batch's CPU mirrors, and only *enqueues* device work;
+- the forward half (`write_*`, `admit_on_stream`, `select`, `swap_in_selected`) runs on the
+  stream, inside the attention backend, and may touch device tensors freely.
+
+All state is keyed by request slot (`req_pool_idx`), so filter and merge need nothing here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from stallfree.hisparse.indexer import index_keys, select_topk, uses_selection
+from stallfree.hisparse.memory import DeviceBuffers, HostKVPool
+from stallfree.runtime.forward_batch import ForwardMode
+
+if TYPE_CHECKING:
+    from stallfree.config import HisparseConfig
+    from stallfree.runtime.model.loader import ModelArchConfig
+    from stallfree.runtime.req import Req
+    from stallfree.runtime.schedule_batch import BatchContext, ScheduleBatch
+
+_I64 = torch.int64
+_NEVER_EVICT = torch.iinfo(torch.int64).max
+STALL_SITE = "hisparse.map_last_loc"
+
+
+class HisparseConfigError(ValueError):
+    """A HiSparse setting that cannot work with this model or the other settings."""
+
+
+def resolve_sparse_layers(config: HisparseConfig, arch: ModelArchConfig) -> list[int]:
+    """The sparse layer ids, validated against the model; raises `HisparseConfigError`."""
+    n = arch.num_layers
+    layers = list(range(1, n)) if config.sparse_layers is None else list(config.sparse_layers)
+    bad = [i for i in layers if not 0 <= i < n]
+    if bad:
+        raise HisparseConfigError(
+            f"hisparse.sparse_layers has {bad}, but the model has {n} layers (valid: 0..{n - 1})"
+        )
+    if len(set(layers)) != len(layers):
+        raise HisparseConfigError(f"hisparse.sparse_layers repeats a layer: {layers}")
+    if not layers:
+        raise HisparseConfigError(
+            f"hisparse.sparse_layers is empty (the model has {n} layer(s); the default makes "
+            "every layer but the first sparse)"
+        )
+    if config.min_sparse_len > config.device_buffer_size:
+        raise HisparseConfigError(
+            f"hisparse.min_sparse_len ({config.min_sparse_len}) must be <= "
+            f"hisparse.device_buffer_size ({config.device_buffer_size}): shorter sequences "
+            "attend densely over the device buffer, so they must fit in it"
+        )
+    if arch.sliding_window is not None:
+        raise HisparseConfigError("hisparse does not support sliding-window attention models")
+    return sorted(layers)
+
+
+@dataclass(slots=True, eq=False)
+class RowState:
+    """Host view of one request slot. Counts are of tokens (one host slot = all sparse layers)."""
+
+    host_len: int = 0  # tokens whose KV is in (or enqueued to) the host pool
+    buf_len: int = 0  # buffer slots in use; 0 until admitted
+    admitted: bool = False
+    reserved_pos: int | None = None  # position the reserved slot holds (last decode's token)
+
+
+@dataclass(slots=True)
+class ExtendPlan:
+    """Admissions of requests whose prefill completes in this step (device index tensors)."""
+
+    num_admitted: int = 0
+    admit_rows: torch.Tensor | None = None  # [A]
+    fill_rows: torch.Tensor | None = None  # [F] one entry per token copied into a buffer
+    fill_pos: torch.Tensor | None = None
+    fill_slots: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    """Host decisions for one decode step, consumed by the attention backend on the stream."""
+
+    step: int
+    rows: list[int]
+    n_prev: list[int]  # tokens before the newest, per row
+    select: list[bool]  # row attends to a top-k subset
+    rows_t: torch.Tensor  # [B] device
+    reserved_t: torch.Tensor  # [B] device: physical slot the new token's KV is written to
+    sel_index_t: torch.Tensor  # [S] device: batch index of each selecting row
+    sel_rows_t: torch.Tensor  # [S] device: its request slot
+    width: int  # most buffer slots any row attends to (before the reserved one)
+
+
+@dataclass(slots=True)
+class HisparseStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    host_pool_used: int = 0
+    host_pool_total: int = 0
+    buffer_slots_used: int = 0
+    buffer_slots_total: int = 0
+
+
+@dataclass(slots=True)
+class HisparseUsage:
+    host_slots_used: int
+    host_slots_total: int
+    buffer_slots_used: int
+    buffer_slots_total: int
+    rows_tracked: int
+
+    @property
+    def all_free(self) -> bool:
+        return self.host_slots_used == 0 and self.buffer_slots_used == 0 and not self.rows_tracked
+
+
+class HisparseCoordinator:
+    def __init__(
+        self, config: HisparseConfig, sparse_layers: Sequence[int], ctx: BatchContext
+    ) -> None:
+        self.top_k = config.top_k
+        self.buffer_size = config.device_buffer_size
+        self.min_sparse_len = config.min_sparse_len
+        self.sparse_layers = list(sparse_layers)
+        self.layer_index = {layer: i for i, layer in enumerate(self.sparse_layers)}
+        self.ctx = ctx
+        cache, pool = ctx.kv_cache, ctx.req_to_token_pool
+        shape, n = cache.shape, len(self.sparse_layers)
+        self.kv_dtype = cache.dtype
+        self.host = HostKVPool(
+            n, cache.num_slots, shape.num_kv_heads, shape.head_dim, cache.dtype, cache.device
+        )
+        self.buffers = DeviceBuffers(
+            n,
+            pool.size,
+            self.buffer_size,
+            pool.max_context_len,
+            cache.num_slots,
+            shape.num_kv_heads,
+            shape.head_dim,
+            cache.dtype,
+            cache.device,
+        )
+        elem = torch.empty((), dtype=cache.dtype).element_size()
+        self.token_bytes = 2 * shape.num_kv_heads * shape.head_dim * elem  # one token, one layer
+        self._rows: dict[int, RowState] = {}
+        self._row_of: dict[Req, int] = {}
+        self._step = 0
+        self._pending: DecodePlan | None = None
+        self._bytes_h2d = 0  # host-known transfers (miss copies are counted on the device)
+        self._bytes_d2h = 0
+        self._counters = torch.zeros(2, dtype=_I64, device=cache.device)  # hits, misses
+        self._counters_host = ctx.stream.host_buffer((2,), _I64)
+        self._counters_host.zero_()
+
+    def release_dense_kv(self) -> None:
+        """Drop the device KV cache of sparse layers: their KV lives in the host pool."""
+        cache = self.ctx.kv_cache
+        for layer in self.sparse_layers:
+            cache.k_buffers[layer] = cache.k_buffers[layer].new_empty((0,))
+            cache.v_buffers[layer] = cache.v_buffers[layer].new_empty((0,))
+
+    # ------------------------------------------------------------------ schedule path
+
+    def forward_extras(self, batch: ScheduleBatch) -> dict[str, Any]:
+        """The per-step plan a launched batch carries in `fb.extras["hisparse"]`."""
+        if batch.forward_mode is ForwardMode.DECODE:
+            plan, self._pending = self._pending, None
+            if plan is None:
+                raise RuntimeError("decode batch launched without map_last_loc_to_buffer")
+            return {"hisparse": plan}
+        if batch.forward_mode is ForwardMode.EXTEND:
+            return {"hisparse": self._plan_extend(batch)}
+        return {}
+
+    def _plan_extend(self, batch: ScheduleBatch) -> ExtendPlan:
+        moved = self.token_bytes * len(self.sparse_layers)
+        admit: list[int] = []
+        fill: list[tuple[int, int, int]] = []
+        for req, prefix, ext, final in zip(
+            batch.reqs, batch.prefix_lens_cpu, batch.extend_lens_cpu, batch.output_rows, strict=True
+        ):
+            row = req.req_pool_idx
+            assert row is not None
+            state = self._track(req, row)
+            state.host_len += ext
+            self._bytes_d2h += ext * moved  # the chunk's KV goes to the host pool
+            self._bytes_h2d += prefix * moved  # chunked prefill reads its prefix back
+            if final:
+                admit.append(row)
+                fill.extend(self._admit(state, row, prefix + ext))
+        if not admit:
+            return ExtendPlan()
+        self._bytes_h2d += len(fill) * moved
+        up = self.ctx.stream.upload
+        cols = torch.tensor(fill, dtype=_I64).reshape(-1, 3).T
+        return ExtendPlan(
+            num_admitted=len(admit),
+            admit_rows=up(torch.tensor(admit, dtype=_I64)),
+            fill_rows=up(cols[0].contiguous()),
+            fill_pos=up(cols[1].contiguous()),
+            fill_slots=up(cols[2].contiguous()),
+        )
+
+    def _track(self, req: Req, row: int) -> RowState:
+        known = self._row_of.get(req)
+        if known is not None:
+            assert known == row, f"request {req.rid} moved from slot {known} to {row}"
+            return self._rows[row]
+        if row in self._rows:
+            raise RuntimeError(f"request slot {row} still holds HiSparse state of another request")
+        self._row_of[req] = row
+        state = self._rows[row] = RowState()
+        return state
+
+    def _admit(self, state: RowState, row: int, prompt_len: int) -> list[tuple[int, int, int]]:
+        """Admission after prefill: the newest `buffer_size` prompt tokens fill the buffer."""
+        n = min(prompt_len, self.buffer_size)
+        state.buf_len, state.admitted, state.reserved_pos = n, True, None
+        return [(row, prompt_len - n + j, j) for j in range(n)]
+
+    def map_last_loc_to_buffer(
+        self,
+        seq_lens: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens_cpu: torch.Tensor | None,
+        req_pool_indices_cpu: torch.Tensor | None,
+    ) -> None:
+        """Back up the previous token, grow short buffers, map the new token to the reserved slot.
+
+        Decisions come from the CPU mirrors; `None` mirrors (legacy `cpu_mirrors=false`) are read
+        from the device through `host_read`, one stall per decode step.
+        """
+        if seq_lens_cpu is None or req_pool_indices_cpu is None:
+            seq_lens_cpu, req_pool_indices_cpu = self._read_device(seq_lens, req_pool_indices)
+        self._step += 1
+        rows, lens = req_pool_indices_cpu.tolist(), seq_lens_cpu.tolist()
+        self._eager_backup_previous_token(rows, lens)
+        for row, length in zip(rows, lens, strict=True):
+            self._rows[row].reserved_pos = length - 1
+        self._pending = self._plan_decode(rows, lens)
+
+    def _read_device(
+        self, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = self.ctx.stream
+        both = stream.compute(
+            lambda a, b: torch.stack([a, b]),
+            seq_lens,
+            req_pool_indices,
+            shape=(2, int(seq_lens.shape[0])),
+            dtype=_I64,
+        )
+        host = self.ctx.monitor.host_read(both, STALL_SITE)
+        return host[0], host[1]
+
+    def _eager_backup_previous_token(self, rows: list[int], lens: list[int]) -> None:
+        """Enqueue reserved slot -> host slot for each row's previous token, all sparse layers.
+
+        A row whose every earlier token is resident and whose buffer still has room also keeps
+        that token in its next buffer slot (buffer growth).
+        """
+        backup: list[tuple[int, int]] = []
+        grow: list[tuple[int, int, int]] = []
+        for row, length in zip(rows, lens, strict=True):
+            state = self._rows.get(row)
+            if state is None or not state.admitted:
+                raise RuntimeError(f"request slot {row} decodes before HiSparse admission")
+            prev = length - 2
+            if state.reserved_pos is None:
+                continue  # first decode: the previous token came from prefill, already on host
+            if state.reserved_pos != prev:
+                raise RuntimeError(f"slot {row}: reserved holds {state.reserved_pos}, not {prev}")
+            backup.append((row, prev))
+            state.host_len += 1
+            if state.buf_len == prev < self.buffer_size:
+                grow.append((row, prev, state.buf_len))
+                state.buf_len += 1
+        if not backup:
+            return
+        self._bytes_d2h += len(backup) * self.token_bytes * len(self.sparse_layers)
+        up = self.ctx.stream.upload
+        b = torch.tensor(backup, dtype=_I64).T
+        g = torch.tensor(grow, dtype=_I64).reshape(-1, 3).T
+        grow_t = tuple(up(c.contiguous()) for c in g) if grow else None
+        # NOTE: enqueued after the step that wrote the reserved slots and before the next step
+        # overwrites them. On CUDA this belongs on a side stream that the next forward waits on.
+        self.ctx.stream.submit(
+            self._backup_op, up(b[0].contiguous()), up(b[1].contiguous()), grow_t, self._step
+        )
+
+    def _plan_decode(self, rows: list[int], lens: list[int]) -> DecodePlan:
+        n_prev = [length - 1 for length in lens]
+        select = [uses_selection(n, self.top_k, self.min_sparse_len) for n in n_prev]
+        sel_index = [i for i, s in enumerate(select) if s]
+        width = max(
+            (self.top_k if s else n for n, s in zip(n_prev, select, strict=True)), default=0
+        )
+        up = self.ctx.stream.upload
+        rows_cpu = torch.tensor(rows, dtype=_I64)
+        return DecodePlan(
+            step=self._step,
+            rows=rows,
+            n_prev=n_prev,
+            select=select,
+            rows_t=up(rows_cpu),
+            reserved_t=up(rows_cpu * self.buffers.stride + self.buffer_size),
+            sel_index_t=up(torch.tensor(sel_index, dtype=_I64)),
+            sel_rows_t=up(torch.tensor([rows[i] for i in sel_index], dtype=_I64)),
+            width=width,
+        )
+
+    def request_finished(self, req: Req) -> None:
+        """Free the request's buffer slots, host slots and mappings (finish, abort, retract)."""
+        row = self._row_of.pop(req, None)
+        if row is not None:
+            del self._rows[row]
+
+    request_retracted = request_finished
+
+    # ------------------------------------------------------------------ stream side
+
+    def _backup_op(
+        self,
+        rows: torch.Tensor,
+        pos: torch.Tensor,
+        grow: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        step: int,
+    ) -> None:
+        buf, host = self.buffers, self.host
+        locs = self.ctx.req_to_token_pool.req_to_token[rows, pos]
+        src = buf.reserved(rows)
+        for li in range(len(self.sparse_layers)):
+            # NOTE: on CUDA a D2H scatter indexed by device `locs` needs a UVA kernel to stay async.
+            host.k[li][locs] = buf.k[li][src].to(host.k[li].device)
+            host.v[li][locs] = buf.v[li][src].to(host.v[li].device)
+            if grow is not None:
+                self._grow(li, *grow, step)
+
+    def _grow(
+        self, li: int, rows: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, step: int
+    ) -> None:
+        buf = self.buffers
+        dst, src = buf.phys(rows, slots), buf.reserved(rows)
+        buf.k[li][dst] = buf.k[li][src]
+        buf.v[li][dst] = buf.v[li][src]
+        buf.pos_to_buf[li][rows, pos] = slots
+        buf.buf_pos[li][rows, slots] = pos
+        buf.last_use[li][rows, slots] = step
+
+    def write_extend(self, li: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A prefill chunk's KV goes to the host pool; its indexer keys stay on the device."""
+        host_k, host_v = self.host.k[li], self.host.v[li]
+        host_locs = locs.to(host_k.device)
+        host_k[host_locs] = k.to(self.kv_dtype).to(host_k.device)
+        host_v[host_locs] = v.to(self.kv_dtype).to(host_v.device)
+        self.buffers.index_keys[li][locs] = index_keys(k, self.kv_dtype)
+
+    def host_kv(self, li: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV of logical `slots` from the host pool, on the device (chunked prefill's prefix)."""
+        device = self.buffers.k[li].device
+        host_slots = slots.to(self.host.k[li].device)
+        return self.host.k[li][host_slots].to(device), self.host.v[li][host_slots].to(device)
+
+    def admit_on_stream(self, li: int, plan: ExtendPlan) -> None:
+        """Reset admitted rows' maps and copy their newest prompt tokens host -> buffer."""
+        if not plan.num_admitted:
+            return
+        assert plan.fill_rows is not None and plan.fill_pos is not None
+        assert plan.fill_slots is not None
+        buf = self.buffers
+        buf.pos_to_buf[li][plan.admit_rows] = -1
+        buf.buf_pos[li][plan.admit_rows] = -1
+        buf.last_use[li][plan.admit_rows] = 0
+        rows, pos, slots = plan.fill_rows, plan.fill_pos, plan.fill_slots
+        self._load(li, rows, pos, slots)
+        buf.pos_to_buf[li][rows, pos] = slots
+        buf.buf_pos[li][rows, slots] = pos
+
+    def _load(self, li: int, rows: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
+        """Host -> buffer copy of positions `pos` of request slots `rows` into buffer `slots`."""
+        locs = self.ctx.req_to_token_pool.req_to_token[rows, pos]
+        k, v = self.host_kv(li, locs)
+        dst = self.buffers.phys(rows, slots)
+        self.buffers.k[li][dst] = k
+        self.buffers.v[li][dst] = v
+
+    def write_decode(
+        self, li: int, plan: DecodePlan, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """The new token's KV lands in the reserved slot; its indexer key at its logical slot."""
+        self.buffers.k[li][plan.reserved_t] = k.to(self.kv_dtype)
+        self.buffers.v[li][plan.reserved_t] = v.to(self.kv_dtype)
+        self.buffers.index_keys[li][locs] = index_keys(k, self.kv_dtype)
+
+    def select(self, li: int, row: int, n_prev: int, proxy: torch.Tensor) -> torch.Tensor:
+        """Top-k positions among the `n_prev` tokens before the newest (ascending)."""
+        slots = self.ctx.req_to_token_pool.req_to_token[row, :n_prev]
+        return select_topk(proxy, self.buffers.index_keys[li][slots], self.top_k)
+
+    def resident_slots(self, li: int, row: int, n_prev: int) -> torch.Tensor:
+        """Buffer slots of positions 0..n_prev-1 of a fully resident row."""
+        return self.buffers.pos_to_buf[li][row, :n_prev]
+
+    def swap_in_selected(
+        self,
+        req_pool_indices: torch.Tensor,
+        seq_lens: Sequence[int],
+        topk: torch.Tensor,
+        layer: int,
+        step: int,
+    ) -> torch.Tensor:
+        """Buffer slots [S, K] for the selected positions `topk` [S, K] of a sparse `layer`.
+
+        `seq_lens` are the host-known token counts before the newest. Hits map to their slots;
+        misses evict the least recently used unselected slots (per layer) and are copied in
+        from the host. Fast path: when every sequence fits in the buffer, all are hits.
+        """
+        li = self.layer_index[layer]
+        buf = self.buffers
+        rows = req_pool_indices
+        slots = buf.pos_to_buf[li][rows[:, None], topk]
+        if all(n <= self.buffer_size for n in seq_lens):
+            self._counters[0] += topk.numel()
+        else:
+            slots = self._load_misses(li, rows, topk, slots)
+        buf.last_use[li][rows[:, None], slots] = step
+        self._counters_host.copy_(self._counters, non_blocking=True)
+        return slots
+
+    def _load_misses(
+        self, li: int, rows: torch.Tensor, topk: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        buf = self.buffers
+        hit = slots >= 0
+        miss = ~hit
+        key = buf.last_use[li][rows].clone()
+        hr, hc = hit.nonzero(as_tuple=True)
+        key[hr, slots[hr, hc]] = _NEVER_EVICT  # a slot selected this step is never a victim
+        order = torch.argsort(key, dim=1, stable=True)  # least recently used first
+        rank = (miss.cumsum(1) - 1).clamp(min=0)
+        victims = torch.gather(order, 1, rank)
+        mr, mc = miss.nonzero(as_tuple=True)
+        v_rows, v_slots, new_pos = rows[mr], victims[mr, mc], topk[mr, mc]
+        old_pos = buf.buf_pos[li][v_rows, v_slots]
+        had = old_pos >= 0
+        buf.pos_to_buf[li][v_rows[had], old_pos[had]] = -1
+        buf.pos_to_buf[li][v_rows, new_pos] = v_slots
+        buf.buf_pos[li][v_rows, v_slots] = new_pos
+        self._load(li, v_rows, new_pos, v_slots)
+        self._counters += torch.stack([hit.sum(), miss.sum()])
+        return torch.where(hit, slots, victims)
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self, sync: bool = False) -> HisparseStats:
+        """Cumulative counters. Without `sync` the device counts may lag by a step and nothing
+        waits (safe at scrape time); `sync=True` drains the stream first (tests only)."""
+        if sync:
+            self.ctx.stream.synchronize()
+            hits, misses = self._counters.tolist()
+        else:
+            hits, misses = self._counters_host.tolist()
+        usage = self.usage()
+        return HisparseStats(
+            hits=int(hits),
+            misses=int(misses),
+            bytes_h2d=self._bytes_h2d + int(misses) * self.token_bytes,
+            bytes_d2h=self._bytes_d2h,
+            host_pool_used=usage.host_slots_used,
+            host_pool_total=usage.host_slots_total,
+            buffer_slots_used=usage.buffer_slots_used,
+            buffer_slots_total=usage.buffer_slots_total,
+        )
+
+    def usage(self) -> HisparseUsage:
+        states = list(self._rows.values())
+        return HisparseUsage(
+            host_slots_used=sum(s.host_len for s in states),
+            host_slots_total=self.ctx.allocator.size,
+            buffer_slots_used=sum(s.buf_len for s in states),
+            buffer_slots_total=self.ctx.req_to_token_pool.size * self.buffer_size,
+            rows_tracked=len(self._row_of),
+        )
+
+    def device_bytes_per_request(self) -> int:
+        """Device KV bytes one request slot holds in sparse layers: buffer plus reserved slot."""
+        return self.buffers.stride * self.token_bytes * len(self.sparse_layers)

@@ -1,0 +1,77 @@
+"""The naive reference: the same top-k attention, computed densely with a mask over full KV.
+
+`TopkOracleAttention` is an attention backend usable in place of HiSparse (HiSparse disabled,
+full device KV cache). Dense layers and prefill are plain paged attention; decode in sparse
+layers masks every earlier token except the indexer's top-k (plus the newest token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from stallfree.hisparse.indexer import index_keys, query_proxy, select_topk, uses_selection
+from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.model.attention import PagedAttention, _sdpa
+
+
+def topk_reference_row(
+    q: torch.Tensor,
+    k_hist: torch.Tensor,
+    v_hist: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    top_k: int,
+    min_sparse_len: int,
+) -> torch.Tensor:
+    """One decode row: q [H, D]; history k/v [n, KVH, D]; newest k/v [KVH, D] -> [H, D]."""
+    n = k_hist.shape[0]
+    keep = torch.ones(n + 1, dtype=torch.bool, device=q.device)
+    if uses_selection(n, top_k, min_sparse_len):
+        chosen = select_topk(query_proxy(q[None])[0], index_keys(k_hist, k_hist.dtype), top_k)
+        keep[:n] = False
+        keep[chosen] = True
+    k_all = torch.cat([k_hist, k_new[None]])
+    v_all = torch.cat([v_hist, v_new[None]])
+    return _sdpa(q[None], k_all, v_all, keep[None])[0]
+
+
+class TopkOracleAttention:
+    def __init__(
+        self,
+        top_k: int,
+        min_sparse_len: int,
+        sparse_layers: Iterable[int],
+        dense: PagedAttention | None = None,
+    ) -> None:
+        self.top_k = top_k
+        self.min_sparse_len = min_sparse_len
+        self.sparse_layers = frozenset(sparse_layers)
+        self.dense = dense or PagedAttention()
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
+    ) -> torch.Tensor:
+        if layer_id not in self.sparse_layers or fb.mode is not ForwardMode.DECODE:
+            return self.dense.forward(q, k, v, layer_id, fb)
+        cache = fb.kv_cache
+        cache.write(layer_id, fb.out_cache_loc, k, v)
+        k_buf, v_buf = cache.k_buffers[layer_id], cache.v_buffers[layer_id]
+        outs = []
+        for i in range(fb.batch_size):
+            row, n = int(fb.req_pool_indices_cpu[i]), int(fb.seq_lens_cpu[i]) - 1
+            hist = fb.req_to_token[row, :n]
+            new = fb.out_cache_loc[i]
+            outs.append(
+                topk_reference_row(
+                    q[i],
+                    k_buf[hist],
+                    v_buf[hist],
+                    k_buf[new],
+                    v_buf[new],
+                    self.top_k,
+                    self.min_sparse_len,
+                )
+            )
+        return torch.stack(outs)
