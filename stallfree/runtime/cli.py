@@ -32,6 +32,8 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
         "runtime": {},
         "cache": {},
         "scheduler": {},
+        "server": {},
+        "metrics": {},
     }
     pairs = {
         "model": ("model", "path"),
@@ -43,6 +45,11 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
         "max_running_requests": ("cache", "max_running_requests"),
         "chunked_prefill_size": ("scheduler", "chunked_prefill_size"),
         "max_prefill_tokens": ("scheduler", "max_prefill_tokens"),
+        "host": ("server", "host"),
+        "port": ("server", "port"),
+        "api_key": ("server", "api_key"),
+        "served_model_name": ("server", "served_model_name"),
+        "metrics": ("metrics", "enabled"),
     }
     for flag, (section, key) in pairs.items():
         value = getattr(args, flag, None)
@@ -79,6 +86,21 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="TCP port (default 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API routes")
+    p.add_argument("--served-model-name", help="model id in the API and metrics")
+    p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=None)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from stallfree.runtime.server import serve
+
+    serve(config_from_args(args))
+    return 0
+
+
 def _run(coro: Any) -> int:
     try:
         import uvloop
@@ -99,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--ignore-eos", action="store_true")
+    srv = sub.add_parser("serve", help="run the HTTP server (OpenAI-compatible API, /metrics)")
+    _add_engine_flags(srv)
+    _add_server_flags(srv)
     return parser
 
 
@@ -107,6 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _run(_generate(args))
+        if args.command == "serve":
+            return _serve(args)
     except ValidationError as exc:
         print(f"stallfree: invalid configuration:\n{exc}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ import torch
 
 from stallfree.config import StallfreeConfig, load_config
 from stallfree.hisparse import install_hisparse, resolve_sparse_layers
+from stallfree.metrics import EngineMetrics
 from stallfree.overlap.faults import FaultInjector
 from stallfree.overlap.future_map import FutureMap
 from stallfree.overlap.host_read import SyncMonitor
@@ -108,6 +109,10 @@ class Engine:
         self._rid_counter = itertools.count()
         self._reqs: dict[str, Req] = {}
         self.observers = ObserverFanout()
+        self.metrics: EngineMetrics | None = None
+        if self.config.metrics.enabled:
+            self.metrics = EngineMetrics.for_config(self.config)
+            self.add_observer(self.metrics)
 
     def add_observer(self, observer: EngineObserver) -> None:
         """Register lifecycle hooks (e.g. Prometheus collectors); call before `start`."""
