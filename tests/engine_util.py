@@ -14,9 +14,9 @@ def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[lis
     return [[rng.randrange(0, 256) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def engine_config(model: str, **sections: dict[str, Any]):
+def engine_config(model_path: str, **sections: dict[str, Any]):
     base: dict[str, dict[str, Any]] = {
-        "model": {"path": model},
+        "model": {"path": model_path},
         "runtime": {"device": "cpu"},
         "cache": {},
         "scheduler": {},
