@@ -393,3 +393,30 @@ async def test_no_leaks_after_retraction_and_cancel(llama):
         _assert_drained(engine)
         stats = engine.ctx.hisparse.stats(sync=True)
     assert stats.misses > 0 and stats.bytes_d2h > 0 and stats.host_pool_total > 0
+
+
+# ---------------------------------------------------------------------------- scheduling
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+async def test_retracted_requests_match_their_solo_runs(llama, overlap):
+    """A retracted request is re-prefilled with its outputs (here in chunks, into another slot).
+
+    Those output positions must attend as their decode steps did (top-k, not dense), or the
+    tokens sampled after the re-prefill differ from the same request run alone.
+    """
+    hisparse = {"enabled": True, "top_k": 4, "device_buffer_size": 8}
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(14, 30))] for _ in range(8)]
+    async with Engine(engine_config(llama, hisparse=hisparse)) as engine:
+        alone = [(await run_greedy(engine, [p], NEW_TOKENS))[0] for p in prompts]
+    cfg = engine_config(
+        llama, hisparse=hisparse, runtime={"overlap": overlap, "strict": True}, **STRESSED
+    )
+    async with Engine(cfg) as engine:
+        crowd = await run_greedy(engine, prompts, NEW_TOKENS)
+        await engine.wait_idle()
+        _assert_drained(engine)
+        assert engine.scheduler.stats.num_retractions > 0
+    for i, (got, want) in enumerate(zip(crowd, alone, strict=True)):
+        assert got == want, f"prompt {i} (len {len(prompts[i])}) diverged from its solo run"

@@ -32,11 +32,11 @@ class Job:
     timeout: float | None
 
 
-def make_jobs(seed: int) -> list[Job]:
+def make_jobs(seed: int, num_requests: int) -> list[Job]:
     rng = random.Random(seed)
     prompts = random_prompts(120, seed=seed, lo=3, hi=40)
     jobs = []
-    for i in range(NUM_REQUESTS):
+    for i in range(num_requests):
         roll = rng.random()
         jobs.append(
             Job(
@@ -50,9 +50,11 @@ def make_jobs(seed: int) -> list[Job]:
     return jobs
 
 
-async def reference(model: str, jobs: list[Job]) -> dict[tuple, list[int]]:
+async def reference(model: str, jobs: list[Job], hisparse: dict) -> dict[tuple, list[int]]:
     keys = sorted({(tuple(j.prompt), j.max_new) for j in jobs})
-    async with Engine(engine_config(model, runtime={"overlap": False})) as engine:
+    async with Engine(
+        engine_config(model, runtime={"overlap": False}, hisparse=hisparse)
+    ) as engine:
         outs = await asyncio.gather(
             *(engine.complete(list(p), {"max_new_tokens": n, "ignore_eos": True}) for p, n in keys)
         )
@@ -107,24 +109,32 @@ CHAOS = {
 }
 
 
-@pytest.mark.parametrize("hisparse", [False], ids=["dense"])
-async def test_soak_with_chaos(llama, hisparse):
-    jobs = make_jobs(seed=21)
-    ref = await reference(llama, jobs)
+# top_k below most contexts and a small buffer, so selection, misses and eviction all happen
+SPARSE = {"enabled": True, "top_k": 12, "device_buffer_size": 20}
+
+
+@pytest.mark.parametrize(
+    ("hisparse", "num_requests"), [({}, NUM_REQUESTS), (SPARSE, 1500)], ids=["dense", "hisparse"]
+)
+async def test_soak_with_chaos(llama, hisparse, num_requests):
+    jobs = make_jobs(seed=21, num_requests=num_requests)
+    ref = await reference(llama, jobs, hisparse)
     start = time.perf_counter()
-    async with Engine(engine_config(llama, **CHAOS)) as engine:
+    async with Engine(engine_config(llama, hisparse=hisparse, **CHAOS)) as engine:
         gate = asyncio.Semaphore(CONCURRENCY)
         results = await asyncio.gather(*(run_job(engine, j, gate) for j in jobs))
         await asyncio.wait_for(engine.wait_idle(), timeout=30)
         usage = engine.pool_usage()
+        sparse_usage = engine.ctx.hisparse.usage() if engine.ctx.hisparse else None
+        sparse_stats = engine.ctx.hisparse.stats(sync=True) if engine.ctx.hisparse else None
         loop_stats = engine.loop.stats
         sched_stats = engine.scheduler.stats
         injected = dict(engine.runner.faults.injected)
     wall = time.perf_counter() - start
 
     outcomes = Counter(reason for _, _, reason in results)
-    assert len({rid for rid, _, _ in results}) == NUM_REQUESTS  # none lost, none duplicated
-    assert sum(outcomes.values()) == NUM_REQUESTS
+    assert len({rid for rid, _, _ in results}) == num_requests  # none lost, none duplicated
+    assert sum(outcomes.values()) == num_requests
     by_rid = {j.rid: j for j in jobs}
     for rid, ids, reason in results:
         job = by_rid[rid]
@@ -134,13 +144,16 @@ async def test_soak_with_chaos(llama, hisparse):
         else:  # cancelled, aborted by deadline, or failed: whatever arrived is a correct prefix
             assert ids == want[: len(ids)], rid
     assert usage.all_free, usage
-    assert outcomes["length"] > NUM_REQUESTS * 0.6
+    if sparse_usage is not None:
+        assert sparse_usage.all_free, sparse_usage
+        assert sparse_stats.misses > 0 and sparse_stats.hits > 0
+    assert outcomes["length"] > num_requests * 0.6
     assert outcomes["error"] > 0 and outcomes["cancelled"] + outcomes["abort"] > 0
     assert sched_stats.num_retractions > 0
     assert loop_stats.step_failures == injected[next(f for f in injected if f.value == "fail_step")]
     assert loop_stats.max_iteration_gap < 2.0
     print(
-        f"\nsoak: {NUM_REQUESTS} requests in {wall:.1f}s; outcomes {dict(outcomes)}; "
+        f"\nsoak[{'hisparse' if hisparse else 'dense'}]: {num_requests} requests in {wall:.1f}s; outcomes {dict(outcomes)}; "
         f"faults { ({k.value: v for k, v in injected.items()}) }; retractions {sched_stats.num_retractions}; "
         f"max loop gap {loop_stats.max_iteration_gap * 1e3:.1f} ms"
     )

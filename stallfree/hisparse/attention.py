@@ -37,7 +37,10 @@ class HisparseAttention:
     def _extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, li: int, fb: ForwardBatch
     ) -> torch.Tensor:
-        """Exact causal attention over the prompt, reading the prefix back from the host pool."""
+        """Causal attention over the prompt, reading the prefix back from the host pool.
+
+        Exact and dense, except at output positions of a re-prefill: those attend as in decode.
+        """
         co = self.coordinator
         plan: ExtendPlan = fb.extras["hisparse"]
         co.write_extend(li, fb.out_cache_loc, k, v)
@@ -50,6 +53,7 @@ class HisparseAttention:
             k_seq, v_seq = co.host_kv(li, fb.req_to_token[row, :seq])
             q_pos = torch.arange(prefix, seq, device=q.device)[:, None]
             mask = torch.arange(seq, device=q.device)[None, :] <= q_pos
+            co.mask_decoded(li, row, prefix, plan.decode_from[i], q[start : start + n], mask)
             outs.append(_sdpa(q[start : start + n], k_seq, v_seq, mask))
             start += n
         co.admit_on_stream(li, plan)

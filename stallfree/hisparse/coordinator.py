@@ -12,12 +12,12 @@ All state is keyed by request slot (`req_pool_idx`), so filter and merge need no
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stallfree.hisparse.indexer import index_keys, select_topk, uses_selection
+from stallfree.hisparse.indexer import index_keys, query_proxy, select_topk, uses_selection
 from stallfree.hisparse.memory import DeviceBuffers, HostKVPool
 from stallfree.runtime.forward_batch import ForwardMode
 
@@ -75,8 +75,13 @@ class RowState:
 
 @dataclass(slots=True)
 class ExtendPlan:
-    """Admissions of requests whose prefill completes in this step (device index tensors)."""
+    """Admissions of requests whose prefill completes in this step (device index tensors).
 
+    `decode_from[i]` is row i's prompt length: positions from there on hold output tokens (a
+    re-prefill after retraction), which attend as their decode step did (see `mask_decoded`).
+    """
+
+    decode_from: list[int] = field(default_factory=list)
     num_admitted: int = 0
     admit_rows: torch.Tensor | None = None  # [A]
     fill_rows: torch.Tensor | None = None  # [F] one entry per token copied into a buffer
@@ -187,6 +192,7 @@ class HisparseCoordinator:
         moved = self.token_bytes * len(self.sparse_layers)
         admit: list[int] = []
         fill: list[tuple[int, int, int]] = []
+        decode_from = [len(req.origin_input_ids) for req in batch.reqs]
         for req, prefix, ext, final in zip(
             batch.reqs, batch.prefix_lens_cpu, batch.extend_lens_cpu, batch.output_rows, strict=True
         ):
@@ -200,11 +206,12 @@ class HisparseCoordinator:
                 admit.append(row)
                 fill.extend(self._admit(state, row, prefix + ext))
         if not admit:
-            return ExtendPlan()
+            return ExtendPlan(decode_from=decode_from)
         self._bytes_h2d += len(fill) * moved
         up = self.ctx.stream.upload
         cols = torch.tensor(fill, dtype=_I64).reshape(-1, 3).T
         return ExtendPlan(
+            decode_from=decode_from,
             num_admitted=len(admit),
             admit_rows=up(torch.tensor(admit, dtype=_I64)),
             fill_rows=up(cols[0].contiguous()),
@@ -372,6 +379,30 @@ class HisparseCoordinator:
         device = self.buffers.k[li].device
         host_slots = slots.to(self.host.k[li].device)
         return self.host.k[li][host_slots].to(device), self.host.v[li][host_slots].to(device)
+
+    def mask_decoded(
+        self,
+        li: int,
+        row: int,
+        prefix: int,
+        decode_from: int,
+        q: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> None:
+        """Restrict the prefill mask of output positions to what their decode step attended to.
+
+        A retracted request is re-prefilled with its outputs. Each output token was first run by
+        a decode step, which attended to the indexer's top-k earlier tokens (plus itself) when
+        `uses_selection`; dense causal attention here would change its hidden state, and so the
+        tokens sampled after the re-prefill. `q` [n, H, D] and `mask` [n, seq] are the chunk's,
+        whose first position is `prefix`; the chunk's indexer keys must already be written.
+        """
+        for pos in range(max(prefix, decode_from), prefix + q.shape[0]):
+            if not uses_selection(pos, self.top_k, self.min_sparse_len):
+                continue
+            chosen = self.select(li, row, pos, query_proxy(q[pos - prefix][None])[0])
+            mask[pos - prefix, :pos] = False
+            mask[pos - prefix, chosen] = True
 
     def admit_on_stream(self, li: int, plan: ExtendPlan) -> None:
         """Reset admitted rows' maps and copy their newest prompt tokens host -> buffer."""
