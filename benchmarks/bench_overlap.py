@@ -63,12 +63,16 @@ class Window(EngineObserver):
             )
 
 
-async def run_mode(
-    model: str, batch: int, overlap: bool, mirrors: bool, steps: int, warmup: int
-) -> dict:
+async def run_mode(args: argparse.Namespace, batch: int, overlap: bool, mirrors: bool) -> dict:
+    steps, warmup = args.steps, args.warmup
     cfg = load_config(
-        model={"path": model},
-        runtime={"device": "cpu", "overlap": overlap, "cpu_mirrors": mirrors},
+        model={"path": args.model, "dtype": args.dtype},
+        runtime={
+            "device": args.device,
+            "overlap": overlap,
+            "cpu_mirrors": mirrors,
+            "strict": args.strict and mirrors,
+        },
         cache={
             "max_total_tokens": batch * (16 + warmup + steps + 8) + 64,
             "max_running_requests": batch,
@@ -107,18 +111,27 @@ async def main() -> None:
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1, help="runs per cell; the median is shown")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--strict", action="store_true", help="mirrors-on modes raise on any schedule-path sync"
+    )
     args = p.parse_args()
-    print(f"model={args.model} steps={args.steps} warmup={args.warmup} repeats={args.repeats}")
+    print(
+        f"model={args.model} device={args.device} dtype={args.dtype} steps={args.steps} "
+        f"warmup={args.warmup} repeats={args.repeats}"
+    )
     header = f"{'batch':>5}  {'mode':<17}{'wall/step':>10}{'busy/step':>10}{'sched/step':>11}{'stalls/step':>12}{'stall ms/step':>14}{'wall/busy':>10}{'speedup':>9}"
     print(header)
     print("-" * len(header))
+    # NOTE: one discarded run first, so process-level warm-up (allocator, thread pools) is not
+    # charged to whichever mode happens to run first.
+    await run_mode(args, args.batch_sizes[0], True, True)
     for batch in args.batch_sizes:
         runs: dict[str, list[dict]] = {name: [] for name, _, _ in MODES}
         for _ in range(args.repeats):  # NOTE: modes interleaved, so machine noise hits all alike
             for name, overlap, mirrors in MODES:
-                runs[name].append(
-                    await run_mode(args.model, batch, overlap, mirrors, args.steps, args.warmup)
-                )
+                runs[name].append(await run_mode(args, batch, overlap, mirrors))
         base = median_runs(runs[MODES[0][0]])["wall_ms"]
         for name, _, _ in MODES:
             r = median_runs(runs[name])
