@@ -1,1 +1,22 @@
-"""stallfree.bench"""
+"""The load generator behind `stallfree bench`: workloads, targets, runner, reports."""
+
+from __future__ import annotations
+
+from stallfree.bench.results import Distribution, RequestRecord, RunResult, RunSummary
+from stallfree.bench.runner import Mode, RunSettings, compare_modes, run_mode, run_modes
+from stallfree.bench.workloads import BenchRequest, WorkloadSpec, build_requests
+
+__all__ = [
+    "BenchRequest",
+    "Distribution",
+    "Mode",
+    "RequestRecord",
+    "RunResult",
+    "RunSettings",
+    "RunSummary",
+    "WorkloadSpec",
+    "build_requests",
+    "compare_modes",
+    "run_mode",
+    "run_modes",
+]

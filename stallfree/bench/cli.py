@@ -1,0 +1,370 @@
+"""`stallfree bench`: flags, the choice of target, the progress bar, and exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from stallfree.bench.report import (
+    PlotUnavailableError,
+    check_plot_available,
+    print_table,
+    write_json,
+    write_plot,
+)
+from stallfree.bench.results import RunResult
+from stallfree.bench.runner import (
+    MODE_KEYS,
+    Mode,
+    RunSettings,
+    TargetFactory,
+    compare_modes,
+    inprocess_targets,
+    launched_http_targets,
+    merge_settings,
+    run_modes,
+    url_targets,
+)
+from stallfree.bench.targets import TargetError
+from stallfree.bench.workloads import WorkloadError, WorkloadSpec, build_requests
+
+DESCRIPTION = """Load-test a stallfree engine (in process or over HTTP) or any OpenAI-compatible
+server. With --compare, run the same seeded workload in each overlap mode and print one table
+with a column per mode and each figure's ratio to the first (baseline) mode."""
+
+
+class UsageError(ValueError):
+    """A bad combination of flags."""
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    from stallfree.runtime.cli import _add_engine_flags
+
+    target = p.add_argument_group("target")
+    target.add_argument(
+        "--target",
+        choices=["inprocess", "http"],
+        help="default: http with --base-url, else inprocess",
+    )
+    target.add_argument(
+        "--base-url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000"
+    )
+    target.add_argument(
+        "--served-model-name", help="model id sent over HTTP (default: the server's first)"
+    )
+    target.add_argument("--api-key", help="bearer token for --base-url")
+    target.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds to wait for a launched server"
+    )
+    _add_engine_flags(p)  # engine flags: the base config of every mode
+    target.add_argument(
+        "--stream-threads",
+        type=int,
+        help="torch threads of the CPU stream worker (runtime.stream_threads); on a 2-core "
+        "machine 1 leaves the scheduler a core to overlap with",
+    )
+    target.add_argument(
+        "--hisparse",
+        choices=["off", "on", "both"],
+        help="HiSparse off or on in every mode (default: as configured); "
+        "both doubles the modes under --compare",
+    )
+
+    modes = p.add_argument_group("modes")
+    modes.add_argument(
+        "--compare",
+        action="store_true",
+        help="run every mode: overlap off; overlap with mirrors off; overlap with mirrors on",
+    )
+    modes.add_argument(
+        "--modes", help=f"comma list of modes for --compare, from: {', '.join(MODE_KEYS)}"
+    )
+
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=["random", "sharegpt", "shared-prefix"], default="random")
+    w.add_argument("--dataset-path", help="ShareGPT JSON file for --workload sharegpt")
+    w.add_argument(
+        "--tokenizer",
+        help="tokenizer (HF directory or preset) that measures ShareGPT prompts; default: --model",
+    )
+    w.add_argument(
+        "--sharegpt-output-len", type=int, help="fixed output length instead of each reply's"
+    )
+    w.add_argument("--num-prompts", type=int, default=200)
+    w.add_argument(
+        "--input-len",
+        type=int,
+        default=256,
+        help="random/shared-prefix prompt tokens (upper bound)",
+    )
+    w.add_argument("--output-len", type=int, default=128, help="output tokens (upper bound)")
+    w.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.5,
+        help="lengths are uniform in [len*ratio, len]",
+    )
+    w.add_argument(
+        "--prefix-groups", type=int, default=4, help="shared-prefix: number of distinct prefixes"
+    )
+    w.add_argument(
+        "--prefix-len", type=int, default=256, help="shared-prefix: tokens in each prefix"
+    )
+    w.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second (inf: all at once)",
+    )
+    w.add_argument("--max-concurrency", type=int, help="most requests in flight at once")
+    w.add_argument(
+        "--warmup-requests", type=int, default=2, help="short requests sent before measuring"
+    )
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument(
+        "--ignore-eos", action="store_true", help="always generate the full output length"
+    )
+    w.add_argument("--temperature", type=float, default=0.0)
+
+    out = p.add_argument_group("output")
+    out.add_argument("--output-json", help="write every figure and the full configuration here")
+    out.add_argument(
+        "--plot", help="write a PNG: latency distributions, stall time and idle per mode"
+    )
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    if args.compare and args.base_url:
+        raise UsageError(
+            "--compare starts its own server (or engine) per mode, so it cannot measure the "
+            "server at --base-url; drop --compare to benchmark that server, or drop --base-url "
+            "to compare modes (add --target http to compare over HTTP)"
+        )
+    if args.target == "inprocess" and args.base_url:
+        raise UsageError("--base-url needs --target http (or no --target)")
+    if args.compare and (args.overlap is not None or args.cpu_mirrors is not None):
+        raise UsageError(
+            "--compare sets --overlap and --cpu-mirrors per mode; drop them (use --modes)"
+        )
+    if args.modes and not args.compare:
+        raise UsageError("--modes only applies with --compare")
+    if args.hisparse == "both" and not args.compare:
+        raise UsageError("--hisparse both needs --compare")
+    if args.base_url and args.hisparse:
+        raise UsageError("--hisparse configures an engine this command starts, not --base-url")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise UsageError("--max-concurrency must be at least 1")
+    if args.warmup_requests < 0:
+        raise UsageError("--warmup-requests must be >= 0")
+    if not 0.0 <= args.random_range_ratio <= 1.0:
+        raise UsageError("--random-range-ratio must be within [0, 1]")
+    if args.plot:
+        check_plot_available()
+
+
+def _mode_keys(args: argparse.Namespace) -> list[str] | None:
+    if not args.modes:
+        return None
+    keys = [k.strip() for k in args.modes.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in MODE_KEYS]
+    if unknown or not keys:
+        raise UsageError(f"unknown mode(s) {unknown}; choose from {', '.join(MODE_KEYS)}")
+    return keys
+
+
+def _modes(args: argparse.Namespace) -> list[Mode]:
+    if args.compare:
+        return compare_modes(args.hisparse, _mode_keys(args))
+    if args.base_url:
+        return [Mode("target")]
+    if args.hisparse is None:
+        return [Mode("configured")]
+    return [Mode("configured", {"hisparse": {"enabled": args.hisparse == "on"}})]
+
+
+def _context_len(args: argparse.Namespace) -> int | None:
+    """The engine's context limit, when this process knows it (not for --base-url)."""
+    if args.base_url:
+        return None
+    from stallfree.runtime.cli import config_from_args
+    from stallfree.runtime.model.loader import PRESETS
+
+    model = config_from_args(args).model
+    preset = PRESETS.get(model.path)
+    limits = [n for n in (model.max_context_len, preset and preset.max_position_embeddings) if n]
+    return min(limits) if limits else None
+
+
+def _workload(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(
+        max_context_len=_context_len(args),
+        kind=args.workload,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.random_range_ratio,
+        dataset_path=args.dataset_path,
+        sharegpt_output_len=args.sharegpt_output_len,
+        prefix_groups=args.prefix_groups,
+        prefix_len=args.prefix_len,
+        seed=args.seed,
+    )
+
+
+def _tokenize(args: argparse.Namespace) -> Any:
+    if args.workload != "sharegpt":
+        return None
+    from stallfree.runtime.tokenizer import load_tokenizer
+
+    source = args.tokenizer or args.model or "tiny"
+    try:
+        return load_tokenizer(source).encode
+    except (ValueError, OSError) as exc:
+        raise WorkloadError(
+            f"cannot load tokenizer {source!r} for ShareGPT lengths: {exc}"
+        ) from None
+
+
+def _targets(args: argparse.Namespace) -> tuple[TargetFactory, dict[str, Any]]:
+    from stallfree.runtime.cli import config_from_args
+
+    if args.base_url:
+        info = {"kind": "http", "base_url": args.base_url}
+        return url_targets(args.base_url, args.served_model_name or args.model, args.api_key), info
+    base = config_from_args(args)
+    if args.stream_threads is not None:
+        base = merge_settings(base, Mode("", {"runtime": {"stream_threads": args.stream_threads}}))
+    info = {"base_engine_config": base.model_dump(mode="json")}
+    if args.target == "http":
+        info["kind"] = "http (stallfree serve per mode)"
+        return launched_http_targets(base, args.config, args.startup_timeout), info
+    info["kind"] = "inprocess"
+    return inprocess_targets(base), info
+
+
+class _RichProgress:
+    """A bar per mode on stderr: requests completed out of the workload."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.progress: Progress | None = None
+        self.task: Any = None
+
+    def begin(self, name: str, total: int) -> None:
+        self.progress = Progress(
+            TextColumn("{task.description:<36}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task(name, total=total)
+
+    def advance(self) -> None:
+        if self.progress is not None:
+            self.progress.advance(self.task)
+
+    def end(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def _title(args: argparse.Namespace, info: dict[str, Any], results: list[RunResult]) -> str:
+    target = results[0].settings["target"]
+    model = target.get("model") or target.get("engine_config", {}).get("model", {}).get("path")
+    where = args.base_url or info["kind"]
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}/s"
+    return (
+        f"stallfree bench: {where}, model {model or '?'}, {args.workload} x {args.num_prompts}, "
+        f"rate {rate}, concurrency {args.max_concurrency or 'unlimited'}, seed {args.seed}"
+    )
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    modes = _modes(args)
+    spec = _workload(args)
+    requests = build_requests(spec, _tokenize(args))
+    open_target, info = _targets(args)
+    rs = RunSettings(
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        warmup_requests=args.warmup_requests,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    err = Console(stderr=True)
+    progress = None if args.no_progress else _RichProgress(err)
+    results = await run_modes(modes, open_target, requests, rs, progress)
+    title = _title(args, info, results)
+    print_table(results, title)
+    config = {
+        "command": "stallfree bench",
+        "arguments": {
+            k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
+            for k, v in vars(args).items()
+            if k != "func"
+        },
+        "target": info,
+        "workload": asdict(spec),
+        "run": {
+            **asdict(rs),
+            "request_rate": str(rs.request_rate)
+            if math.isinf(rs.request_rate)
+            else rs.request_rate,
+        },
+        "modes": [asdict(m) for m in modes],
+    }
+    if args.output_json:
+        write_json(args.output_json, results, config)
+        err.print(f"wrote {args.output_json}")
+    if args.plot:
+        write_plot(args.plot, results, title)
+        err.print(f"wrote {args.plot}")
+    return 1 if all(r.summary.completed == 0 for r in results) else 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run `stallfree bench`; every expected failure is one line on stderr and a non-zero code."""
+    from stallfree.runtime.cli import _run
+
+    try:
+        _check_flags(args)
+        return _run(_bench(args))
+    except (UsageError, PlotUnavailableError) as exc:
+        print(f"stallfree bench: error: {exc}", file=sys.stderr)
+        return 2
+    except ValidationError as exc:
+        print(f"stallfree bench: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    except (TargetError, WorkloadError, OSError, ValueError) as exc:
+        print(f"stallfree bench: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("stallfree bench: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A standalone parser (`python -m stallfree.bench.cli`); `stallfree bench` uses the same flags."""
+    parser = argparse.ArgumentParser(prog="stallfree bench", description=DESCRIPTION)
+    add_bench_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_bench(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

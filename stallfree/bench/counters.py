@@ -1,0 +1,160 @@
+"""Stall and overlap counters of a stallfree target: snapshots before and after a run, from the
+embedded engine or from `/metrics`, and the figures their difference gives."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from stallfree.runtime.engine import Engine
+
+PREFIX = "stallfree:"
+
+
+@dataclass(slots=True)
+class CounterSnapshot:
+    """Cumulative counters at one moment; None where the target does not expose one."""
+
+    wall: float
+    steps: float | None = None
+    overlap_steps: float | None = None
+    stalls: dict[str, float] | None = None
+    stall_seconds: dict[str, float] | None = None
+    busy_seconds: float | None = None
+    idle_seconds: float | None = None
+    schedule_sum: float | None = None
+    schedule_count: float | None = None
+
+
+@dataclass(slots=True)
+class StallFigures:
+    """What a run cost in stalls and overlap; None = the target does not report it."""
+
+    steps: float | None = None
+    overlap_steps: float | None = None
+    stalls_total: float | None = None
+    stalls_per_step: dict[str, float] | None = None
+    stall_seconds: float | None = None
+    stall_seconds_by_site: dict[str, float] | None = None
+    device_busy_seconds: float | None = None
+    device_idle_seconds: float | None = None
+    device_idle_fraction: float | None = None
+    mean_schedule_seconds: float | None = None
+    sites: list[str] = field(default_factory=list)
+
+
+def snapshot_engine(engine: Engine) -> CounterSnapshot:
+    """Read the embedded engine's own counters (no Prometheus round trip)."""
+    snap = CounterSnapshot(
+        wall=time.perf_counter(),
+        steps=float(engine.loop.stats.steps),
+        overlap_steps=float(engine.loop.stats.overlap_steps),
+        stalls={k: float(v) for k, v in engine.monitor.stall_counts.items()},
+        stall_seconds=dict(engine.monitor.stall_seconds),
+        busy_seconds=float(engine.stream.busy_seconds),
+    )
+    metrics = engine.metrics
+    if metrics is not None:
+        # NOTE: the collector's idle time counts only while requests are in the engine, and its
+        # schedule histogram only launches; use them so in-process and /metrics figures agree.
+        snap.busy_seconds, snap.idle_seconds = metrics.device_seconds()
+        snap.schedule_sum = metrics.schedule_time.sum
+        snap.schedule_count = float(sum(metrics.schedule_time.counts))
+    else:
+        # without a collector: wall minus busy, whose difference over a run is its idle time
+        snap.idle_seconds = snap.wall - float(engine.stream.busy_seconds)
+        snap.schedule_sum = engine.loop.stats.schedule_seconds
+        snap.schedule_count = snap.steps
+    return snap
+
+
+def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith(PREFIX):
+            continue
+        out.setdefault(family.name, [])
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
+def _total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float | None:
+    rows = samples.get(name)
+    return None if rows is None else sum(v for _, v in rows)
+
+
+def _by_label(
+    samples: dict[str, list[tuple[dict[str, str], float]]], family: str, name: str, label: str
+) -> dict[str, float] | None:
+    if family not in samples:
+        return None
+    out: dict[str, float] = {}
+    for labels, value in samples.get(name, []):
+        key = labels.get(label, "")
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def snapshot_prometheus(text: str) -> CounterSnapshot | None:
+    """Parse a `/metrics` page; None when it carries no stallfree metrics at all."""
+    s = _samples(text)
+    if not s:
+        return None
+    p = PREFIX
+    return CounterSnapshot(
+        wall=time.perf_counter(),
+        steps=_total(s, p + "steps_total"),
+        overlap_steps=_total(s, p + "overlap_steps_total"),
+        stalls=_by_label(s, p + "sync_stalls", p + "sync_stalls_total", "site"),
+        stall_seconds=_by_label(s, p + "sync_stall_seconds", p + "sync_stall_seconds_sum", "site"),
+        busy_seconds=_total(s, p + "device_busy_seconds_total"),
+        idle_seconds=_total(s, p + "device_idle_seconds_total"),
+        schedule_sum=_total(s, p + "schedule_seconds_sum"),
+        schedule_count=_total(s, p + "schedule_seconds_count"),
+    )
+
+
+def _delta(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a
+
+
+def _delta_map(a: dict[str, float] | None, b: dict[str, float] | None) -> dict[str, float] | None:
+    if a is None or b is None:
+        return None
+    return {k: v - a.get(k, 0.0) for k, v in b.items() if v - a.get(k, 0.0) > 0}
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return None if num is None or not den else num / den
+
+
+def stall_figures(before: CounterSnapshot, after: CounterSnapshot) -> StallFigures:
+    steps = _delta(before.steps, after.steps)
+    stalls = _delta_map(before.stalls, after.stalls)
+    seconds = _delta_map(before.stall_seconds, after.stall_seconds)
+    busy = _delta(before.busy_seconds, after.busy_seconds)
+    idle = _delta(before.idle_seconds, after.idle_seconds)
+    per_step = None
+    if stalls is not None and steps:
+        per_step = {site: n / steps for site, n in sorted(stalls.items())}
+    return StallFigures(
+        steps=steps,
+        overlap_steps=_delta(before.overlap_steps, after.overlap_steps),
+        stalls_total=None if stalls is None else sum(stalls.values()),
+        stalls_per_step=per_step,
+        stall_seconds=None if seconds is None else sum(seconds.values()),
+        stall_seconds_by_site=seconds,
+        device_busy_seconds=busy,
+        device_idle_seconds=idle,
+        device_idle_fraction=_ratio(idle, None if busy is None or idle is None else busy + idle),
+        mean_schedule_seconds=_ratio(
+            _delta(before.schedule_sum, after.schedule_sum),
+            _delta(before.schedule_count, after.schedule_count),
+        ),
+        sites=sorted(stalls or {}),
+    )

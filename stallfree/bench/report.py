@@ -1,0 +1,233 @@
+"""Reports: the terminal table (a column per mode, ratios to the first), the JSON file, the PNG."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from stallfree.bench.results import RunResult
+
+Getter = Callable[[RunResult], float | None]
+ABSENT = "—"
+
+
+class PlotUnavailableError(RuntimeError):
+    """`--plot` needs matplotlib, which the `bench` extra installs."""
+
+
+def _dist_getter(key: str, stat: str) -> Getter:
+    return lambda r: getattr(getattr(r.summary, key), stat)
+
+
+def _dist_rows(label: str, key: str) -> list[tuple[str, Getter, str, float]]:
+    return [
+        (f"{label} {stat} (ms)", _dist_getter(key, stat), "{:.2f}", 1e3)
+        for stat in ("mean", "median", "p90", "p99")
+    ]
+
+
+def _stall_getter(attr: str) -> Getter:
+    return lambda r: None if r.stallfree is None else getattr(r.stallfree, attr)
+
+
+def _site_getter(site: str) -> Getter:
+    def get(r: RunResult) -> float | None:
+        per_step = None if r.stallfree is None else r.stallfree.stalls_per_step
+        if per_step is None:
+            return None
+        return per_step.get(site, 0.0)
+
+    return get
+
+
+def table_rows(results: list[RunResult]) -> list[tuple[str, Getter, str, float]]:
+    """(label, value getter, format, scale) for every figure the table shows."""
+    rows: list[tuple[str, Getter, str, float]] = [
+        ("completed requests", lambda r: r.summary.completed, "{:.0f}", 1),
+        ("failed requests", lambda r: r.summary.failed, "{:.0f}", 1),
+        ("duration (s)", lambda r: r.summary.duration_s, "{:.2f}", 1),
+        ("request throughput (req/s)", lambda r: r.summary.request_throughput, "{:.2f}", 1),
+        ("input throughput (tok/s)", lambda r: r.summary.input_throughput, "{:.1f}", 1),
+        ("output throughput (tok/s)", lambda r: r.summary.output_throughput, "{:.1f}", 1),
+        ("total throughput (tok/s)", lambda r: r.summary.total_throughput, "{:.1f}", 1),
+        *_dist_rows("TTFT", "ttft"),
+        *_dist_rows("ITL", "itl"),
+        *_dist_rows("TPOT", "tpot"),
+        *_dist_rows("E2E", "e2e"),
+        ("peak concurrency", lambda r: r.summary.peak_concurrency, "{:.0f}", 1),
+        ("steps", _stall_getter("steps"), "{:.0f}", 1),
+        ("overlap steps", _stall_getter("overlap_steps"), "{:.0f}", 1),
+        ("stalls per step (all sites)", _per_step_total, "{:.3f}", 1),
+    ]
+    sites = sorted({site for r in results if r.stallfree for site in r.stallfree.sites})
+    rows += [(f"  stalls per step: {site}", _site_getter(site), "{:.3f}", 1) for site in sites]
+    rows += [
+        ("stall time (s)", _stall_getter("stall_seconds"), "{:.4f}", 1),
+        ("device busy (s)", _stall_getter("device_busy_seconds"), "{:.2f}", 1),
+        ("device idle fraction", _stall_getter("device_idle_fraction"), "{:.3f}", 1),
+        ("mean schedule time (ms)", _stall_getter("mean_schedule_seconds"), "{:.3f}", 1e3),
+    ]
+    return rows
+
+
+def _per_step_total(r: RunResult) -> float | None:
+    f = r.stallfree
+    if f is None or f.stalls_total is None or not f.steps:
+        return None
+    return f.stalls_total / f.steps
+
+
+def _cell(value: float | None, base: float | None, fmt: str, scale: float, first: bool) -> str:
+    if value is None:
+        return ABSENT
+    text = fmt.format(value * scale)
+    if first:
+        return text
+    if base is None or base == 0:
+        return text if value == 0 else f"{text} ({ABSENT})"
+    return f"{text} ({value / base:.2f}x)"
+
+
+def render_table(results: list[RunResult], title: str | None = None) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("figure", no_wrap=True)
+    for i, r in enumerate(results):
+        table.add_column(r.mode if i == 0 else f"{r.mode} (x base)", justify="right")
+    for label, get, fmt, scale in table_rows(results):
+        base = get(results[0])
+        cells = [_cell(get(r), base, fmt, scale, i == 0) for i, r in enumerate(results)]
+        table.add_row(label, *cells)
+    return table
+
+
+def print_table(results: list[RunResult], title: str, console: Console | None = None) -> None:
+    console = console or Console(width=None if Console().is_terminal else 200)
+    console.print(title, highlight=False, soft_wrap=True)
+    console.print(render_table(results))
+    notes = [f"{r.mode}: {e}" for r in results for e in r.errors[:3]]
+    for note in notes:
+        console.print(f"[red]error[/red] {note}", highlight=False)
+
+
+def _request_dict(record: Any) -> dict[str, Any]:
+    return {**asdict(record), "tpot": record.tpot}
+
+
+def to_json(results: list[RunResult], config: dict[str, Any]) -> dict[str, Any]:
+    from stallfree import __version__
+
+    return {
+        "stallfree_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "config": config,
+        "baseline": results[0].mode,
+        "runs": [
+            {
+                "mode": r.mode,
+                "settings": r.settings,
+                "summary": asdict(r.summary),
+                "stallfree": None if r.stallfree is None else asdict(r.stallfree),
+                "ratios_to_baseline": _ratios(r, results[0], results),
+                "errors": r.errors,
+                "requests": [_request_dict(x) for x in r.requests],
+            }
+            for r in results
+        ],
+    }
+
+
+def _ratios(r: RunResult, base: RunResult, results: list[RunResult]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for label, get, _, _ in table_rows(results):
+        value, ref = get(r), get(base)
+        out[label.strip()] = None if value is None or not ref else value / ref
+    return out
+
+
+def write_json(path: str | Path, results: list[RunResult], config: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(to_json(results, config), indent=2) + "\n")
+
+
+def check_plot_available() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlotUnavailableError(
+            "--plot needs matplotlib: pip install 'stallfree[bench]'"
+        ) from None
+
+
+def write_plot(path: str | Path, results: list[RunResult], title: str) -> None:
+    """Latency CDFs (TTFT, ITL, E2E) on top; stall time, device idle fraction and output
+    throughput per mode below."""
+    check_plot_available()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    fig.suptitle(title)
+    _latency_cdfs(axes[0], results)
+    names = [r.mode for r in results]
+    _bars(axes[1][0], names, [_stall_getter("stall_seconds")(r) for r in results], "stall time (s)")
+    _bars(
+        axes[1][1],
+        names,
+        [_stall_getter("device_idle_fraction")(r) for r in results],
+        "device idle fraction",
+    )
+    _bars(axes[1][2], names, [r.summary.output_throughput for r in results], "output tokens/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _latency_cdfs(axes: Any, results: list[RunResult]) -> None:
+    import numpy as np
+    from matplotlib.ticker import NullFormatter
+
+    panels = (
+        ("TTFT", lambda r: [x.ttft for x in r.requests if x.success and x.ttft is not None]),
+        ("ITL", lambda r: [i for x in r.requests if x.success for i in x.itls]),
+        ("E2E latency", lambda r: [x.e2e for x in r.requests if x.success and x.e2e is not None]),
+    )
+    for ax, (name, values) in zip(axes, panels, strict=True):
+        for r in results:
+            data = np.sort(np.asarray(values(r), dtype=float)) * 1e3
+            if data.size:
+                ax.plot(data, np.arange(1, data.size + 1) / data.size, label=r.mode)
+        ax.set_title(f"{name} distribution")
+        if name == "ITL":
+            ax.set_xscale("log")  # a few long gaps (prefill steps) would squash the rest
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of requests" if name != "ITL" else "fraction of tokens")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+
+def _bars(ax: Any, names: list[str], values: list[float | None], title: str) -> None:
+    xs = range(len(names))
+    heights = [0.0 if v is None else v for v in values]
+    bars = ax.bar(xs, heights, color=[f"C{i}" for i in xs])
+    for bar, v in zip(bars, values, strict=True):
+        label = "absent" if v is None else f"{v:.3g}"
+        ax.annotate(
+            label,
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(names, rotation=15, ha="right", fontsize=8)
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)

@@ -1,0 +1,230 @@
+"""Run one workload against one target per mode: warm up, snapshot the counters, send requests
+on their arrival schedule under the concurrency cap, snapshot again, summarize."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from stallfree.bench.counters import stall_figures
+from stallfree.bench.launcher import ServerProcess
+from stallfree.bench.results import RequestRecord, RunResult, summarize
+from stallfree.bench.targets import HttpTarget, InProcessTarget, RequestOptions, Target
+from stallfree.bench.workloads import BenchRequest, arrival_offsets
+from stallfree.config import StallfreeConfig
+
+WARMUP_MAX_TOKENS = 16
+
+
+@dataclass(slots=True)
+class Mode:
+    """A named set of engine settings that `--compare` runs side by side."""
+
+    name: str
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+BASE_MODES = (
+    Mode("overlap off", {"runtime": {"overlap": False, "cpu_mirrors": False}}),
+    Mode("overlap, mirrors off", {"runtime": {"overlap": True, "cpu_mirrors": False}}),
+    Mode("overlap, mirrors on", {"runtime": {"overlap": True, "cpu_mirrors": True}}),
+)
+MODE_KEYS = {"off": 0, "no-mirrors": 1, "mirrors": 2}
+
+
+def compare_modes(hisparse: str | None = None, keys: list[str] | None = None) -> list[Mode]:
+    """The base modes (or the `keys` subset), with HiSparse off, on, both, or as configured."""
+    base = [BASE_MODES[MODE_KEYS[k]] for k in keys] if keys else list(BASE_MODES)
+    if hisparse is None:
+        return base
+    states = {"off": [False], "on": [True], "both": [False, True]}[hisparse]
+    out = []
+    for enabled in states:
+        for mode in base:
+            name = f"{mode.name}, hisparse" if enabled else mode.name
+            settings = {**mode.settings, "hisparse": {"enabled": enabled}}
+            out.append(Mode(name, settings))
+    return out
+
+
+@dataclass(slots=True)
+class RunSettings:
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    warmup_requests: int = 2
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    seed: int = 0
+
+
+class ProgressSink(Protocol):
+    def begin(self, name: str, total: int) -> None: ...
+
+    def advance(self) -> None: ...
+
+    def end(self) -> None: ...
+
+
+TargetFactory = Callable[[Mode], AbstractAsyncContextManager[Target]]
+
+
+def merge_settings(config: StallfreeConfig, mode: Mode) -> StallfreeConfig:
+    merged = config.model_dump()
+    for section, values in mode.settings.items():
+        merged[section] = {**merged.get(section, {}), **values}
+    return StallfreeConfig(**merged)
+
+
+def inprocess_targets(base: StallfreeConfig) -> TargetFactory:
+    @contextlib.asynccontextmanager
+    async def open_target(mode: Mode) -> AsyncIterator[Target]:
+        target = InProcessTarget(merge_settings(base, mode))
+        await target.start()
+        try:
+            yield target
+        finally:
+            await target.stop()
+
+    return open_target
+
+
+def launched_http_targets(
+    base: StallfreeConfig, config_path: str | None, startup_timeout_s: float
+) -> TargetFactory:
+    """A fresh `stallfree serve` per mode, sent every setting of the merged config so that
+    nothing in the parent's environment can flip a mode."""
+
+    @contextlib.asynccontextmanager
+    async def open_target(mode: Mode) -> AsyncIterator[Target]:
+        dumped = merge_settings(base, mode).model_dump(mode="json")
+        dumped.pop("server", None)
+        settings = {
+            section: {k: v for k, v in values.items() if v is not None}
+            for section, values in dumped.items()
+        }
+        server = ServerProcess(settings, config_path, startup_timeout_s)
+        url = await server.start()
+        # the server reads STALLFREE_SERVER__API_KEY from the environment it inherits
+        target = HttpTarget(url, api_key=base.server.api_key)
+        try:
+            await target.start()
+            yield target
+        finally:
+            await target.stop()
+            await server.stop()
+
+    return open_target
+
+
+def url_targets(base_url: str, model: str | None, api_key: str | None) -> TargetFactory:
+    @contextlib.asynccontextmanager
+    async def open_target(mode: Mode) -> AsyncIterator[Target]:
+        target = HttpTarget(base_url, model, api_key)
+        await target.start()
+        try:
+            yield target
+        finally:
+            await target.stop()
+
+    return open_target
+
+
+async def _warm_up(target: Target, requests: list[BenchRequest], rs: RunSettings) -> None:
+    if rs.warmup_requests <= 0:
+        return
+    opts = RequestOptions(rs.temperature, rs.ignore_eos, max_tokens=WARMUP_MAX_TOKENS)
+    picked = [requests[i % len(requests)] for i in range(rs.warmup_requests)]
+    await asyncio.gather(*(target.send(r, opts) for r in picked))
+
+
+@dataclass(slots=True)
+class _Flight:
+    """Requests in flight at the target (past the concurrency gate), and the most seen."""
+
+    now: int = 0
+    peak: int = 0
+
+
+async def _send_all(
+    target: Target,
+    requests: list[BenchRequest],
+    rs: RunSettings,
+    progress: ProgressSink | None,
+) -> tuple[list[RequestRecord], float, int]:
+    opts = RequestOptions(rs.temperature, rs.ignore_eos)
+    gate = asyncio.Semaphore(rs.max_concurrency or len(requests))
+    flight = _Flight()
+    start = time.perf_counter()
+
+    async def one(req: BenchRequest) -> RequestRecord:
+        async with gate:
+            flight.now += 1
+            flight.peak = max(flight.peak, flight.now)
+            sent = time.perf_counter() - start
+            try:
+                record = await target.send(req, opts)
+            finally:
+                flight.now -= 1
+        record.start = sent
+        if progress is not None:
+            progress.advance()
+        return record
+
+    tasks = []
+    for req, offset in zip(
+        requests, arrival_offsets(len(requests), rs.request_rate, rs.seed), strict=True
+    ):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(req)))
+    records = await asyncio.gather(*tasks)
+    return list(records), time.perf_counter() - start, flight.peak
+
+
+async def run_mode(
+    mode: Mode,
+    open_target: TargetFactory,
+    requests: list[BenchRequest],
+    rs: RunSettings,
+    progress: ProgressSink | None = None,
+) -> RunResult:
+    async with open_target(mode) as target:
+        await _warm_up(target, requests, rs)
+        before = await target.counters()
+        if progress is not None:
+            progress.begin(mode.name, len(requests))
+        try:
+            records, duration, peak = await _send_all(target, requests, rs, progress)
+        finally:
+            if progress is not None:
+                progress.end()
+        after = await target.counters()
+        described = target.describe()
+    figures = stall_figures(before, after) if before and after else None
+    errors = sorted({r.error for r in records if r.error})
+    return RunResult(
+        mode=mode.name,
+        settings={"mode": asdict(mode), "target": described},
+        summary=summarize(records, duration, peak),
+        stallfree=figures,
+        requests=records,
+        errors=errors[:10],
+    )
+
+
+async def run_modes(
+    modes: list[Mode],
+    open_target: TargetFactory,
+    requests: list[BenchRequest],
+    rs: RunSettings,
+    progress: ProgressSink | None = None,
+) -> list[RunResult]:
+    """Modes one after another (never concurrently: they would share the same cores)."""
+    return [await run_mode(m, open_target, requests, rs, progress) for m in modes]

@@ -1,0 +1,269 @@
+"""Targets: where requests go. An embedded `Engine`, or any OpenAI-compatible server over HTTP
+(streaming `/v1/completions`). Both time every request from the client's side."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import httpx
+
+from stallfree.bench.counters import CounterSnapshot, snapshot_engine, snapshot_prometheus
+from stallfree.bench.results import RequestRecord
+from stallfree.bench.workloads import BenchRequest
+
+if TYPE_CHECKING:
+    from stallfree.config import StallfreeConfig
+    from stallfree.runtime.engine import Engine
+
+
+_FAILED = ("error", "abort")
+
+
+class TargetError(RuntimeError):
+    """The target cannot be used (unreachable, no model, failed to start)."""
+
+
+@dataclass(slots=True)
+class RequestOptions:
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    max_tokens: int | None = None  # caps each request's own output_len (warm-up)
+
+
+class Target(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def send(self, req: BenchRequest, opts: RequestOptions) -> RequestRecord: ...
+
+    async def counters(self) -> CounterSnapshot | None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+@dataclass(slots=True)
+class _Timer:
+    """Client-side token timing: TTFT at the first content, one ITL per later content chunk."""
+
+    record: RequestRecord
+    t0: float = field(default_factory=time.perf_counter)
+    last: float | None = None
+
+    def content(self) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.record.ttft = now - self.t0
+        else:
+            self.record.itls.append(now - self.last)
+        self.last = now
+
+    def done(self) -> RequestRecord:
+        self.record.e2e = time.perf_counter() - self.t0
+        return self.record
+
+
+class InProcessTarget:
+    """A fresh embedded `Engine` with the given configuration."""
+
+    def __init__(self, config: StallfreeConfig) -> None:
+        self.config = config
+        self.engine: Engine | None = None
+
+    async def start(self) -> None:
+        from stallfree.runtime.engine import Engine
+
+        self.engine = Engine(self.config)
+        await self.engine.start()
+
+    async def stop(self) -> None:
+        if self.engine is not None:
+            await self.engine.shutdown()
+            self.engine = None
+
+    async def send(self, req: BenchRequest, opts: RequestOptions) -> RequestRecord:
+        from stallfree.runtime.sampling_params import SamplingParams
+
+        assert self.engine is not None
+        record = RequestRecord(req.prompt_len, req.output_len, input_tokens=req.prompt_len)
+        timer = _Timer(record)
+        params = SamplingParams(
+            max_new_tokens=min(req.output_len, opts.max_tokens or req.output_len),
+            temperature=opts.temperature,
+            ignore_eos=opts.ignore_eos,
+        )
+        try:
+            async for chunk in self.engine.generate(req.prompt, params):
+                if chunk.token_ids:
+                    timer.content()
+                if chunk.finished:
+                    record.finish_reason = chunk.finish_reason
+                    record.input_tokens = chunk.prompt_tokens
+                    record.output_tokens = chunk.completion_tokens
+                    record.error = chunk.error
+        except Exception as exc:  # the engine's refusals are failed requests, not crashes
+            record.error = f"{type(exc).__name__}: {exc}"
+            return timer.done()
+        record.success = record.error is None and record.finish_reason not in _FAILED
+        return timer.done()
+
+    async def counters(self) -> CounterSnapshot | None:
+        assert self.engine is not None
+        return snapshot_engine(self.engine)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "inprocess", "engine_config": self.config.model_dump(mode="json")}
+
+
+def api_root(base_url: str) -> str:
+    """`http://h:p`, `http://h:p/` and `http://h:p/v1` all name the same server."""
+    root = base_url.rstrip("/")
+    return root.removesuffix("/v1")
+
+
+class HttpTarget:
+    """An OpenAI-compatible server: streaming `/v1/completions`, and `/metrics` if it has one."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.root = api_root(base_url)
+        self.model = model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client_args: dict[str, Any] = {
+            "base_url": self.root,
+            "headers": headers,
+            "timeout": httpx.Timeout(timeout_s, connect=10.0),
+            # NOTE: httpx caps a client at 100 connections by default, which would cap the
+            # concurrency being measured.
+            "limits": httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            "transport": transport,
+        }
+        self.client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(**self._client_args)
+        try:
+            resp = await self.client.get("/v1/models")
+        except httpx.HTTPError as exc:
+            await self.stop()
+            raise TargetError(f"cannot reach {self.root}: {_describe(exc)}") from None
+        if self.model is None:
+            self.model = _first_model(resp)
+            if self.model is None:
+                await self.stop()
+                raise TargetError(
+                    f"{self.root}/v1/models answered {resp.status_code} with no model; "
+                    "name one with --served-model-name"
+                )
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
+
+    def _body(self, req: BenchRequest, opts: RequestOptions) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": req.prompt,
+            "max_tokens": min(req.output_len, opts.max_tokens or req.output_len),
+            "temperature": opts.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if opts.ignore_eos:
+            body["ignore_eos"] = True  # an extra that vLLM, SGLang and stallfree accept
+        return body
+
+    async def send(self, req: BenchRequest, opts: RequestOptions) -> RequestRecord:
+        assert self.client is not None
+        record = RequestRecord(req.prompt_len, req.output_len, input_tokens=req.prompt_len)
+        timer = _Timer(record)
+        try:
+            async with self.client.stream(
+                "POST", "/v1/completions", json=self._body(req, opts)
+            ) as resp:
+                if resp.status_code != 200:
+                    body = (await resp.aread()).decode(errors="replace")
+                    record.error = f"HTTP {resp.status_code}: {_error_message(body)}"
+                    return timer.done()
+                chunks = await self._read_stream(resp, record, timer)
+        except httpx.HTTPError as exc:
+            record.error = _describe(exc)
+            return timer.done()
+        except ValueError as exc:  # a stream that is not the completions protocol
+            record.error = f"bad stream: {exc}"
+            return timer.done()
+        if record.output_tokens == 0:
+            record.output_tokens = chunks  # a server that sends no usage: one token per chunk
+        record.success = record.error is None and record.finish_reason not in _FAILED
+        return timer.done()
+
+    async def _read_stream(self, resp: httpx.Response, record: RequestRecord, timer: _Timer) -> int:
+        chunks = 0
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                record.error = _error_message(json.dumps(event))
+                continue
+            for choice in event.get("choices") or []:
+                if choice.get("text"):
+                    timer.content()
+                    chunks += 1
+                if choice.get("finish_reason"):
+                    record.finish_reason = choice["finish_reason"]
+            usage = event.get("usage")
+            if usage:
+                record.input_tokens = int(usage.get("prompt_tokens", record.input_tokens))
+                record.output_tokens = int(usage.get("completion_tokens", 0))
+        return chunks
+
+    async def counters(self) -> CounterSnapshot | None:
+        assert self.client is not None
+        try:
+            resp = await self.client.get("/metrics")
+        except httpx.HTTPError:
+            return None
+        if resp.status_code != 200:
+            return None
+        return snapshot_prometheus(resp.text)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "http", "base_url": self.root, "model": self.model}
+
+
+def _first_model(resp: httpx.Response) -> str | None:
+    if resp.status_code != 200:
+        return None
+    try:
+        data = resp.json().get("data") or []
+    except (ValueError, AttributeError):
+        return None
+    return str(data[0]["id"]) if data and isinstance(data[0], dict) and "id" in data[0] else None
+
+
+def _error_message(body: str) -> str:
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return body[:200]
+    if isinstance(err, dict):
+        return str(err.get("message", err))[:200]
+    return str(err)[:200]
+
+
+def _describe(exc: httpx.HTTPError) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

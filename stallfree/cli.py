@@ -1,0 +1,44 @@
+"""The full `stallfree` command: the runtime's commands plus `bench`.
+
+It lives here, above both, because `stallfree.runtime` never imports `stallfree.bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from stallfree.runtime import cli as runtime_cli
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action
+    raise RuntimeError("the runtime parser has no subcommands")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from stallfree.bench.cli import DESCRIPTION, add_bench_arguments
+
+    parser = runtime_cli.build_parser()
+    bench = _subparsers(parser).add_parser(
+        "bench", help="load-test and compare overlap modes", description=DESCRIPTION
+    )
+    add_bench_arguments(bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from stallfree.bench.cli import run_bench
+
+        return run_bench(args)
+    return runtime_cli.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""`stallfree bench`: workloads, counters, a short --compare in process and over HTTP (real
+`stallfree serve` subprocesses), JSON checks, the plot, and clear errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from stallfree.bench.counters import snapshot_prometheus, stall_figures
+from stallfree.bench.runner import Mode, RunSettings, run_mode
+from stallfree.bench.targets import HttpTarget
+from stallfree.bench.workloads import (
+    TOKEN_ID_LIMIT,
+    WorkloadError,
+    WorkloadSpec,
+    arrival_offsets,
+    build_requests,
+)
+from stallfree.cli import main
+
+NUM_PROMPTS = 6
+SHORT_RUN = [
+    "bench",
+    "--compare",
+    "--num-prompts",
+    str(NUM_PROMPTS),
+    "--input-len",
+    "24",
+    "--output-len",
+    "12",
+    "--ignore-eos",
+    "--warmup-requests",
+    "1",
+    "--max-concurrency",
+    "4",
+    "--no-progress",
+]
+MIRRORS_OFF, MIRRORS_ON = "overlap, mirrors off", "overlap, mirrors on"
+
+
+def _dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------- workloads
+
+
+def test_random_workload_is_seeded_and_in_range() -> None:
+    spec = WorkloadSpec(num_prompts=50, input_len=40, output_len=20, range_ratio=0.5, seed=3)
+    a, b = build_requests(spec), build_requests(spec)
+    assert [r.prompt for r in a] == [r.prompt for r in b]
+    for r in a:
+        assert 20 <= r.prompt_len <= 40 and 10 <= r.output_len <= 20
+        assert len(r.prompt) == r.prompt_len
+        assert all(0 <= t < TOKEN_ID_LIMIT for t in r.prompt)
+    other = build_requests(WorkloadSpec(num_prompts=50, input_len=40, output_len=20, seed=4))
+    assert [r.prompt for r in a] != [r.prompt for r in other]
+
+
+def test_shared_prefix_workload_shares_prefixes() -> None:
+    spec = WorkloadSpec(kind="shared-prefix", num_prompts=12, prefix_groups=3, prefix_len=16)
+    reqs = build_requests(spec)
+    assert len({tuple(r.prompt[:16]) for r in reqs}) == 3
+    assert all(r.prompt_len == len(r.prompt) > 16 for r in reqs)
+
+
+def test_sharegpt_workload(tmp_path) -> None:
+    convs = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"question {i} " * 3},
+                {"from": "gpt", "value": "an answer " * (i + 1)},
+            ]
+        }
+        for i in range(5)
+    ]
+    convs.append({"conversations": [{"from": "human", "value": "hi"}]})  # no reply: skipped
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    spec = WorkloadSpec(kind="sharegpt", num_prompts=4, dataset_path=str(path))
+
+    def tokenize(text: str) -> list[int]:
+        return list(text.encode())
+
+    reqs = build_requests(spec, tokenize)
+    assert len(reqs) == 4
+    assert all(isinstance(r.prompt, str) and r.prompt_len == len(r.prompt) for r in reqs)
+    with pytest.raises(WorkloadError, match="only 5 usable"):
+        build_requests(
+            WorkloadSpec(kind="sharegpt", num_prompts=9, dataset_path=str(path)), tokenize
+        )
+
+
+def test_arrivals_poisson_and_all_at_once() -> None:
+    assert arrival_offsets(5, math.inf, 0) == [0.0] * 5
+    offsets = arrival_offsets(4000, 10.0, 1)
+    assert offsets == sorted(offsets) and offsets == arrival_offsets(4000, 10.0, 1)
+    assert 0.09 < offsets[-1] / len(offsets) < 0.11  # mean gap 1 / rate
+
+
+# ---------------------------------------------------------------- counters
+
+METRICS_BEFORE = """\
+# TYPE stallfree:steps counter
+stallfree:steps_total{model_name="m",engine="0"} 10
+# TYPE stallfree:sync_stalls counter
+stallfree:sync_stalls_total{model_name="m",engine="0",site="schedule.page_count"} 4
+# TYPE stallfree:sync_stall_seconds histogram
+stallfree:sync_stall_seconds_bucket{model_name="m",engine="0",site="schedule.page_count",le="+Inf"} 4
+stallfree:sync_stall_seconds_sum{model_name="m",engine="0",site="schedule.page_count"} 0.5
+stallfree:sync_stall_seconds_count{model_name="m",engine="0",site="schedule.page_count"} 4
+# TYPE stallfree:device_busy_seconds counter
+stallfree:device_busy_seconds_total{model_name="m",engine="0"} 1.0
+# TYPE stallfree:device_idle_seconds counter
+stallfree:device_idle_seconds_total{model_name="m",engine="0"} 1.0
+"""
+METRICS_AFTER = (
+    METRICS_BEFORE.replace(
+        'steps_total{model_name="m",engine="0"} 10', 'steps_total{model_name="m",engine="0"} 30'
+    )
+    .replace(
+        'page_count"} 4\n# TYPE stallfree:sync_stall_seconds',
+        'page_count"} 44\n# TYPE stallfree:sync_stall_seconds',
+    )
+    .replace("} 0.5", "} 2.5")
+    .replace(
+        'busy_seconds_total{model_name="m",engine="0"} 1.0',
+        'busy_seconds_total{model_name="m",engine="0"} 4.0',
+    )
+    .replace(
+        'idle_seconds_total{model_name="m",engine="0"} 1.0',
+        'idle_seconds_total{model_name="m",engine="0"} 2.0',
+    )
+)
+
+
+def test_prometheus_deltas_and_absent_figures() -> None:
+    before, after = snapshot_prometheus(METRICS_BEFORE), snapshot_prometheus(METRICS_AFTER)
+    assert before is not None and after is not None
+    f = stall_figures(before, after)
+    assert f.steps == 20 and f.stalls_total == 40
+    assert f.stalls_per_step == {"schedule.page_count": 2.0}
+    assert f.stall_seconds == pytest.approx(2.0)
+    assert f.device_idle_fraction == pytest.approx(1.0 / 4.0)
+    # not exposed by this target: absent, never zero
+    assert f.overlap_steps is None and f.mean_schedule_seconds is None
+    assert snapshot_prometheus("# TYPE other_metric counter\nother_metric_total 3\n") is None
+
+
+# ---------------------------------------------------------------- --compare, checked from JSON
+
+
+def _check_run_json(data: dict) -> None:
+    assert [r["mode"] for r in data["runs"]] == ["overlap off", MIRRORS_OFF, MIRRORS_ON]
+    assert data["config"]["workload"]["num_prompts"] == NUM_PROMPTS
+    for run in data["runs"]:
+        s, reqs = run["summary"], run["requests"]
+        assert len(reqs) == NUM_PROMPTS
+        assert s["completed"] == NUM_PROMPTS and s["failed"] == 0, run["errors"]
+        for key in ("ttft", "itl", "tpot", "e2e"):
+            d = s[key]
+            assert d["median"] <= d["p90"] <= d["p99"], (run["mode"], key, d)
+        ok = [r for r in reqs if r["success"]]
+        tokens_out = sum(r["output_tokens"] for r in ok)
+        tokens_in = sum(r["input_tokens"] for r in ok)
+        assert tokens_out == sum(r["output_len"] for r in reqs)  # --ignore-eos: every token
+        duration = s["duration_s"]
+        assert s["output_throughput"] == pytest.approx(tokens_out / duration, rel=1e-9)
+        assert s["input_throughput"] == pytest.approx(tokens_in / duration, rel=1e-9)
+        assert s["total_throughput"] == pytest.approx((tokens_in + tokens_out) / duration, rel=1e-9)
+        assert s["request_throughput"] == pytest.approx(len(ok) / duration, rel=1e-9)
+        assert 1 <= s["peak_concurrency"] <= 4
+    stalls = {r["mode"]: r["stallfree"] for r in data["runs"]}
+    assert stalls[MIRRORS_OFF]["stalls_total"] > 0
+    assert stalls[MIRRORS_OFF]["stalls_per_step"]["schedule.page_count"] > 0
+    assert stalls[MIRRORS_ON]["stalls_total"] == 0
+    assert stalls[MIRRORS_ON]["stalls_per_step"] == {}
+    assert stalls[MIRRORS_ON]["stall_seconds"] == 0
+    for figures in stalls.values():
+        assert 0.0 <= figures["device_idle_fraction"] <= 1.0
+        assert figures["mean_schedule_seconds"] > 0
+
+
+def test_compare_in_process(tmp_path, capsys) -> None:
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert main([*SHORT_RUN, "--output-json", str(out), "--plot", str(png)]) == 0
+    table = capsys.readouterr().out
+    assert MIRRORS_ON in table and "stalls per step" in table and "x)" in table
+    data = json.loads(out.read_text())
+    _check_run_json(data)
+    assert data["config"]["target"]["kind"] == "inprocess"
+    assert data["runs"][0]["settings"]["target"]["engine_config"]["runtime"]["overlap"] is False
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_over_http(tmp_path, capsys) -> None:
+    """Each mode gets its own `stallfree serve` subprocess; figures come from /metrics."""
+    out = tmp_path / "bench.json"
+    assert main([*SHORT_RUN, "--target", "http", "--output-json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    _check_run_json(data)
+    assert data["runs"][0]["settings"]["target"]["kind"] == "http"
+
+
+# ---------------------------------------------------------------- any OpenAI-compatible server
+
+
+def _fake_openai(request: httpx.Request) -> httpx.Response:
+    """A server with the completions protocol and no stallfree metrics."""
+    if request.url.path == "/v1/models":
+        return httpx.Response(200, json={"object": "list", "data": [{"id": "fake"}]})
+    if request.url.path == "/metrics":
+        return httpx.Response(404)
+    body = json.loads(request.content)
+    events = [{"choices": [{"index": 0, "text": "x", "finish_reason": None}]}] * body["max_tokens"]
+    events.append({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+    events.append(
+        {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": len(body["prompt"]),
+                "completion_tokens": body["max_tokens"],
+            },
+        }
+    )
+    sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+
+async def test_foreign_server_reports_stall_figures_as_absent() -> None:
+    import contextlib
+
+    @contextlib.asynccontextmanager
+    async def open_target(mode: Mode):
+        target = HttpTarget("http://fake/v1", transport=httpx.MockTransport(_fake_openai))
+        await target.start()
+        try:
+            yield target
+        finally:
+            await target.stop()
+
+    reqs = build_requests(WorkloadSpec(num_prompts=5, input_len=8, output_len=6))
+    result = await run_mode(Mode("target"), open_target, reqs, RunSettings(warmup_requests=0))
+    assert result.summary.completed == 5
+    assert result.summary.total_output_tokens == sum(r.output_len for r in reqs)
+    assert result.stallfree is None
+    assert result.settings["target"]["model"] == "fake"
+
+    from stallfree.bench.report import render_table, to_json
+
+    assert to_json([result], {})["runs"][0]["stallfree"] is None
+    rows = {row: cells for row, *cells in _table_cells(render_table([result], "t"))}
+    assert rows["stall time (s)"] == ["—"] and rows["device idle fraction"] == ["—"]
+
+
+def _table_cells(table) -> list[list[str]]:
+    columns = [list(c.cells) for c in table.columns]
+    return [list(row) for row in zip(*columns, strict=True)]
+
+
+# ---------------------------------------------------------------- errors: message, exit code, no traceback
+
+
+def test_compare_with_base_url_is_a_usage_error(capsys) -> None:
+    assert main(["bench", "--compare", "--base-url", "http://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "--compare" in err and "--base-url" in err and "Traceback" not in err
+
+
+def test_plot_flag_and_other_bad_flags(capsys) -> None:
+    assert main(["bench", "--compare", "--overlap"]) == 2
+    assert main(["bench", "--modes", "mirrors"]) == 2
+    assert main(["bench", "--compare", "--modes", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("stallfree bench: error:") == 3 and "Traceback" not in err
+
+
+def test_unreachable_url_subprocess() -> None:
+    url = f"http://127.0.0.1:{_dead_port()}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "stallfree.cli", "bench", "--base-url", url, "--num-prompts", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert f"cannot reach {url}" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_bad_flag_combination_subprocess() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stallfree.cli",
+            "bench",
+            "--compare",
+            "--base-url",
+            "http://127.0.0.1:1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "--compare" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_sharegpt_file(capsys, tmp_path) -> None:
+    missing = str(tmp_path / "nope.json")
+    assert main(["bench", "--workload", "sharegpt", "--dataset-path", missing]) == 1
+    err = capsys.readouterr().err
+    assert "not found" in err and "Traceback" not in err
+
+
+def test_plot_without_matplotlib_is_a_clear_error(capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
+    assert main(["bench", "--num-prompts", "1", "--plot", "out.png"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'stallfree[bench]'" in err and "Traceback" not in err
