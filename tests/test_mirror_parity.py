@@ -119,9 +119,11 @@ class World:
         batch = self.batches[arg % len(self.batches)]
         if len(batch) < 2:
             return
-        # pretend the pool is exhausted: ask for more pages than are free
-        need = self.ctx.allocator.available_pages() + 1 + arg % 3
-        for req in batch.retract_decode(need):
+        # exhaust the pool so the next decode step cannot fit, then retract
+        hold = self.ctx.allocator.alloc_pages(self.ctx.allocator.available_pages()) or []
+        retracted, _ = batch.retract_decode()
+        self.ctx.allocator.free_pages(hold)
+        for req in retracted:
             self.free(req)
 
     def check(self) -> None:

@@ -52,20 +52,24 @@ class Req:
         return self.origin_input_ids + self.output_ids
 
     @property
+    def fill_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """`fill_ids[start:end]` without building the whole list."""
+        prompt = self.origin_input_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        head = prompt[start:] if start < len(prompt) else []
+        return head + self.output_ids[max(start - len(prompt), 0) : end - len(prompt)]
+
+    @property
     def finished(self) -> bool:
         return self.finished_reason is not None
 
     @property
     def in_flight_outputs(self) -> int:
         return self.num_scheduled_outputs - len(self.output_ids)
-
-    @property
-    def prefill_done(self) -> bool:
-        return (
-            self.num_computed_tokens
-            >= len(self.origin_input_ids) + len(self.output_ids) - (1 if self.output_ids else 0)
-            and self.num_scheduled_outputs > 0
-        )
 
     def wants_more_decode(self) -> bool:
         """Host-known: another decode step may still produce a token this request keeps."""

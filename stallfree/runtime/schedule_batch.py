@@ -100,7 +100,7 @@ class ScheduleBatch:
         self.extend_lens_cpu = list(extend_lens)
         ids, pos = [], []
         for req, prefix, ext in zip(self.reqs, self.prefix_lens_cpu, extend_lens, strict=True):
-            ids.extend(req.fill_ids[prefix : prefix + ext])
+            ids.extend(req.fill_slice(prefix, prefix + ext))
             pos.append(torch.arange(prefix, prefix + ext, dtype=_I64))
         self.out_cache_loc, self.req_pool_indices, self.req_pool_indices_cpu = alloc_for_extend(
             self, extend_lens
@@ -114,17 +114,19 @@ class ScheduleBatch:
         self.output_rows, self.output_steps = [], []
         for req, ext in zip(self.reqs, extend_lens, strict=True):
             req.num_computed_tokens += ext
-            final = req.num_computed_tokens == len(req.fill_ids)
+            final = req.num_computed_tokens == req.fill_len
             self.output_rows.append(final)
             self.output_steps.append(req.num_scheduled_outputs)
             if final:
                 req.num_scheduled_outputs += 1
         self._check()
 
-    def prepare_for_decode(self) -> None:
+    def prepare_for_decode(self, seq_lens_host: torch.Tensor | None = None) -> None:
+        """`seq_lens_host`: lengths the caller already read for this batch, if any."""
         self.forward_mode = ForwardMode.DECODE
         stream = self.ctx.stream
-        seq_lens_host = self.host_seq_lens("schedule.page_count")
+        if seq_lens_host is None:
+            seq_lens_host = self.host_seq_lens("schedule.page_count")
         self.prefix_lens_cpu = seq_lens_host.tolist()
         self.extend_lens_cpu = [1] * len(self.reqs)
         self.out_cache_loc = alloc_for_decode(self, seq_lens_host)
@@ -213,36 +215,32 @@ class ScheduleBatch:
         self.seq_lens_cpu = torch.cat([self.seq_lens_cpu, other.seq_lens_cpu])
         self._check()
 
-    def retract_decode(self, pages_needed: int) -> list[Req]:
-        """Remove requests until one decode step fits; returns them, newest work first out.
+    def retract_decode(self) -> tuple[list[Req], bool]:
+        """Remove requests until one decode step fits the free KV pages.
 
         Victims have the fewest outputs, then the longest prompts, so the least work is redone.
+        Returns them and whether the step now fits (it may not, with one request left).
         """
-        from stallfree.runtime.alloc import decode_pages_needed
-
         allocator = self.ctx.allocator
         seq_lens_host = self.host_seq_lens("schedule.retract")
+        needs = (seq_lens_host % allocator.page_size == 0).tolist()
+        needed, available = sum(needs), allocator.available_pages()
         order = sorted(
             range(len(self.reqs)),
             key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
         )
         keep = set(range(len(self.reqs)))
         retracted: list[Req] = []
-        freed = 0
         for i in order:
-            if len(keep) <= 1:
-                break
-            kept = torch.tensor(sorted(keep), dtype=_I64)
-            if allocator.available_pages() + freed >= decode_pages_needed(
-                seq_lens_host[kept], allocator.page_size
-            ):
+            if available >= needed or len(keep) <= 1:
                 break
             keep.discard(i)
             retracted.append(self.reqs[i])
-            freed += len(self.reqs[i].kv_pages)
+            available += len(self.reqs[i].kv_pages)
+            needed -= needs[i]
         if retracted:
             self.filter_batch(sorted(keep))
-        return retracted
+        return retracted, available >= needed
 
     # ------------------------------------------------------------------ launch
 

@@ -12,6 +12,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from stallfree.config import SchedulerConfig
 from stallfree.runtime.alloc import (
     decode_pages_needed,
@@ -19,7 +21,6 @@ from stallfree.runtime.alloc import (
     new_pages_needed,
     pages_for,
 )
-from stallfree.runtime.forward_batch import ForwardMode
 from stallfree.runtime.observer import EngineObserver
 from stallfree.runtime.req import FinishReason, Req, ReqStatus
 from stallfree.runtime.schedule_batch import BatchContext, ScheduleBatch
@@ -102,10 +103,10 @@ class Scheduler:
             assert running is not None
             if running.is_empty():
                 return None
-            self._make_room_for_decode(running)
+            seq_lens_host = self._make_room_for_decode(running)
             if running.is_empty():
                 return None
-            running.prepare_for_decode()
+            running.prepare_for_decode(seq_lens_host)
             self.stats.num_decode_batches += 1
             return running
 
@@ -169,7 +170,7 @@ class Scheduler:
         chunked = self.chunked_req
         if chunked is not None:
             ext = min(
-                len(chunked.fill_ids) - chunked.num_computed_tokens,
+                chunked.fill_len - chunked.num_computed_tokens,
                 self.config.chunked_prefill_size,
                 budget,
             )
@@ -182,7 +183,7 @@ class Scheduler:
             lens.append(ext)
             budget -= ext
             free_tokens -= cost
-            if chunked.num_computed_tokens + ext == len(chunked.fill_ids):
+            if chunked.num_computed_tokens + ext == chunked.fill_len:
                 self.chunked_req = None
 
         while self.waiting and budget > 0 and self.chunked_req is None:
@@ -193,7 +194,7 @@ class Scheduler:
                 break
             if free_slots <= 0:
                 break
-            remaining = len(req.fill_ids)
+            remaining = req.fill_len
             ext = min(remaining, self.config.chunked_prefill_size, budget)
             reserve = math.ceil(
                 (remaining - ext + req.sampling_params.max_new_tokens - req.num_scheduled_outputs)
@@ -230,14 +231,15 @@ class Scheduler:
 
     def _can_never_fit(self, req: Req) -> bool:
         allocator = self.ctx.allocator
-        return pages_for(len(req.fill_ids) + 1, allocator.page_size) > allocator.num_pages
+        return pages_for(req.fill_len + 1, allocator.page_size) > allocator.num_pages
 
-    def _make_room_for_decode(self, running: ScheduleBatch) -> None:
+    def _make_room_for_decode(self, running: ScheduleBatch) -> torch.Tensor | None:
+        """Retract until one decode step fits. Returns the lengths read, if the batch kept them."""
         allocator = self.ctx.allocator
         seq_lens_host = running.host_seq_lens("schedule.page_count")
         if decode_pages_needed(seq_lens_host, allocator.page_size) <= allocator.available_pages():
-            return
-        retracted = running.retract_decode(decode_pages_needed(seq_lens_host, allocator.page_size))
+            return seq_lens_host
+        retracted, fits = running.retract_decode()
         for req in reversed(retracted):
             # NOTE: freed at once, not deferred: the launched batch reads these slots before any
             # later batch can write them, because both are ordered on the same stream.
@@ -248,12 +250,11 @@ class Scheduler:
             self.waiting.appendleft(req)
             self.stats.num_retractions += 1
             self.observer.on_retracted(req)
-        if decode_pages_needed(running.host_seq_lens("schedule.retract"), allocator.page_size) > (
-            allocator.available_pages()
-        ):
+        if not fits:
             victim = running.reqs[0]
             running.filter_batch([])
             self._finish(victim, FinishReason.ERROR, "KV cache too small for this request")
+        return None
 
     # ------------------------------------------------------------------ results
 
@@ -335,6 +336,3 @@ class Scheduler:
             else:
                 keep.append((tag, req))
         self.pending_frees = keep
-
-    def is_decode(self, batch: ScheduleBatch) -> bool:
-        return batch.forward_mode is ForwardMode.DECODE
