@@ -239,3 +239,40 @@ async def test_streaming_disconnects_at_load_free_everything(llama):
     finally:
         await server.stop()
         await engine.shutdown()
+
+
+async def test_failed_closed_engine_is_unhealthy_and_rejects_with_503(llama):
+    engine = Engine(
+        engine_config(
+            llama,
+            runtime={"max_consecutive_step_failures": 2},
+            faults={"enabled": True, "fail_step_rate": 1.0},
+            server={"served_model_name": "m"},
+        )
+    )
+    server = await start_server(create_app(engine))
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            assert (await http.get("/health")).status_code == 200
+            body = {"model": "m", "prompt": "boom", "max_tokens": 4}
+            failed = await asyncio.gather(
+                *(http.post("/v1/completions", json=body) for _ in range(4))
+            )
+            # a failed step is a server-side error; requests that come after the engine
+            # failed closed are refused as unavailable
+            for r in failed:
+                error = r.json()["error"]
+                assert (r.status_code, error["code"]) in {(500, None), (503, "engine_unhealthy")}
+                assert "step failed" in error["message"] or "failed closed" in error["message"]
+            assert any("step failed" in r.json()["error"]["message"] for r in failed)
+            await asyncio.sleep(0.05)
+            health = await http.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "unavailable"
+            rejected = await http.post("/v1/completions", json=body)
+            assert rejected.status_code == 503
+            assert rejected.json()["error"]["code"] == "engine_unhealthy"
+            assert "failed closed" in rejected.json()["error"]["message"]
+        assert engine.pool_usage().all_free
+    finally:
+        await server.stop()
+        await engine.shutdown()

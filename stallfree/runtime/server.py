@@ -29,6 +29,7 @@ from stallfree.config import StallfreeConfig
 from stallfree.runtime.engine import (
     Engine,
     EngineOverloadedError,
+    EngineUnhealthyError,
     GenerationChunk,
     InvalidRequestError,
 )
@@ -181,7 +182,8 @@ def _open_routes() -> APIRouter:
     @router.get("/health")
     async def health(request: Request) -> Response:
         engine = _state(request).engine
-        up = getattr(engine, "_started", False) and not getattr(engine, "_closing", True)
+        # NOTE: an engine that failed closed after repeated step failures reports unhealthy.
+        up = engine.healthy and not getattr(engine, "_closing", True)
         return JSONResponse(
             {"status": "ok" if up else "unavailable"}, status_code=200 if up else 503
         )
@@ -373,6 +375,8 @@ async def _admit(
         raise ApiError(400, str(exc)) from exc
     except EngineOverloadedError as exc:
         raise ApiError(503, str(exc), type="service_unavailable", code="overloaded") from exc
+    except EngineUnhealthyError as exc:
+        raise ApiError(503, str(exc), type="service_unavailable", code="engine_unhealthy") from exc
     return _Open(index, gen, first)
 
 
