@@ -420,3 +420,22 @@ async def test_retracted_requests_match_their_solo_runs(llama, overlap):
         assert engine.scheduler.stats.num_retractions > 0
     for i, (got, want) in enumerate(zip(crowd, alone, strict=True)):
         assert got == want, f"prompt {i} (len {len(prompts[i])}) diverged from its solo run"
+
+
+async def test_host_to_device_ratio_sizes_the_host_pool(llama):
+    sizes = {}
+    for ratio in (1.0, 2.5):
+        cfg = engine_config(
+            llama,
+            cache={"max_total_tokens": 400},
+            hisparse={
+                "enabled": True,
+                "top_k": 8,
+                "device_buffer_size": 16,
+                "host_to_device_ratio": ratio,
+            },
+        )
+        async with Engine(cfg) as engine:
+            sizes[ratio] = (engine.ctx.allocator.size, engine.ctx.hisparse.usage().host_slots_total)
+    assert sizes[1.0] == (400, 400)
+    assert sizes[2.5] == (1000, 1000)

@@ -83,7 +83,9 @@ class HisparseConfig(_Section):
     top_k: int = Field(64, ge=1, description="Tokens each sparse layer attends to per step")
     device_buffer_size: int = Field(128, ge=1, description="Device KV slots per request and layer")
     host_to_device_ratio: float = Field(
-        4.0, gt=0, description="Host KV pool size relative to the device pool"
+        1.0,
+        ge=1.0,
+        description="Tokens the host pool holds, as a multiple of cache.max_total_tokens",
     )
     sparse_layers: list[int] | None = Field(None, description="Default: every layer but the first")
     min_sparse_len: int = Field(0, ge=0, description="Shorter sequences attend densely")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -143,7 +144,12 @@ class Engine:
         )
         sparse_layers = resolve_sparse_layers(cfg.hisparse, arch) if cfg.hisparse.enabled else None
         page_size = cfg.cache.page_size
-        num_slots = (pages_for(cfg.cache.max_total_tokens, page_size) + 1) * page_size
+        total_tokens = cfg.cache.max_total_tokens
+        if sparse_layers is not None:
+            # NOTE: sparse layers keep every token in the host pool, so the engine can hold more
+            # tokens than the device budget; the logical slots follow the host pool.
+            total_tokens = math.ceil(total_tokens * cfg.hisparse.host_to_device_ratio)
+        num_slots = (pages_for(total_tokens, page_size) + 1) * page_size
         self.stream = make_stream(self.device, cfg.runtime.stream_threads)
         self.monitor = SyncMonitor(self.stream, strict=cfg.runtime.strict)
         self.monitor.stall_sinks.append(self.observers.on_stall)
