@@ -2,12 +2,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from stallfree.runtime.tokenizer import (
+    ByteDetokenizer,
     ByteTokenizer,
     ChatTemplateError,
     HFTokenizer,
@@ -93,22 +95,27 @@ def test_load_tokenizer(tmp_path: Path) -> None:
         load_tokenizer(str(missing))
 
 
-def _stream(tok: Tokenizer, prompt: str, text: str) -> tuple[list[str], IncrementalDetokenizer]:
-    detok = IncrementalDetokenizer(tok, tok.encode(prompt))
-    return [detok.step([i]) for i in tok.encode(text)], detok
+def _stream(detok: Any, tok: Tokenizer, text: str) -> list[str]:
+    return [detok.step([i]) for i in tok.encode(text)]
 
 
+@pytest.mark.parametrize("kind", ["window", "native"])
 @pytest.mark.parametrize("text", TEXTS)
-def test_streaming_never_splits_characters(tok: Tokenizer, text: str) -> None:
-    deltas, detok = _stream(tok, "prompt 日本", text)
+def test_streaming_never_splits_characters(tok: Tokenizer, text: str, kind: str) -> None:
+    prompt = tok.encode("prompt 日本")
+    detok = IncrementalDetokenizer(tok, prompt) if kind == "window" else tok.detokenizer(prompt)
+    deltas = _stream(detok, tok, text)
     assert all("\ufffd" not in d for d in deltas)
     assert detok.flush() == ""
     assert "".join(deltas) == detok.text == tok.decode(tok.encode(text))
 
 
-def test_streaming_skips_special_tokens_and_flushes_partial() -> None:
+@pytest.mark.parametrize("kind", ["window", "native"])
+def test_streaming_skips_special_tokens_and_flushes_partial(kind: str) -> None:
     tok = ByteTokenizer()
-    detok = IncrementalDetokenizer(tok, [])
+    detok = IncrementalDetokenizer(tok, []) if kind == "window" else tok.detokenizer([])
+    if kind == "native":
+        assert isinstance(detok, ByteDetokenizer)
     ids = [*"é".encode(), 257, *"🎉".encode()[:2]]
     deltas = [detok.step([i]) for i in ids]
     assert deltas == ["", "é", "", "", ""]

@@ -35,7 +35,7 @@ from stallfree.runtime.sampler import Sampler
 from stallfree.runtime.sampling_params import SamplingParams
 from stallfree.runtime.schedule_batch import BatchContext, ScheduleBatch
 from stallfree.runtime.scheduler import Scheduler
-from stallfree.runtime.tokenizer import IncrementalDetokenizer, find_stop, load_tokenizer
+from stallfree.runtime.tokenizer import Detokenizer, find_stop, load_tokenizer
 
 
 class InvalidRequestError(ValueError):
@@ -93,7 +93,7 @@ class _Stream:
     """Consumer-side state of one request: its queue and detokenizer."""
 
     queue: asyncio.Queue[GenerationChunk]
-    detok: IncrementalDetokenizer
+    detok: Detokenizer
     stops: list[str]
     text: str = ""
     emitted: int = 0
@@ -270,7 +270,7 @@ class Engine:
         )
         req.sink = _Stream(
             queue=asyncio.Queue(),
-            detok=IncrementalDetokenizer(self.tokenizer, ids),
+            detok=self.tokenizer.detokenizer(ids),
             stops=list(params.stop),
         )
         self._reqs[rid] = req

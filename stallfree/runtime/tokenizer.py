@@ -3,7 +3,9 @@ and stop-string search."""
 
 from __future__ import annotations
 
+import codecs
 import json
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ class ChatTemplateError(ValueError):
     """The model has no chat template, or rendering it failed."""
 
 
-class Tokenizer:
+class Tokenizer(ABC):
     """What the runtime needs from a tokenizer."""
 
     bos_token_id: int | None = None
@@ -39,16 +41,20 @@ class Tokenizer:
     bos_token: str = ""
     eos_token: str = ""
 
-    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
-        raise NotImplementedError
+    @abstractmethod
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]: ...
 
+    @abstractmethod
     def decode(self, ids: list[int]) -> str:
         """Decodes, dropping special tokens; incomplete UTF-8 becomes U+FFFD."""
-        raise NotImplementedError
 
     @property
-    def special_ids(self) -> frozenset[int]:
-        raise NotImplementedError
+    @abstractmethod
+    def special_ids(self) -> frozenset[int]: ...
+
+    def detokenizer(self, prompt_ids: list[int]) -> Detokenizer:
+        """A per-request streaming decoder."""
+        return IncrementalDetokenizer(self, prompt_ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         if not self.chat_template:
@@ -122,6 +128,9 @@ class ByteTokenizer(Tokenizer):
     @property
     def special_ids(self) -> frozenset[int]:
         return frozenset(range(256, self.vocab_size))
+
+    def detokenizer(self, prompt_ids: list[int]) -> Detokenizer:
+        return ByteDetokenizer()
 
 
 def _token_content(tok: Any) -> str | None:
@@ -205,7 +214,40 @@ def load_tokenizer(path_or_preset: str, eos_token_ids: list[int] | None = None) 
     return HFTokenizer(path_or_preset, eos_token_ids)
 
 
-class IncrementalDetokenizer:
+class Detokenizer(ABC):
+    """Streams text deltas; never emits half a character."""
+
+    @abstractmethod
+    def step(self, new_ids: list[int]) -> str: ...
+
+    @abstractmethod
+    def flush(self) -> str:
+        """Whatever was held back, at the end (replacement characters for broken bytes)."""
+
+
+class ByteDetokenizer(Detokenizer):
+    """For byte-level ids: an incremental UTF-8 decoder, O(1) per token and no windows."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    def step(self, new_ids: list[int]) -> str:
+        delta = self._decoder.decode(bytes(i for i in new_ids if 0 <= i < 256))
+        self._text.append(delta)
+        return delta
+
+    def flush(self) -> str:
+        delta = self._decoder.decode(b"", final=True)
+        self._text.append(delta)
+        return delta
+
+
+class IncrementalDetokenizer(Detokenizer):
     """Per-request streaming decode: O(1) work per step, never emits half a character.
 
     Decodes the window `ids[prefix:read]` (already emitted) and `ids[prefix:]`; the difference
