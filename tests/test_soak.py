@@ -103,6 +103,7 @@ CHAOS = {
         "enabled": True,
         "seed": 11,
         "fail_step_rate": 0.01,
+        "fail_copy_rate": 0.005,
         "slow_step_rate": 0.02,
         "slow_step_seconds": 0.005,
     },
@@ -150,7 +151,9 @@ async def test_soak_with_chaos(llama, hisparse, num_requests):
     assert outcomes["length"] > num_requests * 0.6
     assert outcomes["error"] > 0 and outcomes["cancelled"] + outcomes["abort"] > 0
     assert sched_stats.num_retractions > 0
-    assert loop_stats.step_failures == injected[next(f for f in injected if f.value == "fail_step")]
+    failures = {f.value: n for f, n in injected.items()}
+    assert failures["fail_copy"] > 0
+    assert loop_stats.step_failures == failures["fail_step"] + failures["fail_copy"]
     assert loop_stats.max_iteration_gap < 2.0
     print(
         f"\nsoak[{'hisparse' if hisparse else 'dense'}]: {num_requests} requests in {wall:.1f}s; outcomes {dict(outcomes)}; "
