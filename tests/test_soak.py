@@ -18,8 +18,10 @@ import pytest
 from stallfree import Engine
 from tests.engine_util import engine_config, random_prompts
 from tests.hf_models import make_llama
+from tests.test_metrics import samples, value
 
 NUM_REQUESTS = 2000
+REASONS = ("stop", "length", "abort", "error")
 CONCURRENCY = 64
 
 
@@ -131,6 +133,7 @@ async def test_soak_with_chaos(llama, hisparse, num_requests):
         loop_stats = engine.loop.stats
         sched_stats = engine.scheduler.stats
         injected = dict(engine.runner.faults.injected)
+        scrape = samples(engine.metrics.render())
     wall = time.perf_counter() - start
 
     outcomes = Counter(reason for _, _, reason in results)
@@ -155,6 +158,16 @@ async def test_soak_with_chaos(llama, hisparse, num_requests):
     assert failures["fail_copy"] > 0
     assert loop_stats.step_failures == failures["fail_step"] + failures["fail_copy"]
     assert loop_stats.max_iteration_gap < 2.0
+    # the metrics agree with what the clients saw; a cancel can race a finish, so a client that
+    # walked away may have been counted by the engine under the reason it finished with
+    served = {
+        r: value(scrape, "stallfree:request_success_total", finished_reason=r) for r in REASONS
+    }
+    assert sum(served.values()) == num_requests
+    assert served["length"] >= outcomes["length"] and served["error"] >= outcomes["error"]
+    assert served["abort"] <= outcomes["cancelled"] + outcomes["abort"]
+    received = sum(len(ids) for _, ids, _ in results)
+    assert value(scrape, "stallfree:generation_tokens_total") >= received
     print(
         f"\nsoak[{'hisparse' if hisparse else 'dense'}]: {num_requests} requests in {wall:.1f}s; outcomes {dict(outcomes)}; "
         f"faults { ({k.value: v for k, v in injected.items()}) }; retractions {sched_stats.num_retractions}; "
