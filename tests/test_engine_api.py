@@ -192,3 +192,11 @@ async def test_shutdown_drains_in_flight_requests(llama):
     assert all(len(r.token_ids) == 8 for r in results)
     with pytest.raises(Exception, match="not running"):
         await engine.complete("late", None)
+
+
+async def test_engine_from_section_overrides_and_not_both(llama):
+    async with Engine(model={"path": llama}, runtime={"device": "cpu", "overlap": False}) as engine:
+        assert engine.config.runtime.overlap is False
+        assert len((await engine.complete("x", {"max_new_tokens": 2})).token_ids) == 2
+    with pytest.raises(TypeError, match="not both"):
+        Engine(engine_config(llama), runtime={"overlap": False})

@@ -103,6 +103,9 @@ class _Stream:
 
 class Engine:
     def __init__(self, config: StallfreeConfig | None = None, **overrides: Any) -> None:
+        """`Engine(config)`, or `Engine(model={"path": ...}, runtime={...})` to build one."""
+        if config is not None and overrides:
+            raise TypeError("pass either a config or section overrides, not both")
         self.config = config if config is not None else load_config(**overrides)
         self._started = False
         self._closing = False
