@@ -245,12 +245,11 @@ class CudaStream(DeviceStream):
         self.waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stallfree-cuda-wait")
         self._busy = 0.0
         self._step_start: torch.cuda.Event | None = None
-        self._keepalive: list[torch.Tensor] = []
 
     def upload(self, cpu: torch.Tensor) -> torch.Tensor:
+        # NOTE: torch's caching host allocator records the copy on the stream, so the pinned
+        # block is not reused before the async copy has read it.
         pinned = cpu.pin_memory()
-        # NOTE: the pinned source must outlive the async copy; released at the next event.
-        self._keepalive.append(pinned)
         with torch.cuda.stream(self.stream):
             return pinned.to(self.device, non_blocking=True)
 
@@ -274,7 +273,6 @@ class CudaStream(DeviceStream):
     def record_event(self) -> Event:
         start, self._step_start = self._step_start, None
         event = CudaEvent(self, start)
-        self._keepalive = []  # the event orders every earlier copy before anything waiting on it
         return event
 
     def synchronize(self) -> None:
