@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import math
 import socket
+import statistics
 import subprocess
 import sys
+from typing import Any
 
 import httpx
 import pytest
@@ -42,6 +44,7 @@ SHORT_RUN = [
     "--no-progress",
 ]
 MIRRORS_OFF, MIRRORS_ON = "overlap, mirrors off", "overlap, mirrors on"
+MODES = ["overlap off", MIRRORS_OFF, MIRRORS_ON]
 
 
 def _dead_port() -> int:
@@ -158,27 +161,27 @@ def test_prometheus_deltas_and_absent_figures() -> None:
 # ---------------------------------------------------------------- --compare, checked from JSON
 
 
-def _check_run_json(data: dict) -> None:
-    assert [r["mode"] for r in data["runs"]] == ["overlap off", MIRRORS_OFF, MIRRORS_ON]
-    assert data["config"]["workload"]["num_prompts"] == NUM_PROMPTS
-    for run in data["runs"]:
-        s, reqs = run["summary"], run["requests"]
-        assert len(reqs) == NUM_PROMPTS
-        assert s["completed"] == NUM_PROMPTS and s["failed"] == 0, run["errors"]
-        for key in ("ttft", "itl", "tpot", "e2e"):
-            d = s[key]
-            assert d["median"] <= d["p90"] <= d["p99"], (run["mode"], key, d)
-        ok = [r for r in reqs if r["success"]]
-        tokens_out = sum(r["output_tokens"] for r in ok)
-        tokens_in = sum(r["input_tokens"] for r in ok)
-        assert tokens_out == sum(r["output_len"] for r in reqs)  # --ignore-eos: every token
-        duration = s["duration_s"]
-        assert s["output_throughput"] == pytest.approx(tokens_out / duration, rel=1e-9)
-        assert s["input_throughput"] == pytest.approx(tokens_in / duration, rel=1e-9)
-        assert s["total_throughput"] == pytest.approx((tokens_in + tokens_out) / duration, rel=1e-9)
-        assert s["request_throughput"] == pytest.approx(len(ok) / duration, rel=1e-9)
-        assert 1 <= s["peak_concurrency"] <= 4
-    stalls = {r["mode"]: r["stallfree"] for r in data["runs"]}
+def _check_one_run(run: dict, mode: str) -> None:
+    """One run's figures agree with its own request records."""
+    s, reqs = run["summary"], run["requests"]
+    assert len(reqs) == NUM_PROMPTS
+    assert s["completed"] == NUM_PROMPTS and s["failed"] == 0, run["errors"]
+    for key in ("ttft", "itl", "tpot", "e2e"):
+        d = s[key]
+        assert d["median"] <= d["p90"] <= d["p99"], (mode, key, d)
+    ok = [r for r in reqs if r["success"]]
+    tokens_out = sum(r["output_tokens"] for r in ok)
+    tokens_in = sum(r["input_tokens"] for r in ok)
+    assert tokens_out == sum(r["output_len"] for r in reqs)  # --ignore-eos: every token
+    duration = s["duration_s"]
+    assert s["output_throughput"] == pytest.approx(tokens_out / duration, rel=1e-9)
+    assert s["input_throughput"] == pytest.approx(tokens_in / duration, rel=1e-9)
+    assert s["total_throughput"] == pytest.approx((tokens_in + tokens_out) / duration, rel=1e-9)
+    assert s["request_throughput"] == pytest.approx(len(ok) / duration, rel=1e-9)
+    assert 1 <= s["peak_concurrency"] <= 4
+
+
+def _check_stalls(stalls: dict[str, dict]) -> None:
     assert stalls[MIRRORS_OFF]["stalls_total"] > 0
     assert stalls[MIRRORS_OFF]["stalls_per_step"]["schedule.page_count"] > 0
     assert stalls[MIRRORS_ON]["stalls_total"] == 0
@@ -187,6 +190,19 @@ def _check_run_json(data: dict) -> None:
     for figures in stalls.values():
         assert 0.0 <= figures["device_idle_fraction"] <= 1.0
         assert figures["mean_schedule_seconds"] > 0
+
+
+def _check_run_json(data: dict) -> None:
+    assert [r["mode"] for r in data["runs"]] == MODES
+    assert data["config"]["workload"]["num_prompts"] == NUM_PROMPTS
+    assert data["repeats"] == 1
+    for run in data["runs"]:
+        _check_one_run(run, run["mode"])
+        # the one run, also in the shape that --repeats N uses
+        (only,) = run["repeats"]
+        assert only["requests"] == run["requests"] and only["summary"] == run["summary"]
+        assert only["repeat"] == 1 and only["started_at"] < only["finished_at"]
+    _check_stalls({r["mode"]: r["stallfree"] for r in data["runs"]})
 
 
 def test_compare_in_process(tmp_path, capsys) -> None:
@@ -208,6 +224,85 @@ def test_compare_over_http(tmp_path, capsys) -> None:
     data = json.loads(out.read_text())
     _check_run_json(data)
     assert data["runs"][0]["settings"]["target"]["kind"] == "http"
+
+
+def _median_check(run: dict, path: tuple[str, ...]) -> None:
+    """The mode's figure at `path` is exactly the median of its runs' figures."""
+
+    def at(d: Any) -> Any:
+        for key in path:
+            d = d[key]
+        return d
+
+    assert at(run) == statistics.median(at(rep) for rep in run["repeats"]), (run["mode"], path)
+
+
+def test_compare_repeats_interleaved_medians(tmp_path, capsys) -> None:
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    args = [*SHORT_RUN, "--repeats", "2", "--output-json", str(out), "--plot", str(png)]
+    assert main(args) == 0
+    assert "median of 2 runs, modes interleaved" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # CDFs of the pooled runs
+    data = json.loads(out.read_text())
+    assert data["repeats"] == 2 and data["config"]["repeats"] == 2
+    assert [r["mode"] for r in data["runs"]] == MODES
+    # every run in full, in the order A1 B1 C1 A2 B2 C2, one after another
+    runs = sorted(
+        (rep["sequence"], run["mode"], rep["repeat"], rep["started_at"], rep["finished_at"])
+        for run in data["runs"]
+        for rep in run["repeats"]
+    )
+    assert [(mode, k) for _, mode, k, _, _ in runs] == [(m, k) for k in (1, 2) for m in MODES]
+    assert [seq for seq, *_ in runs] == list(range(6))
+    times = [t for *_, start, end in runs for t in (start, end)]
+    assert times == sorted(times) and len(set(times)) == len(times)
+    for run in data["runs"]:
+        assert "requests" not in run  # the records live in each repeat
+        assert [rep["repeat"] for rep in run["repeats"]] == [1, 2]
+        for rep in run["repeats"]:
+            _check_one_run(rep, run["mode"])
+        # counts are per-run values, not sums
+        s = run["summary"]
+        assert s["completed"] == NUM_PROMPTS and s["failed"] == 0
+        tokens = {rep["summary"]["total_output_tokens"] for rep in run["repeats"]}
+        assert tokens == {s["total_output_tokens"]}  # same seeded workload every repeat
+        for path in (
+            ("summary", "duration_s"),
+            ("summary", "output_throughput"),
+            ("summary", "ttft", "median"),
+            ("summary", "itl", "p99"),
+            ("stallfree", "stall_seconds"),
+            ("stallfree", "device_idle_fraction"),
+            ("stallfree", "mean_schedule_seconds"),
+        ):
+            _median_check(run, path)
+    for k in (0, 1):
+        _check_stalls({r["mode"]: r["repeats"][k]["stallfree"] for r in data["runs"]})
+    _check_stalls({r["mode"]: r["stallfree"] for r in data["runs"]})
+    base, mirrors = data["runs"][0]["summary"], data["runs"][2]
+    ratio = mirrors["ratios_to_baseline"]["output throughput (tok/s)"]
+    assert ratio == mirrors["summary"]["output_throughput"] / base["output_throughput"]
+
+
+def test_median_of_runs_keeps_counts_and_sites() -> None:
+    from stallfree.bench.counters import StallFigures
+    from stallfree.bench.results import Distribution, median_of
+
+    d = median_of(
+        Distribution, [Distribution(1.0, 2.0, 3.0, 4.0), Distribution(3.0, 4.0, 5.0, 6.0)]
+    )
+    assert d == Distribution(2.0, 3.0, 4.0, 5.0)
+    figures = median_of(
+        StallFigures,
+        [
+            StallFigures(steps=10.0, stalls_per_step={"a": 1.0}, sites=["a"]),
+            StallFigures(steps=30.0, stalls_per_step={"b": 3.0}, sites=["b"]),
+            StallFigures(steps=20.0, stalls_per_step={"a": 2.0, "b": 1.0}, sites=["a", "b"]),
+        ],
+    )
+    assert figures.steps == 20.0 and figures.overlap_steps is None  # absent stays absent
+    assert figures.stalls_per_step == {"a": 1.0, "b": 1.0}  # a site a run lacks counts as 0
+    assert figures.sites == ["a", "b"]
 
 
 # ---------------------------------------------------------------- any OpenAI-compatible server
@@ -273,6 +368,14 @@ def test_compare_with_base_url_is_a_usage_error(capsys) -> None:
     assert main(["bench", "--compare", "--base-url", "http://127.0.0.1:1"]) == 2
     err = capsys.readouterr().err
     assert "--compare" in err and "--base-url" in err and "Traceback" not in err
+
+
+def test_repeats_below_one_is_a_usage_error(capsys) -> None:
+    assert main(["bench", "--compare", "--repeats", "0"]) == 2
+    assert main(["bench", "--repeats", "-3"]) == 2
+    err = capsys.readouterr().err
+    assert "stallfree bench: error: --repeats must be at least 1 (got 0)" in err
+    assert "(got -3)" in err and "Traceback" not in err
 
 
 def test_plot_flag_and_other_bad_flags(capsys) -> None:

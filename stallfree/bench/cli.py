@@ -86,6 +86,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     modes.add_argument(
         "--modes", help=f"comma list of modes for --compare, from: {', '.join(MODE_KEYS)}"
     )
+    modes.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the whole workload N times per mode, the modes interleaved (A B C, A B C, "
+        "...), and report each figure's median over a mode's runs",
+    )
 
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=["random", "sharegpt", "shared-prefix"], default="random")
@@ -142,6 +149,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
+    if args.repeats < 1:
+        raise UsageError(f"--repeats must be at least 1 (got {args.repeats})")
     if args.compare and args.base_url:
         raise UsageError(
             "--compare starts its own server (or engine) per mode, so it cannot measure the "
@@ -284,9 +293,11 @@ def _title(args: argparse.Namespace, info: dict[str, Any], results: list[RunResu
     model = target.get("model") or target.get("engine_config", {}).get("model", {}).get("path")
     where = args.base_url or info["kind"]
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}/s"
+    repeats = f"; median of {args.repeats} runs, modes interleaved" if args.repeats > 1 else ""
     return (
         f"stallfree bench: {where}, model {model or '?'}, {args.workload} x {args.num_prompts}, "
         f"rate {rate}, concurrency {args.max_concurrency or 'unlimited'}, seed {args.seed}"
+        f"{repeats}"
     )
 
 
@@ -305,7 +316,7 @@ async def _bench(args: argparse.Namespace) -> int:
     )
     err = Console(stderr=True)
     progress = None if args.no_progress else _RichProgress(err)
-    results = await run_modes(modes, open_target, requests, rs, progress)
+    results = await run_modes(modes, open_target, requests, rs, progress, args.repeats)
     title = _title(args, info, results)
     print_table(results, title)
     config = {
@@ -324,6 +335,7 @@ async def _bench(args: argparse.Namespace) -> int:
             else rs.request_rate,
         },
         "modes": [asdict(m) for m in modes],
+        "repeats": args.repeats,
     }
     if args.output_json:
         write_json(args.output_json, results, config)
@@ -331,7 +343,7 @@ async def _bench(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(args.plot, results, title)
         err.print(f"wrote {args.plot}")
-    return 1 if all(r.summary.completed == 0 for r in results) else 0
+    return 1 if all(x.summary.completed == 0 for r in results for x in r.runs) else 0
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from stallfree.bench.results import RunResult
+from stallfree.bench.results import RequestRecord, RunResult, median_number
 
 Getter = Callable[[RunResult], float | None]
 ABSENT = "—"
@@ -78,6 +78,9 @@ def table_rows(results: list[RunResult]) -> list[tuple[str, Getter, str, float]]
 
 
 def _per_step_total(r: RunResult) -> float | None:
+    """Derived per run, so over repeats it is the median of the runs' values."""
+    if r.repeats:
+        return median_number([_per_step_total(x) for x in r.repeats])
     f = r.stallfree
     if f is None or f.stalls_total is None or not f.steps:
         return None
@@ -116,30 +119,52 @@ def print_table(results: list[RunResult], title: str, console: Console | None = 
         console.print(f"[red]error[/red] {note}", highlight=False)
 
 
-def _request_dict(record: Any) -> dict[str, Any]:
+def _request_dict(record: RequestRecord) -> dict[str, Any]:
     return {**asdict(record), "tpot": record.tpot}
 
 
 def to_json(results: list[RunResult], config: dict[str, Any]) -> dict[str, Any]:
+    """`runs[]` has one entry per mode: its figures (the medians, with several repeats) and
+    `repeats[]`, every run behind them in full; a single run also keeps `requests` there."""
     from stallfree import __version__
 
+    repeats = max(len(r.runs) for r in results)
     return {
         "stallfree_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "config": config,
         "baseline": results[0].mode,
-        "runs": [
-            {
-                "mode": r.mode,
-                "settings": r.settings,
-                "summary": asdict(r.summary),
-                "stallfree": None if r.stallfree is None else asdict(r.stallfree),
-                "ratios_to_baseline": _ratios(r, results[0], results),
-                "errors": r.errors,
-                "requests": [_request_dict(x) for x in r.requests],
-            }
-            for r in results
-        ],
+        "repeats": repeats,
+        "aggregate": "median",
+        "runs": [_mode_json(r, results, repeats) for r in results],
+    }
+
+
+def _mode_json(r: RunResult, results: list[RunResult], repeats: int) -> dict[str, Any]:
+    out = {
+        "mode": r.mode,
+        "settings": r.settings,
+        "summary": asdict(r.summary),
+        "stallfree": None if r.stallfree is None else asdict(r.stallfree),
+        "ratios_to_baseline": _ratios(r, results[0], results),
+        "errors": r.errors,
+        "repeats": [_run_json(x) for x in r.runs],
+    }
+    if repeats == 1:
+        out["requests"] = [_request_dict(x) for x in r.requests]
+    return out
+
+
+def _run_json(r: RunResult) -> dict[str, Any]:
+    return {
+        "repeat": r.repeat,
+        "sequence": r.sequence,
+        "started_at": r.started_at,
+        "finished_at": r.finished_at,
+        "summary": asdict(r.summary),
+        "stallfree": None if r.stallfree is None else asdict(r.stallfree),
+        "errors": r.errors,
+        "requests": [_request_dict(x) for x in r.requests],
     }
 
 
@@ -165,8 +190,8 @@ def check_plot_available() -> None:
 
 
 def write_plot(path: str | Path, results: list[RunResult], title: str) -> None:
-    """Latency CDFs (TTFT, ITL, E2E) on top; stall time, device idle fraction and output
-    throughput per mode below."""
+    """Latency CDFs (TTFT, ITL, E2E) on top, every repeat's requests pooled; stall time, device
+    idle fraction and output throughput per mode (medians over the repeats) below."""
     check_plot_available()
     import matplotlib
 
@@ -204,7 +229,8 @@ def _latency_cdfs(axes: Any, results: list[RunResult]) -> None:
             data = np.sort(np.asarray(values(r), dtype=float)) * 1e3
             if data.size:
                 ax.plot(data, np.arange(1, data.size + 1) / data.size, label=r.mode)
-        ax.set_title(f"{name} distribution")
+        pooled = max(len(r.runs) for r in results)
+        ax.set_title(f"{name} distribution" + (f", {pooled} runs pooled" if pooled > 1 else ""))
         if name == "ITL":
             ax.set_xscale("log")  # a few long gaps (prefill steps) would squash the rest
             ax.xaxis.set_minor_formatter(NullFormatter())

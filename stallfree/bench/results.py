@@ -1,12 +1,18 @@
-"""Per-request records and the figures of one run: throughput, latency distributions, peaks."""
+"""Per-request records and the figures of one run: throughput, latency distributions, peaks;
+and the median of several runs of one mode."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import statistics
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from stallfree.bench.counters import StallFigures
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 @dataclass(slots=True)
@@ -70,7 +76,12 @@ class RunSummary:
 @dataclass(slots=True)
 class RunResult:
     """One mode's run: its name, settings, summary, stall figures (None: not a stallfree
-    target) and every request record."""
+    target) and every request record.
+
+    A run of its own has `repeats` empty; `repeat` (1-based), `sequence` (its place among all
+    runs of the bench, 0-based) and `started_at`/`finished_at` (Unix time) say when it ran. The
+    result of `median_result` holds the median figures, every repeat's records pooled, and
+    the runs themselves in `repeats`."""
 
     mode: str
     settings: dict
@@ -78,6 +89,16 @@ class RunResult:
     stallfree: StallFigures | None
     requests: list[RequestRecord]
     errors: list[str] = field(default_factory=list)
+    repeat: int = 1
+    sequence: int = 0
+    started_at: float | None = None
+    finished_at: float | None = None
+    repeats: list[RunResult] = field(default_factory=list)
+
+    @property
+    def runs(self) -> list[RunResult]:
+        """The individual runs behind these figures: the repeats, or this run alone."""
+        return self.repeats or [self]
 
 
 def summarize(records: list[RequestRecord], duration: float, peak: int) -> RunSummary:
@@ -100,4 +121,60 @@ def summarize(records: list[RequestRecord], duration: float, peak: int) -> RunSu
         tpot=Distribution.of([t for r in ok if (t := r.tpot) is not None]),
         e2e=Distribution.of([r.e2e for r in ok if r.e2e is not None]),
         peak_concurrency=peak,
+    )
+
+
+T = TypeVar("T", bound="DataclassInstance")
+
+
+def median_number(values: list[Any]) -> float | int | None:
+    """The median of the values present; counts stay counts (the lower middle one when even)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    if all(isinstance(v, int) for v in present):
+        return statistics.median_low(present)
+    return float(statistics.median(present))
+
+
+def _median_by_key(dicts: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """Per key; a key a run lacks counts as 0 there (a site that never stalled)."""
+    present = [d for d in dicts if d is not None]
+    if not present:
+        return None
+    keys = sorted({k for d in present for k in d})
+    return {k: float(statistics.median([d.get(k, 0.0) for d in present])) for k in keys}
+
+
+def _median_value(values: list[Any]) -> Any:
+    sample = next((v for v in values if v is not None), None)
+    if isinstance(sample, dict):
+        return _median_by_key(values)
+    if isinstance(sample, list):
+        return sorted({x for v in values if v is not None for x in v})
+    if is_dataclass(sample) and not isinstance(sample, type):
+        return median_of(type(sample), [v for v in values if v is not None])
+    return median_number(values)
+
+
+def median_of(cls: type[T], items: list[T]) -> T:
+    """A dataclass whose every field is the median of that field over `items`."""
+    return cls(**{f.name: _median_value([getattr(x, f.name) for x in items]) for f in fields(cls)})
+
+
+def median_result(runs: list[RunResult]) -> RunResult:
+    """One mode over several runs: each figure the median of the runs' figures."""
+    stalls = [r.stallfree for r in runs if r.stallfree is not None]
+    return RunResult(
+        mode=runs[0].mode,
+        settings=runs[0].settings,
+        summary=median_of(RunSummary, [r.summary for r in runs]),
+        stallfree=median_of(StallFigures, stalls) if stalls else None,
+        requests=[x for r in runs for x in r.requests],
+        errors=sorted({e for r in runs for e in r.errors})[:10],
+        repeat=0,
+        sequence=runs[0].sequence,
+        started_at=runs[0].started_at,
+        finished_at=runs[-1].finished_at,
+        repeats=list(runs),
     )

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from stallfree.bench.counters import stall_figures
 from stallfree.bench.launcher import ServerProcess
-from stallfree.bench.results import RequestRecord, RunResult, summarize
+from stallfree.bench.results import RequestRecord, RunResult, median_result, summarize
 from stallfree.bench.targets import HttpTarget, InProcessTarget, RequestOptions, Target
 from stallfree.bench.workloads import BenchRequest, arrival_offsets
 from stallfree.config import StallfreeConfig
@@ -194,12 +194,15 @@ async def run_mode(
     requests: list[BenchRequest],
     rs: RunSettings,
     progress: ProgressSink | None = None,
+    label: str | None = None,
 ) -> RunResult:
+    """One run of the workload on a fresh target; `label` names it on the progress bar."""
+    started_at = time.time()
     async with open_target(mode) as target:
         await _warm_up(target, requests, rs)
         before = await target.counters()
         if progress is not None:
-            progress.begin(mode.name, len(requests))
+            progress.begin(label or mode.name, len(requests))
         try:
             records, duration, peak = await _send_all(target, requests, rs, progress)
         finally:
@@ -216,6 +219,8 @@ async def run_mode(
         stallfree=figures,
         requests=records,
         errors=errors[:10],
+        started_at=started_at,
+        finished_at=time.time(),
     )
 
 
@@ -225,6 +230,22 @@ async def run_modes(
     requests: list[BenchRequest],
     rs: RunSettings,
     progress: ProgressSink | None = None,
+    repeats: int = 1,
 ) -> list[RunResult]:
-    """Modes one after another (never concurrently: they would share the same cores)."""
-    return [await run_mode(m, open_target, requests, rs, progress) for m in modes]
+    """Modes one after another (never concurrently: they would share the same cores), the
+    whole round `repeats` times, so that slow spells of the machine hit every mode alike.
+
+    One result per mode. With one repeat it is the run itself; with more, each figure is the
+    median over that mode's runs (`median_result`), which it keeps in `repeats`."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, not {repeats}")
+    per_mode: list[list[RunResult]] = [[] for _ in modes]
+    sequence = 0
+    for repeat in range(1, repeats + 1):
+        for mode, runs in zip(modes, per_mode, strict=True):
+            label = mode.name if repeats == 1 else f"{mode.name} [{repeat}/{repeats}]"
+            run = await run_mode(mode, open_target, requests, rs, progress, label)
+            run.repeat, run.sequence = repeat, sequence
+            sequence += 1
+            runs.append(run)
+    return [runs[0] if repeats == 1 else median_result(runs) for runs in per_mode]
