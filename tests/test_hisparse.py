@@ -439,3 +439,23 @@ async def test_host_to_device_ratio_sizes_the_host_pool(llama):
             sizes[ratio] = (engine.ctx.allocator.size, engine.ctx.hisparse.usage().host_slots_total)
     assert sizes[1.0] == (400, 400)
     assert sizes[2.5] == (1000, 1000)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+async def test_oracle_under_retraction_matches_solo_oracle_and_hisparse(llama, overlap):
+    """The oracle's re-prefill attends at output positions as decode did, like HiSparse."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(14, 30))] for _ in range(8)]
+    solo = [(await _run_oracle(llama, [p], 4, 0, [1]))[0] for p in prompts]
+    runtime = {"overlap": overlap}
+    async with Engine(engine_config(llama, runtime=runtime, **STRESSED)) as engine:
+        model = engine.loaded.model
+        model.attn_backend = TopkOracleAttention(4, 0, [1], model.attn_backend)
+        crowd = await run_greedy(engine, prompts, NEW_TOKENS)
+        assert engine.scheduler.stats.num_retractions > 0
+    assert crowd == solo
+    hisparse = {"enabled": True, "top_k": 4, "device_buffer_size": 8}
+    async with Engine(
+        engine_config(llama, hisparse=hisparse, runtime=runtime, **STRESSED)
+    ) as engine:
+        assert await run_greedy(engine, prompts, NEW_TOKENS) == solo

@@ -1,8 +1,9 @@
 """The naive reference: the same top-k attention, computed densely with a mask over full KV.
 
 `TopkOracleAttention` is an attention backend usable in place of HiSparse (HiSparse disabled,
-full device KV cache). Dense layers and prefill are plain paged attention; decode in sparse
-layers masks every earlier token except the indexer's top-k (plus the newest token).
+full device KV cache). Dense layers and prompt prefill are plain paged attention; decode in
+sparse layers masks every earlier token except the indexer's top-k (plus the newest token), and
+so do output positions of a re-prefill after retraction, as their decode steps did.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ class TopkOracleAttention:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
     ) -> torch.Tensor:
-        if layer_id not in self.sparse_layers or fb.mode is not ForwardMode.DECODE:
+        if layer_id not in self.sparse_layers or fb.mode is ForwardMode.IDLE:
             return self.dense.forward(q, k, v, layer_id, fb)
+        if fb.mode is ForwardMode.EXTEND:
+            return self._extend(q, k, v, layer_id, fb)
         cache = fb.kv_cache
         cache.write(layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = cache.k_buffers[layer_id], cache.v_buffers[layer_id]
@@ -75,3 +78,26 @@ class TopkOracleAttention:
                 )
             )
         return torch.stack(outs)
+
+    def _extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
+    ) -> torch.Tensor:
+        cache = fb.kv_cache
+        cache.write(layer_id, fb.out_cache_loc, k, v)
+        k_buf, v_buf = cache.k_buffers[layer_id], cache.v_buffers[layer_id]
+        outs, start = [], 0
+        for i in range(fb.batch_size):
+            n, prefix = fb.extend_lens_cpu[i], fb.prefix_lens_cpu[i]
+            seq = prefix + n
+            slots = fb.req_to_token[int(fb.req_pool_indices_cpu[i]), :seq]
+            keys, chunk = k_buf[slots], q[start : start + n]
+            mask = self.dense._extend_mask(prefix, n, seq, q.device)
+            for pos in range(max(prefix, fb.prompt_lens_cpu[i]), seq):
+                if uses_selection(pos, self.top_k, self.min_sparse_len):
+                    proxy = query_proxy(chunk[pos - prefix][None])[0]
+                    chosen = select_topk(proxy, index_keys(keys[:pos], keys.dtype), self.top_k)
+                    mask[pos - prefix, :pos] = False
+                    mask[pos - prefix, chosen] = True
+            outs.append(_sdpa(chunk, keys, v_buf[slots], mask))
+            start += n
+        return torch.cat(outs) if outs else q.new_empty(q.shape)

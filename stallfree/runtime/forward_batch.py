@@ -40,6 +40,8 @@ class ForwardBatch:
     # shared state
     req_to_token: torch.Tensor  # [num_req_slots, max_context] int64, device
     kv_cache: KVCache
+    # original prompt length per request: a re-prefill after retraction also carries outputs
+    prompt_lens_cpu: list[int] = field(default_factory=list)
     # filled by attention backends that need per-step scratch (e.g. HiSparse)
     extras: dict[str, Any] = field(default_factory=dict)
 

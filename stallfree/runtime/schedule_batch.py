@@ -265,6 +265,7 @@ class ScheduleBatch:
             prefix_lens_cpu=list(self.prefix_lens_cpu),
             req_to_token=ctx.req_to_token_pool.req_to_token,
             kv_cache=ctx.kv_cache,
+            prompt_lens_cpu=[len(r.origin_input_ids) for r in self.reqs],
             extras=ctx.hisparse.forward_extras(self) if ctx.hisparse is not None else {},
         )
 
