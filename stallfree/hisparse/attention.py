@@ -53,7 +53,8 @@ class HisparseAttention:
             k_seq, v_seq = co.host_kv(li, fb.req_to_token[row, :seq])
             q_pos = torch.arange(prefix, seq, device=q.device)[:, None]
             mask = torch.arange(seq, device=q.device)[None, :] <= q_pos
-            co.mask_decoded(li, row, prefix, plan.decode_from[i], q[start : start + n], mask)
+            # NOTE: positions past the prompt are outputs of a re-prefill after retraction
+            co.mask_decoded(li, row, prefix, fb.prompt_lens_cpu[i], q[start : start + n], mask)
             outs.append(_sdpa(q[start : start + n], k_seq, v_seq, mask))
             start += n
         co.admit_on_stream(li, plan)

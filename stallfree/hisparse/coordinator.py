@@ -12,7 +12,7 @@ All state is keyed by request slot (`req_pool_idx`), so filter and merge need no
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,13 +75,8 @@ class RowState:
 
 @dataclass(slots=True)
 class ExtendPlan:
-    """Admissions of requests whose prefill completes in this step (device index tensors).
+    """Admissions of requests whose prefill completes in this step (device index tensors)."""
 
-    `decode_from[i]` is row i's prompt length: positions from there on hold output tokens (a
-    re-prefill after retraction), which attend as their decode step did (see `mask_decoded`).
-    """
-
-    decode_from: list[int] = field(default_factory=list)
     num_admitted: int = 0
     admit_rows: torch.Tensor | None = None  # [A]
     fill_rows: torch.Tensor | None = None  # [F] one entry per token copied into a buffer
@@ -192,7 +187,6 @@ class HisparseCoordinator:
         moved = self.token_bytes * len(self.sparse_layers)
         admit: list[int] = []
         fill: list[tuple[int, int, int]] = []
-        decode_from = [len(req.origin_input_ids) for req in batch.reqs]
         for req, prefix, ext, final in zip(
             batch.reqs, batch.prefix_lens_cpu, batch.extend_lens_cpu, batch.output_rows, strict=True
         ):
@@ -206,12 +200,11 @@ class HisparseCoordinator:
                 admit.append(row)
                 fill.extend(self._admit(state, row, prefix + ext))
         if not admit:
-            return ExtendPlan(decode_from=decode_from)
+            return ExtendPlan()
         self._bytes_h2d += len(fill) * moved
         up = self.ctx.stream.upload
         cols = torch.tensor(fill, dtype=_I64).reshape(-1, 3).T
         return ExtendPlan(
-            decode_from=decode_from,
             num_admitted=len(admit),
             admit_rows=up(torch.tensor(admit, dtype=_I64)),
             fill_rows=up(cols[0].contiguous()),
