@@ -200,3 +200,26 @@ async def test_engine_from_section_overrides_and_not_both(llama):
         assert len((await engine.complete("x", {"max_new_tokens": 2})).token_ids) == 2
     with pytest.raises(TypeError, match="not both"):
         Engine(engine_config(llama), runtime={"overlap": False})
+
+
+async def test_streaming_state_stays_bounded_over_long_outputs(llama):
+    """Only text not yet streamed is kept per request, so per-token work does not grow."""
+    from stallfree.runtime.observer import EngineObserver
+
+    class Watch(EngineObserver):
+        def __init__(self) -> None:
+            self.longest = 0
+
+        def on_tokens(self, req, count, now) -> None:
+            self.longest = max(self.longest, len(req.sink.pending))
+
+    watch = Watch()
+    engine = Engine(engine_config(llama))
+    engine.add_observer(watch)
+    async with engine:
+        params = {"max_new_tokens": 300, "ignore_eos": True, "stop": ["\x00never\x00"]}
+        out = await engine.complete("a long stream", params)
+        plain = await engine.complete("a long stream", {"max_new_tokens": 300, "ignore_eos": True})
+    assert out.completion_tokens == 300 and out.text == plain.text
+    assert len(out.text) > 64
+    assert watch.longest < 16  # the longest stop string, plus one token's text

@@ -95,10 +95,11 @@ class _Stream:
     queue: asyncio.Queue[GenerationChunk]
     detok: Detokenizer
     stops: list[str]
-    text: str = ""
-    emitted: int = 0
+    # NOTE: only text not yet streamed is kept (bounded by the longest stop string), so the
+    # work per token does not grow with the output.
+    pending: str = ""
     held_ids: list[int] = field(default_factory=list)
-    stop_at: int | None = None
+    stop_at: int | None = None  # index into `pending` where a stop string begins
 
 
 class Engine:
@@ -381,21 +382,21 @@ class Engine:
     def _on_token(self, req: Req, tok: int) -> bool:
         sink: _Stream = req.sink
         delta = sink.detok.step([tok])
-        sink.text += delta
         sink.held_ids.append(tok)
         self.observers.on_tokens(req, 1, time.perf_counter())
-        if sink.stops:
-            idx = find_stop(sink.text, sink.stops, len(sink.text) - len(delta))
-            if idx is not None:
-                sink.stop_at = idx
-                return True
-            # hold back what could still become the start of a stop string
-            safe = len(sink.text) - (max(len(s) for s in sink.stops) - 1)
-        else:
-            safe = len(sink.text)
-        if safe > sink.emitted:
-            self._push(req, sink.text[sink.emitted : safe])
-            sink.emitted = safe
+        if not sink.stops:
+            self._push(req, delta)
+            return False
+        # a stop string ending in `delta` starts inside `pending`, which holds back enough text
+        sink.pending += delta
+        idx = find_stop(sink.pending, sink.stops, len(sink.pending) - len(delta))
+        if idx is not None:
+            sink.stop_at = idx
+            return True
+        safe = len(sink.pending) - (max(len(s) for s in sink.stops) - 1)
+        if safe > 0:
+            self._push(req, sink.pending[:safe])
+            sink.pending = sink.pending[safe:]
         return False
 
     def _push(self, req: Req, text: str, final: bool = False) -> None:
@@ -420,11 +421,10 @@ class Engine:
         if sink is None:
             return
         if sink.stop_at is not None:
-            tail = sink.text[sink.emitted : sink.stop_at]
+            tail = sink.pending[: sink.stop_at]
         else:
-            sink.text += sink.detok.flush()
-            tail = sink.text[sink.emitted :]
-        sink.emitted = len(sink.text)
+            tail = sink.pending + sink.detok.flush()
+        sink.pending = ""
         self._push(req, tail, final=True)
 
     # ------------------------------------------------------------------ introspection
