@@ -47,10 +47,6 @@ class SyncMonitor:
         finally:
             self._in_schedule_path = outer
 
-    @property
-    def in_schedule_path(self) -> bool:
-        return self._in_schedule_path
-
     def host_read(self, tensor: torch.Tensor, site: str) -> torch.Tensor:
         """Synchronise the stream and copy `tensor` to the host, recording the stall at `site`."""
         if self._in_schedule_path:

@@ -74,7 +74,6 @@ def alloc_for_extend(
         _write_req_to_token(
             batch, stream.upload(torch.cat(rows)), stream.upload(torch.cat(cols)), out_cache_loc
         )
-    batch.out_cache_loc_cpu = out_cache_loc_cpu
     return out_cache_loc, stream.upload(req_pool_indices_cpu), req_pool_indices_cpu
 
 
@@ -91,9 +90,7 @@ def alloc_for_decode(batch: ScheduleBatch, seq_lens_cpu: torch.Tensor) -> torch.
     for req, seq_len in zip(batch.reqs, seq_lens_cpu.tolist(), strict=True):
         _grow_pages(ctx.allocator, req, seq_len + 1)
         locs.append(req.kv_pages[seq_len // page_size] * page_size + seq_len % page_size)
-    out_cache_loc_cpu = torch.tensor(locs, dtype=torch.int64)
-    batch.out_cache_loc_cpu = out_cache_loc_cpu
-    out_cache_loc = ctx.stream.upload(out_cache_loc_cpu)
+    out_cache_loc = ctx.stream.upload(torch.tensor(locs, dtype=torch.int64))
     _write_req_to_token(batch, batch.req_pool_indices, batch.seq_lens, out_cache_loc)
     return out_cache_loc
 

@@ -47,16 +47,12 @@ class Req:
     first_scheduled_time: float | None = None
 
     @property
-    def fill_ids(self) -> list[int]:
-        """Tokens a (re)prefill must compute: the prompt and every known output."""
-        return self.origin_input_ids + self.output_ids
-
-    @property
     def fill_len(self) -> int:
+        """Tokens a (re)prefill must compute: the prompt and every known output."""
         return len(self.origin_input_ids) + len(self.output_ids)
 
     def fill_slice(self, start: int, end: int) -> list[int]:
-        """`fill_ids[start:end]` without building the whole list."""
+        """`(prompt + outputs)[start:end]` without building the whole list."""
         prompt = self.origin_input_ids
         if end <= len(prompt):
             return prompt[start:end]

@@ -56,7 +56,6 @@ class ScheduleBatch:
     seq_lens: torch.Tensor = field(default_factory=_empty)
     seq_lens_cpu: torch.Tensor = field(default_factory=_empty)
     out_cache_loc: torch.Tensor = field(default_factory=_empty)
-    out_cache_loc_cpu: torch.Tensor = field(default_factory=_empty)
     input_ids: torch.Tensor | None = None  # None in decode: resolved from the future map
     positions: torch.Tensor | None = None
     prefix_lens_cpu: list[int] = field(default_factory=list)
@@ -84,12 +83,6 @@ class ScheduleBatch:
             self.ctx.monitor.mirror_read("seq_lens_cpu")
             return self.seq_lens_cpu
         return self.ctx.monitor.host_read(self.seq_lens, site)
-
-    def host_req_pool_indices(self, site: str) -> torch.Tensor:
-        if self.ctx.cpu_mirrors:
-            self.ctx.monitor.mirror_read("req_pool_indices_cpu")
-            return self.req_pool_indices_cpu
-        return self.ctx.monitor.host_read(self.req_pool_indices, site)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -159,7 +152,6 @@ class ScheduleBatch:
             setattr(self, name, self.ctx.stream.upload(_empty()))
         self.req_pool_indices_cpu = _empty()
         self.seq_lens_cpu = _empty()
-        self.out_cache_loc_cpu = _empty()
         self.input_ids = self.ctx.stream.upload(_empty())
         self.positions = self.input_ids
         self.prefix_lens_cpu, self.extend_lens_cpu = [], []
@@ -174,7 +166,7 @@ class ScheduleBatch:
         self.seq_lens_cpu = torch.tensor([r.num_computed_tokens for r in self.reqs], dtype=_I64)
         self.req_pool_indices = stream.upload(self.req_pool_indices_cpu)
         self.seq_lens = stream.upload(self.seq_lens_cpu)
-        self.out_cache_loc, self.out_cache_loc_cpu = stream.upload(_empty()), _empty()
+        self.out_cache_loc = stream.upload(_empty())
         self._check()
 
     def filter_batch(self, keep_indices: list[int]) -> None:
