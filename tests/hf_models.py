@@ -88,7 +88,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def write_tokenizer(out: Path) -> None:
+def write_byte_tokenizer_json(out: Path) -> Path:
     """tokenizer.json where byte b is token b, plus <s>=256 and </s>=257."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -98,6 +98,12 @@ def write_tokenizer(out: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<s>", "</s>"])
     tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+def write_tokenizer(out: Path) -> None:
+    """The byte-level tokenizer.json and a tokenizer_config.json with a chat template."""
+    write_byte_tokenizer_json(out)
     config = {
         "bos_token": "<s>",
         "eos_token": "</s>",

@@ -5,8 +5,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers
 
 from stallfree.runtime.tokenizer import (
     ByteDetokenizer,
@@ -19,6 +17,7 @@ from stallfree.runtime.tokenizer import (
     find_stop,
     load_tokenizer,
 )
+from tests.hf_models import write_byte_tokenizer_json
 
 TEXTS = ["hello, world", "naïve café", "日本語のテキスト", "emoji 🎉👩‍👩‍👧 mix ✓", ""]
 TEMPLATE = (
@@ -27,26 +26,8 @@ TEMPLATE = (
 )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table used by the ByteLevel pre-tokenizer."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def _write_hf_tokenizer(directory: Path, config: dict | None = None) -> Path:
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
-    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[]))
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    raw.add_special_tokens(["<s>", "</s>"])
-    raw.save(str(directory / "tokenizer.json"))
+    write_byte_tokenizer_json(directory)
     if config is not None:
         (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory

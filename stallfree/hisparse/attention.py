@@ -12,7 +12,7 @@ import torch
 
 from stallfree.hisparse.indexer import query_proxy
 from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
-from stallfree.runtime.model.attention import _sdpa, _sdpa_batched
+from stallfree.runtime.model.attention import _sdpa, _sdpa_batched, causal_mask
 
 if TYPE_CHECKING:
     from stallfree.hisparse.coordinator import DecodePlan, ExtendPlan, HisparseCoordinator
@@ -51,8 +51,7 @@ class HisparseAttention:
             seq = prefix + n
             row = int(fb.req_pool_indices_cpu[i])
             k_seq, v_seq = co.host_kv(li, fb.req_to_token[row, :seq])
-            q_pos = torch.arange(prefix, seq, device=q.device)[:, None]
-            mask = torch.arange(seq, device=q.device)[None, :] <= q_pos
+            mask = causal_mask(prefix, seq, q.device)
             # NOTE: positions past the prompt are outputs of a re-prefill after retraction
             co.mask_decoded(li, row, prefix, fb.prompt_lens_cpu[i], q[start : start + n], mask)
             outs.append(_sdpa(q[start : start + n], k_seq, v_seq, mask))

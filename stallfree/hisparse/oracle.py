@@ -14,7 +14,7 @@ import torch
 
 from stallfree.hisparse.indexer import index_keys, query_proxy, select_topk, uses_selection
 from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
-from stallfree.runtime.model.attention import PagedAttention, _sdpa
+from stallfree.runtime.model.attention import PagedAttention, _sdpa, causal_mask
 
 
 def topk_reference_row(
@@ -91,7 +91,7 @@ class TopkOracleAttention:
             seq = prefix + n
             slots = fb.req_to_token[int(fb.req_pool_indices_cpu[i]), :seq]
             keys, chunk = k_buf[slots], q[start : start + n]
-            mask = self.dense._extend_mask(prefix, n, seq, q.device)
+            mask = causal_mask(prefix, seq, q.device)
             for pos in range(max(prefix, fb.prompt_lens_cpu[i]), seq):
                 if uses_selection(pos, self.top_k, self.min_sparse_len):
                     proxy = query_proxy(chunk[pos - prefix][None])[0]

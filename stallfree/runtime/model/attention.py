@@ -35,18 +35,10 @@ class PagedAttention:
             seq = prefix + n
             row = int(fb.req_pool_indices_cpu[i])
             slots = fb.req_to_token[row, :seq]
-            mask = self._extend_mask(prefix, n, seq, q.device)
+            mask = causal_mask(prefix, seq, q.device, self.sliding_window)
             outs.append(_sdpa(q[start : start + n], k_buf[slots], v_buf[slots], mask))
             start += n
         return torch.cat(outs) if outs else q.new_empty(q.shape)
-
-    def _extend_mask(self, prefix: int, n: int, seq: int, device: torch.device) -> torch.Tensor:
-        q_pos = torch.arange(prefix, seq, device=device)[:, None]
-        k_pos = torch.arange(seq, device=device)[None, :]
-        mask = k_pos <= q_pos
-        if self.sliding_window is not None:
-            mask &= k_pos > q_pos - self.sliding_window
-        return mask  # [n, seq]
 
     def _decode(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = fb.kv_cache.k_buffers[layer_id], fb.kv_cache.v_buffers[layer_id]
@@ -59,6 +51,18 @@ class PagedAttention:
         # Batched as B independent single-query problems: [B, H, 1, D] against [B, H, L, D].
         out = _sdpa_batched(q[:, :, None, :], k_buf[slots], v_buf[slots], mask[:, None, None, :])
         return out[:, :, 0, :]
+
+
+def causal_mask(
+    prefix: int, seq: int, device: torch.device, sliding_window: int | None = None
+) -> torch.Tensor:
+    """[seq - prefix, seq]: query at position prefix + i sees keys 0..prefix + i (and the window)."""
+    q_pos = torch.arange(prefix, seq, device=device)[:, None]
+    k_pos = torch.arange(seq, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
 
 
 def _expand_kv(kv: torch.Tensor, num_heads: int) -> torch.Tensor:
