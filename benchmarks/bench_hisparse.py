@@ -21,32 +21,30 @@ from stallfree.runtime.observer import EngineObserver
 class DecodeWindow(EngineObserver):
     """Marks decode step `start` (past the prefill still in flight) with the HiSparse counters."""
 
-    def __init__(self, start: int = 3) -> None:
+    def __init__(self, engine: Engine, start: int = 3) -> None:
+        self.engine = engine
         self.start = start
         self.steps = 0
         self.mark: tuple[float, Any] | None = None
-
-    def on_start(self, engine: Engine) -> None:
-        self.engine = engine
 
     def on_step(self, num_reqs: int, decode: bool, overlapped: bool) -> None:
         if decode:
             self.steps += 1
             if self.steps == self.start:
-                hisparse = self.engine.ctx.hisparse
+                hisparse = self.engine.core.ctx.sparse
                 # NOTE: one sync, outside the measured window's steady state
                 stats = hisparse.stats(sync=True) if hisparse else None
                 self.mark = (time.perf_counter(), stats)
 
 
 def dense_bytes_per_request(engine: Engine, context: int) -> int:
-    return engine.ctx.kv_cache.bytes_per_token() * context
+    return engine.core.ctx.kv_cache.bytes_per_token() * context
 
 
 def hisparse_bytes_per_request(engine: Engine, context: int) -> int:
-    hs = engine.ctx.hisparse
-    arch = engine.loaded.arch
-    per_layer_token = engine.ctx.kv_cache.bytes_per_token() // arch.num_layers
+    hs = engine.core.ctx.sparse
+    arch = engine.core.loaded.arch
+    per_layer_token = engine.core.ctx.kv_cache.bytes_per_token() // arch.num_layers
     dense_layers = arch.num_layers - len(hs.sparse_layers)
     index_keys = context * arch.head_dim * 4 * len(hs.sparse_layers)
     return dense_layers * per_layer_token * context + hs.device_bytes_per_request() + index_keys
@@ -64,15 +62,15 @@ async def run(args: argparse.Namespace, hisparse: bool) -> dict:
         scheduler={"chunked_prefill_size": 1024, "max_prefill_tokens": 1024},
         hisparse={"enabled": hisparse, "top_k": args.top_k, "device_buffer_size": args.buffer},
     )
-    window = DecodeWindow()
     engine = Engine(cfg)
+    window = DecodeWindow(engine)
     engine.add_observer(window)
     async with engine:
         prompts = [[(i * 13 + j * 7) % 256 for j in range(prompt_len)] for i in range(args.batch)]
         params = SamplingParams(max_new_tokens=args.steps, ignore_eos=True)
         await asyncio.gather(*(engine.complete(p, params) for p in prompts))
         t1 = time.perf_counter()
-        s1 = engine.ctx.hisparse.stats(sync=True) if hisparse else None
+        s1 = engine.core.ctx.sparse.stats(sync=True) if hisparse else None
         per_req = (hisparse_bytes_per_request if hisparse else dense_bytes_per_request)(
             engine, args.context
         )

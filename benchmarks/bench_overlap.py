@@ -38,27 +38,25 @@ class Snapshot:
 class Window(EngineObserver):
     """Snapshots the counters at decode step `start` and `start + steps`."""
 
-    def __init__(self, start: int, steps: int) -> None:
+    def __init__(self, engine: Engine, start: int, steps: int) -> None:
+        self.engine = engine
         self.start, self.steps = start, steps
         self.decode_steps = 0
         self.marks: list[Snapshot] = []
-
-    def on_start(self, engine: Engine) -> None:
-        self.engine = engine
 
     def on_step(self, num_reqs: int, decode: bool, overlapped: bool) -> None:
         if not decode:
             return
         self.decode_steps += 1
         if self.decode_steps in (self.start, self.start + self.steps):
-            e = self.engine
+            snap = self.engine.snapshot()
             self.marks.append(
                 Snapshot(
                     wall=time.perf_counter(),
-                    busy=e.stream.busy_seconds,
-                    schedule=e.loop.stats.schedule_seconds,
-                    stalls=e.monitor.total_stalls(),
-                    stall_seconds=sum(e.monitor.stall_seconds.values()),
+                    busy=snap.device_busy_seconds,
+                    schedule=snap.counters.schedule_seconds,
+                    stalls=sum(snap.stalls.values()),
+                    stall_seconds=sum(snap.stall_seconds.values()),
                 )
             )
 
@@ -79,8 +77,8 @@ async def run_mode(args: argparse.Namespace, batch: int, overlap: bool, mirrors:
         },
         scheduler={"max_prefill_tokens": 16 * batch},
     )
-    window = Window(warmup, steps)
     engine = Engine(cfg)
+    window = Window(engine, warmup, steps)
     engine.add_observer(window)
     async with engine:
         params = SamplingParams(max_new_tokens=warmup + steps + 4, ignore_eos=True)

@@ -52,12 +52,12 @@ async def check_sync_debug_mode() -> None:
         prompts = [[(i * 7 + j) % 256 for j in range(32)] for i in range(16)]
         results = await asyncio.gather(*(engine.complete(p, params) for p in prompts))
         errors = [r.error for r in results if r.error]
-        steps = engine.loop.stats.steps
+        steps = engine.snapshot().counters.steps
         print(
             f"[2] strict overlap+mirrors on CUDA: {steps} steps, "
-            f"schedule-path reads {engine.monitor.schedule_path_reads}, errors {errors[:1]}"
+            f"schedule-path reads {engine.core.monitor.schedule_path_reads}, errors {errors[:1]}"
         )
-        assert not errors and engine.monitor.schedule_path_reads == 0
+        assert not errors and engine.core.monitor.schedule_path_reads == 0
 
 
 def main() -> int:

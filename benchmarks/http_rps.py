@@ -54,7 +54,7 @@ def server_process() -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "stallfree.runtime.cli", "serve", "--model", "tiny"]
+    cmd = [sys.executable, "-m", "stallfree.entrypoints.cli", "serve", "--model", "tiny"]
     cmd += ["--device", "cpu", "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

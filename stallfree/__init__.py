@@ -9,10 +9,12 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Engine": "stallfree.runtime.engine",
-    "EngineOverloadedError": "stallfree.runtime.engine",
-    "GenerationChunk": "stallfree.runtime.engine",
-    "GenerationResult": "stallfree.runtime.engine",
-    "InvalidRequestError": "stallfree.runtime.engine",
+    "EngineOverloadedError": "stallfree.runtime.errors",
+    "EngineSnapshot": "stallfree.runtime.stats",
+    "EngineUnhealthyError": "stallfree.runtime.errors",
+    "GenerationChunk": "stallfree.runtime.output_processor",
+    "GenerationResult": "stallfree.runtime.output_processor",
+    "InvalidRequestError": "stallfree.runtime.errors",
     "SamplingParams": "stallfree.runtime.sampling_params",
     "StallfreeConfig": "stallfree.config",
     "load_config": "stallfree.config",

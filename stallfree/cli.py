@@ -1,6 +1,6 @@
-"""The full `stallfree` command: the runtime's commands plus `bench`.
+"""The full `stallfree` command: `stallfree.entrypoints.cli`'s commands plus `bench`.
 
-It lives here, above both, because `stallfree.runtime` never imports `stallfree.bench`.
+It lives here, above both, because `stallfree.entrypoints` never imports `stallfree.bench`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from stallfree.runtime import cli as runtime_cli
+from stallfree.entrypoints import cli as runtime_cli
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:

@@ -7,6 +7,7 @@ import torch
 from stallfree.overlap.future_map import FutureMap
 from stallfree.overlap.host_read import SyncMonitor
 from stallfree.overlap.stream import CpuStream
+from stallfree.runtime.context import BatchContext
 from stallfree.runtime.memory_pool import (
     KVCache,
     KVCacheShape,
@@ -15,7 +16,6 @@ from stallfree.runtime.memory_pool import (
 )
 from stallfree.runtime.req import Req
 from stallfree.runtime.sampling_params import SamplingParams
-from stallfree.runtime.schedule_batch import BatchContext
 
 
 def make_ctx(

@@ -39,7 +39,7 @@ async def test_streaming_chunks_add_up(llama):
     [
         ("", None, InvalidRequestError, "prompt is empty"),
         ([], None, InvalidRequestError, "prompt is empty"),
-        ([1] * 2000, None, InvalidRequestError, "context limit is 1024"),
+        ([1] * 2000, None, InvalidRequestError, "maximum context length is 1024"),
         ([1, 999], None, InvalidRequestError, "out of range"),
         ("hi", {"temperature": -1}, ValidationError, "temperature"),
         ("hi", {"top_p": 1.5}, ValidationError, "top_p"),
@@ -61,10 +61,10 @@ async def test_bad_input_is_a_clear_error_and_the_engine_keeps_serving(
         assert engine.pool_usage().all_free
 
 
-async def test_unknown_model_path_is_a_clear_error(tmp_path):
-    engine = Engine(engine_config(str(tmp_path / "nope")))
+def test_unknown_model_path_is_a_clear_error(tmp_path):
+    # the engine is whole when constructed: a bad model fails there, not at start()
     with pytest.raises(ModelLoadError, match="does not exist"):
-        await engine.start()
+        Engine(engine_config(str(tmp_path / "nope")))
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -206,15 +206,16 @@ async def test_streaming_state_stays_bounded_over_long_outputs(llama):
     """Only text not yet streamed is kept per request, so per-token work does not grow."""
     from stallfree.runtime.observer import EngineObserver
 
+    engine = Engine(engine_config(llama))
+
     class Watch(EngineObserver):
         def __init__(self) -> None:
             self.longest = 0
 
         def on_tokens(self, req, count, now) -> None:
-            self.longest = max(self.longest, len(req.sink.pending))
+            self.longest = max(self.longest, engine.core.output.held_text_len(req))
 
     watch = Watch()
-    engine = Engine(engine_config(llama))
     engine.add_observer(watch)
     async with engine:
         params = {"max_new_tokens": 300, "ignore_eos": True, "stop": ["\x00never\x00"]}

@@ -30,7 +30,7 @@ async def test_failed_steps_fail_their_requests_and_the_engine_serves_on(llama, 
     prompts = random_prompts(16, seed=9)
     async with Engine(cfg) as engine:
         results = await asyncio.gather(*(engine.complete(p, PARAMS) for p in prompts))
-        injected = sum(engine.runner.faults.injected.values())
+        injected = sum(engine.core.runner.faults.injected.values())
         failed = [r for r in results if r.finish_reason == "error"]
         assert injected > 0 and failed, "the schedule should have injected a failure"
         assert all("injected" in r.error for r in failed)
@@ -40,7 +40,7 @@ async def test_failed_steps_fail_their_requests_and_the_engine_serves_on(llama, 
         await engine.wait_idle()
         assert engine.pool_usage().all_free
         assert engine.healthy
-        assert engine.loop.stats.step_failures == injected
+        assert engine.snapshot().counters.step_failures == injected
 
 
 async def test_repeated_failures_fail_closed_without_hanging(llama):
@@ -68,7 +68,7 @@ async def test_slow_steps_change_nothing_but_time(llama):
     prompts = random_prompts(6, seed=2)
     async with Engine(cfg) as engine:
         outputs = await run_greedy(engine, prompts, 12)
-        assert engine.runner.faults.injected  # some steps were slowed
+        assert engine.core.runner.faults.injected  # some steps were slowed
     assert outputs == [hf_greedy(llama, p, 12) for p in prompts]
 
 
@@ -95,10 +95,10 @@ async def test_waiting_queue_is_bounded(llama):
         long = asyncio.create_task(
             engine.complete("hog", {"max_new_tokens": 400, "ignore_eos": True})
         )
-        while engine.scheduler.num_running == 0:
+        while engine.core.scheduler.num_running == 0:
             await asyncio.sleep(0.001)
         queued = [asyncio.create_task(engine.complete(p, PARAMS)) for p in random_prompts(2)]
-        while len(engine.scheduler.waiting) < 2:
+        while len(engine.core.scheduler.waiting) < 2:
             await asyncio.sleep(0.001)
         with pytest.raises(EngineOverloadedError, match="waiting queue is full"):
             await engine.complete("one too many", PARAMS)

@@ -22,6 +22,7 @@ from stallfree.hisparse import (
 from stallfree.overlap.future_map import FutureMap
 from stallfree.overlap.host_read import SyncMonitor
 from stallfree.overlap.stream import CpuStream
+from stallfree.runtime.context import BatchContext
 from stallfree.runtime.forward_batch import ForwardMode
 from stallfree.runtime.memory_pool import (
     KVCache,
@@ -30,7 +31,6 @@ from stallfree.runtime.memory_pool import (
     TokenToKVPoolAllocator,
 )
 from stallfree.runtime.req import Req
-from stallfree.runtime.schedule_batch import BatchContext
 from tests.engine_util import engine_config, random_prompts, run_greedy
 from tests.hf_models import hf_greedy, make_llama
 
@@ -52,9 +52,9 @@ def reference(llama):
 
 def _assert_drained(engine: Engine) -> None:
     assert engine.pool_usage().all_free
-    usage = engine.ctx.hisparse.usage()
+    usage = engine.core.ctx.sparse.usage()
     assert usage.all_free, usage
-    assert engine.ctx.hisparse.stats(sync=True).host_pool_used == 0
+    assert engine.core.ctx.sparse.stats(sync=True).host_pool_used == 0
 
 
 # ---------------------------------------------------------------------------- config
@@ -74,11 +74,10 @@ def test_buffer_smaller_than_top_k_is_a_validation_error():
         ({"top_k": 4, "device_buffer_size": 8, "min_sparse_len": 9}, r"min_sparse_len \(9\)"),
     ],
 )
-async def test_impossible_combinations_fail_at_start(llama, settings, message):
+def test_impossible_combinations_fail_at_construction(llama, settings, message):
     cfg = engine_config(llama, hisparse={"enabled": True, **settings})
-    engine = Engine(cfg)
     with pytest.raises(HisparseConfigError, match=message):
-        await engine.start()
+        Engine(cfg)
 
 
 # ---------------------------------------------------------------------------- dense equality
@@ -108,16 +107,16 @@ async def test_top_k_over_context_equals_dense(llama, reference, overlap, mirror
         outputs = await run_greedy(engine, PROMPTS, NEW_TOKENS)
         await engine.wait_idle()
         _assert_drained(engine)
-        monitor, stats = engine.monitor, engine.scheduler.stats
+        monitor, stats = engine.core.monitor, engine.snapshot().counters
     for i, (got, want) in enumerate(zip(outputs, reference, strict=True)):
         assert got == want, f"prompt {i} (len {len(PROMPTS[i])}) diverged"
     if stressed:
-        assert stats.num_retractions > 0
+        assert stats.retractions > 0
     if mirrors:
         assert monitor.schedule_path_reads == 0
         assert monitor.total_stalls() == 0
     else:
-        assert monitor.stall_counts["hisparse.map_last_loc"] == stats.num_decode_batches > 0
+        assert monitor.stall_counts["hisparse.map_last_loc"] == stats.decode_batches > 0
 
 
 async def test_dense_engine_matches_reference_too(llama, reference):
@@ -161,18 +160,18 @@ class CheckedHisparse(HisparseAttention):
 async def _run_checked(path, prompts, hisparse, **sections):
     cfg = engine_config(path, hisparse={"enabled": True, **hisparse}, **sections)
     async with Engine(cfg) as engine:
-        model = engine.loaded.model
+        model = engine.core.loaded.model
         checker = model.attn_backend = CheckedHisparse(model.attn_backend)
         outputs = await run_greedy(engine, prompts, NEW_TOKENS)
         await engine.wait_idle()
         _assert_drained(engine)
-        stats = engine.ctx.hisparse.stats(sync=True)
+        stats = engine.core.ctx.sparse.stats(sync=True)
     return outputs, checker, stats
 
 
 async def _run_oracle(path, prompts, top_k, min_sparse_len, sparse_layers):
     async with Engine(engine_config(path)) as engine:
-        model = engine.loaded.model
+        model = engine.core.loaded.model
         model.attn_backend = TopkOracleAttention(
             top_k, min_sparse_len, sparse_layers, model.attn_backend
         )
@@ -209,15 +208,6 @@ async def test_every_layer_sparse_with_chunks_and_min_len_matches_step_oracle(ll
 
 
 @dataclass
-class FakeExtend:
-    reqs: list[Req]
-    prefix_lens_cpu: list[int]
-    extend_lens_cpu: list[int]
-    output_rows: list[bool]
-    forward_mode: ForwardMode = ForwardMode.EXTEND
-
-
-@dataclass
 class Harness:
     co: HisparseCoordinator
     ctx: BatchContext
@@ -236,7 +226,8 @@ class Harness:
             value = torch.arange(1, prompt_len + 1, dtype=torch.float32) + 100 * li
             self.co.host.k[li][slots] = value[:, None, None]
             self.co.host.v[li][slots] = -value[:, None, None]
-        plan = self.co.forward_extras(FakeExtend([req], [0], [prompt_len], [True]))["hisparse"]
+        extras = self.co.forward_extras(ForwardMode.EXTEND, [req], [0], [prompt_len], [True])
+        plan = extras["hisparse"]
         for li in range(len(self.co.sparse_layers)):
             self.co.admit_on_stream(li, plan)
 
@@ -251,17 +242,13 @@ class Harness:
             self._slots(row, length - 1, length)
         t = torch.tensor
         self.co.map_last_loc_to_buffer(t(lens), t([0]), t(rows), t(lens), t(rows))
-        plan = self.co.forward_extras(_Decode())["hisparse"]
+        plan = self.co.forward_extras(ForwardMode.DECODE, [], [], [], [])["hisparse"]
         self.ctx.stream.synchronize()
         locs = self.table()[t(rows), t(lens) - 1]
         shape = (len(rows), *self.co.host.k[0].shape[1:])
         for li in range(len(self.co.sparse_layers)):
             kv = torch.full(shape, value + 100 * li)
             self.co.write_decode(li, plan, locs, kv, -kv)
-
-
-class _Decode:
-    forward_mode = ForwardMode.DECODE
 
 
 def _harness(top_k: int, buffer: int, layers: int = 1) -> Harness:
@@ -389,9 +376,9 @@ async def test_no_leaks_after_retraction_and_cancel(llama):
 
         await asyncio.gather(cancelled(), run_greedy(engine, prompts[1:], NEW_TOKENS))
         await engine.wait_idle()
-        assert engine.scheduler.stats.num_retractions > 0
+        assert engine.snapshot().counters.retractions > 0
         _assert_drained(engine)
-        stats = engine.ctx.hisparse.stats(sync=True)
+        stats = engine.core.ctx.sparse.stats(sync=True)
     assert stats.misses > 0 and stats.bytes_d2h > 0 and stats.host_pool_total > 0
 
 
@@ -417,7 +404,7 @@ async def test_retracted_requests_match_their_solo_runs(llama, overlap):
         crowd = await run_greedy(engine, prompts, NEW_TOKENS)
         await engine.wait_idle()
         _assert_drained(engine)
-        assert engine.scheduler.stats.num_retractions > 0
+        assert engine.snapshot().counters.retractions > 0
     for i, (got, want) in enumerate(zip(crowd, alone, strict=True)):
         assert got == want, f"prompt {i} (len {len(prompts[i])}) diverged from its solo run"
 
@@ -436,7 +423,10 @@ async def test_host_to_device_ratio_sizes_the_host_pool(llama):
             },
         )
         async with Engine(cfg) as engine:
-            sizes[ratio] = (engine.ctx.allocator.size, engine.ctx.hisparse.usage().host_slots_total)
+            sizes[ratio] = (
+                engine.core.ctx.allocator.size,
+                engine.core.ctx.sparse.usage().host_slots_total,
+            )
     assert sizes[1.0] == (400, 400)
     assert sizes[2.5] == (1000, 1000)
 
@@ -449,10 +439,10 @@ async def test_oracle_under_retraction_matches_solo_oracle_and_hisparse(llama, o
     solo = [(await _run_oracle(llama, [p], 4, 0, [1]))[0] for p in prompts]
     runtime = {"overlap": overlap}
     async with Engine(engine_config(llama, runtime=runtime, **STRESSED)) as engine:
-        model = engine.loaded.model
+        model = engine.core.loaded.model
         model.attn_backend = TopkOracleAttention(4, 0, [1], model.attn_backend)
         crowd = await run_greedy(engine, prompts, NEW_TOKENS)
-        assert engine.scheduler.stats.num_retractions > 0
+        assert engine.snapshot().counters.retractions > 0
     assert crowd == solo
     hisparse = {"enabled": True, "top_k": 4, "device_buffer_size": 8}
     async with Engine(

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stallfree import Engine
-from stallfree.runtime.server import create_app, start_server
+from stallfree.entrypoints.server import create_app, start_server
 from tests.engine_util import engine_config, random_prompts
 from tests.hf_models import make_llama
 from tests.test_metrics import samples, value

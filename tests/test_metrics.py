@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stallfree import Engine, SamplingParams
-from stallfree.metrics import EngineMetrics, read_hisparse_stats
+from stallfree.metrics import EngineMetrics
 from stallfree.metrics.histogram import FastHistogram
+from stallfree.runtime.sparse import SparseStats
+from stallfree.runtime.stats import EngineCounters, EngineSnapshot, PoolUsage
 from tests.engine_util import engine_config, random_prompts
 
 
@@ -41,14 +43,13 @@ async def run_workload(engine: Engine, n: int = 4, max_new_tokens: int = 8) -> i
 def test_two_engines_have_separate_registries():
     host = CollectorRegistry()
     Counter("stallfree:prompt_tokens", "the host app's own metric", registry=host)
-    a = EngineMetrics("m", "0")
-    b = EngineMetrics("m", "0")
+    a = EngineMetrics("m", "0", lambda: _snapshot())
+    b = EngineMetrics("m", "0", lambda: _snapshot(counters=EngineCounters()))
     assert a.registry is not b.registry
-    a.generation_tokens = 5
     assert value(samples(a.render()), "stallfree:generation_tokens_total") == 5
     assert value(samples(b.render()), "stallfree:generation_tokens_total") == 0
     # a shared registry with the host's metrics still holds both
-    c = EngineMetrics("m", "1", registry=CollectorRegistry())
+    c = EngineMetrics("m", "1", _snapshot, registry=CollectorRegistry())
     assert b"stallfree:prompt_tokens_total" in c.render()
     assert b"the host app" in generate_latest(host)
 
@@ -138,24 +139,55 @@ def test_fast_histogram_matches_prometheus_client():
     assert total == pytest.approx(sum((0.05, 0.1, 0.3, 0.5, 0.9, 1.0, 7.0)))
 
 
-def test_hisparse_stats_are_read_when_present_and_zero_otherwise():
-    assert set(read_hisparse_stats(None).values()) == {0.0}
-    stats = {"hits": 30, "misses": 10, "bytes_h2d": 4096, "bytes_d2h": 1024}
-    stats |= {"host_pool_used": 7, "host_pool_total": 64}
-    coordinator = SimpleNamespace(stats=lambda: stats)
-    engine = SimpleNamespace(ctx=SimpleNamespace(hisparse=coordinator), stream=None)
-    metrics = EngineMetrics("m", "0")
-    metrics.on_start(engine)  # type: ignore[arg-type]
+def _snapshot(**fields) -> EngineSnapshot:
+    base = dict(
+        running=2,
+        waiting=3,
+        pools=PoolUsage(
+            req_slots_free=4, req_slots_total=8, kv_tokens_free=25, kv_tokens_total=100
+        ),
+        counters=EngineCounters(prompt_tokens=11, generation_tokens=5, steps=9, overlap_steps=4),
+        stalls={"schedule.page_count": 6},
+        stall_seconds={"schedule.page_count": 0.5},
+        mirror_reads={"seq_lens_cpu": 7},
+        device_busy_seconds=1.5,
+        device_idle_seconds=0.25,
+    )
+    return EngineSnapshot(**(base | fields))
+
+
+def test_counters_and_gauges_come_from_one_snapshot():
+    snap = _snapshot()
+    metrics = EngineMetrics("m", "0", lambda: snap)
     scrape = samples(metrics.render())
+    assert value(scrape, "stallfree:num_requests_running") == 2
+    assert value(scrape, "stallfree:num_requests_waiting") == 3
+    assert value(scrape, "stallfree:kv_cache_usage_perc") == 0.75
+    assert value(scrape, "stallfree:prompt_tokens_total") == 11
+    assert value(scrape, "stallfree:generation_tokens_total") == 5
+    assert value(scrape, "stallfree:steps_total") == 9
+    assert value(scrape, "stallfree:overlap_steps_total") == 4
+    assert value(scrape, "stallfree:sync_stalls_total", site="schedule.page_count") == 6
+    assert value(scrape, "stallfree:host_mirror_reads_total", field="seq_lens_cpu") == 7
+    assert value(scrape, "stallfree:device_busy_seconds_total") == 1.5
+    assert value(scrape, "stallfree:device_idle_seconds_total") == 0.25
+    # every finish reason is exported, even before the first request of that kind
+    assert value(scrape, "stallfree:request_success_total", finished_reason="error") == 0
+
+
+def test_hisparse_series_are_zero_without_a_plugin_and_follow_its_stats():
+    scrape = samples(EngineMetrics("m", "0", lambda: _snapshot()).render())
+    assert value(scrape, "stallfree:hisparse_hits_total") == 0
+    assert value(scrape, "stallfree:hisparse_host_pool_total") == 0
+    sparse = SparseStats(hits=30, misses=10, bytes_h2d=4096, bytes_d2h=1024)
+    sparse = replace(sparse, host_pool_used=7, host_pool_total=64)
+    scrape = samples(EngineMetrics("m", "0", lambda: _snapshot(sparse=sparse)).render())
     assert value(scrape, "stallfree:hisparse_hits_total") == 30
     assert value(scrape, "stallfree:hisparse_misses_total") == 10
     assert value(scrape, "stallfree:hisparse_bytes_moved_total", direction="h2d") == 4096
     assert value(scrape, "stallfree:hisparse_bytes_moved_total", direction="d2h") == 1024
     assert value(scrape, "stallfree:hisparse_host_pool_used") == 7
     assert value(scrape, "stallfree:hisparse_host_pool_total") == 64
-    # an object with attributes works too
-    coordinator.stats = lambda: SimpleNamespace(hits=1, misses=2)
-    assert read_hisparse_stats(engine)["misses"] == 2.0
 
 
 async def test_hisparse_series_follow_a_real_coordinator():
@@ -167,7 +199,7 @@ async def test_hisparse_series_follow_a_real_coordinator():
         await engine.wait_idle()
         assert engine.metrics is not None
         scrape = samples(engine.metrics.render())
-        stats = engine.ctx.hisparse.stats()
+        stats = engine.core.ctx.sparse.stats()
     hits = value(scrape, "stallfree:hisparse_hits_total")
     misses = value(scrape, "stallfree:hisparse_misses_total")
     assert (hits, misses) == (stats.hits, stats.misses) and hits + misses > 0

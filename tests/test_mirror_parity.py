@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stallfree.runtime.alloc import decode_pages_needed, free_req_memory
+from stallfree.runtime.context import BatchContext
 from stallfree.runtime.req import Req
-from stallfree.runtime.schedule_batch import BatchContext, ScheduleBatch
+from stallfree.runtime.schedule_batch import ScheduleBatch
 from tests.batch_harness import make_ctx, make_req
 
 OPS = ["extend", "chunk", "decode", "idle", "prebuilt", "filter", "merge", "retract"]

@@ -10,8 +10,11 @@ import pytest
 
 from stallfree import Engine
 from stallfree.config import SchedulerConfig
+from stallfree.runtime.observer import EngineObserver
+from stallfree.runtime.output_processor import OutputProcessor
 from stallfree.runtime.req import FinishReason
 from stallfree.runtime.scheduler import Scheduler
+from stallfree.runtime.tokenizer import ByteTokenizer
 from tests.batch_harness import make_ctx, make_req
 from tests.engine_util import engine_config, random_prompts, run_greedy
 from tests.hf_models import make_llama
@@ -19,7 +22,8 @@ from tests.hf_models import make_llama
 
 def _scheduler(**kw) -> Scheduler:
     ctx = make_ctx(num_tokens=512, num_reqs=8, max_context=128)
-    return Scheduler(config=SchedulerConfig(**kw), ctx=ctx, max_running_requests=8)
+    output = OutputProcessor(ByteTokenizer(), EngineObserver())
+    return Scheduler(config=SchedulerConfig(**kw), ctx=ctx, max_running_requests=8, output=output)
 
 
 def _launch(sched: Scheduler, computed: Counter) -> tuple | None:
@@ -109,13 +113,13 @@ async def test_zero_schedule_path_reads_over_200_decode_steps_with_mirrors(llama
     cfg = engine_config(llama, runtime={"strict": True, "overlap": True, "cpu_mirrors": True})
     async with Engine(cfg) as engine:
         await run_greedy(engine, random_prompts(4, seed=3), 200)
-        assert engine.scheduler.stats.num_decode_batches >= 199
-        assert engine.monitor.schedule_path_reads == 0
-        assert engine.monitor.total_stalls() == 0
+        assert engine.snapshot().counters.decode_batches >= 199
+        assert engine.core.monitor.schedule_path_reads == 0
+        assert engine.core.monitor.total_stalls() == 0
         # one read of the lengths mirror per decode step, where legacy would sync once
-        decode_steps = engine.scheduler.stats.num_decode_batches
-        assert engine.monitor.mirror_reads["seq_lens_cpu"] == decode_steps
-        assert engine.loop.stats.overlap_steps >= 199
+        decode_steps = engine.snapshot().counters.decode_batches
+        assert engine.core.monitor.mirror_reads["seq_lens_cpu"] == decode_steps
+        assert engine.snapshot().counters.overlap_steps >= 199
 
 
 async def test_legacy_mode_stalls_at_every_mirror_site(llama):
@@ -126,10 +130,10 @@ async def test_legacy_mode_stalls_at_every_mirror_site(llama):
     )
     async with Engine(cfg) as engine:
         await run_greedy(engine, random_prompts(8, seed=4), 40)
-        assert engine.scheduler.stats.num_retractions > 0
+        assert engine.snapshot().counters.retractions > 0
         for site in ("schedule.page_count", "schedule.retract"):
-            assert engine.monitor.stall_counts[site] > 0, site
-        assert engine.monitor.mirror_reads == {}
+            assert engine.core.monitor.stall_counts[site] > 0, site
+        assert engine.core.monitor.mirror_reads == {}
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -25,8 +25,8 @@ import pytest_asyncio
 from openai import AsyncOpenAI
 
 from stallfree import Engine, SamplingParams
-from stallfree.runtime.cli import build_parser, config_from_args
-from stallfree.runtime.server import RunningServer, create_app, start_server
+from stallfree.entrypoints.cli import build_parser, config_from_args
+from stallfree.entrypoints.server import RunningServer, create_app, start_server
 from tests.engine_util import engine_config
 from tests.hf_models import make_llama
 from tests.test_metrics import samples, value
@@ -543,7 +543,7 @@ def _free_port() -> int:
 def test_sigterm_drains_in_flight_requests_then_exits():
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "stallfree.runtime.cli", "serve", "--model", "tiny"]
+    cmd = [sys.executable, "-m", "stallfree.entrypoints.cli", "serve", "--model", "tiny"]
     cmd += ["--device", "cpu", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -128,11 +128,10 @@ async def test_soak_with_chaos(llama, hisparse, num_requests):
         results = await asyncio.gather(*(run_job(engine, j, gate) for j in jobs))
         await asyncio.wait_for(engine.wait_idle(), timeout=30)
         usage = engine.pool_usage()
-        sparse_usage = engine.ctx.hisparse.usage() if engine.ctx.hisparse else None
-        sparse_stats = engine.ctx.hisparse.stats(sync=True) if engine.ctx.hisparse else None
-        loop_stats = engine.loop.stats
-        sched_stats = engine.scheduler.stats
-        injected = dict(engine.runner.faults.injected)
+        sparse_usage = engine.core.ctx.sparse.usage() if engine.core.ctx.sparse else None
+        sparse_stats = engine.core.ctx.sparse.stats(sync=True) if engine.core.ctx.sparse else None
+        counters = engine.snapshot().counters
+        injected = dict(engine.core.runner.faults.injected)
         scrape = samples(engine.metrics.render())
     wall = time.perf_counter() - start
 
@@ -153,11 +152,11 @@ async def test_soak_with_chaos(llama, hisparse, num_requests):
         assert sparse_stats.misses > 0 and sparse_stats.hits > 0
     assert outcomes["length"] > num_requests * 0.6
     assert outcomes["error"] > 0 and outcomes["cancelled"] + outcomes["abort"] > 0
-    assert sched_stats.num_retractions > 0
+    assert counters.retractions > 0
     failures = {f.value: n for f, n in injected.items()}
     assert failures["fail_copy"] > 0
-    assert loop_stats.step_failures == failures["fail_step"] + failures["fail_copy"]
-    assert loop_stats.max_iteration_gap < 2.0
+    assert counters.step_failures == failures["fail_step"] + failures["fail_copy"]
+    assert counters.max_iteration_gap < 2.0
     # the metrics agree with what the clients saw; a cancel can race a finish, so a client that
     # walked away may have been counted by the engine under the reason it finished with
     served = {
@@ -170,6 +169,6 @@ async def test_soak_with_chaos(llama, hisparse, num_requests):
     assert value(scrape, "stallfree:generation_tokens_total") >= received
     print(
         f"\nsoak[{'hisparse' if hisparse else 'dense'}]: {num_requests} requests in {wall:.1f}s; outcomes {dict(outcomes)}; "
-        f"faults { ({k.value: v for k, v in injected.items()}) }; retractions {sched_stats.num_retractions}; "
-        f"max loop gap {loop_stats.max_iteration_gap * 1e3:.1f} ms"
+        f"faults { ({k.value: v for k, v in injected.items()}) }; retractions {counters.retractions}; "
+        f"max loop gap {counters.max_iteration_gap * 1e3:.1f} ms"
     )

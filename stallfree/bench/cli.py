@@ -45,7 +45,7 @@ class UsageError(ValueError):
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    from stallfree.runtime.cli import _add_engine_flags
+    from stallfree.entrypoints.cli import add_engine_flags
 
     target = p.add_argument_group("target")
     target.add_argument(
@@ -63,7 +63,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for a launched server"
     )
-    _add_engine_flags(p)  # engine flags: the base config of every mode
+    add_engine_flags(p)  # engine flags: the base config of every mode
     target.add_argument(
         "--stream-threads",
         type=int,
@@ -203,7 +203,7 @@ def _context_len(args: argparse.Namespace) -> int | None:
     """The engine's context limit, when this process knows it (not for --base-url)."""
     if args.base_url:
         return None
-    from stallfree.runtime.cli import config_from_args
+    from stallfree.entrypoints.cli import config_from_args
     from stallfree.runtime.model.loader import PRESETS
 
     model = config_from_args(args).model
@@ -243,7 +243,7 @@ def _tokenize(args: argparse.Namespace) -> Any:
 
 
 def _targets(args: argparse.Namespace) -> tuple[TargetFactory, dict[str, Any]]:
-    from stallfree.runtime.cli import config_from_args
+    from stallfree.entrypoints.cli import config_from_args
 
     if args.base_url:
         info = {"kind": "http", "base_url": args.base_url}
@@ -348,11 +348,11 @@ async def _bench(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run `stallfree bench`; every expected failure is one line on stderr and a non-zero code."""
-    from stallfree.runtime.cli import _run
+    from stallfree.entrypoints.cli import run_async
 
     try:
         _check_flags(args)
-        return _run(_bench(args))
+        return run_async(_bench(args))
     except (UsageError, PlotUnavailableError) as exc:
         print(f"stallfree bench: error: {exc}", file=sys.stderr)
         return 2

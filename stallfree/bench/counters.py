@@ -49,27 +49,19 @@ class StallFigures:
 
 def snapshot_engine(engine: Engine) -> CounterSnapshot:
     """Read the embedded engine's own counters (no Prometheus round trip)."""
-    snap = CounterSnapshot(
+    snap = engine.snapshot()
+    c = snap.counters
+    return CounterSnapshot(
         wall=time.perf_counter(),
-        steps=float(engine.loop.stats.steps),
-        overlap_steps=float(engine.loop.stats.overlap_steps),
-        stalls={k: float(v) for k, v in engine.monitor.stall_counts.items()},
-        stall_seconds=dict(engine.monitor.stall_seconds),
-        busy_seconds=float(engine.stream.busy_seconds),
+        steps=float(c.steps),
+        overlap_steps=float(c.overlap_steps),
+        stalls={k: float(v) for k, v in snap.stalls.items()},
+        stall_seconds=dict(snap.stall_seconds),
+        busy_seconds=snap.device_busy_seconds,
+        idle_seconds=snap.device_idle_seconds,
+        schedule_sum=c.schedule_seconds,
+        schedule_count=float(c.steps),
     )
-    metrics = engine.metrics
-    if metrics is not None:
-        # NOTE: the collector's idle time counts only while requests are in the engine, and its
-        # schedule histogram only launches; use them so in-process and /metrics figures agree.
-        snap.busy_seconds, snap.idle_seconds = metrics.device_seconds()
-        snap.schedule_sum = metrics.schedule_time.sum
-        snap.schedule_count = float(sum(metrics.schedule_time.counts))
-    else:
-        # without a collector: wall minus busy, whose difference over a run is its idle time
-        snap.idle_seconds = snap.wall - float(engine.stream.busy_seconds)
-        snap.schedule_sum = engine.loop.stats.schedule_seconds
-        snap.schedule_count = snap.steps
-    return snap
 
 
 def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:

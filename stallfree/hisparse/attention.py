@@ -12,7 +12,7 @@ import torch
 
 from stallfree.hisparse.indexer import query_proxy
 from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
-from stallfree.runtime.model.attention import _sdpa, _sdpa_batched, causal_mask
+from stallfree.runtime.model.attention import attend, attend_batched, causal_mask
 
 if TYPE_CHECKING:
     from stallfree.hisparse.coordinator import DecodePlan, ExtendPlan, HisparseCoordinator
@@ -54,7 +54,7 @@ class HisparseAttention:
             mask = causal_mask(prefix, seq, q.device)
             # NOTE: positions past the prompt are outputs of a re-prefill after retraction
             co.mask_decoded(li, row, prefix, fb.prompt_lens_cpu[i], q[start : start + n], mask)
-            outs.append(_sdpa(q[start : start + n], k_seq, v_seq, mask))
+            outs.append(attend(q[start : start + n], k_seq, v_seq, mask))
             start += n
         co.admit_on_stream(li, plan)
         return torch.cat(outs) if outs else q.new_empty(q.shape)
@@ -96,7 +96,7 @@ class HisparseAttention:
         phys[:, width] = plan.reserved_t
         valid[:, width] = True
         buf = co.buffers
-        out = _sdpa_batched(
+        out = attend_batched(
             q[:, :, None, :], buf.k[li][phys], buf.v[li][phys], valid[:, None, None, :]
         )
         return out[:, :, 0, :]

@@ -20,12 +20,13 @@ import torch
 from stallfree.hisparse.indexer import index_keys, query_proxy, select_topk, uses_selection
 from stallfree.hisparse.memory import DeviceBuffers, HostKVPool
 from stallfree.runtime.forward_batch import ForwardMode
+from stallfree.runtime.sparse import SparseStats
 
 if TYPE_CHECKING:
     from stallfree.config import HisparseConfig
-    from stallfree.runtime.model.loader import ModelArchConfig
+    from stallfree.runtime.context import BatchContext
+    from stallfree.runtime.model.arch import ModelArchConfig
     from stallfree.runtime.req import Req
-    from stallfree.runtime.schedule_batch import BatchContext, ScheduleBatch
 
 _I64 = torch.int64
 _NEVER_EVICT = torch.iinfo(torch.int64).max
@@ -100,18 +101,6 @@ class DecodePlan:
 
 
 @dataclass(slots=True)
-class HisparseStats:
-    hits: int = 0
-    misses: int = 0
-    bytes_h2d: int = 0
-    bytes_d2h: int = 0
-    host_pool_used: int = 0
-    host_pool_total: int = 0
-    buffer_slots_used: int = 0
-    buffer_slots_total: int = 0
-
-
-@dataclass(slots=True)
 class HisparseUsage:
     host_slots_used: int
     host_slots_total: int
@@ -172,23 +161,38 @@ class HisparseCoordinator:
 
     # ------------------------------------------------------------------ schedule path
 
-    def forward_extras(self, batch: ScheduleBatch) -> dict[str, Any]:
+    def forward_extras(
+        self,
+        mode: ForwardMode,
+        reqs: Sequence[Req],
+        prefix_lens_cpu: Sequence[int],
+        extend_lens_cpu: Sequence[int],
+        output_rows: Sequence[bool],
+    ) -> dict[str, Any]:
         """The per-step plan a launched batch carries in `fb.extras["hisparse"]`."""
-        if batch.forward_mode is ForwardMode.DECODE:
+        if mode is ForwardMode.DECODE:
             plan, self._pending = self._pending, None
             if plan is None:
                 raise RuntimeError("decode batch launched without map_last_loc_to_buffer")
             return {"hisparse": plan}
-        if batch.forward_mode is ForwardMode.EXTEND:
-            return {"hisparse": self._plan_extend(batch)}
+        if mode is ForwardMode.EXTEND:
+            return {
+                "hisparse": self._plan_extend(reqs, prefix_lens_cpu, extend_lens_cpu, output_rows)
+            }
         return {}
 
-    def _plan_extend(self, batch: ScheduleBatch) -> ExtendPlan:
+    def _plan_extend(
+        self,
+        reqs: Sequence[Req],
+        prefix_lens_cpu: Sequence[int],
+        extend_lens_cpu: Sequence[int],
+        output_rows: Sequence[bool],
+    ) -> ExtendPlan:
         moved = self.token_bytes * len(self.sparse_layers)
         admit: list[int] = []
         fill: list[tuple[int, int, int]] = []
         for req, prefix, ext, final in zip(
-            batch.reqs, batch.prefix_lens_cpu, batch.extend_lens_cpu, batch.output_rows, strict=True
+            reqs, prefix_lens_cpu, extend_lens_cpu, output_rows, strict=True
         ):
             row = req.req_pool_idx
             assert row is not None
@@ -488,7 +492,7 @@ class HisparseCoordinator:
 
     # ------------------------------------------------------------------ introspection
 
-    def stats(self, sync: bool = False) -> HisparseStats:
+    def stats(self, sync: bool = False) -> SparseStats:
         """Cumulative counters. Without `sync` the device counts may lag by a step and nothing
         waits (safe at scrape time); `sync=True` drains the stream first (tests only)."""
         if sync:
@@ -497,7 +501,7 @@ class HisparseCoordinator:
         else:
             hits, misses = self._counters_host.tolist()
         usage = self.usage()
-        return HisparseStats(
+        return SparseStats(
             hits=int(hits),
             misses=int(misses),
             bytes_h2d=self._bytes_h2d + int(misses) * self.token_bytes,
@@ -506,6 +510,7 @@ class HisparseCoordinator:
             host_pool_total=usage.host_slots_total,
             buffer_slots_used=usage.buffer_slots_used,
             buffer_slots_total=usage.buffer_slots_total,
+            rows_tracked=usage.rows_tracked,
         )
 
     def usage(self) -> HisparseUsage:

@@ -14,7 +14,7 @@ import torch
 
 from stallfree.hisparse.indexer import index_keys, query_proxy, select_topk, uses_selection
 from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
-from stallfree.runtime.model.attention import PagedAttention, _sdpa, causal_mask
+from stallfree.runtime.model.attention import PagedAttention, attend, causal_mask
 
 
 def topk_reference_row(
@@ -35,7 +35,7 @@ def topk_reference_row(
         keep[chosen] = True
     k_all = torch.cat([k_hist, k_new[None]])
     v_all = torch.cat([v_hist, v_new[None]])
-    return _sdpa(q[None], k_all, v_all, keep[None])[0]
+    return attend(q[None], k_all, v_all, keep[None])[0]
 
 
 class TopkOracleAttention:
@@ -98,6 +98,6 @@ class TopkOracleAttention:
                     chosen = select_topk(proxy, index_keys(keys[:pos], keys.dtype), self.top_k)
                     mask[pos - prefix, :pos] = False
                     mask[pos - prefix, chosen] = True
-            outs.append(_sdpa(chunk, keys, v_buf[slots], mask))
+            outs.append(attend(chunk, keys, v_buf[slots], mask))
             start += n
         return torch.cat(outs) if outs else q.new_empty(q.shape)

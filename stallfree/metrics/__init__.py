@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from stallfree.metrics.engine_metrics import EngineMetrics
-from stallfree.metrics.hisparse_stats import read_hisparse_stats
+from stallfree.metrics.engine_metrics import PLUGIN, EngineMetrics, PrometheusPlugin
 
-__all__ = ["EngineMetrics", "read_hisparse_stats"]
+__all__ = ["PLUGIN", "EngineMetrics", "PrometheusPlugin"]

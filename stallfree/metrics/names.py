@@ -5,11 +5,3 @@ from __future__ import annotations
 PREFIX = "stallfree:"
 BASE_LABELS = ("model_name", "engine")
 FINISH_REASONS = ("stop", "length", "abort", "error")
-HISPARSE_FIELDS = (
-    "hits",
-    "misses",
-    "bytes_h2d",
-    "bytes_d2h",
-    "host_pool_used",
-    "host_pool_total",
-)

@@ -22,7 +22,7 @@ StallSink = Callable[[str, float], None]
 class SyncMonitor:
     """Counts and times every `host_read`, per site, and enforces strict mode.
 
-    Sinks (the Prometheus collectors) are written to; nothing on the hot path reads back.
+    Its counts are the engine's stall counters; sinks receive each stall's duration.
     """
 
     def __init__(self, stream: DeviceStream, strict: bool = False) -> None:
@@ -34,7 +34,6 @@ class SyncMonitor:
         self.schedule_path_reads = 0
         self._in_schedule_path = False
         self.stall_sinks: list[StallSink] = []
-        self.mirror_sinks: list[Callable[[str], None]] = []
 
     @contextlib.contextmanager
     def schedule_path(self) -> Iterator[None]:
@@ -65,8 +64,6 @@ class SyncMonitor:
 
     def mirror_read(self, field: str) -> None:
         self.mirror_reads[field] += 1
-        for sink in self.mirror_sinks:
-            sink(field)
 
     def total_stalls(self) -> int:
         return sum(self.stall_counts.values())

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from stallfree.runtime.errors import EngineOverloadedError, InvalidRequestError
+
 if TYPE_CHECKING:
+    from stallfree.runtime.context import BatchContext
     from stallfree.runtime.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
     from stallfree.runtime.req import Req
-    from stallfree.runtime.schedule_batch import ScheduleBatch
 
 
 class OutOfMemoryError(RuntimeError):
@@ -49,17 +52,16 @@ def _grow_pages(allocator: TokenToKVPoolAllocator, req: Req, end: int) -> None:
 
 
 def alloc_for_extend(
-    batch: ScheduleBatch, extend_lens: list[int]
+    ctx: BatchContext, reqs: list[Req], extend_lens: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (out_cache_loc, req_pool_indices_device, req_pool_indices_cpu).
 
     The CPU tensor is built from the host allocation; the device one is a non-blocking copy.
     The new `req_to_token` entries are written on the stream.
     """
-    ctx = batch.ctx
-    alloc_req_slots(ctx.req_to_token_pool, batch.reqs)
+    alloc_req_slots(ctx.req_to_token_pool, reqs)
     locs, rows, cols = [], [], []
-    for req, ext in zip(batch.reqs, extend_lens, strict=True):
+    for req, ext in zip(reqs, extend_lens, strict=True):
         assert req.req_pool_idx is not None
         start = req.num_computed_tokens
         _grow_pages(ctx.allocator, req, start + ext)
@@ -67,12 +69,12 @@ def alloc_for_extend(
         rows.append(torch.full((ext,), req.req_pool_idx, dtype=torch.int64))
         cols.append(torch.arange(start, start + ext, dtype=torch.int64))
     out_cache_loc_cpu = torch.cat(locs) if locs else torch.empty(0, dtype=torch.int64)
-    req_pool_indices_cpu = torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=torch.int64)
+    req_pool_indices_cpu = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
     stream = ctx.stream
     out_cache_loc = stream.upload(out_cache_loc_cpu)
     if locs:
         _write_req_to_token(
-            batch, stream.upload(torch.cat(rows)), stream.upload(torch.cat(cols)), out_cache_loc
+            ctx, stream.upload(torch.cat(rows)), stream.upload(torch.cat(cols)), out_cache_loc
         )
     return out_cache_loc, stream.upload(req_pool_indices_cpu), req_pool_indices_cpu
 
@@ -82,37 +84,91 @@ def decode_pages_needed(seq_lens_cpu: torch.Tensor, page_size: int) -> int:
     return int((seq_lens_cpu % page_size == 0).sum())
 
 
-def alloc_for_decode(batch: ScheduleBatch, seq_lens_cpu: torch.Tensor) -> torch.Tensor:
-    """KV slots for one new token per request, at position `seq_lens_cpu` (the length so far)."""
-    ctx = batch.ctx
+def alloc_for_decode(
+    ctx: BatchContext,
+    reqs: list[Req],
+    seq_lens_cpu: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> torch.Tensor:
+    """KV slots for one new token per request, at position `seq_lens_cpu` (the length so far).
+
+    `req_pool_indices` and `seq_lens` are the batch's device tensors: the new `req_to_token`
+    entries are written at those rows and columns on the stream.
+    """
     page_size = ctx.allocator.page_size
     locs = []
-    for req, seq_len in zip(batch.reqs, seq_lens_cpu.tolist(), strict=True):
+    for req, seq_len in zip(reqs, seq_lens_cpu.tolist(), strict=True):
         _grow_pages(ctx.allocator, req, seq_len + 1)
         locs.append(req.kv_pages[seq_len // page_size] * page_size + seq_len % page_size)
     out_cache_loc = ctx.stream.upload(torch.tensor(locs, dtype=torch.int64))
-    _write_req_to_token(batch, batch.req_pool_indices, batch.seq_lens, out_cache_loc)
+    _write_req_to_token(ctx, req_pool_indices, seq_lens, out_cache_loc)
     return out_cache_loc
 
 
 def _write_req_to_token(
-    batch: ScheduleBatch, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor
+    ctx: BatchContext, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor
 ) -> None:
-    table = batch.ctx.req_to_token_pool.req_to_token
+    table = ctx.req_to_token_pool.req_to_token
 
     def write() -> None:
         table[rows, cols] = locs
 
-    batch.ctx.stream.submit(write)
+    ctx.stream.submit(write)
 
 
-def free_req_memory(
-    batch_ctx_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, req: Req
-) -> None:
+def free_req_memory(pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, req: Req) -> None:
     """Return a request's slot and KV pages. Idempotent: overlap may free a request twice."""
     if req.req_pool_idx is not None:
-        batch_ctx_pool.free(req.req_pool_idx)
+        pool.free(req.req_pool_idx)
     if req.kv_pages:
         allocator.free_pages(req.kv_pages)
     req.req_pool_idx = None
     req.kv_pages = []
+
+
+def import_prebuilt_kv(
+    ctx: BatchContext,
+    req: Req,
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    first_token_id: int,
+) -> None:
+    """Give `req` a slot and pages holding KV computed elsewhere (decode-side disaggregation).
+
+    `kv[layer]` is (k, v), each [len(prompt), num_kv_heads, head_dim] with RoPE applied. The
+    table row, the KV and the first token (in the future map) are written on the stream.
+    """
+    if ctx.sparse is not None:
+        raise InvalidRequestError("prebuilt KV import is not supported with sparse attention")
+    shape = ctx.kv_cache.shape
+    n = len(req.origin_input_ids)
+    want = (n, shape.num_kv_heads, shape.head_dim)
+    if len(kv) != shape.num_layers or any(
+        tuple(k.shape) != want or tuple(v.shape) != want for k, v in kv
+    ):
+        raise InvalidRequestError(f"prebuilt KV must be {shape.num_layers} layers of {want}")
+    allocator, pool = ctx.allocator, ctx.req_to_token_pool
+    slots = pool.alloc(1)
+    pages = allocator.alloc_pages(pages_for(n, allocator.page_size))
+    if slots is None or pages is None:
+        if slots is not None:
+            pool.free(slots[0])
+        if pages is not None:
+            allocator.free_pages(pages)
+        raise EngineOverloadedError("no room to import prebuilt KV")
+    req.req_pool_idx, req.kv_pages = slots[0], pages
+    req.num_computed_tokens = n
+    stream, cache, table, row = ctx.stream, ctx.kv_cache, pool.req_to_token, slots[0]
+    locs = stream.upload(_token_slots(req, 0, n, allocator.page_size))
+    layers = [(stream.upload(k.detach().cpu()), stream.upload(v.detach().cpu())) for k, v in kv]
+
+    def write() -> None:
+        table[row, :n] = locs
+        for layer, (k, v) in enumerate(layers):
+            cache.write(layer, locs, k, v)
+
+    stream.submit(write)
+    slot = stream.upload(torch.tensor([row], dtype=torch.int64))
+    tok = stream.upload(torch.tensor([first_token_id], dtype=torch.int64))
+    first_row = stream.upload(torch.zeros(1, dtype=torch.int64))
+    stream.submit(ctx.future_map.stash, slot, first_row, tok)

@@ -8,10 +8,11 @@ import torch
 
 from stallfree.overlap.faults import Fault, FaultInjector
 from stallfree.overlap.stream import Event
+from stallfree.runtime.context import BatchContext
 from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.req import Req
 from stallfree.runtime.sampler import Sampler, SamplingBatch
-from stallfree.runtime.schedule_batch import BatchContext, ScheduleBatch
+from stallfree.runtime.schedule_batch import ScheduleBatch
 
 _I64 = torch.int64
 

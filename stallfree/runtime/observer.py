@@ -1,18 +1,20 @@
-"""Lifecycle hooks the engine calls; metrics collectors implement them. Cheap, write-only."""
+"""Typed events the engine emits as they happen; metrics collectors subscribe to them.
+
+Counters are not events: they live in `EngineCounters` and are read through a snapshot. Events
+carry what a counter cannot: per-request timing (TTFT, ITL, latency) and per-call durations.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stallfree.runtime.engine import Engine
     from stallfree.runtime.req import Req
 
 
 class EngineObserver:
     """Every hook is a no-op by default. Hooks run on the event loop and must not block."""
-
-    def on_start(self, engine: Engine) -> None: ...
 
     def on_request_added(self, req: Req) -> None: ...
 
@@ -24,17 +26,21 @@ class EngineObserver:
 
     def on_request_finished(self, req: Req, now: float) -> None: ...
 
-    def on_retracted(self, req: Req) -> None: ...
-
     def on_step(self, num_reqs: int, decode: bool, overlapped: bool) -> None:
         """A batch was launched; `overlapped` when an earlier batch was still unprocessed."""
 
-    def on_stall(self, site: str, seconds: float) -> None: ...
-
-    def on_mirror_read(self, field: str) -> None: ...
+    def on_stall(self, site: str, seconds: float) -> None:
+        """A `host_read` at `site` waited `seconds` for the device."""
 
     def on_schedule(self, seconds: float) -> None:
         """Host time to build and launch one batch."""
+
+
+class MetricsExporter(EngineObserver, ABC):
+    """An observer that also renders the engine's metrics for a scrape."""
+
+    @abstractmethod
+    def render(self) -> bytes: ...
 
 
 class ObserverFanout(EngineObserver):
@@ -42,10 +48,6 @@ class ObserverFanout(EngineObserver):
 
     def __init__(self) -> None:
         self.observers: list[EngineObserver] = []
-
-    def on_start(self, engine: Engine) -> None:
-        for o in self.observers:
-            o.on_start(engine)
 
     def on_request_added(self, req: Req) -> None:
         for o in self.observers:
@@ -63,10 +65,6 @@ class ObserverFanout(EngineObserver):
         for o in self.observers:
             o.on_request_finished(req, now)
 
-    def on_retracted(self, req: Req) -> None:
-        for o in self.observers:
-            o.on_retracted(req)
-
     def on_step(self, num_reqs: int, decode: bool, overlapped: bool) -> None:
         for o in self.observers:
             o.on_step(num_reqs, decode, overlapped)
@@ -74,10 +72,6 @@ class ObserverFanout(EngineObserver):
     def on_stall(self, site: str, seconds: float) -> None:
         for o in self.observers:
             o.on_stall(site, seconds)
-
-    def on_mirror_read(self, field: str) -> None:
-        for o in self.observers:
-            o.on_mirror_read(field)
 
     def on_schedule(self, seconds: float) -> None:
         for o in self.observers:

@@ -15,13 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stallfree.runtime.alloc import alloc_for_decode, alloc_for_extend
+from stallfree.runtime.context import BatchContext
 from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from stallfree.overlap.future_map import FutureMap
-    from stallfree.overlap.host_read import SyncMonitor
-    from stallfree.overlap.stream import DeviceStream
-    from stallfree.runtime.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
     from stallfree.runtime.req import Req
 
 _I64 = torch.int64
@@ -29,21 +26,6 @@ _I64 = torch.int64
 
 def _empty() -> torch.Tensor:
     return torch.empty(0, dtype=_I64)
-
-
-@dataclass(slots=True)
-class BatchContext:
-    """The shared state every batch operation works against."""
-
-    req_to_token_pool: ReqToTokenPool
-    allocator: TokenToKVPoolAllocator
-    kv_cache: KVCache
-    stream: DeviceStream
-    monitor: SyncMonitor
-    future_map: FutureMap
-    cpu_mirrors: bool = True
-    check_mirrors: bool = False
-    hisparse: Any = None  # HisparseCoordinator when enabled
 
 
 @dataclass(slots=True, eq=False)
@@ -96,7 +78,7 @@ class ScheduleBatch:
             ids.extend(req.fill_slice(prefix, prefix + ext))
             pos.append(torch.arange(prefix, prefix + ext, dtype=_I64))
         self.out_cache_loc, self.req_pool_indices, self.req_pool_indices_cpu = alloc_for_extend(
-            self, extend_lens
+            self.ctx, self.reqs, extend_lens
         )
         self.seq_lens_cpu = torch.tensor(
             [p + e for p, e in zip(self.prefix_lens_cpu, extend_lens, strict=True)], dtype=_I64
@@ -122,7 +104,9 @@ class ScheduleBatch:
             seq_lens_host = self.host_seq_lens("schedule.page_count")
         self.prefix_lens_cpu = seq_lens_host.tolist()
         self.extend_lens_cpu = [1] * len(self.reqs)
-        self.out_cache_loc = alloc_for_decode(self, seq_lens_host)
+        self.out_cache_loc = alloc_for_decode(
+            self.ctx, self.reqs, seq_lens_host, self.req_pool_indices, self.seq_lens
+        )
         self.positions = self.seq_lens  # the new token sits at the old length
         # NOTE: out of place: the launched batch still owns the old `seq_lens`.
         self.seq_lens = stream.compute(
@@ -135,8 +119,8 @@ class ScheduleBatch:
         for req in self.reqs:
             req.num_computed_tokens += 1
             req.num_scheduled_outputs += 1
-        if self.ctx.hisparse is not None:
-            self.ctx.hisparse.map_last_loc_to_buffer(
+        if self.ctx.sparse is not None:
+            self.ctx.sparse.map_last_loc_to_buffer(
                 self.seq_lens,
                 self.out_cache_loc,
                 self.req_pool_indices,
@@ -258,7 +242,19 @@ class ScheduleBatch:
             req_to_token=ctx.req_to_token_pool.req_to_token,
             kv_cache=ctx.kv_cache,
             prompt_lens_cpu=[len(r.origin_input_ids) for r in self.reqs],
-            extras=ctx.hisparse.forward_extras(self) if ctx.hisparse is not None else {},
+            extras=self._sparse_extras(),
+        )
+
+    def _sparse_extras(self) -> dict[str, Any]:
+        sparse = self.ctx.sparse
+        if sparse is None:
+            return {}
+        return sparse.forward_extras(
+            self.forward_mode,
+            self.reqs,
+            self.prefix_lens_cpu,
+            self.extend_lens_cpu,
+            self.output_rows,
         )
 
     # ------------------------------------------------------------------ debug

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,23 +20,12 @@ from stallfree.runtime.alloc import (
     new_pages_needed,
     pages_for,
 )
+from stallfree.runtime.context import BatchContext
 from stallfree.runtime.observer import EngineObserver
+from stallfree.runtime.output_processor import OutputProcessor
 from stallfree.runtime.req import FinishReason, Req, ReqStatus
-from stallfree.runtime.schedule_batch import BatchContext, ScheduleBatch
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_prefill_batches: int = 0
-    num_decode_batches: int = 0
-    num_retractions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-
-
-# Called with (req, new_token_id); returns True when a stop string matched.
-TokenHook = Callable[[Req, int], bool]
-FinishHook = Callable[[Req], None]
+from stallfree.runtime.schedule_batch import ScheduleBatch
+from stallfree.runtime.stats import EngineCounters
 
 
 @dataclass(slots=True)
@@ -45,8 +33,7 @@ class Scheduler:
     config: SchedulerConfig
     ctx: BatchContext
     max_running_requests: int
-    on_token: TokenHook = lambda req, tok: False
-    on_finish: FinishHook = lambda req: None
+    output: OutputProcessor
     observer: EngineObserver = field(default_factory=EngineObserver)
     waiting: deque[Req] = field(default_factory=deque)
     running_batch: ScheduleBatch | None = None
@@ -55,7 +42,7 @@ class Scheduler:
     launch_seq: int = 0
     processed_seq: int = 0
     pending_frees: list[tuple[int, Req]] = field(default_factory=list)
-    stats: SchedulerStats = field(default_factory=SchedulerStats)
+    stats: EngineCounters = field(default_factory=EngineCounters)
 
     def __post_init__(self) -> None:
         self.running_batch = ScheduleBatch.init_new([], self.ctx)
@@ -97,7 +84,7 @@ class Scheduler:
             batch = self._new_prefill_batch()
             if batch is not None:
                 self.last_extend = batch
-                self.stats.num_prefill_batches += 1
+                self.stats.prefill_batches += 1
                 return batch
             running = self.running_batch
             assert running is not None
@@ -107,7 +94,7 @@ class Scheduler:
             if running.is_empty():
                 return None
             running.prepare_for_decode(seq_lens_host)
-            self.stats.num_decode_batches += 1
+            self.stats.decode_batches += 1
             return running
 
     def add_prebuilt(self, batch: ScheduleBatch, first_token_id: int) -> None:
@@ -115,8 +102,7 @@ class Scheduler:
         for req in batch.reqs:
             req.status = ReqStatus.RUNNING
             req.num_scheduled_outputs = 1
-            req.output_ids.append(first_token_id)
-            self._check_finished(req, first_token_id)
+            self._accept(req, first_token_id)
         keep = [i for i, r in enumerate(batch.reqs) if r.wants_more_decode()]
         if keep:
             batch.filter_batch(keep)
@@ -213,6 +199,7 @@ class Scheduler:
             req.status = ReqStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.perf_counter()
+                self.stats.prompt_tokens += len(req.origin_input_ids)
                 self.observer.on_request_scheduled(req)
             reqs.append(req)
             lens.append(ext)
@@ -226,7 +213,7 @@ class Scheduler:
             return None
         batch = ScheduleBatch.init_new(reqs, self.ctx)
         batch.prepare_for_extend(lens)
-        self.stats.prompt_tokens += sum(lens)
+        self.stats.prefill_tokens += sum(lens)
         return batch
 
     def _can_never_fit(self, req: Req) -> bool:
@@ -244,12 +231,11 @@ class Scheduler:
             # NOTE: freed at once, not deferred: the launched batch reads these slots before any
             # later batch can write them, because both are ordered on the same stream.
             free_req_memory(self.ctx.req_to_token_pool, allocator, req)
-            if self.ctx.hisparse is not None:
-                self.ctx.hisparse.request_retracted(req)
+            if self.ctx.sparse is not None:
+                self.ctx.sparse.request_retracted(req)
             req.reset_for_retract()
             self.waiting.appendleft(req)
-            self.stats.num_retractions += 1
-            self.observer.on_retracted(req)
+            self.stats.retractions += 1
         if not fits:
             victim = running.reqs[0]
             running.filter_batch([])
@@ -270,13 +256,16 @@ class Scheduler:
                 continue  # an intermediate chunk, or the one-step overlap lag after finishing
             if req.in_flight_outputs <= 0:
                 continue  # retracted and recomputed since; this token is stale
-            req.output_ids.append(tok)
-            self.stats.generation_tokens += 1
-            self._check_finished(req, tok)
+            self._accept(req, tok)
+
+    def _accept(self, req: Req, tok: int) -> None:
+        req.output_ids.append(tok)
+        self.stats.generation_tokens += 1
+        self._check_finished(req, tok)
 
     def _check_finished(self, req: Req, tok: int) -> None:
         params = req.sampling_params
-        stop_string = self.on_token(req, tok)
+        stop_string = self.output.on_token(req, tok)
         if (
             stop_string
             or (not params.ignore_eos and tok in req.eos_token_ids)
@@ -320,7 +309,9 @@ class Scheduler:
             self.pending_frees.append((self.launch_seq, req))
             if self.processed_seq == self.launch_seq:
                 self.release_deferred()  # nothing in flight can read it
-        self.on_finish(req)
+        key = (req.finished_reason or reason).value
+        self.stats.finished[key] = self.stats.finished.get(key, 0) + 1
+        self.output.on_finish(req)
 
     def on_processed(self, seq: int) -> None:
         self.processed_seq = max(self.processed_seq, seq)
@@ -331,8 +322,8 @@ class Scheduler:
         for tag, req in self.pending_frees:
             if everything or tag <= self.processed_seq:
                 free_req_memory(self.ctx.req_to_token_pool, self.ctx.allocator, req)
-                if self.ctx.hisparse is not None:
-                    self.ctx.hisparse.request_finished(req)
+                if self.ctx.sparse is not None:
+                    self.ctx.sparse.request_finished(req)
             else:
                 keep.append((tag, req))
         self.pending_frees = keep

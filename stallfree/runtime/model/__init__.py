@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
+from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
 from stallfree.runtime.model.attention import PagedAttention
 from stallfree.runtime.model.llama import AttentionBackend, LlamaForCausalLM
-from stallfree.runtime.model.loader import (
-    PRESETS,
-    LoadedModel,
-    ModelArchConfig,
-    ModelLoadError,
-    load_model,
-)
+from stallfree.runtime.model.loader import PRESETS, LoadedModel, load_model
 
 __all__ = [
     "PRESETS",

@@ -36,7 +36,7 @@ class PagedAttention:
             row = int(fb.req_pool_indices_cpu[i])
             slots = fb.req_to_token[row, :seq]
             mask = causal_mask(prefix, seq, q.device, self.sliding_window)
-            outs.append(_sdpa(q[start : start + n], k_buf[slots], v_buf[slots], mask))
+            outs.append(attend(q[start : start + n], k_buf[slots], v_buf[slots], mask))
             start += n
         return torch.cat(outs) if outs else q.new_empty(q.shape)
 
@@ -49,7 +49,7 @@ class PagedAttention:
         if self.sliding_window is not None:
             mask &= k_pos >= seq_lens - self.sliding_window
         # Batched as B independent single-query problems: [B, H, 1, D] against [B, H, L, D].
-        out = _sdpa_batched(q[:, :, None, :], k_buf[slots], v_buf[slots], mask[:, None, None, :])
+        out = attend_batched(q[:, :, None, :], k_buf[slots], v_buf[slots], mask[:, None, None, :])
         return out[:, :, 0, :]
 
 
@@ -72,7 +72,7 @@ def _expand_kv(kv: torch.Tensor, num_heads: int) -> torch.Tensor:
     return kv if groups == 1 else kv.repeat_interleave(groups, dim=-3)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """One request: q [n, H, D], k/v [seq, KVH, D], mask [n, seq] -> [n, H, D]."""
     heads = q.shape[1]
     k, v = _expand_kv(k.to(q.dtype), heads), _expand_kv(v.to(q.dtype), heads)
@@ -80,7 +80,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor)
     return out.transpose(0, 1)
 
 
-def _sdpa_batched(
+def attend_batched(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     heads = q.shape[1]

@@ -14,7 +14,7 @@ from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.attention import PagedAttention
 
 if TYPE_CHECKING:
-    from stallfree.runtime.model.loader import ModelArchConfig
+    from stallfree.runtime.model.arch import ModelArchConfig
 
 
 class AttentionBackend(Protocol):

@@ -1,5 +1,7 @@
 """The `stallfree` command line."""
 
+# NOTE: the docstring above is the parser's description; `stallfree.cli` adds `bench` to it
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +15,8 @@ from pydantic import ValidationError
 from stallfree.config import StallfreeConfig, load_config
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that choose and size the engine (shared by `generate`, `serve` and `bench`)."""
     p.add_argument("--model", help="HF model directory or preset (tiny, bench-cpu)")
     p.add_argument("--config", help="TOML config file")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
@@ -95,13 +98,14 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from stallfree.runtime.server import serve
+    from stallfree.entrypoints.server import serve
 
     serve(config_from_args(args))
     return 0
 
 
-def _run(coro: Any) -> int:
+def run_async(coro: Any) -> int:
+    """Run `coro` to completion on uvloop (asyncio without it); its result is an exit code."""
     try:
         import uvloop
 
@@ -114,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stallfree", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream one completion")
-    _add_engine_flags(gen)
+    add_engine_flags(gen)
     gen.add_argument("prompt")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -122,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--ignore-eos", action="store_true")
     srv = sub.add_parser("serve", help="run the HTTP server (OpenAI-compatible API, /metrics)")
-    _add_engine_flags(srv)
+    add_engine_flags(srv)
     _add_server_flags(srv)
     return parser
 
@@ -131,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
-            return _run(_generate(args))
+            return run_async(_generate(args))
         if args.command == "serve":
             return _serve(args)
     except ValidationError as exc:

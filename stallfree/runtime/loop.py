@@ -5,22 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from stallfree.overlap.stream import StreamError
 from stallfree.runtime.forward_batch import ForwardMode
 from stallfree.runtime.model_runner import LaunchedBatch, ModelRunner
 from stallfree.runtime.observer import EngineObserver
 from stallfree.runtime.scheduler import Scheduler
-
-
-@dataclass(slots=True)
-class LoopStats:
-    steps: int = 0
-    overlap_steps: int = 0  # launches made while an earlier batch was still unprocessed
-    schedule_seconds: float = 0.0
-    step_failures: int = 0
-    max_iteration_gap: float = 0.0  # longest loop iteration while work was pending
+from stallfree.runtime.stats import EngineCounters
 
 
 class SchedulerLoop:
@@ -40,7 +31,7 @@ class SchedulerLoop:
         self._in_flight = False
         self.runner = runner
         self.overlap = overlap
-        self.stats = LoopStats()
+        self.stats: EngineCounters = scheduler.stats  # NOTE: one set of counters, shared
         self.wake = asyncio.Event()
         self.stopping = False
         self.on_step_error: Callable[[LaunchedBatch, BaseException], None] | None = None
@@ -53,8 +44,8 @@ class SchedulerLoop:
             launched = self.runner.launch(batch, self.scheduler.on_launched())
             self.stats.steps += 1
         elapsed = time.perf_counter() - start
-        self.stats.schedule_seconds += elapsed
         if launched is not None:
+            self.stats.schedule_seconds += elapsed
             overlapped = self.overlap and self._in_flight
             self.observer.on_schedule(elapsed)
             self.observer.on_step(

@@ -1,0 +1,94 @@
+"""`create_app`: the FastAPI app, its lifespan, error handlers and API-key check."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+from collections.abc import AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from stallfree.config import StallfreeConfig
+from stallfree.entrypoints.server.errors import (
+    ApiError,
+    describe_validation,
+    error_json,
+    from_invalid_request,
+)
+from stallfree.entrypoints.server.protocol import ErrorInfo
+from stallfree.entrypoints.server.routes import api_routes, open_routes
+from stallfree.entrypoints.server.state import ServerState, server_state
+from stallfree.runtime.engine import Engine
+from stallfree.runtime.errors import InvalidRequestError
+
+
+def create_app(engine_or_config: Engine | StallfreeConfig) -> FastAPI:
+    """An app serving `engine_or_config`; the lifespan starts the engine (and, when the app
+    built it from a config, drains and shuts it down)."""
+    owns = not isinstance(engine_or_config, Engine)
+    engine = engine_or_config if isinstance(engine_or_config, Engine) else Engine(engine_or_config)
+    cfg = engine.config
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            if owns:
+                await engine.shutdown(drain=True)
+
+    app = FastAPI(
+        title="stallfree", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.sf = ServerState(engine, cfg.server.model_name(cfg.model.path), cfg.server.api_key)
+    _install_error_handlers(app)
+    app.include_router(open_routes())
+    app.include_router(api_routes(), dependencies=[Depends(_check_api_key)])
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return error_json(exc.status, exc.info)
+
+    async def invalid_request(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, InvalidRequestError)
+        err = from_invalid_request(exc)
+        return error_json(err.status, err.info)
+
+    async def validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        message, param = describe_validation(exc.errors())
+        return error_json(
+            400, ErrorInfo(message=message, type="invalid_request_error", param=param)
+        )
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        info = ErrorInfo(message=str(exc.detail), type="invalid_request_error")
+        return error_json(exc.status_code, info)
+
+    app.add_exception_handler(ApiError, api_error)
+    # NOTE: the engine's request checks (`Engine.check_prompt`) raise this from the routes
+    app.add_exception_handler(InvalidRequestError, invalid_request)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+async def _check_api_key(request: Request) -> None:
+    expected = server_state(request).api_key
+    if not expected:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise ApiError(
+            401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+        )
+    if not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise ApiError(401, "invalid API key", code="invalid_api_key")

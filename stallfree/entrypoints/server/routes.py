@@ -1,0 +1,229 @@
+"""The routes: `/health` and `/metrics` (open), and behind the API key `/v1/models`,
+`/v1/completions`, `/v1/chat/completions` and the native `/generate`."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from stallfree.entrypoints.server.errors import ApiError
+from stallfree.entrypoints.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    GenerateRequest,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+)
+from stallfree.entrypoints.server.requests import (
+    chat_prompt_ids,
+    check_model,
+    native_sampling_params,
+    prompt_ids,
+    reject_unsupported,
+    sampling_params,
+)
+from stallfree.entrypoints.server.state import server_state
+from stallfree.entrypoints.server.streaming import (
+    DONE,
+    Opened,
+    Result,
+    admit,
+    error_event,
+    merged,
+    open_all,
+    sse,
+    stream_or_collect,
+)
+from stallfree.runtime.output_processor import GenerationChunk
+
+
+def open_routes() -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health(request: Request) -> Response:
+        engine = server_state(request).engine
+        # NOTE: an engine that failed closed after repeated step failures reports unhealthy.
+        up = engine.healthy and engine.accepting
+        return JSONResponse(
+            {"status": "ok" if up else "unavailable"}, status_code=200 if up else 503
+        )
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        engine = server_state(request).engine
+        if engine.metrics is None:
+            raise ApiError(404, "metrics are disabled (metrics.enabled = false)", code="not_found")
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def api_routes() -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        state = server_state(request)
+        card = ModelCard(id=state.model_name, max_model_len=state.engine.max_context_len)
+        return ModelList(data=[card])
+
+    router.add_api_route("/v1/completions", completions, methods=["POST"])
+    router.add_api_route("/v1/chat/completions", chat, methods=["POST"])
+    router.add_api_route("/generate", generate, methods=["POST"])
+    return router
+
+
+def _add_usage(usage: UsageInfo, last: GenerationChunk) -> UsageInfo:
+    return UsageInfo.of(
+        usage.prompt_tokens + last.prompt_tokens, usage.completion_tokens + last.completion_tokens
+    )
+
+
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = server_state(request)
+    engine = state.engine
+    check_model(state, body.model)
+    reject_unsupported(body)
+    prompts = prompt_ids(engine, body.prompt)
+    for ids in prompts:
+        engine.check_prompt(ids, body.max_tokens, param="prompt")
+    params = sampling_params(body, body.max_tokens or 16)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    async def events(opened: list[Opened]) -> AsyncIterator[str]:
+        usage = UsageInfo()
+        async for index, chunk in merged(opened):
+            if chunk.finished and chunk.finish_reason == "error":
+                yield error_event(chunk)
+                break
+            if chunk.finished:
+                usage = _add_usage(usage, chunk)
+            elif not chunk.text:
+                continue  # held back while it may still be a stop string
+            choice = CompletionChoice(
+                index=index, text=chunk.text, finish_reason=chunk.finish_reason
+            )
+            yield sse(CompletionResponse(id=rid, model=state.model_name, choices=[choice]))
+        else:
+            if include_usage:
+                yield sse(
+                    CompletionResponse(id=rid, model=state.model_name, choices=[], usage=usage)
+                )
+        yield DONE
+
+    def whole(results: list[Result]) -> CompletionResponse:
+        choices = [
+            CompletionChoice(index=i, text=r.text, finish_reason=r.last.finish_reason)
+            for i, r in enumerate(results)
+        ]
+        usage = UsageInfo()
+        for r in results:
+            usage = _add_usage(usage, r.last)
+        return CompletionResponse(id=rid, model=state.model_name, choices=choices, usage=usage)
+
+    work = open_all(engine, prompts, params, rid)
+    return await stream_or_collect(request, work, body.stream, events, whole)
+
+
+async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    state = server_state(request)
+    engine = state.engine
+    check_model(state, body.model)
+    reject_unsupported(body)
+    ids = chat_prompt_ids(engine, body)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    engine.check_prompt(ids, max_tokens, param="messages")
+    params = sampling_params(body, max_tokens or engine.max_context_len - len(ids))
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk_of(
+        delta: DeltaMessage, finish: str | None = None, usage: UsageInfo | None = None
+    ) -> str:
+        choices = [] if usage else [ChatStreamChoice(index=0, delta=delta, finish_reason=finish)]
+        return sse(
+            ChatCompletionChunk(id=rid, model=state.model_name, choices=choices, usage=usage)
+        )
+
+    async def events(opened: list[Opened]) -> AsyncIterator[str]:
+        yield chunk_of(DeltaMessage(role="assistant", content=""))
+        async for _, chunk in merged(opened):
+            if chunk.finished and chunk.finish_reason == "error":
+                yield error_event(chunk)
+                break
+            if chunk.text:
+                yield chunk_of(DeltaMessage(content=chunk.text))
+            if chunk.finished:
+                yield chunk_of(DeltaMessage(), chunk.finish_reason)
+                if include_usage:
+                    yield chunk_of(DeltaMessage(), usage=_add_usage(UsageInfo(), chunk))
+        yield DONE
+
+    def whole(results: list[Result]) -> ChatCompletionResponse:
+        text, last = results[0].text, results[0].last
+        choice = ChatChoice(
+            index=0, message=ChatMessageOut(content=text), finish_reason=last.finish_reason
+        )
+        usage = _add_usage(UsageInfo(), last)
+        return ChatCompletionResponse(id=rid, model=state.model_name, choices=[choice], usage=usage)
+
+    work = open_all(engine, [ids], params, rid)
+    return await stream_or_collect(request, work, body.stream, events, whole)
+
+
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    engine = server_state(request).engine
+    if (body.text is None) == (body.input_ids is None):
+        raise ApiError(400, "send exactly one of text and input_ids", param="text")
+    params = native_sampling_params(body.sampling_params)
+    prompt = (
+        engine.tokenizer.encode(body.text) if body.text is not None else list(body.input_ids or [])
+    )
+    engine.check_prompt(prompt, None, param="prompt")
+    rid = body.rid or f"gen-{uuid.uuid4().hex}"
+
+    def meta(chunk: GenerationChunk) -> dict[str, Any]:
+        return {
+            "id": chunk.rid,
+            "finish_reason": chunk.finish_reason,
+            "prompt_tokens": chunk.prompt_tokens,
+            "completion_tokens": chunk.completion_tokens,
+            "error": chunk.error,
+        }
+
+    async def events(opened: list[Opened]) -> AsyncIterator[str]:
+        async for _, chunk in merged(opened):
+            yield sse(
+                {
+                    "text": chunk.text,
+                    "output_ids": chunk.token_ids,
+                    "finished": chunk.finished,
+                    "meta_info": meta(chunk),
+                }
+            )
+        yield DONE
+
+    async def admit_one() -> list[Opened]:
+        return [await admit(engine, 0, prompt, params, rid)]
+
+    def whole(results: list[Result]) -> dict[str, Any]:
+        r = results[0]
+        return {"text": r.text, "output_ids": r.token_ids, "meta_info": meta(r.last)}
+
+    return await stream_or_collect(request, admit_one(), body.stream, events, whole)

@@ -1,0 +1,24 @@
+"""`BatchContext`: the shared state every batch operation and allocation works against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stallfree.overlap.future_map import FutureMap
+from stallfree.overlap.host_read import SyncMonitor
+from stallfree.overlap.stream import DeviceStream
+from stallfree.runtime.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
+from stallfree.runtime.sparse import SparseAttention
+
+
+@dataclass(slots=True)
+class BatchContext:
+    req_to_token_pool: ReqToTokenPool
+    allocator: TokenToKVPoolAllocator
+    kv_cache: KVCache
+    stream: DeviceStream
+    monitor: SyncMonitor
+    future_map: FutureMap
+    cpu_mirrors: bool = True
+    check_mirrors: bool = False
+    sparse: SparseAttention | None = None  # set once by a sparse-attention plug-in

@@ -1,0 +1,160 @@
+"""`build_core`: the one place the engine's components are made and wired together.
+
+Everything is built before the engine serves anything, so no component exists half-made and no
+caller needs to ask whether an attribute exists yet.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from stallfree.config import StallfreeConfig
+from stallfree.overlap.faults import FaultInjector
+from stallfree.overlap.future_map import FutureMap
+from stallfree.overlap.host_read import SyncMonitor
+from stallfree.overlap.stream import DeviceStream, make_stream, resolve_device
+from stallfree.runtime.alloc import pages_for
+from stallfree.runtime.context import BatchContext
+from stallfree.runtime.loop import SchedulerLoop
+from stallfree.runtime.memory_pool import (
+    KVCache,
+    KVCacheShape,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+)
+from stallfree.runtime.model.loader import LoadedModel, load_model
+from stallfree.runtime.model_runner import ModelRunner
+from stallfree.runtime.observer import ObserverFanout
+from stallfree.runtime.output_processor import OutputProcessor
+from stallfree.runtime.plugins import load_sparse_attention_plugin
+from stallfree.runtime.sampler import Sampler
+from stallfree.runtime.scheduler import Scheduler
+from stallfree.runtime.stats import ActivityClock, EngineSnapshot, PoolUsage
+from stallfree.runtime.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass(slots=True, eq=False)
+class EngineCore:
+    config: StallfreeConfig
+    loaded: LoadedModel
+    tokenizer: Tokenizer
+    max_context_len: int
+    stream: DeviceStream
+    monitor: SyncMonitor
+    ctx: BatchContext
+    observers: ObserverFanout
+    output: OutputProcessor
+    scheduler: Scheduler
+    runner: ModelRunner
+    loop: SchedulerLoop
+    activity: ActivityClock
+    _idle_reported: float = 0.0
+
+    def pool_usage(self) -> PoolUsage:
+        pool, allocator = self.ctx.req_to_token_pool, self.ctx.allocator
+        return PoolUsage(
+            req_slots_free=pool.available_size(),
+            req_slots_total=pool.size,
+            kv_tokens_free=allocator.available_size(),
+            kv_tokens_total=allocator.size,
+        )
+
+    def snapshot(self) -> EngineSnapshot:
+        """Read every counter at once; nothing here waits for the device."""
+        busy = float(self.stream.busy_seconds)
+        # NOTE: CUDA settles busy time when an event is waited on, so wall minus busy can dip;
+        # a counter must never go down.
+        idle = self.activity.seconds(time.perf_counter()) - busy
+        self._idle_reported = max(self._idle_reported, idle)
+        sparse = self.ctx.sparse
+        monitor = self.monitor
+        return EngineSnapshot(
+            running=self.scheduler.num_running,
+            waiting=len(self.scheduler.waiting),
+            pools=self.pool_usage(),
+            counters=self.scheduler.stats.copy(),
+            stalls=dict(monitor.stall_counts),
+            stall_seconds=dict(monitor.stall_seconds),
+            mirror_reads=dict(monitor.mirror_reads),
+            device_busy_seconds=busy,
+            device_idle_seconds=self._idle_reported,
+            sparse=sparse.stats() if sparse is not None else None,
+        )
+
+
+def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None) -> EngineCore:
+    """Load the model and build pools, stream, scheduler, runner and loop for `config`."""
+    observers = observers if observers is not None else ObserverFanout()
+    activity = ActivityClock()
+    observers.observers.append(activity)
+    device = resolve_device(config.runtime.device)
+    loaded = load_model(config.model.path, config.model.dtype, device, config.model.seed)
+    arch = loaded.arch
+    tokenizer = load_tokenizer(config.model.path, arch.eos_token_ids)
+    max_context_len = min(
+        config.model.max_context_len or arch.max_position_embeddings, arch.max_position_embeddings
+    )
+    sparse_plugin = None
+    total_tokens = config.cache.max_total_tokens
+    if config.hisparse.enabled:
+        sparse_plugin = load_sparse_attention_plugin("hisparse")
+        # NOTE: sparse layers keep every token in the host pool, so the engine can hold more
+        # tokens than the device budget; the logical slots follow the host pool.
+        total_tokens = math.ceil(total_tokens * sparse_plugin.capacity_ratio(config.hisparse, arch))
+    page_size = config.cache.page_size
+    num_slots = (pages_for(total_tokens, page_size) + 1) * page_size
+    stream = make_stream(device, config.runtime.stream_threads)
+    monitor = SyncMonitor(stream, strict=config.runtime.strict)
+    monitor.stall_sinks.append(observers.on_stall)
+    slots = config.cache.max_running_requests
+    ctx = BatchContext(
+        req_to_token_pool=ReqToTokenPool(slots, max_context_len, device),
+        allocator=TokenToKVPoolAllocator(num_slots - page_size, page_size),
+        kv_cache=KVCache(
+            KVCacheShape(arch.num_layers, arch.num_kv_heads, arch.head_dim),
+            num_slots,
+            loaded.dtype,
+            device,
+        ),
+        stream=stream,
+        monitor=monitor,
+        future_map=FutureMap(slots, device),
+        cpu_mirrors=config.runtime.cpu_mirrors,
+        check_mirrors=config.runtime.check_mirrors,
+    )
+    if sparse_plugin is not None:
+        ctx.sparse = sparse_plugin.install(config.hisparse, arch, ctx, loaded.model)
+    output = OutputProcessor(tokenizer, observers)
+    scheduler = Scheduler(
+        config=config.scheduler,
+        ctx=ctx,
+        max_running_requests=slots,
+        output=output,
+        observer=observers,
+    )
+    faults = FaultInjector(config.faults) if config.faults.enabled else None
+    runner = ModelRunner(loaded.model, ctx, Sampler(config.model.seed, device), faults=faults)
+    loop = SchedulerLoop(
+        scheduler,
+        runner,
+        overlap=config.runtime.overlap,
+        observer=observers,
+        max_consecutive_failures=config.runtime.max_consecutive_step_failures,
+    )
+    return EngineCore(
+        config=config,
+        loaded=loaded,
+        tokenizer=tokenizer,
+        max_context_len=max_context_len,
+        stream=stream,
+        monitor=monitor,
+        ctx=ctx,
+        observers=observers,
+        output=output,
+        scheduler=scheduler,
+        runner=runner,
+        loop=loop,
+        activity=activity,
+    )

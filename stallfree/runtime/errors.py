@@ -1,0 +1,25 @@
+"""Errors the engine raises to its callers; front ends map them to protocol errors."""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """The request itself is wrong (empty, too long, bad token ids); the engine keeps serving.
+
+    `param` names the offending request field and `code` is a machine-readable reason, so a
+    front end can report them without re-deriving the check.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full, or the engine is shutting down."""
+
+
+class EngineUnhealthyError(RuntimeError):
+    """The engine failed closed after repeated step failures and takes no new work."""

@@ -1,0 +1,68 @@
+"""The seam sparse-attention plug-ins (HiSparse) implement: the hooks the batch ops call.
+
+The core never imports a plug-in. `ScheduleBatch` calls these hooks with host facts it already
+holds, so a plug-in makes its decisions on the host, exactly as the core does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from stallfree.runtime.forward_batch import ForwardMode
+    from stallfree.runtime.req import Req
+
+
+@dataclass(frozen=True, slots=True)
+class SparseStats:
+    """Cumulative transfer counters and current occupancy of a sparse-attention plug-in."""
+
+    hits: int = 0  # top-k selections found in the device buffer
+    misses: int = 0  # top-k selections copied in from the host
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    host_pool_used: int = 0
+    host_pool_total: int = 0
+    buffer_slots_used: int = 0
+    buffer_slots_total: int = 0
+    rows_tracked: int = 0
+
+    @property
+    def all_free(self) -> bool:
+        return self.host_pool_used == 0 and self.buffer_slots_used == 0 and not self.rows_tracked
+
+
+class SparseAttention(Protocol):
+    """Hooks a sparse-attention plug-in gives the batch lifecycle (see `ScheduleBatch`)."""
+
+    def map_last_loc_to_buffer(
+        self,
+        seq_lens: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens_cpu: torch.Tensor | None,
+        req_pool_indices_cpu: torch.Tensor | None,
+    ) -> None:
+        """A decode batch was prepared. `None` mirrors mean legacy mode: read the device
+        tensors through `host_read`."""
+
+    def forward_extras(
+        self,
+        mode: ForwardMode,
+        reqs: Sequence[Req],
+        prefix_lens_cpu: Sequence[int],
+        extend_lens_cpu: Sequence[int],
+        output_rows: Sequence[bool],
+    ) -> dict[str, Any]:
+        """Per-step scratch the launched batch carries to the attention backend."""
+
+    def request_retracted(self, req: Req) -> None: ...
+
+    def request_finished(self, req: Req) -> None: ...
+
+    def stats(self, sync: bool = False) -> SparseStats:
+        """Without `sync` nothing waits (device-side counts may lag a step)."""

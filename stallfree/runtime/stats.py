@@ -1,0 +1,97 @@
+"""The engine's one set of counters, and the snapshot every reader takes of them.
+
+The scheduler and the loop add to `EngineCounters` on the event loop; nothing on the hot path
+reads them back. Metrics, the bench and the tests all read `Engine.snapshot()`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from stallfree.runtime.observer import EngineObserver
+from stallfree.runtime.sparse import SparseStats
+
+if TYPE_CHECKING:
+    from stallfree.runtime.req import Req
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    prompt_tokens: int = 0  # prompt tokens of requests, counted once at first scheduling
+    prefill_tokens: int = 0  # tokens computed by extend batches (re-prefills included)
+    generation_tokens: int = 0  # output tokens accepted
+    prefill_batches: int = 0
+    decode_batches: int = 0
+    steps: int = 0  # batches launched
+    overlap_steps: int = 0  # launches made while an earlier batch was still unprocessed
+    retractions: int = 0
+    step_failures: int = 0
+    schedule_seconds: float = 0.0  # host time to build and launch batches
+    max_iteration_gap: float = 0.0  # longest loop iteration while work was pending
+    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+
+    def copy(self) -> EngineCounters:
+        return EngineCounters(
+            **{name: getattr(self, name) for name in self.__slots__ if name != "finished"},
+            finished=dict(self.finished),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PoolUsage:
+    req_slots_free: int
+    req_slots_total: int
+    kv_tokens_free: int
+    kv_tokens_total: int
+
+    @property
+    def all_free(self) -> bool:
+        return (
+            self.req_slots_free == self.req_slots_total
+            and self.kv_tokens_free == self.kv_tokens_total
+        )
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.kv_tokens_free / self.kv_tokens_total if self.kv_tokens_total else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Everything a scrape needs, read at one moment without waiting for the device."""
+
+    running: int
+    waiting: int
+    pools: PoolUsage
+    counters: EngineCounters
+    stalls: dict[str, int]  # host_read calls by site
+    stall_seconds: dict[str, float]
+    mirror_reads: dict[str, int]  # reads served by a CPU mirror, by field
+    device_busy_seconds: float
+    device_idle_seconds: float  # while requests were in the engine
+    sparse: SparseStats | None = None
+
+
+class ActivityClock(EngineObserver):
+    """Wall time during which at least one request was in the engine."""
+
+    def __init__(self) -> None:
+        self._active = 0
+        self._since = 0.0
+        self._total = 0.0
+
+    def on_request_added(self, req: Req) -> None:
+        if self._active == 0:
+            self._since = time.perf_counter()
+        self._active += 1
+
+    def on_request_finished(self, req: Req, now: float) -> None:
+        self._active -= 1
+        if self._active <= 0:
+            self._active = 0
+            self._total += now - self._since
+
+    def seconds(self, now: float) -> float:
+        return self._total + (now - self._since if self._active else 0.0)
