@@ -138,7 +138,7 @@ class CheckedHisparse(HisparseAttention):
 
     def _decode(self, q, k, v, li, layer_id, fb):
         out = super()._decode(q, k, v, li, layer_id, fb)
-        co, plan = self.coordinator, fb.extras["hisparse"]
+        co, plan = self.coordinator, fb.sparse_plan
         host_k, host_v = co.host.k[li], co.host.v[li]
         for i, (row, n) in enumerate(zip(plan.rows, plan.n_prev, strict=True)):
             hist = fb.req_to_token[row, :n]
@@ -226,8 +226,7 @@ class Harness:
             value = torch.arange(1, prompt_len + 1, dtype=torch.float32) + 100 * li
             self.co.host.k[li][slots] = value[:, None, None]
             self.co.host.v[li][slots] = -value[:, None, None]
-        extras = self.co.forward_extras(ForwardMode.EXTEND, [req], [0], [prompt_len], [True])
-        plan = extras["hisparse"]
+        plan = self.co.plan_step(ForwardMode.EXTEND, [req], [0], [prompt_len], [True])
         for li in range(len(self.co.sparse_layers)):
             self.co.admit_on_stream(li, plan)
 
@@ -242,7 +241,7 @@ class Harness:
             self._slots(row, length - 1, length)
         t = torch.tensor
         self.co.map_last_loc_to_buffer(t(lens), t([0]), t(rows), t(lens), t(rows))
-        plan = self.co.forward_extras(ForwardMode.DECODE, [], [], [], [])["hisparse"]
+        plan = self.co.plan_step(ForwardMode.DECODE, [], [], [], [])
         self.ctx.stream.synchronize()
         locs = self.table()[t(rows), t(lens) - 1]
         shape = (len(rows), *self.co.host.k[0].shape[1:])

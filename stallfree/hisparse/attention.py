@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from stallfree.hisparse.coordinator import DecodePlan, ExtendPlan
 from stallfree.hisparse.indexer import query_proxy
 from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.attention import attend, attend_batched, causal_mask
 
 if TYPE_CHECKING:
-    from stallfree.hisparse.coordinator import DecodePlan, ExtendPlan, HisparseCoordinator
+    from stallfree.hisparse.coordinator import HisparseCoordinator
     from stallfree.runtime.model.llama import AttentionBackend
 
 
@@ -42,7 +43,8 @@ class HisparseAttention:
         Exact and dense, except at output positions of a re-prefill: those attend as in decode.
         """
         co = self.coordinator
-        plan: ExtendPlan = fb.extras["hisparse"]
+        plan = fb.sparse_plan
+        assert isinstance(plan, ExtendPlan)
         co.write_extend(li, fb.out_cache_loc, k, v)
         outs = []
         start = 0
@@ -70,7 +72,8 @@ class HisparseAttention:
     ) -> torch.Tensor:
         """Attend over each row's selected (or, when short, all) buffer slots plus the reserved."""
         co = self.coordinator
-        plan: DecodePlan = fb.extras["hisparse"]
+        plan = fb.sparse_plan
+        assert isinstance(plan, DecodePlan)
         co.write_decode(li, plan, fb.out_cache_loc, k, v)
         bs, width = len(plan.rows), plan.width
         phys = torch.zeros((bs, width + 1), dtype=torch.int64, device=q.device)

@@ -1,7 +1,7 @@
 """`HisparseCoordinator`: host-side bookkeeping for HiSparse, and the device ops it enqueues.
 
 Two halves, never mixed:
-- the schedule path (`forward_extras`, `map_last_loc_to_buffer`, `request_finished`) decides
+- the schedule path (`plan_step`, `map_last_loc_to_buffer`, `request_finished`) decides
   everything from host state and the batch's CPU mirrors, and only *enqueues* device work;
 - the forward half (`write_*`, `admit_on_stream`, `select`, `swap_in_selected`) runs on the
   stream, inside the attention backend, and may touch device tensors freely.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -161,25 +161,23 @@ class HisparseCoordinator:
 
     # ------------------------------------------------------------------ schedule path
 
-    def forward_extras(
+    def plan_step(
         self,
         mode: ForwardMode,
         reqs: Sequence[Req],
         prefix_lens_cpu: Sequence[int],
         extend_lens_cpu: Sequence[int],
         output_rows: Sequence[bool],
-    ) -> dict[str, Any]:
-        """The per-step plan a launched batch carries in `fb.extras["hisparse"]`."""
+    ) -> ExtendPlan | DecodePlan | None:
+        """The per-step plan a launched batch carries in `fb.sparse_plan`."""
         if mode is ForwardMode.DECODE:
             plan, self._pending = self._pending, None
             if plan is None:
                 raise RuntimeError("decode batch launched without map_last_loc_to_buffer")
-            return {"hisparse": plan}
+            return plan
         if mode is ForwardMode.EXTEND:
-            return {
-                "hisparse": self._plan_extend(reqs, prefix_lens_cpu, extend_lens_cpu, output_rows)
-            }
-        return {}
+            return self._plan_extend(reqs, prefix_lens_cpu, extend_lens_cpu, output_rows)
+        return None
 
     def _plan_extend(
         self,

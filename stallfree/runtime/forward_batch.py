@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,8 +42,8 @@ class ForwardBatch:
     kv_cache: KVCache
     # original prompt length per request: a re-prefill after retraction also carries outputs
     prompt_lens_cpu: list[int] = field(default_factory=list)
-    # filled by attention backends that need per-step scratch (e.g. HiSparse)
-    extras: dict[str, Any] = field(default_factory=dict)
+    # a sparse-attention plug-in's plan for this step, opaque to the core (see runtime/sparse.py)
+    sparse_plan: object = None
 
     @property
     def num_tokens(self) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from stallfree.runtime.sampling_params import SamplingParams
 
@@ -42,7 +41,6 @@ class Req:
     num_scheduled_outputs: int = 0  # outputs sampled or in flight
     num_retractions: int = 0
     # host bookkeeping for the consumer side, opaque to the scheduler
-    sink: Any = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
 

@@ -10,7 +10,7 @@ schedule path reads. With `cpu_mirrors=false` (legacy) consumers read the device
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -242,14 +242,14 @@ class ScheduleBatch:
             req_to_token=ctx.req_to_token_pool.req_to_token,
             kv_cache=ctx.kv_cache,
             prompt_lens_cpu=[len(r.origin_input_ids) for r in self.reqs],
-            extras=self._sparse_extras(),
+            sparse_plan=self._sparse_plan(),
         )
 
-    def _sparse_extras(self) -> dict[str, Any]:
+    def _sparse_plan(self) -> object:
         sparse = self.ctx.sparse
         if sparse is None:
-            return {}
-        return sparse.forward_extras(
+            return None
+        return sparse.plan_step(
             self.forward_mode,
             self.reqs,
             self.prefix_lens_cpu,

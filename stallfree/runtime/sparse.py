@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -50,15 +50,16 @@ class SparseAttention(Protocol):
         """A decode batch was prepared. `None` mirrors mean legacy mode: read the device
         tensors through `host_read`."""
 
-    def forward_extras(
+    def plan_step(
         self,
         mode: ForwardMode,
         reqs: Sequence[Req],
         prefix_lens_cpu: Sequence[int],
         extend_lens_cpu: Sequence[int],
         output_rows: Sequence[bool],
-    ) -> dict[str, Any]:
-        """Per-step scratch the launched batch carries to the attention backend."""
+    ) -> object:
+        """The plan the launched batch carries to the plug-in's attention backend
+        (`ForwardBatch.sparse_plan`); the core never looks inside it."""
 
     def request_retracted(self, req: Req) -> None: ...
 
