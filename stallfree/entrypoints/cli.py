@@ -108,10 +108,10 @@ def run_async(coro: Any) -> int:
     """Run `coro` to completion on uvloop (asyncio without it); its result is an exit code."""
     try:
         import uvloop
-
-        return int(uvloop.run(coro))
     except ImportError:  # pragma: no cover
         return int(asyncio.run(coro))
+    # NOTE: only the import is guarded: an ImportError raised by the command itself propagates
+    return int(uvloop.run(coro))
 
 
 def build_parser() -> argparse.ArgumentParser:

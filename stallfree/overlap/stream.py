@@ -135,6 +135,9 @@ class CpuStream(DeviceStream):
 
     torch releases the GIL inside its kernels, so a matmul-dominated forward on the worker
     overlaps for real with the scheduler's Python on the main thread.
+
+    Work is collected on the host and handed over in one piece when an event is recorded (each
+    launch records one), so preparing a batch wakes the worker once, not once per small op.
     """
 
     def __init__(self, num_threads: int = 0) -> None:
@@ -145,6 +148,7 @@ class CpuStream(DeviceStream):
         self._busy = 0.0
         self._error: BaseException | None = None
         self._num_threads = num_threads
+        self._batch: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
         self._worker = threading.Thread(target=self._run, name="stallfree-cpu-stream", daemon=True)
         self._worker.start()
 
@@ -177,16 +181,26 @@ class CpuStream(DeviceStream):
         dtype: torch.dtype,
     ) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype)
-        self._queue.put((lambda: out.copy_(fn(*args)), ()))
+        self._batch.append((lambda: out.copy_(fn(*args)), ()))
         return out
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._queue.put((fn, args))
+        self._batch.append((fn, args))
 
     def record_event(self) -> Event:
         event = CpuEvent()
-        self._queue.put((self._fire, (event,)))
+        self._batch.append((self._fire, (event,)))
+        batch, self._batch = self._batch, []
+        self._queue.put((self._run_batch, (batch,)))
         return event
+
+    def _run_batch(self, batch: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> None:
+        for fn, args in batch:
+            try:
+                fn(*args)
+            except BaseException as exc:  # carried to the next event, like a CUDA error
+                if self._error is None:
+                    self._error = exc
 
     def _fire(self, event: CpuEvent) -> None:
         error, self._error = self._error, None
@@ -203,6 +217,8 @@ class CpuStream(DeviceStream):
         return self._busy
 
     def close(self) -> None:
+        if self._batch:
+            self.record_event()
         self._queue.put(None)
         self._worker.join(timeout=10)
 

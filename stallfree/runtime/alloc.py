@@ -81,6 +81,8 @@ def alloc_for_extend(
 
 def decode_pages_needed(seq_lens_cpu: torch.Tensor, page_size: int) -> int:
     """Pages one decode step needs: one per request whose next token starts a page."""
+    if page_size == 1:
+        return int(seq_lens_cpu.numel())  # every new token starts a page
     return int((seq_lens_cpu % page_size == 0).sum())
 
 
@@ -96,11 +98,28 @@ def alloc_for_decode(
     `req_pool_indices` and `seq_lens` are the batch's device tensors: the new `req_to_token`
     entries are written at those rows and columns on the stream.
     """
-    page_size = ctx.allocator.page_size
-    locs = []
-    for req, seq_len in zip(reqs, seq_lens_cpu.tolist(), strict=True):
-        _grow_pages(ctx.allocator, req, seq_len + 1)
-        locs.append(req.kv_pages[seq_len // page_size] * page_size + seq_len % page_size)
+    allocator = ctx.allocator
+    page_size = allocator.page_size
+    lens: list[int] = seq_lens_cpu.tolist()
+    # one allocation for the whole step, in plain ints
+    wants = [pages_for(n + 1, page_size) - len(r.kv_pages) for r, n in zip(reqs, lens, strict=True)]
+    total = sum(w for w in wants if w > 0)
+    if total:
+        pages = allocator.alloc_pages(total)
+        if pages is None:
+            raise OutOfMemoryError(f"KV pool exhausted by a decode step needing {total} pages")
+        taken = 0
+        for req, want in zip(reqs, wants, strict=True):
+            if want > 0:
+                req.kv_pages.extend(pages[taken : taken + want])
+                taken += want
+    if page_size == 1:
+        locs = [r.kv_pages[n] for r, n in zip(reqs, lens, strict=True)]
+    else:
+        locs = [
+            r.kv_pages[n // page_size] * page_size + n % page_size
+            for r, n in zip(reqs, lens, strict=True)
+        ]
     out_cache_loc = ctx.stream.upload(torch.tensor(locs, dtype=torch.int64))
     _write_req_to_token(ctx, req_pool_indices, seq_lens, out_cache_loc)
     return out_cache_loc

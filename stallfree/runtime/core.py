@@ -72,7 +72,7 @@ class EngineCore:
         monitor = self.monitor
         return EngineSnapshot(
             running=self.scheduler.num_running,
-            waiting=len(self.scheduler.waiting),
+            waiting=self.scheduler.num_waiting,
             pools=self.pool_usage(),
             counters=self.scheduler.stats.copy(),
             stalls=dict(monitor.stall_counts),

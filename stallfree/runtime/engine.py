@@ -22,7 +22,7 @@ from stallfree.runtime.errors import (
     InvalidRequestError,
 )
 from stallfree.runtime.observer import EngineObserver, MetricsExporter
-from stallfree.runtime.output_processor import GenerationChunk, GenerationResult
+from stallfree.runtime.output_processor import GenerationChunk, GenerationResult, RequestStream
 from stallfree.runtime.plugins import load_metrics_plugin
 from stallfree.runtime.req import FinishReason, Req
 from stallfree.runtime.sampling_params import SamplingParams
@@ -184,7 +184,7 @@ class Engine:
             params = SamplingParams(**params)
         ids = self._prompt_ids(prompt)
         limit = self.config.scheduler.max_waiting_requests
-        if limit is not None and len(self.core.scheduler.waiting) >= limit:
+        if limit is not None and self.core.scheduler.num_waiting >= limit:
             raise EngineOverloadedError(f"waiting queue is full ({limit} requests)")
         rid = rid or f"req-{next(self._rid_counter)}"
         if rid in self._reqs:
@@ -197,11 +197,11 @@ class Engine:
             max_context_len=self.max_context_len,
         )
 
-    def _register(self, req: Req) -> asyncio.Queue[GenerationChunk]:
+    def _register(self, req: Req, wake_per_step: bool = True) -> RequestStream:
         self._reqs[req.rid] = req
-        queue = self.core.output.add(req)
+        stream = self.core.output.add(req, wake_per_step)
         self.core.observers.on_request_added(req)
-        return queue
+        return stream
 
     # ------------------------------------------------------------------ requests
 
@@ -217,11 +217,22 @@ class Engine:
         `timeout` (seconds, default `runtime.request_timeout_s`) is a deadline for the whole
         request; past it the request is aborted and its last chunk says so.
         """
+        async for chunk in self._submit(prompt, params, rid, timeout, wake_per_step=True):
+            yield chunk
+
+    async def _submit(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | dict | None,
+        rid: str | None,
+        timeout: float | None,
+        wake_per_step: bool,
+    ) -> AsyncIterator[GenerationChunk]:
         req = self._new_req(prompt, params, rid)
-        queue = self._register(req)
+        stream = self._register(req, wake_per_step)
         self.core.scheduler.add_request(req)
         self.core.loop.notify()
-        async for chunk in self._drain(req, queue, timeout):
+        async for chunk in self._drain(req, stream, timeout):
             yield chunk
 
     async def generate_prebuilt(
@@ -240,12 +251,12 @@ class Engine:
         req = self._new_req(prompt_ids, params, rid)
         core = self.core
         import_prebuilt_kv(core.ctx, req, kv, first_token_id)
-        queue = self._register(req)
+        stream = self._register(req)
         batch = ScheduleBatch.init_new([req], core.ctx)
         batch.prepare_for_prebuilt()
         core.scheduler.add_prebuilt(batch, first_token_id)
         core.loop.notify()
-        async for chunk in self._drain(req, queue):
+        async for chunk in self._drain(req, stream):
             yield chunk
 
     async def complete(
@@ -255,11 +266,11 @@ class Engine:
         rid: str | None = None,
         timeout: float | None = None,
     ) -> GenerationResult:
-        """Await the whole output."""
+        """Await the whole output (the caller wakes once, when it is done)."""
         texts: list[str] = []
         ids: list[int] = []
         last: GenerationChunk | None = None
-        async for chunk in self.generate(prompt, params, rid, timeout):
+        async for chunk in self._submit(prompt, params, rid, timeout, wake_per_step=False):
             texts.append(chunk.text)
             ids.extend(chunk.token_ids)
             last = chunk
@@ -283,41 +294,33 @@ class Engine:
         return True
 
     async def _drain(
-        self, req: Req, queue: asyncio.Queue[GenerationChunk], timeout: float | None = None
+        self, req: Req, stream: RequestStream, timeout: float | None = None
     ) -> AsyncIterator[GenerationChunk]:
         timeout = timeout if timeout is not None else self.config.runtime.request_timeout_s
-        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        # NOTE: one timer per request, not a timed wait per chunk
+        deadline = (
+            None
+            if timeout is None
+            else asyncio.get_running_loop().call_later(timeout, self._expire, req, timeout)
+        )
         try:
             while True:
-                chunk = await self._next_chunk(req, queue, deadline, timeout)
+                chunk = await stream.next_chunk()
                 yield chunk
                 if chunk.finished:
                     return
         finally:
+            if deadline is not None:
+                deadline.cancel()
             if not req.finished:
                 self.abort(req.rid)
             self._reqs.pop(req.rid, None)
             self.core.output.discard(req)
 
-    async def _next_chunk(
-        self,
-        req: Req,
-        queue: asyncio.Queue[GenerationChunk],
-        deadline: float | None,
-        timeout: float | None,
-    ) -> GenerationChunk:
-        if deadline is None:
-            return await queue.get()
-        remaining = deadline - asyncio.get_running_loop().time()
-        try:
-            return await asyncio.wait_for(queue.get(), max(remaining, 0.0))
-        except asyncio.TimeoutError:
-            if not req.finished:
-                self.core.scheduler.abort(
-                    req, FinishReason.ABORT, f"deadline of {timeout}s exceeded"
-                )
-                self.core.loop.notify()
-            return await queue.get()
+    def _expire(self, req: Req, timeout: float) -> None:
+        if not req.finished:
+            self.core.scheduler.abort(req, FinishReason.ABORT, f"deadline of {timeout}s exceeded")
+            self.core.loop.notify()
 
     def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
         """If the scheduler task dies, no consumer may wait forever: fail what is pending."""

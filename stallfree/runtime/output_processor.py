@@ -1,8 +1,13 @@
 """Output processing: incremental detokenisation, stop strings and chunk assembly.
 
 The scheduler hands each accepted token to `OutputProcessor.on_token`, which says whether a stop
-string ended; a finished request's last chunk comes from `on_finish`. Consumers read chunks from
-the request's queue. Nothing here touches a device tensor or the scheduler's state.
+string ended; a finished request's last chunk comes from `on_finish`. Nothing here touches a
+device tensor or the scheduler's state.
+
+A consumer reads its request's `RequestStream`. Tokens that arrive before the consumer reads
+are merged into one chunk, so a consumer wakes at most once per step however many requests the
+step served, and one that only wants the result (`Engine.complete`) wakes once, at the end.
+Without stop strings the text is decoded when the consumer reads, not per token.
 """
 
 from __future__ import annotations
@@ -40,92 +45,132 @@ class GenerationResult:
 
 
 @dataclass(slots=True, eq=False)
-class _RequestOutput:
-    queue: asyncio.Queue[GenerationChunk]
+class RequestStream:
+    """What one request has produced and its consumer has not read yet."""
+
+    req: Req
     detok: Detokenizer
     stops: list[str]
     longest_stop: int
-    # NOTE: only text not yet streamed is kept (bounded by the longest stop string), so the
-    # work per token does not grow with the output.
-    pending: str = ""
-    held_ids: list[int] = field(default_factory=list)
-    stop_at: int | None = None  # index into `pending` where a stop string begins
+    wake_per_step: bool  # False: wake the consumer only when the request finishes
+    ids: list[int] = field(default_factory=list)  # accepted, not yet read
+    undecoded: list[int] = field(default_factory=list)  # not yet run through `detok`
+    text: list[str] = field(default_factory=list)  # decoded, not yet read
+    # NOTE: with stop strings, decoded text that might begin one is held back here; it is
+    # bounded by the longest stop string, so the work per token does not grow with the output.
+    held: str = ""
+    stop_at: int | None = None  # index into `held` where a stop string begins
+    finished: bool = False
+    read_final: bool = False
+    waiter: asyncio.Future[None] | None = None
+
+    def _ready(self) -> bool:
+        if self.finished:
+            return not self.read_final
+        return bool(self.ids) and self.wake_per_step
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done() and self._ready():
+            waiter.set_result(None)
+
+    async def next_chunk(self) -> GenerationChunk:
+        """The tokens and text since the last read; waits until there is something to read."""
+        while not self._ready():
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self._take()
+
+    def _take(self) -> GenerationChunk:
+        req = self.req
+        if self.undecoded:
+            self.text.append(self.detok.step(self.undecoded))
+            self.undecoded = []
+        final = self.finished
+        if final:
+            self.read_final = True
+            self.text.append(self._tail())
+        ids, self.ids = self.ids, []
+        text = "".join(self.text)
+        self.text = []
+        return GenerationChunk(
+            rid=req.rid,
+            token_ids=ids,
+            text=text,
+            finished=final,
+            finish_reason=req.finished_reason.value if final and req.finished_reason else None,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            error=req.finish_message if final else None,
+        )
+
+    def _tail(self) -> str:
+        if self.stop_at is not None:
+            return self.held[: self.stop_at]
+        return self.held + self.detok.flush()
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, observer: EngineObserver) -> None:
         self.tokenizer = tokenizer
         self.observer = observer
-        self._outputs: dict[Req, _RequestOutput] = {}
+        self._streams: dict[Req, RequestStream] = {}
 
-    def add(self, req: Req) -> asyncio.Queue[GenerationChunk]:
-        """Start streaming `req`; its chunks arrive on the returned queue."""
+    def add(self, req: Req, wake_per_step: bool = True) -> RequestStream:
+        """Start collecting `req`'s output. `wake_per_step=False` wakes only at the end."""
         stops = list(req.sampling_params.stop)
-        out = _RequestOutput(
-            queue=asyncio.Queue(),
+        stream = RequestStream(
+            req=req,
             detok=self.tokenizer.detokenizer(req.origin_input_ids),
             stops=stops,
             longest_stop=max((len(s) for s in stops), default=0),
+            wake_per_step=wake_per_step,
         )
-        self._outputs[req] = out
-        return out.queue
+        self._streams[req] = stream
+        return stream
 
     def discard(self, req: Req) -> None:
         """The consumer is gone; drop what is held for it."""
-        self._outputs.pop(req, None)
+        self._streams.pop(req, None)
 
     def held_text_len(self, req: Req) -> int:
-        """Characters decoded but not yet streamed (held back for stop strings)."""
-        out = self._outputs.get(req)
-        return len(out.pending) if out is not None else 0
+        """Characters decoded but held back for stop strings."""
+        stream = self._streams.get(req)
+        return len(stream.held) if stream is not None else 0
 
-    def on_token(self, req: Req, tok: int) -> bool:
-        """Decode and stream one accepted token. Returns True when a stop string ended in it."""
-        self.observer.on_tokens(req, 1, time.perf_counter())
-        out = self._outputs.get(req)
-        if out is None:
+    def on_token(self, req: Req, tok: int, now: float) -> bool:
+        """Take one accepted token. Returns True when a stop string ended in it."""
+        self.observer.on_tokens(req, 1, now)
+        stream = self._streams.get(req)
+        if stream is None:
             return False
-        delta = out.detok.step([tok])
-        out.held_ids.append(tok)
-        if not out.stops:
-            self._push(req, out, delta)
+        stream.ids.append(tok)
+        if not stream.stops:
+            stream.undecoded.append(tok)
+            stream.wake()
             return False
-        # a stop string ending in `delta` starts inside `pending`, which holds back enough text
-        out.pending += delta
-        idx = find_stop(out.pending, out.stops, len(out.pending) - len(delta))
+        delta = stream.detok.step([tok])
+        # a stop string ending in `delta` starts inside `held`, which holds back enough text
+        stream.held += delta
+        idx = find_stop(stream.held, stream.stops, len(stream.held) - len(delta))
         if idx is not None:
-            out.stop_at = idx
+            stream.stop_at = idx
             return True
-        safe = len(out.pending) - (out.longest_stop - 1)
+        safe = len(stream.held) - (stream.longest_stop - 1)
         if safe > 0:
-            self._push(req, out, out.pending[:safe])
-            out.pending = out.pending[safe:]
+            stream.text.append(stream.held[:safe])
+            stream.held = stream.held[safe:]
+        stream.wake()
         return False
 
     def on_finish(self, req: Req) -> None:
-        """Stream the request's last chunk: held text up to a stop string, and the reason."""
+        """The request is done: its consumer reads the rest and the reason."""
         self.observer.on_request_finished(req, time.perf_counter())
-        out = self._outputs.get(req)
-        if out is None:
+        stream = self._streams.get(req)
+        if stream is None:
             return
-        if out.stop_at is not None:
-            tail = out.pending[: out.stop_at]
-        else:
-            tail = out.pending + out.detok.flush()
-        out.pending = ""
-        self._push(req, out, tail, final=True)
-
-    def _push(self, req: Req, out: _RequestOutput, text: str, final: bool = False) -> None:
-        ids, out.held_ids = out.held_ids, []
-        out.queue.put_nowait(
-            GenerationChunk(
-                rid=req.rid,
-                token_ids=ids,
-                text=text,
-                finished=final,
-                finish_reason=req.finished_reason.value if final and req.finished_reason else None,
-                prompt_tokens=len(req.origin_input_ids),
-                completion_tokens=len(req.output_ids),
-                error=req.finish_message if final else None,
-            )
-        )
+        stream.finished = True
+        stream.wake()

@@ -18,14 +18,15 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(slots=True)
 class SamplingBatch:
-    temperatures: torch.Tensor  # [B] float32; 0 marks a greedy row
-    top_ps: torch.Tensor  # [B] float32
-    top_ks: torch.Tensor  # [B] int64; -1 means the whole vocabulary
     all_greedy: bool
     greedy_mask_cpu: list[bool]
     seeds_cpu: list[int | None]
     steps_cpu: list[int]
     needs_filter: bool = True  # some row has top_k or top_p set
+    # device tensors, uploaded only when some row samples (None for an all-greedy batch)
+    temperatures: torch.Tensor | None = None  # [B] float32; 0 marks a greedy row
+    top_ps: torch.Tensor | None = None  # [B] float32
+    top_ks: torch.Tensor | None = None  # [B] int64; -1 means the whole vocabulary
 
     @classmethod
     def build(
@@ -34,18 +35,21 @@ class SamplingBatch:
         steps: list[int],
         upload: Callable[[torch.Tensor], torch.Tensor],
     ) -> SamplingBatch:
-        greedy = [p.greedy for p in params]
+        greedy = [p.temperature == 0.0 or p.top_k == 1 for p in params]
+        if all(greedy):
+            # NOTE: the common serving case: nothing to upload, nothing to seed
+            return cls(all_greedy=True, greedy_mask_cpu=greedy, seeds_cpu=[], steps_cpu=[])
         temps = [0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
         sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
         return cls(
-            temperatures=upload(torch.tensor(temps, dtype=torch.float32)),
-            top_ps=upload(torch.tensor([p.top_p for p in params], dtype=torch.float32)),
-            top_ks=upload(torch.tensor([p.top_k for p in params], dtype=torch.int64)),
-            all_greedy=all(greedy),
+            all_greedy=False,
             greedy_mask_cpu=greedy,
             seeds_cpu=[p.seed for p in params],
             steps_cpu=list(steps),
             needs_filter=any(p.top_k != -1 or p.top_p < 1.0 for p in sampled),
+            temperatures=upload(torch.tensor(temps, dtype=torch.float32)),
+            top_ps=upload(torch.tensor([p.top_p for p in params], dtype=torch.float32)),
+            top_ks=upload(torch.tensor([p.top_k for p in params], dtype=torch.int64)),
         )
 
 
@@ -72,6 +76,7 @@ class Sampler:
         greedy_ids = logits.argmax(dim=-1)
         if sb.all_greedy:
             return greedy_ids
+        assert sb.temperatures is not None and sb.top_ks is not None and sb.top_ps is not None
         greedy = sb.temperatures <= 0.0
         scaled = logits / torch.where(greedy, 1.0, sb.temperatures).unsqueeze(1)
         if sb.needs_filter:

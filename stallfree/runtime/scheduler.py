@@ -42,6 +42,8 @@ class Scheduler:
     launch_seq: int = 0
     processed_seq: int = 0
     pending_frees: list[tuple[int, Req]] = field(default_factory=list)
+    # NOTE: finished requests stay in `waiting` until they reach its head (O(1) abort)
+    stale_waiting: int = 0
     stats: EngineCounters = field(default_factory=EngineCounters)
 
     def __post_init__(self) -> None:
@@ -58,11 +60,19 @@ class Scheduler:
     ) -> None:
         if req.finished:
             return
-        if req.status is ReqStatus.WAITING and req in self.waiting:
-            self.waiting.remove(req)
+        self._leave_queues(req)
+        self._finish(req, reason, message)
+
+    def _leave_queues(self, req: Req) -> None:
+        """Before finishing `req`: it will be skipped in `waiting`, and stops being chunked."""
+        if req.status is ReqStatus.WAITING:
+            self.stale_waiting += 1
         if req is self.chunked_req:
             self.chunked_req = None
-        self._finish(req, reason, message)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) - self.stale_waiting
 
     @property
     def num_running(self) -> int:
@@ -73,7 +83,7 @@ class Scheduler:
         return n
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or self.chunked_req is not None or self.num_running > 0
+        return self.num_waiting > 0 or self.chunked_req is not None or self.num_running > 0
 
     # ------------------------------------------------------------------ schedule path
 
@@ -102,7 +112,7 @@ class Scheduler:
         for req in batch.reqs:
             req.status = ReqStatus.RUNNING
             req.num_scheduled_outputs = 1
-            self._accept(req, first_token_id)
+            self._accept(req, first_token_id, time.perf_counter())
         keep = [i for i, r in enumerate(batch.reqs) if r.wants_more_decode()]
         if keep:
             batch.filter_batch(keep)
@@ -143,8 +153,11 @@ class Scheduler:
         return math.ceil(remaining * ratio)
 
     def _new_prefill_batch(self) -> ScheduleBatch | None:
-        if not self.waiting and self.chunked_req is None:
-            return None
+        if self.num_waiting == 0:
+            self.waiting.clear()  # only finished requests were left
+            self.stale_waiting = 0
+            if self.chunked_req is None:
+                return None
         allocator = self.ctx.allocator
         page_size = allocator.page_size
         budget = self.config.max_prefill_tokens
@@ -172,11 +185,16 @@ class Scheduler:
             if chunked.num_computed_tokens + ext == chunked.fill_len:
                 self.chunked_req = None
 
+        running = self.num_running - (chunked is not None)
         while self.waiting and budget > 0 and self.chunked_req is None:
             req = self.waiting[0]
+            if req.finished:
+                self.waiting.popleft()
+                self.stale_waiting -= 1
+                continue
             if req.in_flight_outputs:
                 break  # a retracted request waits for its in-flight token before re-prefill
-            if self.num_running + len(reqs) - (chunked is not None) >= self.max_running_requests:
+            if running + len(reqs) >= self.max_running_requests:
                 break
             if free_slots <= 0:
                 break
@@ -187,7 +205,7 @@ class Scheduler:
                 * self.config.new_token_ratio
             )
             cost = pages_for(ext, page_size) * page_size + reserve
-            alone = not reqs and self.num_running == 0
+            alone = not reqs and running == 0
             if cost > free_tokens:
                 if alone and self._can_never_fit(req):
                     self.waiting.popleft()
@@ -251,21 +269,19 @@ class Scheduler:
     def process_tokens(
         self, batch_reqs: list[Req], output_rows: list[bool], token_ids: list[int]
     ) -> None:
+        now = time.perf_counter()
         for req, real, tok in zip(batch_reqs, output_rows, token_ids, strict=True):
             if not real or req.finished:
                 continue  # an intermediate chunk, or the one-step overlap lag after finishing
             if req.in_flight_outputs <= 0:
                 continue  # retracted and recomputed since; this token is stale
-            self._accept(req, tok)
+            self._accept(req, tok, now)
 
-    def _accept(self, req: Req, tok: int) -> None:
+    def _accept(self, req: Req, tok: int, now: float) -> None:
         req.output_ids.append(tok)
         self.stats.generation_tokens += 1
-        self._check_finished(req, tok)
-
-    def _check_finished(self, req: Req, tok: int) -> None:
         params = req.sampling_params
-        stop_string = self.output.on_token(req, tok)
+        stop_string = self.output.on_token(req, tok, now)
         if (
             stop_string
             or (not params.ignore_eos and tok in req.eos_token_ids)
@@ -280,10 +296,7 @@ class Scheduler:
     def fail_batch(self, batch_reqs: list[Req], message: str) -> None:
         for req in batch_reqs:
             if not req.finished:
-                if req in self.waiting:
-                    self.waiting.remove(req)
-                if req is self.chunked_req:
-                    self.chunked_req = None
+                self._leave_queues(req)
                 self._finish(req, FinishReason.ERROR, message)
 
     def fail_all(self, message: str) -> None:
@@ -295,6 +308,7 @@ class Scheduler:
         if self.chunked_req is not None:
             reqs.append(self.chunked_req)
         self.waiting.clear()
+        self.stale_waiting = 0
         self.chunked_req = None
         self.last_extend = None
         self.running_batch.filter_batch([])

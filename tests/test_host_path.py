@@ -1,0 +1,133 @@
+"""The host path: cheap per token and per step, and linear in the number of requests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import pytest
+
+from stallfree import Engine, SamplingParams
+from stallfree.config import SchedulerConfig
+from stallfree.entrypoints.cli import run_async
+from stallfree.overlap.stream import CpuStream
+from stallfree.runtime.observer import EngineObserver
+from stallfree.runtime.output_processor import OutputProcessor
+from stallfree.runtime.req import FinishReason
+from stallfree.runtime.sampler import SamplingBatch
+from stallfree.runtime.scheduler import Scheduler
+from stallfree.runtime.tokenizer import ByteTokenizer
+from tests.batch_harness import make_ctx, make_req
+from tests.engine_util import engine_config
+
+
+def test_an_import_error_inside_a_command_is_not_hidden():
+    """It used to re-run the spent coroutine and report 'cannot reuse already awaited'."""
+
+    async def command() -> int:
+        import stallfree_no_such_module  # noqa: F401
+
+        return 0
+
+    with pytest.raises(ModuleNotFoundError, match="stallfree_no_such_module"):
+        run_async(command())
+
+
+def test_an_all_greedy_batch_uploads_nothing():
+    uploads = []
+
+    def upload(t):
+        uploads.append(t)
+        return t
+
+    greedy = [SamplingParams(), SamplingParams(temperature=0.9, top_k=1)]
+    sb = SamplingBatch.build(greedy, [0, 0], upload)
+    assert sb.all_greedy and uploads == [] and sb.temperatures is None
+    sb = SamplingBatch.build([*greedy, SamplingParams(temperature=0.5)], [0, 0, 0], upload)
+    assert not sb.all_greedy and len(uploads) == 3
+    assert sb.greedy_mask_cpu == [True, True, False]
+
+
+def _scheduler() -> Scheduler:
+    ctx = make_ctx(num_tokens=4096, num_reqs=8, max_context=128)
+    output = OutputProcessor(ByteTokenizer(), EngineObserver())
+    return Scheduler(config=SchedulerConfig(), ctx=ctx, max_running_requests=8, output=output)
+
+
+def test_aborting_waiting_requests_is_constant_time_and_they_are_skipped():
+    sched = _scheduler()
+    reqs = [make_req(f"r{i}", 4, 2) for i in range(2000)]
+    for r in reqs:
+        sched.add_request(r)
+    for r in reqs[:-3]:
+        sched.abort(r)
+    # NOTE: aborted requests stay queued until they reach the head; they are not counted
+    assert len(sched.waiting) == 2000 and sched.num_waiting == 3 and sched.has_work()
+    batch = sched.get_next_batch()
+    assert batch is not None and [r.rid for r in batch.reqs] == ["r1997", "r1998", "r1999"]
+    assert sched.num_waiting == 0 and len(sched.waiting) == 0
+    assert all(r.finished_reason is FinishReason.ABORT for r in reqs[:-3])
+    assert sched.stats.finished == {"abort": 1997}
+
+
+class _NoScan(deque):
+    """A queue that refuses the O(n) operations abort used to make."""
+
+    def __contains__(self, item):
+        raise AssertionError("waiting was scanned")
+
+    def remove(self, item):
+        raise AssertionError("waiting was scanned")
+
+
+def test_abort_and_fail_batch_never_scan_the_queue():
+    sched = _scheduler()
+    sched.waiting = _NoScan()
+    reqs = [make_req(f"r{i}", 4, 2) for i in range(50)]
+    for r in reqs:
+        sched.add_request(r)
+    for r in reqs[:25]:
+        sched.abort(r)
+    sched.fail_batch(reqs[25:40], "step failed")
+    assert sched.num_waiting == 10 and sched.stats.finished == {"abort": 25, "error": 15}
+
+
+def test_cpu_stream_hands_a_batch_over_in_one_piece():
+    stream = CpuStream()
+    try:
+        seen = []
+        for i in range(5):
+            stream.submit(seen.append, i)
+        assert stream._queue.qsize() <= 1  # nothing handed over before the event
+        stream.record_event().synchronize()
+        assert seen == [0, 1, 2, 3, 4]
+        stream.submit(seen.append, 5)
+    finally:
+        stream.close()  # flushes what is left
+    assert seen[-1] == 5
+
+
+async def test_complete_wakes_once_and_streams_merge_unread_tokens():
+    async with Engine(engine_config("tiny")) as engine:
+        params = {"max_new_tokens": 40, "ignore_eos": True}
+        want = await engine.complete([1, 2, 3], params)
+        # a consumer that does not read for a while gets the tokens merged, in order
+        chunks = []
+        gen = engine.generate([1, 2, 3], params)
+        chunks.append(await gen.__anext__())
+        await asyncio.sleep(0.2)  # many steps pass
+        async for chunk in gen:
+            chunks.append(chunk)
+    ids = [t for c in chunks for t in c.token_ids]
+    assert ids == want.token_ids and "".join(c.text for c in chunks) == want.text
+    assert len(chunks) < 40  # merged, not one chunk per token
+    assert chunks[-1].finished and chunks[-1].completion_tokens == 40
+
+
+async def test_a_deadline_is_one_timer_and_still_aborts():
+    async with Engine(engine_config("tiny", runtime={"request_timeout_s": 0.05})) as engine:
+        params = {"max_new_tokens": 100_000 // 100, "ignore_eos": True}
+        out = await engine.complete(list(range(1, 9)), params)
+        assert out.finish_reason == "abort" and "deadline" in (out.error or "")
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free
