@@ -89,9 +89,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     modes.add_argument(
         "--repeats",
         type=int,
-        default=1,
+        default=None,
         help="run the whole workload N times per mode, the modes interleaved (A B C, A B C, "
-        "...), and report each figure's median over a mode's runs",
+        "...), and report each figure's median over a mode's runs and the spread of output "
+        "throughput (default: 3 with --compare, else 1)",
     )
 
     w = p.add_argument_group("workload")
@@ -149,6 +150,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
+    if args.repeats is None:
+        args.repeats = 3 if args.compare else 1
     if args.repeats < 1:
         raise UsageError(f"--repeats must be at least 1 (got {args.repeats})")
     if args.compare and args.base_url:

@@ -98,6 +98,17 @@ def _cell(value: float | None, base: float | None, fmt: str, scale: float, first
     return f"{text} ({value / base:.2f}x)"
 
 
+def spread_row(results: list[RunResult]) -> list[str] | None:
+    """Output throughput per run, lowest to highest, for each mode; None for single runs."""
+    if all(len(r.runs) < 2 for r in results):
+        return None
+    cells = []
+    for r in results:
+        values = [x.summary.output_throughput for x in r.runs]
+        cells.append(f"{min(values):.1f} – {max(values):.1f}")
+    return cells
+
+
 def render_table(results: list[RunResult], title: str | None = None) -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column("figure", no_wrap=True)
@@ -107,6 +118,10 @@ def render_table(results: list[RunResult], title: str | None = None) -> Table:
         base = get(results[0])
         cells = [_cell(get(r), base, fmt, scale, i == 0) for i, r in enumerate(results)]
         table.add_row(label, *cells)
+        if label.startswith("output throughput"):
+            spread = spread_row(results)
+            if spread is not None:
+                table.add_row("  spread over runs (tok/s)", *spread)
     return table
 
 
