@@ -78,3 +78,39 @@ async def test_page_size_one_with_tiny_chunks(model_and_reference):
     async with Engine(cfg) as engine:
         outputs = await run_greedy(engine, PROMPTS, NEW_TOKENS)
     assert outputs == reference
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_decode_in_length_buckets_equals_transformers(
+    model_and_reference, monkeypatch, overlap
+):
+    """Decode rows grouped by length, each group padded only to its own longest row."""
+    from stallfree.runtime.model import attention
+
+    groups_seen: list[int] = []
+    plan = attention.plan_buckets
+
+    def spy(lens, pad_ratio, merge_cost):
+        groups = plan(lens, pad_ratio, merge_cost)
+        groups_seen.append(len(groups))
+        return groups
+
+    monkeypatch.setattr(attention, "BUCKET_MERGE_ELEMS", 0)  # never merge: one call per bucket
+    monkeypatch.setattr(attention, "plan_buckets", spy)
+    path, reference = model_and_reference
+    cfg = engine_config(path, runtime={"overlap": overlap, "strict": True})
+    async with Engine(cfg) as engine:
+        outputs = await run_greedy(engine, PROMPTS, NEW_TOKENS)
+    assert outputs == reference
+    assert max(groups_seen) > 1  # the prompts' lengths did split the batch
+
+
+def test_length_buckets_bound_padding_and_cover_every_row():
+    from stallfree.runtime.model.attention import plan_buckets
+
+    lens = [5, 300, 7, 290, 40, 41, 42, 299, 6]
+    groups = plan_buckets(lens, 1.15, merge_cost=0)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    padded = sum(len(g) * max(lens[i] for i in g) for g in groups)
+    assert padded <= 1.15 * sum(lens)
+    assert len(plan_buckets(lens, 1.15, merge_cost=10**9)) == 1  # cheap padding merges all

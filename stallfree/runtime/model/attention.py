@@ -2,9 +2,15 @@
 
 Everything here is enqueued work: shapes and loops come from the batch's host metadata, and
 masks are built by device-side comparisons, so nothing waits for the device.
+
+Grouped-query attention never repeats K/V per query head: `scaled_dot_product_attention` takes
+the KV heads as they are (`enable_gqa`, torch >= 2.5; older torch falls back to repeating).
+Decode groups rows into length buckets so that no row is padded far past its own length.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -12,11 +18,143 @@ import torch.nn.functional as F
 from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
 
 
+def _probe_enable_gqa() -> bool:
+    """Whether this torch's SDPA takes `enable_gqa` (added in torch 2.5)."""
+    q, kv = torch.zeros(1, 2, 1, 1), torch.zeros(1, 1, 1, 1)
+    try:
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    except TypeError:
+        return False
+    return True
+
+
+_HAS_ENABLE_GQA = _probe_enable_gqa()
+
+# Decode buckets: a bucket's padded work stays within this factor of its rows' exact lengths...
+BUCKET_PAD_RATIO = 1.15
+# ...unless merging two adjacent buckets adds less padded work (in K/V elements, per layer)
+# than one more bucket costs in per-call overhead.
+BUCKET_MERGE_ELEMS = 64 * 1024
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """q [B, H, n, D], k/v [B, KVH, L, D] (any strides), H a multiple of KVH -> [B, H, n, D]."""
+    heads, kv_heads = q.shape[-3], k.shape[-3]
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if heads == kv_heads:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+    if _HAS_ENABLE_GQA:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True
+        )
+    groups = heads // kv_heads  # old torch: each KV head repeated for its query group
+    k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """Decode rows attended together, each padded to the bucket's longest key window."""
+
+    index: torch.Tensor | None  # [n] device: batch rows of the bucket (None: all, in order)
+    slots: torch.Tensor  # [n, width] device: KV slots of each row's window (padding masked)
+    mask: torch.Tensor | None  # [n, 1, 1, width] device (None: no padding, nothing to mask)
+
+
+def plan_buckets(lens: list[int], pad_ratio: float, merge_cost: int) -> list[list[int]]:
+    """Group row indices by length so each group pads only to its own longest row.
+
+    Rows are taken longest first; a group grows while `rows * longest <= pad_ratio * exact`, so
+    total padded work stays within `pad_ratio` of the exact sum. Adjacent groups are then merged
+    while the cheapest merge adds less than `merge_cost` padded elements (one call fewer).
+    """
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    groups: list[list[int]] = []
+    top = exact = 0
+    for i in order:
+        n = lens[i]
+        if groups and (len(groups[-1]) + 1) * top <= pad_ratio * (exact + n):
+            groups[-1].append(i)
+            exact += n
+        else:
+            groups.append([i])
+            top = exact = n
+    while len(groups) > 1:
+        # merging group g + 1 into g pads its rows up to g's longest row
+        extra = [
+            len(groups[g + 1]) * (lens[groups[g][0]] - lens[groups[g + 1][0]])
+            for g in range(len(groups) - 1)
+        ]
+        g = min(range(len(extra)), key=extra.__getitem__)
+        if extra[g] >= merge_cost:
+            break
+        groups[g] += groups.pop(g + 1)
+    return groups
+
+
+class _GatherWorkspace:
+    """Reused output memory for K/V gathers out of the cache.
+
+    A fresh multi-MiB tensor per layer costs more than the gather itself on CPU (the allocator
+    hands large blocks back to the OS, so each one page-faults again). Peak memory is what one
+    layer's gather needs either way; this keeps the largest one between steps.
+    """
+
+    def __init__(self) -> None:
+        self._mem: torch.Tensor | None = None
+
+    def gather(self, buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """`buf[slots]`: [*slots.shape, *buf.shape[1:]], valid until the next gather."""
+        row = buf.shape[1:]
+        numel = slots.numel() * buf[0].numel()
+        mem = self._mem
+        if (
+            mem is None
+            or mem.numel() < numel
+            or mem.dtype != buf.dtype
+            or mem.device != buf.device
+            or mem.is_inference() != torch.is_inference_mode_enabled()
+        ):
+            self._mem = mem = torch.empty(numel, dtype=buf.dtype, device=buf.device)
+        out = mem[:numel].view(*slots.shape, *row)
+        torch.index_select(buf, 0, slots.reshape(-1), out=out.view(-1, *row))
+        return out
+
+
+def _to_device(host: list[int], device: torch.device) -> torch.Tensor:
+    cpu = torch.tensor(host, dtype=torch.int64)
+    if device.type == "cpu":
+        return cpu
+    if device.type == "cuda":
+        # NOTE: pinned + non_blocking: queued on the current stream, not waited on
+        return cpu.pin_memory().to(device, non_blocking=True)
+    return cpu.to(device)
+
+
 class PagedAttention:
     """Default attention backend. q [T, H, D], k/v [T, KVH, D] -> out [T, H, D]."""
 
     def __init__(self, sliding_window: int | None = None) -> None:
         self.sliding_window = sliding_window
+        # Decode buckets depend only on the batch, not the layer: built at the first layer of a
+        # forward and reused by the next ones (a layer id not above the last one is a new pass).
+        self._plan_fb: ForwardBatch | None = None
+        self._plan_layer = -1
+        self._plan: list[_Bucket] = []
+        self._k_ws, self._v_ws = _GatherWorkspace(), _GatherWorkspace()
+
+    def _gather_kv(
+        self, layer_id: int, fb: ForwardBatch, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots`: [*slots.shape, KVH, D] each, valid until the next gather."""
+        k_buf, v_buf = fb.kv_cache.k_buffers[layer_id], fb.kv_cache.v_buffers[layer_id]
+        return self._k_ws.gather(k_buf, slots), self._v_ws.gather(v_buf, slots)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
@@ -27,62 +165,120 @@ class PagedAttention:
         return self._extend(q, layer_id, fb)
 
     def _extend(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
-        k_buf, v_buf = fb.kv_cache.k_buffers[layer_id], fb.kv_cache.v_buffers[layer_id]
         outs = []
         start = 0
         for i in range(fb.batch_size):
             n, prefix = fb.extend_lens_cpu[i], fb.prefix_lens_cpu[i]
             seq = prefix + n
+            window = self.sliding_window
+            if window is not None and seq <= window:
+                window = None  # no query reaches past its window
+            # keys before the first query's window are never seen
+            first = 0 if window is None else max(0, prefix + 1 - window)
             row = int(fb.req_pool_indices_cpu[i])
-            slots = fb.req_to_token[row, :seq]
-            mask = causal_mask(prefix, seq, q.device, self.sliding_window)
-            outs.append(attend(q[start : start + n], k_buf[slots], v_buf[slots], mask))
+            slots = fb.req_to_token[row, first:seq]
+            chunk = q[start : start + n]
+            k, v = self._gather_kv(layer_id, fb, slots)
+            if prefix == 0 and window is None:
+                outs.append(attend(chunk, k, v, None))
+            else:
+                mask = causal_mask(prefix, seq, q.device, window, first)
+                outs.append(attend(chunk, k, v, mask))
             start += n
+        if len(outs) == 1:
+            return outs[0]
         return torch.cat(outs) if outs else q.new_empty(q.shape)
 
     def _decode(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
-        k_buf, v_buf = fb.kv_cache.k_buffers[layer_id], fb.kv_cache.v_buffers[layer_id]
-        slots = fb.req_to_token[fb.req_pool_indices, : fb.max_seq_len]  # [B, L]
-        k_pos = torch.arange(slots.shape[1], device=q.device)[None, :]
-        seq_lens = fb.seq_lens[:, None]
-        mask = k_pos < seq_lens
-        if self.sliding_window is not None:
-            mask &= k_pos >= seq_lens - self.sliding_window
-        # Batched as B independent single-query problems: [B, H, 1, D] against [B, H, L, D].
-        out = attend_batched(q[:, :, None, :], k_buf[slots], v_buf[slots], mask[:, None, None, :])
-        return out[:, :, 0, :]
+        if fb is not self._plan_fb or layer_id <= self._plan_layer:
+            self._plan = self._decode_plan(fb, q.device)
+            self._plan_fb = fb
+        self._plan_layer = layer_id
+        # Each bucket: B independent single-query problems, [n, H, 1, D] against [n, KVH, L, D].
+        if len(self._plan) == 1 and self._plan[0].index is None:
+            b = self._plan[0]
+            k, v = self._gather_kv(layer_id, fb, b.slots)
+            return _sdpa(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), b.mask)[:, :, 0, :]
+        out = torch.empty_like(q)
+        for b in self._plan:
+            assert b.index is not None
+            k, v = self._gather_kv(layer_id, fb, b.slots)
+            part = _sdpa(q[b.index][:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), b.mask)
+            out.index_copy_(0, b.index, part[:, :, 0, :])
+        return out
+
+    def _decode_plan(self, fb: ForwardBatch, device: torch.device) -> list[_Bucket]:
+        """Length buckets from host lengths; slots and masks by device ops on the batch rows."""
+        window = self.sliding_window
+        lens = fb.seq_lens_cpu.tolist()  # host copy: the length after this step
+        if window is not None and max(lens, default=0) <= window:
+            window = None  # every row sees all its keys
+        widths = lens if window is None else [min(n, window) for n in lens]
+        k_buf = fb.kv_cache.k_buffers[0]
+        kv_elems = k_buf.numel() // max(1, k_buf.shape[0])  # per token
+        groups = plan_buckets(widths, BUCKET_PAD_RATIO, BUCKET_MERGE_ELEMS // max(1, kv_elems))
+        index = None
+        if len(groups) > 1:
+            index = _to_device([i for g in groups for i in g], device)
+        buckets = []
+        start = 0
+        for g in groups:
+            width = widths[g[0]]
+            if index is None:
+                idx, rows, seq_lens = None, fb.req_pool_indices, fb.seq_lens
+            else:
+                idx = index[start : start + len(g)]
+                rows, seq_lens = fb.req_pool_indices[idx], fb.seq_lens[idx]
+            start += len(g)
+            pos = torch.arange(width, device=device)[None, :]
+            if window is None:
+                slots = fb.req_to_token[rows, :width]
+                keys = seq_lens[:, None]  # valid keys per row: positions below the length
+            else:
+                # the window [first, length) of each row, padded at its end
+                first = (seq_lens - window).clamp_(min=0)[:, None]
+                slots = fb.req_to_token[rows[:, None], first + pos]
+                keys = seq_lens[:, None] - first
+            padded = any(widths[i] != width for i in g)
+            mask = (pos < keys)[:, None, None, :] if padded else None
+            buckets.append(_Bucket(idx, slots, mask))
+        return buckets
 
 
 def causal_mask(
-    prefix: int, seq: int, device: torch.device, sliding_window: int | None = None
+    prefix: int,
+    seq: int,
+    device: torch.device,
+    sliding_window: int | None = None,
+    first_key: int = 0,
 ) -> torch.Tensor:
-    """[seq - prefix, seq]: query at position prefix + i sees keys 0..prefix + i (and the window)."""
+    """[seq - prefix, seq - first_key]: query at position prefix + i sees keys up to prefix + i.
+
+    Columns are key positions first_key..seq - 1; with a window, only the last `sliding_window`.
+    """
     q_pos = torch.arange(prefix, seq, device=device)[:, None]
-    k_pos = torch.arange(seq, device=device)[None, :]
+    k_pos = torch.arange(first_key, seq, device=device)[None, :]
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
     return mask
 
 
-def _expand_kv(kv: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[..., L, KVH, D] -> [..., H, L, D], repeating each KV head for its query group."""
-    kv = kv.transpose(-3, -2)
-    groups = num_heads // kv.shape[-3]
-    return kv if groups == 1 else kv.repeat_interleave(groups, dim=-3)
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """One request: q [n, H, D], k/v [seq, KVH, D], mask [n, seq] -> [n, H, D].
 
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """One request: q [n, H, D], k/v [seq, KVH, D], mask [n, seq] -> [n, H, D]."""
-    heads = q.shape[1]
-    k, v = _expand_kv(k.to(q.dtype), heads), _expand_kv(v.to(q.dtype), heads)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)
-    return out.transpose(0, 1)
+    `mask=None` is plain causal attention with no prefix (n == seq), without building a mask.
+    """
+    # NOTE: a batch dim of 1 lets SDPA take its fused kernel (3-D inputs take the slow path)
+    q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    out = _sdpa(q4, k4, v4, mask, is_causal=mask is None)
+    return out[0].transpose(0, 1)
 
 
 def attend_batched(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    heads = q.shape[1]
-    k, v = _expand_kv(k.to(q.dtype), heads), _expand_kv(v.to(q.dtype), heads)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    """q [B, H, n, D], k/v [B, L, KVH, D], mask broadcastable to [B, H, n, L] -> [B, H, n, D]."""
+    return _sdpa(q, k.transpose(-3, -2), v.transpose(-3, -2), mask)
