@@ -131,3 +131,12 @@ async def test_a_deadline_is_one_timer_and_still_aborts():
         assert out.finish_reason == "abort" and "deadline" in (out.error or "")
         await engine.wait_idle()
         assert engine.pool_usage().all_free
+
+
+def test_stream_threads_auto_follows_model_width(monkeypatch):
+    from stallfree.runtime.core import auto_stream_threads
+    from stallfree.runtime.model.loader import PRESETS
+
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert auto_stream_threads(PRESETS["tiny"]) == 1
+    assert auto_stream_threads(PRESETS["bench-cpu"]) == 8

@@ -68,7 +68,10 @@ class RuntimeConfig(_Section):
     strict: bool = Field(False, description="host_read on the schedule path raises (tests)")
     check_mirrors: bool = Field(False, description="Assert mirror parity after every batch op")
     stream_threads: int = Field(
-        0, ge=0, description="torch intra-op threads of the CPU stream worker; 0 = torch default"
+        0,
+        ge=0,
+        description="torch threads of the CPU stream worker; 0 = auto: 1 for models with hidden "
+        "size under 512 (small ops lose to thread overhead), else every core",
     )
     max_consecutive_step_failures: int = Field(
         3, ge=1, description="Failed steps in a row before the engine fails closed"

@@ -7,6 +7,7 @@ caller needs to ask whether an attribute exists yet.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from stallfree.runtime.memory_pool import (
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
+from stallfree.runtime.model.arch import ModelArchConfig
 from stallfree.runtime.model.loader import LoadedModel, load_model
 from stallfree.runtime.model_runner import ModelRunner
 from stallfree.runtime.observer import ObserverFanout
@@ -84,6 +86,18 @@ class EngineCore:
         )
 
 
+# NOTE: measured by benchmarks/bench_stream_threads.py on 2 cores: `tiny` (hidden 64) runs 2x
+# faster on 1 thread than on 2; `bench-cpu` (hidden 1024) 1.45x faster on 2 than on 1.
+WIDE_MODEL_HIDDEN = 512
+
+
+def auto_stream_threads(arch: ModelArchConfig) -> int:
+    """Threads for the CPU stream worker when `runtime.stream_threads` is 0."""
+    if arch.hidden_size < WIDE_MODEL_HIDDEN:
+        return 1
+    return max(1, os.cpu_count() or 1)
+
+
 def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None) -> EngineCore:
     """Load the model and build pools, stream, scheduler, runner and loop for `config`."""
     observers = observers if observers is not None else ObserverFanout()
@@ -105,7 +119,7 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
         total_tokens = math.ceil(total_tokens * sparse_plugin.capacity_ratio(config.hisparse, arch))
     page_size = config.cache.page_size
     num_slots = (pages_for(total_tokens, page_size) + 1) * page_size
-    stream = make_stream(device, config.runtime.stream_threads)
+    stream = make_stream(device, config.runtime.stream_threads or auto_stream_threads(arch))
     monitor = SyncMonitor(stream, strict=config.runtime.strict)
     monitor.stall_sinks.append(observers.on_stall)
     slots = config.cache.max_running_requests
