@@ -368,7 +368,7 @@ async def test_no_leaks_after_retraction_and_cancel(llama):
     async with Engine(cfg) as engine:
 
         async def cancelled() -> None:
-            params = SamplingParams(max_new_tokens=200, ignore_eos=True)
+            params = SamplingParams(max_new_tokens=100, ignore_eos=True)
             async for chunk in engine.generate(prompts[0], params):
                 if chunk.token_ids:
                     break  # leaving the stream aborts the request

@@ -50,10 +50,14 @@ class SchedulerConfig(_Section):
         0.4,
         ge=0.0,
         le=1.0,
+        allow_inf_nan=False,
         description="Share of each running request's remaining max_new_tokens that admission reserves",
     )
     max_waiting_requests: int | None = Field(
-        None, ge=1, description="Reject new requests beyond this many waiting"
+        None,
+        ge=1,
+        description="Reject new requests (overloaded, 503) beyond this many waiting; "
+        "default: 4 x cache.max_running_requests",
     )
 
 
@@ -77,7 +81,14 @@ class RuntimeConfig(_Section):
         3, ge=1, description="Failed steps in a row before the engine fails closed"
     )
     request_timeout_s: float | None = Field(
-        None, gt=0, description="Default per-request deadline; a request past it is aborted"
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Default per-request deadline; a request past it is aborted",
+    )
+    log_requests: bool = Field(
+        False,
+        description="Log each request's arrival and finish (id, tokens, reason, latency) at INFO",
     )
 
 
@@ -88,6 +99,7 @@ class HisparseConfig(_Section):
     host_to_device_ratio: float = Field(
         1.0,
         ge=1.0,
+        allow_inf_nan=False,
         description="Tokens the host pool holds, as a multiple of cache.max_total_tokens",
     )
     sparse_layers: list[int] | None = Field(None, description="Default: every layer but the first")
@@ -130,12 +142,20 @@ class FaultConfig(_Section):
     enabled: bool = Field(False, description="Inject faults into launched steps (tests only)")
     seed: int = Field(0, description="Seed of the fault schedule")
     fail_step_rate: float = Field(
-        0.0, ge=0, le=1, description="Share of steps whose forward raises"
+        0.0, ge=0, le=1, allow_inf_nan=False, description="Share of steps whose forward raises"
     )
-    slow_step_rate: float = Field(0.0, ge=0, le=1, description="Share of steps made slow")
-    slow_step_seconds: float = Field(0.05, ge=0, description="Extra time of a slow step")
+    slow_step_rate: float = Field(
+        0.0, ge=0, le=1, allow_inf_nan=False, description="Share of steps made slow"
+    )
+    slow_step_seconds: float = Field(
+        0.05, ge=0, allow_inf_nan=False, description="Extra time of a slow step"
+    )
     fail_copy_rate: float = Field(
-        0.0, ge=0, le=1, description="Share of steps whose device-to-host copy fails"
+        0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Share of steps whose device-to-host copy fails",
     )
 
 

@@ -162,10 +162,25 @@ def import_prebuilt_kv(
     shape = ctx.kv_cache.shape
     n = len(req.origin_input_ids)
     want = (n, shape.num_kv_heads, shape.head_dim)
-    if len(kv) != shape.num_layers or any(
-        tuple(k.shape) != want or tuple(v.shape) != want for k, v in kv
+
+    def well_formed(layer: object) -> bool:
+        if not isinstance(layer, (tuple, list)) or len(layer) != 2:
+            return False
+        return all(
+            isinstance(t, torch.Tensor) and t.is_floating_point() and tuple(t.shape) == want
+            for t in layer
+        )
+
+    if (
+        not isinstance(kv, (list, tuple))
+        or len(kv) != shape.num_layers
+        or not all(well_formed(layer) for layer in kv)
     ):
-        raise InvalidRequestError(f"prebuilt KV must be {shape.num_layers} layers of {want}")
+        raise InvalidRequestError(
+            f"prebuilt KV must be {shape.num_layers} layers of (k, v) floating-point tensors "
+            f"of shape {want}",
+            param="kv",
+        )
     allocator, pool = ctx.allocator, ctx.req_to_token_pool
     slots = pool.alloc(1)
     pages = allocator.alloc_pages(pages_for(n, allocator.page_size))

@@ -52,6 +52,7 @@ class EngineCore:
     runner: ModelRunner
     loop: SchedulerLoop
     activity: ActivityClock
+    max_waiting_requests: int
     _idle_reported: float = 0.0
 
     def pool_usage(self) -> PoolUsage:
@@ -84,6 +85,19 @@ class EngineCore:
             device_idle_seconds=self._idle_reported,
             sparse=sparse.stats() if sparse is not None else None,
         )
+
+
+# Default bound of the waiting queue, per request slot: enough to keep every slot refilled
+# several times over, small enough that a burst is refused quickly rather than queued for minutes.
+WAITING_PER_REQUEST_SLOT = 4
+
+
+def waiting_limit(config: StallfreeConfig) -> int:
+    """`scheduler.max_waiting_requests`, or its default derived from the request slots."""
+    explicit = config.scheduler.max_waiting_requests
+    if explicit is not None:
+        return explicit
+    return WAITING_PER_REQUEST_SLOT * config.cache.max_running_requests
 
 
 # NOTE: measured by benchmarks/bench_stream_threads.py on 2 cores: `tiny` (hidden 64) runs 2x
@@ -171,4 +185,5 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
         runner=runner,
         loop=loop,
         activity=activity,
+        max_waiting_requests=waiting_limit(config),
     )

@@ -1,8 +1,15 @@
-"""The scheduler loops. Overlap: build and launch N+1, then process N. Plain: one at a time."""
+"""The scheduler loops. Overlap: build and launch N+1, then process N. Plain: one at a time.
+
+Failures are isolated per batch. If building or launching a batch raises (a bad request that got
+past validation, a plug-in hook), that batch's requests fail and the loop goes on. If a launched
+step fails on the device, its requests fail; only `max_consecutive_failures` failed steps in a
+row fail the engine closed.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
@@ -10,8 +17,10 @@ from stallfree.overlap.stream import StreamError
 from stallfree.runtime.forward_batch import ForwardMode
 from stallfree.runtime.model_runner import LaunchedBatch, ModelRunner
 from stallfree.runtime.observer import EngineObserver
-from stallfree.runtime.scheduler import Scheduler
+from stallfree.runtime.scheduler import Scheduler, describe_reqs
 from stallfree.runtime.stats import EngineCounters
+
+logger = logging.getLogger(__name__)
 
 
 class SchedulerLoop:
@@ -38,11 +47,20 @@ class SchedulerLoop:
 
     def _schedule_and_launch(self) -> LaunchedBatch | None:
         start = time.perf_counter()
-        batch = self.scheduler.get_next_batch()
+        scheduler = self.scheduler
         launched = None
-        if batch is not None:
-            launched = self.runner.launch(batch, self.scheduler.on_launched())
-            self.stats.steps += 1
+        try:
+            batch = scheduler.get_next_batch()
+            if batch is not None:
+                # NOTE: the sequence number is taken only once the launch succeeded, so a failed
+                # launch leaves no number that no processed batch will ever release
+                launched = self.runner.launch(batch, scheduler.launch_seq + 1)
+                scheduler.on_launched()
+                self.stats.steps += 1
+            scheduler.building = None
+        except Exception as exc:
+            self._launch_failed(exc)
+            return None
         elapsed = time.perf_counter() - start
         if launched is not None:
             self.stats.schedule_seconds += elapsed
@@ -53,12 +71,31 @@ class SchedulerLoop:
             )
         return launched
 
+    def _launch_failed(self, exc: Exception) -> None:
+        """Building or launching a batch raised: fail its requests, keep serving."""
+        self.stats.launch_failures += 1
+        message = f"the engine could not run this request's batch: {exc!r}"
+        failed = self.scheduler.fail_unlaunched(message)
+        logger.error(
+            "building or launching a batch failed; failed %d requests (%s); serving on",
+            len(failed),
+            describe_reqs(failed),
+            exc_info=exc,
+        )
+
     async def _process(self, launched: LaunchedBatch) -> None:
         try:
             token_ids = await launched.wait_token_ids()
         except StreamError as exc:
             self.stats.step_failures += 1
             self.consecutive_failures += 1
+            logger.error(
+                "step %d failed (%d in a row): %s; failing requests %s",
+                launched.seq,
+                self.consecutive_failures,
+                exc,
+                describe_reqs(launched.reqs),
+            )
             self.scheduler.fail_batch(launched.reqs, f"step failed: {exc}")
             if self.on_step_error is not None:
                 self.on_step_error(launched, exc)
@@ -107,6 +144,9 @@ class SchedulerLoop:
         if in_flight is not None:
             await self._process(in_flight)
         n = self.consecutive_failures
+        logger.error(
+            "engine failed closed after %d consecutive step failures; failing every request", n
+        )
         self.scheduler.fail_all(f"engine failed closed after {n} consecutive step failures")
 
     def notify(self) -> None:

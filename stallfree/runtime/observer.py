@@ -6,11 +6,14 @@ carry what a counter cannot: per-request timing (TTFT, ITL, latency) and per-cal
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from stallfree.runtime.req import Req
+
+logger = logging.getLogger(__name__)
 
 
 class EngineObserver:
@@ -44,35 +47,71 @@ class MetricsExporter(EngineObserver, ABC):
 
 
 class ObserverFanout(EngineObserver):
-    """Calls every registered observer; the engine holds exactly one of these."""
+    """Calls every registered observer; the engine holds exactly one of these.
+
+    An observer that raises is logged (the first time for each hook at ERROR, with its
+    traceback) and skipped: a plug-in's bug must not fail requests or stop the scheduler.
+    """
 
     def __init__(self) -> None:
         self.observers: list[EngineObserver] = []
+        self._reported: set[tuple[int, str]] = set()
+
+    def _failed(self, observer: EngineObserver, hook: str, exc: Exception) -> None:
+        key = (id(observer), hook)
+        if key in self._reported:
+            logger.debug("observer %r failed in %s again: %r", observer, hook, exc)
+            return
+        self._reported.add(key)
+        logger.error(
+            "observer %r failed in %s; it is skipped for this event", observer, hook, exc_info=exc
+        )
 
     def on_request_added(self, req: Req) -> None:
         for o in self.observers:
-            o.on_request_added(req)
+            try:
+                o.on_request_added(req)
+            except Exception as exc:
+                self._failed(o, "on_request_added", exc)
 
     def on_request_scheduled(self, req: Req) -> None:
         for o in self.observers:
-            o.on_request_scheduled(req)
+            try:
+                o.on_request_scheduled(req)
+            except Exception as exc:
+                self._failed(o, "on_request_scheduled", exc)
 
     def on_tokens(self, req: Req, count: int, now: float) -> None:
         for o in self.observers:
-            o.on_tokens(req, count, now)
+            try:
+                o.on_tokens(req, count, now)
+            except Exception as exc:
+                self._failed(o, "on_tokens", exc)
 
     def on_request_finished(self, req: Req, now: float) -> None:
         for o in self.observers:
-            o.on_request_finished(req, now)
+            try:
+                o.on_request_finished(req, now)
+            except Exception as exc:
+                self._failed(o, "on_request_finished", exc)
 
     def on_step(self, num_reqs: int, decode: bool, overlapped: bool) -> None:
         for o in self.observers:
-            o.on_step(num_reqs, decode, overlapped)
+            try:
+                o.on_step(num_reqs, decode, overlapped)
+            except Exception as exc:
+                self._failed(o, "on_step", exc)
 
     def on_stall(self, site: str, seconds: float) -> None:
         for o in self.observers:
-            o.on_stall(site, seconds)
+            try:
+                o.on_stall(site, seconds)
+            except Exception as exc:
+                self._failed(o, "on_stall", exc)
 
     def on_schedule(self, seconds: float) -> None:
         for o in self.observers:
-            o.on_schedule(seconds)
+            try:
+                o.on_schedule(seconds)
+            except Exception as exc:
+                self._failed(o, "on_schedule", exc)

@@ -72,6 +72,12 @@ class Req:
             return False
         return len(self.origin_input_ids) + self.num_scheduled_outputs < self.max_context_len
 
+    def remaining_outputs(self) -> int:
+        """Outputs this request may still schedule, by `max_new_tokens` and by the context."""
+        by_params = self.sampling_params.max_new_tokens - self.num_scheduled_outputs
+        by_context = self.max_context_len - len(self.origin_input_ids) - self.num_scheduled_outputs
+        return max(0, min(by_params, by_context))
+
     def finish(self, reason: FinishReason, message: str | None = None) -> None:
         if self.finished_reason is None:
             self.finished_reason = reason

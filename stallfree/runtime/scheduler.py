@@ -6,6 +6,7 @@ while batch N may still be running; `process_result` applies batch N's tokens af
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -27,6 +28,14 @@ from stallfree.runtime.req import FinishReason, Req, ReqStatus
 from stallfree.runtime.schedule_batch import ScheduleBatch
 from stallfree.runtime.stats import EngineCounters
 
+logger = logging.getLogger(__name__)
+
+
+def describe_reqs(reqs: list[Req], limit: int = 8) -> str:
+    """Request ids for a log line, at most `limit` of them."""
+    rids = ", ".join(r.rid for r in reqs[:limit])
+    return rids + (f" and {len(reqs) - limit} more" if len(reqs) > limit else "")
+
 
 @dataclass(slots=True)
 class Scheduler:
@@ -45,6 +54,9 @@ class Scheduler:
     # NOTE: finished requests stay in `waiting` until they reach its head (O(1) abort)
     stale_waiting: int = 0
     stats: EngineCounters = field(default_factory=EngineCounters)
+    # the requests of the batch being built and launched, until it is launched; if building or
+    # launching raises, these are the requests that fail (`fail_unlaunched`)
+    building: list[Req] | None = None
 
     def __post_init__(self) -> None:
         self.running_batch = ScheduleBatch.init_new([], self.ctx)
@@ -88,6 +100,7 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule path
 
     def get_next_batch(self) -> ScheduleBatch | None:
+        self.building = None
         with self.ctx.monitor.schedule_path():
             self._merge_last_extend()
             self._filter_running()
@@ -100,9 +113,11 @@ class Scheduler:
             assert running is not None
             if running.is_empty():
                 return None
+            self.building = list(running.reqs)
             seq_lens_host = self._make_room_for_decode(running)
             if running.is_empty():
                 return None
+            self.building = list(running.reqs)
             running.prepare_for_decode(seq_lens_host)
             self.stats.decode_batches += 1
             return running
@@ -147,9 +162,7 @@ class Scheduler:
         reqs = list(self.running_batch.reqs)
         if self.last_extend is not None:
             reqs.extend(self.last_extend.reqs)
-        remaining = sum(
-            max(0, r.sampling_params.max_new_tokens - r.num_scheduled_outputs) for r in reqs
-        )
+        remaining = sum(r.remaining_outputs() for r in reqs)
         return math.ceil(remaining * ratio)
 
     def _new_prefill_batch(self) -> ScheduleBatch | None:
@@ -165,6 +178,7 @@ class Scheduler:
         free_slots = self.ctx.req_to_token_pool.available_size()
         reqs: list[Req] = []
         lens: list[int] = []
+        self.building = reqs  # NOTE: the same list, filled below
 
         chunked = self.chunked_req
         if chunked is not None:
@@ -200,9 +214,9 @@ class Scheduler:
                 break
             remaining = req.fill_len
             ext = min(remaining, self.config.chunked_prefill_size, budget)
+            # NOTE: at most what the request can ever use: its outputs are capped by the context
             reserve = math.ceil(
-                (remaining - ext + req.sampling_params.max_new_tokens - req.num_scheduled_outputs)
-                * self.config.new_token_ratio
+                (remaining - ext + req.remaining_outputs()) * self.config.new_token_ratio
             )
             cost = pages_for(ext, page_size) * page_size + reserve
             alone = not reqs and running == 0
@@ -275,7 +289,13 @@ class Scheduler:
                 continue  # an intermediate chunk, or the one-step overlap lag after finishing
             if req.in_flight_outputs <= 0:
                 continue  # retracted and recomputed since; this token is stale
-            self._accept(req, tok, now)
+            try:
+                self._accept(req, tok, now)
+            except Exception as exc:  # one request's output failed; the others go on
+                logger.error("request %s failed processing token %d", req.rid, tok, exc_info=exc)
+                if not req.finished:
+                    self._leave_queues(req)
+                    self._finish(req, FinishReason.ERROR, f"output processing failed: {exc!r}")
 
     def _accept(self, req: Req, tok: int, now: float) -> None:
         req.output_ids.append(tok)
@@ -299,20 +319,46 @@ class Scheduler:
                 self._leave_queues(req)
                 self._finish(req, FinishReason.ERROR, message)
 
-    def fail_all(self, message: str) -> None:
-        """Finish every queued and running request with an error (the engine failed closed)."""
+    def fail_unlaunched(self, message: str) -> list[Req]:
+        """Building or launching the next batch raised: fail that batch's requests.
+
+        Their memory goes on the deferred-free list as for any finish, tagged with the last
+        batch that was launched. Returns the failed requests. If the failure came before any
+        request was picked, nothing identifies a culprit, so everything fails (the engine must
+        make progress rather than raise on every iteration).
+        """
+        reqs, self.building = self.building, None
+        failed = [r for r in reqs or [] if not r.finished]
+        if failed:
+            self.fail_batch(failed, message)
+            return failed
+        everything = self._all_reqs()
+        self.fail_all(message)
+        return everything
+
+    def _all_reqs(self) -> list[Req]:
         assert self.running_batch is not None
         reqs = list(self.waiting) + list(self.running_batch.reqs)
         if self.last_extend is not None:
             reqs += self.last_extend.reqs
         if self.chunked_req is not None:
             reqs.append(self.chunked_req)
+        return [r for r in dict.fromkeys(reqs) if not r.finished]
+
+    def fail_all(self, message: str) -> None:
+        """Finish every queued and running request with an error (the engine failed closed)."""
+        assert self.running_batch is not None
+        reqs = self._all_reqs()
         self.waiting.clear()
         self.stale_waiting = 0
         self.chunked_req = None
         self.last_extend = None
-        self.running_batch.filter_batch([])
-        for req in dict.fromkeys(reqs):
+        self.building = None
+        # NOTE: a fresh batch, not a filter of the old one, whose tensors a failure may have left
+        # half-updated; a launched batch keeps the old tensors alive until it is processed.
+        self.running_batch = ScheduleBatch.init_new([], self.ctx)
+        self.running_batch.prepare_for_idle()
+        for req in reqs:
             if not req.finished:
                 self._finish(req, FinishReason.ERROR, message)
 
@@ -337,7 +383,12 @@ class Scheduler:
             if everything or tag <= self.processed_seq:
                 free_req_memory(self.ctx.req_to_token_pool, self.ctx.allocator, req)
                 if self.ctx.sparse is not None:
-                    self.ctx.sparse.request_finished(req)
+                    try:
+                        self.ctx.sparse.request_finished(req)
+                    except Exception as exc:  # a plug-in's bug; the slots are free already
+                        logger.error(
+                            "sparse plug-in failed releasing request %s", req.rid, exc_info=exc
+                        )
             else:
                 keep.append((tag, req))
         self.pending_frees = keep

@@ -27,7 +27,8 @@ class EngineCounters:
     steps: int = 0  # batches launched
     overlap_steps: int = 0  # launches made while an earlier batch was still unprocessed
     retractions: int = 0
-    step_failures: int = 0
+    step_failures: int = 0  # launched steps that failed on the device
+    launch_failures: int = 0  # batches whose building or launch raised (their requests failed)
     schedule_seconds: float = 0.0  # host time to build and launch batches
     max_iteration_gap: float = 0.0  # longest loop iteration while work was pending
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
