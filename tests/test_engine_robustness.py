@@ -197,6 +197,20 @@ async def test_a_request_the_kv_cache_can_never_hold_is_refused_at_admission(lla
         await still_serves(engine)
 
 
+async def test_asking_for_the_whole_context_gets_what_the_kv_cache_holds(llama):
+    # a context longer than the KV cache, as with many real models and the default pool
+    cfg = engine_config(llama, model={"max_context_len": 100}, cache={"max_total_tokens": 64})
+    prompt = list(b"ten tokens")
+    async with Engine(cfg) as engine:
+        assert engine.max_new_tokens_limit(len(prompt)) == 54
+        whole = await engine.complete(prompt, {"max_new_tokens": 90, **NO_EOS})
+        assert whole.finish_reason == "length" and whole.completion_tokens == 54
+        with pytest.raises(InvalidRequestError) as err:
+            await engine.complete(prompt, {"max_new_tokens": 89, **NO_EOS})
+        assert err.value.code == "kv_capacity_exceeded"
+        await still_serves(engine)
+
+
 # ---------------------------------------------------------------- failure isolation
 
 

@@ -357,13 +357,13 @@ class Engine:
     def _admit_params(self, ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check `params` against the model and cap `max_new_tokens` to what can ever fit.
 
-        More than the context leaves reads as "as many as fit" and is capped to the context's
-        (or the KV cache's) rest, so the admission arithmetic only sees sizes that can happen.
-        A value within the context that the KV cache cannot hold is refused.
+        Everything the context leaves, or more, reads as "as many as fit" and is capped to the
+        context's (or the KV cache's) rest, so the admission arithmetic only sees sizes that can
+        happen. A smaller value that the KV cache cannot hold is refused.
         """
         self.check_params(params)
         requested = params.max_new_tokens
-        if len(ids) + requested > self.max_context_len:
+        if len(ids) + requested >= self.max_context_len:
             capped = self.max_new_tokens_limit(len(ids))
             return params.model_copy(update={"max_new_tokens": capped})
         self._check_max_new_tokens(len(ids), requested, "prompt")
