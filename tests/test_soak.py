@@ -54,9 +54,14 @@ def make_jobs(seed: int, num_requests: int) -> list[Job]:
 
 async def reference(model: str, jobs: list[Job], hisparse: dict) -> dict[tuple, list[int]]:
     keys = sorted({(tuple(j.prompt), j.max_new) for j in jobs})
-    async with Engine(
-        engine_config(model, runtime={"overlap": False}, hisparse=hisparse)
-    ) as engine:
+    # every key is submitted at once: more than the default waiting bound
+    config = engine_config(
+        model,
+        runtime={"overlap": False},
+        hisparse=hisparse,
+        scheduler={"max_waiting_requests": len(keys)},
+    )
+    async with Engine(config) as engine:
         outs = await asyncio.gather(
             *(engine.complete(list(p), {"max_new_tokens": n, "ignore_eos": True}) for p, n in keys)
         )
