@@ -92,19 +92,24 @@ def test_abort_and_fail_batch_never_scan_the_queue():
     assert sched.num_waiting == 10 and sched.stats.finished == {"abort": 25, "error": 15}
 
 
-def test_cpu_stream_hands_a_batch_over_in_one_piece():
+def test_cpu_stream_hands_small_ops_over_with_the_next_submit():
+    import torch
+
     stream = CpuStream()
     try:
-        seen = []
-        for i in range(5):
-            stream.submit(seen.append, i)
-        assert stream._queue.qsize() <= 1  # nothing handed over before the event
-        stream.record_event().synchronize()
-        assert seen == [0, 1, 2, 3, 4]
+        seen: list[int] = []
+        start = torch.zeros(1)
+        outs = [
+            stream.compute(torch.add, start, i, shape=(1,), dtype=torch.float32) for i in range(5)
+        ]
+        assert stream._queue.qsize() == 0  # small ops wait for work to ride along with
         stream.submit(seen.append, 5)
+        stream.record_event().synchronize()
+        assert [int(o) for o in outs] == [0, 1, 2, 3, 4] and seen == [5]
+        stream.compute(torch.add, start, 9, shape=(1,), dtype=torch.float32)
     finally:
-        stream.close()  # flushes what is left
-    assert seen[-1] == 5
+        stream.close()  # hands over what is left
+    assert stream._queue.qsize() == 0
 
 
 async def test_complete_wakes_once_and_streams_merge_unread_tokens():

@@ -136,8 +136,8 @@ class CpuStream(DeviceStream):
     torch releases the GIL inside its kernels, so a matmul-dominated forward on the worker
     overlaps for real with the scheduler's Python on the main thread.
 
-    Work is collected on the host and handed over in one piece when an event is recorded (each
-    launch records one), so preparing a batch wakes the worker once, not once per small op.
+    Small ops from `compute` are collected on the host and handed over with the next `submit` or
+    event, so preparing a batch wakes the worker once or twice, not once per small op.
     """
 
     def __init__(self, num_threads: int = 0) -> None:
@@ -185,14 +185,20 @@ class CpuStream(DeviceStream):
         return out
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        # NOTE: submitted work starts now, as a kernel launch would; small ops made by
+        # `compute` ride along with it instead of waking the worker one by one
         self._batch.append((fn, args))
+        self._hand_over()
 
     def record_event(self) -> Event:
         event = CpuEvent()
         self._batch.append((self._fire, (event,)))
+        self._hand_over()
+        return event
+
+    def _hand_over(self) -> None:
         batch, self._batch = self._batch, []
         self._queue.put((self._run_batch, (batch,)))
-        return event
 
     def _run_batch(self, batch: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> None:
         for fn, args in batch:
