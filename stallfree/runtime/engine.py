@@ -10,7 +10,6 @@ import asyncio
 import itertools
 import logging
 import math
-import numbers
 import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -30,10 +29,11 @@ from stallfree.runtime.output_processor import GenerationChunk, GenerationResult
 from stallfree.runtime.plugins import load_metrics_plugin
 from stallfree.runtime.req import FinishReason, Req
 from stallfree.runtime.request_log import RequestLogger, describe_engine
-from stallfree.runtime.sampling_params import SamplingParams, is_valid_unicode
+from stallfree.runtime.sampling_params import SamplingParams
 from stallfree.runtime.schedule_batch import ScheduleBatch
 from stallfree.runtime.stats import EngineSnapshot, PoolUsage
 from stallfree.runtime.tokenizer import Tokenizer
+from stallfree.runtime.validation import RequestValidator, show
 
 __all__ = [
     "Engine",
@@ -50,14 +50,6 @@ logger = logging.getLogger(__name__)
 MAX_RID_CHARS = 256
 
 
-def _show(value: object) -> str:
-    """A short rendering of a client-sent value for an error message (ints may be huge)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"<{value.bit_length()}-bit integer>"
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 class Engine:
     def __init__(self, config: StallfreeConfig | None = None, **overrides: Any) -> None:
         """`Engine(config)`, or `Engine(model={"path": ...}, runtime={...})` to build one.
@@ -72,6 +64,9 @@ class Engine:
         self.max_context_len: int = self.core.max_context_len
         self.vocab_size: int = self.core.loaded.arch.vocab_size
         self.max_waiting_requests: int = self.core.max_waiting_requests
+        self.validator = RequestValidator(
+            self.tokenizer, self.vocab_size, self.max_context_len, self.core.ctx.allocator.size
+        )
         self.metrics: MetricsExporter | None = None
         if self.config.metrics.enabled:
             plugin = load_metrics_plugin("prometheus")
@@ -188,10 +183,8 @@ class Engine:
     # ------------------------------------------------------------------ validation
 
     def max_new_tokens_limit(self, prompt_len: int) -> int:
-        """The most new tokens a prompt of `prompt_len` tokens can get: the context's rest, or
-        the KV cache's if that is smaller."""
-        kv_tokens = self.core.ctx.allocator.size
-        return max(0, min(self.max_context_len, kv_tokens) - prompt_len)
+        """The most new tokens a prompt of `prompt_len` tokens can get."""
+        return self.validator.max_new_tokens_limit(prompt_len)
 
     def check_prompt(
         self,
@@ -200,174 +193,16 @@ class Engine:
         param: str = "prompt",
         params: SamplingParams | None = None,
     ) -> None:
-        """Raise `InvalidRequestError` unless `ids` (and `max_new_tokens` more) can be served.
-
-        The one place requests are checked against the model: token ids are integers in the
-        vocabulary; the prompt leaves room for a new token in the context; `max_new_tokens`
-        more fit in the context (`context_length_exceeded`) and in the KV cache
-        (`kv_capacity_exceeded`); and, when `params` is given, `check_params` holds.
-        """
-        self._check_ids(ids, param)
-        limit = self.max_context_len
-        n = len(ids)
-        if n >= limit:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {limit} tokens, and the {param} has "
-                f"{n} tokens (it must leave room for at least one new token)",
-                param=param,
-                code="context_length_exceeded",
-            )
-        kv_tokens = self.core.ctx.allocator.size
-        if n + 1 > kv_tokens:
-            raise InvalidRequestError(
-                f"the {param} has {n} tokens; the KV cache holds {kv_tokens} tokens in all, "
-                "so it could never be served",
-                param=param,
-                code="kv_capacity_exceeded",
-            )
-        if max_new_tokens is not None:
-            self._check_max_new_tokens(n, max_new_tokens, param)
-        if params is not None:
-            self.check_params(params)
-
-    def _check_max_new_tokens(self, prompt_len: int, max_new_tokens: int, param: str) -> None:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise InvalidRequestError("max_tokens must be an integer", param="max_tokens")
-        if max_new_tokens < 1:
-            raise InvalidRequestError(
-                f"max_tokens must be at least 1, not {_show(max_new_tokens)}", param="max_tokens"
-            )
-        limit = self.max_context_len
-        if prompt_len + max_new_tokens > limit:
-            raise InvalidRequestError(
-                f"max_tokens is too large: {_show(max_new_tokens)}. This model's maximum context "
-                f"length is {limit} tokens and the {param} has {prompt_len} tokens, so at most "
-                f"{limit - prompt_len} new tokens fit",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        kv_tokens = self.core.ctx.allocator.size
-        if prompt_len + max_new_tokens > kv_tokens:
-            raise InvalidRequestError(
-                f"max_tokens is too large: {max_new_tokens}. The KV cache holds {kv_tokens} tokens "
-                f"in all and the {param} has {prompt_len} tokens, so this request could never "
-                f"finish; at most {self.max_new_tokens_limit(prompt_len)} new tokens fit",
-                param="max_tokens",
-                code="kv_capacity_exceeded",
-            )
+        """Raise `InvalidRequestError` unless `ids` (and `max_new_tokens` more) can be served."""
+        self.validator.check_prompt(ids, max_new_tokens, param, params)
 
     def check_params(self, params: SamplingParams) -> None:
         """The sampling bounds that depend on the model: top_k and stop token ids."""
-        vocab = self.vocab_size
-        if params.top_k > vocab:
-            raise InvalidRequestError(
-                f"top_k must be -1 (disabled) or between 1 and the vocabulary size ({vocab}), "
-                f"not {_show(params.top_k)}",
-                param="top_k",
-            )
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"stop_token_ids out of range [0, {vocab}): {', '.join(map(_show, bad[:5]))}",
-                param="stop_token_ids",
-            )
-
-    def _check_ids(self, ids: Sequence[int], param: str) -> None:
-        if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Sequence):
-            raise InvalidRequestError(
-                f"{param} must be a list of token ids, not {type(ids).__name__}", param=param
-            )
-        if not ids:
-            raise InvalidRequestError(f"{param} is empty", param=param)
-        if not all(type(t) is int for t in ids):
-            for i, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, int):
-                    raise InvalidRequestError(
-                        f"{param} token ids must be integers; item {i} is "
-                        f"{type(t).__name__} {_show(t)}",
-                        param=param,
-                    )
-        vocab = self.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            bad = [t for t in ids if not 0 <= t < vocab][:5]
-            raise InvalidRequestError(
-                f"token ids out of range [0, {vocab}): {', '.join(map(_show, bad))}", param=param
-            )
+        self.validator.check_params(params)
 
     def encode(self, text: str, param: str = "prompt") -> list[int]:
         """Tokenize client text; text the tokenizer cannot take is an `InvalidRequestError`."""
-        if not isinstance(text, str):
-            raise InvalidRequestError(
-                f"{param} must be a string, not {type(text).__name__}", param=param
-            )
-        if not is_valid_unicode(text):
-            raise InvalidRequestError(
-                f"{param} is not valid Unicode: it holds a lone surrogate code point",
-                param=param,
-                code="invalid_unicode",
-            )
-        try:
-            return self.tokenizer.encode(text)
-        except (ValueError, TypeError) as exc:
-            raise InvalidRequestError(
-                f"{param} could not be tokenized: {exc}", param=param
-            ) from exc
-
-    def _prompt_ids(self, prompt: object) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty", param="prompt")
-            return self.encode(prompt)
-        if isinstance(prompt, torch.Tensor):
-            if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.is_complex():
-                raise InvalidRequestError(
-                    "a tensor prompt must be one-dimensional and of an integer dtype",
-                    param="prompt",
-                )
-            return [int(t) for t in prompt.tolist()]
-        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
-            raise InvalidRequestError(
-                f"prompt must be a string or a sequence of token ids, not {type(prompt).__name__}",
-                param="prompt",
-            )
-        ids = list(prompt)
-        if not all(type(t) is int for t in ids):
-            for i, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                    raise InvalidRequestError(
-                        f"prompt token ids must be integers; item {i} is "
-                        f"{type(t).__name__} {_show(t)}",
-                        param="prompt",
-                    )
-                ids[i] = int(t)
-        return ids
-
-    def _params(self, params: object) -> SamplingParams:
-        if params is None:
-            return SamplingParams()
-        if isinstance(params, dict):
-            return SamplingParams.model_validate(params)  # a ValidationError names the field
-        if isinstance(params, SamplingParams):
-            return params
-        raise InvalidRequestError(
-            f"params must be SamplingParams or a dict, not {type(params).__name__}",
-            param="params",
-        )
-
-    def _admit_params(self, ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Check `params` against the model and cap `max_new_tokens` to what can ever fit.
-
-        Everything the context leaves, or more, reads as "as many as fit" and is capped to the
-        context's (or the KV cache's) rest, so the admission arithmetic only sees sizes that can
-        happen. A smaller value that the KV cache cannot hold is refused.
-        """
-        self.check_params(params)
-        requested = params.max_new_tokens
-        if len(ids) + requested >= self.max_context_len:
-            capped = self.max_new_tokens_limit(len(ids))
-            return params.model_copy(update={"max_new_tokens": capped})
-        self._check_max_new_tokens(len(ids), requested, "prompt")
-        return params
+        return self.validator.encode(text, param)
 
     def _new_req(self, prompt: object, params: object, rid: object) -> Req:
         self._check_caller()
@@ -385,10 +220,11 @@ class Engine:
                 f"rid must be a non-empty string of at most {MAX_RID_CHARS} characters",
                 param="rid",
             )
-        sampling = self._params(params)
-        ids = self._prompt_ids(prompt)
-        self.check_prompt(ids)
-        sampling = self._admit_params(ids, sampling)
+        validator = self.validator
+        sampling = validator.params(params)
+        ids = validator.prompt_ids(prompt)
+        validator.check_prompt(ids)
+        sampling = validator.admit_params(ids, sampling)
         rid = rid or f"req-{next(self._rid_counter)}"
         if rid in self._reqs:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
@@ -458,7 +294,7 @@ class Engine:
             or timeout <= 0
         ):
             raise InvalidRequestError(
-                f"timeout must be a positive number of seconds, not {_show(timeout)}",
+                f"timeout must be a positive number of seconds, not {show(timeout)}",
                 param="timeout",
             )
         return float(timeout)
@@ -485,7 +321,7 @@ class Engine:
         ):
             raise InvalidRequestError(
                 f"first_token_id must be a token id in [0, {self.vocab_size}), "
-                f"not {_show(first_token_id)}",
+                f"not {show(first_token_id)}",
                 param="first_token_id",
             )
         core = self.core
