@@ -4,6 +4,7 @@ and stop-string search."""
 from __future__ import annotations
 
 import codecs
+import datetime
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -42,7 +43,10 @@ class Tokenizer(ABC):
     eos_token: str = ""
 
     @abstractmethod
-    def encode(self, text: str, *, add_bos: bool = False) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, exactly as `AutoTokenizer.from_pretrained(dir)(text)` gives them:
+        with `add_special_tokens` the tokenizer's own post-processor adds what it adds (BOS for
+        Llama-style tokenizers)."""
 
     @abstractmethod
     def decode(self, ids: list[int]) -> str:
@@ -55,6 +59,11 @@ class Tokenizer(ABC):
     def detokenizer(self, prompt_ids: list[int]) -> Detokenizer:
         """A per-request streaming decoder."""
         return IncrementalDetokenizer(self, prompt_ids)
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Render the chat template and tokenize it. The template writes its own special
+        tokens (BOS included), so none are added: one BOS, as transformers gives."""
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         if not self.chat_template:
@@ -77,6 +86,10 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
 _TEMPLATE_CACHE: dict[str, Any] = {}
 
 
@@ -95,6 +108,7 @@ def _compile_template(source: str) -> Any:
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now  # Llama 3.x templates date their system prompt
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
     try:
         template = env.from_string(source)
@@ -118,9 +132,9 @@ class ByteTokenizer(Tokenizer):
         self.bos_token = "<s>"
         self.eos_token = "</s>"
 
-    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
-        ids = list(text.encode("utf-8"))
-        return [self.BOS, *ids] if add_bos else ids
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        # NOTE: like a tokenizer.json with no post-processor: no special tokens are added
+        return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
@@ -164,11 +178,11 @@ class HFTokenizer(Tokenizer):
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         )
 
-    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_bos and self.bos_token_id is not None:
-            return [self.bos_token_id, *ids]
-        return ids
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def detokenizer(self, prompt_ids: list[int]) -> Detokenizer:
+        return StreamDetokenizer(self._tok, self, prompt_ids)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -292,6 +306,47 @@ class IncrementalDetokenizer(Detokenizer):
         del self._ids[: self._prefix]
         self._read -= self._prefix
         self._prefix = 0
+        self._text.append(delta)
+        return delta
+
+
+class StreamDetokenizer(Detokenizer):
+    """`tokenizers`' own `DecodeStream`: the decoder pipeline run incrementally in Rust.
+
+    A few prompt tokens are fed first (their text discarded), so context-dependent decoders
+    (a leading space, byte fallback) start the output as a full decode would.
+    """
+
+    def __init__(self, raw: Any, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._raw = raw
+        self._tok = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+        special = tokenizer.special_ids
+        context = [i for i in prompt_ids[-_PREFIX_WINDOW:] if i not in special]
+        if context:
+            self._stream.step(raw, context)
+        self._pending: list[int] = []  # fed since the last emitted text
+        self._text: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    def step(self, new_ids: list[int]) -> str:
+        self._pending.extend(new_ids)
+        delta = self._stream.step(self._raw, list(new_ids)) if new_ids else None
+        if delta is None:
+            return ""
+        self._pending = []
+        self._text.append(delta)
+        return delta
+
+    def flush(self) -> str:
+        # NOTE: ids still held are an incomplete character: decode them as replacements
+        delta = self._tok.decode(self._pending) if self._pending else ""
+        self._pending = []
         self._text.append(delta)
         return delta
 
