@@ -22,7 +22,10 @@ def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
 def build_parser() -> argparse.ArgumentParser:
     from stallfree.bench.cli import DESCRIPTION, add_bench_arguments
 
+    from stallfree import __version__
+
     parser = runtime_cli.build_parser()
+    parser.add_argument("--version", action="version", version=f"stallfree {__version__}")
     bench = _subparsers(parser).add_parser(
         "bench", help="load-test and compare overlap modes", description=DESCRIPTION
     )

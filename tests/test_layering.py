@@ -13,6 +13,7 @@ from importlinter.cli import lint_imports
 ROOT = Path(__file__).resolve().parents[1]
 # top to bottom, as in pyproject.toml's import-linter contract
 LAYERS = [
+    ("__main__",),
     ("cli",),
     ("bench",),
     ("entrypoints",),
@@ -93,3 +94,12 @@ def test_importing_a_lower_layer_loads_nothing_above_it(layer):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_python_dash_m_and_version():
+    from stallfree import __version__
+
+    out = subprocess.run(
+        [sys.executable, "-m", "stallfree", "--version"], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == f"stallfree {__version__}"

@@ -1,0 +1,7 @@
+"""`python -m stallfree ...` is the `stallfree` command."""
+
+import sys
+
+from stallfree.cli import main
+
+sys.exit(main())
