@@ -25,6 +25,7 @@ def make_ctx(
     max_context: int = 128,
     cpu_mirrors: bool = True,
     strict: bool = False,
+    check_mirrors: bool = True,
 ) -> BatchContext:
     stream = CpuStream()
     device = torch.device("cpu")
@@ -37,6 +38,7 @@ def make_ctx(
         monitor=SyncMonitor(stream, strict=strict),
         future_map=FutureMap(num_reqs, device),
         cpu_mirrors=cpu_mirrors,
+        check_mirrors=check_mirrors,
     )
 
 

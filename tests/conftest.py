@@ -5,6 +5,10 @@ import os
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The debug checks are on for the whole suite: mirror parity after every batch operation and
+# the future map's stash stamps. A test that measures the production path turns them off in
+# its own config (`runtime.check_mirrors=false`), which wins over the environment.
+os.environ.setdefault("STALLFREE_RUNTIME__CHECK_MIRRORS", "true")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

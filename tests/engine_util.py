@@ -26,6 +26,13 @@ def engine_config(model_path: str, **sections: dict[str, Any]):
     return load_config(**base)
 
 
+def guarded(engine: Engine) -> Engine:
+    """Strict mode's read guard on `engine` in any mode, legacy included (before it starts):
+    a device read on the schedule path that bypasses `host_read` raises."""
+    engine.core.runner.enable_read_guard()
+    return engine
+
+
 async def run_greedy(
     engine: Engine, prompts: list[list[int]], max_new_tokens: int
 ) -> list[list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stallfree import Engine
-from tests.engine_util import engine_config, random_prompts, run_greedy
+from tests.engine_util import engine_config, guarded, random_prompts, run_greedy
 from tests.hf_models import hf_greedy, make_llama, make_qwen2
 
 NEW_TOKENS = 32
@@ -46,7 +46,8 @@ async def test_greedy_equals_transformers(model_and_reference, workload, overlap
         runtime={"overlap": overlap, "cpu_mirrors": mirrors, "strict": mirrors},
         **WORKLOADS[workload],
     )
-    async with Engine(cfg) as engine:
+    # every mode under the read guard: legacy reads the device only through host_read
+    async with guarded(Engine(cfg)) as engine:
         outputs = await run_greedy(engine, PROMPTS, NEW_TOKENS)
         await engine.wait_idle()
         assert engine.pool_usage().all_free

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ from stallfree.runtime.memory_pool import (
     TokenToKVPoolAllocator,
 )
 from stallfree.runtime.req import Req
-from tests.engine_util import engine_config, random_prompts, run_greedy
+from tests.engine_util import engine_config, guarded, random_prompts, run_greedy
 from tests.hf_models import hf_greedy, make_llama
 
 NEW_TOKENS = 24
@@ -103,7 +104,7 @@ async def test_top_k_over_context_equals_dense(llama, reference, overlap, mirror
         hisparse={"enabled": True, **ROOMY},
         **(STRESSED if stressed else {}),
     )
-    async with Engine(cfg) as engine:
+    async with guarded(Engine(cfg)) as engine:  # the read guard in every mode
         outputs = await run_greedy(engine, PROMPTS, NEW_TOKENS)
         await engine.wait_idle()
         _assert_drained(engine)
@@ -159,7 +160,7 @@ class CheckedHisparse(HisparseAttention):
 
 async def _run_checked(path, prompts, hisparse, **sections):
     cfg = engine_config(path, hisparse={"enabled": True, **hisparse}, **sections)
-    async with Engine(cfg) as engine:
+    async with guarded(Engine(cfg)) as engine:
         model = engine.core.loaded.model
         checker = model.attn_backend = CheckedHisparse(model.attn_backend)
         outputs = await run_greedy(engine, prompts, NEW_TOKENS)
@@ -235,13 +236,19 @@ class Harness:
         self.table()[row, start:end] = slots
         return slots
 
-    def decode(self, rows: list[int], lens: list[int], value: float) -> None:
-        """One decode step: map, then write `value` as the new token's KV (what the model does)."""
+    def decode(
+        self, rows: list[int], lens: list[int], value: float, schedule_path: bool = False
+    ) -> None:
+        """One decode step: map, then write `value` as the new token's KV (what the model does).
+
+        `schedule_path`: the map runs there, on stream-owned device tensors, as in the engine.
+        """
         for row, length in zip(rows, lens, strict=True):
             self._slots(row, length - 1, length)
-        t = torch.tensor
-        self.co.map_last_loc_to_buffer(t(lens), t([0]), t(rows), t(lens), t(rows))
-        plan = self.co.plan_step(ForwardMode.DECODE, [], [], [], [])
+        t, up = torch.tensor, self.ctx.stream.upload
+        with self.ctx.monitor.schedule_path() if schedule_path else contextlib.nullcontext():
+            self.co.map_last_loc_to_buffer(up(t(lens)), up(t([0])), up(t(rows)), t(lens), t(rows))
+            plan = self.co.plan_step(ForwardMode.DECODE, [], [], [], [])
         self.ctx.stream.synchronize()
         locs = self.table()[t(rows), t(lens) - 1]
         shape = (len(rows), *self.co.host.k[0].shape[1:])
@@ -347,10 +354,10 @@ def test_buffer_grows_and_backup_lands_in_host_slot():
 def test_map_last_loc_reads_no_device_tensor_with_mirrors():
     h = _harness(top_k=2, buffer=4)
     h.prefill(0, 3)
-    with h.ctx.monitor.schedule_path():
-        h.decode([0], [4], 1.0)
-        h.decode([0], [5], 2.0)
+    h.decode([0], [4], 1.0, schedule_path=True)  # strict: any device read there raises
+    h.decode([0], [5], 2.0, schedule_path=True)
     assert h.ctx.monitor.schedule_path_reads == 0
+    assert h.ctx.monitor.guard is not None and h.ctx.monitor.guard.violations == 0
 
 
 # ---------------------------------------------------------------------------- no leaks

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import itertools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from stallfree.runtime.alloc import decode_pages_needed, free_req_memory
+from stallfree.runtime import schedule_batch as schedule_batch_module
+from stallfree.runtime.alloc import alloc_for_extend, decode_pages_needed, free_req_memory
 from stallfree.runtime.context import BatchContext
-from stallfree.runtime.req import Req
-from stallfree.runtime.schedule_batch import ScheduleBatch
+from stallfree.runtime.req import FinishReason, Req
+from stallfree.runtime.schedule_batch import (
+    ASSIGNED_FIELDS,
+    MirrorParityError,
+    ScheduleBatch,
+    retract_order,
+)
 from tests.batch_harness import make_ctx, make_req
 
-OPS = ["extend", "chunk", "decode", "idle", "prebuilt", "filter", "merge", "retract"]
+OPS = ["extend", "chunk", "decode", "idle", "idle_used", "prebuilt", "filter", "merge", "retract"]
 
 
 class World:
@@ -79,6 +87,16 @@ class World:
         batch.prepare_for_idle()
         self.batches.append(batch)
 
+    def op_idle_used(self, arg: int) -> None:
+        """A batch that held requests goes idle (as the scheduler's running batch does)."""
+        if not self.batches:
+            return
+        batch = self.batches[arg % len(self.batches)]
+        for req in batch.reqs:
+            self.free(req)
+        batch.prepare_for_idle()
+        assert batch.req_pool_indices_cpu.numel() == 0 and batch.seq_lens_cpu.numel() == 0
+
     def op_prebuilt(self, arg: int) -> None:
         n = 1 + arg % 12
         if not self.fits(n):
@@ -130,6 +148,10 @@ class World:
     def check(self) -> None:
         for batch in self.batches:
             batch.check_mirror_parity()
+            n = len(batch.reqs)
+            assert batch.req_pool_indices_cpu.tolist() == [r.req_pool_idx for r in batch.reqs]
+            for rows in (batch.prefix_lens_cpu, batch.extend_lens_cpu, batch.output_rows):
+                assert len(rows) == n  # per-row lists follow filter and merge
         alive = self.alive()
         pool, allocator = self.ctx.req_to_token_pool, self.ctx.allocator
         assert pool.available_size() == pool.size - len(alive)
@@ -145,8 +167,18 @@ class World:
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 255)), max_size=30))
+# the shapes random draws may miss: filter everything, merge two non-empty batches (in both
+# orders, after decode steps, so the rows differ), idle on a batch that held requests
+@example(ops=[("extend", 7), ("filter", 0), ("extend", 2), ("merge", 0)])
+@example(ops=[("extend", 1), ("extend", 5), ("merge", 0), ("decode", 0), ("filter", 5)])
+@example(
+    ops=[("extend", 4), ("decode", 0), ("chunk", 3), ("merge", 1), ("decode", 0), ("merge", 0)]
+)
+@example(ops=[("extend", 2), ("decode", 0), ("extend", 3), ("merge", 1), ("decode", 1)])
+@example(ops=[("extend", 5), ("decode", 0), ("idle_used", 0), ("extend", 1), ("merge", 0)])
+@example(ops=[("prebuilt", 3), ("extend", 6), ("merge", 1), ("retract", 0), ("decode", 0)])
 def test_mirror_parity_after_every_operation(page_size: int, ops: list[tuple[str, int]]) -> None:
     ctx = make_ctx(page_size=page_size, num_tokens=256, num_reqs=12, max_context=96)
     world = World(ctx)
@@ -208,4 +240,268 @@ def test_pools_refuse_double_free() -> None:
     ctx.allocator.free_pages(pages)
     with pytest.raises(RuntimeError, match="double free of KV page"):
         ctx.allocator.free_pages(pages[:1])
+    ctx.stream.close()
+
+
+# ---------------------------------------------------------------------------- the checker
+
+
+def _decoded_batch(ctx: BatchContext) -> ScheduleBatch:
+    batch = ScheduleBatch.init_new([make_req("a", 3), make_req("b", 5), make_req("c", 4)], ctx)
+    batch.prepare_for_extend([3, 5, 4])
+    batch.prepare_for_decode()
+    return batch
+
+
+def _swap(t: torch.Tensor) -> torch.Tensor:
+    return t.flip(0).clone()
+
+
+CORRUPTIONS = {
+    # the device tensor disagrees; its mirror still matches the requests
+    "device req_pool_indices": lambda b: setattr(
+        b, "req_pool_indices", b.ctx.stream.upload(_swap(b.req_pool_indices_cpu))
+    ),
+    "device seq_lens": lambda b: setattr(b, "seq_lens", b.ctx.stream.upload(b.seq_lens_cpu + 1)),
+    # the mirror disagrees with its device tensor
+    "mirror req_pool_indices": lambda b: setattr(
+        b, "req_pool_indices_cpu", _swap(b.req_pool_indices_cpu)
+    ),
+    "mirror seq_lens": lambda b: setattr(b, "seq_lens_cpu", b.seq_lens_cpu - 1),
+    "mirror dtype": lambda b: setattr(b, "seq_lens_cpu", b.seq_lens_cpu.to(torch.int32)),
+    "mirror length": lambda b: setattr(b, "req_pool_indices_cpu", b.req_pool_indices_cpu[:2]),
+    "mirror is the device tensor": lambda b: setattr(b, "seq_lens_cpu", b.seq_lens),
+    "mirror shares device memory": lambda b: setattr(b, "seq_lens_cpu", b.seq_lens[:]),
+    # both tensors agree, but not with the requests
+    "rows out of step with reqs": lambda b: setattr(b, "reqs", b.reqs[::-1]),
+    "stale per-row list": lambda b: setattr(b, "prefix_lens_cpu", b.prefix_lens_cpu[:2]),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_the_parity_checker_fires_on_each_kind_of_corruption(kind: str) -> None:
+    ctx = make_ctx()
+    batch = _decoded_batch(ctx)
+    batch.check_mirror_parity()
+    ctx.stream.synchronize()
+    CORRUPTIONS[kind](batch)
+    with pytest.raises(MirrorParityError):
+        batch.check_mirror_parity()
+    ctx.stream.close()
+
+
+def test_the_checker_runs_after_every_batch_op_with_check_mirrors() -> None:
+    ctx = make_ctx(check_mirrors=True)
+    batch = _decoded_batch(ctx)
+    batch.req_pool_indices = ctx.stream.upload(_swap(batch.req_pool_indices_cpu))
+    with pytest.raises(MirrorParityError, match="prepare_for_decode: req_pool_indices_cpu"):
+        batch.prepare_for_decode()
+    ctx.stream.close()
+    lax = make_ctx(check_mirrors=False)
+    batch = _decoded_batch(lax)
+    batch.req_pool_indices = lax.stream.upload(_swap(batch.req_pool_indices_cpu))
+    batch.prepare_for_decode()  # off: nothing compares values (shapes are always checked)
+    lax.stream.close()
+
+
+def test_the_suite_runs_with_check_mirrors_on() -> None:
+    from stallfree.config import load_config
+
+    assert load_config().runtime.check_mirrors
+    assert make_ctx().check_mirrors
+
+
+def test_a_request_released_between_steps_is_not_a_mismatch() -> None:
+    """Overlap off: a request aborted between steps is released at once, but stays in the
+    running batch until the next filter. Merging the last prefill into that batch first must
+    not look like a corrupted mirror."""
+    ctx = make_ctx(check_mirrors=True)
+    running = _decoded_batch(ctx)
+    victim = running.reqs[1]
+    victim.finish(FinishReason.ABORT)
+    free_req_memory(ctx.req_to_token_pool, ctx.allocator, victim)
+    late = ScheduleBatch.init_new([make_req("d", 4)], ctx)
+    late.prepare_for_extend([4])
+    running.merge_batch(late)  # checked: the released row is skipped
+    running.filter_batch([i for i, r in enumerate(running.reqs) if not r.finished])
+    assert [r.rid for r in running.reqs] == ["a", "c", "d"]
+    # a row that lost its slot without finishing is still a mismatch
+    running.reqs[0].req_pool_idx = None
+    with pytest.raises(MirrorParityError, match="row 0"):
+        running.check_mirror_parity()
+    ctx.stream.close()
+
+
+# ---------------------------------------------------------------------------- structure
+
+
+def test_only_assign_sets_the_fields_of_a_batch() -> None:
+    """Structural: a new batch op cannot set a device tensor without its mirror, or leave a
+    per-row list behind, because no method but `_assign` may set these fields at all."""
+    tree = ast.parse(inspect.getsource(schedule_batch_module))
+    offenders = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ScheduleBatch"):
+        for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
+            if fn.name == "_assign":
+                continue
+            for node in ast.walk(fn):
+                targets: list[ast.expr] = []
+                if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                elif (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name)
+                    and node.func.id == "setattr"
+                ):
+                    offenders.append(f"{fn.name}: setattr")
+                for t in targets:
+                    for sub in ast.walk(t):
+                        if (
+                            isinstance(sub, ast.Attribute)
+                            and isinstance(sub.value, ast.Name)
+                            and sub.value.id == "self"
+                            and sub.attr in ASSIGNED_FIELDS
+                        ):
+                            offenders.append(f"{fn.name}: self.{sub.attr}")
+    assert not offenders, offenders
+
+
+def test_per_row_fields_follow_filter_and_merge() -> None:
+    ctx = make_ctx()
+    a, b, c = make_req("a", 3), make_req("b", 5, max_new_tokens=4), make_req("c", 4)
+    first = ScheduleBatch.init_new([a, b, c], ctx)
+    first.prepare_for_extend([3, 5, 2])  # c is chunked: no output row
+    first.filter_batch([0, 2])
+    assert first.reqs == [a, c]
+    assert (first.prefix_lens_cpu, first.extend_lens_cpu) == ([0, 0], [3, 2])
+    assert (first.output_rows, first.output_steps) == ([True, False], [0, 0])
+    assert first.out_cache_loc.numel() == 0  # per-token tensors do not survive a filter
+    d = make_req("d", 6)
+    second = ScheduleBatch.init_new([d], ctx)
+    second.prepare_for_extend([6])
+    first.merge_batch(second)
+    assert first.reqs == [a, c, d]
+    assert (first.prefix_lens_cpu, first.extend_lens_cpu) == ([0, 0, 0], [3, 2, 6])
+    assert first.output_rows == [True, False, True]
+    assert first.seq_lens_cpu.tolist() == [3, 2, 6]
+    ctx.stream.close()
+
+
+def test_a_filtered_batch_must_be_prepared_again_before_launch() -> None:
+    ctx = make_ctx()
+    batch = _decoded_batch(ctx)
+    batch.filter_batch([0, 2])
+    with pytest.raises(MirrorParityError, match="prepared again"):
+        batch.to_forward_batch()
+    batch.prepare_for_decode()
+    assert batch.to_forward_batch().batch_size == 2
+    ctx.stream.close()
+
+
+def test_alloc_for_extend_contract() -> None:
+    """(out_cache_loc, device slots, host slots): the first two are the stream's tensors, the
+    third is the mirror, a host int64 tensor that is neither of them nor shares their memory."""
+    ctx = make_ctx(strict=True, page_size=2)
+    guard = ctx.monitor.guard
+    assert guard is not None
+    reqs = [make_req("a", 3), make_req("b", 5)]
+    out_cache_loc, device, host = alloc_for_extend(ctx, reqs, [3, 5])
+    slots = [r.req_pool_idx for r in reqs]
+    for t in (out_cache_loc, device):
+        assert t.device == ctx.stream.device and t.dtype == torch.int64
+        assert guard.owns(t)  # produced by the stream
+    assert host.device.type == "cpu" and host.dtype == torch.int64
+    assert host is not device and not guard.owns(host)
+    assert host.untyped_storage().data_ptr() != device.untyped_storage().data_ptr()
+    assert host.tolist() == slots
+    assert tuple(device.shape) == (2,) and tuple(out_cache_loc.shape) == (8,)
+    ctx.stream.synchronize()
+    assert device.tolist() == slots
+    ctx.stream.close()
+
+
+def test_an_idle_batch_has_empty_mirrors() -> None:
+    ctx = make_ctx()
+    batch = _decoded_batch(ctx)
+    for req in batch.reqs:
+        free_req_memory(ctx.req_to_token_pool, ctx.allocator, req)
+    batch.prepare_for_idle()
+    for t in (batch.req_pool_indices_cpu, batch.seq_lens_cpu):
+        assert t.dtype == torch.int64 and t.device.type == "cpu" and t.numel() == 0
+    ctx.stream.synchronize()
+    assert batch.req_pool_indices.numel() == 0 and batch.seq_lens.numel() == 0
+    assert batch.reqs == [] and batch.prefix_lens_cpu == [] and batch.output_rows == []
+    ctx.stream.close()
+
+
+# ---------------------------------------------------------------------------- retraction order
+
+
+def _req_with_outputs(rid: str, prompt: int, outputs: int) -> Req:
+    req = make_req(rid, prompt, max_new_tokens=64)
+    req.output_ids = list(range(outputs))
+    req.num_scheduled_outputs = outputs
+    return req
+
+
+def test_retraction_takes_fewest_outputs_first_then_longest_prompt() -> None:
+    """SGLang's policy, on a batch where each other order would retract someone else.
+
+    The step needs 4 pages and none is free; one victim frees enough. Fewest outputs first
+    takes a or c (no outputs), and the longest prompt among them, a. Most outputs first would
+    take d; shortest prompt first among the outputless would take c.
+    """
+    ctx = make_ctx(page_size=1, num_tokens=128)
+    reqs = [
+        _req_with_outputs("a", 10, 0),
+        _req_with_outputs("b", 4, 3),
+        _req_with_outputs("c", 8, 0),
+        _req_with_outputs("d", 2, 5),
+    ]
+    assert [reqs[i].rid for i in retract_order(reqs)] == ["a", "c", "b", "d"]
+    batch = ScheduleBatch.init_new(reqs, ctx)
+    batch.prepare_for_extend([r.fill_len for r in reqs])
+    hold = ctx.allocator.alloc_pages(ctx.allocator.available_pages())
+    retracted, fits = batch.retract_decode()
+    assert [r.rid for r in retracted] == ["a"] and fits
+    assert [r.rid for r in batch.reqs] == ["b", "c", "d"]  # the survivors
+    batch.check_mirror_parity()
+    ctx.allocator.free_pages(hold)
+    ctx.stream.close()
+
+
+def test_retraction_keeps_taking_in_order_until_the_step_fits() -> None:
+    ctx = make_ctx(page_size=1, num_tokens=128)
+    reqs = [_req_with_outputs(f"r{i}", n, o) for i, (n, o) in enumerate([(3, 2), (2, 0), (3, 0)])]
+    batch = ScheduleBatch.init_new(reqs, ctx)
+    batch.prepare_for_extend([r.fill_len for r in reqs])
+    hold = ctx.allocator.alloc_pages(ctx.allocator.available_pages())
+    ctx.allocator.free_pages(hold[:1])  # one free page; the step needs three
+    retracted, fits = batch.retract_decode()
+    # r2 (no outputs, prompt 3) frees 3 pages: 4 free, 2 needed
+    assert [r.rid for r in retracted] == ["r2"] and fits
+    assert [r.rid for r in batch.reqs] == ["r0", "r1"]
+    ctx.allocator.free_pages(hold[1:])
+    ctx.stream.close()
+
+
+# ---------------------------------------------------------------------------- legacy mode
+
+
+def test_legacy_launch_reads_the_slots_from_the_device_not_the_mirror() -> None:
+    ctx = make_ctx(cpu_mirrors=False, check_mirrors=False)
+    batch = ScheduleBatch.init_new([make_req("a", 3), make_req("b", 4)], ctx)
+    batch.prepare_for_extend([3, 4])
+    batch.prepare_for_decode()  # one read at schedule.page_count: lengths and slots
+    device_slots = batch.req_pool_indices_cpu.tolist()
+    batch.req_pool_indices_cpu = torch.tensor([99, 98], dtype=torch.int64)  # a stale mirror
+    fb = batch.to_forward_batch()
+    assert fb.req_pool_indices_cpu.tolist() == device_slots  # read from the device
+    assert ctx.monitor.stall_counts == {"schedule.page_count": 1}
+    assert ctx.monitor.mirror_reads == {}
+    batch.filter_batch([1])
+    batch.req_pool_indices_cpu = torch.tensor([97], dtype=torch.int64)
+    batch.prepare_for_decode()
+    assert batch.to_forward_batch().req_pool_indices_cpu.tolist() == device_slots[1:]
+    assert ctx.monitor.stall_counts == {"schedule.page_count": 2}
     ctx.stream.close()

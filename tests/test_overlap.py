@@ -7,6 +7,7 @@ import random
 from collections import Counter
 
 import pytest
+import torch
 
 from stallfree import Engine
 from stallfree.config import SchedulerConfig
@@ -164,3 +165,125 @@ async def test_no_leaks_after_random_cancellations(llama, overlap):
         assert all(r == 30 for r in results if isinstance(r, int))
         await engine.wait_idle()
         assert engine.pool_usage().all_free
+
+
+# ---------------------------------------------------------------------------- debug checks
+
+
+def test_abort_between_steps_is_not_a_parity_mismatch():
+    """Overlap off: an abort between steps frees the request at once; the next schedule merges
+    the last prefill into the running batch that still holds it. The checker must not fire."""
+    sched = _scheduler()
+    assert sched.ctx.check_mirrors
+    a, b, c = make_req("a", 4, 20), make_req("b", 5, 20), make_req("c", 3, 20)
+    sched.add_request(a)
+    sched.add_request(b)
+    computed: Counter = Counter()
+    _process(sched, _launch(sched, computed))  # prefill a, b
+    _process(sched, _launch(sched, computed))  # decode a, b
+    sched.add_request(c)
+    _process(sched, _launch(sched, computed))  # prefill c
+    sched.abort(a)
+    assert a.req_pool_idx is None  # nothing in flight: released at once
+    launched = _launch(sched, computed)
+    assert launched is not None and [r.rid for r in launched[1]] == ["b", "c"]
+    _process(sched, launched)
+    sched.ctx.stream.close()
+
+
+async def test_a_failing_debug_check_fails_its_batch_not_the_engine(llama, monkeypatch):
+    from stallfree.runtime import schedule_batch
+
+    real = schedule_batch.alloc_for_extend
+
+    def wrong_mirror(ctx, reqs, lens):
+        out, device, host = real(ctx, reqs, lens)
+        return out, device, host + 1
+
+    cfg = engine_config(llama, runtime={"overlap": False, "check_mirrors": True})
+    async with Engine(cfg) as engine:
+        assert engine.core.ctx.check_mirrors and engine.core.ctx.future_map.debug
+        monkeypatch.setattr(schedule_batch, "alloc_for_extend", wrong_mirror)
+        bad = await engine.complete([1, 2, 3], {"max_new_tokens": 3, "ignore_eos": True})
+        assert bad.finish_reason == "error" and "MirrorParityError" in bad.error
+        monkeypatch.undo()
+        assert engine.healthy
+        ok = await engine.complete([1, 2, 3], {"max_new_tokens": 3, "ignore_eos": True})
+        assert ok.error is None
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free
+    async with Engine(engine_config(llama, runtime={"check_mirrors": False})) as engine:
+        assert not engine.core.ctx.check_mirrors and not engine.core.ctx.future_map.debug
+
+
+async def test_wait_idle_raises_once_the_scheduler_loop_is_dead(llama):
+    from stallfree.runtime.errors import EngineUnhealthyError
+
+    async with Engine(engine_config(llama)) as engine:
+        loop = engine.core.loop
+        real = loop._schedule_and_launch
+        calls = 0
+
+        def dies_on_the_fifth_call():
+            nonlocal calls
+            calls += 1
+            if calls == 5:
+                raise RuntimeError("scheduler bug")
+            return real()
+
+        loop._schedule_and_launch = dies_on_the_fifth_call
+        result = await engine.complete([1, 2, 3], {"max_new_tokens": 50, "ignore_eos": True})
+        assert result.finish_reason == "error" and "scheduler bug" in result.error
+        assert not engine.healthy
+        with pytest.raises(EngineUnhealthyError, match="scheduler bug"):
+            await asyncio.wait_for(engine.wait_idle(), timeout=10)
+        with pytest.raises(RuntimeError, match="scheduler bug"):
+            await engine.shutdown()
+
+
+def test_future_map_refuses_a_slot_never_stashed():
+    from stallfree.overlap.future_map import FutureMap, FutureMapError
+
+    fmap = FutureMap(8, torch.device("cpu"))
+    fmap.enable_debug()
+    gen = fmap.plan_stash([3, 5])
+    fmap.stash(torch.tensor([3, 5]), torch.tensor([0, 1]), torch.tensor([41, 42]), gen)
+    expected = fmap.plan_resolve([5, 3])
+    assert fmap.resolve(torch.tensor([5, 3]), torch.tensor(expected)).tolist() == [42, 41]
+    with pytest.raises(FutureMapError, match=r"slot\(s\) \[3\]"):
+        fmap.plan_resolve([3])  # consumed already, and not stashed again
+    with pytest.raises(FutureMapError, match=r"\[6\]"):
+        fmap.plan_resolve([6])  # never stashed
+    # on the device: a resolve by row (0, 1) instead of by slot (3, 5) reads no stash of its step
+    gen = fmap.plan_stash([3, 5])
+    fmap.stash(torch.tensor([3, 5]), torch.tensor([0, 1]), torch.tensor([7, 8]), gen)
+    expected = torch.tensor(fmap.plan_resolve([3, 5]))
+    with pytest.raises(FutureMapError, match="slot 0 holds stash -1, wants"):
+        fmap.resolve(torch.tensor([0, 1]), expected)
+    # a prefill of a reused slot drops the stale stash of its earlier owner
+    fmap.plan_stash([2])
+    fmap.plan_prefill([2])
+    with pytest.raises(FutureMapError):
+        fmap.plan_resolve([2])
+
+
+async def test_future_map_debug_catches_a_lost_stash_in_the_engine(llama, monkeypatch):
+    from stallfree.overlap.future_map import FutureMap
+
+    real = FutureMap.stash
+    calls = 0
+
+    def loses_the_third(self, slots, rows, next_ids, generation=None):
+        nonlocal calls
+        calls += 1
+        if calls != 3:
+            real(self, slots, rows, next_ids, generation)
+
+    monkeypatch.setattr(FutureMap, "stash", loses_the_third)
+    cfg = engine_config(llama, runtime={"check_mirrors": True})
+    async with Engine(cfg) as engine:
+        result = await engine.complete([1, 2, 3], {"max_new_tokens": 8, "ignore_eos": True})
+        assert result.finish_reason == "error"
+        assert "not stashed for this step" in result.error
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free and engine.healthy

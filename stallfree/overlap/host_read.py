@@ -10,10 +10,9 @@ from collections.abc import Callable, Iterator
 import torch
 
 from stallfree.overlap.stream import DeviceStream
+from stallfree.overlap.strict import ScheduleSyncError, StrictGuard, StrictReadError
 
-
-class ScheduleSyncError(RuntimeError):
-    """A device read on the schedule path while strict mode is on."""
+__all__ = ["ScheduleSyncError", "StallSink", "StrictReadError", "SyncMonitor"]
 
 
 StallSink = Callable[[str, float], None]
@@ -23,11 +22,18 @@ class SyncMonitor:
     """Counts and times every `host_read`, per site, and enforces strict mode.
 
     Its counts are the engine's stall counters; sinks receive each stall's duration.
+
+    In strict mode on the CPU stream it also runs the read guard (`overlap/strict.py`): any
+    other read of a stream-owned tensor on the schedule path raises. `enable_read_guard()` turns
+    the guard on without strict (tests of the legacy modes, where `host_read` is allowed).
     """
 
     def __init__(self, stream: DeviceStream, strict: bool = False) -> None:
         self.stream = stream
         self.strict = strict
+        self.guard: StrictGuard | None = None
+        if strict:
+            self.enable_read_guard()
         self.stall_counts: dict[str, int] = defaultdict(int)
         self.stall_seconds: dict[str, float] = defaultdict(float)
         self.mirror_reads: dict[str, int] = defaultdict(int)
@@ -41,10 +47,29 @@ class SyncMonitor:
         outer = self._in_schedule_path
         self._in_schedule_path = True
         try:
-            with self.stream.schedule_guard(self.strict):
+            with self.stream.schedule_guard(self.strict), self._guarded():
                 yield
         finally:
             self._in_schedule_path = outer
+
+    def enable_read_guard(self) -> StrictGuard | None:
+        """Guard reads of stream-owned tensors on the schedule path (CPU stream only).
+
+        Only tensors the stream produces after this call are known to the guard, so call it
+        before any batch is built. Returns the guard, or None on a CUDA stream (there
+        `torch.cuda.set_sync_debug_mode` plays this part in strict mode).
+        """
+        if self.guard is None and self.stream.device.type == "cpu":
+            self.guard = self.stream.guard or StrictGuard()
+            self.stream.attach_guard(self.guard)
+        return self.guard
+
+    def _guarded(self) -> contextlib.AbstractContextManager[None]:
+        return self.guard.schedule_path() if self.guard is not None else contextlib.nullcontext()
+
+    def debug_read(self) -> contextlib.AbstractContextManager[None]:
+        """A sanctioned debug read (the mirror parity checker): the guard lets it through."""
+        return self.guard.suspended() if self.guard is not None else contextlib.nullcontext()
 
     def host_read(self, tensor: torch.Tensor, site: str) -> torch.Tensor:
         """Synchronise the stream and copy `tensor` to the host, recording the stall at `site`."""
@@ -53,8 +78,9 @@ class SyncMonitor:
             if self.strict:
                 raise ScheduleSyncError(f"host_read at {site!r} on the schedule path (strict mode)")
         start = time.perf_counter()
-        self.stream.synchronize()
-        out = tensor.to("cpu", copy=True)
+        with self.debug_read():
+            self.stream.synchronize()
+            out = tensor.to("cpu", copy=True)
         waited = time.perf_counter() - start
         self.stall_counts[site] += 1
         self.stall_seconds[site] += waited

@@ -18,6 +18,10 @@ from typing import Any
 
 import torch
 
+from stallfree.overlap.strict import StrictGuard
+
+_STREAM_FILE = __file__
+
 
 class StreamError(RuntimeError):
     """Work enqueued on the stream raised; carried to the next event that is waited on."""
@@ -37,6 +41,18 @@ class Event(ABC):
 
 class DeviceStream(ABC):
     device: torch.device
+    # strict mode's read guard (CPU stream only); None on the production path
+    guard: StrictGuard | None = None
+
+    def attach_guard(self, guard: StrictGuard) -> None:
+        """Register every tensor this stream produces from now on with `guard`."""
+        self.guard = guard
+
+    def adopt(self, *tensors: torch.Tensor) -> None:
+        """Declare device-resident state (pools, caches) the stream's, for the guard."""
+        if self.guard is not None:
+            for t in tensors:
+                self.guard.register(t)
 
     @abstractmethod
     def upload(self, cpu: torch.Tensor) -> torch.Tensor:
@@ -84,7 +100,8 @@ class DeviceStream(ABC):
 
 
 class CpuEvent(Event):
-    def __init__(self) -> None:
+    def __init__(self, guard: StrictGuard | None = None) -> None:
+        self._guard = guard
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
@@ -102,6 +119,8 @@ class CpuEvent(Event):
         return self._done.is_set()
 
     def synchronize(self) -> None:
+        if self._guard is not None:
+            self._guard.check_wait("event.synchronize()", (_STREAM_FILE,))
         self._done.wait()
         self._raise()
 
@@ -171,7 +190,10 @@ class CpuStream(DeviceStream):
 
     def upload(self, cpu: torch.Tensor) -> torch.Tensor:
         # NOTE: host tensors handed here are never mutated afterwards, so a clone is the copy.
-        return cpu.clone()
+        out = cpu.clone()
+        if self.guard is not None:
+            self.guard.register(out)
+        return out
 
     def compute(
         self,
@@ -182,6 +204,8 @@ class CpuStream(DeviceStream):
     ) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype)
         self._batch.append((lambda: out.copy_(fn(*args)), ()))
+        if self.guard is not None:
+            self.guard.register(out)
         return out
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -191,7 +215,7 @@ class CpuStream(DeviceStream):
         self._hand_over()
 
     def record_event(self) -> Event:
-        event = CpuEvent()
+        event = CpuEvent(self.guard)
         self._batch.append((self._fire, (event,)))
         self._hand_over()
         return event
@@ -213,6 +237,8 @@ class CpuStream(DeviceStream):
         event._set(error)
 
     def synchronize(self) -> None:
+        if self.guard is not None:
+            self.guard.check_wait("stream.synchronize()", (_STREAM_FILE,))
         self.record_event().synchronize()
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -439,7 +439,23 @@ class Engine:
         return self.core.pool_usage()
 
     async def wait_idle(self) -> None:
-        """Wait until no request is queued or running and deferred frees are released."""
+        """Wait until no request is queued or running and deferred frees are released.
+
+        Raises `EngineUnhealthyError` if that can never happen: the scheduler task is not
+        running (never started, shut down, or dead) while work remains.
+        """
         scheduler = self.core.scheduler
         while scheduler.has_work() or scheduler.pending_frees:
+            self._raise_if_loop_dead()
             await asyncio.sleep(0.005)
+
+    def _raise_if_loop_dead(self) -> None:
+        """Every waiter calls this: a wait on a loop that no longer runs would never end."""
+        task = self._loop_task
+        if task is not None and not task.done():
+            return
+        if task is None:
+            raise EngineUnhealthyError("the engine was never started; nothing will run")
+        exc = None if task.cancelled() else task.exception()
+        why = f"died: {exc!r}" if exc is not None else "stopped"
+        raise EngineUnhealthyError(f"the scheduler loop {why}; pending work will never finish")

@@ -46,6 +46,24 @@ class ModelRunner:
         self.ctx = ctx
         self.sampler = sampler
         self.faults = faults
+        if ctx.check_mirrors:  # the debug checks: mirror parity and the future map's stamps
+            ctx.future_map.enable_debug()
+        self._adopt_device_state()
+
+    def enable_read_guard(self) -> None:
+        """Strict mode's read guard without strict (tests of the legacy modes); before any batch."""
+        self.ctx.monitor.enable_read_guard()
+        self._adopt_device_state()
+
+    def _adopt_device_state(self) -> None:
+        """Device-resident state is the stream's too: the read guard knows it."""
+        ctx = self.ctx
+        fmap, cache = ctx.future_map, ctx.kv_cache
+        state = [ctx.req_to_token_pool.req_to_token, fmap.tokens]
+        state += [t for t in (*cache.k_buffers, *cache.v_buffers) if t is not None]
+        if fmap.stamps is not None:
+            state.append(fmap.stamps)
+        ctx.stream.adopt(*state)
 
     def launch(self, batch: ScheduleBatch, seq: int) -> LaunchedBatch:
         ctx = self.ctx
@@ -58,10 +76,22 @@ class ModelRunner:
                 [i for i, real in enumerate(batch.output_rows) if real], dtype=_I64
             )
             stash_rows = stream.upload(rows_cpu)
-            stash_slots = stream.upload(fb.req_pool_indices_cpu[rows_cpu])
+            slots_cpu = fb.req_pool_indices_cpu[rows_cpu]
+            stash_slots = stream.upload(slots_cpu)
             token_ids_host = stream.host_buffer((len(batch.reqs),), _I64)
+            expected, generation = self._plan_future_map(fb, slots_cpu)
         fault = self.faults.plan() if self.faults is not None else Fault.NONE
-        stream.submit(self._step, fb, sb, stash_slots, stash_rows, token_ids_host, fault)
+        stream.submit(
+            self._step,
+            fb,
+            sb,
+            stash_slots,
+            stash_rows,
+            token_ids_host,
+            fault,
+            expected,
+            generation,
+        )
         event = stream.record_event()
         return LaunchedBatch(
             seq=seq,
@@ -73,6 +103,21 @@ class ModelRunner:
             forward_batch=fb,
         )
 
+    def _plan_future_map(
+        self, fb: ForwardBatch, slots_cpu: torch.Tensor
+    ) -> tuple[torch.Tensor | None, int | None]:
+        """Debug: the stash generations a decode step must resolve, and this step's own."""
+        fmap = self.ctx.future_map
+        if not fmap.debug:
+            return None, None
+        rows: list[int] = fb.req_pool_indices_cpu.tolist()
+        expected = None
+        if fb.mode is ForwardMode.DECODE:
+            expected = self.ctx.stream.upload(torch.tensor(fmap.plan_resolve(rows), dtype=_I64))
+        else:
+            fmap.plan_prefill(rows)
+        return expected, fmap.plan_stash(slots_cpu.tolist())
+
     def _step(
         self,
         fb: ForwardBatch,
@@ -81,16 +126,25 @@ class ModelRunner:
         stash_rows: torch.Tensor,
         token_ids_host: torch.Tensor,
         fault: Fault = Fault.NONE,
+        expected: torch.Tensor | None = None,
+        generation: int | None = None,
     ) -> None:
         """Runs on the stream, in order after every earlier enqueued write."""
-        if fault is not Fault.NONE:
-            assert self.faults is not None
-            self.faults.before_forward(fault)
-        if fb.mode is ForwardMode.DECODE:
-            fb.input_ids = self.ctx.future_map.resolve(fb.req_pool_indices)
-        logits = self.model(fb)
-        next_ids = self.sampler.sample(logits, sb)
-        self.ctx.future_map.stash(stash_slots, stash_rows, next_ids)
+        fmap = self.ctx.future_map
+        stashed = False
+        try:
+            if fault is not Fault.NONE:
+                assert self.faults is not None
+                self.faults.before_forward(fault)
+            if fb.mode is ForwardMode.DECODE:
+                fb.input_ids = fmap.resolve(fb.req_pool_indices, expected)
+            logits = self.model(fb)
+            next_ids = self.sampler.sample(logits, sb)
+            fmap.stash(stash_slots, stash_rows, next_ids, generation)
+            stashed = True
+        finally:
+            if not stashed:
+                fmap.mark(stash_slots, generation)
         if fault is Fault.FAIL_COPY:
             assert self.faults is not None
             self.faults.before_copy(fault)

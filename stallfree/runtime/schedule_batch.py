@@ -5,12 +5,21 @@ uploads or by work enqueued on the stream, always out of place: once a batch is 
 tensors belong to the stream. The mirrors (`req_pool_indices_cpu`, `seq_lens_cpu`) are what the
 schedule path reads. With `cpu_mirrors=false` (legacy) consumers read the device tensors through
 `host_read` instead, which stalls until the stream drains.
+
+Every batch operation changes the batch's fields in one place, `_assign`. It takes each group of
+fields as a required keyword: the requests, each device tensor together with its mirror, the
+per-row host lists and the per-token tensors of one step. An operation either passes a new
+value for a group or says `KEEP`; it cannot leave a mirror or a per-row list behind by
+forgetting it. `_assign` checks the shapes, and runs the parity checker when
+`runtime.check_mirrors` is on. `tests/test_mirror_parity.py` checks that no other method
+assigns these fields.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -26,6 +35,79 @@ _I64 = torch.int64
 
 def _empty() -> torch.Tensor:
     return torch.empty(0, dtype=_I64)
+
+
+class _Keep(enum.Enum):
+    KEEP = "keep"
+
+
+KEEP = _Keep.KEEP
+"""An operation leaves this group of fields as it is (it says so; it does not forget it)."""
+
+
+class Mirrored(NamedTuple):
+    """A device tensor and its CPU mirror: set together or not at all."""
+
+    device: torch.Tensor
+    host: torch.Tensor
+
+
+class RowLists(NamedTuple):
+    """Per-row host facts of the step the batch was last prepared for."""
+
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    output_rows: list[bool]  # rows whose sampled token is real
+    output_steps: list[int]  # output index each row's token will have (seeded sampling)
+
+    @classmethod
+    def empty(cls) -> RowLists:
+        return cls([], [], [], [])
+
+    def select(self, keep: list[int]) -> RowLists:
+        return RowLists(
+            [self.prefix_lens[i] for i in keep],
+            [self.extend_lens[i] for i in keep],
+            [self.output_rows[i] for i in keep],
+            [self.output_steps[i] for i in keep],
+        )
+
+    def concat(self, other: RowLists) -> RowLists:
+        return RowLists(
+            self.prefix_lens + other.prefix_lens,
+            self.extend_lens + other.extend_lens,
+            self.output_rows + other.output_rows,
+            self.output_steps + other.output_steps,
+        )
+
+
+class StepTensors(NamedTuple):
+    """Per-token device tensors of one prepared step. Filter and merge clear them."""
+
+    out_cache_loc: torch.Tensor
+    input_ids: torch.Tensor | None  # None in decode: resolved from the future map
+    positions: torch.Tensor | None
+
+
+# the fields `_assign` owns; no other method may assign them (a test reads the source)
+ASSIGNED_FIELDS = (
+    "reqs",
+    "req_pool_indices",
+    "req_pool_indices_cpu",
+    "seq_lens",
+    "seq_lens_cpu",
+    "prefix_lens_cpu",
+    "extend_lens_cpu",
+    "output_rows",
+    "output_steps",
+    "out_cache_loc",
+    "input_ids",
+    "positions",
+)
+
+
+class MirrorParityError(AssertionError):
+    """A mirror (or a per-row list) is out of step with its device tensor or the requests."""
 
 
 @dataclass(slots=True, eq=False)
@@ -46,6 +128,9 @@ class ScheduleBatch:
     output_rows: list[bool] = field(default_factory=list)
     # output index each row's token will have (seeded sampling)
     output_steps: list[int] = field(default_factory=list)
+    # legacy mode: (device tensor, its values as read through host_read or allocated on the
+    # host); valid while the device tensor is the same object
+    _legacy_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def init_new(cls, reqs: list[Req], ctx: BatchContext) -> ScheduleBatch:
@@ -57,6 +142,59 @@ class ScheduleBatch:
     def is_empty(self) -> bool:
         return not self.reqs
 
+    # ------------------------------------------------------------------ the one place
+
+    def _assign(
+        self,
+        op: str,
+        *,
+        reqs: list[Req] | _Keep,
+        req_pool_indices: Mirrored | _Keep,
+        seq_lens: Mirrored | _Keep,
+        rows: RowLists | _Keep,
+        step: StepTensors | _Keep,
+    ) -> None:
+        """Set every per-row and per-step field of an operation `op`, then check them."""
+        if reqs is not KEEP:
+            self.reqs = reqs
+        if req_pool_indices is not KEEP:
+            self.req_pool_indices, self.req_pool_indices_cpu = req_pool_indices
+        if seq_lens is not KEEP:
+            self.seq_lens, self.seq_lens_cpu = seq_lens
+        if rows is not KEEP:
+            (
+                self.prefix_lens_cpu,
+                self.extend_lens_cpu,
+                self.output_rows,
+                self.output_steps,
+            ) = rows
+        if step is not KEEP:
+            self.out_cache_loc, self.input_ids, self.positions = step
+        self._check_shapes(op)
+        if self.ctx.check_mirrors:
+            self.check_mirror_parity(op)
+
+    def _check_shapes(self, op: str) -> None:
+        """Always on (host metadata only): one entry per request in every mirror and list."""
+        n = len(self.reqs)
+        for name in ("req_pool_indices", "seq_lens"):
+            device, host = getattr(self, name), getattr(self, name + "_cpu")
+            if device is host or host.shape != (n,) or device.shape != (n,):
+                raise MirrorParityError(
+                    f"{op}: {name} {tuple(device.shape)} and its mirror {tuple(host.shape)} "
+                    f"for {n} rows" + (" are one tensor" if device is host else "")
+                )
+        lists = (self.prefix_lens_cpu, self.extend_lens_cpu, self.output_rows, self.output_steps)
+        if any(len(col) != n for col in lists):
+            raise MirrorParityError(
+                f"{op}: per-row lists of lengths {[len(c) for c in lists]} for {n} rows"
+            )
+
+    def _rows(self) -> RowLists:
+        return RowLists(
+            self.prefix_lens_cpu, self.extend_lens_cpu, self.output_rows, self.output_steps
+        )
+
     # ------------------------------------------------------------------ host reads
 
     def host_seq_lens(self, site: str) -> torch.Tensor:
@@ -64,37 +202,77 @@ class ScheduleBatch:
         if self.ctx.cpu_mirrors:
             self.ctx.monitor.mirror_read("seq_lens_cpu")
             return self.seq_lens_cpu
-        return self.ctx.monitor.host_read(self.seq_lens, site)
+        return self._read_device_rows(site)
+
+    def host_req_pool_indices(self, site: str) -> torch.Tensor:
+        """Request slots on the host: the mirror, or (legacy) the device's values.
+
+        Legacy reads the device at `site` unless the values were read (or allocated on the
+        host, for an extend batch) since the device tensor last changed.
+        """
+        if self.ctx.cpu_mirrors:
+            self.ctx.monitor.mirror_read("req_pool_indices_cpu")
+            return self.req_pool_indices_cpu
+        cached = self._legacy_rows
+        if cached is not None and cached[0] is self.req_pool_indices:
+            return cached[1]
+        self._legacy_rows = (
+            self.req_pool_indices,
+            self.ctx.monitor.host_read(self.req_pool_indices, site),
+        )
+        return self._legacy_rows[1]
+
+    def _read_device_rows(self, site: str) -> torch.Tensor:
+        """Legacy: one `host_read` of slots and lengths; returns the lengths, keeps the slots."""
+        n = len(self.reqs)
+        both = self.ctx.stream.compute(
+            lambda a, b: torch.stack([a, b]),
+            self.req_pool_indices,
+            self.seq_lens,
+            shape=(2, n),
+            dtype=_I64,
+        )
+        host = self.ctx.monitor.host_read(both, site)
+        self._legacy_rows = (self.req_pool_indices, host[0])
+        return host[1]
 
     # ------------------------------------------------------------------ lifecycle
 
     def prepare_for_extend(self, extend_lens: list[int]) -> None:
         self.forward_mode = ForwardMode.EXTEND
         stream = self.ctx.stream
-        self.prefix_lens_cpu = [r.num_computed_tokens for r in self.reqs]
-        self.extend_lens_cpu = list(extend_lens)
+        prefix_lens = [r.num_computed_tokens for r in self.reqs]
+        extend_lens = list(extend_lens)
         ids, pos = [], []
-        for req, prefix, ext in zip(self.reqs, self.prefix_lens_cpu, extend_lens, strict=True):
+        for req, prefix, ext in zip(self.reqs, prefix_lens, extend_lens, strict=True):
             ids.extend(req.fill_slice(prefix, prefix + ext))
             pos.append(torch.arange(prefix, prefix + ext, dtype=_I64))
-        self.out_cache_loc, self.req_pool_indices, self.req_pool_indices_cpu = alloc_for_extend(
-            self.ctx, self.reqs, extend_lens
+        out_cache_loc, rpi, rpi_cpu = alloc_for_extend(self.ctx, self.reqs, extend_lens)
+        seq_lens_cpu = torch.tensor(
+            [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)], dtype=_I64
         )
-        self.seq_lens_cpu = torch.tensor(
-            [p + e for p, e in zip(self.prefix_lens_cpu, extend_lens, strict=True)], dtype=_I64
-        )
-        self.seq_lens = stream.upload(self.seq_lens_cpu)
-        self.input_ids = stream.upload(torch.tensor(ids, dtype=_I64))
-        self.positions = stream.upload(torch.cat(pos) if pos else _empty())
-        self.output_rows, self.output_steps = [], []
+        output_rows, output_steps = [], []
         for req, ext in zip(self.reqs, extend_lens, strict=True):
             req.num_computed_tokens += ext
             final = req.num_computed_tokens == req.fill_len
-            self.output_rows.append(final)
-            self.output_steps.append(req.num_scheduled_outputs)
+            output_rows.append(final)
+            output_steps.append(req.num_scheduled_outputs)
             if final:
                 req.num_scheduled_outputs += 1
-        self._check()
+        self._assign(
+            "prepare_for_extend",
+            reqs=KEEP,
+            req_pool_indices=Mirrored(rpi, rpi_cpu),
+            seq_lens=Mirrored(stream.upload(seq_lens_cpu), seq_lens_cpu),
+            rows=RowLists(prefix_lens, extend_lens, output_rows, output_steps),
+            step=StepTensors(
+                out_cache_loc,
+                stream.upload(torch.tensor(ids, dtype=_I64)),
+                stream.upload(torch.cat(pos) if pos else _empty()),
+            ),
+        )
+        # NOTE: the slots of an extend batch are the host's allocation, as in any baseline
+        self._legacy_rows = (rpi, rpi_cpu)
 
     def prepare_for_decode(self, seq_lens_host: torch.Tensor | None = None) -> None:
         """`seq_lens_host`: lengths the caller already read for this batch, if any."""
@@ -102,20 +280,30 @@ class ScheduleBatch:
         stream = self.ctx.stream
         if seq_lens_host is None:
             seq_lens_host = self.host_seq_lens("schedule.page_count")
-        self.prefix_lens_cpu = seq_lens_host.tolist()
-        self.extend_lens_cpu = [1] * len(self.reqs)
-        self.out_cache_loc = alloc_for_decode(
+        n = len(self.reqs)
+        out_cache_loc = alloc_for_decode(
             self.ctx, self.reqs, seq_lens_host, self.req_pool_indices, self.seq_lens
         )
-        self.positions = self.seq_lens  # the new token sits at the old length
-        # NOTE: out of place: the launched batch still owns the old `seq_lens`.
-        self.seq_lens = stream.compute(
-            torch.add, self.seq_lens, 1, shape=tuple(self.seq_lens.shape), dtype=_I64
+        rows = RowLists(
+            seq_lens_host.tolist(),
+            [1] * n,
+            [True] * n,
+            [r.num_scheduled_outputs for r in self.reqs],
         )
-        self.seq_lens_cpu = self.seq_lens_cpu + 1
-        self.input_ids = None
-        self.output_rows = [True] * len(self.reqs)
-        self.output_steps = [r.num_scheduled_outputs for r in self.reqs]
+        old_seq_lens = self.seq_lens
+        self._assign(
+            "prepare_for_decode",
+            reqs=KEEP,
+            req_pool_indices=KEEP,
+            # NOTE: out of place: the launched batch still owns the old `seq_lens`.
+            seq_lens=Mirrored(
+                stream.compute(torch.add, old_seq_lens, 1, shape=(n,), dtype=_I64),
+                self.seq_lens_cpu + 1,
+            ),
+            rows=rows,
+            # the new token sits at the old length
+            step=StepTensors(out_cache_loc, None, old_seq_lens),
+        )
         for req in self.reqs:
             req.num_computed_tokens += 1
             req.num_scheduled_outputs += 1
@@ -127,31 +315,42 @@ class ScheduleBatch:
                 self.seq_lens_cpu if self.ctx.cpu_mirrors else None,
                 self.req_pool_indices_cpu if self.ctx.cpu_mirrors else None,
             )
-        self._check()
 
     def prepare_for_idle(self) -> None:
         self.forward_mode = ForwardMode.IDLE
-        self.reqs = []
-        for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
-            setattr(self, name, self.ctx.stream.upload(_empty()))
-        self.req_pool_indices_cpu = _empty()
-        self.seq_lens_cpu = _empty()
-        self.input_ids = self.ctx.stream.upload(_empty())
-        self.positions = self.input_ids
-        self.prefix_lens_cpu, self.extend_lens_cpu = [], []
-        self.output_rows, self.output_steps = [], []
-        self._check()
+        up = self.ctx.stream.upload
+        empty_ids = up(_empty())
+        self._assign(
+            "prepare_for_idle",
+            reqs=[],
+            req_pool_indices=Mirrored(up(_empty()), _empty()),
+            seq_lens=Mirrored(up(_empty()), _empty()),
+            rows=RowLists.empty(),
+            step=StepTensors(up(_empty()), empty_ids, empty_ids),
+        )
 
     def prepare_for_prebuilt(self) -> None:
         """Requests whose prompt KV already sits in their slots (decode-side disaggregation)."""
         self.forward_mode = ForwardMode.DECODE
         stream = self.ctx.stream
-        self.req_pool_indices_cpu = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=_I64)
-        self.seq_lens_cpu = torch.tensor([r.num_computed_tokens for r in self.reqs], dtype=_I64)
-        self.req_pool_indices = stream.upload(self.req_pool_indices_cpu)
-        self.seq_lens = stream.upload(self.seq_lens_cpu)
-        self.out_cache_loc = stream.upload(_empty())
-        self._check()
+        rpi_cpu = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=_I64)
+        seq_lens_cpu = torch.tensor([r.num_computed_tokens for r in self.reqs], dtype=_I64)
+        n = len(self.reqs)
+        rpi = stream.upload(rpi_cpu)
+        self._assign(
+            "prepare_for_prebuilt",
+            reqs=KEEP,
+            req_pool_indices=Mirrored(rpi, rpi_cpu),
+            seq_lens=Mirrored(stream.upload(seq_lens_cpu), seq_lens_cpu),
+            # the first token came with the KV: like a final prefill chunk already processed
+            rows=RowLists(seq_lens_cpu.tolist(), [0] * n, [False] * n, [0] * n),
+            step=StepTensors(stream.upload(_empty()), None, None),
+        )
+        self._legacy_rows = (rpi, rpi_cpu)  # the host's allocation
+        fmap = self.ctx.future_map
+        if fmap.debug:  # the import stashed each first token (debug bookkeeping of that stash)
+            slots = rpi_cpu.tolist()
+            stream.submit(fmap.mark, stream.upload(rpi_cpu), fmap.plan_stash(slots))
 
     def filter_batch(self, keep_indices: list[int]) -> None:
         if keep_indices == list(range(len(self.reqs))):
@@ -159,37 +358,55 @@ class ScheduleBatch:
         stream = self.ctx.stream
         keep_cpu = torch.tensor(keep_indices, dtype=_I64)
         keep = stream.upload(keep_cpu)
-        self.reqs = [self.reqs[i] for i in keep_indices]
         n = (len(keep_indices),)
-        self.req_pool_indices = stream.compute(
-            torch.index_select, self.req_pool_indices, 0, keep, shape=n, dtype=_I64
+        self._assign(
+            "filter_batch",
+            reqs=[self.reqs[i] for i in keep_indices],
+            req_pool_indices=Mirrored(
+                stream.compute(
+                    torch.index_select, self.req_pool_indices, 0, keep, shape=n, dtype=_I64
+                ),
+                self.req_pool_indices_cpu[keep_cpu],
+            ),
+            seq_lens=Mirrored(
+                stream.compute(torch.index_select, self.seq_lens, 0, keep, shape=n, dtype=_I64),
+                self.seq_lens_cpu[keep_cpu],
+            ),
+            rows=self._rows().select(keep_indices),
+            step=self._cleared_step(),
         )
-        self.seq_lens = stream.compute(
-            torch.index_select, self.seq_lens, 0, keep, shape=n, dtype=_I64
-        )
-        self.req_pool_indices_cpu = self.req_pool_indices_cpu[keep_cpu]
-        self.seq_lens_cpu = self.seq_lens_cpu[keep_cpu]
-        self._check()
 
     def merge_batch(self, other: ScheduleBatch) -> None:
         stream = self.ctx.stream
-        self.reqs = self.reqs + other.reqs
-        n = (len(self.reqs),)
-        self.req_pool_indices = stream.compute(
-            lambda a, b: torch.cat([a, b]),
-            self.req_pool_indices,
-            other.req_pool_indices,
-            shape=n,
-            dtype=_I64,
+        n = (len(self.reqs) + len(other.reqs),)
+
+        def cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.cat([a, b])
+
+        self._assign(
+            "merge_batch",
+            reqs=self.reqs + other.reqs,
+            req_pool_indices=Mirrored(
+                stream.compute(
+                    cat, self.req_pool_indices, other.req_pool_indices, shape=n, dtype=_I64
+                ),
+                torch.cat([self.req_pool_indices_cpu, other.req_pool_indices_cpu]),
+            ),
+            seq_lens=Mirrored(
+                stream.compute(cat, self.seq_lens, other.seq_lens, shape=n, dtype=_I64),
+                torch.cat([self.seq_lens_cpu, other.seq_lens_cpu]),
+            ),
+            rows=self._rows().concat(other._rows()),
+            step=self._cleared_step(),
         )
-        self.seq_lens = stream.compute(
-            lambda a, b: torch.cat([a, b]), self.seq_lens, other.seq_lens, shape=n, dtype=_I64
-        )
-        self.req_pool_indices_cpu = torch.cat(
-            [self.req_pool_indices_cpu, other.req_pool_indices_cpu]
-        )
-        self.seq_lens_cpu = torch.cat([self.seq_lens_cpu, other.seq_lens_cpu])
-        self._check()
+
+    def _cleared_step(self) -> StepTensors:
+        """Filter and merge change the rows: the last step's per-token tensors no longer fit.
+
+        The batch is prepared again (decode) before it is launched.
+        """
+        empty = self.ctx.stream.upload(_empty())
+        return StepTensors(empty, None, None)
 
     def retract_decode(self) -> tuple[list[Req], bool]:
         """Remove requests until one decode step fits the free KV pages.
@@ -201,10 +418,7 @@ class ScheduleBatch:
         seq_lens_host = self.host_seq_lens("schedule.retract")
         needs = (seq_lens_host % allocator.page_size == 0).tolist()
         needed, available = sum(needs), allocator.available_pages()
-        order = sorted(
-            range(len(self.reqs)),
-            key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
-        )
+        order = retract_order(self.reqs)
         keep = set(range(len(self.reqs)))
         retracted: list[Req] = []
         for i in order:
@@ -222,10 +436,13 @@ class ScheduleBatch:
 
     def to_forward_batch(self) -> ForwardBatch:
         ctx = self.ctx
-        if self.forward_mode is ForwardMode.DECODE:
-            seq_lens_host = torch.tensor(self.prefix_lens_cpu, dtype=_I64) + 1
-        else:
-            seq_lens_host = self.seq_lens_cpu
+        if ctx.check_mirrors:
+            self._check_launchable()
+        # host facts of this step, not mirror reads: the length after it, per row
+        seq_lens_host = torch.tensor(
+            [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu, strict=True)],
+            dtype=_I64,
+        )
         assert self.positions is not None
         return ForwardBatch(
             mode=self.forward_mode,
@@ -235,7 +452,7 @@ class ScheduleBatch:
             out_cache_loc=self.out_cache_loc,
             req_pool_indices=self.req_pool_indices,
             seq_lens=self.seq_lens,
-            req_pool_indices_cpu=self.req_pool_indices_cpu,
+            req_pool_indices_cpu=self.host_req_pool_indices("launch.req_pool_indices"),
             seq_lens_cpu=seq_lens_host,
             extend_lens_cpu=list(self.extend_lens_cpu),
             prefix_lens_cpu=list(self.prefix_lens_cpu),
@@ -259,20 +476,60 @@ class ScheduleBatch:
 
     # ------------------------------------------------------------------ debug
 
-    def check_mirror_parity(self) -> None:
-        """Debug only: this syncs the stream."""
-        self.ctx.stream.synchronize()
-        assert self.req_pool_indices_cpu.dtype == _I64 and self.seq_lens_cpu.dtype == _I64
-        assert self.req_pool_indices_cpu.equal(self.req_pool_indices.cpu()), (
-            f"req_pool_indices mirror {self.req_pool_indices_cpu.tolist()} != "
-            f"device {self.req_pool_indices.cpu().tolist()}"
-        )
-        assert self.seq_lens_cpu.equal(self.seq_lens.cpu()), (
-            f"seq_lens mirror {self.seq_lens_cpu.tolist()} != device {self.seq_lens.cpu().tolist()}"
-        )
-        expected = [r.req_pool_idx for r in self.reqs]
-        assert self.req_pool_indices_cpu.tolist() == expected, "mirror out of step with reqs"
+    def check_mirror_parity(self, op: str = "check") -> None:
+        """Debug only: this syncs the stream. Raises `MirrorParityError`.
 
-    def _check(self) -> None:
-        if self.ctx.check_mirrors:
-            self.check_mirror_parity()
+        Each mirror is an int64 host tensor, not its device tensor and not sharing its memory,
+        equal to the device tensor, one entry per request; the slots are the requests' own.
+        A request finished and released between steps keeps its row until the next filter,
+        so its slot is not compared.
+        """
+        self._check_shapes(op)
+        with self.ctx.monitor.debug_read():
+            self.ctx.stream.synchronize()
+            for name in ("req_pool_indices", "seq_lens"):
+                device, host = getattr(self, name), getattr(self, name + "_cpu")
+                mirror = f"{op}: {name}_cpu"
+                if host.dtype != _I64 or host.device.type != "cpu":
+                    raise MirrorParityError(f"{mirror} is {host.dtype} on {host.device}")
+                if host is device or (
+                    host.numel()
+                    and host.untyped_storage().data_ptr() == device.untyped_storage().data_ptr()
+                ):
+                    raise MirrorParityError(f"{mirror} is the device tensor, not a mirror of it")
+                values = device.cpu()
+                if not host.equal(values):
+                    raise MirrorParityError(
+                        f"{mirror} mirror {host.tolist()} != device {values.tolist()}"
+                    )
+            slots = self.req_pool_indices_cpu.tolist()
+            if len(slots) != len(self.reqs):
+                raise MirrorParityError(f"{op}: {len(slots)} mirror rows for {len(self.reqs)} reqs")
+            for i, (req, slot) in enumerate(zip(self.reqs, slots, strict=True)):
+                if req.req_pool_idx is None and req.finished:
+                    continue  # released between steps; filtered out before the next launch
+                if req.req_pool_idx != slot:
+                    raise MirrorParityError(
+                        f"{op}: mirror out of step with reqs: row {i} ({req.rid}) has slot "
+                        f"{req.req_pool_idx}, the mirror says {slot}"
+                    )
+
+    def _check_launchable(self) -> None:
+        """Debug: a batch about to launch has no released row and fits its step's tensors."""
+        released = [r.rid for r in self.reqs if r.req_pool_idx is None]
+        if released:
+            raise MirrorParityError(f"launch: rows {released} hold no request slot")
+        n_tokens = sum(self.extend_lens_cpu)
+        if self.out_cache_loc.shape != (n_tokens,):
+            raise MirrorParityError(
+                f"launch: out_cache_loc {tuple(self.out_cache_loc.shape)} for {n_tokens} tokens "
+                "(was the batch filtered or merged and not prepared again?)"
+            )
+
+
+def retract_order(reqs: list[Req]) -> list[int]:
+    """Rows in the order retraction takes them: fewest outputs, then the longest prompt."""
+    return sorted(
+        range(len(reqs)),
+        key=lambda i: (len(reqs[i].output_ids), -len(reqs[i].origin_input_ids)),
+    )
