@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -35,8 +36,20 @@ class ReqToTokenPool:
         self._free_set.add(slot)
 
 
+class PageEvictor(Protocol):
+    """Holds pages it can give back on demand (the prefix cache)."""
+
+    def evictable_pages(self) -> int: ...
+
+    def evict(self, num_pages: int) -> int: ...
+
+
 class TokenToKVPoolAllocator:
-    """KV slot allocator in pages of `page_size` tokens. Page 0 is reserved as padding."""
+    """KV slot allocator in pages of `page_size` tokens. Page 0 is reserved as padding.
+
+    With an `evictor` (the prefix cache), pages it holds unlocked count as available: an
+    allocation that finds too few free pages has it evict the difference first.
+    """
 
     def __init__(self, num_slots: int, page_size: int) -> None:
         self.page_size = page_size
@@ -45,16 +58,29 @@ class TokenToKVPoolAllocator:
         # NOTE: page 0 (slots 0..page_size-1) is never handed out, so padded writes are harmless.
         self._free_pages: list[int] = list(range(self.num_pages, 0, -1))
         self._free_set: set[int] = set(self._free_pages)
+        self.evictor: PageEvictor | None = None
 
-    def available_size(self) -> int:
-        return len(self._free_pages) * self.page_size
-
-    def available_pages(self) -> int:
+    def free_page_count(self) -> int:
+        """Pages in the free list, not counting what the evictor could give back."""
         return len(self._free_pages)
 
+    def available_pages(self) -> int:
+        """Pages an allocation can get now: free ones plus those the evictor can give back."""
+        if self.evictor is None:
+            return len(self._free_pages)
+        return len(self._free_pages) + self.evictor.evictable_pages()
+
+    def available_size(self) -> int:
+        return self.available_pages() * self.page_size
+
     def alloc_pages(self, n: int) -> list[int] | None:
-        if n > len(self._free_pages):
-            return None
+        short = n - len(self._free_pages)
+        if short > 0:
+            if self.evictor is None or short > self.evictor.evictable_pages():
+                return None
+            self.evictor.evict(short)
+            if n > len(self._free_pages):
+                return None
         taken = [self._free_pages.pop() for _ in range(n)]
         self._free_set.difference_update(taken)
         return taken
