@@ -39,9 +39,25 @@ class CacheConfig(_Section):
     page_size: int = Field(1, ge=1, le=256, description="Tokens per KV page")
     max_total_tokens: int = Field(16384, ge=16, description="KV slots in the device pool")
     max_running_requests: int = Field(256, ge=1, description="Request slots")
+    prefix_caching: bool | None = Field(
+        None,
+        description="Share the KV of common prefixes across requests (a radix tree of pages); "
+        "default: on, off with HiSparse (the two cannot run together)",
+    )
 
 
 class SchedulerConfig(_Section):
+    policy: Literal["fcfs", "lpm"] = Field(
+        "fcfs",
+        description="Admission order: fcfs (arrival) or lpm (longest cached prefix first; "
+        "fcfs when more than 128 wait)",
+    )
+    lpm_max_wait_s: float = Field(
+        2.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="lpm: a request waiting longer than this goes first, in arrival order",
+    )
     max_prefill_tokens: int = Field(4096, ge=1, description="Token budget of one prefill batch")
     chunked_prefill_size: int = Field(
         2048, ge=1, description="Longest prompt chunk one request prefills in a step"

@@ -160,9 +160,15 @@ def _gauges(snap: EngineSnapshot, labels: list[str]) -> Iterator[Metric]:
     yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", labels, snap.waiting)
     yield _gauge(
         "kv_cache_usage_perc",
-        "Share of KV cache slots in use, 0 to 1.",
+        "Share of KV cache slots requests use, 0 to 1 (unused prefix-cache pages count as free).",
         labels,
         snap.pools.kv_usage,
+    )
+    yield _gauge(
+        "prefix_cache_usage_perc",
+        "Share of KV cache slots the prefix cache holds, in use or not, 0 to 1.",
+        labels,
+        snap.pools.cache_usage,
     )
 
 
@@ -175,6 +181,24 @@ def _request_counters(snap: EngineSnapshot, labels: list[str]) -> Iterator[Metri
         "request_success", "Finished requests by reason.", labels, "finished_reason", finished
     )
     yield _counter("num_preemptions", "Requests retracted to free KV.", labels, c.retractions)
+    yield _counter(
+        "prefix_cache_queries",
+        "Prefix cache lookups at admission, in tokens (prompt and any earlier outputs).",
+        labels,
+        c.prefix_cache_queries,
+    )
+    yield _counter(
+        "prefix_cache_hits",
+        "Tokens admissions found in the prefix cache.",
+        labels,
+        c.prefix_cache_hits,
+    )
+    yield _counter(
+        "prefix_cache_evicted_tokens",
+        "Tokens evicted from the prefix cache to make room.",
+        labels,
+        c.prefix_cache_evicted_tokens,
+    )
 
 
 def _latency_histograms(m: EngineMetrics, labels: list[str]) -> Iterator[Metric]:

@@ -12,6 +12,7 @@ from stallfree.runtime.errors import EngineOverloadedError, InvalidRequestError
 if TYPE_CHECKING:
     from stallfree.runtime.context import BatchContext
     from stallfree.runtime.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+    from stallfree.runtime.radix_cache import RadixCache, TreeNode
     from stallfree.runtime.req import Req
 
 
@@ -57,24 +58,36 @@ def alloc_for_extend(
     """Returns (out_cache_loc, req_pool_indices_device, req_pool_indices_cpu).
 
     The CPU tensor is built from the host allocation; the device one is a non-blocking copy.
-    The new `req_to_token` entries are written on the stream.
+    The new `req_to_token` entries are written on the stream. A request that gets its slot now
+    with a cached prefix (`num_computed_tokens > 0`, its first pages the prefix cache's) also
+    gets the prefix's slots written into its row, from the host page table.
     """
+    fresh = [r.req_pool_idx is None for r in reqs]
     alloc_req_slots(ctx.req_to_token_pool, reqs)
-    locs, rows, cols = [], [], []
-    for req, ext in zip(reqs, extend_lens, strict=True):
+    page_size = ctx.allocator.page_size
+    locs, rows, cols, table_locs = [], [], [], []
+    with_prefix = False
+    for req, ext, new_slot in zip(reqs, extend_lens, fresh, strict=True):
         assert req.req_pool_idx is not None
         start = req.num_computed_tokens
         _grow_pages(ctx.allocator, req, start + ext)
-        locs.append(_token_slots(req, start, start + ext, ctx.allocator.page_size))
-        rows.append(torch.full((ext,), req.req_pool_idx, dtype=torch.int64))
-        cols.append(torch.arange(start, start + ext, dtype=torch.int64))
+        loc = _token_slots(req, start, start + ext, page_size)
+        locs.append(loc)
+        first = 0 if new_slot else start  # a new row needs its cached prefix written too
+        if first < start:
+            with_prefix = True
+            table_locs.append(_token_slots(req, first, start, page_size))
+        table_locs.append(loc)
+        rows.append(torch.full((start + ext - first,), req.req_pool_idx, dtype=torch.int64))
+        cols.append(torch.arange(first, start + ext, dtype=torch.int64))
     out_cache_loc_cpu = torch.cat(locs) if locs else torch.empty(0, dtype=torch.int64)
     req_pool_indices_cpu = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
     stream = ctx.stream
     out_cache_loc = stream.upload(out_cache_loc_cpu)
     if locs:
+        table = stream.upload(torch.cat(table_locs)) if with_prefix else out_cache_loc
         _write_req_to_token(
-            ctx, stream.upload(torch.cat(rows)), stream.upload(torch.cat(cols)), out_cache_loc
+            ctx, stream.upload(torch.cat(rows)), stream.upload(torch.cat(cols)), table
         )
     return out_cache_loc, stream.upload(req_pool_indices_cpu), req_pool_indices_cpu
 
@@ -137,13 +150,51 @@ def _write_req_to_token(
 
 
 def free_req_memory(pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, req: Req) -> None:
-    """Return a request's slot and KV pages. Idempotent: overlap may free a request twice."""
+    """Return a request's slot and KV pages. Idempotent: overlap may free a request twice.
+
+    Only for a request that holds nothing of the prefix cache (see `release_req_memory`).
+    """
+    assert req.cache_node is None, "a request with a cached prefix is released by the cache"
+    release_req_memory(pool, allocator, None, req, 0)
+
+
+def release_req_memory(
+    pool: ReqToTokenPool,
+    allocator: TokenToKVPoolAllocator,
+    cache: RadixCache | None,
+    req: Req,
+    cache_tokens: int,
+) -> TreeNode | None:
+    """Return the slot and the pages `req` owns; its cached prefix stays with the cache.
+
+    With a cache, the whole pages of its first `cache_tokens` tokens (prompt and outputs) are
+    inserted first, so they stay cached; where the tree already held the same tokens under
+    other pages, the request's copies are freed. A partial last page is freed. Returns the
+    node the request had locked: the caller unlocks it, now or once no launched batch can
+    read it. Idempotent.
+    """
     if req.req_pool_idx is not None:
         pool.free(req.req_pool_idx)
-    if req.kv_pages:
-        allocator.free_pages(req.kv_pages)
+    pages, shared, node = req.kv_pages, req.cached_pages, req.cache_node
+    free = pages[shared:]
+    if cache is not None:
+        page_size = allocator.page_size
+        keep = min(cache_tokens // page_size, len(pages))
+        if keep > shared:
+            _, tree_pages = cache.insert(req.fill_slice(0, keep * page_size), pages[:keep])
+            free = [
+                p
+                for p, t in zip(pages[shared:keep], tree_pages[shared:keep], strict=True)
+                if p != t
+            ]
+            free += pages[keep:]
+    if free:
+        allocator.free_pages(free)
     req.req_pool_idx = None
     req.kv_pages = []
+    req.cache_node = None
+    req.cached_pages = 0
+    return node
 
 
 def import_prebuilt_kv(

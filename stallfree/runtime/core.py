@@ -31,9 +31,10 @@ from stallfree.runtime.model_runner import ModelRunner
 from stallfree.runtime.observer import ObserverFanout
 from stallfree.runtime.output_processor import OutputProcessor
 from stallfree.runtime.plugins import load_sparse_attention_plugin
+from stallfree.runtime.radix_cache import PrefixCacheConfigError, RadixCache
 from stallfree.runtime.sampler import Sampler
 from stallfree.runtime.scheduler import Scheduler
-from stallfree.runtime.stats import ActivityClock, EngineSnapshot, PoolUsage
+from stallfree.runtime.stats import ActivityClock, EngineCounters, EngineSnapshot, PoolUsage
 from stallfree.runtime.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -57,11 +58,15 @@ class EngineCore:
 
     def pool_usage(self) -> PoolUsage:
         pool, allocator = self.ctx.req_to_token_pool, self.ctx.allocator
+        cache = self.scheduler.cache
+        page_size = allocator.page_size
         return PoolUsage(
             req_slots_free=pool.available_size(),
             req_slots_total=pool.size,
-            kv_tokens_free=allocator.available_size(),
+            kv_tokens_free=allocator.free_page_count() * page_size,
             kv_tokens_total=allocator.size,
+            kv_tokens_cached=cache.cached_pages * page_size if cache is not None else 0,
+            kv_tokens_evictable=cache.evictable_pages() * page_size if cache is not None else 0,
         )
 
     def snapshot(self) -> EngineSnapshot:
@@ -112,8 +117,26 @@ def auto_stream_threads(arch: ModelArchConfig) -> int:
     return max(1, os.cpu_count() or 1)
 
 
+def prefix_caching_enabled(config: StallfreeConfig) -> bool:
+    """`cache.prefix_caching`, or its default: on, unless HiSparse is enabled.
+
+    HiSparse keeps per-request host copies and device buffers of every token's KV, which a
+    shared page would not have; asking for both is a configuration error.
+    """
+    wanted = config.cache.prefix_caching
+    if wanted is None:
+        return not config.hisparse.enabled
+    if wanted and config.hisparse.enabled:
+        raise PrefixCacheConfigError(
+            "cache.prefix_caching and hisparse.enabled cannot both be on: HiSparse keeps "
+            "per-request copies of the KV that shared cached pages would not have; turn one off"
+        )
+    return wanted
+
+
 def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None) -> EngineCore:
     """Load the model and build pools, stream, scheduler, runner and loop for `config`."""
+    prefix_caching = prefix_caching_enabled(config)  # NOTE: before anything is loaded
     observers = observers if observers is not None else ObserverFanout()
     activity = ActivityClock()
     observers.observers.append(activity)
@@ -155,12 +178,19 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
     if sparse_plugin is not None:
         ctx.sparse = sparse_plugin.install(config.hisparse, arch, ctx, loaded.model)
     output = OutputProcessor(tokenizer, observers)
+    counters = EngineCounters()
+    cache = None
+    if prefix_caching:
+        cache = RadixCache(ctx.allocator, counters)
+        ctx.allocator.evictor = cache
     scheduler = Scheduler(
         config=config.scheduler,
         ctx=ctx,
         max_running_requests=slots,
         output=output,
         observer=observers,
+        stats=counters,
+        cache=cache,
     )
     faults = FaultInjector(config.faults) if config.faults.enabled else None
     runner = ModelRunner(loaded.model, ctx, Sampler(config.model.seed, device), faults=faults)

@@ -438,6 +438,16 @@ class Engine:
     def pool_usage(self) -> PoolUsage:
         return self.core.pool_usage()
 
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache, returning its pages to the pool (SGLang's `/flush_cache`).
+
+        Refused (False) while any request is queued or running, or memory is still to be
+        released; True when done, or when prefix caching is off (nothing to flush).
+        """
+        if self._state == "running":
+            self._check_caller()
+        return self.core.scheduler.flush_cache()
+
     async def wait_idle(self) -> None:
         """Wait until no request is queued or running and deferred frees are released.
 
@@ -445,7 +455,7 @@ class Engine:
         running (never started, shut down, or dead) while work remains.
         """
         scheduler = self.core.scheduler
-        while scheduler.has_work() or scheduler.pending_frees:
+        while scheduler.has_work() or scheduler.pending_frees or scheduler.pending_unlocks:
             self._raise_if_loop_dead()
             await asyncio.sleep(0.005)
 

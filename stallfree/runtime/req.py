@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from stallfree.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from stallfree.runtime.radix_cache import TreeNode
 
 
 class FinishReason(str, enum.Enum):
@@ -36,6 +40,11 @@ class Req:
     # memory: host-owned allocation
     req_pool_idx: int | None = None
     kv_pages: list[int] = field(default_factory=list)
+    # prefix cache: the first `cached_pages` of `kv_pages` are the tree's, locked at `cache_node`
+    # (shared, never freed by this request); the rest are the request's own
+    cache_node: TreeNode | None = None
+    cached_pages: int = 0
+    cached_tokens: int = 0  # tokens its last admission found cached (0 without the cache)
     # progress
     num_computed_tokens: int = 0  # tokens whose KV is written or enqueued
     num_scheduled_outputs: int = 0  # outputs sampled or in flight
@@ -84,9 +93,16 @@ class Req:
             self.finish_message = message
             self.status = ReqStatus.FINISHED
 
+    @property
+    def owned_pages(self) -> int:
+        """KV pages that are this request's alone: freeing it returns them to the pool."""
+        return len(self.kv_pages) - self.cached_pages
+
     def reset_for_retract(self) -> None:
         self.req_pool_idx = None
         self.kv_pages = []
+        self.cache_node = None
+        self.cached_pages = 0
         self.num_computed_tokens = 0
         self.num_retractions += 1
         self.status = ReqStatus.WAITING

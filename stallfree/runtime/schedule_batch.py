@@ -426,7 +426,7 @@ class ScheduleBatch:
                 break
             keep.discard(i)
             retracted.append(self.reqs[i])
-            available += len(self.reqs[i].kv_pages)
+            available += self.reqs[i].owned_pages  # its cached prefix stays locked a while
             needed -= needs[i]
         if retracted:
             self.filter_batch(sorted(keep))

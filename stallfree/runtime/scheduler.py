@@ -2,6 +2,11 @@
 
 Nothing here reads a device tensor when `cpu_mirrors` is on. `get_next_batch` builds batch N+1
 while batch N may still be running; `process_result` applies batch N's tokens afterwards.
+
+With a prefix cache (`cache`), admission starts a request after its longest cached prefix, and
+the cache takes a request's pages at two points, both once the step that computed them is
+known to have succeeded: when an extend batch is processed (the whole pages it computed), and
+when a finished request's memory is released (prompt and outputs).
 """
 
 from __future__ import annotations
@@ -17,18 +22,31 @@ import torch
 from stallfree.config import SchedulerConfig
 from stallfree.runtime.alloc import (
     decode_pages_needed,
-    free_req_memory,
     new_pages_needed,
     pages_for,
+    release_req_memory,
 )
 from stallfree.runtime.context import BatchContext
 from stallfree.runtime.observer import EngineObserver
 from stallfree.runtime.output_processor import OutputProcessor
+from stallfree.runtime.radix_cache import RadixCache, TreeNode
 from stallfree.runtime.req import FinishReason, Req, ReqStatus
 from stallfree.runtime.schedule_batch import ScheduleBatch
 from stallfree.runtime.stats import EngineCounters
 
 logger = logging.getLogger(__name__)
+
+# A waiting request that shares at least this many more tokens with a prefill in flight (or in
+# the batch being built) than with the cache waits until that prefill is cached, rather than
+# compute the same tokens again.
+DEFER_SHARED_TOKENS = 32
+# lpm sorts the waiting queue by cached prefix; past this many waiting it falls back to fcfs.
+LPM_MAX_QUEUE = 128
+
+
+def _tokens(req: Req, n: int) -> list[int]:
+    """A list whose first `n` tokens are `req`'s prompt and outputs (no copy when it can)."""
+    return req.origin_input_ids if n <= len(req.origin_input_ids) else req.fill_slice(0, n)
 
 
 def describe_reqs(reqs: list[Req], limit: int = 8) -> str:
@@ -57,6 +75,14 @@ class Scheduler:
     # the requests of the batch being built and launched, until it is launched; if building or
     # launching raises, these are the requests that fail (`fail_unlaunched`)
     building: list[Req] | None = None
+    cache: RadixCache | None = None
+    # nodes a retracted request had locked, unlocked once the batch in flight is processed
+    pending_unlocks: list[tuple[int, TreeNode]] = field(default_factory=list)
+    # per launched extend batch: (request, its length after the batch, its retraction count);
+    # the cache takes those pages once the batch is processed without failing
+    cache_records: dict[int, list[tuple[Req, int, int]]] = field(default_factory=dict)
+    _building_records: list[tuple[Req, int, int]] | None = None
+    _step_ok: bool = False
 
     def __post_init__(self) -> None:
         self.running_batch = ScheduleBatch.init_new([], self.ctx)
@@ -101,6 +127,7 @@ class Scheduler:
 
     def get_next_batch(self) -> ScheduleBatch | None:
         self.building = None
+        self._building_records = None
         with self.ctx.monitor.schedule_path():
             self._merge_last_extend()
             self._filter_running()
@@ -114,8 +141,8 @@ class Scheduler:
             if running.is_empty():
                 return None
             self.building = list(running.reqs)
-            seq_lens_host = self._make_room_for_decode(running)
-            if running.is_empty():
+            seq_lens_host, ready = self._make_room_for_decode(running)
+            if running.is_empty() or not ready:
                 return None
             self.building = list(running.reqs)
             running.prepare_for_decode(seq_lens_host)
@@ -200,6 +227,11 @@ class Scheduler:
                 self.chunked_req = None
 
         running = self.num_running - (chunked is not None)
+        cache = self.cache
+        lpm = cache is not None and self.config.policy == "lpm"
+        if lpm and self.chunked_req is None:
+            self._order_lpm()
+        deferred: list[Req] = []  # lpm: skipped this round, back at the head afterwards
         while self.waiting and budget > 0 and self.chunked_req is None:
             req = self.waiting[0]
             if req.finished:
@@ -212,7 +244,21 @@ class Scheduler:
                 break
             if free_slots <= 0:
                 break
-            remaining = req.fill_len
+            cached_pages: list[int] = []
+            node: TreeNode | None = None
+            locked = 0
+            if cache is not None:
+                cached_pages, node = cache.match_prefix(self._matchable(req))
+                if self._shares_with_prefill(req, len(cached_pages) * page_size, reqs, lens):
+                    if not lpm:
+                        break  # fcfs: the head waits one step for the prefix to be cached
+                    deferred.append(self.waiting.popleft())
+                    continue
+                if cached_pages:
+                    locked = cache.lock(node)
+                    free_tokens -= locked * page_size  # locked pages are no longer evictable
+            cached = len(cached_pages) * page_size
+            remaining = req.fill_len - cached
             ext = min(remaining, self.config.chunked_prefill_size, budget)
             # NOTE: at most what the request can ever use: its outputs are capped by the context
             reserve = math.ceil(
@@ -221,11 +267,20 @@ class Scheduler:
             cost = pages_for(ext, page_size) * page_size + reserve
             alone = not reqs and running == 0
             if cost > free_tokens:
-                if alone and self._can_never_fit(req):
-                    self.waiting.popleft()
-                    self._finish(req, FinishReason.ERROR, "request does not fit in the KV cache")
-                    continue
-                if not (alone and pages_for(ext, page_size) <= allocator.available_pages()):
+                never = alone and self._can_never_fit(req)
+                if never or not (
+                    alone and pages_for(ext, page_size) <= allocator.available_pages()
+                ):
+                    if cache is not None and cached_pages:
+                        assert node is not None
+                        cache.unlock(node)
+                        free_tokens += locked * page_size
+                    if never:
+                        self.waiting.popleft()
+                        self._finish(
+                            req, FinishReason.ERROR, "request does not fit in the KV cache"
+                        )
+                        continue
                     break
             self.waiting.popleft()
             req.status = ReqStatus.RUNNING
@@ -233,6 +288,15 @@ class Scheduler:
                 req.first_scheduled_time = time.perf_counter()
                 self.stats.prompt_tokens += len(req.origin_input_ids)
                 self.observer.on_request_scheduled(req)
+            if cache is not None:
+                self.stats.prefix_cache_queries += req.fill_len
+                self.stats.prefix_cache_hits += cached
+                req.cached_tokens = cached
+                if cached_pages:
+                    req.kv_pages = cached_pages
+                    req.cache_node = node
+                    req.cached_pages = len(cached_pages)
+                    req.num_computed_tokens = cached
             reqs.append(req)
             lens.append(ext)
             budget -= ext
@@ -240,49 +304,185 @@ class Scheduler:
             free_slots -= 1
             if ext < remaining:
                 self.chunked_req = req
+        if deferred:
+            self.waiting.extendleft(reversed(deferred))
 
         if not reqs:
             return None
         batch = ScheduleBatch.init_new(reqs, self.ctx)
         batch.prepare_for_extend(lens)
         self.stats.prefill_tokens += sum(lens)
+        if cache is not None:
+            ends = batch.seq_lens_cpu.tolist()
+            self._building_records = [
+                (r, end, r.num_retractions) for r, end in zip(batch.reqs, ends, strict=True)
+            ]
         return batch
+
+    # ------------------------------------------------------------------ prefix cache
+
+    @staticmethod
+    def _matchable(req: Req) -> list[int]:
+        """The tokens a cached prefix may cover: all but the last, whose logits are needed."""
+        return req.fill_slice(0, req.fill_len - 1)
+
+    def _shares_with_prefill(self, req: Req, cached: int, reqs: list[Req], lens: list[int]) -> bool:
+        """Whether `req` shares `DEFER_SHARED_TOKENS` more tokens than `cached` with a prefill
+        that is in flight or in this batch: its pages reach the cache once that batch is
+        processed, so waiting a step saves computing them twice."""
+        need = max(DEFER_SHARED_TOKENS, self.ctx.allocator.page_size)
+        upto = cached + need
+        if req.fill_len - 1 < upto:
+            return False
+        mine = _tokens(req, upto)
+        head = mine[cached:upto]
+        others = [(r, r.num_computed_tokens + n) for r, n in zip(reqs, lens, strict=True)]
+        for records in self.cache_records.values():
+            others.extend((r, end) for r, end, _ in records)
+        for other, end in others:
+            if other is req or end < upto:
+                continue
+            theirs = _tokens(other, upto)
+            if theirs[cached:upto] == head and theirs[:cached] == mine[:cached]:
+                return True
+        return False
+
+    def _order_lpm(self) -> None:
+        """lpm: the waiting queue by longest cached prefix, after requests that ran before
+        (retracted) and requests waiting past `lpm_max_wait_s` (starvation), both by arrival."""
+        assert self.cache is not None
+        live = [r for r in self.waiting if not r.finished]
+        self.waiting.clear()
+        self.stale_waiting = 0
+        if len(live) <= LPM_MAX_QUEUE:
+            now = time.perf_counter()
+            max_wait = self.config.lpm_max_wait_s
+            cache = self.cache
+
+            def key(item: tuple[int, Req]) -> tuple[int, int, int]:
+                i, r = item
+                if r.first_scheduled_time is not None:
+                    return (0, 0, i)
+                if now - r.arrival_time > max_wait:
+                    return (1, 0, i)
+                return (2, -cache.match_len(self._matchable(r)), i)
+
+            live = [r for _, r in sorted(enumerate(live), key=key)]
+        self.waiting.extend(live)
+
+    def _cache_prefill(self, req: Req, end: int, retractions: int) -> None:
+        """An extend batch was processed: the cache takes the whole pages `req` now has up to
+        `end`, and the request's lock moves to where they end."""
+        cache = self.cache
+        assert cache is not None
+        if (
+            req.num_retractions != retractions
+            or req.req_pool_idx is None
+            or req.finished_reason is FinishReason.ERROR
+        ):
+            return  # its pages changed hands since, or their content is in doubt
+        page_size = cache.page_size
+        keep = min(end // page_size, len(req.kv_pages))
+        shared = req.cached_pages
+        if keep <= shared:
+            return
+        tokens = req.fill_slice(0, keep * page_size)
+        if cache.match_len(tokens) > shared * page_size:
+            # another request cached some of these tokens first: its copy stays, and this
+            # request keeps its own pages until it finishes (its table row points at them)
+            return
+        node, _ = cache.insert(tokens, req.kv_pages[:keep])
+        cache.lock(node)
+        if req.cache_node is not None:
+            cache.unlock(req.cache_node)
+        req.cache_node = node
+        req.cached_pages = keep
+
+    def _cacheable_tokens(self, req: Req) -> int:
+        """Tokens of a finished request whose KV the cache may take at release.
+
+        Only a request that finished through a token it accepted (stop or length): every step
+        before that token succeeded. The last token's KV is left out: at most the batch that
+        was in flight computed it, and that batch may have failed.
+        """
+        if self.cache is None or req.finished_reason not in (
+            FinishReason.STOP,
+            FinishReason.LENGTH,
+        ):
+            return 0
+        return min(req.num_computed_tokens, req.fill_len - 1)
+
+    def _release(self, req: Req, cache_tokens: int) -> TreeNode | None:
+        ctx = self.ctx
+        return release_req_memory(
+            ctx.req_to_token_pool, ctx.allocator, self.cache, req, cache_tokens
+        )
+
+    def _unlock_after_in_flight(self, node: TreeNode) -> None:
+        assert self.cache is not None
+        if self.processed_seq >= self.launch_seq:
+            self.cache.unlock(node)
+        else:
+            self.pending_unlocks.append((self.launch_seq, node))
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache. Refused (False) unless the engine is idle."""
+        if self.cache is None:
+            return True
+        if self._all_reqs() or self.pending_frees or self.pending_unlocks:
+            return False
+        self.cache_records.clear()
+        return self.cache.flush()
 
     def _can_never_fit(self, req: Req) -> bool:
         allocator = self.ctx.allocator
         return pages_for(req.fill_len + 1, allocator.page_size) > allocator.num_pages
 
-    def _make_room_for_decode(self, running: ScheduleBatch) -> torch.Tensor | None:
-        """Retract until one decode step fits. Returns the lengths read, if the batch kept them."""
+    def _make_room_for_decode(self, running: ScheduleBatch) -> tuple[torch.Tensor | None, bool]:
+        """Retract until one decode step fits (evicting unused cached pages comes first: they
+        count as available). Returns the lengths read, if the batch kept them, and whether a
+        step can be built now."""
         allocator = self.ctx.allocator
         seq_lens_host = running.host_seq_lens("schedule.page_count")
         if decode_pages_needed(seq_lens_host, allocator.page_size) <= allocator.available_pages():
-            return seq_lens_host
+            return seq_lens_host, True
         retracted, fits = running.retract_decode()
         for req in reversed(retracted):
-            # NOTE: freed at once, not deferred: the launched batch reads these slots before any
-            # later batch can write them, because both are ordered on the same stream.
-            free_req_memory(self.ctx.req_to_token_pool, allocator, req)
+            # NOTE: its own pages are freed at once, not deferred: the launched batch reads them
+            # before any later batch can write them, because both are ordered on the same
+            # stream. Cached pages it shared stay locked until the batch in flight is processed.
+            node = self._release(req, 0)
+            if node is not None:
+                self._unlock_after_in_flight(node)
             if self.ctx.sparse is not None:
                 self.ctx.sparse.request_retracted(req)
             req.reset_for_retract()
             self.waiting.appendleft(req)
             self.stats.retractions += 1
         if not fits:
+            if self.processed_seq < self.launch_seq:
+                # NOTE: processing the batch in flight may free what is missing (requests that
+                # finish with it, deferred frees, cached pages a retracted request still locks);
+                # only with nothing in flight is the last request truly too big
+                return None, False
             victim = running.reqs[0]
             running.filter_batch([])
             self._finish(victim, FinishReason.ERROR, "KV cache too small for this request")
-        return None
+        return None, True
 
     # ------------------------------------------------------------------ results
 
     def on_launched(self) -> int:
         self.launch_seq += 1
+        if self._building_records is not None:
+            self.cache_records[self.launch_seq] = self._building_records
+            self._building_records = None
         return self.launch_seq
 
     def process_tokens(
         self, batch_reqs: list[Req], output_rows: list[bool], token_ids: list[int]
     ) -> None:
+        self._step_ok = True  # the batch's step succeeded (see `on_processed`)
         now = time.perf_counter()
         for req, real, tok in zip(batch_reqs, output_rows, token_ids, strict=True):
             if not real or req.finished:
@@ -374,14 +574,36 @@ class Scheduler:
         self.output.on_finish(req)
 
     def on_processed(self, seq: int) -> None:
+        """Batch `seq` was processed: its tokens applied (`process_tokens`) or its step failed."""
+        ok, self._step_ok = self._step_ok, False
         self.processed_seq = max(self.processed_seq, seq)
+        if self.cache_records:
+            for tag in [t for t in self.cache_records if t <= seq]:
+                records = self.cache_records.pop(tag)
+                if ok and tag == seq:
+                    for req, end, retractions in records:
+                        self._cache_prefill(req, end, retractions)
         self.release_deferred()
 
     def release_deferred(self, everything: bool = False) -> None:
+        if everything:
+            self.cache_records.clear()
+        if self.pending_unlocks:
+            assert self.cache is not None
+            still = []
+            for tag, node in self.pending_unlocks:
+                if everything or tag <= self.processed_seq:
+                    self.cache.unlock(node)
+                else:
+                    still.append((tag, node))
+            self.pending_unlocks = still
         keep = []
         for tag, req in self.pending_frees:
             if everything or tag <= self.processed_seq:
-                free_req_memory(self.ctx.req_to_token_pool, self.ctx.allocator, req)
+                locked = self._release(req, self._cacheable_tokens(req))
+                if locked is not None:
+                    assert self.cache is not None
+                    self.cache.unlock(locked)
                 if self.ctx.sparse is not None:
                     try:
                         self.ctx.sparse.request_finished(req)

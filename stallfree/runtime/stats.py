@@ -29,6 +29,11 @@ class EngineCounters:
     retractions: int = 0
     step_failures: int = 0  # launched steps that failed on the device
     launch_failures: int = 0  # batches whose building or launch raised (their requests failed)
+    # prefix cache, in tokens: what admissions looked up, what they found cached, what eviction
+    # gave back to the pool
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_evicted_tokens: int = 0
     schedule_seconds: float = 0.0  # host time to build and launch batches
     max_iteration_gap: float = 0.0  # longest loop iteration while work was pending
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
@@ -42,21 +47,39 @@ class EngineCounters:
 
 @dataclass(frozen=True, slots=True)
 class PoolUsage:
+    """Request slots and KV tokens. KV tokens are free, held by the prefix cache, or in use.
+
+    `kv_tokens_cached` are the tokens the prefix cache holds; `kv_tokens_evictable` are those of
+    them no request uses, which an allocation takes back on demand. So "nothing in use" is
+    `kv_tokens_free + kv_tokens_evictable == kv_tokens_total`, cache flushed or not.
+    """
+
     req_slots_free: int
     req_slots_total: int
-    kv_tokens_free: int
+    kv_tokens_free: int  # in the allocator's free list
     kv_tokens_total: int
+    kv_tokens_cached: int = 0
+    kv_tokens_evictable: int = 0
 
     @property
     def all_free(self) -> bool:
+        """No request holds a slot or a KV token (cached tokens nobody uses count as free)."""
         return (
             self.req_slots_free == self.req_slots_total
-            and self.kv_tokens_free == self.kv_tokens_total
+            and self.kv_tokens_free + self.kv_tokens_evictable == self.kv_tokens_total
         )
 
     @property
     def kv_usage(self) -> float:
-        return 1.0 - self.kv_tokens_free / self.kv_tokens_total if self.kv_tokens_total else 0.0
+        """Share of KV tokens requests use (not free, not evictable cache), 0 to 1."""
+        if not self.kv_tokens_total:
+            return 0.0
+        return 1.0 - (self.kv_tokens_free + self.kv_tokens_evictable) / self.kv_tokens_total
+
+    @property
+    def cache_usage(self) -> float:
+        """Share of KV tokens the prefix cache holds, locked or not, 0 to 1."""
+        return self.kv_tokens_cached / self.kv_tokens_total if self.kv_tokens_total else 0.0
 
 
 @dataclass(frozen=True, slots=True)
