@@ -178,6 +178,27 @@ class HFTokenizer(Tokenizer):
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         )
 
+    @classmethod
+    def from_raw(
+        cls,
+        raw: Any,
+        *,
+        bos_token: str = "",
+        eos_token: str = "",
+        chat_template: str | None = None,
+        eos_token_ids: list[int] | None = None,
+    ) -> HFTokenizer:
+        """Wraps a built `tokenizers.Tokenizer` (one read from a GGUF file, say)."""
+        self = cls.__new__(cls)
+        self._tok = raw
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_token_id = raw.token_to_id(bos_token) if bos_token else None
+        self.eos_token_ids = _merge_eos(raw, eos_token, eos_token_ids)
+        self.chat_template = chat_template
+        self.vocab_size = raw.get_vocab_size(with_added_tokens=True)
+        self._special = frozenset(i for i, t in raw.get_added_tokens_decoder().items() if t.special)
+        return self
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -225,6 +246,10 @@ def _chat_template(config: dict[str, Any], directory: Path) -> str | None:
 def load_tokenizer(path_or_preset: str, eos_token_ids: list[int] | None = None) -> Tokenizer:
     if path_or_preset in PRESETS:
         return ByteTokenizer()
+    if str(path_or_preset).lower().endswith(".gguf"):
+        from stallfree.runtime.model.gguf import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path_or_preset, eos_token_ids)
     return HFTokenizer(path_or_preset, eos_token_ids)
 
 

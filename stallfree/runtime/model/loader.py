@@ -1,4 +1,4 @@
-"""Hugging Face directory loading and seeded random presets."""
+"""Hugging Face directory and GGUF file loading, and seeded random presets."""
 
 from __future__ import annotations
 
@@ -55,15 +55,18 @@ class LoadedModel:
 
 
 def load_model(path_or_preset: str, dtype: str, device: torch.device, seed: int) -> LoadedModel:
-    """Load a Hugging Face model directory, or build a preset with seeded random weights."""
+    """Load a Hugging Face model directory or a .gguf file, or build a preset with seeded
+    random weights."""
     device = torch.device(device)
     if path_or_preset in PRESETS:
         return _load_preset(path_or_preset, dtype, device, seed)
     path = Path(path_or_preset)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return _load_gguf(path, dtype, device)
     if not path.is_dir():
         raise ModelLoadError(
-            f"model path {path_or_preset!r} does not exist; expected a Hugging Face directory "
-            f"or a preset: {', '.join(PRESETS)}"
+            f"model path {path_or_preset!r} does not exist; expected a Hugging Face directory, "
+            f"a .gguf file or a preset: {', '.join(PRESETS)}"
         )
     return _load_directory(path, dtype, device)
 
@@ -132,6 +135,24 @@ def _load_directory(path: Path, dtype: str, device: torch.device) -> LoadedModel
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device).eval()
     return LoadedModel(model=model, arch=arch, dtype=torch_dtype, path=str(path), name=path.name)
+
+
+def _load_gguf(path: Path, dtype: str, device: torch.device) -> LoadedModel:
+    from stallfree.runtime.model.gguf import read_gguf_checkpoint
+
+    ckpt = read_gguf_checkpoint(path)
+    torch_dtype = _resolve_dtype(dtype, "float32", device)  # dequantised weights are float32
+    model = LlamaForCausalLM(ckpt.arch, device=torch.device("meta"), dtype=torch_dtype)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    for key, tensor in ckpt.tensors.items():
+        _check_shape(key, tuple(tensor.shape), expected)
+    _check_complete(set(ckpt.tensors), set(expected))
+    state = {k: t.to(device=device, dtype=torch_dtype) for k, t in ckpt.tensors.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model = model.to(device).eval()
+    return LoadedModel(
+        model=model, arch=ckpt.arch, dtype=torch_dtype, path=str(path), name=path.stem
+    )
 
 
 def _read_safetensors(

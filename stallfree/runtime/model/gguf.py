@@ -1,0 +1,356 @@
+"""GGUF checkpoints of the Llama family: config, dequantised weights and tokenizer from one file.
+
+Weights are dequantised to float32 through the `gguf` library (`pip install 'stallfree[gguf]'`)
+and renamed to the Hugging Face names `LlamaForCausalLM` uses. llama.cpp's converter reorders
+the rows of each Q and K head for its interleaved RoPE; `_unpermute` restores the Hugging Face
+order, so the loaded model computes what transformers computes.
+
+The tokenizer is rebuilt from the `tokenizer.ggml.*` metadata as a `tokenizers.Tokenizer`
+(GPT-2 style byte-level BPE, as SmolLM2, Llama 3 and Qwen2 files describe it).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
+
+if TYPE_CHECKING:
+    from stallfree.runtime.tokenizer import HFTokenizer
+
+_INSTALL_HINT = "pip install 'stallfree[gguf]'"
+
+# llama.cpp's token types (tokenizer.ggml.token_type)
+_CONTROL = 3
+_USER_DEFINED = 4
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face parameter name (after "model.layers.N.")
+_LAYER_TENSORS = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# pre-tokenizer splits for the `tokenizer.ggml.pre` values whose merges were not learned on
+# GPT-2's own split (which ByteLevel applies when none is given)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+}
+
+
+def is_gguf_path(path: str | Path) -> bool:
+    return str(path).lower().endswith(".gguf")
+
+
+def _gguf_module(error: type[Exception]) -> Any:
+    try:
+        import gguf
+    except ImportError as e:
+        raise error(f"loading a .gguf file needs the gguf package: {_INSTALL_HINT}") from e
+    return gguf
+
+
+@dataclass(slots=True)
+class GGUFCheckpoint:
+    arch: ModelArchConfig
+    tensors: dict[str, torch.Tensor]  # HF names, float32, on the host
+    name: str
+
+
+class _Metadata:
+    """The key/value fields of one GGUF file, read lazily."""
+
+    def __init__(self, reader: Any, path: Path, error: type[Exception]) -> None:
+        self._reader = reader
+        self._path = path
+        self._error = error
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._reader.fields.get(key)
+        if field is None:
+            return default
+        return field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise self._error(f"{self._path}: GGUF metadata has no {key!r}")
+        return value
+
+
+def _open(path: Path, error: type[Exception]) -> tuple[Any, _Metadata]:
+    gguf = _gguf_module(error)
+    if not path.is_file():
+        raise error(f"GGUF file {str(path)!r} does not exist")
+    stat = path.stat()
+    try:
+        reader = _cached_reader(gguf, str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    except Exception as e:
+        raise error(f"cannot read GGUF file {str(path)!r}: {e}") from e
+    return reader, _Metadata(reader, path, error)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_reader(gguf: Any, path: str, mtime_ns: int, size: int) -> Any:
+    """Parsing the metadata takes seconds for a large vocabulary; the model and the tokenizer
+    are loaded one after the other from the same file, so the last reader is kept."""
+    return gguf.GGUFReader(path)
+
+
+# ---------------------------------------------------------------------------- model
+
+
+def read_gguf_checkpoint(path: str | Path) -> GGUFCheckpoint:
+    """The architecture and the dequantised float32 tensors (HF names) of a Llama GGUF."""
+    path = Path(path)
+    reader, meta = _open(path, ModelLoadError)
+    arch = gguf_arch_config(
+        meta, path, has_output=_find_tensor(reader, "output.weight") is not None
+    )
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        hf_name = _hf_name(tensor.name, arch)
+        if hf_name is None:
+            continue
+        weight = _dequantize(tensor)
+        if tensor.name.endswith("attn_q.weight"):
+            weight = _unpermute(weight, arch.num_heads)
+        elif tensor.name.endswith("attn_k.weight"):
+            weight = _unpermute(weight, arch.num_kv_heads)
+        tensors[hf_name] = weight
+    name = str(meta.get("general.name") or path.stem)
+    return GGUFCheckpoint(arch=arch, tensors=tensors, name=name)
+
+
+def _find_tensor(reader: Any, name: str) -> Any:
+    return next((t for t in reader.tensors if t.name == name), None)
+
+
+def gguf_arch_config(meta: _Metadata, path: Path, *, has_output: bool) -> ModelArchConfig:
+    family = meta.require("general.architecture")
+    if family != "llama":
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {family!r}; supported: llama")
+
+    def key(name: str) -> Any:
+        return meta.require(f"{family}.{name}")
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    head_dim = int(meta.get(f"{family}.attention.key_length") or hidden // heads)
+    rope_dim = meta.get(f"{family}.rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise ModelLoadError(f"{path}: partial rotary embeddings ({rope_dim} of {head_dim})")
+    tokens = meta.require("tokenizer.ggml.tokens")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos_ids = [
+        int(i)
+        for i in (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
+        if i is not None
+    ]
+    return ModelArchConfig(
+        # the token list is padded to the embedding's rows ([PAD<i>] entries)
+        vocab_size=int(meta.get(f"{family}.vocab_size") or len(tokens)),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(meta.get(f"{family}.attention.head_count_kv") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get(f"{family}.rope.freq_base") or 10000.0),
+        rope_scaling=_rope_scaling(meta, family, path),
+        max_position_embeddings=int(meta.get(f"{family}.context_length") or 2048),
+        tie_word_embeddings=not has_output,
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=list(dict.fromkeys(eos_ids)),
+        architecture="LlamaForCausalLM",
+    )
+
+
+def _rope_scaling(meta: _Metadata, family: str, path: Path) -> dict[str, Any] | None:
+    kind = meta.get(f"{family}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {
+            "rope_type": "linear",
+            "factor": float(meta.require(f"{family}.rope.scaling.factor")),
+        }
+    raise ModelLoadError(f"{path}: unsupported GGUF rope scaling {kind!r}; supported: linear")
+
+
+def _hf_name(gguf_name: str, arch: ModelArchConfig) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    if gguf_name == "rope_freqs.weight":
+        # Llama 3.1+ frequency factors: ModelArchConfig cannot express them yet
+        raise ModelLoadError("GGUF rope_freqs (Llama 3.1 rope scaling) is not supported yet")
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{int(parts[1])}.{_LAYER_TENSORS[parts[2]]}"
+    raise ModelLoadError(f"unexpected tensor in GGUF checkpoint: {gguf_name}")
+
+
+def _dequantize(tensor: Any) -> torch.Tensor:
+    """Float32 in the row-major shape torch wants (GGUF lists dimensions innermost first)."""
+    from gguf.quants import dequantize
+
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise ModelLoadError(
+            f"GGUF tensor {tensor.name}: cannot dequantise {tensor.tensor_type.name}: {e}"
+        ) from e
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    # a copy: the reader's arrays are read-only views of the memory-mapped file
+    array = np.array(array, dtype=np.float32, copy=True).reshape(shape)
+    return torch.from_numpy(array)
+
+
+def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order.
+
+    Hugging Face rotates the two halves of each head (`rotate_half`); llama.cpp rotates adjacent
+    pairs, so its converter moves row `h*d + i` (first half) to `h*d + 2i` and row
+    `h*d + d/2 + i` to `h*d + 2i + 1`. Read back: rows of a head as [d/2, 2] -> [2, d/2].
+    """
+    rows = weight.shape[0]
+    half = rows // n_head // 2
+    return (
+        weight.reshape(n_head, half, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+        .contiguous()
+    )
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+
+def load_gguf_tokenizer(path: str | Path, eos_token_ids: list[int] | None = None) -> HFTokenizer:
+    """The GGUF's tokenizer as an `HFTokenizer`, tokenising as transformers does from the file."""
+    from stallfree.runtime.tokenizer import HFTokenizer, TokenizerLoadError
+
+    path = Path(path)
+    _, meta = _open(path, TokenizerLoadError)
+    kind = meta.require("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise TokenizerLoadError(
+            f"{path}: unsupported GGUF tokenizer {kind!r}; supported: gpt2 (byte-level BPE)"
+        )
+    tokens = [str(t) for t in meta.require("tokenizer.ggml.tokens")]
+    raw = _byte_level_bpe(meta, tokens)
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    eos_id = meta.get("tokenizer.ggml.eos_token_id")
+    bos = tokens[int(bos_id)] if bos_id is not None else ""
+    eos = tokens[int(eos_id)] if eos_id is not None else ""
+    if bos and meta.get("tokenizer.ggml.add_bos_token", False):
+        from tokenizers import processors
+
+        raw.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))]
+        )
+    template = meta.get("tokenizer.chat_template")
+    return HFTokenizer.from_raw(
+        raw,
+        bos_token=bos,
+        eos_token=eos,
+        chat_template=str(template) if template else None,
+        eos_token_ids=eos_token_ids,
+    )
+
+
+def _byte_spelling() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte, which byte-level vocabularies are written in."""
+    direct = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    spelling = {b: chr(b) for b in direct}
+    shifted = 0
+    for b in range(256):
+        if b not in spelling:
+            spelling[b] = chr(0x100 + shifted)
+            shifted += 1
+    return spelling
+
+
+def _byte_level_bpe(meta: _Metadata, tokens: list[str]) -> Any:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    spelling = _byte_spelling()
+    alphabet = set(spelling.values())
+
+    def spelled(token: str) -> str:
+        # added tokens may be stored as plain text; the BPE vocabulary holds byte spellings
+        if set(token) <= alphabet:
+            return token
+        return "".join(spelling[b] for b in token.encode("utf-8"))
+
+    vocab = {spelled(t): i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in (meta.get("tokenizer.ggml.merges") or [])]
+    raw = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    split = _PRE_SPLITS.get(str(meta.get("tokenizer.ggml.pre") or ""))
+    if split is None:
+        raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        raw.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    raw.decoder = decoders.ByteLevel()
+    types = list(meta.get("tokenizer.ggml.token_type") or [])
+    # control tokens whole and special; one spelled outside the byte alphabet is a mislabel
+    # that would grow the vocabulary, so it stays a plain vocabulary entry
+    control = [
+        AddedToken(t, normalized=False, special=True)
+        for t, kind in zip(tokens, types, strict=False)
+        if kind == _CONTROL and set(t) <= alphabet
+    ]
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, kind in zip(tokens, types, strict=False)
+        if kind == _USER_DEFINED and t in vocab
+    ]
+    if control:
+        raw.add_special_tokens(control)
+    if user:
+        raw.add_tokens(user)
+    return raw
