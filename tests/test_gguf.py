@@ -164,6 +164,60 @@ def test_gguf_add_bos_token_adds_bos_once(synthetic: tuple[Path, Path], tmp_path
     assert tok.encode_chat([{"role": "user", "content": "Hi"}])[:2] == [256, 60]
 
 
+def _write_sentencepiece_gguf(path: Path, *, prefix_space: bool | None) -> Path:
+    """Only a Llama-2-style tokenizer: specials, byte tokens, scored pieces, no merges."""
+    pieces = ["\u2581", "H", "e", "l", "o", "w", "r", "d", ",", "!", "\u2581H", "el", "lo", "ll"]
+    pieces += ["\u2581Hel", "llo", "\u2581Hello", "\u2581w", "or", "\u2581wor", "ld", "\u2581world"]
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *pieces]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(pieces)]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if prefix_space is not None:
+        writer.add_add_space_prefix(prefix_space)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("prefix_space", [None, True])
+def test_sentencepiece_gguf_tokenizer_matches_transformers(
+    tmp_path: Path, prefix_space: bool | None
+) -> None:
+    from transformers import AutoTokenizer
+
+    path = _write_sentencepiece_gguf(tmp_path / "sp.gguf", prefix_space=prefix_space)
+    tok = load_tokenizer(str(path))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == [2]
+    for text in [
+        "Hello, world!",
+        "Hello world",
+        " Hello  w\u00f6rld! \u4f60\u597d",
+        "<s>Hello</s>",
+    ]:
+        ids = tok.encode(text)
+        assert ids == hf(text).input_ids, text
+        assert ids[0] == 1  # BOS: llama.cpp's default for a sentencepiece vocabulary
+        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+
+
+def test_sentencepiece_gguf_without_space_prefix(tmp_path: Path) -> None:
+    # NOTE: as llama.cpp reads the flag; transformers ignores it and always prepends the space
+    tok = load_tokenizer(str(_write_sentencepiece_gguf(tmp_path / "sp.gguf", prefix_space=False)))
+    ids = tok.encode("Hello world")
+    assert [tok._tok.id_to_token(i) for i in ids] == ["<s>", "H", "el", "lo", "\u2581world"]
+    assert tok.decode(tok.encode("Hello world")) == "Hello world"
+
+
 def test_missing_gguf_package_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import builtins
 

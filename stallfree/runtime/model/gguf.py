@@ -6,7 +6,8 @@ the rows of each Q and K head for its interleaved RoPE; `_unpermute` restores th
 order, so the loaded model computes what transformers computes.
 
 The tokenizer is rebuilt from the `tokenizer.ggml.*` metadata as a `tokenizers.Tokenizer`
-(GPT-2 style byte-level BPE, as SmolLM2, Llama 3 and Qwen2 files describe it).
+(GPT-2 style byte-level BPE, as SmolLM2, Llama 3 and Qwen2 files describe it; or sentencepiece
+BPE with byte fallback, as Llama 2, TinyLlama and Mistral files do).
 """
 
 from __future__ import annotations
@@ -264,21 +265,34 @@ def load_gguf_tokenizer(path: str | Path, eos_token_ids: list[int] | None = None
     path = Path(path)
     _, meta = _open(path, TokenizerLoadError)
     kind = meta.require("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise TokenizerLoadError(
-            f"{path}: unsupported GGUF tokenizer {kind!r}; supported: gpt2 (byte-level BPE)"
-        )
     tokens = [str(t) for t in meta.require("tokenizer.ggml.tokens")]
-    raw = _byte_level_bpe(meta, tokens)
+    if kind == "gpt2":
+        raw = _byte_level_bpe(meta, tokens)
+        add_bos_default = False
+    elif kind == "llama":
+        raw = _sentencepiece_bpe(meta, tokens)
+        add_bos_default = True  # llama.cpp adds BOS to a sentencepiece vocabulary by default
+    else:
+        raise TokenizerLoadError(
+            f"{path}: unsupported GGUF tokenizer {kind!r}; supported: gpt2 (byte-level BPE), "
+            "llama (sentencepiece BPE)"
+        )
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     eos_id = meta.get("tokenizer.ggml.eos_token_id")
     bos = tokens[int(bos_id)] if bos_id is not None else ""
     eos = tokens[int(eos_id)] if eos_id is not None else ""
-    if bos and meta.get("tokenizer.ggml.add_bos_token", False):
+    add_bos = bool(bos) and bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
+    add_eos = bool(eos) and bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    if add_bos or add_eos:
         from tokenizers import processors
 
+        pre = f"{bos} " if add_bos else ""
+        post = f" {eos}" if add_eos else ""
+        specials = [(bos, int(bos_id))] if add_bos else []
+        if add_eos and eos != bos:
+            specials.append((eos, int(eos_id)))
         raw.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))]
+            single=f"{pre}$A{post}", pair=f"{pre}$A{post} {pre}$B{post}", special_tokens=specials
         )
     template = meta.get("tokenizer.chat_template")
     return HFTokenizer.from_raw(
@@ -288,6 +302,72 @@ def load_gguf_tokenizer(path: str | Path, eos_token_ids: list[int] | None = None
         chat_template=str(template) if template else None,
         eos_token_ids=eos_token_ids,
     )
+
+
+def _sentencepiece_bpe(meta: _Metadata, tokens: list[str]) -> Any:
+    """Llama/Mistral-style sentencepiece BPE: `▁` for spaces, byte fallback, merges from the
+    file or, when it has none, rebuilt from the token scores (best merge first)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    stored = meta.get("tokenizer.ggml.merges")
+    if stored:
+        merges = [tuple(m.split(" ", 1)) for m in stored]
+    else:
+        scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+        merges = _merges_from_scores(tokens, scores, vocab)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    raw = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=tokens[int(unk_id)] if unk_id is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if prefix_space else "never", split=False
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix_space:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    raw.decoder = decoders.Sequence(steps)
+    types = list(meta.get("tokenizer.ggml.token_type") or [])
+    control = [
+        AddedToken(t, normalized=False, special=True)
+        for t, kind in zip(tokens, types, strict=False)
+        if kind == _CONTROL
+    ]
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, kind in zip(tokens, types, strict=False)
+        if kind == _USER_DEFINED
+    ]
+    if control:
+        raw.add_special_tokens(control)
+    if user:
+        raw.add_tokens(user)
+    return raw
+
+
+def _merges_from_scores(
+    tokens: list[str], scores: list[float], vocab: dict[str, int]
+) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens is a merge, ranked by the merged token's score
+    (then the longer left and right parts first; ties keep vocabulary order)."""
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for token, score in zip(tokens, scores, strict=False):
+        splits = [
+            (token[:i], token[i:])
+            for i in range(1, len(token))
+            if token[:i] in vocab and token[i:] in vocab
+        ]
+        splits.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        ranked.extend((float(score), len(left), len(right), left, right) for left, right in splits)
+    ranked.sort(key=lambda m: (-m[0], -m[1], -m[2]))  # stable: equal keys keep their order
+    return [(left, right) for _, _, _, left, right in ranked]
 
 
 def _byte_spelling() -> dict[int, str]:
