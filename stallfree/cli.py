@@ -20,9 +20,8 @@ def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from stallfree.bench.cli import DESCRIPTION, add_bench_arguments
-
     from stallfree import __version__
+    from stallfree.bench.cli import DESCRIPTION, add_bench_arguments
 
     parser = runtime_cli.build_parser()
     parser.add_argument("--version", action="version", version=f"stallfree {__version__}")
