@@ -52,6 +52,8 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
         "port": ("server", "port"),
         "api_key": ("server", "api_key"),
         "served_model_name": ("server", "served_model_name"),
+        "log_level": ("server", "log_level"),
+        "access_log": ("server", "access_log"),
         "metrics": ("metrics", "enabled"),
     }
     for flag, (section, key) in pairs.items():
@@ -92,16 +94,31 @@ async def _generate(args: argparse.Namespace) -> int:
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="TCP port (default 8000)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API routes")
+    p.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on the API routes (an empty key is refused)",
+    )
     p.add_argument("--served-model-name", help="model id in the API and metrics")
     p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="level of the server's and the engine's logs (default info)",
+    )
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one log line per HTTP request (default on; /health and /metrics never, unless "
+        "server.access_log_probes)",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
     from stallfree.entrypoints.server import serve
 
-    serve(config_from_args(args))
-    return 0
+    # NOTE: 0 after a drained shutdown (SIGTERM or SIGINT); 1 if the engine died
+    return serve(config_from_args(args))
 
 
 def run_async(coro: Any) -> int:
