@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
@@ -14,15 +15,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from stallfree.config import StallfreeConfig
 from stallfree.entrypoints.server.errors import (
     ApiError,
+    api_error_json,
     describe_validation,
     error_json,
     from_invalid_request,
 )
+from stallfree.entrypoints.server.guard import Guard
 from stallfree.entrypoints.server.protocol import ErrorInfo
 from stallfree.entrypoints.server.routes import api_routes, open_routes
-from stallfree.entrypoints.server.state import ServerState, server_state
+from stallfree.entrypoints.server.state import Lifecycle, ServerState, server_state
 from stallfree.runtime.engine import Engine
 from stallfree.runtime.errors import InvalidRequestError
+
+logger = logging.getLogger("stallfree.server")
 
 
 def create_app(engine_or_config: Engine | StallfreeConfig) -> FastAPI:
@@ -39,27 +44,34 @@ def create_app(engine_or_config: Engine | StallfreeConfig) -> FastAPI:
             yield
         finally:
             if owns:
-                await engine.shutdown(drain=True)
+                try:
+                    await engine.shutdown(drain=True)
+                except Exception as exc:
+                    # NOTE: the engine logged how it died when it did; one line is enough here
+                    logger.error("engine shutdown failed: %r", exc)
 
     app = FastAPI(
         title="stallfree", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
-    app.state.sf = ServerState(engine, cfg.server.model_name(cfg.model.path), cfg.server.api_key)
+    lifecycle = Lifecycle()
+    app.state.sf = ServerState(
+        engine, cfg.server.model_name(cfg.model.path), cfg.server.api_key, cfg.server, lifecycle
+    )
     _install_error_handlers(app)
     app.include_router(open_routes())
     app.include_router(api_routes(), dependencies=[Depends(_check_api_key)])
+    app.add_middleware(Guard, limits=cfg.server, lifecycle=lifecycle)
     return app
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return error_json(exc.status, exc.info)
+        return api_error_json(exc)
 
     async def invalid_request(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, InvalidRequestError)
-        err = from_invalid_request(exc)
-        return error_json(err.status, err.info)
+        return api_error_json(from_invalid_request(exc))
 
     async def validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)

@@ -1,19 +1,48 @@
 """Running the app: `serve` (the `stallfree serve` command) and `start_server` (an app on the
-current event loop, for tests and benchmarks)."""
+current event loop, for tests and benchmarks).
+
+Shutdown. The first SIGTERM or SIGINT starts a drain: the server keeps listening, `/health`
+answers 503 and new API requests get 503, while the requests in progress run on. When the last
+one has finished, or `server.graceful_shutdown_s` has passed, the server stops. At that deadline
+every request still running is aborted: a stream ends with an SSE error event, any other
+request gets a JSON 503. A second signal ends the grace period at once; a third exits without
+waiting. A drained shutdown exits with status 0. `serve` also stops, with status 1, when the
+engine dies (its scheduler stopped, or it failed closed).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import signal
 import socket
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.logging import DefaultFormatter
 
 from stallfree.config import StallfreeConfig
+from stallfree.config.settings import ServerConfig
 from stallfree.entrypoints.server.app import create_app
+from stallfree.entrypoints.server.connections import guarded_protocol
+from stallfree.entrypoints.server.guard import PROBES
+from stallfree.entrypoints.server.state import ServerState
+
+logger = logging.getLogger("stallfree.server")
+
+# after the grace period, how long aborted requests get to write their last event
+_CUT_OFF_S = 5.0
+# uvicorn's own wait for connections once the drain is over (it only bounds the last writes)
+_CLOSE_WAIT_S = 5
+# file descriptors kept for everything but client connections (model files, logs, pipes)
+_FD_RESERVE = 128
 
 
 def _loop_name() -> str:
@@ -24,39 +53,190 @@ def _loop_name() -> str:
     return "uvloop"
 
 
+def max_connections(limits: ServerConfig) -> int:
+    """`server.max_connections`, capped below the process's open-file limit."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):  # pragma: no cover
+        return limits.max_connections
+    if soft == resource.RLIM_INFINITY:
+        return limits.max_connections
+    return max(1, min(limits.max_connections, soft - _FD_RESERVE))
+
+
 def uvicorn_config(app: FastAPI, config: StallfreeConfig, **overrides: Any) -> uvicorn.Config:
-    """uvicorn settings for `app`: uvloop, and SIGTERM drains in-flight requests first."""
+    """uvicorn settings for `app`: uvloop, the guarded HTTP protocol, keep-alive, logging."""
+    limits = config.server
     options: dict[str, Any] = {
-        "host": config.server.host,
-        "port": config.server.port,
+        "host": limits.host,
+        "port": limits.port,
         "loop": _loop_name(),
-        "timeout_graceful_shutdown": config.server.graceful_shutdown_s,
-        "log_level": "info",
+        "http": guarded_protocol(max_connections(limits), limits.header_timeout_s),
+        "timeout_keep_alive": limits.keep_alive_s,
+        "timeout_graceful_shutdown": _CLOSE_WAIT_S,
+        "log_level": limits.log_level,
+        "access_log": limits.access_log,
         "lifespan": "on",
     }
-    return uvicorn.Config(app, **(options | overrides))
+    result = uvicorn.Config(app, **(options | overrides))
+    # NOTE: uvicorn configured its loggers just now; the filter goes on after that
+    _filter_probes(not limits.access_log_probes)
+    return result
 
 
-def serve(config: StallfreeConfig) -> None:
-    """Serve until SIGINT/SIGTERM; in-flight requests finish, then the engine drains."""
+class _SkipProbes(logging.Filter):
+    """Drops access-log lines of /health and /metrics (probes and scrapes)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3:
+            return str(args[2]).partition("?")[0] not in PROBES
+        return True
+
+
+def _filter_probes(on: bool) -> None:
+    access = logging.getLogger("uvicorn.access")
+    for f in [f for f in access.filters if isinstance(f, _SkipProbes)]:
+        access.removeFilter(f)
+    if on:
+        access.addFilter(_SkipProbes())
+
+
+def configure_logging(limits: ServerConfig) -> None:
+    """The `stallfree` loggers print like uvicorn's, at `server.log_level`."""
+    level = logging.getLevelName(limits.log_level.upper())
+    if not isinstance(level, int):  # "trace" is uvicorn's own level, below DEBUG
+        level = 5
+    root = logging.getLogger("stallfree")
+    root.setLevel(level)
+    if not any(getattr(h, "_stallfree", False) for h in root.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(DefaultFormatter("%(levelprefix)s %(name)s: %(message)s"))
+        handler._stallfree = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+    root.propagate = False
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server with stallfree's shutdown (see the module docstring)."""
+
+    def __init__(
+        self, config: uvicorn.Config, state: ServerState, exit_on_engine_death: bool = False
+    ) -> None:
+        super().__init__(config)
+        self.sf = state
+        self.exit_on_engine_death = exit_on_engine_death
+        self.exit_code = 0
+        self._signals = 0
+        self._deadline: float | None = None
+        self._cut_off: float | None = None
+        self._announced = False
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # NOTE: uvicorn re-raises the captured signal once it has stopped, so SIGINT exits -2
+        # and SIGTERM -15; a drained shutdown here exits normally instead
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {
+            sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # NOTE: a signal handler: it only sets flags; on_tick acts on them
+        self._signals += 1
+        if self._signals == 1:
+            self.begin_drain()
+        elif self._signals == 2:
+            self._deadline = time.monotonic()
+        else:
+            self.should_exit = True
+            self.force_exit = True
+
+    def begin_drain(self) -> None:
+        """Start the drain (what the first SIGTERM or SIGINT does)."""
+        if self._deadline is None:
+            self.sf.lifecycle.begin_drain()
+            self._deadline = time.monotonic() + self.sf.limits.graceful_shutdown_s
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        return self._should_stop()
+
+    def _should_stop(self) -> bool:
+        lifecycle = self.sf.lifecycle
+        engine = self.sf.engine
+        if self._deadline is None:
+            if self.exit_on_engine_death and engine.accepting and not engine.healthy:
+                logger.error("the engine stopped serving; the server exits with status 1")
+                self.exit_code = 1
+                return True
+            return False
+        if lifecycle.in_flight == 0:
+            return True
+        now = time.monotonic()
+        if not self._announced:
+            self._announced = True
+            logger.info(
+                "shutting down: waiting up to %.0fs for %d requests in progress",
+                max(0.0, self._deadline - now),
+                lifecycle.in_flight,
+            )
+        if self._cut_off is None and now >= self._deadline:
+            cut = lifecycle.expire()
+            logger.warning("grace period over: %d requests still running end with an error", cut)
+            self._cut_off = now + _CUT_OFF_S
+        if self._cut_off is not None and now >= self._cut_off:
+            logger.warning("%d requests did not end in time; stopping anyway", lifecycle.in_flight)
+            return True
+        return False
+
+
+def serve(config: StallfreeConfig) -> int:
+    """Serve until SIGINT or SIGTERM, then drain (module docstring); the exit status."""
+    configure_logging(config.server)
     app = create_app(config)
-    # NOTE: uvicorn re-raises SIGTERM once it has drained; a drained shutdown exits 0 instead
-    previous = signal.signal(signal.SIGTERM, _ignore_signal)
-    try:
-        uvicorn.Server(uvicorn_config(app, config)).run()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    uv_config = uvicorn_config(app, config)
+    _log_limits(config.server)
+    server = Server(uv_config, app.state.sf, exit_on_engine_death=True)
+    server.run()
+    return server.exit_code
 
 
-def _ignore_signal(signum: int, frame: object) -> None:
-    return None
+def _log_limits(limits: ServerConfig) -> None:
+    logger.info(
+        "limits: %d connections, %d concurrent requests, %d-byte bodies, head %gs, "
+        "body %gs, keep-alive %gs, grace %gs",
+        max_connections(limits),
+        limits.max_concurrent_requests,
+        limits.max_body_bytes,
+        limits.header_timeout_s,
+        limits.body_timeout_s,
+        limits.keep_alive_s,
+        limits.graceful_shutdown_s,
+    )
+    if limits.host not in ("127.0.0.1", "::1", "localhost") and limits.allowed_hosts is None:
+        logger.warning(
+            "listening on %s with any Host header accepted; set server.allowed_hosts to the "
+            "names clients use",
+            limits.host,
+        )
 
 
 @dataclass(slots=True)
 class RunningServer:
     """A server running as a task on the current event loop (tests, benchmarks)."""
 
-    server: uvicorn.Server
+    server: Server
     task: asyncio.Task[None]
     host: str
     port: int
@@ -65,18 +245,37 @@ class RunningServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def drain(self) -> None:
+        """What SIGTERM does: drain, then stop (`wait` for it)."""
+        self.server.begin_drain()
+
+    async def wait(self) -> int:
+        """Wait until the server has stopped; its exit status."""
+        await self.task
+        return self.server.exit_code
+
     async def stop(self) -> None:
         self.server.should_exit = True
         await self.task
 
 
-async def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
-    """Start `app` on `host:port` (0: a free port) in this event loop; returns once it listens."""
+async def start_server(
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    exit_on_engine_death: bool = False,
+    **overrides: Any,
+) -> RunningServer:
+    """Start `app` on `host:port` (0: a free port) in this event loop; returns once it listens.
+    `overrides` are uvicorn settings."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    state: ServerState = app.state.sf
+    options = {"log_level": "warning"} | overrides
+    server = Server(
+        uvicorn_config(app, state.engine.config, **options), state, exit_on_engine_death
+    )
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 # ---------------------------------------------------------------- errors
 
@@ -29,24 +30,78 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def lone_surrogate_at(value: Any) -> str | None:
+    """The dotted path of the first string (or key) in `value` that holds a lone surrogate.
+
+    JSON can carry one (`"\\ud800"`), but it is not Unicode text: it has no UTF-8 encoding, so
+    the tokenizer, the stop-string matcher and the response encoder would all fail on it.
+    """
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and not _is_unicode(item):
+                return ".".join(map(str, path)) or "body"
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if isinstance(key, str) and not key.isascii() and not _is_unicode(key):
+                    return ".".join(map(str, (*path, key)))
+                if not isinstance(child, (int, float, bool)) and child is not None:
+                    stack.append((child, (*path, key)))
+        elif isinstance(item, list):
+            stack.extend(
+                (child, (*path, i))
+                for i, child in enumerate(item)
+                if isinstance(child, (str, list, dict))
+            )
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class _Body(_Request):
+    """A whole request body: before its fields are read, it is checked for text that is not
+    Unicode (the error names the field)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        field = lone_surrogate_at(data)
+        if field is not None:
+            # NOTE: a key may hold the surrogate itself; the name is given escaped (\\ud800)
+            escaped = field.encode("utf-8", "backslashreplace").decode()
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "not valid Unicode text: it holds a lone surrogate code point (such as \\ud800)",
+                {"field": escaped},
+            )
+        return data
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_Body):
     """Fields both OpenAI routes share, plus the extras other engines accept (`extra_body`)."""
 
     model: str
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    presence_penalty: float = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extras
@@ -86,7 +141,7 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
 
 
-class GenerateRequest(_Request):
+class GenerateRequest(_Body):
     """`POST /generate`: `text` or `input_ids`, and `SamplingParams` fields."""
 
     text: str | None = None

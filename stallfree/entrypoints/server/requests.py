@@ -1,13 +1,24 @@
 """From request bodies to engine inputs: prompt ids, `SamplingParams`, and the refusals of
-what this server does not support."""
+what this server does not support.
+
+Everything a client's values can raise on the way (a validation error, an engine check, an
+overflow in arithmetic on a huge number) is the client's fault and becomes a 400 (`converting`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import ValidationError
 
-from stallfree.entrypoints.server.errors import ApiError, from_validation
+from stallfree.entrypoints.server.errors import (
+    CONVERSION_ERRORS,
+    ApiError,
+    from_conversion_error,
+    from_validation,
+)
 from stallfree.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
 from stallfree.entrypoints.server.state import ServerState
 from stallfree.runtime.engine import Engine
@@ -15,8 +26,18 @@ from stallfree.runtime.sampling_params import SamplingParams
 from stallfree.runtime.tokenizer import ChatTemplateError
 
 
+@contextlib.contextmanager
+def converting(param: str | None = None) -> Iterator[None]:
+    """Turn what converting a client's values may raise into a 400."""
+    try:
+        yield
+    except CONVERSION_ERRORS as exc:
+        raise from_conversion_error(exc, param) from exc
+
+
 def check_model(state: ServerState, name: str) -> None:
-    if name not in (state.model_name, state.engine.config.model.path):
+    # NOTE: only the served name: with --served-model-name set, the model's path stays private
+    if name != state.model_name:
         raise ApiError(
             404,
             f"the model {name!r} does not exist; this server serves {state.model_name!r}",
@@ -83,7 +104,7 @@ def native_sampling_params(fields: dict[str, Any]) -> SamplingParams:
 
 
 def prompt_ids(
-    engine: Engine, prompt: str | list[str] | list[int] | list[list[int]]
+    engine: Engine, prompt: str | list[str] | list[int] | list[list[int]], max_prompts: int
 ) -> list[list[int]]:
     if isinstance(prompt, str):
         return [engine.tokenizer.encode(prompt)]
@@ -91,6 +112,14 @@ def prompt_ids(
         raise ApiError(400, "prompt is empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [[int(p) for p in prompt]]  # type: ignore[arg-type]
+    if len(prompt) > max_prompts:
+        raise ApiError(
+            400,
+            f"prompt: a request may batch at most {max_prompts} prompts, and this one has "
+            f"{len(prompt)}",
+            param="prompt",
+            code="too_many_prompts",
+        )
     return [
         engine.tokenizer.encode(p) if isinstance(p, str) else list(p)  # type: ignore[arg-type]
         for p in prompt
@@ -113,4 +142,5 @@ def chat_prompt_ids(engine: Engine, body: ChatCompletionRequest) -> list[int]:
         raise ApiError(
             400, f"chat is unavailable: {exc}", param="messages", code="no_chat_template"
         ) from exc
-    return engine.tokenizer.encode(text)
+    # NOTE: the template writes its own BOS; adding special tokens would make a second one
+    return engine.tokenizer.encode(text, add_special_tokens=False)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,6 +30,7 @@ from stallfree.entrypoints.server.protocol import (
 from stallfree.entrypoints.server.requests import (
     chat_prompt_ids,
     check_model,
+    converting,
     native_sampling_params,
     prompt_ids,
     reject_unsupported,
@@ -39,16 +39,26 @@ from stallfree.entrypoints.server.requests import (
 from stallfree.entrypoints.server.state import server_state
 from stallfree.entrypoints.server.streaming import (
     DONE,
-    Opened,
+    Context,
+    Generation,
     Result,
-    admit,
-    error_event,
-    merged,
-    open_all,
+    respond,
     sse,
-    stream_or_collect,
 )
 from stallfree.runtime.output_processor import GenerationChunk
+from stallfree.runtime.sampling_params import SamplingParams
+
+# NOTE: OpenAI clients parse only their own finish reasons. A request the engine aborted (past
+# its deadline) was cut short by a server limit, as `length` is by max_tokens; `error` never
+# reaches a choice (it is a 500, or an SSE error event). /generate keeps the engine's reasons.
+_OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length"}
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    """The OpenAI `finish_reason` for an engine finish reason (None while unfinished)."""
+    if reason is None:
+        return None
+    return _OPENAI_FINISH_REASONS.get(reason, "stop")
 
 
 def open_routes() -> APIRouter:
@@ -56,7 +66,10 @@ def open_routes() -> APIRouter:
 
     @router.get("/health")
     async def health(request: Request) -> Response:
-        engine = server_state(request).engine
+        state = server_state(request)
+        engine = state.engine
+        if state.lifecycle.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         # NOTE: an engine that failed closed after repeated step failures reports unhealthy.
         up = engine.healthy and engine.accepting
         return JSONResponse(
@@ -99,25 +112,29 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     engine = state.engine
     check_model(state, body.model)
     reject_unsupported(body)
-    prompts = prompt_ids(engine, body.prompt)
-    for ids in prompts:
-        engine.check_prompt(ids, body.max_tokens, param="prompt")
-    params = sampling_params(body, body.max_tokens or 16)
-    rid = f"cmpl-{uuid.uuid4().hex}"
+    with converting():
+        prompts = prompt_ids(engine, body.prompt, state.limits.max_prompts_per_request)
+        for ids in prompts:
+            engine.check_prompt(ids, body.max_tokens, param="prompt")
+        params = sampling_params(body, body.max_tokens or 16)
+    ctx = Context.of(request)
+    rid = f"cmpl-{ctx.request_id}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    async def events(opened: list[Opened]) -> AsyncIterator[str]:
+    async def events(generation: Generation) -> AsyncIterator[str]:
         usage = UsageInfo()
-        async for index, chunk in merged(opened):
-            if chunk.finished and chunk.finish_reason == "error":
-                yield error_event(chunk)
+        async for index, chunk in generation.stream():
+            if (end := generation.ending_event(chunk)) is not None:
+                yield end
                 break
             if chunk.finished:
                 usage = _add_usage(usage, chunk)
             elif not chunk.text:
                 continue  # held back while it may still be a stop string
             choice = CompletionChoice(
-                index=index, text=chunk.text, finish_reason=chunk.finish_reason
+                index=index,
+                text=chunk.text,
+                finish_reason=openai_finish_reason(chunk.finish_reason),
             )
             yield sse(CompletionResponse(id=rid, model=state.model_name, choices=[choice]))
         else:
@@ -129,7 +146,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
     def whole(results: list[Result]) -> CompletionResponse:
         choices = [
-            CompletionChoice(index=i, text=r.text, finish_reason=r.last.finish_reason)
+            CompletionChoice(
+                index=i, text=r.text, finish_reason=openai_finish_reason(r.last.finish_reason)
+            )
             for i, r in enumerate(results)
         ]
         usage = UsageInfo()
@@ -137,8 +156,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             usage = _add_usage(usage, r.last)
         return CompletionResponse(id=rid, model=state.model_name, choices=choices, usage=usage)
 
-    work = open_all(engine, prompts, params, rid)
-    return await stream_or_collect(request, work, body.stream, events, whole)
+    rids = [f"{rid}-{i}" for i in range(len(prompts))]
+    generation = await Generation.admit(ctx, prompts, params, rids)
+    return await respond(request, generation, body.stream, events, whole)
 
 
 async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -146,11 +166,14 @@ async def chat(body: ChatCompletionRequest, request: Request) -> Response:
     engine = state.engine
     check_model(state, body.model)
     reject_unsupported(body)
-    ids = chat_prompt_ids(engine, body)
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    engine.check_prompt(ids, max_tokens, param="messages")
-    params = sampling_params(body, max_tokens or engine.max_context_len - len(ids))
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    with converting():
+        ids = chat_prompt_ids(engine, body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        engine.check_prompt(ids, max_tokens, param="messages")
+        # NOTE: no max_tokens: as many as fit (the engine caps it to the context and KV cache)
+        params = sampling_params(body, max_tokens or engine.max_context_len)
+    ctx = Context.of(request)
+    rid = f"chatcmpl-{ctx.request_id}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def chunk_of(
@@ -161,16 +184,16 @@ async def chat(body: ChatCompletionRequest, request: Request) -> Response:
             ChatCompletionChunk(id=rid, model=state.model_name, choices=choices, usage=usage)
         )
 
-    async def events(opened: list[Opened]) -> AsyncIterator[str]:
+    async def events(generation: Generation) -> AsyncIterator[str]:
         yield chunk_of(DeltaMessage(role="assistant", content=""))
-        async for _, chunk in merged(opened):
-            if chunk.finished and chunk.finish_reason == "error":
-                yield error_event(chunk)
+        async for _, chunk in generation.stream():
+            if (end := generation.ending_event(chunk)) is not None:
+                yield end
                 break
             if chunk.text:
                 yield chunk_of(DeltaMessage(content=chunk.text))
             if chunk.finished:
-                yield chunk_of(DeltaMessage(), chunk.finish_reason)
+                yield chunk_of(DeltaMessage(), openai_finish_reason(chunk.finish_reason))
                 if include_usage:
                     yield chunk_of(DeltaMessage(), usage=_add_usage(UsageInfo(), chunk))
         yield DONE
@@ -178,25 +201,31 @@ async def chat(body: ChatCompletionRequest, request: Request) -> Response:
     def whole(results: list[Result]) -> ChatCompletionResponse:
         text, last = results[0].text, results[0].last
         choice = ChatChoice(
-            index=0, message=ChatMessageOut(content=text), finish_reason=last.finish_reason
+            index=0,
+            message=ChatMessageOut(content=text),
+            finish_reason=openai_finish_reason(last.finish_reason),
         )
         usage = _add_usage(UsageInfo(), last)
         return ChatCompletionResponse(id=rid, model=state.model_name, choices=[choice], usage=usage)
 
-    work = open_all(engine, [ids], params, rid)
-    return await stream_or_collect(request, work, body.stream, events, whole)
+    generation = await Generation.admit(ctx, [ids], params, [f"{rid}-0"])
+    return await respond(request, generation, body.stream, events, whole)
 
 
 async def generate(body: GenerateRequest, request: Request) -> Response:
     engine = server_state(request).engine
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "send exactly one of text and input_ids", param="text")
-    params = native_sampling_params(body.sampling_params)
-    prompt = (
-        engine.tokenizer.encode(body.text) if body.text is not None else list(body.input_ids or [])
-    )
-    engine.check_prompt(prompt, None, param="prompt")
-    rid = body.rid or f"gen-{uuid.uuid4().hex}"
+    with converting():
+        params = native_sampling_params(body.sampling_params)
+        prompt = (
+            engine.tokenizer.encode(body.text)
+            if body.text is not None
+            else list(body.input_ids or [])
+        )
+        engine.check_prompt(prompt, None, param="prompt")
+    ctx = Context.of(request)
+    rid = body.rid or f"gen-{ctx.request_id}"
 
     def meta(chunk: GenerationChunk) -> dict[str, Any]:
         return {
@@ -207,8 +236,11 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
             "error": chunk.error,
         }
 
-    async def events(opened: list[Opened]) -> AsyncIterator[str]:
-        async for _, chunk in merged(opened):
+    async def events(generation: Generation) -> AsyncIterator[str]:
+        async for _, chunk in generation.stream():
+            if (end := generation.ending_event(chunk)) is not None:
+                yield end
+                break
             yield sse(
                 {
                     "text": chunk.text,
@@ -219,11 +251,15 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
             )
         yield DONE
 
-    async def admit_one() -> list[Opened]:
-        return [await admit(engine, 0, prompt, params, rid)]
-
     def whole(results: list[Result]) -> dict[str, Any]:
         r = results[0]
         return {"text": r.text, "output_ids": r.token_ids, "meta_info": meta(r.last)}
 
-    return await stream_or_collect(request, admit_one(), body.stream, events, whole)
+    try:
+        generation = await Generation.admit(ctx, [prompt], params, [rid])
+    except ApiError as err:
+        # NOTE: the engine names a sampling field plainly; here it lives in sampling_params
+        if err.info.param in SamplingParams.model_fields:
+            err.info.param = f"sampling_params.{err.info.param}"
+        raise
+    return await respond(request, generation, body.stream, events, whole)

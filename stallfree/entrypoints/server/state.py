@@ -1,12 +1,50 @@
-"""What the app keeps for its routes: the engine, the served model name and the API key."""
+"""What the app keeps for its routes: the engine, the served model name, the API key, the server
+limits, and where the server is in its life (serving, draining, past its grace period)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from fastapi import Request
 
+from stallfree.config.settings import ServerConfig
 from stallfree.runtime.engine import Engine
+
+
+class Abortable(Protocol):
+    def abort(self) -> None:
+        """Abort the engine requests this stands for."""
+
+
+@dataclass(slots=True, eq=False)
+class Lifecycle:
+    """Serving, then draining (after SIGTERM or SIGINT), then expired (the grace period ran out).
+
+    Draining: `/health` answers 503 and new API requests get 503; admitted ones run on.
+    Expired: every engine request still admitted is aborted, and its HTTP request ends with an
+    error (an SSE error event, or a JSON 503) instead of its normal end.
+    """
+
+    draining: bool = False
+    expired: bool = False
+    # API requests between the server's door and their last byte (see `Guard`)
+    in_flight: int = 0
+    # what the routes admitted and have not closed yet
+    admitted: set[Abortable] = field(default_factory=set)
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    def expire(self) -> int:
+        """End the grace period: abort what is still admitted; returns how many HTTP requests
+        that cut short."""
+        self.draining = True
+        self.expired = True
+        admitted = list(self.admitted)
+        for item in admitted:
+            item.abort()
+        return len(admitted)
 
 
 @dataclass(slots=True)
@@ -14,7 +52,14 @@ class ServerState:
     engine: Engine
     model_name: str
     api_key: str | None
+    limits: ServerConfig
+    lifecycle: Lifecycle
 
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.sf
+
+
+def request_id(request: Request) -> str:
+    """The id `Guard` gave this request (the `x-request-id` header of its answer)."""
+    return str(request.scope.get("state", {}).get("request_id", "-"))

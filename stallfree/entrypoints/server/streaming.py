@@ -1,51 +1,67 @@
 """Running admitted requests: engine streams merged, collected or sent as Server-Sent Events,
-and aborted when the client goes away."""
+and aborted when the client goes away or the server's grace period runs out.
+
+- Admission is separate from the first token: the engine admits or refuses a request in the
+  first step of its generator, so a refusal is a 4xx/503 before any header is sent, and an
+  admitted stream sends its headers at once, however long the request then waits in the queue.
+- A client that leaves is seen on the ASGI receive channel (`http.disconnect`), never polled.
+- One HTTP request may hold several engine requests (a batch of prompts). Each of those is then
+  driven by its own task, and only that task ever touches its generator: leaving early cancels
+  the tasks, which aborts the requests, instead of closing generators another task is running.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
-from stallfree.entrypoints.server.errors import ENGINE_ERRORS, ApiError, from_engine_error
-from stallfree.entrypoints.server.protocol import ErrorInfo, ErrorResponse
+from stallfree.entrypoints.server.errors import (
+    CONVERSION_ERRORS,
+    ENGINE_ERRORS,
+    ApiError,
+    from_conversion_error,
+    from_engine_error,
+    internal_error,
+    shutting_down,
+)
+from stallfree.entrypoints.server.protocol import ErrorResponse
+from stallfree.entrypoints.server.state import Lifecycle, request_id, server_state
 from stallfree.runtime.engine import Engine
+from stallfree.runtime.errors import EngineOverloadedError
 from stallfree.runtime.output_processor import GenerationChunk
 from stallfree.runtime.sampling_params import SamplingParams
 
-T = TypeVar("T")
-_DISCONNECT_POLL_S = 0.25
+logger = logging.getLogger("stallfree.server")
 DONE = "data: [DONE]\n\n"
-
-
-class _ClientGone(Exception):
-    """The client disconnected before a non-streaming answer was ready."""
+CLIENT_CLOSED_REQUEST = 499
 
 
 @dataclass(slots=True)
-class Opened:
-    """An admitted request: its engine stream and the first chunk already read from it."""
+class Context:
+    """What running one HTTP request's generation needs from the server."""
 
-    index: int
-    gen: AsyncIterator[GenerationChunk]
-    first: GenerationChunk
+    engine: Engine
+    lifecycle: Lifecycle
+    request_id: str
+    retry_after_s: int
 
-    async def chunks(self) -> AsyncIterator[GenerationChunk]:
-        yield self.first
-        if not self.first.finished:
-            async for chunk in self.gen:
-                yield chunk
+    @classmethod
+    def of(cls, request: Request) -> Context:
+        state = server_state(request)
+        return cls(state.engine, state.lifecycle, request_id(request), state.limits.retry_after_s)
 
-    async def close(self) -> None:
-        await self.gen.aclose()  # type: ignore[attr-defined]
+    def expired_abort(self, chunk: GenerationChunk) -> bool:
+        """True for the last chunk of a request the server aborted at its shutdown deadline."""
+        return chunk.finish_reason == "abort" and self.lifecycle.expired
 
 
 @dataclass(slots=True)
@@ -57,117 +73,206 @@ class Result:
     last: GenerationChunk
 
 
-async def admit(
-    engine: Engine, index: int, ids: list[int], params: SamplingParams, rid: str
-) -> Opened:
-    gen = engine.generate(ids, params, rid)
-    try:
-        # NOTE: read the first chunk before any header is sent, so admission errors get a 4xx.
-        first = await gen.__anext__()
-    except ENGINE_ERRORS as exc:
-        raise from_engine_error(exc) from exc
-    return Opened(index, gen, first)
+async def _first(gen: AsyncIterator[GenerationChunk]) -> GenerationChunk:
+    return await gen.__anext__()
 
 
-async def open_all(
-    engine: Engine, prompts: list[list[int]], params: SamplingParams, rid: str
-) -> list[Opened]:
-    """Admit one request per prompt; if any is refused, the admitted ones are aborted."""
-    results = await asyncio.gather(
-        *(admit(engine, i, ids, params, f"{rid}-{i}") for i, ids in enumerate(prompts)),
-        return_exceptions=True,
-    )
-    opened = [r for r in results if isinstance(r, Opened)]
-    failure = next((r for r in results if isinstance(r, BaseException)), None)
-    if failure is not None:
-        for o in opened:
-            await o.close()
-        raise failure
-    return opened
+class Generation:
+    """The engine requests of one HTTP request (one per prompt), admitted together."""
 
+    def __init__(
+        self,
+        ctx: Context,
+        rids: list[str],
+        gens: list[AsyncIterator[GenerationChunk]],
+        firsts: list[asyncio.Task[GenerationChunk]],
+    ) -> None:
+        self.ctx = ctx
+        self._rids = rids
+        self._gens = gens
+        # NOTE: each task runs its generator's first step: admission, then the first chunk
+        self._firsts = firsts
+        self._drivers: list[asyncio.Task[None]] = []
+        # a request that finished, or was never admitted: nothing of it is left to abort
+        self._done = [False] * len(rids)
+        self._closed = False
 
-async def merged(opened: list[Opened]) -> AsyncIterator[tuple[int, GenerationChunk]]:
-    """Chunks of several requests as they come; closing it aborts whatever is unfinished."""
-    if len(opened) == 1:
+    @classmethod
+    async def admit(
+        cls, ctx: Context, prompts: Sequence[list[int]], params: SamplingParams, rids: list[str]
+    ) -> Generation:
+        """Admit one engine request per prompt, or none: a refusal aborts the admitted ones and
+        raises the `ApiError` to answer with."""
+        if ctx.lifecycle.expired:
+            raise shutting_down()
+        engine = ctx.engine
+        gens = [engine.generate(ids, params, rid) for ids, rid in zip(prompts, rids, strict=True)]
+        firsts = [asyncio.ensure_future(_first(gen)) for gen in gens]
+        generation = cls(ctx, rids, gens, firsts)
+        ctx.lifecycle.admitted.add(generation)
+        # NOTE: one turn of the loop runs each first step. The engine admits or refuses a
+        # request synchronously in it, before it waits for a token.
+        await asyncio.sleep(0)
+        refusal = None
+        for i, first in enumerate(firsts):
+            if first.done() and not first.cancelled() and first.exception() is not None:
+                generation._done[i] = True  # refused: its id may be another request's
+                refusal = refusal or first.exception()
+        if refusal is not None:
+            await generation.aclose()
+            raise generation._refusal(refusal)
+        return generation
+
+    def _refusal(self, exc: BaseException) -> BaseException:
+        ctx = self.ctx
+        if isinstance(exc, EngineOverloadedError) and not ctx.engine.accepting:
+            return shutting_down()
+        if isinstance(exc, ENGINE_ERRORS):
+            return from_engine_error(exc, ctx.retry_after_s, ctx.request_id)
+        if isinstance(exc, CONVERSION_ERRORS):
+            return from_conversion_error(exc)
+        return exc
+
+    async def stream(self) -> AsyncIterator[tuple[int, GenerationChunk]]:
+        """(prompt index, chunk) as they come, until every request has finished. Leaving early
+        (break, close, cancellation) aborts the unfinished requests."""
         try:
-            async for chunk in opened[0].chunks():
+            if len(self._gens) == 1:
+                chunk = await self._firsts[0]
+                self._done[0] = chunk.finished
                 yield 0, chunk
+                if not chunk.finished:
+                    async for chunk in self._gens[0]:
+                        self._done[0] = chunk.finished
+                        yield 0, chunk
+                return
+            queue: asyncio.Queue[tuple[int, GenerationChunk | Exception]] = asyncio.Queue()
+            self._drivers = [
+                asyncio.create_task(_drive(i, first, gen, queue))
+                for i, (first, gen) in enumerate(zip(self._firsts, self._gens, strict=True))
+            ]
+            remaining = len(self._gens)
+            while remaining:
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                self._done[index] = item.finished
+                yield index, item
+                remaining -= item.finished
         finally:
-            await opened[0].close()
-        return
-    queue: asyncio.Queue[tuple[int, GenerationChunk]] = asyncio.Queue()
+            await self.aclose()
 
-    async def pump(o: Opened) -> None:
-        async for chunk in o.chunks():
-            queue.put_nowait((o.index, chunk))
-
-    tasks = [asyncio.create_task(pump(o)) for o in opened]
-    try:
-        remaining = len(opened)
-        while remaining:
-            index, chunk = await queue.get()
-            yield index, chunk
-            remaining -= chunk.finished
-    finally:
-        for t in tasks:
-            t.cancel()
-        for o in opened:
-            await o.close()
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`; if the client goes away first, cancel it (aborting its requests)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise _ClientGone
-    finally:
-        if not task.done():
+    async def aclose(self) -> None:
+        """Abort whatever is unfinished. Never suspends, so it completes even in a cancelled
+        task: tasks are cancelled, a generator is closed only while it is parked at a `yield`
+        (closing one then runs its cleanup synchronously), and every unfinished request is
+        aborted by id as well. (Closing `Engine.generate` at a `yield` leaves the request's
+        own cleanup to the generator's finalizer, which may wait for the garbage collector.)"""
+        if self._closed:
+            return
+        self._closed = True
+        self.ctx.lifecycle.admitted.discard(self)
+        for task in self._drivers:
             task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        for first, gen in zip(self._firsts, self._gens, strict=True):
+            if not first.done():
+                first.cancel()  # the generator runs in it: the cancellation aborts the request
+            elif not self._drivers:
+                await gen.aclose()  # type: ignore[attr-defined]
+        self.abort()
+
+    def abort(self) -> None:
+        """Abort the unfinished requests; each stream then ends with its last chunk."""
+        for rid, done in zip(self._rids, self._done, strict=True):
+            if not done:
+                self.ctx.engine.abort(rid)
+
+    async def collect(self) -> list[Result]:
+        """Run every request to its end; an engine failure is a 500, a request the shutdown
+        deadline cut off is a 503."""
+        texts: list[list[str]] = [[] for _ in self._gens]
+        ids: list[list[int]] = [[] for _ in self._gens]
+        lasts: list[GenerationChunk | None] = [None for _ in self._gens]
+        async for index, chunk in self.stream():
+            texts[index].append(chunk.text)
+            ids[index].extend(chunk.token_ids)
+            if chunk.finished:
+                lasts[index] = chunk
+        results = []
+        for text, token_ids, last in zip(texts, ids, lasts, strict=True):
+            assert last is not None
+            if last.finish_reason == "error":
+                raise self.failed(last)
+            if self.ctx.expired_abort(last):
+                raise shutting_down("the server shut down before this request finished")
+            results.append(Result("".join(text), token_ids, last))
+        return results
+
+    def failed(self, chunk: GenerationChunk) -> ApiError:
+        """The 500 for a request the engine failed; its details go to the log only."""
+        logger.error(
+            "request %s (%s): generation failed: %s", self.ctx.request_id, chunk.rid, chunk.error
+        )
+        return internal_error(self.ctx.request_id)
+
+    def ending_event(self, chunk: GenerationChunk) -> str | None:
+        """The SSE error event that ends a stream in place of `chunk`, if it must."""
+        if not chunk.finished:
+            return None
+        if chunk.finish_reason == "error":
+            return sse(ErrorResponse(error=self.failed(chunk).info))
+        if self.ctx.expired_abort(chunk):
+            err = shutting_down("the server shut down before this request finished")
+            return sse(ErrorResponse(error=err.info))
+        return None
 
 
-async def _collect(opened: list[Opened]) -> list[Result]:
-    texts: list[list[str]] = [[] for _ in opened]
-    ids: list[list[int]] = [[] for _ in opened]
-    lasts: list[GenerationChunk | None] = [None for _ in opened]
-    async for index, chunk in merged(opened):
-        texts[index].append(chunk.text)
-        ids[index].extend(chunk.token_ids)
-        if chunk.finished:
-            lasts[index] = chunk
-    results = []
-    for text, token_ids, last in zip(texts, ids, lasts, strict=True):
-        assert last is not None
-        if last.error is not None and last.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {last.error}", type="internal_error")
-        results.append(Result("".join(text), token_ids, last))
-    return results
+async def _drive(
+    index: int,
+    first: asyncio.Task[GenerationChunk],
+    gen: AsyncIterator[GenerationChunk],
+    queue: asyncio.Queue[tuple[int, GenerationChunk | Exception]],
+) -> None:
+    """Run one engine request to its end, passing its chunks on; the only user of `gen`."""
+    try:
+        chunk = await first
+        queue.put_nowait((index, chunk))
+        if not chunk.finished:
+            async for chunk in gen:
+                queue.put_nowait((index, chunk))
+    except Exception as exc:
+        queue.put_nowait((index, exc))
 
 
 class _SseResponse(StreamingResponse):
-    """Closes its body on the way out, so a client that left mid-stream aborts its request."""
+    """An SSE response; on the way out, however it ends, the generation is closed (aborting
+    what a client that left mid-stream no longer reads)."""
 
-    def __init__(self, body: AsyncIterator[str], opened: list[Opened]) -> None:
+    def __init__(self, body: AsyncIterator[str], generation: Generation) -> None:
         super().__init__(
-            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._body = body
-        self._opened = opened
+        self._generation = generation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        generation = self._generation
+
+        async def receive_or_abort() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                # NOTE: abort at once. Starlette also cancels the body's task, but that
+                # cancellation can miss a consumer that the engine wakes every step.
+                generation.abort()
+            return message
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive_or_abort, send)
         finally:
             await self._body.aclose()  # type: ignore[attr-defined]
-            # NOTE: a body that never started never reached its own cleanup
-            for o in self._opened:
-                await o.close()
+            await self._generation.aclose()
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -179,27 +284,34 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
     return f"data: {data}\n\n"
 
 
-def error_event(chunk: GenerationChunk) -> str:
-    """The event that ends a stream whose generation failed."""
-    info = ErrorInfo(message=f"generation failed: {chunk.error}", type="internal_error")
-    return sse(ErrorResponse(error=info))
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
-async def stream_or_collect(
+async def respond(
     request: Request,
-    opened_work: Awaitable[list[Opened]],
+    generation: Generation,
     stream: bool,
-    to_events: Callable[[list[Opened]], AsyncIterator[str]],
+    to_events: Callable[[Generation], AsyncIterator[str]],
     to_body: Callable[[list[Result]], BaseModel | dict[str, Any]],
 ) -> Response:
-    """Admit (`opened_work`), then answer with the SSE `to_events` or the JSON `to_body`; a
-    client that leaves before the answer is ready gets a 499 and its requests are aborted."""
+    """Answer with the SSE `to_events` (headers go out now) or, once every request has
+    finished, with the JSON `to_body`. A client that leaves first gets its requests aborted."""
+    if stream:
+        return _SseResponse(to_events(generation), generation)
+    work = asyncio.ensure_future(generation.collect())
+    gone = asyncio.ensure_future(_until_disconnect(request.receive))
     try:
-        opened = await _unless_disconnected(request, opened_work)
-        if stream:
-            return _SseResponse(to_events(opened), opened)
-        results = await _unless_disconnected(request, _collect(opened))
-    except _ClientGone:
-        return Response(status_code=499)
-    body = to_body(results)
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if gone.done():
+            generation.abort()
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.wait({work})
+    if work.cancelled():
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    body = to_body(work.result())
     return JSONResponse(body.model_dump() if isinstance(body, BaseModel) else body)

@@ -1,0 +1,240 @@
+"""`Guard`: the ASGI middleware every HTTP request passes before the app sees it.
+
+In order, for each request it:
+
+1. gives the request an id (`x-request-id` on the answer, and in every log line about it);
+2. refuses a request that carries both `Content-Length` and `Transfer-Encoding` (400), and a
+   `Host` outside `server.allowed_hosts` when that is set (400);
+3. for API routes (everything but `/health` and `/metrics`): refuses new requests while the
+   server drains (503) and past `server.max_concurrent_requests` in progress (503 with
+   `Retry-After`);
+4. refuses a body over `server.max_body_bytes` (413): at once from `Content-Length`, or while
+   counting a chunked body; and a body that does not arrive within `server.body_timeout_s`
+   (408). The body is read here and handed on whole, so the app never reads an unbounded one;
+5. turns any exception that escapes the app into a JSON 500 naming the request id, and logs it.
+
+A refusal is a JSON body in the OpenAI error shape; refusals that leave unread bytes on the
+connection (or come while draining) also close it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from stallfree.config.settings import ServerConfig
+from stallfree.entrypoints.server.errors import ApiError, error_body, internal_error, overloaded
+from stallfree.entrypoints.server.protocol import ErrorInfo
+from stallfree.entrypoints.server.state import Lifecycle
+
+logger = logging.getLogger("stallfree.server")
+
+PROBES = frozenset({"/health", "/metrics"})
+_CLOSE = (b"connection", b"close")
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, info: ErrorInfo, close: bool = True) -> None:
+        self.status = status
+        self.info = info
+        self.close = close
+
+
+class Guard:
+    def __init__(self, app: ASGIApp, limits: ServerConfig, lifecycle: Lifecycle) -> None:
+        self.app = app
+        self.limits = limits
+        self.lifecycle = lifecycle
+        hosts = limits.allowed_hosts
+        self.allowed_hosts = (
+            None if hosts is None or "*" in hosts else frozenset(h.lower() for h in hosts)
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        lifecycle = self.lifecycle
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = [*message.get("headers", ()), (b"x-request-id", rid.encode())]
+                if lifecycle.draining and _CLOSE not in headers:
+                    headers.append(_CLOSE)
+                message = {**message, "headers": headers}
+            await send(message)
+
+        probe = scope["path"] in PROBES
+        counted = False
+        try:
+            length = self._check_head(scope, probe)
+            if not probe:
+                lifecycle.in_flight += 1
+                counted = True
+            if length is None or length > 0:
+                body = await self._read_body(receive, length)
+                if body is None:
+                    return  # the client left while sending it
+                receive = _replay(body, receive)
+            await self.app(scope, receive, send_with_id)
+        except _Refused as refused:
+            if not started:
+                await _answer(send_with_id, refused.status, refused.info, refused.close)
+        except ApiError as err:
+            if not started:
+                close = "connection" in {k.lower() for k in err.headers}
+                extra = [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+                await _answer(send_with_id, err.status, err.info, close, extra)
+        except Exception:
+            logger.exception("request %s: unhandled error", rid)
+            if not started:
+                failure = internal_error(rid)
+                await _answer(send_with_id, failure.status, failure.info, close=False)
+        finally:
+            if counted:
+                lifecycle.in_flight -= 1
+
+    def _check_head(self, scope: Scope, probe: bool) -> int | None:
+        """Check the request line and headers; the body's declared length (None: chunked)."""
+        length: int | None = 0
+        chunked = False
+        host = b""
+        has_length = False
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                # NOTE: the HTTP parser has checked it is digits, and that repeats agree
+                length = int(value)
+                has_length = True
+            elif name == b"transfer-encoding":
+                chunked = True
+            elif name == b"host":
+                host = value
+        if has_length and chunked:
+            raise _Refused(
+                400,
+                _info("a request must not carry both Content-Length and Transfer-Encoding"),
+            )
+        if self.allowed_hosts is not None and _hostname(host) not in self.allowed_hosts:
+            raise _Refused(400, _info("unknown Host header", param="host", code="invalid_host"))
+        if not probe:
+            lifecycle = self.lifecycle
+            if lifecycle.draining:
+                raise _Refused(
+                    503,
+                    _info(
+                        "the server is shutting down",
+                        type="service_unavailable",
+                        code="shutting_down",
+                    ),
+                )
+            if lifecycle.in_flight >= self.limits.max_concurrent_requests:
+                raise overloaded(
+                    self.limits.retry_after_s,
+                    f"the server is overloaded: {self.limits.max_concurrent_requests} requests "
+                    "are in progress; retry later",
+                )
+        if chunked:
+            return None
+        if length is not None and length > self.limits.max_body_bytes:
+            raise self._too_large()
+        return length
+
+    def _too_large(self) -> _Refused:
+        limit = self.limits.max_body_bytes
+        return _Refused(
+            413,
+            _info(
+                f"the request body is larger than this server accepts ({limit} bytes)",
+                code="request_too_large",
+            ),
+        )
+
+    async def _read_body(self, receive: Receive, length: int | None) -> bytes | None:
+        """The whole body, counted as it arrives; None if the client disconnected."""
+        limit = self.limits.max_body_bytes
+
+        async def read() -> bytes | None:
+            parts: list[bytes] = []
+            size = 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise self._too_large()
+                parts.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(parts)
+
+        try:
+            return await asyncio.wait_for(read(), self.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise _Refused(
+                408,
+                _info(
+                    f"the request body did not arrive within {self.limits.body_timeout_s:g}s",
+                    code="request_timeout",
+                ),
+            ) from None
+
+
+def _info(
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> ErrorInfo:
+    return ErrorInfo(message=message, type=type, param=param, code=code)
+
+
+def _hostname(host: bytes) -> str:
+    """The host part of a Host header: `[::1]:8000` -> `::1`, `Example.org:80` -> `example.org`."""
+    text = host.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:].partition("]")[0]
+    return text.partition(":")[0]
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive channel that yields `body` whole once, then the connection's own messages
+    (so the app still learns of a disconnect from it)."""
+    pending = True
+
+    async def replay() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _answer(
+    send: Send,
+    status: int,
+    info: ErrorInfo,
+    close: bool,
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    body = error_body(info)
+    headers: list[Any] = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *(extra or []),
+    ]
+    if close and _CLOSE not in headers:
+        headers.append(_CLOSE)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
