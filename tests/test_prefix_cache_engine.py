@@ -190,3 +190,33 @@ async def test_metrics_export_prefix_cache_counters(model):
     assert value(scrape, "stallfree:prefix_cache_evicted_tokens_total") == 0
     assert 0 < value(scrape, "stallfree:prefix_cache_usage_perc") < 1
     assert value(scrape, "stallfree:kv_cache_usage_perc") == 0
+
+
+@pytest.mark.parametrize("kind", ["fail_step_rate", "fail_copy_rate"])
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_failed_steps_leave_nothing_wrong_in_the_cache(model, kind, overlap):
+    """Steps fail at random while requests share prefixes; later waves reuse what was cached.
+    Every request that survives still equals transformers: no failed step's KV was cached."""
+    path, _, _ = model
+    cfg = engine_config(
+        path,
+        runtime={"overlap": overlap, "max_consecutive_step_failures": 1000},
+        cache={"page_size": 4},
+        faults={"enabled": True, "seed": 3, kind: 0.15},
+    )
+    waves = [[SYSTEM + _ids(_rng.randint(2, 9)) for _ in range(6)] for _ in range(3)]
+    params = {"max_new_tokens": 12, "ignore_eos": True}
+    async with Engine(cfg) as engine:
+        survivors = failed = 0
+        for prompts in waves:
+            results = await asyncio.gather(*(engine.complete(p, params) for p in prompts))
+            for prompt, r in zip(prompts, results, strict=True):
+                if r.finish_reason == "error":
+                    failed += 1
+                else:
+                    survivors += 1
+                    assert r.token_ids == hf_greedy(path, prompt, 12)
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free
+        counters = engine.snapshot().counters
+    assert failed and survivors and counters.prefix_cache_hits > 0

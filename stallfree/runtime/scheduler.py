@@ -11,6 +11,7 @@ when a finished request's memory is released (prompt and outputs).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -335,15 +336,18 @@ class Scheduler:
         if req.fill_len - 1 < upto:
             return False
         mine = _tokens(req, upto)
-        head = mine[cached:upto]
-        others = [(r, r.num_computed_tokens + n) for r, n in zip(reqs, lens, strict=True)]
-        for records in self.cache_records.values():
-            others.extend((r, end) for r, end, _ in records)
-        for other, end in others:
-            if other is req or end < upto:
+        first = mine[cached]
+        in_batch = ((r, r.num_computed_tokens + n) for r, n in zip(reqs, lens, strict=True))
+        in_flight = ((r, end) for records in self.cache_records.values() for r, end, _ in records)
+        for other, end in itertools.chain(in_batch, in_flight):
+            if end < upto or other is req:
                 continue
             theirs = _tokens(other, upto)
-            if theirs[cached:upto] == head and theirs[:cached] == mine[:cached]:
+            if (
+                theirs[cached] == first  # NOTE: one int first; most prompts differ right here
+                and theirs[cached:upto] == mine[cached:upto]
+                and theirs[:cached] == mine[:cached]
+            ):
                 return True
         return False
 
