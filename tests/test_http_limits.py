@@ -244,6 +244,22 @@ async def test_content_length_and_transfer_encoding_together_are_400():
         raw.close()
 
 
+@pytest.mark.parametrize(
+    "request_bytes",
+    [b"GARBAGE\r\n\r\n", b"GET /health HTTP/1.1\r\nBad Header: x\r\n\r\n"],
+    ids=["garbage", "bad-header-name"],
+)
+async def test_a_malformed_request_is_a_json_400(request_bytes):
+    async with serving() as live:
+        raw = await Raw.open(live.port)
+        await raw.send(request_bytes)
+        status, headers, body = await raw.response()
+        assert status == 400 and headers["connection"] == "close"
+        assert json.loads(body)["error"]["message"].startswith("malformed HTTP request")
+        raw.close()
+        assert (await live.http.get("/health")).status_code == 200
+
+
 async def test_a_host_outside_allowed_hosts_is_400():
     async with serving(server={"allowed_hosts": ["api.example"]}) as live:
         evil = await live.http.get("/health", headers={"Host": "evil.example"})

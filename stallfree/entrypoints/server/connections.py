@@ -27,6 +27,9 @@ from typing import Any, ClassVar
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from stallfree.entrypoints.server.errors import error_body
+from stallfree.entrypoints.server.protocol import ErrorInfo
+
 logger = logging.getLogger("stallfree.server")
 
 _WARN_EVERY_S = 10.0
@@ -124,6 +127,25 @@ class GuardedH11Protocol(H11Protocol):
         self.budget.idle.pop(self, None)
         if self in self.budget.live:
             self.budget.idle[self] = None
+
+    def send_400_response(self, msg: str) -> None:
+        """A request the HTTP parser refused (malformed, or a head over h11's size limit):
+        400 in the OpenAI error shape, like every other refusal, and the connection closes."""
+        body = error_body(
+            ErrorInfo(message=f"malformed HTTP request: {msg}", type="invalid_request_error")
+        )
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        try:
+            self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers)))
+            self.transport.write(self.conn.send(h11.Data(data=body)))
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
+        except h11.LocalProtocolError:
+            pass  # a response had begun already: only closing is left
+        self.transport.close()
 
     def close_idle(self) -> bool:
         """Close this connection, idle between requests; False if it was closing already."""
