@@ -76,6 +76,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="HiSparse off or on in every mode (default: as configured); "
         "both doubles the modes under --compare",
     )
+    target.add_argument(
+        "--compare-prefix-caching",
+        action="store_true",
+        help="under --compare, run every mode with the prefix cache off and on (doubles the "
+        "modes); the table shows the hit rate",
+    )
 
     modes = p.add_argument_group("modes")
     modes.add_argument(
@@ -170,6 +176,15 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError("--modes only applies with --compare")
     if args.hisparse == "both" and not args.compare:
         raise UsageError("--hisparse both needs --compare")
+    if args.compare_prefix_caching and not args.compare:
+        raise UsageError("--compare-prefix-caching needs --compare")
+    if args.compare_prefix_caching and args.prefix_caching is not None:
+        raise UsageError(
+            "--compare-prefix-caching sets the prefix cache per mode; drop "
+            "--enable-prefix-caching / --no-enable-prefix-caching / --disable-radix-cache"
+        )
+    if args.compare_prefix_caching and args.hisparse in ("on", "both"):
+        raise UsageError("the prefix cache cannot run with HiSparse; drop --hisparse on/both")
     if args.base_url and args.hisparse:
         raise UsageError("--hisparse configures an engine this command starts, not --base-url")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -194,7 +209,7 @@ def _mode_keys(args: argparse.Namespace) -> list[str] | None:
 
 def _modes(args: argparse.Namespace) -> list[Mode]:
     if args.compare:
-        return compare_modes(args.hisparse, _mode_keys(args))
+        return compare_modes(args.hisparse, _mode_keys(args), args.compare_prefix_caching)
     if args.base_url:
         return [Mode("target")]
     if args.hisparse is None:

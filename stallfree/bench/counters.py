@@ -28,6 +28,8 @@ class CounterSnapshot:
     idle_seconds: float | None = None
     schedule_sum: float | None = None
     schedule_count: float | None = None
+    prefix_queries: float | None = None  # prefix cache lookups, tokens
+    prefix_hits: float | None = None
 
 
 @dataclass(slots=True)
@@ -44,6 +46,8 @@ class StallFigures:
     device_idle_seconds: float | None = None
     device_idle_fraction: float | None = None
     mean_schedule_seconds: float | None = None
+    # cached tokens / tokens looked up at admission; None without a prefix cache
+    prefix_cache_hit_rate: float | None = None
     sites: list[str] = field(default_factory=list)
 
 
@@ -61,6 +65,8 @@ def snapshot_engine(engine: Engine) -> CounterSnapshot:
         idle_seconds=snap.device_idle_seconds,
         schedule_sum=c.schedule_seconds,
         schedule_count=float(c.steps),
+        prefix_queries=float(c.prefix_cache_queries),
+        prefix_hits=float(c.prefix_cache_hits),
     )
 
 
@@ -108,6 +114,8 @@ def snapshot_prometheus(text: str) -> CounterSnapshot | None:
         idle_seconds=_total(s, p + "device_idle_seconds_total"),
         schedule_sum=_total(s, p + "schedule_seconds_sum"),
         schedule_count=_total(s, p + "schedule_seconds_count"),
+        prefix_queries=_total(s, p + "prefix_cache_queries_total"),
+        prefix_hits=_total(s, p + "prefix_cache_hits_total"),
     )
 
 
@@ -147,6 +155,10 @@ def stall_figures(before: CounterSnapshot, after: CounterSnapshot) -> StallFigur
         mean_schedule_seconds=_ratio(
             _delta(before.schedule_sum, after.schedule_sum),
             _delta(before.schedule_count, after.schedule_count),
+        ),
+        prefix_cache_hit_rate=_ratio(
+            _delta(before.prefix_hits, after.prefix_hits),
+            _delta(before.prefix_queries, after.prefix_queries),
         ),
         sites=sorted(stalls or {}),
     )

@@ -73,6 +73,7 @@ def table_rows(results: list[RunResult]) -> list[tuple[str, Getter, str, float]]
         ("device busy (s)", _stall_getter("device_busy_seconds"), "{:.2f}", 1),
         ("device idle fraction", _stall_getter("device_idle_fraction"), "{:.3f}", 1),
         ("mean schedule time (ms)", _stall_getter("mean_schedule_seconds"), "{:.3f}", 1e3),
+        ("prefix cache hit rate", _stall_getter("prefix_cache_hit_rate"), "{:.1%}", 1),
     ]
     return rows
 

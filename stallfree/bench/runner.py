@@ -38,9 +38,21 @@ BASE_MODES = (
 MODE_KEYS = {"off": 0, "no-mirrors": 1, "mirrors": 2}
 
 
-def compare_modes(hisparse: str | None = None, keys: list[str] | None = None) -> list[Mode]:
-    """The base modes (or the `keys` subset), with HiSparse off, on, both, or as configured."""
+def compare_modes(
+    hisparse: str | None = None, keys: list[str] | None = None, prefix_caching: bool = False
+) -> list[Mode]:
+    """The base modes (or the `keys` subset), with HiSparse off, on, both, or as configured;
+    with `prefix_caching`, each of them with the prefix cache off and then on."""
     base = [BASE_MODES[MODE_KEYS[k]] for k in keys] if keys else list(BASE_MODES)
+    if prefix_caching:
+        base = [
+            Mode(
+                f"{mode.name}, prefix cache {'on' if on else 'off'}",
+                {**mode.settings, "cache": {"prefix_caching": on}},
+            )
+            for on in (False, True)
+            for mode in base
+        ]
     if hisparse is None:
         return base
     states = {"off": [False], "on": [True], "both": [False, True]}[hisparse]

@@ -27,6 +27,23 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=int)
     p.add_argument("--chunked-prefill-size", type=int)
     p.add_argument("--max-prefill-tokens", type=int)
+    p.add_argument(
+        "--enable-prefix-caching",
+        dest="prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share the KV of common prefixes (default: on, off with HiSparse)",
+    )
+    p.add_argument(
+        "--disable-radix-cache",
+        dest="prefix_caching",
+        action="store_const",
+        const=False,
+        help="the same as --no-enable-prefix-caching (SGLang's spelling)",
+    )
+    p.add_argument(
+        "--schedule-policy", choices=["fcfs", "lpm"], help="admission order (default fcfs)"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
@@ -48,6 +65,8 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
         "max_running_requests": ("cache", "max_running_requests"),
         "chunked_prefill_size": ("scheduler", "chunked_prefill_size"),
         "max_prefill_tokens": ("scheduler", "max_prefill_tokens"),
+        "prefix_caching": ("cache", "prefix_caching"),
+        "schedule_policy": ("scheduler", "policy"),
         "host": ("server", "host"),
         "port": ("server", "port"),
         "api_key": ("server", "api_key"),

@@ -1,5 +1,5 @@
 """The routes: `/health` and `/metrics` (open), and behind the API key `/v1/models`,
-`/v1/completions`, `/v1/chat/completions` and the native `/generate`."""
+`/v1/completions`, `/v1/chat/completions`, the native `/generate` and `/flush_cache`."""
 
 from __future__ import annotations
 
@@ -98,6 +98,20 @@ def api_routes() -> APIRouter:
     router.add_api_route("/v1/completions", completions, methods=["POST"])
     router.add_api_route("/v1/chat/completions", chat, methods=["POST"])
     router.add_api_route("/generate", generate, methods=["POST"])
+
+    @router.post("/flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        """Empty the prefix cache (SGLang's endpoint); refused while requests are in flight."""
+        engine = server_state(request).engine
+        if not engine.flush_cache():
+            raise ApiError(
+                400,
+                "the prefix cache was not flushed: requests are queued or running; "
+                "retry when the engine is idle",
+                code="engine_busy",
+            )
+        return JSONResponse({"flushed": True})
+
     return router
 
 
