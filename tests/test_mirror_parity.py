@@ -275,6 +275,7 @@ CORRUPTIONS = {
     # both tensors agree, but not with the requests
     "rows out of step with reqs": lambda b: setattr(b, "reqs", b.reqs[::-1]),
     "stale per-row list": lambda b: setattr(b, "prefix_lens_cpu", b.prefix_lens_cpu[:2]),
+    "per-row list out of order": lambda b: setattr(b, "prefix_lens_cpu", b.prefix_lens_cpu[::-1]),
 }
 
 

@@ -161,7 +161,10 @@ async def test_soak_with_chaos(llama, hisparse, num_requests):
     failures = {f.value: n for f, n in injected.items()}
     assert failures["fail_copy"] > 0
     assert counters.step_failures == failures["fail_step"] + failures["fail_copy"]
-    assert counters.max_iteration_gap < 2.0
+    # no iteration of the loop blocks: the longest is within a few dozen mean iterations (about
+    # 3 ms each here; the longest was 16-30 ms), not seconds
+    mean_iteration = wall / max(counters.steps, 1)
+    assert counters.max_iteration_gap < max(0.25, 40 * mean_iteration), mean_iteration
     # the metrics agree with what the clients saw; a cancel can race a finish, so a client that
     # walked away may have been counted by the engine under the reason it finished with
     served = {

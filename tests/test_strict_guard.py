@@ -195,3 +195,36 @@ async def test_the_guard_runs_in_every_mode_and_counts_what_it_knows(llama, mirr
         assert guard.violations == 0
     if not mirrors:
         assert engine.core.monitor.total_stalls() > 0  # legacy read through host_read only
+
+
+MODES = [
+    pytest.param(True, True, id="overlap-mirrors"),
+    pytest.param(True, False, id="overlap-legacy"),
+    pytest.param(False, True, id="plain-mirrors"),
+    pytest.param(False, False, id="plain-legacy"),
+]
+
+
+@pytest.mark.parametrize(("overlap", "mirrors"), MODES)
+async def test_prefix_caching_under_the_guard_in_every_mode(llama, overlap, mirrors):
+    """Shared prefixes (cache hits, cached slots uploaded into rows) under the read
+    guard, strict where the mode allows it; outputs equal a run without the cache."""
+    shared = random_prompts(1, seed=11, lo=40, hi=40)[0]
+    prompts = [shared + tail for tail in random_prompts(6, seed=12, lo=2, hi=9)]
+    stressed = {
+        "cache": {"page_size": 4, "max_total_tokens": 192, "max_running_requests": 6},
+        "scheduler": {"chunked_prefill_size": 16},
+    }
+    async with Engine(engine_config(llama, cache={"prefix_caching": False})) as engine:
+        want = await run_greedy(engine, prompts, 16)
+    runtime = {"overlap": overlap, "cpu_mirrors": mirrors, "strict": mirrors}
+    cfg = engine_config(llama, runtime=runtime, **stressed)
+    cfg.cache.prefix_caching = True
+    async with guarded(Engine(cfg)) as engine:
+        first = await run_greedy(engine, prompts[:1], 16)  # warms the cache
+        rest = await run_greedy(engine, prompts[1:], 16)
+        await engine.wait_idle()
+        counters = engine.snapshot().counters
+        assert engine.core.monitor.guard.violations == 0
+    assert first + rest == want
+    assert counters.prefix_cache_hits > 0

@@ -153,15 +153,13 @@ class _ReadGuardMode(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
         guard = self.guard
-        if func not in _META_FUNCS and not guard._state.suspended:
-            owned = guard._find_owned(args, kwargs)
-            if owned is not None:
-                name, meta = _func_name(func)
-                if not meta:
-                    raise guard.violation(f"{name} on a stream-owned tensor {_describe(owned)}")
-        return func(*args, **kwargs)
+        owned = guard._find_owned(args, kwargs) if guard._refs else None
+        if owned is not None and func not in _META_FUNCS and not guard._state.suspended:
+            name, meta = _func_name(func)
+            if not meta:
+                raise guard.violation(f"{name} on a stream-owned tensor {_describe(owned)}")
+        return func(*args, **kwargs) if kwargs else func(*args)
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -205,9 +203,11 @@ class StrictGuard:
     def __len__(self) -> int:
         return len(self._refs)
 
-    def _find_owned(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    def _find_owned(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+    ) -> torch.Tensor | None:
         refs = self._refs
-        for a in (*args, *kwargs.values()):
+        for a in (*args, *kwargs.values()) if kwargs else args:
             if isinstance(a, torch.Tensor):
                 ref = refs.get(id(a))
                 if ref is not None and ref() is a:

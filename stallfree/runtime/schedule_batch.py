@@ -502,6 +502,12 @@ class ScheduleBatch:
                     raise MirrorParityError(
                         f"{mirror} mirror {host.tolist()} != device {values.tolist()}"
                     )
+            ends = [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu, strict=True)]
+            if ends != self.seq_lens_cpu.tolist():
+                raise MirrorParityError(
+                    f"{op}: per-row lists out of step with the rows: prefix + extend {ends} != "
+                    f"seq_lens {self.seq_lens_cpu.tolist()}"
+                )
             slots = self.req_pool_indices_cpu.tolist()
             if len(slots) != len(self.reqs):
                 raise MirrorParityError(f"{op}: {len(slots)} mirror rows for {len(self.reqs)} reqs")
