@@ -16,7 +16,8 @@ and drift hit both alike; the table shows medians. Figures: mean and p50 time to
 total throughput ((prompt + generated tokens) / wall), output throughput, prefill tokens
 computed, the hit rate (cached tokens / tokens looked up, at admission), tokens evicted, and the
 host time spent building and launching batches (`sched`, where the cache's own cost shows without
-the device's noise). The greedy tokens of the first requests are compared between modes. The load
+the device's noise), and the CPU time of the whole process (every thread: the stream worker's
+compute and the scheduler's). The greedy tokens of the first requests are compared between modes. The load
 average is printed before and after.
 """
 
@@ -84,9 +85,9 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
             assert ttft is not None
             return ttft, tokens
 
-        wall0 = time.perf_counter()
+        wall0, cpu0 = time.perf_counter(), time.process_time()
         results = await asyncio.gather(*(one(p) for p in prompts))
-        wall = time.perf_counter() - wall0
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         after = engine.snapshot().counters
     ttfts = [t for t, _ in results]
     generated = sum(len(toks) for _, toks in results)
@@ -98,6 +99,7 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
         "workload": args.workload,
         "caching": args.caching,
         "wall_s": wall,
+        "cpu_s": cpu,
         "ttft_mean_s": statistics.fmean(ttfts),
         "ttft_p50_s": statistics.median(ttfts),
         "total_tok_s": (prompt_tokens + generated) / wall,
@@ -169,7 +171,8 @@ def main() -> None:
     print(f"after:  {_fmt_load()}")
     header = (
         f"{'workload':<9}{'cache':<6}{'TTFT mean':>10}{'TTFT p50':>10}{'total tok/s':>12}"
-        f"{'out tok/s':>10}{'prefill tok':>12}{'hit rate':>9}{'evicted':>8}{'sched':>8}{'wall':>8}"
+        f"{'out tok/s':>10}{'prefill tok':>12}{'hit rate':>9}{'evicted':>8}{'sched':>8}{'CPU':>8}"
+        f"{'wall':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -187,7 +190,7 @@ def main() -> None:
                 f"{workload:<9}{'on' if caching else 'off':<6}{med['ttft_mean_s']:>9.3f}s"
                 f"{med['ttft_p50_s']:>9.3f}s{med['total_tok_s']:>12.1f}{med['output_tok_s']:>10.1f}"
                 f"{med['prefill_tokens']:>12.0f}{med['hit_rate']:>9.1%}{med['evicted_tokens']:>8.0f}"
-                f"{med['schedule_s']:>7.3f}s{med['wall_s']:>7.1f}s"
+                f"{med['schedule_s']:>7.3f}s{med['cpu_s']:>7.1f}s{med['wall_s']:>7.1f}s"
             )
         off, on = medians[False], medians[True]
         same = {r["tokens_sha"] for r in runs if r["workload"] == workload}
