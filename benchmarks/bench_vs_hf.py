@@ -140,8 +140,10 @@ def _measure(run: Any) -> dict[str, Any]:
     """Time `run()` (returns one token list per request): wall, CPU and peak RSS."""
     cpu0, wall0 = time.process_time(), time.perf_counter()
     outputs = run()
-    wall = time.perf_counter() - wall0
-    cpu = time.process_time() - cpu0
+    return _figures(outputs, time.perf_counter() - wall0, time.process_time() - cpu0)
+
+
+def _figures(outputs: list[list[int]], wall: float, cpu: float) -> dict[str, Any]:
     tokens = sum(len(o) for o in outputs)
     return {
         "wall_s": wall,
@@ -192,14 +194,8 @@ def worker_stallfree(
             wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
             snap = engine.snapshot()
         outputs = [list(r.token_ids) for r in results]
-        tokens = sum(len(o) for o in outputs)
         return {
-            "wall_s": wall,
-            "cpu_s": cpu,
-            "gen_tokens": tokens,
-            "tok_s": tokens / wall,
-            "tok_per_cpu_s": tokens / cpu if cpu > 0 else math.nan,
-            "outputs": outputs,
+            **_figures(outputs, wall, cpu),
             "retractions": snap.counters.retractions,
             "finish_reasons": sorted({str(r.finish_reason) for r in results}),
         }

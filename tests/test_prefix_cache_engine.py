@@ -63,15 +63,19 @@ async def _run(engine: Engine, turns) -> tuple[list[list[int]], list[list[int]]]
     return outputs, conversation
 
 
-@pytest.mark.parametrize(
-    ("caching", "page_size"), [(True, 4), (True, 1), (False, 4)], ids=["ps4", "ps1", "off"]
-)
-@pytest.mark.parametrize(("overlap", "mirrors"), MODES)
+# every overlap x mirrors mode with the cache on and off at page size 4; page size 1 (no partial
+# pages) in the default mode
+CACHE_CASES = [
+    pytest.param(*mode.values, caching, 4, id=f"{mode.id}-{'ps4' if caching else 'off'}")
+    for mode in MODES
+    for caching in (True, False)
+] + [pytest.param(True, True, True, 1, id="overlap-mirrors-ps1")]
+
+
+@pytest.mark.parametrize(("overlap", "mirrors", "caching", "page_size"), CACHE_CASES)
 async def test_greedy_equals_transformers_with_and_without_the_cache(
     model, overlap, mirrors, caching, page_size
 ):
-    if page_size == 1 and not (overlap and mirrors):
-        pytest.skip("page size 1 runs in the default mode only")
     path, reference, turns = model
     cfg = engine_config(
         path,
