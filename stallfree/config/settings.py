@@ -24,7 +24,8 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     path: str = Field(
-        "tiny", description="Hugging Face model directory, or a preset: tiny, bench-cpu"
+        "tiny",
+        description="Hugging Face model directory, a .gguf file, or a preset: tiny, bench-cpu",
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Weights and KV dtype; auto = the checkpoint's, float32 on CPU"
@@ -137,6 +138,11 @@ class ServerConfig(_Section):
     served_model_name: str | None = Field(
         None, description="Model id in the API and the metrics; default: model.path"
     )
+    chat_template: str | None = Field(
+        None,
+        description="Chat template of /v1/chat/completions instead of the model's own: a Jinja "
+        "file, or the template text itself",
+    )
     graceful_shutdown_s: float = Field(
         30.0,
         ge=0,
@@ -189,6 +195,9 @@ class ServerConfig(_Section):
     )
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="Level of the server's and the engine's logs"
+    )
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] | None = (
+        Field(None, description="Level of uvicorn's own logs only; default: server.log_level")
     )
     access_log: bool = Field(True, description="Log one line per HTTP request")
     access_log_probes: bool = Field(
