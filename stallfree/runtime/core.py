@@ -89,6 +89,7 @@ class EngineCore:
             device_busy_seconds=busy,
             device_idle_seconds=self._idle_reported,
             sparse=sparse.stats() if sparse is not None else None,
+            max_context_len=self.max_context_len,
         )
 
 

@@ -66,9 +66,10 @@ class SchedulerLoop:
             self.stats.schedule_seconds += elapsed
             overlapped = self.overlap and self._in_flight
             self.observer.on_schedule(elapsed)
-            self.observer.on_step(
-                len(launched.reqs), launched.mode is ForwardMode.DECODE, overlapped
-            )
+            decode = launched.mode is ForwardMode.DECODE
+            self.observer.on_step(len(launched.reqs), decode, overlapped)
+            fb = launched.forward_batch
+            self.observer.on_step_tokens(len(launched.reqs) if decode else sum(fb.extend_lens_cpu))
         return launched
 
     def _launch_failed(self, exc: Exception) -> None:

@@ -32,6 +32,10 @@ class EngineObserver:
     def on_step(self, num_reqs: int, decode: bool, overlapped: bool) -> None:
         """A batch was launched; `overlapped` when an earlier batch was still unprocessed."""
 
+    def on_step_tokens(self, num_tokens: int) -> None:
+        """The batch just launched computes `num_tokens` tokens (prompt tokens in an extend
+        batch, one per request in decode); called right after `on_step`."""
+
     def on_stall(self, site: str, seconds: float) -> None:
         """A `host_read` at `site` waited `seconds` for the device."""
 
@@ -101,6 +105,13 @@ class ObserverFanout(EngineObserver):
                 o.on_step(num_reqs, decode, overlapped)
             except Exception as exc:
                 self._failed(o, "on_step", exc)
+
+    def on_step_tokens(self, num_tokens: int) -> None:
+        for o in self.observers:
+            try:
+                o.on_step_tokens(num_tokens)
+            except Exception as exc:
+                self._failed(o, "on_step_tokens", exc)
 
     def on_stall(self, site: str, seconds: float) -> None:
         for o in self.observers:

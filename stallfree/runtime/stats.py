@@ -96,6 +96,7 @@ class EngineSnapshot:
     device_busy_seconds: float
     device_idle_seconds: float  # while requests were in the engine
     sparse: SparseStats | None = None
+    max_context_len: int = 0  # the engine's longest sequence (0: unknown), for bucket bounds
 
 
 class ActivityClock(EngineObserver):
