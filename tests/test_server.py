@@ -313,11 +313,11 @@ BAD_REQUESTS = [
         "malformed JSON",
     ),
     (
-        "unknown field",
-        *_post("/v1/completions", {"model": "test-model", "prompt": "x", "bogus": 1}),
+        "output-changing field",
+        *_post("/v1/completions", {"model": "test-model", "prompt": "x", "suffix": "end"}),
         400,
-        "bogus",
-        "bogus",
+        "suffix",
+        "not supported",
     ),
     (
         "bad temperature",

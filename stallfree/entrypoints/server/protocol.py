@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
+
+logger = logging.getLogger("stallfree.server")
+
+# NOTE: the most choices one request may ask for (`n`); a batch of prompts times `n` is also
+# bounded by `server.max_prompts_per_request`
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+# the most ignored field names one debug line lists
+_MAX_LOGGED_FIELDS = 20
 
 # ---------------------------------------------------------------- errors
 
@@ -26,7 +36,35 @@ class ErrorResponse(BaseModel):
 
 
 class _Request(BaseModel):
-    # NOTE: unknown fields are a 400 that names them, as the OpenAI API itself answers.
+    """A part of an OpenAI request. Fields this server does not know are ignored (a debug line
+    names them), as vLLM does: clients send many that do not change the output (`store`,
+    `metadata`, `service_tier`, ...). The fields that would change it and are not supported
+    are declared, and refused with a 400 naming them (`requests.reject_unsupported`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict) and logger.isEnabledFor(logging.DEBUG):
+            ignored = [k for k in data if k not in cls.model_fields]
+            if ignored:
+                names = ", ".join(
+                    repr(str(k)[:64]).encode("ascii", "backslashreplace").decode()
+                    for k in ignored[:_MAX_LOGGED_FIELDS]
+                )
+                more = len(ignored) - _MAX_LOGGED_FIELDS
+                logger.debug(
+                    "The following fields were present in the request but ignored (%s): {%s%s}",
+                    cls.__name__,
+                    names,
+                    f", ... {more} more" if more > 0 else "",
+                )
+        return data
+
+
+class _StrictRequest(BaseModel):
+    # NOTE: the native route's fields are all known: an unknown one is a 400 naming it
     model_config = ConfigDict(extra="forbid")
 
 
@@ -65,23 +103,27 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
+def _check_unicode(data: Any) -> Any:
+    field = lone_surrogate_at(data)
+    if field is not None:
+        # NOTE: a key may hold the surrogate itself; the name is given escaped (\\ud800)
+        escaped = field.encode("utf-8", "backslashreplace").decode()
+        raise PydanticCustomError(
+            "invalid_unicode",
+            "not valid Unicode text: it holds a lone surrogate code point (such as \\ud800)",
+            {"field": escaped},
+        )
+    return data
+
+
 class _Body(_Request):
     """A whole request body: before its fields are read, it is checked for text that is not
-    Unicode (the error names the field)."""
+    Unicode (the error names the field), ignored fields included."""
 
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
-        field = lone_surrogate_at(data)
-        if field is not None:
-            # NOTE: a key may hold the surrogate itself; the name is given escaped (\\ud800)
-            escaped = field.encode("utf-8", "backslashreplace").decode()
-            raise PydanticCustomError(
-                "invalid_unicode",
-                "not valid Unicode text: it holds a lone surrogate code point (such as \\ud800)",
-                {"field": escaped},
-            )
-        return data
+        return _check_unicode(data)
 
 
 class StreamOptions(_Request):
@@ -90,33 +132,52 @@ class StreamOptions(_Request):
 
 
 class _SamplingFields(_Body):
-    """Fields both OpenAI routes share, plus the extras other engines accept (`extra_body`)."""
+    """Fields both OpenAI routes share, plus the extras other engines accept (`extra_body`).
+
+    Fields typed `Any` are ones this server does not support: they are read only to refuse a
+    value that would change the output (`requests.reject_unsupported`).
+    """
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    presence_penalty: float = Field(0.0, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # extras
+    # extras (vLLM's names)
     top_k: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = Field(None, allow_inf_nan=False)
+    min_tokens: int = Field(0, ge=0)
+    # extras that would change the output and are not supported
+    min_p: Any = None
+    use_beam_search: Any = None
+    include_stop_str_in_output: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    prompt_logprobs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    response_format: Any = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(None, ge=1)
+    suffix: Any = None
 
 
 class ContentPart(_Request):
@@ -124,10 +185,25 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    # NOTE: OpenAI sends a JSON string; a template gets the object it holds (as vLLM does)
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # history of an earlier tool-calling turn: passed to the chat template as sent
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -135,13 +211,21 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # not supported beyond their defaults
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(_StrictRequest):
     """`POST /generate`: `text` or `input_ids`, and `SamplingParams` fields."""
 
     text: str | None = None
@@ -149,6 +233,11 @@ class GenerateRequest(_Body):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     rid: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        return _check_unicode(data)
 
 
 # ---------------------------------------------------------------- responses

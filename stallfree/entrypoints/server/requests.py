@@ -8,7 +8,8 @@ overflow in arithmetic on a huge number) is the client's fault and becomes a 400
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -19,7 +20,11 @@ from stallfree.entrypoints.server.errors import (
     from_conversion_error,
     from_validation,
 )
-from stallfree.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
+from stallfree.entrypoints.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
 from stallfree.entrypoints.server.state import ServerState
 from stallfree.runtime.engine import Engine
 from stallfree.runtime.sampling_params import SamplingParams
@@ -46,11 +51,66 @@ def check_model(state: ServerState, name: str) -> None:
         )
 
 
+def _given(value: Any) -> bool:
+    """Set to something other than nothing (None, false, an empty string, list or object)."""
+    return value is not None and value is not False and value != "" and value != [] and value != {}
+
+
+def _text_format(value: Any) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type", "text") == "text")
+
+
+# NOTE: fields that would change the output, and the values of them this server can honour
+# (their defaults); any other value is a 400 naming the field. Fields not declared at all are
+# ignored (see `protocol._Request`).
+_SHARED_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "min_p": lambda v: v is None or v == 0,
+    "use_beam_search": lambda v: v is None or v is False,
+    "include_stop_str_in_output": lambda v: v is None or v is False,
+    "bad_words": lambda v: not _given(v),
+    "allowed_token_ids": lambda v: v is None,
+    "prompt_logprobs": lambda v: v is None,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+    "response_format": _text_format,
+}
+_COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "suffix": lambda v: v is None or v == "",
+}
+_CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "tools": lambda v: not _given(v),
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": lambda v: not _given(v),
+    "function_call": lambda v: v is None or v == "none",
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v is None or v == ["text"],
+    "chat_template": lambda v: v is None,
+    "chat_template_kwargs": lambda v: not _given(v),
+    "add_generation_prompt": lambda v: v is None or v is True,
+    "continue_final_message": lambda v: v is None or v is False,
+}
+
+
 def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """A 400 naming the first field whose value would change the output in a way this server
+    does not support."""
+    table = dict(_SHARED_UNSUPPORTED)
+    table |= _COMPLETION_UNSUPPORTED if isinstance(body, CompletionRequest) else _CHAT_UNSUPPORTED
+    for field, supported in table.items():
+        if not supported(getattr(body, field)):
+            raise ApiError(
+                400,
+                f"{field}: this value is not supported by this server",
+                param=field,
+                code="unsupported_parameter",
+            )
     unsupported = {
         "n": body.n > 1,
-        "presence_penalty": body.presence_penalty != 0.0,
-        "frequency_penalty": body.frequency_penalty != 0.0,
+        "presence_penalty": bool(body.presence_penalty),
+        "frequency_penalty": bool(body.frequency_penalty),
         "logit_bias": bool(body.logit_bias),
     }
     if isinstance(body, CompletionRequest):
@@ -58,15 +118,11 @@ def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
             "echo": body.echo,
             "logprobs": body.logprobs is not None,
             "best_of": (body.best_of or 1) > 1,
-            "suffix": body.suffix is not None,
         }
     else:
         unsupported |= {
             "logprobs": body.logprobs,
             "top_logprobs": body.top_logprobs is not None,
-            "tools": bool(body.tools),
-            "tool_choice": body.tool_choice not in (None, "none"),
-            "response_format": (body.response_format or {}).get("type", "text") != "text",
         }
     for field, bad in unsupported.items():
         if bad:
@@ -126,16 +182,48 @@ def prompt_ids(
     ]
 
 
+def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
+    """One message as a chat template reads it (the fields transformers passes)."""
+    if isinstance(message.content, list):
+        if any(p.type != "text" for p in message.content):
+            raise ApiError(400, "only text content parts are supported", param=f"messages.{index}")
+        content = "".join(p.text or "" for p in message.content)
+    else:
+        content = message.content or ""
+    out: dict[str, Any] = {"role": message.role, "content": content}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type,
+                "function": {
+                    "name": call.function.name,
+                    "arguments": _arguments(call.function.arguments),
+                },
+            }
+            for call in message.tool_calls
+        ]
+    return out
+
+
+def _arguments(arguments: str | dict[str, Any]) -> Any:
+    """A tool call's arguments as templates expect them: the object its JSON text holds (as
+    vLLM passes them), or the text itself when it holds no object."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
+
+
 def chat_prompt_ids(engine: Engine, body: ChatCompletionRequest) -> list[int]:
-    messages = []
-    for i, m in enumerate(body.messages):
-        if isinstance(m.content, list):
-            if any(p.type != "text" for p in m.content):
-                raise ApiError(400, "only text content parts are supported", param=f"messages.{i}")
-            content = "".join(p.text or "" for p in m.content)
-        else:
-            content = m.content or ""
-        messages.append({"role": m.role, "content": content})
+    messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
     try:
         text = engine.tokenizer.apply_chat_template(messages)
     except ChatTemplateError as exc:

@@ -1,8 +1,10 @@
-"""The routes: `/health` and `/metrics` (open), and behind the API key `/v1/models`,
-`/v1/completions`, `/v1/chat/completions`, the native `/generate` and `/flush_cache`."""
+"""The routes: `/health` and `/metrics` (open), and behind the API key `/v1/models` and
+`/v1/models/{id}`, `/v1/completions`, `/v1/chat/completions`, the native `/generate` and
+`/flush_cache`."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -91,9 +93,13 @@ def api_routes() -> APIRouter:
 
     @router.get("/v1/models")
     async def models(request: Request) -> ModelList:
-        state = server_state(request)
-        card = ModelCard(id=state.model_name, max_model_len=state.engine.max_context_len)
-        return ModelList(data=[card])
+        return ModelList(data=[_model_card(request)])
+
+    # NOTE: `:path`, so a served name with a slash (`org/model`) is one id
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> ModelCard:
+        check_model(server_state(request), model_id)
+        return _model_card(request)
 
     router.add_api_route("/v1/completions", completions, methods=["POST"])
     router.add_api_route("/v1/chat/completions", chat, methods=["POST"])
@@ -113,6 +119,20 @@ def api_routes() -> APIRouter:
         return JSONResponse({"flushed": True})
 
     return router
+
+
+def _model_card(request: Request) -> ModelCard:
+    state = server_state(request)
+    # NOTE: one creation time per app (its first model answer), so the list and the retrieved
+    # card are equal
+    app_state = request.app.state
+    if getattr(app_state, "models_created", None) is None:
+        app_state.models_created = int(time.time())
+    return ModelCard(
+        id=state.model_name,
+        created=app_state.models_created,
+        max_model_len=state.engine.max_context_len,
+    )
 
 
 def _add_usage(usage: UsageInfo, last: GenerationChunk) -> UsageInfo:
