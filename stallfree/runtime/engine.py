@@ -24,6 +24,7 @@ from stallfree.runtime.errors import (
     EngineUnhealthyError,
     InvalidRequestError,
 )
+from stallfree.runtime.logits import TokenLogprobs
 from stallfree.runtime.observer import EngineObserver, MetricsExporter
 from stallfree.runtime.output_processor import GenerationChunk, GenerationResult, RequestStream
 from stallfree.runtime.plugins import load_metrics_plugin
@@ -354,10 +355,16 @@ class Engine:
         """Await the whole output (the caller wakes once, when it is done)."""
         texts: list[str] = []
         ids: list[int] = []
+        logprobs: list[TokenLogprobs] | None = None
+        prompt_logprobs: list[TokenLogprobs | None] | None = None
         last: GenerationChunk | None = None
         async for chunk in self._submit(prompt, params, rid, timeout, wake_per_step=False):
             texts.append(chunk.text)
             ids.extend(chunk.token_ids)
+            if chunk.logprobs is not None:
+                logprobs = (logprobs or []) + chunk.logprobs
+            if chunk.prompt_logprobs is not None:
+                prompt_logprobs = chunk.prompt_logprobs
             last = chunk
         assert last is not None
         return GenerationResult(
@@ -368,6 +375,9 @@ class Engine:
             prompt_tokens=last.prompt_tokens,
             completion_tokens=last.completion_tokens,
             error=last.error,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            cached_tokens=last.cached_tokens,
         )
 
     def abort(self, rid: str) -> bool:

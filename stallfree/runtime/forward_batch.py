@@ -44,6 +44,9 @@ class ForwardBatch:
     prompt_lens_cpu: list[int] = field(default_factory=list)
     # a sparse-attention plug-in's plan for this step, opaque to the core (see runtime/sparse.py)
     sparse_plan: object = None
+    # device [N] int64: flat token offsets whose logits the model also returns, after the last
+    # tokens' rows (prompt logprobs); None: only the last tokens'
+    logit_positions: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,13 @@ from stallfree.overlap.faults import Fault, FaultInjector
 from stallfree.overlap.stream import Event
 from stallfree.runtime.context import BatchContext
 from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.logits import (
+    LogitsPlan,
+    LogprobBuffers,
+    PenaltyState,
+    build_logits_plan,
+    process_logits,
+)
 from stallfree.runtime.req import Req
 from stallfree.runtime.sampler import Sampler, SamplingBatch
 from stallfree.runtime.schedule_batch import ScheduleBatch
@@ -28,6 +35,8 @@ class LaunchedBatch:
     token_ids_host: torch.Tensor  # pinned; valid once `event` has fired
     event: Event
     forward_batch: ForwardBatch  # NOTE: holds the launched device tensors alive
+    logits_plan: LogitsPlan | None = None
+    logprobs: LogprobBuffers | None = None  # host; valid once `event` has fired
 
     async def wait_token_ids(self) -> list[int]:
         await self.event.wait()
@@ -46,6 +55,8 @@ class ModelRunner:
         self.ctx = ctx
         self.sampler = sampler
         self.faults = faults
+        # NOTE: created on the stream by the first step that needs it; the host never reads it
+        self.penalties: PenaltyState | None = None
         if ctx.check_mirrors:  # the debug checks: mirror parity and the future map's stamps
             ctx.future_map.enable_debug()
         self._adopt_device_state()
@@ -79,6 +90,18 @@ class ModelRunner:
             slots_cpu = fb.req_pool_indices_cpu[rows_cpu]
             stash_slots = stream.upload(slots_cpu)
             token_ids_host = stream.host_buffer((len(batch.reqs),), _I64)
+            plan = build_logits_plan(
+                batch.reqs,
+                batch.output_rows,
+                batch.output_steps,
+                (fb.prefix_lens_cpu, fb.extend_lens_cpu) if fb.mode is ForwardMode.EXTEND else None,
+                stream.upload,
+            )
+            logprobs = None
+            if plan is not None:
+                logprobs = LogprobBuffers.allocate(plan, len(batch.reqs), stream.host_buffer)
+                if plan.prompt is not None:
+                    fb.logit_positions = plan.prompt.positions
             expected, generation = self._plan_future_map(fb, slots_cpu)
         fault = self.faults.plan() if self.faults is not None else Fault.NONE
         stream.submit(
@@ -91,6 +114,8 @@ class ModelRunner:
             fault,
             expected,
             generation,
+            plan,
+            logprobs,
         )
         event = stream.record_event()
         return LaunchedBatch(
@@ -101,7 +126,35 @@ class ModelRunner:
             token_ids_host=token_ids_host,
             event=event,
             forward_batch=fb,
+            logits_plan=plan,
+            logprobs=logprobs,
         )
+
+    def _sample_planned(
+        self,
+        logits: torch.Tensor,
+        batch_size: int,
+        sb: SamplingBatch,
+        plan: LogitsPlan,
+        logprobs: LogprobBuffers | None,
+    ) -> torch.Tensor:
+        """Stream side: bias, masks and penalties, then sampling, then the logprobs (of the raw
+        logits) and this step's penalty counts."""
+        extra = None
+        if plan.prompt is not None:
+            logits, extra = logits[:batch_size], logits[batch_size:]
+        processed = (
+            process_logits(logits, plan, self.penalties) if plan.processes_logits else logits
+        )
+        next_ids = self.sampler.sample(processed, sb)
+        if logprobs is not None:
+            logprobs.fill_outputs(logits, next_ids)
+            if extra is not None:
+                assert plan.prompt is not None
+                logprobs.fill_prompt(extra, plan.prompt.targets)
+        if self.penalties is not None:
+            self.penalties.record(plan, next_ids)
+        return next_ids
 
     def _plan_future_map(
         self, fb: ForwardBatch, slots_cpu: torch.Tensor
@@ -128,6 +181,8 @@ class ModelRunner:
         fault: Fault = Fault.NONE,
         expected: torch.Tensor | None = None,
         generation: int | None = None,
+        plan: LogitsPlan | None = None,
+        logprobs: LogprobBuffers | None = None,
     ) -> None:
         """Runs on the stream, in order after every earlier enqueued write."""
         fmap = self.ctx.future_map
@@ -139,7 +194,15 @@ class ModelRunner:
             if fb.mode is ForwardMode.DECODE:
                 fb.input_ids = fmap.resolve(fb.req_pool_indices, expected)
             logits = self.model(fb)
-            next_ids = self.sampler.sample(logits, sb)
+            if plan is not None and plan.needs_state:
+                if self.penalties is None:
+                    slots = self.ctx.req_to_token_pool.req_to_token.shape[0]
+                    self.penalties = PenaltyState(slots, logits.shape[1], logits.device)
+                self.penalties.rebuild(plan)
+            if plan is None:
+                next_ids = self.sampler.sample(logits, sb)
+            else:
+                next_ids = self._sample_planned(logits, fb.batch_size, sb, plan, logprobs)
             fmap.stash(stash_slots, stash_rows, next_ids, generation)
             stashed = True
         finally:

@@ -16,6 +16,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from stallfree.runtime.logits import TokenLogprobs
 from stallfree.runtime.observer import EngineObserver
 from stallfree.runtime.req import Req
 from stallfree.runtime.tokenizer import Detokenizer, Tokenizer, find_stop
@@ -31,6 +32,11 @@ class GenerationChunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    # with `logprobs` set: one entry per token of `token_ids`
+    logprobs: list[TokenLogprobs] | None = None
+    # with `prompt_logprobs` set, in the first chunk only: one per prompt token, the first None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache served at the last admission
 
 
 @dataclass(slots=True)
@@ -42,6 +48,9 @@ class GenerationResult:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -54,6 +63,8 @@ class RequestStream:
     longest_stop: int
     wake_per_step: bool  # False: wake the consumer only when the request finishes
     ids: list[int] = field(default_factory=list)  # accepted, not yet read
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # for `ids`, when asked for
+    sent_prompt_logprobs: bool = False
     undecoded: list[int] = field(default_factory=list)  # not yet run through `detok`
     text: list[str] = field(default_factory=list)  # decoded, not yet read
     # NOTE: with stop strings, decoded text that might begin one is held back here; it is
@@ -96,6 +107,14 @@ class RequestStream:
         ids, self.ids = self.ids, []
         text = "".join(self.text)
         self.text = []
+        params = req.sampling_params
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs, self.logprobs = self.logprobs, []
+        prompt_logprobs: list[TokenLogprobs | None] | None = None
+        if params.prompt_logprobs is not None and not self.sent_prompt_logprobs:
+            self.sent_prompt_logprobs = True
+            prompt_logprobs = [None, *req.prompt_logprobs]
         return GenerationChunk(
             rid=req.rid,
             token_ids=ids,
@@ -105,6 +124,9 @@ class RequestStream:
             prompt_tokens=len(req.origin_input_ids),
             completion_tokens=len(req.output_ids),
             error=req.finish_message if final else None,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            cached_tokens=req.cached_tokens,
         )
 
     def _tail(self) -> str:
@@ -141,13 +163,17 @@ class OutputProcessor:
         stream = self._streams.get(req)
         return len(stream.held) if stream is not None else 0
 
-    def on_token(self, req: Req, tok: int, now: float) -> bool:
+    def on_token(
+        self, req: Req, tok: int, now: float, logprobs: TokenLogprobs | None = None
+    ) -> bool:
         """Take one accepted token. Returns True when a stop string ended in it."""
         self.observer.on_tokens(req, 1, now)
         stream = self._streams.get(req)
         if stream is None:
             return False
         stream.ids.append(tok)
+        if logprobs is not None:
+            stream.logprobs.append(logprobs)
         if not stream.stops:
             stream.undecoded.append(tok)
             stream.wake()
@@ -155,7 +181,9 @@ class OutputProcessor:
         delta = stream.detok.step([tok])
         # a stop string ending in `delta` starts inside `held`, which holds back enough text
         stream.held += delta
-        idx = find_stop(stream.held, stream.stops, len(stream.held) - len(delta))
+        idx = None
+        if len(req.output_ids) >= req.sampling_params.min_tokens:
+            idx = find_stop(stream.held, stream.stops, len(stream.held) - len(delta))
         if idx is not None:
             stream.stop_at = idx
             return True

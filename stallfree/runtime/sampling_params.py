@@ -19,6 +19,11 @@ MIN_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
+MAX_PENALTY = 2.0  # presence and frequency, as OpenAI bounds them
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGPROBS = 20  # top alternatives per token, as vLLM bounds them by default
 
 
 def is_valid_unicode(text: str) -> bool:
@@ -63,6 +68,53 @@ class SamplingParams(BaseModel):
         f"each of 1 to {MAX_STOP_STRING_CHARS} characters",
     )
     ignore_eos: bool = False
+    min_tokens: int = Field(
+        0,
+        ge=0,
+        le=MAX_NEW_TOKENS,
+        description="Outputs before EOS, a stop token id or a stop string may end the request",
+    )
+    presence_penalty: float = Field(
+        0.0,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
+        allow_inf_nan=False,
+        description="Subtracted from the logit of every token already in the output",
+    )
+    frequency_penalty: float = Field(
+        0.0,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
+        allow_inf_nan=False,
+        description="Subtracted from a token's logit once per time it is in the output",
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0.0,
+        le=MAX_REPETITION_PENALTY,
+        allow_inf_nan=False,
+        description="Logits of tokens in the prompt or the output: positive ones divided by "
+        "it, negative ones multiplied (1 disables)",
+    )
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict,
+        max_length=MAX_LOGIT_BIAS_ENTRIES,
+        description=f"token id -> bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] added to "
+        "its logit before sampling",
+    )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Return each output token's log-probability and this many top "
+        "alternatives (log-softmax of the model's logits, before penalties and temperature)",
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="The same for every prompt token after the first",
+    )
 
     @field_validator("temperature")
     @classmethod
@@ -97,6 +149,38 @@ class SamplingParams(BaseModel):
         if any(not 0 <= t <= INT64_MAX for t in v):
             raise ValueError(f"stop_token_ids must be in [0, {INT64_MAX}]")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[int, float]) -> dict[int, float]:
+        for tok, bias in v.items():
+            if not 0 <= tok <= INT64_MAX:
+                raise ValueError(f"logit_bias keys must be token ids in [0, {INT64_MAX}]")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails both comparisons
+                raise ValueError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+                )
+        return v
+
+    @property
+    def has_penalties(self) -> bool:
+        """Some logit processing that needs per-request token counts on the device."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def needs_logits_plan(self) -> bool:
+        """Something between the forward and the sampler: bias, masks, penalties, logprobs."""
+        return (
+            bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.has_penalties
+            or self.logprobs is not None
+            or self.prompt_logprobs is not None
+        )
 
     @property
     def greedy(self) -> bool:

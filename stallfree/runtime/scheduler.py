@@ -28,6 +28,7 @@ from stallfree.runtime.alloc import (
     release_req_memory,
 )
 from stallfree.runtime.context import BatchContext
+from stallfree.runtime.logits import LogprobBuffers, TokenLogprobs
 from stallfree.runtime.observer import EngineObserver
 from stallfree.runtime.output_processor import OutputProcessor
 from stallfree.runtime.radix_cache import RadixCache, TreeNode
@@ -248,7 +249,8 @@ class Scheduler:
             cached_pages: list[int] = []
             node: TreeNode | None = None
             locked = 0
-            if cache is not None:
+            if cache is not None and req.sampling_params.prompt_logprobs is None:
+                # NOTE: prompt logprobs need every prompt position computed: no cached prefix
                 cached_pages, node = cache.match_prefix(self._matchable(req))
                 if self._shares_with_prefill(req, len(cached_pages) * page_size, reqs, lens):
                     if not lpm:
@@ -484,29 +486,42 @@ class Scheduler:
         return self.launch_seq
 
     def process_tokens(
-        self, batch_reqs: list[Req], output_rows: list[bool], token_ids: list[int]
+        self,
+        batch_reqs: list[Req],
+        output_rows: list[bool],
+        token_ids: list[int],
+        logprobs: LogprobBuffers | None = None,
     ) -> None:
         self._step_ok = True  # the batch's step succeeded (see `on_processed`)
         now = time.perf_counter()
-        for req, real, tok in zip(batch_reqs, output_rows, token_ids, strict=True):
+        for row, (req, real, tok) in enumerate(
+            zip(batch_reqs, output_rows, token_ids, strict=True)
+        ):
             if not real or req.finished:
                 continue  # an intermediate chunk, or the one-step overlap lag after finishing
             if req.in_flight_outputs <= 0:
                 continue  # retracted and recomputed since; this token is stale
             try:
-                self._accept(req, tok, now)
+                lp = None
+                k = req.sampling_params.logprobs
+                if logprobs is not None and k is not None:
+                    lp = logprobs.outputs(row, tok, k)
+                self._accept(req, tok, now, lp)
             except Exception as exc:  # one request's output failed; the others go on
                 logger.error("request %s failed processing token %d", req.rid, tok, exc_info=exc)
                 if not req.finished:
                     self._leave_queues(req)
                     self._finish(req, FinishReason.ERROR, f"output processing failed: {exc!r}")
 
-    def _accept(self, req: Req, tok: int, now: float) -> None:
+    def _accept(
+        self, req: Req, tok: int, now: float, logprobs: TokenLogprobs | None = None
+    ) -> None:
         req.output_ids.append(tok)
         self.stats.generation_tokens += 1
         params = req.sampling_params
-        stop_string = self.output.on_token(req, tok, now)
-        if (
+        stop_string = self.output.on_token(req, tok, now, logprobs)
+        # NOTE: below min_tokens the sampler masked EOS and stop ids; stop strings wait too
+        if len(req.output_ids) >= params.min_tokens and (
             stop_string
             or (not params.ignore_eos and tok in req.eos_token_ids)
             or tok in params.stop_token_ids

@@ -104,7 +104,7 @@ class RequestValidator:
             )
 
     def check_params(self, params: SamplingParams) -> None:
-        """The sampling bounds that depend on the model: top_k and stop token ids."""
+        """The sampling bounds that depend on the model: top_k, stop token ids, logit_bias."""
         vocab = self.vocab_size
         if params.top_k > vocab:
             raise InvalidRequestError(
@@ -117,6 +117,18 @@ class RequestValidator:
             raise InvalidRequestError(
                 f"stop_token_ids out of range [0, {vocab}): {', '.join(map(show, bad[:5]))}",
                 param="stop_token_ids",
+            )
+        bad = [t for t in params.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias token ids out of range [0, {vocab}): {', '.join(map(show, bad[:5]))}",
+                param="logit_bias",
+            )
+        if params.min_tokens > params.max_new_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({params.min_tokens}) must not exceed max_tokens "
+                f"({params.max_new_tokens})",
+                param="min_tokens",
             )
 
     def _check_ids(self, ids: Sequence[int], param: str) -> None:
@@ -212,6 +224,7 @@ class RequestValidator:
         requested = params.max_new_tokens
         if len(ids) + requested >= self.max_context_len:
             capped = self.max_new_tokens_limit(len(ids))
-            return params.model_copy(update={"max_new_tokens": capped})
+            update = {"max_new_tokens": capped, "min_tokens": min(params.min_tokens, capped)}
+            return params.model_copy(update=update)
         self._check_max_new_tokens(len(ids), requested, "prompt")
         return params

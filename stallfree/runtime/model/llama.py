@@ -210,6 +210,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             h = layer(h, rope, fb, backend)
         last = _last_tokens(h, fb)
+        if fb.logit_positions is not None:
+            last = torch.cat([last, h.index_select(0, fb.logit_positions)])
         return F.linear(self.model.norm(last), self.lm_head_weight()).float()
 
 

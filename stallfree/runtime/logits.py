@@ -1,0 +1,388 @@
+"""Logit processing between the forward and the sampler: logit bias, `min_tokens`, the
+presence/frequency/repetition penalties, and logprobs of outputs and prompts.
+
+The host decides everything at launch, from host facts only (each request's params, its
+`req_pool_idx`, the output index each row's token will get, and its host-known tokens), and
+packs it into a `LogitsPlan` of uploaded tensors. The stream applies the plan. Nothing here
+reads a device value on the host.
+
+Penalty state lives on the device, owned by the stream like the KV cache: `PenaltyState` holds
+one row per request slot, with each output token's count and a mask of the prompt's tokens.
+- A request's row is (re)built by the first batch that carries it after an admission (its first
+  prefill chunk, or its re-prefill after a retraction), from the tokens the host knows then.
+- Every later step adds the token it sampled for the row on the stream, right after sampling.
+  With overlap, batch N+1 is launched before the host has seen batch N's tokens, and the FIFO
+  stream applies N's counts before N+1 reads them: the host never needs them.
+- A slot's row is only read by a request that built it, so a freed slot needs no clearing.
+
+Logprobs are the log-softmax of the raw logits, before bias, penalties and temperature, as
+vLLM reports them by default and as transformers' `log_softmax(logits)` gives them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from stallfree.runtime.req import Req
+
+_I64 = torch.int64
+# prompt logprobs are computed this many positions at a time, so a long prompt chunk never
+# materialises a [chunk, vocab] log-softmax at once
+PROMPT_LOGPROB_SLICE = 256
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprobs:
+    """One token's log-probability and the top alternatives at its position, highest first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PromptLogprobPlan:
+    """Rows of a prefill chunk that want prompt logprobs: flat token offsets and targets."""
+
+    positions_cpu: list[int]  # offsets into the step's flattened tokens
+    positions: torch.Tensor  # the same, uploaded
+    targets: torch.Tensor  # [N] int64 device: the prompt token each position predicts
+    k: int  # top alternatives (max over the rows)
+    # per batch row: (first prompt index the row's results cover, how many) — host bookkeeping
+    spans: list[tuple[int, int, int]]  # (row, first_target_index, count)
+
+
+@dataclass(slots=True)
+class LogitsPlan:
+    # logit_bias and min_tokens, as (row, token, value) triples added to the logits
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # penalties: rows, their slots and factors [P]
+    pen_rows: torch.Tensor | None = None
+    pen_slots: torch.Tensor | None = None
+    presence: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    # (re)built rows: slots to clear, then prompt (slot, token) marks and output (slot, token)
+    init_slots: torch.Tensor | None = None
+    init_prompt: tuple[torch.Tensor, torch.Tensor] | None = None
+    init_output: tuple[torch.Tensor, torch.Tensor] | None = None
+    # rows whose sampled token counts toward their penalties, and their slots
+    count_rows: torch.Tensor | None = None
+    count_slots: torch.Tensor | None = None
+    # output logprobs: top alternatives per row (max over the rows that asked); None: none
+    logprob_k: int | None = None
+    prompt: PromptLogprobPlan | None = None
+
+    @property
+    def processes_logits(self) -> bool:
+        return self.bias is not None or self.pen_rows is not None
+
+    @property
+    def needs_state(self) -> bool:
+        return self.pen_rows is not None or self.init_slots is not None
+
+
+def build_logits_plan(
+    reqs: list[Req],
+    output_rows: list[bool],
+    output_steps: list[int],
+    extend: tuple[list[int], list[int]] | None,
+    upload: Callable[[torch.Tensor], torch.Tensor],
+) -> LogitsPlan | None:
+    """The plan for one batch, from host facts; None when no row needs any of it (the common
+    case costs one attribute check per row). `extend` is (prefix_lens, extend_lens) of an
+    extend batch, None in decode."""
+    if not any(r.sampling_params.needs_logits_plan for r in reqs):
+        return None
+    plan = LogitsPlan()
+    bias_r: list[int] = []
+    bias_t: list[int] = []
+    bias_v: list[float] = []
+    pen_rows: list[int] = []
+    pen_slots: list[int] = []
+    presence: list[float] = []
+    frequency: list[float] = []
+    repetition: list[float] = []
+    init_slots: list[int] = []
+    prompt_marks: tuple[list[int], list[int]] = ([], [])
+    output_marks: tuple[list[int], list[int]] = ([], [])
+    count_rows: list[int] = []
+    count_slots: list[int] = []
+    logprob_k = -1
+    for row, req in enumerate(reqs):
+        params = req.sampling_params
+        if not params.needs_logits_plan:
+            continue
+        real = output_rows[row]
+        for tok, value in params.logit_bias.items():
+            bias_r.append(row)
+            bias_t.append(tok)
+            bias_v.append(value)
+        if output_steps[row] < params.min_tokens:
+            stops = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stops |= req.eos_token_ids
+            for tok in sorted(stops):
+                bias_r.append(row)
+                bias_t.append(tok)
+                bias_v.append(float("-inf"))
+        if params.logprobs is not None and real:
+            logprob_k = max(logprob_k, params.logprobs)
+        if params.has_penalties:
+            slot = req.req_pool_idx
+            assert slot is not None, "a batch row without a request slot"
+            if req.penalty_epoch != req.num_retractions:
+                req.penalty_epoch = req.num_retractions
+                init_slots.append(slot)
+                if params.repetition_penalty != 1.0:
+                    unique = set(req.origin_input_ids)
+                    prompt_marks[0].extend([slot] * len(unique))
+                    prompt_marks[1].extend(unique)
+                output_marks[0].extend([slot] * len(req.output_ids))
+                output_marks[1].extend(req.output_ids)
+            pen_rows.append(row)
+            pen_slots.append(slot)
+            presence.append(params.presence_penalty)
+            frequency.append(params.frequency_penalty)
+            repetition.append(params.repetition_penalty)
+            if real:
+                count_rows.append(row)
+                count_slots.append(slot)
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return upload(torch.tensor(values, dtype=_I64))
+
+    def floats(values: list[float]) -> torch.Tensor:
+        return upload(torch.tensor(values, dtype=torch.float32))
+
+    if bias_r:
+        plan.bias = (ints(bias_r), ints(bias_t), floats(bias_v))
+    if pen_rows:
+        plan.pen_rows, plan.pen_slots = ints(pen_rows), ints(pen_slots)
+        plan.presence, plan.frequency = floats(presence), floats(frequency)
+        plan.repetition = floats(repetition)
+    if init_slots:
+        plan.init_slots = ints(init_slots)
+        if prompt_marks[0]:
+            plan.init_prompt = (ints(prompt_marks[0]), ints(prompt_marks[1]))
+        if output_marks[0]:
+            plan.init_output = (ints(output_marks[0]), ints(output_marks[1]))
+    if count_rows:
+        plan.count_rows, plan.count_slots = ints(count_rows), ints(count_slots)
+    if logprob_k >= 0:
+        plan.logprob_k = logprob_k
+    if extend is not None:
+        plan.prompt = _prompt_plan(reqs, extend, upload)
+    return plan
+
+
+def _prompt_plan(
+    reqs: list[Req],
+    extend: tuple[list[int], list[int]],
+    upload: Callable[[torch.Tensor], torch.Tensor],
+) -> PromptLogprobPlan | None:
+    """Positions of this chunk whose next token is a prompt token not yet scored.
+
+    Position p predicts prompt token p + 1. A re-prefill after a retraction scores nothing
+    again (`req.prompt_logprobs` already holds those)."""
+    positions: list[int] = []
+    targets: list[int] = []
+    spans: list[tuple[int, int, int]] = []
+    k = 0
+    offset = 0
+    for row, (req, prefix, ext) in enumerate(zip(reqs, *extend, strict=True)):
+        want = req.sampling_params.prompt_logprobs
+        if want is not None:
+            prompt = req.origin_input_ids
+            # targets prefix+1 .. prefix+ext, within the prompt, not scored before
+            first = max(prefix + 1, len(req.prompt_logprobs) + 1)
+            last = min(prefix + ext, len(prompt) - 1)
+            if first <= last:
+                spans.append((row, first, last - first + 1))
+                positions.extend(range(offset + first - 1 - prefix, offset + last - prefix))
+                targets.extend(prompt[first : last + 1])
+                k = max(k, want)
+        offset += ext
+    if not positions:
+        return None
+    return PromptLogprobPlan(
+        positions_cpu=positions,
+        positions=upload(torch.tensor(positions, dtype=_I64)),
+        targets=upload(torch.tensor(targets, dtype=_I64)),
+        k=k,
+        spans=spans,
+    )
+
+
+class PenaltyState:
+    """Per-slot output token counts and prompt token marks, on the device (the stream's)."""
+
+    def __init__(self, num_slots: int, vocab: int, device: torch.device) -> None:
+        self.counts = torch.zeros((num_slots, vocab), dtype=torch.int32, device=device)
+        self.prompt_mask = torch.zeros((num_slots, vocab), dtype=torch.bool, device=device)
+
+    def rebuild(self, plan: LogitsPlan) -> None:
+        """Stream side: clear and refill the rows of (re)admitted requests."""
+        if plan.init_slots is None:
+            return
+        self.counts.index_fill_(0, plan.init_slots, 0)
+        self.prompt_mask.index_fill_(0, plan.init_slots, False)
+        if plan.init_prompt is not None:
+            slots, toks = plan.init_prompt
+            self.prompt_mask.index_put_((slots, toks), torch.ones_like(toks, dtype=torch.bool))
+        if plan.init_output is not None:
+            slots, toks = plan.init_output
+            ones = torch.ones_like(toks, dtype=torch.int32)
+            self.counts.index_put_((slots, toks), ones, accumulate=True)
+
+    def apply(self, logits: torch.Tensor, plan: LogitsPlan) -> torch.Tensor:
+        """Stream side: repetition, then frequency and presence penalties (vLLM's order)."""
+        assert plan.pen_rows is not None and plan.pen_slots is not None
+        assert plan.repetition is not None and plan.frequency is not None
+        assert plan.presence is not None
+        counts = self.counts.index_select(0, plan.pen_slots)
+        rows = logits.index_select(0, plan.pen_rows)
+        present = counts > 0
+        seen = present | self.prompt_mask.index_select(0, plan.pen_slots)
+        rep = plan.repetition.unsqueeze(1)
+        rows = torch.where(seen, torch.where(rows > 0, rows / rep, rows * rep), rows)
+        rows = rows - plan.frequency.unsqueeze(1) * counts.to(rows.dtype)
+        rows = rows - plan.presence.unsqueeze(1) * present.to(rows.dtype)
+        return logits.index_copy(0, plan.pen_rows, rows)
+
+    def record(self, plan: LogitsPlan, next_ids: torch.Tensor) -> None:
+        """Stream side: count the tokens this step sampled for penalised rows."""
+        if plan.count_rows is None:
+            return
+        assert plan.count_slots is not None
+        toks = next_ids.index_select(0, plan.count_rows)
+        ones = torch.ones_like(toks, dtype=torch.int32)
+        self.counts.index_put_((plan.count_slots, toks), ones, accumulate=True)
+
+
+def process_logits(
+    logits: torch.Tensor, plan: LogitsPlan, state: PenaltyState | None
+) -> torch.Tensor:
+    """Stream side: bias and min_tokens masks, then penalties. Out of place: the raw logits
+    stay as they were for logprobs."""
+    if plan.bias is not None:
+        rows, toks, values = plan.bias
+        logits = logits.index_put((rows, toks), values, accumulate=True)
+    if plan.pen_rows is not None:
+        assert state is not None
+        logits = state.apply(logits, plan)
+    return logits
+
+
+@dataclass(slots=True)
+class LogprobBuffers:
+    """Host (pinned) buffers a step fills with logprobs; valid once its event has fired."""
+
+    chosen: torch.Tensor | None = None  # [B] float32
+    top_values: torch.Tensor | None = None  # [B, k]
+    top_ids: torch.Tensor | None = None  # [B, k]
+    prompt_chosen: torch.Tensor | None = None  # [N]
+    prompt_top_values: torch.Tensor | None = None  # [N, k]
+    prompt_top_ids: torch.Tensor | None = None  # [N, k]
+
+    @classmethod
+    def allocate(
+        cls, plan: LogitsPlan, batch_size: int, host_buffer: Callable[..., torch.Tensor]
+    ) -> LogprobBuffers:
+        bufs = cls()
+        if plan.logprob_k is not None:
+            bufs.chosen = host_buffer((batch_size,), torch.float32)
+            bufs.top_values = host_buffer((batch_size, plan.logprob_k), torch.float32)
+            bufs.top_ids = host_buffer((batch_size, plan.logprob_k), _I64)
+        if plan.prompt is not None:
+            n, k = len(plan.prompt.positions_cpu), plan.prompt.k
+            bufs.prompt_chosen = host_buffer((n,), torch.float32)
+            bufs.prompt_top_values = host_buffer((n, k), torch.float32)
+            bufs.prompt_top_ids = host_buffer((n, k), _I64)
+        return bufs
+
+    def fill_outputs(self, logits: torch.Tensor, next_ids: torch.Tensor) -> None:
+        """Stream side: the sampled tokens' logprobs and the top alternatives."""
+        if self.chosen is None:
+            return
+        assert self.top_values is not None and self.top_ids is not None
+        _score(logits, next_ids, self.chosen, self.top_values, self.top_ids)
+
+    def fill_prompt(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        """Stream side: logits [N, vocab] at the planned positions -> the prompt's logprobs."""
+        if self.prompt_chosen is None:
+            return
+        assert self.prompt_top_values is not None and self.prompt_top_ids is not None
+        for start in range(0, logits.shape[0], PROMPT_LOGPROB_SLICE):
+            end = start + PROMPT_LOGPROB_SLICE
+            _score(
+                logits[start:end],
+                targets[start:end],
+                self.prompt_chosen[start:end],
+                self.prompt_top_values[start:end],
+                self.prompt_top_ids[start:end],
+            )
+
+    def outputs(self, row: int, token_id: int, k: int) -> TokenLogprobs | None:
+        """Host side, after the event: row `row`'s token and its top `k` alternatives."""
+        if self.chosen is None:
+            return None
+        return _entry(token_id, self.chosen, self.top_values, self.top_ids, row, k)
+
+    def take_prompt(self, reqs: list[Req], plan: LogitsPlan) -> None:
+        """Host side, after the event: append each scored prompt token to its request."""
+        prompt = plan.prompt
+        if prompt is None or self.prompt_chosen is None:
+            return
+        index = 0
+        for row, first, count in prompt.spans:
+            req = reqs[row]
+            k = req.sampling_params.prompt_logprobs or 0
+            if len(req.prompt_logprobs) + 1 == first:  # NOTE: never twice, never with a gap
+                targets = req.origin_input_ids[first : first + count]
+                req.prompt_logprobs.extend(
+                    _entry(
+                        tok,
+                        self.prompt_chosen,
+                        self.prompt_top_values,
+                        self.prompt_top_ids,
+                        index + i,
+                        k,
+                    )
+                    for i, tok in enumerate(targets)
+                )
+            index += count
+
+
+def _score(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    chosen: torch.Tensor,
+    top_values: torch.Tensor,
+    top_ids: torch.Tensor,
+) -> None:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen.copy_(logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1), non_blocking=True)
+    k = top_values.shape[1]
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)
+        top_values.copy_(values, non_blocking=True)
+        top_ids.copy_(ids, non_blocking=True)
+
+
+def _entry(
+    token_id: int,
+    chosen: torch.Tensor,
+    top_values: torch.Tensor | None,
+    top_ids: torch.Tensor | None,
+    index: int,
+    k: int,
+) -> TokenLogprobs:
+    top: list[tuple[int, float]] = []
+    if k and top_values is not None and top_ids is not None:
+        ids, values = top_ids[index, :k].tolist(), top_values[index, :k].tolist()
+        top = list(zip(ids, values, strict=True))
+    return TokenLogprobs(token_id, float(chosen[index]), top)
