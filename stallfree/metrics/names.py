@@ -5,3 +5,15 @@ from __future__ import annotations
 PREFIX = "stallfree:"
 BASE_LABELS = ("model_name", "engine")
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# Every `site` a `host_read` names (the runtime's and HiSparse's), exported at 0 from the start
+# so a dashboard shows 0 rather than "No data" (tests/test_metrics.py checks the list against
+# the source).
+STALL_SITES = (
+    "schedule.page_count",
+    "schedule.retract",
+    "launch.req_pool_indices",
+    "hisparse.map_last_loc",
+)
+# Every host mirror field a read can be served from, likewise exported at 0.
+MIRROR_FIELDS = ("seq_lens_cpu", "req_pool_indices_cpu")
