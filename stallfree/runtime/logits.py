@@ -95,7 +95,7 @@ def build_logits_plan(
     """The plan for one batch, from host facts; None when no row needs any of it (the common
     case costs one attribute check per row). `extend` is (prefix_lens, extend_lens) of an
     extend batch, None in decode."""
-    if not any(r.sampling_params.needs_logits_plan for r in reqs):
+    if not any(r.needs_logits_plan for r in reqs):
         return None
     plan = LogitsPlan()
     bias_r: list[int] = []
@@ -113,9 +113,9 @@ def build_logits_plan(
     count_slots: list[int] = []
     logprob_k = -1
     for row, req in enumerate(reqs):
-        params = req.sampling_params
-        if not params.needs_logits_plan:
+        if not req.needs_logits_plan:
             continue
+        params = req.sampling_params
         real = output_rows[row]
         for tok, value in params.logit_bias.items():
             bias_r.append(row)

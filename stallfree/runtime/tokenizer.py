@@ -101,7 +101,7 @@ def _compile_template(source: str) -> Any:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as e:
         raise ChatTemplateError(
-            "chat templates need jinja2 (pip install jinja2, or install transformers)"
+            "chat templates need jinja2: pip install 'stallfree[server]' (or jinja2)"
         ) from e
     # same environment settings as transformers, so templates render identically
     env = ImmutableSandboxedEnvironment(

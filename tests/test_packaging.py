@@ -1,0 +1,108 @@
+"""Packaging: the base install is what embedding needs; the server, bench and GGUF are extras."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+BASE = {
+    "torch",
+    "pydantic",
+    "pydantic-settings",
+    "prometheus-client",
+    "safetensors",
+    "tokenizers",
+    "uvloop",
+    "tomli",
+}
+# what only the extras bring; an embedding user has none of them
+EXTRA_ONLY = ["fastapi", "uvicorn", "httpx", "starlette", "rich", "matplotlib", "jinja2", "gguf"]
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].strip().lower()
+
+
+def test_base_dependencies_are_what_embedding_needs():
+    project = PYPROJECT["project"]
+    assert {_name(r) for r in project["dependencies"]} == BASE
+    # torch is never pinned: the user's environment decides it
+    torch_req = next(r for r in project["dependencies"] if _name(r) == "torch")
+    assert "==" not in torch_req and "<" not in torch_req
+    tomli = next(r for r in project["dependencies"] if _name(r) == "tomli")
+    assert "python_version < '3.11'" in tomli
+
+
+def test_extras_bring_the_server_the_bench_and_gguf():
+    extras = {
+        k: {_name(r) for r in v} for k, v in PYPROJECT["project"]["optional-dependencies"].items()
+    }
+    assert {"fastapi", "uvicorn", "httpx", "jinja2"} <= extras["server"]
+    assert {"rich", "matplotlib", "httpx"} <= extras["bench"] | extras["server"]
+    assert "stallfree" in extras["bench"]  # bench drives the server: it pulls the server extra
+    assert "gguf" in extras["gguf"]
+    assert "stallfree" in extras["test"]
+
+
+BLOCKER = textwrap.dedent(
+    """
+    import importlib.abc
+    import sys
+
+    BLOCKED = set(sys.argv[1].split(","))
+
+    class Missing(importlib.abc.MetaPathFinder):
+        # as if the package were not installed
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, Missing())
+    """
+)
+
+
+def _run_without_extras(body: str) -> subprocess.CompletedProcess[str]:
+    script = BLOCKER + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", script, ",".join([*EXTRA_ONLY, "numpy", "transformers"])],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+
+
+def test_the_engine_runs_with_only_the_base_install():
+    proc = _run_without_extras(
+        """
+        import asyncio
+        from stallfree import Engine, SamplingParams
+
+        async def main():
+            async with Engine(model={"path": "tiny"}, runtime={"device": "cpu"}) as engine:
+                params = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=1)
+                result = await engine.complete("hello", params)
+                assert len(result.token_ids) == 4, result
+                await engine.wait_idle()
+                assert engine.pool_usage().all_free
+
+        asyncio.run(main())
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+        print("loaded:", loaded)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loaded: []" in proc.stdout
