@@ -12,21 +12,17 @@ from collections.abc import Sequence
 from stallfree.entrypoints import cli as runtime_cli
 
 
-def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action
-    raise RuntimeError("the runtime parser has no subcommands")
-
-
 def build_parser() -> argparse.ArgumentParser:
     from stallfree import __version__
     from stallfree.bench.cli import DESCRIPTION, add_bench_arguments
 
     parser = runtime_cli.build_parser()
     parser.add_argument("--version", action="version", version=f"stallfree {__version__}")
-    bench = _subparsers(parser).add_parser(
-        "bench", help="load-test and compare overlap modes", description=DESCRIPTION
+    bench = runtime_cli.subparsers(parser).add_parser(
+        "bench",
+        help="load-test and compare overlap modes",
+        description=DESCRIPTION,
+        formatter_class=runtime_cli.HelpFormatter,
     )
     add_bench_arguments(bench)
     return parser
@@ -34,12 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    # NOTE: an unknown flag exits 2 with the usage of its subcommand (`runtime_cli.parse`)
+    args = runtime_cli.parse(build_parser(), argv)
     if args.command == "bench":
         from stallfree.bench.cli import run_bench
 
         return run_bench(args)
-    return runtime_cli.main(argv)
+    return runtime_cli.run(args)
 
 
 if __name__ == "__main__":

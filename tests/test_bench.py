@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 import statistics
 import subprocess
@@ -362,6 +363,174 @@ async def test_foreign_server_reports_stall_figures_as_absent() -> None:
 def _table_cells(table) -> list[list[str]]:
     columns = [list(c.cells) for c in table.columns]
     return [list(row) for row in zip(*columns, strict=True)]
+
+
+# ---------------------------------------------------------------- vLLM's result keys and the chat backend
+
+LATENCIES = {"ttft": "ttft", "tpot": "tpot", "itl": "itl", "e2el": "e2e"}
+
+
+def test_save_result_carries_vllms_keys(tmp_path, capsys) -> None:
+    """A tiny in-process run written as `vllm bench serve --save-result` names it."""
+    results = tmp_path / "results"
+    args = [
+        "bench",
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "24",
+        "--random-output-len",
+        "12",
+        "--num-prompts",
+        str(NUM_PROMPTS),
+        "--ignore-eos",
+        "--num-warmups",
+        "1",
+        "--max-concurrency",
+        "4",
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(results),
+    ]
+    assert main(args) == 0
+    (path,) = results.iterdir()
+    assert re.fullmatch(r"stallfree-infqps-concurrency4-tiny-\d{8}-\d{6}\.json", path.name)
+    data = json.loads(path.read_text())
+    assert data["backend"] == "stallfree" and data["model_id"] == "tiny"
+    assert data["num_prompts"] == NUM_PROMPTS and data["request_rate"] == "inf"
+    assert data["max_concurrency"] == 4 and re.fullmatch(r"\d{8}-\d{6}", data["date"])
+    reqs = data["runs"][0]["requests"]
+    assert data["completed"] == NUM_PROMPTS and data["failed"] == 0
+    assert data["total_output_tokens"] == sum(r["output_len"] for r in reqs)  # --ignore-eos
+    assert data["total_input_tokens"] == sum(r["input_tokens"] for r in reqs)
+    duration = data["duration"]
+    assert 0 < duration < 60
+    tokens = data["total_input_tokens"] + data["total_output_tokens"]
+    assert data["total_token_throughput"] == pytest.approx(tokens / duration, rel=1e-9)
+    assert data["output_throughput"] == pytest.approx(
+        data["total_output_tokens"] / duration, rel=1e-9
+    )
+    assert data["request_throughput"] == pytest.approx(NUM_PROMPTS / duration, rel=1e-9)
+    assert 1 <= data["max_concurrent_requests"] <= 4
+    per_request = {
+        "ttft": [r["ttft"] for r in reqs],
+        "tpot": [r["tpot"] for r in reqs],
+        "itl": [x for r in reqs for x in r["itls"]],
+        "e2el": [r["e2e"] for r in reqs],
+    }
+    for name, values in per_request.items():
+        mean, median = data[f"mean_{name}_ms"], data[f"median_{name}_ms"]
+        assert mean == pytest.approx(statistics.fmean(values) * 1e3, rel=1e-9), name
+        assert median == pytest.approx(statistics.median(values) * 1e3, rel=1e-9), name
+        assert data[f"std_{name}_ms"] == pytest.approx(statistics.pstdev(values) * 1e3, rel=1e-6)
+        assert 0 < median <= data[f"p99_{name}_ms"] <= max(values) * 1e3 + 1e-9, name
+    assert data["median_e2el_ms"] > data["median_ttft_ms"]
+    # the run's own summary keeps today's keys beside vLLM's
+    summary = data["runs"][0]["summary"]
+    assert summary["duration"] == summary["duration_s"] == duration
+    assert summary["total_token_throughput"] == summary["total_throughput"]
+    for name, key in LATENCIES.items():
+        assert summary[f"mean_{name}_ms"] == pytest.approx(summary[key]["mean"] * 1e3)
+        assert summary[f"p99_{name}_ms"] == pytest.approx(summary[key]["p99"] * 1e3)
+
+
+def test_compare_json_has_vllm_keys_per_mode_only(tmp_path) -> None:
+    """Several modes: vLLM's figures in each run's summary, none at the top level."""
+    from stallfree.bench.counters import StallFigures
+    from stallfree.bench.report import to_json
+    from stallfree.bench.results import RequestRecord, RunResult, summarize
+
+    def run(mode: str, ttft: float) -> RunResult:
+        record = RequestRecord(4, 3, success=True, input_tokens=4, output_tokens=3)
+        record.ttft, record.e2e, record.itls = ttft, ttft + 0.2, [0.1, 0.1]
+        return RunResult(mode, {}, summarize([record], 1.0, 1), StallFigures(), [record])
+
+    data = to_json([run("a", 0.5), run("b", 0.25)], {}, {"backend": "stallfree"})
+    assert data["backend"] == "stallfree" and "mean_ttft_ms" not in data
+    assert [r["summary"]["mean_ttft_ms"] for r in data["runs"]] == [500.0, 250.0]
+    assert data["runs"][0]["summary"]["mean_tpot_ms"] == pytest.approx(100.0)
+    assert data["runs"][0]["summary"]["std_itl_ms"] == 0.0
+
+
+def _fake_chat(request: httpx.Request) -> httpx.Response:
+    """A chat server: a role chunk with empty content first, one chunk per token, usage last."""
+    if request.url.path == "/v1/models":
+        return httpx.Response(200, json={"object": "list", "data": [{"id": "fake"}]})
+    if request.url.path != "/v1/chat/completions":
+        return httpx.Response(404)
+    body = json.loads(request.content)
+    (message,) = body["messages"]
+    assert message["role"] == "user" and message["content"].isprintable()
+    n = body["max_completion_tokens"]
+    events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+    events += [{"choices": [{"index": 0, "delta": {"content": "y"}}]}] * n
+    events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+    usage = {"prompt_tokens": len(message["content"]) + 5, "completion_tokens": n}
+    events.append({"choices": [], "usage": usage})
+    sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+
+async def test_chat_target_times_content_chunks_only() -> None:
+    import contextlib
+
+    from stallfree.bench.targets import chat_text, http_target
+
+    @contextlib.asynccontextmanager
+    async def open_target(mode: Mode):
+        target = http_target(
+            "openai-chat", "http://fake", transport=httpx.MockTransport(_fake_chat)
+        )
+        await target.start()
+        try:
+            yield target
+        finally:
+            await target.stop()
+
+    reqs = build_requests(WorkloadSpec(num_prompts=3, input_len=8, output_len=6))
+    result = await run_mode(Mode("target"), open_target, reqs, RunSettings(warmup_requests=0))
+    assert result.summary.completed == 3, result.errors
+    for req, rec in zip(reqs, result.requests, strict=True):
+        assert rec.output_tokens == req.output_len
+        assert len(rec.itls) == req.output_len - 1  # the empty role chunk is not a token
+        assert rec.input_tokens == req.prompt_len + 5  # the server's count (its template)
+    assert result.settings["target"]["backend"] == "openai-chat"
+    text = chat_text([0, 65, 94, 255])
+    assert len(text) == 4 and text.isprintable() and chat_text("as is") == "as is"
+
+
+async def test_chat_backend_against_a_live_server() -> None:
+    """`--backend openai-chat` drives a real `/v1/chat/completions` stream."""
+    from stallfree.bench.runner import url_targets
+    from stallfree.config import load_config
+    from stallfree.entrypoints.server import create_app, start_server
+
+    server = await start_server(create_app(load_config(model={"path": "tiny"})))
+    try:
+        reqs = build_requests(WorkloadSpec(num_prompts=4, input_len=16, output_len=8, seed=1))
+        rs = RunSettings(warmup_requests=1, ignore_eos=True, max_concurrency=2)
+        open_target = url_targets(server.url + "/v1", None, None, "openai-chat")
+        result = await run_mode(Mode("target"), open_target, reqs, rs)
+    finally:
+        await server.stop()
+    s = result.summary
+    assert s.completed == 4 and s.failed == 0, result.errors
+    assert s.total_output_tokens == sum(r.output_len for r in reqs)
+    for req, rec in zip(reqs, result.requests, strict=True):
+        assert rec.finish_reason == "length"
+        assert rec.ttft is not None and rec.e2e is not None and 0 < rec.ttft < rec.e2e
+        assert len(rec.itls) <= req.output_len - 1
+        # the chat template wraps the message: more prompt tokens than the bare prompt
+        assert rec.input_tokens > req.prompt_len
+    assert s.ttft.median is not None and s.itl.median is not None
+    assert result.settings["target"] == {
+        "kind": "http",
+        "backend": "openai-chat",
+        "base_url": server.url,
+        "model": "tiny",
+    }
+    assert result.stallfree is not None and result.stallfree.steps  # from /metrics
 
 
 # ---------------------------------------------------------------- errors: message, exit code, no traceback

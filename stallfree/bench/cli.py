@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -44,22 +46,65 @@ class UsageError(ValueError):
     """A bad combination of flags."""
 
 
+BACKENDS = ("openai", "openai-chat", "vllm")
+ENDPOINTS = {"/v1/completions": "openai", "/v1/chat/completions": "openai-chat"}
+# `--workload` names and the `--dataset-name` spellings of `vllm bench serve` for the same sets
+_WORKLOADS = {
+    "random": "random",
+    "sharegpt": "sharegpt",
+    "shared-prefix": "shared-prefix",
+    "prefix": "shared-prefix",
+    "prefix_repetition": "shared-prefix",
+}
+
+
+def _workload_name(text: str) -> str:
+    if text not in _WORKLOADS:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from {', '.join(_WORKLOADS)})"
+        )
+    return _WORKLOADS[text]
+
+
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """`stallfree bench`'s flags; `vllm bench serve`'s spellings work beside its own."""
     from stallfree.entrypoints.cli import add_engine_flags
 
     target = p.add_argument_group("target")
     target.add_argument(
         "--target",
         choices=["inprocess", "http"],
-        help="default: http with --base-url, else inprocess",
+        help="default: http with --base-url or --backend, else inprocess",
     )
     target.add_argument(
-        "--base-url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000"
+        "--base-url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (default: none)"
+    )
+    target.add_argument(
+        "--host",
+        help="the server at http://HOST:PORT, another way to give --base-url (default: "
+        "127.0.0.1 when --port is given, else none)",
+    )
+    target.add_argument(
+        "--port",
+        type=int,
+        help="the server's port, with --host (default: 8000 when --host is given, else none)",
+    )
+    target.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help="the API driven over HTTP: openai (and vllm) stream /v1/completions, openai-chat "
+        "streams /v1/chat/completions (default: openai; without --base-url it picks "
+        "--target http)",
+    )
+    target.add_argument(
+        "--endpoint",
+        choices=list(ENDPOINTS),
+        help="the API path, another way to choose --backend (default: the backend's)",
     )
     target.add_argument(
         "--served-model-name", help="model id sent over HTTP (default: the server's first)"
     )
-    target.add_argument("--api-key", help="bearer token for --base-url")
+    target.add_argument("--api-key", help="bearer token for --base-url (default: none)")
     target.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for a launched server"
     )
@@ -68,7 +113,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--stream-threads",
         type=int,
         help="torch threads of the CPU stream worker (runtime.stream_threads); on a 2-core "
-        "machine 1 leaves the scheduler a core to overlap with",
+        "machine 1 leaves the scheduler a core to overlap with (default: as configured)",
     )
     target.add_argument(
         "--hisparse",
@@ -90,7 +135,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="run every mode: overlap off; overlap with mirrors off; overlap with mirrors on",
     )
     modes.add_argument(
-        "--modes", help=f"comma list of modes for --compare, from: {', '.join(MODE_KEYS)}"
+        "--modes",
+        help=f"comma list of modes for --compare, from: {', '.join(MODE_KEYS)} (default: all)",
     )
     modes.add_argument(
         "--repeats",
@@ -102,34 +148,66 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
 
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=["random", "sharegpt", "shared-prefix"], default="random")
-    w.add_argument("--dataset-path", help="ShareGPT JSON file for --workload sharegpt")
+    w.add_argument(
+        "--workload",
+        "--dataset-name",
+        type=_workload_name,
+        default="random",
+        metavar="{random,sharegpt,shared-prefix}",
+        help="the requests; vLLM's --dataset-name prefix and prefix_repetition mean shared-prefix",
+    )
+    w.add_argument(
+        "--dataset-path", help="ShareGPT JSON file for --workload sharegpt (default: none)"
+    )
     w.add_argument(
         "--tokenizer",
         help="tokenizer (HF directory or preset) that measures ShareGPT prompts; default: --model",
     )
     w.add_argument(
-        "--sharegpt-output-len", type=int, help="fixed output length instead of each reply's"
+        "--sharegpt-output-len",
+        type=int,
+        help="fixed output length instead of each reply's (default: the reply's)",
     )
-    w.add_argument("--num-prompts", type=int, default=200)
+    w.add_argument("--num-prompts", type=int, default=200, help="requests in the workload")
     w.add_argument(
         "--input-len",
+        "--random-input-len",
+        "--prefix-repetition-suffix-len",
+        dest="input_len",
         type=int,
         default=256,
-        help="random/shared-prefix prompt tokens (upper bound)",
+        help="random prompt tokens (upper bound); shared-prefix: the tokens after the prefix",
     )
-    w.add_argument("--output-len", type=int, default=128, help="output tokens (upper bound)")
+    w.add_argument(
+        "--output-len",
+        "--random-output-len",
+        "--prefix-repetition-output-len",
+        dest="output_len",
+        type=int,
+        default=128,
+        help="output tokens (upper bound)",
+    )
     w.add_argument(
         "--random-range-ratio",
         type=float,
         default=0.5,
-        help="lengths are uniform in [len*ratio, len]",
+        help="lengths are uniform in [len*ratio, len] (not vLLM's [len*(1-ratio), len*(1+ratio)])",
     )
     w.add_argument(
-        "--prefix-groups", type=int, default=4, help="shared-prefix: number of distinct prefixes"
+        "--prefix-groups",
+        "--prefix-repetition-num-prefixes",
+        dest="prefix_groups",
+        type=int,
+        default=4,
+        help="shared-prefix: number of distinct prefixes",
     )
     w.add_argument(
-        "--prefix-len", type=int, default=256, help="shared-prefix: tokens in each prefix"
+        "--prefix-len",
+        "--prefix-repetition-prefix-len",
+        dest="prefix_len",
+        type=int,
+        default=256,
+        help="shared-prefix: tokens in each prefix",
     )
     w.add_argument(
         "--request-rate",
@@ -137,25 +215,83 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         default=math.inf,
         help="Poisson arrivals per second (inf: all at once)",
     )
-    w.add_argument("--max-concurrency", type=int, help="most requests in flight at once")
     w.add_argument(
-        "--warmup-requests", type=int, default=2, help="short requests sent before measuring"
+        "--max-concurrency", type=int, help="most requests in flight at once (default: no cap)"
     )
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument(
+        "--warmup-requests",
+        "--num-warmups",
+        dest="warmup_requests",
+        type=int,
+        default=2,
+        help="short requests sent before measuring",
+    )
+    w.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals")
     w.add_argument(
         "--ignore-eos", action="store_true", help="always generate the full output length"
     )
-    w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
 
     out = p.add_argument_group("output")
-    out.add_argument("--output-json", help="write every figure and the full configuration here")
     out.add_argument(
-        "--plot", help="write a PNG: latency distributions, stall time and idle per mode"
+        "--output-json", help="write every figure and the full configuration here (default: none)"
     )
-    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    out.add_argument(
+        "--save-result",
+        action="store_true",
+        help="write the same JSON to --result-dir/--result-filename, as vLLM names it",
+    )
+    out.add_argument(
+        "--result-dir",
+        help="directory for --save-result, created if missing (default: the current one)",
+    )
+    out.add_argument(
+        "--result-filename",
+        help="file name for --save-result (default: "
+        "BACKEND-RATEqps[-concurrencyN]-MODEL-YYYYmmdd-HHMMSS.json)",
+    )
+    out.add_argument(
+        "--plot",
+        help="write a PNG: latency distributions, stall time and idle per mode (default: none)",
+    )
+    out.add_argument(
+        "--no-progress",
+        "--disable-tqdm",
+        dest="no_progress",
+        action="store_true",
+        help="no progress bar",
+    )
+
+
+def _resolve_vllm_flags(args: argparse.Namespace) -> None:
+    """Turn `vllm bench serve`'s ways of naming the target into this command's own."""
+    if args.host is not None or args.port is not None:
+        if args.base_url:
+            raise UsageError("give the server as --base-url or as --host/--port, not both")
+        args.base_url = f"http://{args.host or '127.0.0.1'}:{args.port or 8000}"
+    if args.endpoint is not None:
+        implied = ENDPOINTS[args.endpoint]
+        if args.backend not in (None, implied) and not (
+            args.backend == "vllm" and implied == "openai"
+        ):
+            raise UsageError(
+                f"--endpoint {args.endpoint} does not go with --backend {args.backend}"
+            )
+        args.backend = args.backend or implied
+    if args.backend is not None:
+        if args.target == "inprocess":
+            raise UsageError(
+                "--backend picks an HTTP API; it needs --base-url or --target http, not "
+                "--target inprocess"
+            )
+        if not args.base_url:
+            args.target = "http"
+    if args.result_dir or args.result_filename:
+        args.save_result = True
 
 
 def _check_flags(args: argparse.Namespace) -> None:
+    _resolve_vllm_flags(args)
     if args.repeats is None:
         args.repeats = 3 if args.compare else 1
     if args.repeats < 1:
@@ -264,15 +400,17 @@ def _targets(args: argparse.Namespace) -> tuple[TargetFactory, dict[str, Any]]:
     from stallfree.entrypoints.cli import config_from_args
 
     if args.base_url:
-        info = {"kind": "http", "base_url": args.base_url}
-        return url_targets(args.base_url, args.served_model_name or args.model, args.api_key), info
+        info = {"kind": "http", "base_url": args.base_url, "backend": args.backend or "openai"}
+        model = args.served_model_name or args.model
+        return url_targets(args.base_url, model, args.api_key, args.backend), info
     base = config_from_args(args)
     if args.stream_threads is not None:
         base = merge_settings(base, Mode("", {"runtime": {"stream_threads": args.stream_threads}}))
     info = {"base_engine_config": base.model_dump(mode="json")}
     if args.target == "http":
         info["kind"] = "http (stallfree serve per mode)"
-        return launched_http_targets(base, args.config, args.startup_timeout), info
+        info["backend"] = args.backend or "openai"
+        return launched_http_targets(base, args.config, args.startup_timeout, args.backend), info
     info["kind"] = "inprocess"
     return inprocess_targets(base), info
 
@@ -306,9 +444,52 @@ class _RichProgress:
             self.progress = None
 
 
-def _title(args: argparse.Namespace, info: dict[str, Any], results: list[RunResult]) -> str:
+def _model_id(results: list[RunResult]) -> str | None:
     target = results[0].settings["target"]
     model = target.get("model") or target.get("engine_config", {}).get("model", {}).get("path")
+    return None if model is None else str(model)
+
+
+def _backend(args: argparse.Namespace) -> str:
+    """The API the bench drove: openai or openai-chat over HTTP, stallfree in process."""
+    if args.base_url or args.target == "http":
+        return str(args.backend or "openai")
+    return "stallfree"
+
+
+def _vllm_header(args: argparse.Namespace, results: list[RunResult]) -> dict[str, Any]:
+    """The settings `vllm bench serve` puts first in its result file, under its names."""
+    model = _model_id(results)
+    return {
+        "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": _backend(args),
+        "endpoint_type": _backend(args),
+        "model_id": model,
+        "tokenizer_id": args.tokenizer or model,
+        "num_prompts": args.num_prompts,
+        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
+        "burstiness": 1.0,  # Poisson arrivals, vLLM's burstiness 1
+        "max_concurrency": args.max_concurrency,
+    }
+
+
+def result_path(args: argparse.Namespace, header: dict[str, Any]) -> Path:
+    """Where `--save-result` writes: `--result-dir` / `--result-filename`, or vLLM's name
+    `BACKEND-RATEqps[-concurrencyN]-MODEL-DATE.json`."""
+    name = args.result_filename
+    if not name:
+        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+        model = str(header["model_id"] or "model").rstrip("/").split("/")[-1]
+        name = (
+            f"{header['backend']}-{args.request_rate}qps{concurrency}-{model}-{header['date']}.json"
+        )
+    directory = Path(args.result_dir or ".")
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory / name
+
+
+def _title(args: argparse.Namespace, info: dict[str, Any], results: list[RunResult]) -> str:
+    model = _model_id(results)
     where = args.base_url or info["kind"]
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}/s"
     repeats = f"; median of {args.repeats} runs, modes interleaved" if args.repeats > 1 else ""
@@ -355,9 +536,13 @@ async def _bench(args: argparse.Namespace) -> int:
         "modes": [asdict(m) for m in modes],
         "repeats": args.repeats,
     }
-    if args.output_json:
-        write_json(args.output_json, results, config)
-        err.print(f"wrote {args.output_json}")
+    header = _vllm_header(args, results)
+    outputs = [args.output_json] if args.output_json else []
+    if args.save_result:
+        outputs.append(str(result_path(args, header)))
+    for path in outputs:
+        write_json(path, results, config, header)
+        err.print(f"wrote {path}")
     if args.plot:
         write_plot(args.plot, results, title)
         err.print(f"wrote {args.plot}")

@@ -12,7 +12,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from stallfree.bench.results import RequestRecord, RunResult, median_number
+from stallfree.bench.results import (
+    Distribution,
+    RequestRecord,
+    RunResult,
+    RunSummary,
+    median_number,
+)
 
 Getter = Callable[[RunResult], float | None]
 ABSENT = "—"
@@ -139,13 +145,59 @@ def _request_dict(record: RequestRecord) -> dict[str, Any]:
     return {**asdict(record), "tpot": record.tpot}
 
 
-def to_json(results: list[RunResult], config: dict[str, Any]) -> dict[str, Any]:
+# vLLM's name of each latency that `vllm bench serve` and this bench both measure
+VLLM_LATENCIES = {"ttft": "ttft", "tpot": "tpot", "itl": "itl", "e2el": "e2e"}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def vllm_figures(s: RunSummary) -> dict[str, Any]:
+    """The figures of a run under the key names of `vllm bench serve`'s result file: seconds
+    for `duration`, milliseconds for latencies (`mean_ttft_ms`, `p99_itl_ms`, ...). A latency
+    with no sample is null, where vLLM would write 0."""
+    out: dict[str, Any] = {
+        "duration": s.duration_s,
+        "completed": s.completed,
+        "failed": s.failed,
+        "total_input_tokens": s.total_input_tokens,
+        "total_output_tokens": s.total_output_tokens,
+        "request_throughput": s.request_throughput,
+        "output_throughput": s.output_throughput,
+        "total_token_throughput": s.total_throughput,
+        "max_concurrent_requests": s.peak_concurrency,
+    }
+    for name, key in VLLM_LATENCIES.items():
+        d: Distribution = getattr(s, key)
+        for stat in ("mean", "median", "std"):
+            out[f"{stat}_{name}_ms"] = _ms(getattr(d, stat))
+        out[f"p90_{name}_ms"] = _ms(d.p90)
+        out[f"p99_{name}_ms"] = _ms(d.p99)
+    return out
+
+
+def _summary_json(s: RunSummary) -> dict[str, Any]:
+    """Today's keys (seconds) and vLLM's (`vllm_figures`); the shared ones agree."""
+    return {**asdict(s), **vllm_figures(s)}
+
+
+def to_json(
+    results: list[RunResult], config: dict[str, Any], header: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """`runs[]` has one entry per mode: its figures (the medians, with several repeats) and
-    `repeats[]`, every run behind them in full; a single run also keeps `requests` there."""
+    `repeats[]`, every run behind them in full; a single run also keeps `requests` there.
+
+    `header` (vLLM's `date`, `backend`, `model_id`, ...) goes first. With a single mode its
+    figures are at the top level too, under vLLM's names, as `vllm bench serve` writes them."""
     from stallfree import __version__
 
     repeats = max(len(r.runs) for r in results)
+    top = dict(header or {})
+    if len(results) == 1:
+        top.update(vllm_figures(results[0].summary))
     return {
+        **top,
         "stallfree_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "config": config,
@@ -160,7 +212,7 @@ def _mode_json(r: RunResult, results: list[RunResult], repeats: int) -> dict[str
     out = {
         "mode": r.mode,
         "settings": r.settings,
-        "summary": asdict(r.summary),
+        "summary": _summary_json(r.summary),
         "stallfree": None if r.stallfree is None else asdict(r.stallfree),
         "ratios_to_baseline": _ratios(r, results[0], results),
         "errors": r.errors,
@@ -177,7 +229,7 @@ def _run_json(r: RunResult) -> dict[str, Any]:
         "sequence": r.sequence,
         "started_at": r.started_at,
         "finished_at": r.finished_at,
-        "summary": asdict(r.summary),
+        "summary": _summary_json(r.summary),
         "stallfree": None if r.stallfree is None else asdict(r.stallfree),
         "errors": r.errors,
         "requests": [_request_dict(x) for x in r.requests],
@@ -192,8 +244,13 @@ def _ratios(r: RunResult, base: RunResult, results: list[RunResult]) -> dict[str
     return out
 
 
-def write_json(path: str | Path, results: list[RunResult], config: dict[str, Any]) -> None:
-    Path(path).write_text(json.dumps(to_json(results, config), indent=2) + "\n")
+def write_json(
+    path: str | Path,
+    results: list[RunResult],
+    config: dict[str, Any],
+    header: dict[str, Any] | None = None,
+) -> None:
+    Path(path).write_text(json.dumps(to_json(results, config, header), indent=2) + "\n")
 
 
 def check_plot_available() -> None:

@@ -41,10 +41,14 @@ class RequestRecord:
 
 @dataclass(slots=True)
 class Distribution:
+    """Mean, percentiles and the population standard deviation (numpy's default, as vLLM
+    reports it) of some latencies, in seconds; None when there were none."""
+
     mean: float | None = None
     median: float | None = None
     p90: float | None = None
     p99: float | None = None
+    std: float | None = None
 
     @classmethod
     def of(cls, values: list[float]) -> Distribution:
@@ -52,7 +56,7 @@ class Distribution:
             return cls()
         arr = np.asarray(values, dtype=np.float64)
         p50, p90, p99 = np.percentile(arr, [50, 90, 99])
-        return cls(float(arr.mean()), float(p50), float(p90), float(p99))
+        return cls(float(arr.mean()), float(p50), float(p90), float(p99), float(arr.std()))
 
 
 @dataclass(slots=True)

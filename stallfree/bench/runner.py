@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from stallfree.bench.counters import stall_figures
 from stallfree.bench.launcher import ServerProcess
 from stallfree.bench.results import RequestRecord, RunResult, median_result, summarize
-from stallfree.bench.targets import HttpTarget, InProcessTarget, RequestOptions, Target
+from stallfree.bench.targets import InProcessTarget, RequestOptions, Target, http_target
 from stallfree.bench.workloads import BenchRequest, arrival_offsets
 from stallfree.config import StallfreeConfig
 
@@ -107,7 +107,10 @@ def inprocess_targets(base: StallfreeConfig) -> TargetFactory:
 
 
 def launched_http_targets(
-    base: StallfreeConfig, config_path: str | None, startup_timeout_s: float
+    base: StallfreeConfig,
+    config_path: str | None,
+    startup_timeout_s: float,
+    backend: str | None = None,
 ) -> TargetFactory:
     """A fresh `stallfree serve` per mode, sent every setting of the merged config so that
     nothing in the parent's environment can flip a mode."""
@@ -123,7 +126,7 @@ def launched_http_targets(
         server = ServerProcess(settings, config_path, startup_timeout_s)
         url = await server.start()
         # the server reads STALLFREE_SERVER__API_KEY from the environment it inherits
-        target = HttpTarget(url, api_key=base.server.api_key)
+        target = http_target(backend, url, api_key=base.server.api_key)
         try:
             await target.start()
             yield target
@@ -134,10 +137,12 @@ def launched_http_targets(
     return open_target
 
 
-def url_targets(base_url: str, model: str | None, api_key: str | None) -> TargetFactory:
+def url_targets(
+    base_url: str, model: str | None, api_key: str | None, backend: str | None = None
+) -> TargetFactory:
     @contextlib.asynccontextmanager
     async def open_target(mode: Mode) -> AsyncIterator[Target]:
-        target = HttpTarget(base_url, model, api_key)
+        target = http_target(backend, base_url, model, api_key)
         await target.start()
         try:
             yield target

@@ -1,5 +1,6 @@
 """Targets: where requests go. An embedded `Engine`, or any OpenAI-compatible server over HTTP
-(streaming `/v1/completions`). Both time every request from the client's side."""
+(streaming `/v1/completions`, or `/v1/chat/completions` for the chat backend). Every target
+times each request from the client's side."""
 
 from __future__ import annotations
 
@@ -127,6 +128,9 @@ def api_root(base_url: str) -> str:
 class HttpTarget:
     """An OpenAI-compatible server: streaming `/v1/completions`, and `/metrics` if it has one."""
 
+    backend = "openai"
+    path = "/v1/completions"
+
     def __init__(
         self,
         base_url: str,
@@ -188,9 +192,7 @@ class HttpTarget:
         record = RequestRecord(req.prompt_len, req.output_len, input_tokens=req.prompt_len)
         timer = _Timer(record)
         try:
-            async with self.client.stream(
-                "POST", "/v1/completions", json=self._body(req, opts)
-            ) as resp:
+            async with self.client.stream("POST", self.path, json=self._body(req, opts)) as resp:
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode(errors="replace")
                     record.error = f"HTTP {resp.status_code}: {_error_message(body)}"
@@ -220,7 +222,7 @@ class HttpTarget:
                 record.error = _error_message(json.dumps(event))
                 continue
             for choice in event.get("choices") or []:
-                if choice.get("text"):
+                if self._text(choice):
                     timer.content()
                     chunks += 1
                 if choice.get("finish_reason"):
@@ -230,6 +232,10 @@ class HttpTarget:
                 record.input_tokens = int(usage.get("prompt_tokens", record.input_tokens))
                 record.output_tokens = int(usage.get("completion_tokens", 0))
         return chunks
+
+    @staticmethod
+    def _text(choice: dict[str, Any]) -> Any:
+        return choice.get("text")
 
     async def counters(self) -> CounterSnapshot | None:
         assert self.client is not None
@@ -242,7 +248,55 @@ class HttpTarget:
         return snapshot_prometheus(resp.text)
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "http", "base_url": self.root, "model": self.model}
+        return {"kind": "http", "backend": self.backend, "base_url": self.root, "model": self.model}
+
+
+def chat_text(prompt: str | list[int]) -> str:
+    """A chat message for a prompt: text as it is; token ids (random and shared-prefix
+    workloads) as one printable ASCII character each, so equal ids give equal text (shared
+    prefixes stay shared) and a byte-level model reads one token per id."""
+    if isinstance(prompt, str):
+        return prompt
+    return "".join(chr(32 + t % 95) for t in prompt)
+
+
+class ChatHttpTarget(HttpTarget):
+    """An OpenAI-compatible server driven through streaming `/v1/chat/completions`: one user
+    message per request. TTFT is the first chunk whose delta has content; ITL the gaps
+    between such chunks."""
+
+    backend = "openai-chat"
+    path = "/v1/chat/completions"
+
+    def _body(self, req: BenchRequest, opts: RequestOptions) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": chat_text(req.prompt)}],
+            "max_completion_tokens": min(req.output_len, opts.max_tokens or req.output_len),
+            "temperature": opts.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if opts.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    @staticmethod
+    def _text(choice: dict[str, Any]) -> Any:
+        delta = choice.get("delta")
+        return delta.get("content") if isinstance(delta, dict) else None
+
+
+def http_target(
+    backend: str | None,
+    base_url: str,
+    model: str | None = None,
+    api_key: str | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> HttpTarget:
+    """The target for `--backend`: openai (also vllm, and the default) or openai-chat."""
+    cls = ChatHttpTarget if backend == "openai-chat" else HttpTarget
+    return cls(base_url, model, api_key, transport=transport)
 
 
 def _first_model(resp: httpx.Response) -> str | None:

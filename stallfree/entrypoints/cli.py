@@ -6,44 +6,228 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from stallfree.config import StallfreeConfig, load_config
+from stallfree.config import (
+    CacheConfig,
+    MetricsConfig,
+    ModelConfig,
+    RuntimeConfig,
+    SchedulerConfig,
+    ServerConfig,
+    StallfreeConfig,
+    load_config,
+)
+
+_SECTIONS: dict[str, type[BaseModel]] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "runtime": RuntimeConfig,
+    "server": ServerConfig,
+    "metrics": MetricsConfig,
+}
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+# vLLM's --dtype spellings that name the same type as one of ours
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+DTYPES = ["auto", "float32", "float16", "bfloat16"]
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that shows every flag's default: taken from argparse unless the help text already
+    names one (the engine flags name the config's own default, since theirs is None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or not action.option_strings or default is argparse.SUPPRESS:
+            return text
+        if default is False and action.nargs == 0:
+            return text + " (default: off)"  # a switch
+        if default is None or default is False:
+            return text
+        return text + " (default: %(default)s)"
+
+
+def config_default(section: str, key: str) -> Any:
+    """The built-in default of the setting `section.key`."""
+    return _SECTIONS[section].model_fields[key].default
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def _help(text: str, section: str, key: str, when_unset: str | None = None) -> str:
+    """`text`, then the setting's default (`when_unset` where the config leaves it None) and
+    the setting it fills."""
+    value = config_default(section, key)
+    shown = when_unset if value is None else _shown(value)
+    return f"{text} (default: {shown}; sets {section}.{key})".replace("%", "%%")
+
+
+def token_count(text: str) -> int:
+    """A positive token count, with vLLM's shorthand: 32k = 32000, 32K = 32768, 1m = 10**6,
+    1M = 2**20 (a decimal before a lowercase suffix, such as 1.5k, is allowed)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG]?)", text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 4096, 32k, 32K)")
+    number, suffix = m.groups()
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+    value = float(number) * scale[suffix]
+    if value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"not a whole, positive token count: {text!r}")
+    return int(value)
+
+
+def _dtype(text: str) -> str:
+    value = _DTYPE_ALIASES.get(text, text)
+    if value not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from {', '.join([*DTYPES, *_DTYPE_ALIASES])})"
+        )
+    return value
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """The flags that choose and size the engine (shared by `generate`, `serve` and `bench`)."""
-    p.add_argument("--model", help="HF model directory or preset (tiny, bench-cpu)")
-    p.add_argument("--config", help="TOML config file")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--cpu-mirrors", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--page-size", type=int)
-    p.add_argument("--max-total-tokens", type=int)
-    p.add_argument("--max-running-requests", type=int)
-    p.add_argument("--chunked-prefill-size", type=int)
-    p.add_argument("--max-prefill-tokens", type=int)
-    p.add_argument(
+    """The flags that choose and size the engine (shared by `generate`, `serve` and `bench`).
+    Where vLLM and SGLang spell one differently, both spellings work."""
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        help="a Hugging Face model directory, a .gguf file (weights, tokenizer and chat template "
+        "all read from it), or a preset with random weights: tiny, bench-cpu (default: tiny; "
+        "sets model.path)",
+    )
+    g.add_argument(
+        "--config",
+        help="a TOML config file; flags win over STALLFREE_* variables, which win over it "
+        "(default: none)",
+    )
+    g.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        help=_help("auto: CUDA when available, else the CPU-emulated stream", "runtime", "device"),
+    )
+    g.add_argument(
+        "--dtype",
+        type=_dtype,
+        metavar="{" + ",".join([*DTYPES, *_DTYPE_ALIASES]) + "}",
+        help=_help(
+            "weights and KV dtype; auto: the checkpoint's, float32 on CPU (half = float16, "
+            "float = float32)",
+            "model",
+            "dtype",
+        ),
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=token_count,
+        metavar="TOKENS",
+        help=_help(
+            "cap on prompt + output tokens per request; 32k = 32000, 32K = 32768",
+            "model",
+            "max_context_len",
+            "the model's own",
+        ),
+    )
+    g.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=_help("launch batch N+1 before processing batch N", "runtime", "overlap"),
+    )
+    g.add_argument(
+        "--cpu-mirrors",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=_help(
+            "schedule from host mirrors; off is the legacy mode that syncs",
+            "runtime",
+            "cpu_mirrors",
+        ),
+    )
+    g.add_argument("--page-size", type=int, help=_help("tokens per KV page", "cache", "page_size"))
+    g.add_argument(
+        "--max-total-tokens",
+        type=int,
+        help=_help("KV slots in the device pool", "cache", "max_total_tokens"),
+    )
+    g.add_argument(
+        "--max-num-seqs",
+        "--max-running-requests",
+        dest="max_running_requests",
+        type=int,
+        metavar="N",
+        help=_help(
+            "most requests running at once (vLLM's and SGLang's spellings)",
+            "cache",
+            "max_running_requests",
+        ),
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        "--max-prefill-tokens",
+        dest="max_prefill_tokens",
+        type=int,
+        metavar="TOKENS",
+        help=_help(
+            "prompt tokens one step may prefill, over all requests; it bounds each chunk too "
+            "(vLLM's and SGLang's spellings)",
+            "scheduler",
+            "max_prefill_tokens",
+        ),
+    )
+    g.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        help=_help(
+            "longest prompt chunk one request prefills in a step",
+            "scheduler",
+            "chunked_prefill_size",
+        ),
+    )
+    g.add_argument(
         "--enable-prefix-caching",
         dest="prefix_caching",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="share the KV of common prefixes (default: on, off with HiSparse)",
+        help=_help(
+            "share the KV of common prefixes", "cache", "prefix_caching", "on, off with HiSparse"
+        ),
     )
-    p.add_argument(
+    g.add_argument(
         "--disable-radix-cache",
         dest="prefix_caching",
         action="store_const",
         const=False,
-        help="the same as --no-enable-prefix-caching (SGLang's spelling)",
+        help="turn the prefix cache off, as --no-enable-prefix-caching does (SGLang's "
+        "spelling; default: on, off with HiSparse)",
     )
-    p.add_argument(
-        "--schedule-policy", choices=["fcfs", "lpm"], help="admission order (default fcfs)"
+    g.add_argument(
+        "--schedule-policy",
+        choices=["fcfs", "lpm"],
+        help=_help(
+            "admission order: fcfs (arrival) or lpm (longest cached prefix first)",
+            "scheduler",
+            "policy",
+        ),
     )
+
+
+def _model(args: argparse.Namespace) -> str | None:
+    """The model named by `serve MODEL` or by `--model`; both at once must agree."""
+    tag, flag = getattr(args, "model_tag", None), getattr(args, "model", None)
+    if tag is not None and flag is not None and tag != flag:
+        raise ValueError(f"two models given: {tag} and --model {flag}; name one")
+    return tag if tag is not None else flag
 
 
 def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
@@ -56,10 +240,13 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
         "metrics": {},
     }
     pairs = {
-        "model": ("model", "path"),
+        "dtype": ("model", "dtype"),
+        "max_model_len": ("model", "max_context_len"),
+        "model_seed": ("model", "seed"),
         "device": ("runtime", "device"),
         "overlap": ("runtime", "overlap"),
         "cpu_mirrors": ("runtime", "cpu_mirrors"),
+        "log_requests": ("runtime", "log_requests"),
         "page_size": ("cache", "page_size"),
         "max_total_tokens": ("cache", "max_total_tokens"),
         "max_running_requests": ("cache", "max_running_requests"),
@@ -71,10 +258,15 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
         "port": ("server", "port"),
         "api_key": ("server", "api_key"),
         "served_model_name": ("server", "served_model_name"),
+        "chat_template": ("server", "chat_template"),
         "log_level": ("server", "log_level"),
+        "uvicorn_log_level": ("server", "uvicorn_log_level"),
         "access_log": ("server", "access_log"),
         "metrics": ("metrics", "enabled"),
     }
+    model = _model(args)
+    if model is not None:
+        overrides["model"]["path"] = model
     for flag, (section, key) in pairs.items():
         value = getattr(args, flag, None)
         if value is not None:
@@ -111,25 +303,99 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="TCP port (default 8000)")
     p.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as with --model (vLLM's `serve MODEL`)",
+    )
+    g = p.add_argument_group("server")
+    g.add_argument("--host", help=_help("bind address", "server", "host"))
+    g.add_argument("--port", type=int, help=_help("TCP port; 0 picks a free one", "server", "port"))
+    g.add_argument(
         "--api-key",
-        help="require 'Authorization: Bearer KEY' on the API routes (an empty key is refused)",
+        metavar="KEY",
+        help=_help(
+            "require 'Authorization: Bearer KEY' on the API routes (an empty key is refused)",
+            "server",
+            "api_key",
+            "none: the API is open",
+        ),
     )
-    p.add_argument("--served-model-name", help="model id in the API and metrics")
-    p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument(
+    g.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help=_help(
+            "model id in the API and the metrics", "server", "served_model_name", "the model path"
+        ),
+    )
+    g.add_argument(
+        "--chat-template",
+        metavar="TEMPLATE",
+        help=_help(
+            "chat template of /v1/chat/completions instead of the model's own: a Jinja file, or "
+            "the template text itself",
+            "server",
+            "chat_template",
+            "the model's",
+        ),
+    )
+    g.add_argument(
+        "--seed",
+        dest="model_seed",
+        type=int,
+        metavar="SEED",
+        help=_help("seed of preset weights and of unseeded sampling", "model", "seed"),
+    )
+    g.add_argument(
+        "--metrics",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=_help("Prometheus metrics at /metrics", "metrics", "enabled"),
+    )
+    g.add_argument(
         "--log-level",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-        help="level of the server's and the engine's logs (default info)",
+        choices=LOG_LEVELS,
+        help=_help("level of the server's and the engine's logs", "server", "log_level"),
     )
-    p.add_argument(
+    g.add_argument(
+        "--uvicorn-log-level",
+        choices=LOG_LEVELS,
+        help=_help(
+            "level of uvicorn's own logs only", "server", "uvicorn_log_level", "--log-level's"
+        ),
+    )
+    g.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="one log line per HTTP request (default on; /health and /metrics never, unless "
-        "server.access_log_probes)",
+        help=_help(
+            "one log line per HTTP request (/health and /metrics never, unless "
+            "server.access_log_probes)",
+            "server",
+            "access_log",
+        ),
+    )
+    g.add_argument(
+        "--disable-uvicorn-access-log",
+        dest="access_log",
+        action="store_const",
+        const=False,
+        help="turn the access log off, as --no-access-log does (vLLM's spelling; default: on)",
+    )
+    g.add_argument(
+        "--enable-log-requests",
+        dest="log_requests",
+        action="store_const",
+        const=True,
+        help=_help("log each request's arrival and finish at INFO", "runtime", "log_requests"),
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        dest="log_requests",
+        action="store_const",
+        const=False,
+        help="do not log each request (the default; vLLM's spelling)",
     )
 
 
@@ -150,25 +416,52 @@ def run_async(coro: Any) -> int:
     return int(uvloop.run(coro))
 
 
+def subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action
+    raise RuntimeError("the parser has no subcommands")
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """`parser.parse_args`, except that an unknown flag is reported with the usage of the
+    subcommand it was given to (exit status 2), not the top-level usage."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = subparsers(parser).choices.get(getattr(args, "command", None) or "", parser)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stallfree", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="stallfree", description=__doc__, formatter_class=HelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="stream one completion")
+    gen = sub.add_parser("generate", help="stream one completion", formatter_class=HelpFormatter)
     add_engine_flags(gen)
     gen.add_argument("prompt")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--ignore-eos", action="store_true")
-    srv = sub.add_parser("serve", help="run the HTTP server (OpenAI-compatible API, /metrics)")
-    add_engine_flags(srv)
+    s = gen.add_argument_group("sampling")
+    s.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    s.add_argument("--seed", type=int, help="seed of this request's sampling (default: none)")
+    s.add_argument("--ignore-eos", action="store_true", help="generate past the EOS token")
+    srv = sub.add_parser(
+        "serve",
+        help="run the HTTP server (OpenAI-compatible API, /metrics)",
+        description="Serve a model over HTTP: the OpenAI-compatible API, /generate, /health "
+        "and /metrics. vLLM's flag spellings work beside stallfree's own.",
+        formatter_class=HelpFormatter,
+    )
     _add_server_flags(srv)
+    add_engine_flags(srv)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed `generate` or `serve`; every expected failure is one line on stderr and
+    exit status 2."""
     try:
         if args.command == "generate":
             return run_async(_generate(args))
@@ -181,6 +474,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stallfree: {exc}", file=sys.stderr)
         return 2
     return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(parse(build_parser(), argv))
 
 
 if __name__ == "__main__":

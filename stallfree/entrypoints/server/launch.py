@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -76,7 +77,7 @@ def uvicorn_config(app: FastAPI, config: StallfreeConfig, **overrides: Any) -> u
         "http": guarded_protocol(max_connections(limits), limits.header_timeout_s),
         "timeout_keep_alive": limits.keep_alive_s,
         "timeout_graceful_shutdown": _CLOSE_WAIT_S,
-        "log_level": limits.log_level,
+        "log_level": limits.uvicorn_log_level or limits.log_level,
         "access_log": limits.access_log,
         "lifespan": "on",
     }
@@ -201,10 +202,43 @@ class Server(uvicorn.Server):
         return False
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """The text of `server.chat_template`: the value itself when it is a Jinja template (it
+    has `{{` or `{%`), else the file it names. A missing file or a template that does not
+    parse is a ValueError naming it."""
+    if value is None:
+        return None
+    if "{{" in value or "{%" in value:
+        text = value
+    else:
+        try:
+            text = Path(value).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ValueError(f"chat template file not found: {value}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read the chat template {value}: {exc}") from None
+    import jinja2
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat template {value[:80]!r} does not parse: {exc}") from None
+    return text
+
+
+def _use_chat_template(app: FastAPI, text: str | None) -> None:
+    """`server.chat_template` replaces the tokenizer's own template for this app's engine."""
+    if text is not None:
+        state: ServerState = app.state.sf
+        state.engine.tokenizer.chat_template = text
+
+
 def serve(config: StallfreeConfig) -> int:
     """Serve until SIGINT or SIGTERM, then drain (module docstring); the exit status."""
     configure_logging(config.server)
+    template = load_chat_template(config.server.chat_template)  # before the model loads
     app = create_app(config)
+    _use_chat_template(app, template)
     uv_config = uvicorn_config(app, config)
     _log_limits(config.server)
     server = Server(uv_config, app.state.sf, exit_on_engine_death=True)
@@ -272,6 +306,7 @@ async def start_server(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     state: ServerState = app.state.sf
+    _use_chat_template(app, load_chat_template(state.engine.config.server.chat_template))
     options = {"log_level": "warning"} | overrides
     server = Server(
         uvicorn_config(app, state.engine.config, **options), state, exit_on_engine_death

@@ -1,0 +1,351 @@
+"""vLLM's spellings of the `serve` and `bench` flags: each maps to the same setting as
+stallfree's own; help shows every default; a wrong flag shows its subcommand's usage; a wrong
+model path or chat template is one line and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+from fastapi import FastAPI
+
+from stallfree.cli import build_parser, main
+from stallfree.config import CacheConfig, SchedulerConfig, load_config
+from stallfree.entrypoints.cli import HelpFormatter, config_from_args, subparsers, token_count
+from stallfree.entrypoints.server.launch import load_chat_template, uvicorn_config
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+def config(*argv: str):
+    return config_from_args(parse(*argv))
+
+
+# ---------------------------------------------------------------- serve
+
+
+def test_vllm_serve_flags_map_to_the_config(tmp_path) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    cfg = config(
+        "serve",
+        "bench-cpu",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9100",
+        "--max-model-len",
+        "2K",
+        "--dtype",
+        "half",
+        "--seed",
+        "7",
+        "--chat-template",
+        str(template),
+        "--served-model-name",
+        "my-model",
+        "--max-num-seqs",
+        "12",
+        "--max-num-batched-tokens",
+        "1024",
+        "--api-key",
+        "secret",
+        "--uvicorn-log-level",
+        "warning",
+        "--enable-log-requests",
+        "--disable-uvicorn-access-log",
+    )
+    assert cfg.model.path == "bench-cpu"
+    assert (cfg.server.host, cfg.server.port) == ("0.0.0.0", 9100)
+    assert cfg.model.max_context_len == 2048
+    assert cfg.model.dtype == "float16"
+    assert cfg.model.seed == 7
+    assert cfg.server.chat_template == str(template)
+    assert cfg.server.served_model_name == "my-model"
+    assert cfg.cache.max_running_requests == 12
+    assert cfg.scheduler.max_prefill_tokens == 1024
+    assert cfg.server.api_key == "secret"
+    assert (cfg.server.uvicorn_log_level, cfg.server.log_level) == ("warning", "info")
+    assert cfg.runtime.log_requests is True
+    assert cfg.server.access_log is False
+    assert config("serve", "--disable-log-requests").runtime.log_requests is False
+
+
+def test_vllm_and_stallfree_spellings_give_the_same_config() -> None:
+    vllm = config(
+        "serve",
+        "tiny",
+        "--max-num-seqs",
+        "9",
+        "--max-num-batched-tokens",
+        "300",
+        "--dtype",
+        "float",
+    )
+    ours = config(
+        "serve",
+        "--model",
+        "tiny",
+        "--max-running-requests",
+        "9",
+        "--max-prefill-tokens",
+        "300",
+        "--dtype",
+        "float32",
+    )
+    assert vllm == ours
+    assert vllm.cache.max_running_requests == 9 and vllm.scheduler.max_prefill_tokens == 300
+    # the same model twice is fine; the default config is untouched by no flags
+    assert config("serve", "tiny", "--model", "tiny").model.path == "tiny"
+    assert config("serve") == load_config()
+
+
+def test_the_sampling_seed_of_generate_does_not_reseed_the_model() -> None:
+    assert config("generate", "hi", "--seed", "5").model.seed == 0
+    assert parse("generate", "hi", "--seed", "5").seed == 5
+
+
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [("4096", 4096), ("32k", 32000), ("32K", 32768), ("1.5k", 1500), ("1M", 2**20)],
+)
+def test_max_model_len_shorthand(text: str, tokens: int) -> None:
+    assert token_count(text) == tokens
+
+
+@pytest.mark.parametrize("text", ["", "k", "-5", "1.3K", "0", "12x"])
+def test_max_model_len_rejects_bad_counts(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        token_count(text)
+
+
+def test_two_different_models_are_refused(capsys) -> None:
+    assert main(["serve", "tiny", "--model", "bench-cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "two models given: tiny and --model bench-cpu" in err and "Traceback" not in err
+
+
+def _help_texts(command: str) -> dict[str, str]:
+    parser = subparsers(build_parser()).choices[command]
+    fmt = HelpFormatter(parser.prog)
+    return {
+        action.option_strings[0]: fmt._get_help_string(action) or ""
+        for action in parser._actions
+        if action.option_strings and action.dest != "help"
+    }
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "bench"])
+def test_every_flag_has_help_with_its_default(command: str) -> None:
+    missing = {flag: text for flag, text in _help_texts(command).items() if "default" not in text}
+    assert not missing
+
+
+def test_help_defaults_are_the_configs_own() -> None:
+    texts = _help_texts("serve")
+    assert f"(default: {CacheConfig().max_running_requests};" in texts["--max-num-seqs"]
+    assert f"(default: {SchedulerConfig().max_prefill_tokens};" in texts["--max-num-batched-tokens"]
+    assert "(default: the model's own;" in texts["--max-model-len"]
+    assert "(default: 8000;" in texts["--port"] and "(default: 127.0.0.1;" in texts["--host"]
+    assert ".gguf" in texts["--model"]
+    out = subprocess.run(
+        [sys.executable, "-m", "stallfree", "serve", "--help"], capture_output=True, text=True
+    ).stdout
+    assert "--max-num-seqs N, --max-running-requests N" in out and ".gguf" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["serve", "--bogus"], "usage: stallfree serve"),
+        (["serve", "tiny", "extra"], "usage: stallfree serve"),
+        (["serve", "--dtype", "int8"], "usage: stallfree serve"),
+        (["generate", "hi", "--max-num-seqs"], "usage: stallfree generate"),
+        (["bench", "--dataset-name", "sonnet"], "usage: stallfree bench"),
+        (["bench", "--bogus", "1"], "usage: stallfree bench"),
+    ],
+)
+def test_a_wrong_flag_shows_the_usage_of_its_subcommand(argv, usage, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage), err
+    assert "usage: stallfree [-h]" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("how", ["positional", "flag"])
+def test_a_missing_model_path_is_one_line(how, tmp_path) -> None:
+    missing = str(tmp_path / "no-such-model.gguf")
+    argv = [missing] if how == "positional" else ["--model", missing]
+    proc = subprocess.run(
+        [sys.executable, "-m", "stallfree", "serve", *argv, "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert missing in lines[0] and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- --chat-template, --uvicorn-log-level
+
+
+def test_chat_template_from_a_file_or_inline(tmp_path) -> None:
+    text = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(text)
+    assert load_chat_template(str(path)) == text
+    assert load_chat_template(text) == text
+    assert load_chat_template(None) is None
+    with pytest.raises(ValueError, match="chat template file not found"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not parse"):
+        load_chat_template("{% for m in messages %}")
+
+
+def test_a_bad_chat_template_stops_serve_with_one_line(tmp_path) -> None:
+    missing = str(tmp_path / "missing.jinja")
+    proc = subprocess.run(
+        [sys.executable, "-m", "stallfree", "serve", "tiny", "--chat-template", missing],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"stallfree: chat template file not found: {missing}"
+
+
+async def test_chat_template_replaces_the_models_own() -> None:
+    import httpx
+
+    from stallfree.entrypoints.server import create_app, start_server
+
+    async def prompt_tokens(cfg) -> int:
+        server = await start_server(create_app(cfg))
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+                resp = await http.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "tiny",
+                        "messages": [{"role": "user", "content": "hello"}],
+                        "max_tokens": 2,
+                    },
+                )
+            assert resp.status_code == 200, resp.text
+            return int(resp.json()["usage"]["prompt_tokens"])
+        finally:
+            await server.stop()
+
+    plain = config("serve", "tiny", "--chat-template", "{{ messages[0]['content'] }}")
+    # the byte-level preset: one token per byte of the rendered template, no BOS added
+    assert await prompt_tokens(plain) == len("hello")
+    assert await prompt_tokens(config("serve", "tiny")) > len("hello")
+
+
+def test_uvicorn_log_level_only_sets_uvicorns() -> None:
+    both = config("serve", "--log-level", "debug")
+    assert uvicorn_config(FastAPI(), both).log_level == "debug"
+    split = config("serve", "--log-level", "debug", "--uvicorn-log-level", "error")
+    assert uvicorn_config(FastAPI(), split).log_level == "error"
+    assert split.server.log_level == "debug"
+
+
+# ---------------------------------------------------------------- bench
+
+
+def _checked(*argv: str) -> argparse.Namespace:
+    from stallfree.bench.cli import _check_flags
+
+    args = parse("bench", *argv)
+    _check_flags(args)
+    return args
+
+
+def test_vllm_bench_flags_map_to_the_same_settings() -> None:
+    vllm = _checked(
+        "--dataset-name",
+        "prefix",
+        "--random-input-len",
+        "10",
+        "--random-output-len",
+        "5",
+        "--prefix-repetition-num-prefixes",
+        "3",
+        "--prefix-repetition-prefix-len",
+        "9",
+        "--num-warmups",
+        "0",
+        "--disable-tqdm",
+        "--request-rate",
+        "4",
+        "--max-concurrency",
+        "2",
+        "--num-prompts",
+        "11",
+    )
+    ours = _checked(
+        "--workload",
+        "shared-prefix",
+        "--input-len",
+        "10",
+        "--output-len",
+        "5",
+        "--prefix-groups",
+        "3",
+        "--prefix-len",
+        "9",
+        "--warmup-requests",
+        "0",
+        "--no-progress",
+        "--request-rate",
+        "4",
+        "--max-concurrency",
+        "2",
+        "--num-prompts",
+        "11",
+    )
+    assert vars(vllm) == vars(ours)
+    assert (vllm.workload, vllm.input_len, vllm.output_len) == ("shared-prefix", 10, 5)
+    assert _checked("--dataset-name", "prefix_repetition").workload == "shared-prefix"
+    assert _checked("--dataset-name", "sharegpt").workload == "sharegpt"
+    assert _checked("--dataset-name", "random").workload == "random"
+
+
+def test_vllm_bench_target_flags() -> None:
+    chat = _checked("--backend", "openai-chat", "--base-url", "http://h:1")
+    assert (chat.backend, chat.base_url, chat.target) == ("openai-chat", "http://h:1", None)
+    by_endpoint = _checked("--endpoint", "/v1/chat/completions", "--base-url", "http://h:1")
+    assert by_endpoint.backend == "openai-chat"
+    assert _checked("--endpoint", "/v1/completions").backend == "openai"
+    assert _checked("--backend", "vllm", "--endpoint", "/v1/completions").backend == "vllm"
+    # no server named: --backend picks a launched `stallfree serve`
+    assert _checked("--backend", "openai-chat").target == "http"
+    assert _checked().target is None and _checked().backend is None
+    assert _checked("--host", "10.0.0.2", "--port", "9000").base_url == "http://10.0.0.2:9000"
+    assert _checked("--port", "9000").base_url == "http://127.0.0.1:9000"
+    saved = _checked("--result-dir", "out")
+    assert saved.save_result is True and saved.result_dir == "out"
+    assert _checked("--save-result", "--result-filename", "r.json").result_filename == "r.json"
+    assert _checked().save_result is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--backend", "openai-chat", "--target", "inprocess"], "--backend picks an HTTP API"),
+        (["--backend", "openai", "--endpoint", "/v1/chat/completions"], "does not go with"),
+        (["--host", "h", "--base-url", "http://h:1"], "not both"),
+    ],
+)
+def test_bad_vllm_bench_combinations(argv, message, capsys) -> None:
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "stallfree bench: error:" in err and message in err and "Traceback" not in err
