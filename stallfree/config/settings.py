@@ -107,6 +107,34 @@ class RuntimeConfig(_Section):
         False,
         description="Log each request's arrival and finish (id, tokens, reason, latency) at INFO",
     )
+    worker: Literal["auto", "inprocess", "process"] = Field(
+        "auto",
+        description="Where the model runs: inprocess (the scheduler's process) or process "
+        "(worker processes, one per tensor-parallel rank); auto = process when "
+        "parallel.tp_size > 1",
+    )
+
+
+class ParallelConfig(_Section):
+    tp_size: int = Field(
+        1, ge=1, le=64, description="Tensor-parallel ranks the model is sharded over"
+    )
+    nnodes: int = Field(1, ge=1, le=64, description="Machines the tensor-parallel group spans")
+    node_rank: int = Field(
+        0, ge=0, description="This machine's index; node 0 runs the scheduler and rank 0"
+    )
+    dist_init_addr: str | None = Field(
+        None,
+        description="host:port (or tcp://host:port) where the ranks meet; default: a free "
+        "local port (one node only)",
+    )
+    dist_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="How long a collective or the ranks' meeting may take before it fails",
+    )
 
 
 class HisparseConfig(_Section):
@@ -265,6 +293,7 @@ class StallfreeConfig(BaseSettings):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     hisparse: HisparseConfig = Field(default_factory=HisparseConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     faults: FaultConfig = Field(default_factory=FaultConfig)
@@ -284,7 +313,34 @@ class StallfreeConfig(BaseSettings):
     def _consistent(self) -> StallfreeConfig:
         if self.cache.max_total_tokens < self.cache.page_size * 2:
             raise ValueError("cache.max_total_tokens must hold at least two pages")
+        par = self.parallel
+        if par.tp_size % par.nnodes:
+            raise ValueError(
+                f"parallel.tp_size ({par.tp_size}) must be a multiple of parallel.nnodes "
+                f"({par.nnodes}): every node runs the same number of ranks"
+            )
+        if par.node_rank >= par.nnodes:
+            raise ValueError(
+                f"parallel.node_rank ({par.node_rank}) must be below parallel.nnodes ({par.nnodes})"
+            )
+        if par.nnodes > 1 and not par.dist_init_addr:
+            raise ValueError("parallel.nnodes > 1 needs parallel.dist_init_addr (host:port)")
+        if self.runtime.worker == "inprocess" and par.tp_size > 1:
+            raise ValueError(
+                "runtime.worker=inprocess runs one rank; parallel.tp_size > 1 needs worker "
+                "processes (runtime.worker=process or auto)"
+            )
+        if self.uses_worker_processes and self.hisparse.enabled:
+            raise ValueError(
+                "hisparse.enabled does not compose with worker processes yet (its coordinator "
+                "shares host memory with the model); use runtime.worker=inprocess and tp_size 1"
+            )
         return self
+
+    @property
+    def uses_worker_processes(self) -> bool:
+        worker = self.runtime.worker
+        return worker == "process" or (worker == "auto" and self.parallel.tp_size > 1)
 
 
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -147,6 +147,8 @@ def _write_req_to_token(
         table[rows, cols] = locs
 
     ctx.stream.submit(write)
+    if ctx.table_journal is not None:
+        ctx.table_journal.append((rows, cols, locs))
 
 
 def free_req_memory(pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, req: Req) -> None:
@@ -210,6 +212,11 @@ def import_prebuilt_kv(
     """
     if ctx.sparse is not None:
         raise InvalidRequestError("prebuilt KV import is not supported with sparse attention")
+    if ctx.table_journal is not None:
+        raise InvalidRequestError(
+            "prebuilt KV import is not supported with worker processes yet "
+            "(runtime.worker=process or parallel.tp_size > 1)"
+        )
     shape = ctx.kv_cache.shape
     n = len(req.origin_input_ids)
     want = (n, shape.num_kv_heads, shape.head_dim)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from stallfree.overlap.future_map import FutureMap
 from stallfree.overlap.host_read import SyncMonitor
 from stallfree.overlap.stream import DeviceStream
@@ -22,3 +24,6 @@ class BatchContext:
     cpu_mirrors: bool = True
     check_mirrors: bool = False
     sparse: SparseAttention | None = None  # set once by a sparse-attention plug-in
+    # worker processes: the `req_to_token` writes (rows, cols, locs) made on the host replica
+    # since the last step, which the next step message carries to the workers; None in process
+    table_journal: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None

@@ -11,10 +11,13 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch
+
 from stallfree.config import StallfreeConfig
 from stallfree.overlap.faults import FaultInjector
 from stallfree.overlap.future_map import FutureMap
 from stallfree.overlap.host_read import SyncMonitor
+from stallfree.overlap.process_stream import ProcessStream
 from stallfree.overlap.stream import DeviceStream, make_stream, resolve_device
 from stallfree.runtime.alloc import pages_for
 from stallfree.runtime.context import BatchContext
@@ -34,14 +37,23 @@ from stallfree.runtime.plugins import load_sparse_attention_plugin
 from stallfree.runtime.radix_cache import PrefixCacheConfigError, RadixCache
 from stallfree.runtime.sampler import Sampler
 from stallfree.runtime.scheduler import Scheduler
-from stallfree.runtime.stats import ActivityClock, EngineCounters, EngineSnapshot, PoolUsage
+from stallfree.runtime.stats import (
+    ActivityClock,
+    EngineCounters,
+    EngineSnapshot,
+    PoolUsage,
+    WorkerRankStats,
+)
 from stallfree.runtime.tokenizer import Tokenizer, load_tokenizer
+from stallfree.runtime.worker import RemoteModelRunner, read_arch, start_workers, worker_spec
 
 
 @dataclass(slots=True, eq=False)
 class EngineCore:
     config: StallfreeConfig
-    loaded: LoadedModel
+    loaded: LoadedModel | None  # None when the model lives in worker processes
+    arch: ModelArchConfig
+    dtype: torch.dtype
     tokenizer: Tokenizer
     max_context_len: int
     stream: DeviceStream
@@ -54,7 +66,28 @@ class EngineCore:
     loop: SchedulerLoop
     activity: ActivityClock
     max_waiting_requests: int
+    worker_stats: torch.Tensor | None = None  # shared host memory the worker ranks write
     _idle_reported: float = 0.0
+
+    def _workers(self) -> tuple[WorkerRankStats, ...]:
+        stats = self.worker_stats
+        if stats is None:
+            return ()
+        stream = self.stream
+        sent = stream.bytes_sent if isinstance(stream, ProcessStream) else 0
+        first = self.config.parallel.node_rank * stats.shape[0]
+        rows = stats.tolist()  # NOTE: host memory the workers write, not a device tensor
+        return tuple(
+            WorkerRankStats(
+                rank=first + i,
+                steps=int(row[0]),
+                step_seconds=row[1],
+                comm_seconds=row[2],
+                comm_bytes=int(row[3]),
+                message_bytes=sent if first + i == 0 else 0,
+            )
+            for i, row in enumerate(rows)
+        )
 
     def pool_usage(self) -> PoolUsage:
         pool, allocator = self.ctx.req_to_token_pool, self.ctx.allocator
@@ -90,6 +123,7 @@ class EngineCore:
             device_idle_seconds=self._idle_reported,
             sparse=sparse.stats() if sparse is not None else None,
             max_context_len=self.max_context_len,
+            workers=self._workers(),
         )
 
 
@@ -142,8 +176,15 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
     activity = ActivityClock()
     observers.observers.append(activity)
     device = resolve_device(config.runtime.device)
-    loaded = load_model(config.model.path, config.model.dtype, device, config.model.seed)
-    arch = loaded.arch
+    process = config.uses_worker_processes
+    loaded: LoadedModel | None = None
+    if process:
+        # NOTE: the workers load the weights; the scheduler only needs the architecture
+        arch, dtype = read_arch(config.model.path, config.model.dtype, device)
+        host = torch.device("cpu")
+    else:
+        loaded = load_model(config.model.path, config.model.dtype, device, config.model.seed)
+        arch, dtype, host = loaded.arch, loaded.dtype, device
     tokenizer = load_tokenizer(config.model.path, arch.eos_token_ids)
     max_context_len = min(
         config.model.max_context_len or arch.max_position_embeddings, arch.max_position_embeddings
@@ -157,26 +198,44 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
         total_tokens = math.ceil(total_tokens * sparse_plugin.capacity_ratio(config.hisparse, arch))
     page_size = config.cache.page_size
     num_slots = (pages_for(total_tokens, page_size) + 1) * page_size
-    stream = make_stream(device, config.runtime.stream_threads or auto_stream_threads(arch))
+    threads = config.runtime.stream_threads or auto_stream_threads(arch)
+    worker_stats = None
+    stream: DeviceStream
+    if process:
+        spec = worker_spec(
+            config.model_copy(
+                update={"runtime": config.runtime.model_copy(update={"stream_threads": threads})}
+            ),
+            num_slots,
+            max_context_len,
+        )
+        conn, processes, worker_stats = start_workers(spec)
+        assert conn is not None, "node 0 holds the channel to rank 0"
+        stream = ProcessStream(conn, processes)
+    else:
+        stream = make_stream(device, threads)
     monitor = SyncMonitor(stream, strict=config.runtime.strict)
     monitor.stall_sinks.append(observers.on_stall)
     slots = config.cache.max_running_requests
     ctx = BatchContext(
-        req_to_token_pool=ReqToTokenPool(slots, max_context_len, device),
+        req_to_token_pool=ReqToTokenPool(slots, max_context_len, host),
         allocator=TokenToKVPoolAllocator(num_slots - page_size, page_size),
         kv_cache=KVCache(
-            KVCacheShape(arch.num_layers, arch.num_kv_heads, arch.head_dim),
+            # NOTE: with workers the KV lives in them; the host keeps the shape, no buffers
+            KVCacheShape(0 if process else arch.num_layers, arch.num_kv_heads, arch.head_dim),
             num_slots,
-            loaded.dtype,
-            device,
+            dtype,
+            host,
         ),
         stream=stream,
         monitor=monitor,
-        future_map=FutureMap(slots, device),
+        future_map=FutureMap(slots, host),
         cpu_mirrors=config.runtime.cpu_mirrors,
         check_mirrors=config.runtime.check_mirrors,
+        table_journal=[] if process else None,
     )
     if sparse_plugin is not None:
+        assert loaded is not None  # the configuration refuses HiSparse with worker processes
         ctx.sparse = sparse_plugin.install(config.hisparse, arch, ctx, loaded.model)
     output = OutputProcessor(tokenizer, observers)
     counters = EngineCounters()
@@ -194,7 +253,12 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
         cache=cache,
     )
     faults = FaultInjector(config.faults) if config.faults.enabled else None
-    runner = ModelRunner(loaded.model, ctx, Sampler(config.model.seed, device), faults=faults)
+    runner: ModelRunner
+    if isinstance(stream, ProcessStream):
+        runner = RemoteModelRunner(ctx, stream, faults)
+    else:
+        assert loaded is not None
+        runner = ModelRunner(loaded.model, ctx, Sampler(config.model.seed, device), faults=faults)
     loop = SchedulerLoop(
         scheduler,
         runner,
@@ -202,9 +266,14 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
         observer=observers,
         max_consecutive_failures=config.runtime.max_consecutive_step_failures,
     )
+    if isinstance(stream, ProcessStream):
+        # a lost worker fails the engine closed at once, even while it is idle
+        stream.on_fatal = loop.fail_closed_from_thread
     return EngineCore(
         config=config,
         loaded=loaded,
+        arch=arch,
+        dtype=dtype,
         tokenizer=tokenizer,
         max_context_len=max_context_len,
         stream=stream,
@@ -217,4 +286,5 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
         loop=loop,
         activity=activity,
         max_waiting_requests=waiting_limit(config),
+        worker_stats=worker_stats,
     )

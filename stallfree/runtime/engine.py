@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from stallfree.config import StallfreeConfig, load_config
+from stallfree.overlap.stream import StreamError
 from stallfree.runtime.alloc import free_req_memory, import_prebuilt_kv
 from stallfree.runtime.core import EngineCore, build_core
 from stallfree.runtime.errors import (
@@ -63,7 +64,7 @@ class Engine:
         self.core: EngineCore = build_core(self.config)
         self.tokenizer: Tokenizer = self.core.tokenizer
         self.max_context_len: int = self.core.max_context_len
-        self.vocab_size: int = self.core.loaded.arch.vocab_size
+        self.vocab_size: int = self.core.arch.vocab_size
         self.max_waiting_requests: int = self.core.max_waiting_requests
         self.validator = RequestValidator(
             self.tokenizer, self.vocab_size, self.max_context_len, self.core.ctx.allocator.size
@@ -133,7 +134,10 @@ class Engine:
         try:
             await self._loop_task
         finally:
-            core.stream.synchronize()
+            try:
+                core.stream.synchronize()
+            except StreamError as exc:  # the device was lost; close (and join workers) anyway
+                logger.warning("shutting down after a device failure: %s", exc)
             core.scheduler.release_deferred(everything=True)
             core.stream.close()
             self._state = "closed"

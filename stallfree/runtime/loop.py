@@ -44,6 +44,16 @@ class SchedulerLoop:
         self.wake = asyncio.Event()
         self.stopping = False
         self.on_step_error: Callable[[LaunchedBatch, BaseException], None] | None = None
+        self._aio_loop: asyncio.AbstractEventLoop | None = None
+
+    def fail_closed_from_thread(self, error: BaseException) -> None:
+        """Another thread found the device lost (a worker process died): fail closed now,
+        waking the loop if it is idle. Safe to call from any thread."""
+        logger.error("device lost: %s", error)
+        self.failed_closed = True
+        aio = self._aio_loop
+        if aio is not None and not aio.is_closed():
+            aio.call_soon_threadsafe(self.wake.set)
 
     def _schedule_and_launch(self) -> LaunchedBatch | None:
         start = time.perf_counter()
@@ -113,6 +123,7 @@ class SchedulerLoop:
         self.scheduler.on_processed(launched.seq)
 
     async def run(self) -> None:
+        self._aio_loop = asyncio.get_running_loop()
         in_flight: LaunchedBatch | None = None
         tick = time.perf_counter()
         while True:

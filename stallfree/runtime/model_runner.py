@@ -104,6 +104,46 @@ class ModelRunner:
                     fb.logit_positions = plan.prompt.positions
             expected, generation = self._plan_future_map(fb, slots_cpu)
         fault = self.faults.plan() if self.faults is not None else Fault.NONE
+        event = self._dispatch(
+            fb,
+            sb,
+            stash_slots,
+            stash_rows,
+            token_ids_host,
+            fault,
+            expected,
+            generation,
+            plan,
+            logprobs,
+        )
+        return LaunchedBatch(
+            seq=seq,
+            mode=batch.forward_mode,
+            reqs=list(batch.reqs),
+            output_rows=list(batch.output_rows),
+            token_ids_host=token_ids_host,
+            event=event,
+            forward_batch=fb,
+            logits_plan=plan,
+            logprobs=logprobs,
+        )
+
+    def _dispatch(
+        self,
+        fb: ForwardBatch,
+        sb: SamplingBatch,
+        stash_slots: torch.Tensor,
+        stash_rows: torch.Tensor,
+        token_ids_host: torch.Tensor,
+        fault: Fault,
+        expected: torch.Tensor | None,
+        generation: int | None,
+        plan: LogitsPlan | None,
+        logprobs: LogprobBuffers | None,
+    ) -> Event:
+        """Enqueue the step on the stream; its event fires when the token ids are on the host.
+        (`runtime/worker.py` sends it to worker processes instead.)"""
+        stream = self.ctx.stream
         stream.submit(
             self._step,
             fb,
@@ -117,18 +157,7 @@ class ModelRunner:
             plan,
             logprobs,
         )
-        event = stream.record_event()
-        return LaunchedBatch(
-            seq=seq,
-            mode=batch.forward_mode,
-            reqs=list(batch.reqs),
-            output_rows=list(batch.output_rows),
-            token_ids_host=token_ids_host,
-            event=event,
-            forward_batch=fb,
-            logits_plan=plan,
-            logprobs=logprobs,
-        )
+        return stream.record_event()
 
     def _sample_planned(
         self,

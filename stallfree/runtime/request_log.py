@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 def describe_engine(core: EngineCore) -> str:
     """One line naming the model, device, dtype, modes and capacity."""
     cfg = core.config
-    dtype = str(core.loaded.dtype).removeprefix("torch.")
+    dtype = str(core.dtype).removeprefix("torch.")
     allocator = core.ctx.allocator
 
     def on(flag: bool) -> str:

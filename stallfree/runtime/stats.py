@@ -97,6 +97,20 @@ class EngineSnapshot:
     device_idle_seconds: float  # while requests were in the engine
     sparse: SparseStats | None = None
     max_context_len: int = 0  # the engine's longest sequence (0: unknown), for bucket bounds
+    # worker processes: one entry per rank on this node; empty in process (in-process model)
+    workers: tuple[WorkerRankStats, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRankStats:
+    """A worker rank's cumulative figures (read from shared host memory, never the device)."""
+
+    rank: int
+    steps: int
+    step_seconds: float
+    comm_seconds: float  # in tensor-parallel collectives (all-reduce, all-gather)
+    comm_bytes: int
+    message_bytes: int = 0  # step messages the scheduler sent (rank 0 only)
 
 
 class ActivityClock(EngineObserver):

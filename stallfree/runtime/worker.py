@@ -1,0 +1,627 @@
+"""Model workers in separate processes: one per tensor-parallel rank.
+
+The scheduler stays in the host process and stays authoritative. For each launched batch it
+sends one `StepMessage` (the mode, the per-row host lists, the batch tensors as the host's
+replica holds them, the sampling and logits plans, and the `req_to_token` writes made since the
+last step) to the rank-0 worker, which broadcasts it to the other ranks over the group. Every
+rank runs the same step (`ModelRunner._step`) on its own device state: its KV-head shard of the
+cache, its copy of the request table, the future map and the penalty state. Every rank samples
+from the same gathered logits with the same generator, so each feeds its own future map the
+same token; rank 0 alone returns the sampled tokens (and logprobs, when asked for).
+
+The host side is `ProcessStream` (overlap/process_stream.py) plus `RemoteModelRunner` below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import os
+import pickle
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from stallfree.config import FaultConfig, StallfreeConfig
+from stallfree.overlap.faults import Fault, FaultInjector
+from stallfree.overlap.future_map import FutureMap
+from stallfree.overlap.host_read import SyncMonitor
+from stallfree.overlap.process_stream import (
+    ProcessStream,
+    WorkerLostError,
+    decode_tensor,
+    encode_tensor,
+)
+from stallfree.overlap.stream import Event, make_stream
+from stallfree.runtime.context import BatchContext
+from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.logits import LogitsPlan, LogprobBuffers
+from stallfree.runtime.memory_pool import (
+    KVCache,
+    KVCacheShape,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+)
+from stallfree.runtime.model_runner import ModelRunner
+from stallfree.runtime.sampler import Sampler, SamplingBatch
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0  # loading a large checkpoint on every rank takes a while
+# per local rank, in shared host memory: steps, step seconds, collective seconds, bytes
+STAT_FIELDS = ("steps", "step_seconds", "comm_seconds", "comm_bytes")
+
+
+class WorkerStartError(RuntimeError):
+    """A worker process could not start (its model did not load, the ranks did not meet)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """Everything a worker needs to build its half of the engine; picklable."""
+
+    model_path: str
+    dtype: str
+    device: str  # "cpu" or "cuda"
+    seed: int
+    page_size: int
+    num_kv_slots: int
+    req_slots: int
+    max_context_len: int
+    tp_size: int
+    nnodes: int
+    node_rank: int
+    init_method: str
+    timeout_s: float
+    threads: int
+    check_mirrors: bool
+    faults: dict[str, Any]
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    def local_ranks(self) -> range:
+        per = self.ranks_per_node
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
+
+    def rank_device(self, rank: int) -> torch.device:
+        if self.device == "cuda":
+            return torch.device("cuda", rank % self.ranks_per_node)
+        return torch.device("cpu")
+
+
+def init_method_for(addr: str | None) -> str:
+    """`host:port` or `tcp://host:port` as a torch.distributed init method; a free local port
+    when `addr` is None (single node)."""
+    if addr is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        return f"tcp://127.0.0.1:{port}"
+    if "://" in addr:
+        return addr
+    return f"tcp://{addr}"
+
+
+def worker_spec(config: StallfreeConfig, num_kv_slots: int, max_context_len: int) -> WorkerSpec:
+    par = config.parallel
+    device = config.runtime.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return WorkerSpec(
+        model_path=config.model.path,
+        dtype=config.model.dtype,
+        device=device,
+        seed=config.model.seed,
+        page_size=config.cache.page_size,
+        num_kv_slots=num_kv_slots,
+        req_slots=config.cache.max_running_requests,
+        max_context_len=max_context_len,
+        tp_size=par.tp_size,
+        nnodes=par.nnodes,
+        node_rank=par.node_rank,
+        init_method=init_method_for(par.dist_init_addr),
+        timeout_s=par.dist_timeout_s,
+        threads=config.runtime.stream_threads,
+        check_mirrors=config.runtime.check_mirrors,
+        faults=config.faults.model_dump(),
+    )
+
+
+def read_arch(path_or_preset: str, dtype: str, device: torch.device) -> tuple[Any, torch.dtype]:
+    """The architecture and weight dtype of a model, without loading its weights on the host
+    (a GGUF file is read whole: its architecture comes with its tensors)."""
+    import json
+    from pathlib import Path
+
+    from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
+    from stallfree.runtime.model.loader import PRESETS, _resolve_dtype
+
+    if path_or_preset in PRESETS:
+        return PRESETS[path_or_preset], _resolve_dtype(dtype, None, device)
+    path = Path(path_or_preset)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        from stallfree.runtime.model.gguf import read_gguf_checkpoint
+
+        return read_gguf_checkpoint(path).arch, _resolve_dtype(dtype, "float32", device)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(
+            f"model path {path_or_preset!r} does not exist; expected a Hugging Face directory, "
+            f"a .gguf file or a preset: {', '.join(PRESETS)}"
+        )
+    cfg = json.loads(config_file.read_text())
+    config_dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+    return ModelArchConfig.from_hf(cfg), _resolve_dtype(dtype, config_dtype, device)
+
+
+# ---------------------------------------------------------------------- the step message
+
+
+@dataclass(slots=True)
+class StepMessage:
+    mode: str
+    batch_size: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    req_pool_indices_cpu: list[int]
+    seq_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    prompt_lens_cpu: list[int]
+    logit_positions: torch.Tensor | None
+    sampling: SamplingBatch
+    stash_slots: torch.Tensor
+    stash_rows: torch.Tensor
+    fault: str
+    expected: torch.Tensor | None
+    generation: int | None
+    plan: LogitsPlan | None
+    table_writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=list
+    )
+
+
+@dataclass(slots=True)
+class StepResult:
+    token_ids: Any  # encoded [B] int64
+    logprobs: dict[str, Any] | None  # LogprobBuffers fields, encoded
+    step_seconds: float
+
+
+class _TensorPickler(pickle.Pickler):
+    """Pickles CPU tensors as raw bytes (`encode_tensor`): no storage sharing, no numpy."""
+
+    def reducer_override(self, obj: object) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return decode_tensor, (encode_tensor(obj),)
+        return NotImplemented
+
+
+def dumps(obj: object) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    _TensorPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------- host side
+
+
+class RemoteModelRunner(ModelRunner):
+    """The host's runner when the model lives in worker processes: plans exactly as
+    `ModelRunner` does, then sends the step instead of running it."""
+
+    def __init__(self, ctx: BatchContext, stream: ProcessStream, faults: FaultInjector | None):
+        self.remote = stream
+        super().__init__(None, ctx, None, faults)  # type: ignore[arg-type]
+        self.step_bytes: list[int] = []
+
+    def _dispatch(
+        self,
+        fb: ForwardBatch,
+        sb: SamplingBatch,
+        stash_slots: torch.Tensor,
+        stash_rows: torch.Tensor,
+        token_ids_host: torch.Tensor,
+        fault: Fault,
+        expected: torch.Tensor | None,
+        generation: int | None,
+        plan: LogitsPlan | None,
+        logprobs: LogprobBuffers | None,
+    ) -> Event:
+        ctx = self.ctx
+        journal = ctx.table_journal
+        assert journal is not None
+        writes, journal[:] = list(journal), []
+        message = StepMessage(
+            mode=fb.mode.value,
+            batch_size=fb.batch_size,
+            input_ids=fb.input_ids,
+            positions=fb.positions,
+            out_cache_loc=fb.out_cache_loc,
+            req_pool_indices=fb.req_pool_indices,
+            seq_lens=fb.seq_lens,
+            req_pool_indices_cpu=fb.req_pool_indices_cpu.tolist(),
+            seq_lens_cpu=fb.seq_lens_cpu.tolist(),
+            extend_lens_cpu=fb.extend_lens_cpu,
+            prefix_lens_cpu=fb.prefix_lens_cpu,
+            prompt_lens_cpu=fb.prompt_lens_cpu,
+            logit_positions=fb.logit_positions,
+            sampling=sb,
+            stash_slots=stash_slots,
+            stash_rows=stash_rows,
+            fault=fault.value,
+            expected=expected,
+            generation=generation,
+            plan=plan,
+            table_writes=writes,
+        )
+        stream = self.remote
+
+        def take(result: StepResult) -> None:
+            token_ids_host.copy_(decode_tensor(result.token_ids))
+            if logprobs is not None and result.logprobs is not None:
+                for name, enc in result.logprobs.items():
+                    getattr(logprobs, name).copy_(decode_tensor(enc))
+            stream.add_busy(result.step_seconds)
+
+        with stream.packing():
+            payload = dumps(message)
+        self.step_bytes.append(len(payload))
+        if len(self.step_bytes) > 4096:
+            del self.step_bytes[:2048]
+        stream.send_payload(payload, take)
+        return stream.record_event()
+
+
+# ---------------------------------------------------------------------- worker side
+
+
+def _broadcast_bytes(data: bytes | None, rank: int, group: Any) -> bytes:
+    import torch.distributed as dist
+
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    n = int(size.item())
+    if rank == 0:
+        assert data is not None
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8)
+    if n:
+        dist.broadcast(buf, src=0, group=group)
+    return data if rank == 0 and data is not None else ctypes.string_at(buf.data_ptr(), n)
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """Move every tensor of a decoded message (dataclasses, tuples, lists) to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(_to_device(x, device) for x in obj)
+    if isinstance(obj, list):
+        return [_to_device(x, device) for x in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            if not f.name.endswith("_cpu"):
+                setattr(obj, f.name, _to_device(getattr(obj, f.name), device))
+    return obj
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec, rank: int, stats: torch.Tensor) -> None:
+        from stallfree.runtime.model.loader import load_model
+
+        self.spec, self.rank, self.stats = spec, rank, stats
+        self.local = rank - spec.local_ranks().start
+        self.device = spec.rank_device(rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.control: Any = None
+        self.tp = self._join_group()
+        kwargs: dict[str, Any] = {"tp": self.tp} if self.tp is not None else {}
+        loaded = load_model(spec.model_path, spec.dtype, self.device, spec.seed, **kwargs)
+        arch = loaded.arch
+        kv_heads = arch.num_kv_heads
+        if self.tp is not None:
+            from stallfree.runtime.model.parallel import local_kv_heads
+
+            kv_heads = local_kv_heads(arch, self.tp)
+        stream = make_stream(self.device, spec.threads or 1)
+        ctx = BatchContext(
+            req_to_token_pool=ReqToTokenPool(spec.req_slots, spec.max_context_len, self.device),
+            allocator=TokenToKVPoolAllocator(spec.page_size * 2, spec.page_size),
+            kv_cache=KVCache(
+                KVCacheShape(arch.num_layers, kv_heads, arch.head_dim),
+                spec.num_kv_slots,
+                loaded.dtype,
+                self.device,
+            ),
+            stream=stream,
+            monitor=SyncMonitor(stream),
+            future_map=FutureMap(spec.req_slots, self.device),
+            check_mirrors=spec.check_mirrors,
+        )
+        faults = FaultConfig(**spec.faults)
+        self.ctx = ctx
+        self.runner = ModelRunner(
+            loaded.model,
+            ctx,
+            Sampler(spec.seed, self.device),
+            faults=FaultInjector(faults) if faults.enabled else None,
+        )
+
+    def _join_group(self) -> Any:
+        spec = self.spec
+        if spec.tp_size == 1:
+            return None
+        import torch.distributed as dist
+
+        from stallfree.runtime.model.parallel import TPGroup
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=spec.init_method,
+            rank=self.rank,
+            world_size=spec.tp_size,
+            timeout=timedelta(seconds=spec.timeout_s),
+        )
+        self.control = dist.new_group(backend="gloo") if backend != "gloo" else None
+        return TPGroup.from_distributed()
+
+    def run_step(self, msg: StepMessage) -> StepResult:
+        start = time.perf_counter()
+        device = self.device
+        if device.type != "cpu":
+            msg = _to_device(msg, device)
+        ctx = self.ctx
+        table = ctx.req_to_token_pool.req_to_token
+        for rows, cols, locs in msg.table_writes:
+            table[rows, cols] = locs
+        fb = ForwardBatch(
+            mode=ForwardMode(msg.mode),
+            batch_size=msg.batch_size,
+            input_ids=msg.input_ids,
+            positions=msg.positions,
+            out_cache_loc=msg.out_cache_loc,
+            req_pool_indices=msg.req_pool_indices,
+            seq_lens=msg.seq_lens,
+            req_pool_indices_cpu=torch.tensor(msg.req_pool_indices_cpu, dtype=torch.int64),
+            seq_lens_cpu=torch.tensor(msg.seq_lens_cpu, dtype=torch.int64),
+            extend_lens_cpu=msg.extend_lens_cpu,
+            prefix_lens_cpu=msg.prefix_lens_cpu,
+            req_to_token=table,
+            kv_cache=ctx.kv_cache,
+            prompt_lens_cpu=msg.prompt_lens_cpu,
+            logit_positions=msg.logit_positions,
+        )
+        host_buffer = ctx.stream.host_buffer
+        token_ids_host = host_buffer((msg.batch_size,), torch.int64)
+        plan = msg.plan
+        logprobs = LogprobBuffers.allocate(plan, msg.batch_size, host_buffer) if plan else None
+        comm_before = self._comm()
+        with torch.inference_mode():
+            self.runner._step(
+                fb,
+                msg.sampling,
+                msg.stash_slots,
+                msg.stash_rows,
+                token_ids_host,
+                Fault(msg.fault),
+                msg.expected,
+                msg.generation,
+                plan,
+                logprobs,
+            )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        comm_after = self._comm()
+        row = self.stats[self.local]
+        row[0] += 1
+        row[1] += elapsed
+        row[2] += comm_after[0] - comm_before[0]
+        row[3] += comm_after[1] - comm_before[1]
+        lp = None
+        if logprobs is not None:
+            lp = {
+                f.name: encode_tensor(getattr(logprobs, f.name))
+                for f in dataclasses.fields(logprobs)
+                if getattr(logprobs, f.name) is not None
+            }
+        return StepResult(encode_tensor(token_ids_host), lp, elapsed)
+
+    def _comm(self) -> tuple[float, float]:
+        if self.tp is None:
+            return (0.0, 0.0)
+        s = self.tp.stats
+        return (
+            s.all_reduce_seconds + s.all_gather_seconds,
+            float(s.all_reduce_bytes + s.all_gather_bytes),
+        )
+
+
+def worker_main(spec: WorkerSpec, rank: int, conn: Connection | None, stats: torch.Tensor) -> None:
+    """A worker process: build the rank's half of the engine, then run steps until "stop"."""
+    logging.basicConfig(level=logging.WARNING, format=f"[tp{rank}] %(levelname)s %(message)s")
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    try:
+        worker = _Worker(spec, rank, stats)
+    except BaseException as exc:
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.send(("failed", 0, f"{type(exc).__name__}: {exc}"))
+        raise
+    if spec.tp_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier(group=worker.control)
+    if conn is not None:
+        conn.send(("ready", 0, {"pid": os.getpid()}))
+    try:
+        _serve(worker, rank, conn)
+    finally:
+        if spec.tp_size > 1:
+            import torch.distributed as dist
+
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def _serve(worker: _Worker, rank: int, conn: Connection | None) -> None:
+    spec = worker.spec
+    while True:
+        data: bytes | None = None
+        if conn is not None:
+            try:
+                data = conn.recv_bytes()
+            except (EOFError, OSError):
+                data = pickle.dumps(("stop", 0, None))  # the host is gone: stop every rank
+        if spec.tp_size > 1:
+            data = _broadcast_bytes(data, rank, worker.control)
+        assert data is not None
+        kind, seq, body = pickle.loads(data)
+        if kind == "stop":
+            return
+        try:
+            result = worker.run_step(pickle.loads(body))
+        except Exception as exc:
+            logger.exception("step %d failed on rank %d", seq, rank)
+            if conn is None:
+                os._exit(1)  # the host sees this rank exit and fails closed
+            conn.send(("error", seq, f"rank {rank}: {type(exc).__name__}: {exc}"))
+            continue
+        if conn is not None:
+            conn.send(("ok", seq, result))
+
+
+# ---------------------------------------------------------------------- starting workers
+
+
+def start_workers(spec: WorkerSpec) -> tuple[Connection | None, list[Any], torch.Tensor]:
+    """Spawn this node's ranks. On node 0, returns the connection to rank 0 once every rank
+    has loaded its shard and met the others; raises `WorkerStartError` if any could not."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    ranks = spec.local_ranks()
+    stats = torch.zeros((len(ranks), len(STAT_FIELDS)), dtype=torch.float64).share_memory_()
+    parent: Connection | None = None
+    processes = []
+    for rank in ranks:
+        child = None
+        if rank == 0:
+            parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=worker_main,
+            args=(spec, rank, child, stats),
+            name=f"stallfree-tp{rank}",
+            daemon=True,
+        )
+        with _main_module_hidden():
+            proc.start()
+        processes.append(proc)
+        if child is not None:
+            child.close()
+    if parent is not None:
+        try:
+            _await_ready(parent, processes)
+        except BaseException:
+            stop_processes(processes)
+            raise
+    return parent, processes, stats
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Spawn re-runs the parent's main script in the child unless it is guarded by
+    `if __name__ == "__main__"`; the worker's entry point lives in this module, so the child
+    needs nothing from `__main__`. Hide its file and spec while the child is prepared, so an
+    embedding script without the guard works too."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if hasattr(main, k)}
+    try:
+        for key in saved:
+            if key == "__spec__":
+                main.__spec__ = None  # type: ignore[union-attr]
+            else:
+                delattr(main, key)
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(main, key, value)
+
+
+def _await_ready(conn: Connection, processes: list[Any]) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    sentinels = {p.sentinel: p for p in processes}
+    while time.monotonic() < deadline:
+        for item in wait([conn, *sentinels], timeout=1.0):
+            if item is conn:
+                try:
+                    kind, _, body = conn.recv()
+                except EOFError:
+                    raise WorkerStartError("the rank-0 worker exited while starting") from None
+                if kind == "ready":
+                    return
+                raise WorkerStartError(f"a worker could not start: {body}")
+            proc = sentinels[item]
+            proc.join(timeout=5)
+            raise WorkerStartError(
+                f"worker {proc.name} exited with code {proc.exitcode} while starting"
+            )
+    raise WorkerStartError(f"workers did not start within {READY_TIMEOUT_S:.0f}s")
+
+
+def stop_processes(processes: list[Any]) -> None:
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in processes:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=2)
+
+
+def run_worker_node(config: StallfreeConfig, max_context_len: int, num_kv_slots: int) -> int:
+    """A node other than 0: run its ranks until they stop (the scheduler's node stops them)."""
+    spec = worker_spec(config, num_kv_slots, max_context_len)
+    _, processes, _ = start_workers(spec)
+    codes = []
+    for proc in processes:
+        proc.join()
+        codes.append(proc.exitcode or 0)
+    return max(codes, default=0)
+
+
+__all__ = [
+    "STAT_FIELDS",
+    "RemoteModelRunner",
+    "StepMessage",
+    "WorkerLostError",
+    "WorkerSpec",
+    "WorkerStartError",
+    "read_arch",
+    "run_worker_node",
+    "start_workers",
+    "worker_spec",
+]
