@@ -334,11 +334,11 @@ BAD_REQUESTS = [
         "top_k",
     ),
     (
-        "n > 1",
-        *_post("/v1/completions", {"model": "test-model", "prompt": "x", "n": 2}),
+        "n over its bound",
+        *_post("/v1/completions", {"model": "test-model", "prompt": "x", "n": 17}),
         400,
         "n",
-        "not supported",
+        "less than or equal to 16",
     ),
     (
         "unknown role",

@@ -27,7 +27,7 @@ from stallfree.entrypoints.server.protocol import (
 )
 from stallfree.entrypoints.server.state import ServerState
 from stallfree.runtime.engine import Engine
-from stallfree.runtime.sampling_params import SamplingParams
+from stallfree.runtime.sampling_params import INT64_MAX, SamplingParams
 from stallfree.runtime.tokenizer import ChatTemplateError
 
 
@@ -107,43 +107,68 @@ def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
                 param=field,
                 code="unsupported_parameter",
             )
-    unsupported = {
-        "n": body.n > 1,
-        "presence_penalty": bool(body.presence_penalty),
-        "frequency_penalty": bool(body.frequency_penalty),
-        "logit_bias": bool(body.logit_bias),
-    }
     if isinstance(body, CompletionRequest):
-        unsupported |= {
-            "echo": body.echo,
-            "logprobs": body.logprobs is not None,
-            "best_of": (body.best_of or 1) > 1,
-        }
-    else:
-        unsupported |= {
-            "logprobs": body.logprobs,
-            "top_logprobs": body.top_logprobs is not None,
-        }
-    for field, bad in unsupported.items():
-        if bad:
-            raise ApiError(400, f"{field} is not supported by this server", param=field)
+        if body.best_of is not None and body.best_of != body.n:
+            raise ApiError(
+                400,
+                f"best_of: only best_of equal to n ({body.n}) is supported, not {body.best_of}",
+                param="best_of",
+                code="unsupported_parameter",
+            )
+    elif body.top_logprobs and not body.logprobs:
+        raise ApiError(400, "top_logprobs: set logprobs to true to use it", param="top_logprobs")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings ("50256")."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 19):
+            shown = repr(key[:32]).encode("ascii", "backslashreplace").decode()
+            raise ApiError(
+                400, f"logit_bias: keys must be token ids (digits), not {shown}", param="logit_bias"
+            )
+        out[int(key)] = value
+    return out
+
+
+def _choice_seed(seed: int | None, choice: int) -> int | None:
+    # NOTE: choice i of n samples with seed + i, wrapped into the seed's range
+    return None if seed is None else (seed + choice) % (INT64_MAX + 1)
 
 
 def sampling_params(
     body: CompletionRequest | ChatCompletionRequest, max_tokens: int
-) -> SamplingParams:
+) -> list[SamplingParams]:
+    """One `SamplingParams` per choice (`n`): they differ only in the seed."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if isinstance(body, CompletionRequest):
+        logprobs = body.logprobs
+        prompt_logprobs = logprobs if body.echo else None
+    else:
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        prompt_logprobs = None
+    fields: dict[str, Any] = {
+        "max_new_tokens": max_tokens,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_k": -1 if body.top_k is None else body.top_k,
+        "stop": stop,
+        "stop_token_ids": list(body.stop_token_ids or []),
+        "ignore_eos": body.ignore_eos,
+        "presence_penalty": body.presence_penalty or 0.0,
+        "frequency_penalty": body.frequency_penalty or 0.0,
+        "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        "min_tokens": body.min_tokens,
+        "logit_bias": _logit_bias(body.logit_bias),
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+    }
     try:
-        return SamplingParams(
-            max_new_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=-1 if body.top_k is None else body.top_k,
-            seed=body.seed,
-            stop=stop,
-            stop_token_ids=list(body.stop_token_ids or []),
-            ignore_eos=body.ignore_eos,
-        )
+        first = SamplingParams(**fields, seed=body.seed)
+        return [first] + [
+            first.model_copy(update={"seed": _choice_seed(body.seed, i)}) for i in range(1, body.n)
+        ]
     except ValidationError as exc:
         raise from_validation(exc) from exc
 

@@ -13,54 +13,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from stallfree.entrypoints.server.errors import ApiError
-from stallfree.entrypoints.server.protocol import (
-    ChatChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatMessageOut,
-    ChatStreamChoice,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
-    GenerateRequest,
-    ModelCard,
-    ModelList,
-    UsageInfo,
-)
-from stallfree.entrypoints.server.requests import (
-    chat_prompt_ids,
-    check_model,
-    converting,
-    native_sampling_params,
-    prompt_ids,
-    reject_unsupported,
-    sampling_params,
-)
+from stallfree.entrypoints.server.logprobs import native_logprobs
+from stallfree.entrypoints.server.openai_api import chat, completions
+from stallfree.entrypoints.server.protocol import GenerateRequest, ModelCard, ModelList
+from stallfree.entrypoints.server.requests import check_model, converting, native_sampling_params
 from stallfree.entrypoints.server.state import server_state
-from stallfree.entrypoints.server.streaming import (
-    DONE,
-    Context,
-    Generation,
-    Result,
-    respond,
-    sse,
-)
+from stallfree.entrypoints.server.streaming import DONE, Context, Generation, Result, respond, sse
 from stallfree.runtime.output_processor import GenerationChunk
 from stallfree.runtime.sampling_params import SamplingParams
-
-# NOTE: OpenAI clients parse only their own finish reasons. A request the engine aborted (past
-# its deadline) was cut short by a server limit, as `length` is by max_tokens; `error` never
-# reaches a choice (it is a 500, or an SSE error event). /generate keeps the engine's reasons.
-_OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length"}
-
-
-def openai_finish_reason(reason: str | None) -> str | None:
-    """The OpenAI `finish_reason` for an engine finish reason (None while unfinished)."""
-    if reason is None:
-        return None
-    return _OPENAI_FINISH_REASONS.get(reason, "stop")
 
 
 def open_routes() -> APIRouter:
@@ -135,117 +95,6 @@ def _model_card(request: Request) -> ModelCard:
     )
 
 
-def _add_usage(usage: UsageInfo, last: GenerationChunk) -> UsageInfo:
-    return UsageInfo.of(
-        usage.prompt_tokens + last.prompt_tokens, usage.completion_tokens + last.completion_tokens
-    )
-
-
-async def completions(body: CompletionRequest, request: Request) -> Response:
-    state = server_state(request)
-    engine = state.engine
-    check_model(state, body.model)
-    reject_unsupported(body)
-    with converting():
-        prompts = prompt_ids(engine, body.prompt, state.limits.max_prompts_per_request)
-        for ids in prompts:
-            engine.check_prompt(ids, body.max_tokens, param="prompt")
-        params = sampling_params(body, body.max_tokens or 16)
-    ctx = Context.of(request)
-    rid = f"cmpl-{ctx.request_id}"
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    async def events(generation: Generation) -> AsyncIterator[str]:
-        usage = UsageInfo()
-        async for index, chunk in generation.stream():
-            if (end := generation.ending_event(chunk)) is not None:
-                yield end
-                break
-            if chunk.finished:
-                usage = _add_usage(usage, chunk)
-            elif not chunk.text:
-                continue  # held back while it may still be a stop string
-            choice = CompletionChoice(
-                index=index,
-                text=chunk.text,
-                finish_reason=openai_finish_reason(chunk.finish_reason),
-            )
-            yield sse(CompletionResponse(id=rid, model=state.model_name, choices=[choice]))
-        else:
-            if include_usage:
-                yield sse(
-                    CompletionResponse(id=rid, model=state.model_name, choices=[], usage=usage)
-                )
-        yield DONE
-
-    def whole(results: list[Result]) -> CompletionResponse:
-        choices = [
-            CompletionChoice(
-                index=i, text=r.text, finish_reason=openai_finish_reason(r.last.finish_reason)
-            )
-            for i, r in enumerate(results)
-        ]
-        usage = UsageInfo()
-        for r in results:
-            usage = _add_usage(usage, r.last)
-        return CompletionResponse(id=rid, model=state.model_name, choices=choices, usage=usage)
-
-    rids = [f"{rid}-{i}" for i in range(len(prompts))]
-    generation = await Generation.admit(ctx, prompts, params, rids)
-    return await respond(request, generation, body.stream, events, whole)
-
-
-async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-    state = server_state(request)
-    engine = state.engine
-    check_model(state, body.model)
-    reject_unsupported(body)
-    with converting():
-        ids = chat_prompt_ids(engine, body)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        engine.check_prompt(ids, max_tokens, param="messages")
-        # NOTE: no max_tokens: as many as fit (the engine caps it to the context and KV cache)
-        params = sampling_params(body, max_tokens or engine.max_context_len)
-    ctx = Context.of(request)
-    rid = f"chatcmpl-{ctx.request_id}"
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def chunk_of(
-        delta: DeltaMessage, finish: str | None = None, usage: UsageInfo | None = None
-    ) -> str:
-        choices = [] if usage else [ChatStreamChoice(index=0, delta=delta, finish_reason=finish)]
-        return sse(
-            ChatCompletionChunk(id=rid, model=state.model_name, choices=choices, usage=usage)
-        )
-
-    async def events(generation: Generation) -> AsyncIterator[str]:
-        yield chunk_of(DeltaMessage(role="assistant", content=""))
-        async for _, chunk in generation.stream():
-            if (end := generation.ending_event(chunk)) is not None:
-                yield end
-                break
-            if chunk.text:
-                yield chunk_of(DeltaMessage(content=chunk.text))
-            if chunk.finished:
-                yield chunk_of(DeltaMessage(), openai_finish_reason(chunk.finish_reason))
-                if include_usage:
-                    yield chunk_of(DeltaMessage(), usage=_add_usage(UsageInfo(), chunk))
-        yield DONE
-
-    def whole(results: list[Result]) -> ChatCompletionResponse:
-        text, last = results[0].text, results[0].last
-        choice = ChatChoice(
-            index=0,
-            message=ChatMessageOut(content=text),
-            finish_reason=openai_finish_reason(last.finish_reason),
-        )
-        usage = _add_usage(UsageInfo(), last)
-        return ChatCompletionResponse(id=rid, model=state.model_name, choices=[choice], usage=usage)
-
-    generation = await Generation.admit(ctx, [ids], params, [f"{rid}-0"])
-    return await respond(request, generation, body.stream, events, whole)
-
-
 async def generate(body: GenerateRequest, request: Request) -> Response:
     engine = server_state(request).engine
     if (body.text is None) == (body.input_ids is None):
@@ -275,19 +124,27 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
             if (end := generation.ending_event(chunk)) is not None:
                 yield end
                 break
-            yield sse(
-                {
-                    "text": chunk.text,
-                    "output_ids": chunk.token_ids,
-                    "finished": chunk.finished,
-                    "meta_info": meta(chunk),
-                }
-            )
+            event = {
+                "text": chunk.text,
+                "output_ids": chunk.token_ids,
+                "finished": chunk.finished,
+                "meta_info": meta(chunk),
+            }
+            yield sse(with_logprobs(event, chunk.logprobs, chunk.prompt_logprobs))
         yield DONE
 
     def whole(results: list[Result]) -> dict[str, Any]:
         r = results[0]
-        return {"text": r.text, "output_ids": r.token_ids, "meta_info": meta(r.last)}
+        out = {"text": r.text, "output_ids": r.token_ids, "meta_info": meta(r.last)}
+        return with_logprobs(out, r.logprobs, r.prompt_logprobs)
+
+    def with_logprobs(out: dict[str, Any], logprobs: Any, prompt_logprobs: Any) -> dict[str, Any]:
+        """`logprobs` (and `prompt_logprobs`, in the first event) when they were asked for."""
+        if params.logprobs is not None:
+            out["logprobs"] = native_logprobs(logprobs or [])
+        if prompt_logprobs is not None:
+            out["prompt_logprobs"] = native_logprobs(prompt_logprobs)
+        return out
 
     try:
         generation = await Generation.admit(ctx, [prompt], params, [rid])

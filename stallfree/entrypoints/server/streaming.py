@@ -5,7 +5,7 @@ and aborted when the client goes away or the server's grace period runs out.
   first step of its generator, so a refusal is a 4xx/503 before any header is sent, and an
   admitted stream sends its headers at once, however long the request then waits in the queue.
 - A client that leaves is seen on the ASGI receive channel (`http.disconnect`), never polled.
-- One HTTP request may hold several engine requests (a batch of prompts). Each of those is then
+- One HTTP request may hold several engine requests (a batch of prompts, `n` choices each). Each of those is then
   driven by its own task, and only that task ever touches its generator: leaving early cancels
   the tasks, which aborts the requests, instead of closing generators another task is running.
 """
@@ -37,6 +37,7 @@ from stallfree.entrypoints.server.protocol import ErrorResponse
 from stallfree.entrypoints.server.state import Lifecycle, request_id, server_state
 from stallfree.runtime.engine import Engine
 from stallfree.runtime.errors import EngineOverloadedError
+from stallfree.runtime.logits import TokenLogprobs
 from stallfree.runtime.output_processor import GenerationChunk
 from stallfree.runtime.sampling_params import SamplingParams
 
@@ -66,11 +67,14 @@ class Context:
 
 @dataclass(slots=True)
 class Result:
-    """A request run to the end: its whole text and token ids, and its final chunk."""
+    """A request run to the end: its whole text and token ids, and its final chunk; with
+    logprobs asked for, one entry per token id, and the prompt's (the first None)."""
 
     text: str
     token_ids: list[int]
     last: GenerationChunk
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 async def _first(gen: AsyncIterator[GenerationChunk]) -> GenerationChunk:
@@ -78,7 +82,8 @@ async def _first(gen: AsyncIterator[GenerationChunk]) -> GenerationChunk:
 
 
 class Generation:
-    """The engine requests of one HTTP request (one per prompt), admitted together."""
+    """The engine requests of one HTTP request (one per prompt and choice), admitted
+    together."""
 
     def __init__(
         self,
@@ -99,14 +104,21 @@ class Generation:
 
     @classmethod
     async def admit(
-        cls, ctx: Context, prompts: Sequence[list[int]], params: SamplingParams, rids: list[str]
+        cls,
+        ctx: Context,
+        prompts: Sequence[list[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        rids: list[str],
     ) -> Generation:
-        """Admit one engine request per prompt, or none: a refusal aborts the admitted ones and
-        raises the `ApiError` to answer with."""
+        """Admit one engine request per prompt (with its own params, when a list is given),
+        or none: a refusal aborts the admitted ones and raises the `ApiError` to answer with."""
         if ctx.lifecycle.expired:
             raise shutting_down()
         engine = ctx.engine
-        gens = [engine.generate(ids, params, rid) for ids, rid in zip(prompts, rids, strict=True)]
+        each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        gens = [
+            engine.generate(ids, p, rid) for ids, p, rid in zip(prompts, each, rids, strict=True)
+        ]
         firsts = [asyncio.ensure_future(_first(gen)) for gen in gens]
         generation = cls(ctx, rids, gens, firsts)
         ctx.lifecycle.admitted.add(generation)
@@ -191,21 +203,28 @@ class Generation:
         """Run every request to its end; an engine failure is a 500, a request the shutdown
         deadline cut off is a 503."""
         texts: list[list[str]] = [[] for _ in self._gens]
-        ids: list[list[int]] = [[] for _ in self._gens]
+        results = [Result("", [], GenerationChunk("", [], "")) for _ in self._gens]
         lasts: list[GenerationChunk | None] = [None for _ in self._gens]
         async for index, chunk in self.stream():
+            result = results[index]
             texts[index].append(chunk.text)
-            ids[index].extend(chunk.token_ids)
+            result.token_ids.extend(chunk.token_ids)
+            if chunk.logprobs is not None:
+                if result.logprobs is None:
+                    result.logprobs = []
+                result.logprobs.extend(chunk.logprobs)
+            if chunk.prompt_logprobs is not None:
+                result.prompt_logprobs = chunk.prompt_logprobs
             if chunk.finished:
                 lasts[index] = chunk
-        results = []
-        for text, token_ids, last in zip(texts, ids, lasts, strict=True):
+        for text, result, last in zip(texts, results, lasts, strict=True):
             assert last is not None
             if last.finish_reason == "error":
                 raise self.failed(last)
             if self.ctx.expired_abort(last):
                 raise shutting_down("the server shut down before this request finished")
-            results.append(Result("".join(text), token_ids, last))
+            result.text = "".join(text)
+            result.last = last
         return results
 
     def failed(self, chunk: GenerationChunk) -> ApiError:

@@ -1,0 +1,284 @@
+"""`POST /v1/completions` and `POST /v1/chat/completions`.
+
+A request fans out into one engine request per prompt and choice (`n`): choice `i` of prompt `p`
+is index `p * n + i`, and its engine request id ends in that index. The choices of a prompt
+share its KV through the prefix cache: the scheduler holds back a request whose prompt another
+request is prefilling, so the later ones start from the cached pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from stallfree.entrypoints.server.errors import ApiError
+from stallfree.entrypoints.server.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    merge_completion_logprobs,
+    token_pieces,
+)
+from stallfree.entrypoints.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    UsageInfo,
+)
+from stallfree.entrypoints.server.requests import (
+    chat_prompt_ids,
+    check_model,
+    converting,
+    prompt_ids,
+    reject_unsupported,
+    sampling_params,
+)
+from stallfree.entrypoints.server.state import server_state
+from stallfree.entrypoints.server.streaming import DONE, Context, Generation, Result, respond, sse
+from stallfree.runtime.logits import TokenLogprobs
+from stallfree.runtime.output_processor import GenerationChunk
+from stallfree.runtime.tokenizer import Tokenizer
+
+# NOTE: OpenAI clients parse only their own finish reasons. A request the engine aborted (past
+# its deadline) was cut short by a server limit, as `length` is by max_tokens; `error` never
+# reaches a choice (it is a 500, or an SSE error event). /generate keeps the engine's reasons.
+_OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length"}
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    """The OpenAI `finish_reason` for an engine finish reason (None while unfinished)."""
+    if reason is None:
+        return None
+    return _OPENAI_FINISH_REASONS.get(reason, "stop")
+
+
+class Usage:
+    """Token counts of a fan-out: a prompt is counted once, however many choices it has."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.prompt = 0
+        self.completion = 0
+
+    def add(self, index: int, last: GenerationChunk) -> None:
+        if index % self.n == 0:
+            self.prompt += last.prompt_tokens
+        self.completion += last.completion_tokens
+
+    def info(self) -> UsageInfo:
+        return UsageInfo.of(self.prompt, self.completion)
+
+
+def _check_fanout(prompts: int, n: int, limit: int) -> None:
+    if prompts * n > limit:
+        raise ApiError(
+            400,
+            f"prompt: a request may ask for at most {limit} completions (prompts times n), "
+            f"and this one asks for {prompts} x {n}",
+            param="n" if prompts == 1 else "prompt",
+            code="too_many_prompts",
+        )
+
+
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = server_state(request)
+    engine = state.engine
+    check_model(state, body.model)
+    reject_unsupported(body)
+    n = body.n
+    with converting():
+        prompts = prompt_ids(engine, body.prompt, state.limits.max_prompts_per_request)
+        _check_fanout(len(prompts), n, state.limits.max_prompts_per_request)
+        for ids in prompts:
+            engine.check_prompt(ids, body.max_tokens, param="prompt")
+        params = sampling_params(body, body.max_tokens or 16)
+    echoed = _prompt_texts(engine.tokenizer, body.prompt, prompts) if body.echo else None
+    pieces = token_pieces(engine.tokenizer) if body.logprobs is not None else None
+    ctx = Context.of(request)
+    rid = f"cmpl-{ctx.request_id}"
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def logprobs_of(
+        index: int,
+        entries: Sequence[TokenLogprobs] | None,
+        token_ids: list[int],
+        prompt_entries: Sequence[TokenLogprobs | None] | None,
+        offset: int,
+    ) -> tuple[CompletionLogprobs | None, int]:
+        """The logprobs of `token_ids` (after the prompt's, when echoed) from `offset`."""
+        if pieces is None:
+            return None, offset
+        parts = []
+        if prompt_entries is not None:
+            prompt = prompts[index // n]
+            part, offset = completion_logprobs(pieces, prompt_entries, prompt, offset)
+            parts.append(part)
+        part, offset = completion_logprobs(pieces, entries or [], token_ids, offset)
+        return merge_completion_logprobs([*parts, part]), offset
+
+    def prompt_entries_of(index: int, chunk_entries: object) -> list[TokenLogprobs | None] | None:
+        if echoed is None or pieces is None:
+            return None
+        if isinstance(chunk_entries, list):
+            return chunk_entries
+        return [None] * len(prompts[index // n])
+
+    async def events(generation: Generation) -> AsyncIterator[str]:
+        usage = Usage(n)
+        offsets = [0] * (len(prompts) * n)
+        started = [False] * (len(prompts) * n)
+        async for index, chunk in generation.stream():
+            if (end := generation.ending_event(chunk)) is not None:
+                yield end
+                break
+            text, prompt_entries = chunk.text, None
+            if not started[index]:
+                started[index] = True
+                if echoed is not None:
+                    text = echoed[index // n] + text
+                    prompt_entries = prompt_entries_of(index, chunk.prompt_logprobs)
+            logprobs, offsets[index] = logprobs_of(
+                index, chunk.logprobs, chunk.token_ids, prompt_entries, offsets[index]
+            )
+            if chunk.finished:
+                usage.add(index, chunk)
+            elif not text and not (logprobs and logprobs.tokens):
+                continue  # held back while it may still be a stop string
+            choice = CompletionChoice(
+                index=index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=openai_finish_reason(chunk.finish_reason),
+            )
+            yield sse(CompletionResponse(id=rid, model=state.model_name, choices=[choice]))
+        else:
+            if include_usage:
+                info = usage.info()
+                yield sse(
+                    CompletionResponse(id=rid, model=state.model_name, choices=[], usage=info)
+                )
+        yield DONE
+
+    def whole(results: list[Result]) -> CompletionResponse:
+        usage = Usage(n)
+        choices = []
+        for i, r in enumerate(results):
+            usage.add(i, r.last)
+            text = r.text if echoed is None else echoed[i // n] + r.text
+            prompt_entries = prompt_entries_of(i, r.prompt_logprobs)
+            logprobs, _ = logprobs_of(i, r.logprobs, r.token_ids, prompt_entries, 0)
+            reason = openai_finish_reason(r.last.finish_reason)
+            choices.append(
+                CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=reason)
+            )
+        return CompletionResponse(
+            id=rid, model=state.model_name, choices=choices, usage=usage.info()
+        )
+
+    fanned = [prompts[i // n] for i in range(len(prompts) * n)]
+    each = [params[i % n] for i in range(len(fanned))]
+    rids = [f"{rid}-{i}" for i in range(len(fanned))]
+    generation = await Generation.admit(ctx, fanned, each, rids)
+    return await respond(request, generation, body.stream, events, whole)
+
+
+def _prompt_texts(
+    tokenizer: Tokenizer,
+    prompt: str | list[str] | list[int] | list[list[int]],
+    ids: list[list[int]],
+) -> list[str]:
+    """What `echo` repeats: each prompt as sent, or, sent as token ids, decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [tokenizer.decode(ids[0])]
+    return [
+        p if isinstance(p, str) else tokenizer.decode(tokens)
+        for p, tokens in zip(prompt, ids, strict=True)
+    ]
+
+
+async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    state = server_state(request)
+    engine = state.engine
+    check_model(state, body.model)
+    reject_unsupported(body)
+    n = body.n
+    with converting():
+        _check_fanout(1, n, state.limits.max_prompts_per_request)
+        ids = chat_prompt_ids(engine, body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        engine.check_prompt(ids, max_tokens, param="messages")
+        # NOTE: no max_tokens: as many as fit (the engine caps it to the context and KV cache)
+        params = sampling_params(body, max_tokens or engine.max_context_len)
+    pieces = token_pieces(engine.tokenizer) if body.logprobs else None
+    top_k = body.top_logprobs or 0
+    ctx = Context.of(request)
+    rid = f"chatcmpl-{ctx.request_id}"
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk_of(
+        index: int,
+        delta: DeltaMessage,
+        finish: str | None = None,
+        entries: list[TokenLogprobs] | None = None,
+    ) -> str:
+        # NOTE: only deltas that carry tokens carry logprobs (not the role or finish deltas)
+        logprobs = (
+            None if pieces is None or entries is None else chat_logprobs(pieces, entries, top_k)
+        )
+        choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
+        return sse(ChatCompletionChunk(id=rid, model=state.model_name, choices=[choice]))
+
+    async def events(generation: Generation) -> AsyncIterator[str]:
+        for index in range(n):
+            yield chunk_of(index, DeltaMessage(role="assistant", content=""))
+        usage = Usage(n)
+        async for index, chunk in generation.stream():
+            if (end := generation.ending_event(chunk)) is not None:
+                yield end
+                break
+            if chunk.text or (pieces is not None and chunk.logprobs):
+                entries = chunk.logprobs if pieces is not None else None
+                yield chunk_of(index, DeltaMessage(content=chunk.text), entries=entries or [])
+            if chunk.finished:
+                usage.add(index, chunk)
+                yield chunk_of(index, DeltaMessage(), openai_finish_reason(chunk.finish_reason))
+        else:
+            if include_usage:
+                last = ChatCompletionChunk(
+                    id=rid, model=state.model_name, choices=[], usage=usage.info()
+                )
+                yield sse(last)
+        yield DONE
+
+    def whole(results: list[Result]) -> ChatCompletionResponse:
+        usage = Usage(n)
+        choices = []
+        for i, r in enumerate(results):
+            usage.add(i, r.last)
+            logprobs = None if pieces is None else chat_logprobs(pieces, r.logprobs or [], top_k)
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=ChatMessageOut(content=r.text),
+                    logprobs=logprobs,
+                    finish_reason=openai_finish_reason(r.last.finish_reason),
+                )
+            )
+        return ChatCompletionResponse(
+            id=rid, model=state.model_name, choices=choices, usage=usage.info()
+        )
+
+    rids = [f"{rid}-{i}" for i in range(n)]
+    generation = await Generation.admit(ctx, [ids] * n, params, rids)
+    return await respond(request, generation, body.stream, events, whole)
