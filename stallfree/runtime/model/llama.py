@@ -1,4 +1,10 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral) in plain torch, with HF parameter names."""
+"""Llama-family decoder (Llama, Qwen2, Mistral) in plain torch, with HF parameter names.
+
+With a `TPGroup` of size > 1 each rank holds its shard of every split weight (same names, local
+shapes; see parallel.py): q/k/v and gate/up are column-parallel (output slice), o and down are
+row-parallel (input slice, then an all-reduce), the embedding and lm_head are vocab-parallel.
+At size 1 the modules and the forward are those of the plain model.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,13 @@ from torch import nn
 
 from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.attention import PagedAttention
+from stallfree.runtime.model.parallel import (
+    TPGroup,
+    local_heads,
+    local_kv_heads,
+    padded_shard_len,
+    shard_range,
+)
 
 if TYPE_CHECKING:
     from stallfree.runtime.model.arch import ModelArchConfig
@@ -99,18 +112,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer_id: int, **factory: Any) -> None:
+    def __init__(self, arch: ModelArchConfig, layer_id: int, tp: TPGroup, **factory: Any) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            arch.num_heads,
-            arch.num_kv_heads,
+            local_heads(arch, tp),
+            local_kv_heads(arch, tp),
             arch.head_dim,
         )
         hidden, q_out, kv_out = (
             arch.hidden_size,
-            arch.num_heads * arch.head_dim,
-            arch.num_kv_heads * arch.head_dim,
+            self.num_heads * arch.head_dim,
+            self.num_kv_heads * arch.head_dim,
         )
         self.q_proj = nn.Linear(hidden, q_out, bias=arch.qkv_bias, **factory)
         self.k_proj = nn.Linear(hidden, kv_out, bias=arch.qkv_bias, **factory)
@@ -130,25 +144,54 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(h).view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = backend.forward(q, k, v, self.layer_id, fb)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        if self.tp.size == 1:
+            return self.o_proj(out)
+        return _row_parallel(self.o_proj, out, self.tp)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig, **factory: Any) -> None:
+    def __init__(self, arch: ModelArchConfig, tp: TPGroup, **factory: Any) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False, **factory)
-        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False, **factory)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False, **factory)
+        self.tp = tp
+        inter = padded_shard_len(arch.intermediate_size, tp.size)
+        self.gate_proj = nn.Linear(arch.hidden_size, inter, bias=False, **factory)
+        self.up_proj = nn.Linear(arch.hidden_size, inter, bias=False, **factory)
+        self.down_proj = nn.Linear(inter, arch.hidden_size, bias=False, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        x = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        if self.tp.size == 1:
+            return self.down_proj(x)
+        return _row_parallel(self.down_proj, x, self.tp)
+
+
+def _row_parallel(layer: nn.Linear, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's partial product, summed over the ranks; the bias (replicated) added once."""
+    out = tp.all_reduce(F.linear(x, layer.weight))
+    return out if layer.bias is None else out + layer.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The rank's contiguous vocabulary range; ids outside it embed to zero before the sum."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup, **factory: Any) -> None:
+        super().__init__(padded_shard_len(vocab_size, tp.size), hidden, **factory)
+        self.tp = tp
+        self.vocab_start, self.vocab_end = shard_range(vocab_size, tp.rank, tp.size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        inside = (ids >= self.vocab_start) & (ids < self.vocab_end)
+        local = (ids - self.vocab_start) * inside
+        h = F.embedding(local, self.weight) * inside[:, None].to(self.weight.dtype)
+        return self.tp.all_reduce(h)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer_id: int, **factory: Any) -> None:
+    def __init__(self, arch: ModelArchConfig, layer_id: int, tp: TPGroup, **factory: Any) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(arch, layer_id, **factory)
-        self.mlp = LlamaMLP(arch, **factory)
+        self.self_attn = LlamaAttention(arch, layer_id, tp, **factory)
+        self.mlp = LlamaMLP(arch, tp, **factory)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **factory)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **factory)
 
@@ -164,11 +207,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArchConfig, **factory: Any) -> None:
+    def __init__(self, arch: ModelArchConfig, tp: TPGroup, **factory: Any) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, **factory)
+        self.embed_tokens: nn.Embedding
+        if tp.size == 1:
+            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, **factory)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(
+                arch.vocab_size, arch.hidden_size, tp, **factory
+            )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, i, **factory) for i in range(arch.num_layers)
+            LlamaDecoderLayer(arch, i, tp, **factory) for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **factory)
         self.rotary_emb = RotaryEmbedding(arch)
@@ -178,6 +227,8 @@ class LlamaForCausalLM(nn.Module):
     """`forward(fb)` returns float32 logits [batch_size, vocab] for each request's last token.
 
     Layers call `self.attn_backend.forward(q, k, v, layer_id, fb)`; swap it to change attention.
+    With a `TPGroup` of size > 1 every rank of the group must run the same forwards (each one
+    holds its shard); every rank returns the same full logits.
     """
 
     def __init__(
@@ -185,16 +236,20 @@ class LlamaForCausalLM(nn.Module):
         arch: ModelArchConfig,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
-        self.arch = arch
+        self.arch = arch  # the full model's shape; the rank's head counts are on its layers
+        self.tp = tp = tp if tp is not None else TPGroup()
         factory = {"device": device, "dtype": dtype}
-        self.model = LlamaModel(arch, **factory)
+        self.model = LlamaModel(arch, tp, **factory)
         if not arch.tie_word_embeddings:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, **factory)
+            vocab = padded_shard_len(arch.vocab_size, tp.size)
+            self.lm_head = nn.Linear(arch.hidden_size, vocab, bias=False, **factory)
         self.attn_backend: AttentionBackend = PagedAttention(arch.sliding_window)
 
     def lm_head_weight(self) -> torch.Tensor:
+        """The rank's vocab rows of the output projection (all of them at tp size 1)."""
         if self.arch.tie_word_embeddings:
             return self.model.embed_tokens.weight
         return self.lm_head.weight
@@ -212,7 +267,11 @@ class LlamaForCausalLM(nn.Module):
         last = _last_tokens(h, fb)
         if fb.logit_positions is not None:
             last = torch.cat([last, h.index_select(0, fb.logit_positions)])
-        return F.linear(self.model.norm(last), self.lm_head_weight()).float()
+        logits = F.linear(self.model.norm(last), self.lm_head_weight())
+        if self.tp.size > 1:
+            # each rank's vocab slice (the last one zero-padded), in rank order
+            logits = self.tp.all_gather(logits, dim=-1)[:, : self.arch.vocab_size]
+        return logits.float()
 
 
 def _last_tokens(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

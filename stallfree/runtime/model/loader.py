@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from stallfree.runtime.memory_pool import KVCacheShape
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
 from stallfree.runtime.model.llama import LlamaForCausalLM
+from stallfree.runtime.model.parallel import (
+    TPGroup,
+    apply_shard,
+    local_heads,
+    local_kv_heads,
+    pad_shard,
+    shard_spec,
+    validate_tp,
+)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -48,27 +58,59 @@ PRESETS: dict[str, ModelArchConfig] = {
 @dataclass(slots=True)
 class LoadedModel:
     model: LlamaForCausalLM
-    arch: ModelArchConfig
+    arch: ModelArchConfig  # the full model's shape (every rank sees the same)
     dtype: torch.dtype
     path: str | None
     name: str
+    tp: TPGroup = field(default_factory=TPGroup)
+
+    @property
+    def local_num_heads(self) -> int:
+        """Query heads on this rank."""
+        return local_heads(self.arch, self.tp)
+
+    @property
+    def local_num_kv_heads(self) -> int:
+        """KV heads on this rank: the head count of this rank's KV cache."""
+        return local_kv_heads(self.arch, self.tp)
+
+    def kv_cache_shape(self) -> KVCacheShape:
+        """This rank's KV cache shape (its local KV heads)."""
+        return KVCacheShape(self.arch.num_layers, self.local_num_kv_heads, self.arch.head_dim)
 
 
-def load_model(path_or_preset: str, dtype: str, device: torch.device, seed: int) -> LoadedModel:
+def load_model(
+    path_or_preset: str,
+    dtype: str,
+    device: torch.device,
+    seed: int,
+    tp: TPGroup | None = None,
+) -> LoadedModel:
     """Load a Hugging Face model directory or a .gguf file, or build a preset with seeded
-    random weights."""
+    random weights.
+
+    With `tp` of size > 1 the model is this rank's shard: a directory's safetensors are read
+    slice by slice (only this rank's part), and a preset's full seeded weights are built and
+    sliced, so every tp size runs the same model.
+    """
     device = torch.device(device)
+    tp = tp if tp is not None else TPGroup()
     if path_or_preset in PRESETS:
-        return _load_preset(path_or_preset, dtype, device, seed)
+        return _load_preset(path_or_preset, dtype, device, seed, tp)
     path = Path(path_or_preset)
     if path.suffix.lower() == ".gguf" and path.is_file():
+        if tp.size > 1:
+            raise ModelLoadError(
+                f"GGUF models are not supported with tensor parallelism yet (tp_size={tp.size}); "
+                "use a Hugging Face safetensors directory or tp_size=1"
+            )
         return _load_gguf(path, dtype, device)
     if not path.is_dir():
         raise ModelLoadError(
             f"model path {path_or_preset!r} does not exist; expected a Hugging Face directory, "
             f"a .gguf file or a preset: {', '.join(PRESETS)}"
         )
-    return _load_directory(path, dtype, device)
+    return _load_directory(path, dtype, device, tp)
 
 
 def _resolve_dtype(dtype: str, config_dtype: str | None, device: torch.device) -> torch.dtype:
@@ -81,14 +123,26 @@ def _resolve_dtype(dtype: str, config_dtype: str | None, device: torch.device) -
     return torch.float32 if device.type == "cpu" else resolved
 
 
-def _load_preset(name: str, dtype: str, device: torch.device, seed: int) -> LoadedModel:
+def _load_preset(
+    name: str, dtype: str, device: torch.device, seed: int, tp: TPGroup
+) -> LoadedModel:
     arch = replace(PRESETS[name], eos_token_ids=list(PRESETS[name].eos_token_ids))
+    validate_tp(arch, tp.size)
     torch_dtype = _resolve_dtype(dtype, "float32", device)
     model = LlamaForCausalLM(arch, device=torch.device("cpu"), dtype=torch.float32)
     _init_random(model, torch.Generator().manual_seed(seed))
     _mute_unprintable(model)
+    if tp.size > 1:
+        # the same full model at every tp size, then this rank's slices of it
+        full = model.state_dict()
+        model = LlamaForCausalLM(arch, device=torch.device("meta"), dtype=torch.float32, tp=tp)
+        state = {
+            key: apply_shard(full[key], shard_spec(key, arch, tp.rank, tp.size))
+            for key, _ in model.named_parameters()
+        }
+        model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device=device, dtype=torch_dtype).eval()
-    return LoadedModel(model=model, arch=arch, dtype=torch_dtype, path=None, name=name)
+    return LoadedModel(model=model, arch=arch, dtype=torch_dtype, path=None, name=name, tp=tp)
 
 
 def _init_random(model: LlamaForCausalLM, gen: torch.Generator) -> None:
@@ -122,19 +176,25 @@ def _mute_unprintable(model: LlamaForCausalLM) -> None:
 # ---------------------------------------------------------------------------- directories
 
 
-def _load_directory(path: Path, dtype: str, device: torch.device) -> LoadedModel:
+def _load_directory(path: Path, dtype: str, device: torch.device, tp: TPGroup) -> LoadedModel:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"model directory {str(path)!r} has no config.json")
     cfg = json.loads(config_file.read_text())
     arch = ModelArchConfig.from_hf(cfg)
+    validate_tp(arch, tp.size)
     torch_dtype = _resolve_dtype(dtype, cfg.get("dtype") or cfg.get("torch_dtype"), device)
     # Meta construction skips a throwaway random init of every weight.
-    model = LlamaForCausalLM(arch, device=torch.device("meta"), dtype=torch_dtype)
-    state = _read_safetensors(path, model, device, torch_dtype)
+    model = LlamaForCausalLM(arch, device=torch.device("meta"), dtype=torch_dtype, tp=tp)
+    if tp.size == 1:
+        state = _read_safetensors(path, model, device, torch_dtype)
+    else:
+        state = _read_safetensors_shards(path, model, device, torch_dtype, tp)
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device).eval()
-    return LoadedModel(model=model, arch=arch, dtype=torch_dtype, path=str(path), name=path.name)
+    return LoadedModel(
+        model=model, arch=arch, dtype=torch_dtype, path=str(path), name=path.name, tp=tp
+    )
 
 
 def _load_gguf(path: Path, dtype: str, device: torch.device) -> LoadedModel:
@@ -172,6 +232,39 @@ def _read_safetensors(
                     continue  # some tied checkpoints still store the duplicate
                 _check_shape(key, tuple(f.get_slice(key).get_shape()), expected)
                 state[key] = f.get_tensor(key).to(dtype)
+    _check_complete(set(state), set(expected))
+    return state
+
+
+def _read_safetensors_shards(
+    path: Path, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype, tp: TPGroup
+) -> dict[str, torch.Tensor]:
+    """This rank's slice of each tensor, read with `get_slice` (the rest is never read)."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model directory {str(path)!r} has no *.safetensors files")
+    arch = model.arch
+    # checkpoint shapes are the full model's (a meta model costs no memory)
+    full = LlamaForCausalLM(arch, device=torch.device("meta"), dtype=dtype)
+    expected = {name: tuple(p.shape) for name, p in full.named_parameters()}
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if key == "lm_head.weight" and arch.tie_word_embeddings:
+                    continue
+                view = f.get_slice(key)
+                _check_shape(key, tuple(view.get_shape()), expected)
+                spec = shard_spec(key, arch, tp.rank, tp.size)
+                if spec is None:
+                    part = view[:]
+                elif spec.dim == 0:
+                    part = pad_shard(view[spec.start : spec.end], spec)
+                else:
+                    part = pad_shard(view[:, spec.start : spec.end], spec)
+                state[key] = part.to(device=device, dtype=dtype)
     _check_complete(set(state), set(expected))
     return state
 
