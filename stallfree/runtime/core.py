@@ -169,6 +169,24 @@ def prefix_caching_enabled(config: StallfreeConfig) -> bool:
     return wanted
 
 
+def pool_sizes(
+    config: StallfreeConfig, arch: ModelArchConfig, capacity_ratio: float = 1.0
+) -> tuple[int, int]:
+    """`(max_context_len, num_kv_slots)`: the request table's row length and the KV pool's
+    slots (whole pages, plus the reserved page) for `config` on `arch`. Every node of a
+    tensor-parallel group sizes its pools from this, so that they agree with the scheduler's.
+
+    `capacity_ratio` scales the KV tokens: sparse layers keep every token in the host pool, so
+    with HiSparse the engine can hold more tokens than the device budget, and the logical slots
+    follow the host pool."""
+    max_context_len = min(
+        config.model.max_context_len or arch.max_position_embeddings, arch.max_position_embeddings
+    )
+    total_tokens = math.ceil(config.cache.max_total_tokens * capacity_ratio)
+    page_size = config.cache.page_size
+    return max_context_len, (pages_for(total_tokens, page_size) + 1) * page_size
+
+
 def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None) -> EngineCore:
     """Load the model and build pools, stream, scheduler, runner and loop for `config`."""
     prefix_caching = prefix_caching_enabled(config)  # NOTE: before anything is loaded
@@ -186,18 +204,13 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
         loaded = load_model(config.model.path, config.model.dtype, device, config.model.seed)
         arch, dtype, host = loaded.arch, loaded.dtype, device
     tokenizer = load_tokenizer(config.model.path, arch.eos_token_ids)
-    max_context_len = min(
-        config.model.max_context_len or arch.max_position_embeddings, arch.max_position_embeddings
-    )
     sparse_plugin = None
-    total_tokens = config.cache.max_total_tokens
+    capacity_ratio = 1.0
     if config.hisparse.enabled:
         sparse_plugin = load_sparse_attention_plugin("hisparse")
-        # NOTE: sparse layers keep every token in the host pool, so the engine can hold more
-        # tokens than the device budget; the logical slots follow the host pool.
-        total_tokens = math.ceil(total_tokens * sparse_plugin.capacity_ratio(config.hisparse, arch))
+        capacity_ratio = sparse_plugin.capacity_ratio(config.hisparse, arch)
+    max_context_len, num_slots = pool_sizes(config, arch, capacity_ratio)
     page_size = config.cache.page_size
-    num_slots = (pages_for(total_tokens, page_size) + 1) * page_size
     threads = config.runtime.stream_threads or auto_stream_threads(arch)
     worker_stats = None
     stream: DeviceStream
