@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-from stallfree.entrypoints.server.protocol import (
+from stallfree.entrypoints.server.responses import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,

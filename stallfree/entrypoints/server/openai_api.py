@@ -20,20 +20,7 @@ from stallfree.entrypoints.server.logprobs import (
     merge_completion_logprobs,
     token_pieces,
 )
-from stallfree.entrypoints.server.protocol import (
-    ChatChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatMessageOut,
-    ChatStreamChoice,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
-    UsageInfo,
-)
+from stallfree.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
 from stallfree.entrypoints.server.requests import (
     chat_prompt_ids,
     check_model,
@@ -41,6 +28,18 @@ from stallfree.entrypoints.server.requests import (
     prompt_ids,
     reject_unsupported,
     sampling_params,
+)
+from stallfree.entrypoints.server.responses import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    UsageInfo,
 )
 from stallfree.entrypoints.server.state import server_state
 from stallfree.entrypoints.server.streaming import DONE, Context, Generation, Result, respond, sse

@@ -15,8 +15,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from stallfree.entrypoints.server.errors import ApiError
 from stallfree.entrypoints.server.logprobs import native_logprobs
 from stallfree.entrypoints.server.openai_api import chat, completions
-from stallfree.entrypoints.server.protocol import GenerateRequest, ModelCard, ModelList
+from stallfree.entrypoints.server.protocol import GenerateRequest
 from stallfree.entrypoints.server.requests import check_model, converting, native_sampling_params
+from stallfree.entrypoints.server.responses import ModelCard, ModelList
 from stallfree.entrypoints.server.state import server_state
 from stallfree.entrypoints.server.streaming import DONE, Context, Generation, Result, respond, sse
 from stallfree.runtime.output_processor import GenerationChunk
