@@ -184,6 +184,10 @@ class ProcessStream(DeviceStream):
         return event
 
     def synchronize(self) -> None:
+        if self.fatal is not None:
+            # NOTE: nothing sent will ever finish, and every pending event has failed already;
+            # the host replica is all there is, so the engine's fail-closed cleanup goes on
+            return
         self.record_event().synchronize()
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
