@@ -21,6 +21,7 @@ from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.memory_pool import KVCache, ReqToTokenPool
 from stallfree.runtime.model import LoadedModel, ModelLoadError, load_model
 from stallfree.runtime.model.arch import ModelArchConfig
+from stallfree.runtime.model.loader import check_tensor_parallel, read_arch
 from stallfree.runtime.model.parallel import (
     CommStats,
     TPGroup,
@@ -345,6 +346,25 @@ def test_gguf_with_tp_is_a_clear_error(tmp_path: Path) -> None:
     gguf.write_bytes(b"GGUF")
     with pytest.raises(ModelLoadError, match="not supported with tensor parallelism"):
         load_model(str(gguf), "float32", CPU, 0, tp=TPGroup(0, 2))
+    with pytest.raises(ModelLoadError, match=r"not supported with tensor parallelism.*tp_size=2"):
+        check_tensor_parallel(str(gguf), 2)
+    check_tensor_parallel(str(gguf), 1)  # nothing to check (and nothing read) at size 1
+
+
+def test_check_before_loading(model_dirs: dict[str, Path]) -> None:
+    """What a launcher checks before it starts any worker: shapes from config.json only."""
+    path = str(model_dirs["llama_kv1_tied_odd"])
+    arch = read_arch(path)
+    assert (arch.num_heads, arch.num_kv_heads, arch.vocab_size) == (4, 1, 263)
+    assert local_kv_heads(arch, 2) == 1 and local_kv_heads(arch, 4) == 1
+    check_tensor_parallel(path, 2)
+    check_tensor_parallel(path, 4)
+    with pytest.raises(ModelLoadError, match=r"num_attention_heads=4"):
+        check_tensor_parallel(path, 8)
+    assert read_arch("bench-cpu").num_kv_heads == 4
+    check_tensor_parallel("bench-cpu", 4)
+    with pytest.raises(ModelLoadError, match=r"does not exist"):
+        check_tensor_parallel(str(model_dirs["llama_kv1_tied_odd"] / "missing"), 2)
 
 
 def test_size_one_group_never_touches_distributed() -> None:

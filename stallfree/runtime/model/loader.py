@@ -100,10 +100,7 @@ def load_model(
     path = Path(path_or_preset)
     if path.suffix.lower() == ".gguf" and path.is_file():
         if tp.size > 1:
-            raise ModelLoadError(
-                f"GGUF models are not supported with tensor parallelism yet (tp_size={tp.size}); "
-                "use a Hugging Face safetensors directory or tp_size=1"
-            )
+            raise _gguf_tp_error(tp.size)
         return _load_gguf(path, dtype, device)
     if not path.is_dir():
         raise ModelLoadError(
@@ -176,11 +173,53 @@ def _mute_unprintable(model: LlamaForCausalLM) -> None:
 # ---------------------------------------------------------------------------- directories
 
 
-def _load_directory(path: Path, dtype: str, device: torch.device, tp: TPGroup) -> LoadedModel:
+def read_arch(path_or_preset: str) -> ModelArchConfig:
+    """The model's full shape without loading its weights (a preset, a directory's
+    config.json, or a GGUF file's metadata)."""
+    if path_or_preset in PRESETS:
+        preset = PRESETS[path_or_preset]
+        return replace(preset, eos_token_ids=list(preset.eos_token_ids))
+    path = Path(path_or_preset)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        from stallfree.runtime.model.gguf import read_gguf_checkpoint
+
+        return read_gguf_checkpoint(path).arch
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model path {path_or_preset!r} does not exist; expected a Hugging Face directory, "
+            f"a .gguf file or a preset: {', '.join(PRESETS)}"
+        )
+    return ModelArchConfig.from_hf(_read_config(path))
+
+
+def check_tensor_parallel(path_or_preset: str, tp_size: int) -> None:
+    """Raise `ModelLoadError` (a ValueError) when the model cannot run split over `tp_size`
+    ranks: a head count that does not divide, or a GGUF file. Reads no weights."""
+    if tp_size == 1:
+        return
+    path = Path(path_or_preset)
+    if path_or_preset not in PRESETS and path.suffix.lower() == ".gguf":
+        raise _gguf_tp_error(tp_size)
+    validate_tp(read_arch(path_or_preset), tp_size)
+
+
+def _gguf_tp_error(tp_size: int) -> ModelLoadError:
+    return ModelLoadError(
+        f"GGUF models are not supported with tensor parallelism yet (tp_size={tp_size}); "
+        "use a Hugging Face safetensors directory or tp_size=1"
+    )
+
+
+def _read_config(path: Path) -> dict[str, Any]:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"model directory {str(path)!r} has no config.json")
-    cfg = json.loads(config_file.read_text())
+    cfg: dict[str, Any] = json.loads(config_file.read_text())
+    return cfg
+
+
+def _load_directory(path: Path, dtype: str, device: torch.device, tp: TPGroup) -> LoadedModel:
+    cfg = _read_config(path)
     arch = ModelArchConfig.from_hf(cfg)
     validate_tp(arch, tp.size)
     torch_dtype = _resolve_dtype(dtype, cfg.get("dtype") or cfg.get("torch_dtype"), device)
