@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -287,6 +288,15 @@ class LogprobBuffers:
     prompt_chosen: torch.Tensor | None = None  # [N]
     prompt_top_values: torch.Tensor | None = None  # [N, k]
     prompt_top_ids: torch.Tensor | None = None  # [N, k]
+    # host lists of the above, converted once per batch on first use (after the event)
+    _lists: dict[str, list[Any]] = field(default_factory=dict)
+
+    def _list(self, name: str) -> list[Any]:
+        cached = self._lists.get(name)
+        if cached is None:
+            tensor = getattr(self, name)
+            cached = self._lists[name] = tensor.tolist() if tensor is not None else []
+        return cached
 
     @classmethod
     def allocate(
@@ -330,7 +340,16 @@ class LogprobBuffers:
         """Host side, after the event: row `row`'s token and its top `k` alternatives."""
         if self.chosen is None:
             return None
-        return _entry(token_id, self.chosen, self.top_values, self.top_ids, row, k)
+        return self._entry("", token_id, row, k)
+
+    def _entry(self, prefix: str, token_id: int, index: int, k: int) -> TokenLogprobs:
+        chosen = self._list(f"{prefix}chosen")[index]
+        top: list[tuple[int, float]] = []
+        if k:
+            ids = self._list(f"{prefix}top_ids")[index][:k]
+            values = self._list(f"{prefix}top_values")[index][:k]
+            top = list(zip(ids, values, strict=True))
+        return TokenLogprobs(token_id, chosen, top)
 
     def take_prompt(self, reqs: list[Req], plan: LogitsPlan) -> None:
         """Host side, after the event: append each scored prompt token to its request."""
@@ -344,15 +363,7 @@ class LogprobBuffers:
             if len(req.prompt_logprobs) + 1 == first:  # NOTE: never twice, never with a gap
                 targets = req.origin_input_ids[first : first + count]
                 req.prompt_logprobs.extend(
-                    _entry(
-                        tok,
-                        self.prompt_chosen,
-                        self.prompt_top_values,
-                        self.prompt_top_ids,
-                        index + i,
-                        k,
-                    )
-                    for i, tok in enumerate(targets)
+                    self._entry("prompt_", tok, index + i, k) for i, tok in enumerate(targets)
                 )
             index += count
 
@@ -371,18 +382,3 @@ def _score(
         values, ids = logprobs.topk(k, dim=-1)
         top_values.copy_(values, non_blocking=True)
         top_ids.copy_(ids, non_blocking=True)
-
-
-def _entry(
-    token_id: int,
-    chosen: torch.Tensor,
-    top_values: torch.Tensor | None,
-    top_ids: torch.Tensor | None,
-    index: int,
-    k: int,
-) -> TokenLogprobs:
-    top: list[tuple[int, float]] = []
-    if k and top_values is not None and top_ids is not None:
-        ids, values = top_ids[index, :k].tolist(), top_values[index, :k].tolist()
-        top = list(zip(ids, values, strict=True))
-    return TokenLogprobs(token_id, float(chosen[index]), top)

@@ -442,7 +442,7 @@ class _Worker:
             lp = {
                 f.name: encode_tensor(getattr(logprobs, f.name))
                 for f in dataclasses.fields(logprobs)
-                if getattr(logprobs, f.name) is not None
+                if isinstance(getattr(logprobs, f.name), torch.Tensor)
             }
         return StepResult(encode_tensor(token_ids_host), lp, elapsed)
 
