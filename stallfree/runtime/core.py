@@ -29,7 +29,7 @@ from stallfree.runtime.memory_pool import (
     TokenToKVPoolAllocator,
 )
 from stallfree.runtime.model.arch import ModelArchConfig
-from stallfree.runtime.model.loader import LoadedModel, load_model
+from stallfree.runtime.model.loader import LoadedModel, check_tensor_parallel, load_model
 from stallfree.runtime.model_runner import ModelRunner
 from stallfree.runtime.observer import ObserverFanout
 from stallfree.runtime.output_processor import OutputProcessor
@@ -198,6 +198,7 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
     loaded: LoadedModel | None = None
     if process:
         # NOTE: the workers load the weights; the scheduler only needs the architecture
+        check_tensor_parallel(config.model.path, config.parallel.tp_size)
         arch, dtype = read_arch(config.model.path, config.model.dtype, device)
         host = torch.device("cpu")
     else:

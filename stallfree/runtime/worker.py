@@ -138,30 +138,23 @@ def worker_spec(config: StallfreeConfig, num_kv_slots: int, max_context_len: int
 
 
 def read_arch(path_or_preset: str, dtype: str, device: torch.device) -> tuple[Any, torch.dtype]:
-    """The architecture and weight dtype of a model, without loading its weights on the host
-    (a GGUF file is read whole: its architecture comes with its tensors)."""
+    """The architecture and weight dtype of a model, without loading its weights on the host."""
     import json
     from pathlib import Path
 
-    from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
-    from stallfree.runtime.model.loader import PRESETS, _resolve_dtype
+    from stallfree.runtime.model import loader
 
-    if path_or_preset in PRESETS:
-        return PRESETS[path_or_preset], _resolve_dtype(dtype, None, device)
+    arch = loader.read_arch(path_or_preset)
+    config_dtype: str | None = None
     path = Path(path_or_preset)
-    if path.suffix.lower() == ".gguf" and path.is_file():
-        from stallfree.runtime.model.gguf import read_gguf_checkpoint
-
-        return read_gguf_checkpoint(path).arch, _resolve_dtype(dtype, "float32", device)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ModelLoadError(
-            f"model path {path_or_preset!r} does not exist; expected a Hugging Face directory, "
-            f"a .gguf file or a preset: {', '.join(PRESETS)}"
-        )
-    cfg = json.loads(config_file.read_text())
-    config_dtype = cfg.get("dtype") or cfg.get("torch_dtype")
-    return ModelArchConfig.from_hf(cfg), _resolve_dtype(dtype, config_dtype, device)
+    if path_or_preset in loader.PRESETS:
+        config_dtype = None
+    elif path.suffix.lower() == ".gguf":
+        config_dtype = "float32"  # dequantised weights
+    else:
+        cfg = json.loads((path / "config.json").read_text())
+        config_dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+    return arch, loader._resolve_dtype(dtype, config_dtype, device)
 
 
 # ---------------------------------------------------------------------- the step message
