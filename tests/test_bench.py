@@ -614,3 +614,148 @@ def test_compare_defaults_to_three_interleaved_repeats() -> None:
     single = build_parser().parse_args(["bench"])
     _check_flags(single)
     assert (compare.repeats, single.repeats) == (3, 1)
+
+
+# ---------------------------------------------------------------- worker processes and TP sizes
+
+WORKER_RUN = [a for a in ONE_RUN if a != "--compare"]
+
+
+def _worker_figures(run: dict) -> dict | None:
+    return run["stallfree"]["workers"]
+
+
+def test_compare_workers_in_process(tmp_path, capsys) -> None:
+    """The same workload with the model in process, then in a worker process: a column each,
+    and the worker's per-rank figures (absent in process)."""
+    out = tmp_path / "bench.json"
+    assert (
+        main([*WORKER_RUN, "--compare-workers", "--device", "cpu", "--output-json", str(out)]) == 0
+    )
+    table = capsys.readouterr().out
+    assert "worker process (x base)" in table and "rank 0 step time (ms)" in table
+    assert "bytes per step sent to the workers" in table
+    data = json.loads(out.read_text())
+    assert [r["mode"] for r in data["runs"]] == ["worker inprocess", "worker process"]
+    inproc, proc = data["runs"]
+    for run, worker in ((inproc, "inprocess"), (proc, "process")):
+        _check_one_run(run, run["mode"])
+        assert run["settings"]["target"]["engine_config"]["runtime"]["worker"] == worker
+    assert _worker_figures(inproc) is None
+    (rank0,) = _worker_figures(proc).values()
+    assert list(_worker_figures(proc)) == ["0"]
+    steps = proc["stallfree"]["steps"]
+    # overlap: the last launched step may still be on the worker when the run ends
+    assert steps - 1 <= rank0["steps"] <= steps
+    assert 0 < rank0["mean_step_seconds"] < proc["summary"]["duration_s"]
+    assert rank0["comm_seconds"] == 0 and rank0["comm_share"] == 0  # one rank: no collectives
+    assert rank0["message_bytes_per_step"] > 0
+    ratios = proc["ratios_to_baseline"]
+    assert ratios["rank 0 step time (ms)"] is None  # nothing to compare it with in process
+    assert ratios["output throughput (tok/s)"] == (
+        proc["summary"]["output_throughput"] / inproc["summary"]["output_throughput"]
+    )
+
+
+def test_worker_modes_compose_with_the_overlap_modes() -> None:
+    from stallfree.bench.runner import CONFIGURED, compare_modes, worker_modes
+
+    modes = worker_modes(compare_modes(keys=["off", "mirrors"]), compare_workers=True)
+    assert [m.name for m in modes] == [
+        "overlap off, worker inprocess",
+        "overlap, mirrors on, worker inprocess",
+        "overlap off, worker process",
+        "overlap, mirrors on, worker process",
+    ]
+    assert modes[2].settings == {
+        "runtime": {"overlap": False, "cpu_mirrors": False, "worker": "process"}
+    }
+    tp = worker_modes([Mode(CONFIGURED)], tp_sizes=[1, 2])
+    assert [(m.name, m.settings) for m in tp] == [
+        ("tp 1", {"runtime": {"worker": "process"}, "parallel": {"tp_size": 1}}),
+        ("tp 2", {"runtime": {"worker": "process"}, "parallel": {"tp_size": 2}}),
+    ]
+    as_configured = worker_modes([Mode(CONFIGURED)], tp_sizes=[2, 4], set_worker=False)
+    assert [m.settings for m in as_configured] == [
+        {"parallel": {"tp_size": 2}},
+        {"parallel": {"tp_size": 4}},
+    ]
+    assert worker_modes([Mode(CONFIGURED)]) == [Mode(CONFIGURED)]
+
+
+def test_rank_figures_from_two_snapshots_and_their_median() -> None:
+    from stallfree.bench.counters import (
+        CounterSnapshot,
+        RankCounters,
+        RankFigures,
+        StallFigures,
+    )
+    from stallfree.bench.report import table_rows
+    from stallfree.bench.results import median_of
+
+    def snap(wall: float, steps: float, r0: RankCounters, r1: RankCounters) -> CounterSnapshot:
+        return CounterSnapshot(wall=wall, steps=steps, workers={"0": r0, "1": r1})
+
+    before = snap(
+        0.0, 10, RankCounters(10, 1.0, 0.25, 1000, 5000), RankCounters(10, 1.5, 0.5, 1000, 0)
+    )
+    after = snap(
+        1.0, 30, RankCounters(30, 3.0, 0.75, 3000, 9000), RankCounters(30, 3.5, 1.0, 3000, 0)
+    )
+    figures = stall_figures(before, after)
+    assert figures.workers == {
+        "0": RankFigures(20, 0.1, 0.5, 0.25, 100.0, 200.0),
+        "1": RankFigures(20, 0.1, 0.5, 0.25, 100.0, 0.0),
+    }
+    # a target without workers has none
+    assert stall_figures(CounterSnapshot(wall=0.0), CounterSnapshot(wall=1.0)).workers is None
+    runs = [
+        StallFigures(workers={"0": RankFigures(steps=s, mean_step_seconds=s / 100)})
+        for s in (10.0, 30.0, 20.0)
+    ]
+    median = median_of(StallFigures, runs)
+    assert median.workers == {"0": RankFigures(steps=20.0, mean_step_seconds=0.2)}
+    assert median_of(StallFigures, [StallFigures(), StallFigures()]).workers is None
+
+    from stallfree.bench.results import RunResult
+
+    result = RunResult("tp 2", {}, None, figures, [])  # type: ignore[arg-type]
+    rows = {label: get for label, get, _, _ in table_rows([result])}
+    assert rows["rank 1 step time (ms)"](result) == 0.1
+    assert rows["rank 0 all-reduce + gather share of step"](result) == 0.25
+    assert rows["bytes per step sent to the workers"](result) == 200.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--compare-workers", "--compare-tp", "1,2"], "cannot go together"),
+        (["--compare-workers", "--worker", "process"], "drop --worker"),
+        (["--compare-tp", "1,2", "--tp-size", "2"], "drop --tp-size"),
+        (["--compare-workers", "--hisparse", "on"], "HiSparse"),
+        (["--compare-workers", "--base-url", "http://127.0.0.1:1"], "--base-url"),
+        (["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "h:1"], "--base-url"),
+    ],
+)
+def test_bad_worker_bench_combinations(argv, message, capsys) -> None:
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "stallfree bench: error:" in err and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("sizes", ["2", "1,1", "0,2", "1,x"])
+def test_compare_tp_needs_two_different_sizes(sizes, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--compare-tp", sizes])
+    assert exc.value.code == 2
+    assert "tensor-parallel sizes" in capsys.readouterr().err
+
+
+def test_worker_comparisons_default_to_three_repeats() -> None:
+    from stallfree.bench.cli import _check_flags
+    from stallfree.cli import build_parser
+
+    for flags in (["--compare-workers"], ["--compare-tp", "1,2"]):
+        args = build_parser().parse_args(["bench", *flags])
+        _check_flags(args)
+        assert args.repeats == 3

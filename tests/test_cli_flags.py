@@ -349,3 +349,115 @@ def test_bad_vllm_bench_combinations(argv, message, capsys) -> None:
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert "stallfree bench: error:" in err and message in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- worker processes, TP, multi-node
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "hi"], ["bench"]])
+@pytest.mark.parametrize("spelling", ["--tp-size", "--tensor-parallel-size", "-tp"])
+def test_tensor_parallel_spellings(command, spelling) -> None:
+    cfg = config(*command, spelling, "2")
+    assert cfg.parallel.tp_size == 2
+    assert cfg.runtime.worker == "auto" and cfg.uses_worker_processes  # auto: process at tp 2
+
+
+def test_worker_and_multi_node_flags_map_to_the_config() -> None:
+    from stallfree.config import ParallelConfig
+
+    cfg = config(
+        "serve",
+        "--worker",
+        "process",
+        "--tp-size",
+        "4",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--dist-init-addr",
+        "10.0.0.1:29500",
+        "--dist-timeout",
+        "30",
+    )
+    assert cfg.runtime.worker == "process"
+    assert cfg.parallel == ParallelConfig(
+        tp_size=4, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:29500", dist_timeout_s=30.0
+    )
+    plain = config("serve")
+    assert plain.parallel == ParallelConfig() and plain.runtime.worker == "auto"
+    assert not plain.uses_worker_processes
+    assert config("generate", "hi", "--worker", "process").uses_worker_processes
+    texts = _help_texts("serve")
+    assert "(default: 1; sets parallel.tp_size)" in texts["--tp-size"]
+    assert "(default: auto; sets runtime.worker)" in texts["--worker"]
+    assert "(default: 120.0; sets parallel.dist_timeout_s)" in texts["--dist-timeout"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--dist-timeout", "0"],
+        ["serve", "--dist-timeout", "nan"],
+        ["serve", "--worker", "thread"],
+        ["generate", "hi", "-tp", "two"],
+    ],
+)
+def test_bad_parallel_flags_are_usage_errors(argv, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: stallfree {argv[0]}") and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["generate", "hi", "-tp", "2", "--nnodes", "2", "--node-rank", "1",
+             "--dist-init-addr", "127.0.0.1:1"],
+            "generate runs on node 0",
+        ),
+        (["serve", "--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "multiple of"),
+        (["serve", "--tp-size", "2", "--nnodes", "2"], "needs parallel.dist_init_addr"),
+        (["serve", "--tp-size", "2", "--worker", "inprocess"], "needs worker processes"),
+        (["serve", "--node-rank", "1"], "must be below parallel.nnodes"),
+    ],
+)  # fmt: skip
+def test_bad_parallel_settings_are_refused_before_anything_starts(argv, message, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_worker_node_with_a_missing_model_is_one_line(tmp_path) -> None:
+    missing = str(tmp_path / "no-such-model")
+    proc = subprocess.run(
+        [sys.executable, "-m", "stallfree", "serve", missing, "--tp-size", "2", "--nnodes", "2",
+         "--node-rank", "1", "--dist-init-addr", "127.0.0.1:1", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and missing in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+async def test_pool_sizes_are_the_engines_own() -> None:
+    """A worker node sizes its pools with `pool_sizes`; they must be the scheduler node's."""
+    from stallfree.runtime.core import pool_sizes
+    from stallfree.runtime.engine import Engine
+    from stallfree.runtime.model.loader import PRESETS
+
+    cfg = load_config(
+        model={"path": "tiny", "max_context_len": 100},
+        cache={"page_size": 4, "max_total_tokens": 90},
+        runtime={"device": "cpu"},
+    )
+    max_context_len, num_kv_slots = pool_sizes(cfg, PRESETS["tiny"])
+    assert (max_context_len, num_kv_slots) == (100, 96)  # 23 pages of 4 for 90 tokens, + 1
+    async with Engine(cfg) as engine:
+        assert engine.snapshot().max_context_len == max_context_len
+        assert engine.pool_usage().kv_tokens_total == num_kv_slots - 4

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -106,3 +108,64 @@ def test_the_engine_runs_with_only_the_base_install():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loaded: []" in proc.stdout
+
+
+def _cli_without_extras(*argv: str) -> subprocess.CompletedProcess[str]:
+    """`stallfree ARGV` with every extra missing; prints the modules of the extras it loaded."""
+    return _run_without_extras(
+        f"""
+        from stallfree.cli import main
+
+        try:
+            code = main({list(argv)!r})
+        except SystemExit as exc:  # --version and --help exit through argparse
+            code = exc.code
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+        print("loaded:", loaded)
+        sys.exit(code)
+        """
+    )
+
+
+def test_version_and_generate_help_work_with_only_the_base_install():
+    from stallfree import __version__
+
+    proc = _cli_without_extras("--version")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[0] == f"stallfree {__version__}"
+    assert "loaded: []" in proc.stdout
+    proc = _cli_without_extras("generate", "--help")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("usage: stallfree generate")
+    assert "--tensor-parallel-size" in proc.stdout and "loaded: []" in proc.stdout
+
+
+def test_generate_runs_with_only_the_base_install():
+    proc = _cli_without_extras(
+        "generate", "hello", "--device", "cpu", "--max-new-tokens", "3", "--ignore-eos"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[length: " in proc.stderr and "3 completion tokens]" in proc.stderr
+    assert "loaded: []" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (
+            ["serve", "tiny", "--port", "0"],
+            "stallfree serve needs the server extra (fastapi is not installed): "
+            "pip install 'stallfree[server]'",
+        ),
+        (
+            ["bench", "--num-prompts", "2"],
+            "stallfree bench needs the bench extra (rich is not installed): "
+            "pip install 'stallfree[bench]'",
+        ),
+    ],
+)
+def test_serve_and_bench_without_their_extra_say_which_one(argv, hint):
+    proc = _cli_without_extras(*argv)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [hint]
+    assert "Traceback" not in proc.stderr and "loaded: []" in proc.stdout

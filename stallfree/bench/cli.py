@@ -8,11 +8,9 @@ import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from stallfree.bench.report import (
     PlotUnavailableError,
@@ -23,6 +21,7 @@ from stallfree.bench.report import (
 )
 from stallfree.bench.results import RunResult
 from stallfree.bench.runner import (
+    CONFIGURED,
     MODE_KEYS,
     Mode,
     RunSettings,
@@ -33,13 +32,23 @@ from stallfree.bench.runner import (
     merge_settings,
     run_modes,
     url_targets,
+    worker_modes,
 )
 from stallfree.bench.targets import TargetError
 from stallfree.bench.workloads import WorkloadError, WorkloadSpec, build_requests
 
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
+
 DESCRIPTION = """Load-test a stallfree engine (in process or over HTTP) or any OpenAI-compatible
 server. With --compare, run the same seeded workload in each overlap mode and print one table
 with a column per mode and each figure's ratio to the first (baseline) mode."""
+
+
+# what the bench imports beyond the base install (its extra also brings the server's and
+# matplotlib, which --plot checks for itself)
+BENCH_MODULES = ("rich", "httpx", "numpy")
 
 
 class UsageError(ValueError):
@@ -64,6 +73,18 @@ def _workload_name(text: str) -> str:
             f"invalid choice: {text!r} (choose from {', '.join(_WORKLOADS)})"
         )
     return _WORKLOADS[text]
+
+
+def _tp_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if len(sizes) < 2 or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise argparse.ArgumentTypeError(
+            f"not a list of two or more different tensor-parallel sizes: {text!r} (e.g. 1,2)"
+        )
+    return sizes
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -139,12 +160,26 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma list of modes for --compare, from: {', '.join(MODE_KEYS)} (default: all)",
     )
     modes.add_argument(
+        "--compare-workers",
+        action="store_true",
+        help="run every mode with the model in process (runtime.worker=inprocess) and then in "
+        "a worker process (runtime.worker=process), the same workload interleaved; the table "
+        "adds per-rank step time, the all-reduce share and the bytes sent per step",
+    )
+    modes.add_argument(
+        "--compare-tp",
+        type=_tp_sizes,
+        metavar="N,M[,...]",
+        help="run every mode at each tensor-parallel size (parallel.tp_size), in worker "
+        "processes at every size unless --worker says otherwise (default: none)",
+    )
+    modes.add_argument(
         "--repeats",
         type=int,
         default=None,
         help="run the whole workload N times per mode, the modes interleaved (A B C, A B C, "
         "...), and report each figure's median over a mode's runs and the spread of output "
-        "throughput (default: 3 with --compare, else 1)",
+        "throughput (default: 3 with --compare, --compare-workers or --compare-tp, else 1)",
     )
 
     w = p.add_argument_group("workload")
@@ -290,12 +325,43 @@ def _resolve_vllm_flags(args: argparse.Namespace) -> None:
         args.save_result = True
 
 
+def _comparing(args: argparse.Namespace) -> bool:
+    return bool(args.compare or args.compare_workers or args.compare_tp)
+
+
+def _check_worker_flags(args: argparse.Namespace) -> None:
+    if args.compare_workers and args.compare_tp:
+        raise UsageError(
+            "--compare-workers and --compare-tp cannot go together: a tp size above 1 needs "
+            "worker processes; compare the workers at one size, or the sizes in worker processes"
+        )
+    if args.compare_workers and args.worker is not None:
+        raise UsageError("--compare-workers sets --worker per mode; drop --worker")
+    if args.compare_tp and args.tp_size is not None:
+        raise UsageError("--compare-tp sets --tp-size per mode; drop --tp-size")
+    if (args.compare_workers or args.compare_tp) and args.hisparse in ("on", "both"):
+        raise UsageError("HiSparse does not run with worker processes yet; drop --hisparse on/both")
+    if not args.base_url and ((args.nnodes or 1) > 1 or (args.node_rank or 0) > 0):
+        raise UsageError(
+            "bench starts a fresh engine for every run, which a group spanning several nodes "
+            "cannot follow; start it with `stallfree serve --nnodes ...` on each node and "
+            "measure it with --base-url"
+        )
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     _resolve_vllm_flags(args)
     if args.repeats is None:
-        args.repeats = 3 if args.compare else 1
+        args.repeats = 3 if _comparing(args) else 1
     if args.repeats < 1:
         raise UsageError(f"--repeats must be at least 1 (got {args.repeats})")
+    _check_worker_flags(args)
+    if (args.compare_workers or args.compare_tp) and args.base_url:
+        raise UsageError(
+            "--compare-workers and --compare-tp start an engine per mode, so they cannot "
+            "measure the server at --base-url; drop --base-url (add --target http to compare "
+            "over HTTP)"
+        )
     if args.compare and args.base_url:
         raise UsageError(
             "--compare starts its own server (or engine) per mode, so it cannot measure the "
@@ -344,13 +410,15 @@ def _mode_keys(args: argparse.Namespace) -> list[str] | None:
 
 
 def _modes(args: argparse.Namespace) -> list[Mode]:
-    if args.compare:
-        return compare_modes(args.hisparse, _mode_keys(args), args.compare_prefix_caching)
     if args.base_url:
         return [Mode("target")]
-    if args.hisparse is None:
-        return [Mode("configured")]
-    return [Mode("configured", {"hisparse": {"enabled": args.hisparse == "on"}})]
+    if args.compare:
+        modes = compare_modes(args.hisparse, _mode_keys(args), args.compare_prefix_caching)
+    elif args.hisparse is None:
+        modes = [Mode(CONFIGURED)]
+    else:
+        modes = [Mode(CONFIGURED, {"hisparse": {"enabled": args.hisparse == "on"}})]
+    return worker_modes(modes, args.compare_workers, args.compare_tp, args.worker is None)
 
 
 def _context_len(args: argparse.Namespace) -> int | None:
@@ -424,6 +492,14 @@ class _RichProgress:
         self.task: Any = None
 
     def begin(self, name: str, total: int) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
         self.progress = Progress(
             TextColumn("{task.description:<36}"),
             BarColumn(),
@@ -513,6 +589,8 @@ async def _bench(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         seed=args.seed,
     )
+    from rich.console import Console  # NOTE: the bench extra; run_bench checked it is there
+
     err = Console(stderr=True)
     progress = None if args.no_progress else _RichProgress(err)
     results = await run_modes(modes, open_target, requests, rs, progress, args.repeats)
@@ -551,10 +629,15 @@ async def _bench(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run `stallfree bench`; every expected failure is one line on stderr and a non-zero code."""
-    from stallfree.entrypoints.cli import run_async
+    from stallfree.entrypoints.cli import SERVER_MODULES, needs_extra, run_async
 
+    if needs_extra("stallfree bench", "bench", BENCH_MODULES):
+        return 2
     try:
         _check_flags(args)
+        launches = args.target == "http" and not args.base_url
+        if launches and needs_extra("stallfree bench --target http", "bench", SERVER_MODULES):
+            return 2
         return run_async(_bench(args))
     except (UsageError, PlotUnavailableError) as exc:
         print(f"stallfree bench: error: {exc}", file=sys.stderr)

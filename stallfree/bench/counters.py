@@ -16,6 +16,30 @@ PREFIX = "stallfree:"
 
 
 @dataclass(slots=True)
+class RankCounters:
+    """A worker rank's cumulative counters (`WorkerRankStats`)."""
+
+    steps: float
+    step_seconds: float
+    comm_seconds: float  # in tensor-parallel collectives: all-reduce and all-gather
+    comm_bytes: float
+    message_bytes: float  # step messages the scheduler sent it (rank 0 only)
+
+
+@dataclass(slots=True)
+class RankFigures:
+    """What one worker rank did during a run."""
+
+    steps: float | None = None
+    mean_step_seconds: float | None = None
+    comm_seconds: float | None = None  # collectives (all-reduce, all-gather)
+    comm_share: float | None = None  # collective seconds / step seconds
+    comm_bytes_per_step: float | None = None
+    # the scheduler's step messages, bytes per step (rank 0 receives them; 0 on the others)
+    message_bytes_per_step: float | None = None
+
+
+@dataclass(slots=True)
 class CounterSnapshot:
     """Cumulative counters at one moment; None where the target does not expose one."""
 
@@ -30,6 +54,7 @@ class CounterSnapshot:
     schedule_count: float | None = None
     prefix_queries: float | None = None  # prefix cache lookups, tokens
     prefix_hits: float | None = None
+    workers: dict[str, RankCounters] | None = None  # by rank; None: the model runs in process
 
 
 @dataclass(slots=True)
@@ -49,6 +74,8 @@ class StallFigures:
     # cached tokens / tokens looked up at admission; None without a prefix cache
     prefix_cache_hit_rate: float | None = None
     sites: list[str] = field(default_factory=list)
+    # per worker rank, keyed by the rank; None without worker processes
+    workers: dict[str, RankFigures] | None = None
 
 
 def snapshot_engine(engine: Engine) -> CounterSnapshot:
@@ -67,6 +94,17 @@ def snapshot_engine(engine: Engine) -> CounterSnapshot:
         schedule_count=float(c.steps),
         prefix_queries=float(c.prefix_cache_queries),
         prefix_hits=float(c.prefix_cache_hits),
+        workers={
+            str(w.rank): RankCounters(
+                steps=float(w.steps),
+                step_seconds=w.step_seconds,
+                comm_seconds=w.comm_seconds,
+                comm_bytes=float(w.comm_bytes),
+                message_bytes=float(w.message_bytes),
+            )
+            for w in snap.workers
+        }
+        or None,
     )
 
 
@@ -133,6 +171,32 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return None if num is None or not den else num / den
 
 
+def rank_figures(
+    before: dict[str, RankCounters] | None, after: dict[str, RankCounters] | None
+) -> dict[str, RankFigures] | None:
+    """Per rank: steps, mean step time, collective time and its share of the step time, and
+    bytes per step (collectives; the scheduler's step messages)."""
+    if before is None or after is None:
+        return None
+    out = {}
+    for rank, b in sorted(after.items(), key=lambda kv: int(kv[0])):
+        a = before.get(rank)
+        if a is None:
+            continue
+        steps = b.steps - a.steps
+        seconds = b.step_seconds - a.step_seconds
+        comm = b.comm_seconds - a.comm_seconds
+        out[rank] = RankFigures(
+            steps=steps,
+            mean_step_seconds=_ratio(seconds, steps),
+            comm_seconds=comm,
+            comm_share=_ratio(comm, seconds),
+            comm_bytes_per_step=_ratio(b.comm_bytes - a.comm_bytes, steps),
+            message_bytes_per_step=_ratio(b.message_bytes - a.message_bytes, steps),
+        )
+    return out or None
+
+
 def stall_figures(before: CounterSnapshot, after: CounterSnapshot) -> StallFigures:
     steps = _delta(before.steps, after.steps)
     stalls = _delta_map(before.stalls, after.stalls)
@@ -161,4 +225,5 @@ def stall_figures(before: CounterSnapshot, after: CounterSnapshot) -> StallFigur
             _delta(before.prefix_queries, after.prefix_queries),
         ),
         sites=sorted(stalls or {}),
+        workers=rank_figures(before.workers, after.workers),
     )

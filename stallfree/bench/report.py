@@ -7,10 +7,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from stallfree.bench.results import (
     Distribution,
@@ -19,6 +16,10 @@ from stallfree.bench.results import (
     RunSummary,
     median_number,
 )
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 Getter = Callable[[RunResult], float | None]
 ABSENT = "—"
@@ -53,6 +54,50 @@ def _site_getter(site: str) -> Getter:
     return get
 
 
+def _rank_getter(rank: str, attr: str) -> Getter:
+    def get(r: RunResult) -> float | None:
+        workers = None if r.stallfree is None else r.stallfree.workers
+        figures = None if workers is None else workers.get(rank)
+        return None if figures is None else getattr(figures, attr)
+
+    return get
+
+
+def _worker_rows(results: list[RunResult]) -> list[tuple[str, Getter, str, float]]:
+    """Per worker rank (modes with worker processes; absent in the others): step time, the
+    collectives' share of it, and the bytes per step the scheduler sends (rank 0)."""
+    ranks = sorted(
+        {
+            rank
+            for r in results
+            if r.stallfree and r.stallfree.workers
+            for rank in r.stallfree.workers
+        },
+        key=int,
+    )
+    rows: list[tuple[str, Getter, str, float]] = []
+    for rank in ranks:
+        rows += [
+            (f"rank {rank} step time (ms)", _rank_getter(rank, "mean_step_seconds"), "{:.3f}", 1e3),
+            (
+                f"rank {rank} all-reduce + gather share of step",
+                _rank_getter(rank, "comm_share"),
+                "{:.1%}",
+                1,
+            ),
+        ]
+    if ranks:
+        rows.append(
+            (
+                "bytes per step sent to the workers",
+                _rank_getter(ranks[0], "message_bytes_per_step"),
+                "{:.0f}",
+                1,
+            )
+        )
+    return rows
+
+
 def table_rows(results: list[RunResult]) -> list[tuple[str, Getter, str, float]]:
     """(label, value getter, format, scale) for every figure the table shows."""
     rows: list[tuple[str, Getter, str, float]] = [
@@ -80,6 +125,7 @@ def table_rows(results: list[RunResult]) -> list[tuple[str, Getter, str, float]]
         ("device idle fraction", _stall_getter("device_idle_fraction"), "{:.3f}", 1),
         ("mean schedule time (ms)", _stall_getter("mean_schedule_seconds"), "{:.3f}", 1e3),
         ("prefix cache hit rate", _stall_getter("prefix_cache_hit_rate"), "{:.1%}", 1),
+        *_worker_rows(results),
     ]
     return rows
 
@@ -117,6 +163,8 @@ def spread_row(results: list[RunResult]) -> list[str] | None:
 
 
 def render_table(results: list[RunResult], title: str | None = None) -> Table:
+    from rich.table import Table  # NOTE: rich comes with the bench extra, not the base install
+
     table = Table(title=title, title_justify="left")
     table.add_column("figure", no_wrap=True)
     for i, r in enumerate(results):
@@ -133,6 +181,8 @@ def render_table(results: list[RunResult], title: str | None = None) -> Table:
 
 
 def print_table(results: list[RunResult], title: str, console: Console | None = None) -> None:
+    from rich.console import Console
+
     console = console or Console(width=None if Console().is_terminal else 200)
     console.print(title, highlight=False, soft_wrap=True)
     console.print(render_table(results))

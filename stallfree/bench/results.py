@@ -7,8 +7,6 @@ import statistics
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
-
 from stallfree.bench.counters import StallFigures
 
 if TYPE_CHECKING:
@@ -54,6 +52,8 @@ class Distribution:
     def of(cls, values: list[float]) -> Distribution:
         if not values:
             return cls()
+        import numpy as np  # NOTE: here, not at the top: the base install has no numpy
+
         arr = np.asarray(values, dtype=np.float64)
         p50, p90, p99 = np.percentile(arr, [50, 90, 99])
         return cls(float(arr.mean()), float(p50), float(p90), float(p99), float(arr.std()))
@@ -141,13 +141,21 @@ def median_number(values: list[Any]) -> float | int | None:
     return float(statistics.median(present))
 
 
-def _median_by_key(dicts: list[dict[str, float] | None]) -> dict[str, float] | None:
-    """Per key; a key a run lacks counts as 0 there (a site that never stalled)."""
+def _median_by_key(dicts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Per key; a key a run lacks counts as 0 there (a site that never stalled). Dataclass
+    values (a worker rank's figures) are medians field by field over the runs that have them."""
     present = [d for d in dicts if d is not None]
     if not present:
         return None
     keys = sorted({k for d in present for k in d})
-    return {k: float(statistics.median([d.get(k, 0.0) for d in present])) for k in keys}
+    out: dict[str, Any] = {}
+    for k in keys:
+        values = [d[k] for d in present if k in d]
+        if is_dataclass(values[0]) and not isinstance(values[0], type):
+            out[k] = median_of(type(values[0]), values)
+        else:
+            out[k] = float(statistics.median([d.get(k, 0.0) for d in present]))
+    return out
 
 
 def _median_value(values: list[Any]) -> Any:

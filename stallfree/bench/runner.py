@@ -65,6 +65,50 @@ def compare_modes(
     return out
 
 
+def _merged(
+    a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Settings `a` with `b`'s on top, section by section."""
+    out = {section: dict(values) for section, values in a.items()}
+    for section, values in b.items():
+        out[section] = {**out.get(section, {}), **values}
+    return out
+
+
+CONFIGURED = "configured"
+
+
+def worker_modes(
+    modes: list[Mode],
+    compare_workers: bool = False,
+    tp_sizes: list[int] | None = None,
+    set_worker: bool = True,
+) -> list[Mode]:
+    """`modes` run with the model in process and in worker processes (`compare_workers`), or
+    at each tensor-parallel size of `tp_sizes` (in worker processes at every size, so that only
+    the sharding differs, unless `set_worker` is False: the configured worker then). The
+    variants go round the modes: every mode with the first, then every mode with the next."""
+    variants: list[tuple[str, dict[str, dict[str, Any]]]] = []
+    if compare_workers:
+        variants = [
+            ("worker inprocess", {"runtime": {"worker": "inprocess"}}),
+            ("worker process", {"runtime": {"worker": "process"}}),
+        ]
+    elif tp_sizes:
+        worker = {"runtime": {"worker": "process"}} if set_worker else {}
+        variants = [(f"tp {n}", _merged(worker, {"parallel": {"tp_size": n}})) for n in tp_sizes]
+    if not variants:
+        return modes
+    return [
+        Mode(
+            label if mode.name == CONFIGURED else f"{mode.name}, {label}",
+            _merged(mode.settings, settings),
+        )
+        for label, settings in variants
+        for mode in modes
+    ]
+
+
 @dataclass(slots=True)
 class RunSettings:
     request_rate: float = math.inf

@@ -9,13 +9,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-import httpx
-
 from stallfree.bench.counters import CounterSnapshot, snapshot_engine, snapshot_prometheus
 from stallfree.bench.results import RequestRecord
 from stallfree.bench.workloads import BenchRequest
 
 if TYPE_CHECKING:
+    import httpx
+
     from stallfree.config import StallfreeConfig
     from stallfree.runtime.engine import Engine
 
@@ -139,6 +139,8 @@ class HttpTarget:
         timeout_s: float = 600.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        import httpx  # NOTE: here, not at the top: the base install has no httpx
+
         self.root = api_root(base_url)
         self.model = model
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -154,6 +156,8 @@ class HttpTarget:
         self.client: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
+        import httpx
+
         self.client = httpx.AsyncClient(**self._client_args)
         try:
             resp = await self.client.get("/v1/models")
@@ -188,6 +192,8 @@ class HttpTarget:
         return body
 
     async def send(self, req: BenchRequest, opts: RequestOptions) -> RequestRecord:
+        import httpx
+
         assert self.client is not None
         record = RequestRecord(req.prompt_len, req.output_len, input_tokens=req.prompt_len)
         timer = _Timer(record)
@@ -238,6 +244,8 @@ class HttpTarget:
         return choice.get("text")
 
     async def counters(self) -> CounterSnapshot | None:
+        import httpx
+
         assert self.client is not None
         try:
             resp = await self.client.get("/metrics")

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
+import math
 import re
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +20,7 @@ from stallfree.config import (
     CacheConfig,
     MetricsConfig,
     ModelConfig,
+    ParallelConfig,
     RuntimeConfig,
     SchedulerConfig,
     ServerConfig,
@@ -29,9 +33,12 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "runtime": RuntimeConfig,
+    "parallel": ParallelConfig,
     "server": ServerConfig,
     "metrics": MetricsConfig,
 }
+# what each command needs beyond the base install, and the extra that brings it
+SERVER_MODULES = ("fastapi", "uvicorn", "jinja2")
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 # vLLM's --dtype spellings that name the same type as one of ours
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -94,6 +101,113 @@ def _dtype(text: str) -> str:
             f"invalid choice: {text!r} (choose from {', '.join([*DTYPES, *_DTYPE_ALIASES])})"
         )
     return value
+
+
+def missing_module(names: Sequence[str]) -> str | None:
+    """The first of `names` that cannot be imported (its extra is not installed), or None."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            return name
+    return None
+
+
+def needs_extra(command: str, extra: str, modules: Sequence[str]) -> bool:
+    """Say on stderr, in one line, that `command` needs `extra` when one of `modules` is
+    missing; True when it is."""
+    missing = missing_module(modules)
+    if missing is None:
+        return False
+    print(
+        f"{command} needs the {extra} extra ({missing} is not installed): "
+        f"pip install 'stallfree[{extra}]'",
+        file=sys.stderr,
+    )
+    return True
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
+
+
+def add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    """Worker processes, tensor parallelism and the multi-node launch (vLLM's and SGLang's
+    spellings beside stallfree's)."""
+    g = p.add_argument_group("parallel")
+    g.add_argument(
+        "--tp-size",
+        "--tensor-parallel-size",
+        "-tp",
+        dest="tp_size",
+        type=int,
+        metavar="N",
+        help=_help(
+            "tensor-parallel ranks the model is sharded over, each in its own worker process "
+            "(SGLang's and vLLM's spellings)",
+            "parallel",
+            "tp_size",
+        ),
+    )
+    g.add_argument(
+        "--worker",
+        choices=["auto", "inprocess", "process"],
+        help=_help(
+            "where the model runs: inprocess (the scheduler's process) or process (worker "
+            "processes); auto: process when --tp-size > 1",
+            "runtime",
+            "worker",
+        ),
+    )
+    g.add_argument(
+        "--nnodes",
+        type=int,
+        metavar="N",
+        help=_help(
+            "machines the tensor-parallel group spans; --tp-size counts the ranks of all",
+            "parallel",
+            "nnodes",
+        ),
+    )
+    g.add_argument(
+        "--node-rank",
+        type=int,
+        metavar="I",
+        help=_help(
+            "this machine's index; node 0 serves HTTP and runs the scheduler, every other node "
+            "only runs its worker ranks and exits when node 0 stops them",
+            "parallel",
+            "node_rank",
+        ),
+    )
+    g.add_argument(
+        "--dist-init-addr",
+        metavar="HOST:PORT",
+        help=_help(
+            "where the ranks of every node meet (tcp://HOST:PORT works too); needed with "
+            "--nnodes > 1",
+            "parallel",
+            "dist_init_addr",
+            "a free local port",
+        ),
+    )
+    g.add_argument(
+        "--dist-timeout",
+        dest="dist_timeout_s",
+        type=_positive_seconds,
+        metavar="SECONDS",
+        help=_help(
+            "how long the ranks' meeting or one collective may take before it fails",
+            "parallel",
+            "dist_timeout_s",
+        ),
+    )
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -220,6 +334,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
             "policy",
         ),
     )
+    add_parallel_flags(p)
 
 
 def _model(args: argparse.Namespace) -> str | None:
@@ -234,6 +349,7 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
     overrides: dict[str, dict[str, Any]] = {
         "model": {},
         "runtime": {},
+        "parallel": {},
         "cache": {},
         "scheduler": {},
         "server": {},
@@ -247,6 +363,12 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
         "overlap": ("runtime", "overlap"),
         "cpu_mirrors": ("runtime", "cpu_mirrors"),
         "log_requests": ("runtime", "log_requests"),
+        "worker": ("runtime", "worker"),
+        "tp_size": ("parallel", "tp_size"),
+        "nnodes": ("parallel", "nnodes"),
+        "node_rank": ("parallel", "node_rank"),
+        "dist_init_addr": ("parallel", "dist_init_addr"),
+        "dist_timeout_s": ("parallel", "dist_timeout_s"),
         "page_size": ("cache", "page_size"),
         "max_total_tokens": ("cache", "max_total_tokens"),
         "max_running_requests": ("cache", "max_running_requests"),
@@ -274,7 +396,7 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
     return load_config(args.config, **{k: v for k, v in overrides.items() if v})
 
 
-async def _generate(args: argparse.Namespace) -> int:
+async def _generate(args: argparse.Namespace, config: StallfreeConfig) -> int:
     from stallfree.runtime.engine import Engine
     from stallfree.runtime.sampling_params import SamplingParams
 
@@ -285,7 +407,7 @@ async def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    async with Engine(config_from_args(args)) as engine:
+    async with Engine(config) as engine:
         async for chunk in engine.generate(args.prompt, params):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
@@ -399,11 +521,57 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(config: StallfreeConfig) -> int:
+    if config.parallel.node_rank > 0:
+        return serve_worker_node(config)
+    if needs_extra("stallfree serve", "server", SERVER_MODULES):
+        return 2
     from stallfree.entrypoints.server import serve
 
     # NOTE: 0 after a drained shutdown (SIGTERM or SIGINT); 1 if the engine died
-    return serve(config_from_args(args))
+    return serve(config)
+
+
+def serve_worker_node(config: StallfreeConfig) -> int:
+    """`serve` on a node other than 0: no HTTP server, no scheduler; run this node's worker
+    ranks, sized as node 0 sizes its pools, until node 0 stops them (or they fail)."""
+    from stallfree.overlap.stream import resolve_device
+    from stallfree.runtime.core import auto_stream_threads, pool_sizes
+    from stallfree.runtime.worker import WorkerStartError, read_arch, run_worker_node
+
+    arch, _ = read_arch(
+        config.model.path, config.model.dtype, resolve_device(config.runtime.device)
+    )
+    max_context_len, num_kv_slots = pool_sizes(config, arch)
+    threads = config.runtime.stream_threads or auto_stream_threads(arch)
+    config = config.model_copy(
+        update={"runtime": config.runtime.model_copy(update={"stream_threads": threads})}
+    )
+    par = config.parallel
+    per_node = par.tp_size // par.nnodes
+    first = par.node_rank * per_node
+    ranks = f"rank {first}" if per_node == 1 else f"ranks {first}-{first + per_node - 1}"
+    print(
+        f"stallfree: node {par.node_rank} of {par.nnodes} runs tensor-parallel {ranks} of "
+        f"{par.tp_size} (meeting at {par.dist_init_addr}); no HTTP server here, node 0 serves",
+        flush=True,
+    )
+
+    def stop(signum: int, frame: Any) -> None:
+        # NOTE: exiting through Python (not the default SIGTERM death) lets multiprocessing
+        # terminate and join the worker processes, so none is left behind
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        return run_worker_node(config, max_context_len, num_kv_slots)
+    except WorkerStartError as exc:
+        print(f"stallfree: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_async(coro: Any) -> int:
@@ -463,10 +631,16 @@ def run(args: argparse.Namespace) -> int:
     """Run a parsed `generate` or `serve`; every expected failure is one line on stderr and
     exit status 2."""
     try:
+        config = config_from_args(args)
         if args.command == "generate":
-            return run_async(_generate(args))
+            if config.parallel.node_rank > 0:
+                raise ValueError(
+                    "generate runs on node 0 (--node-rank 0); start the other nodes with "
+                    "`stallfree serve ... --node-rank N`"
+                )
+            return run_async(_generate(args, config))
         if args.command == "serve":
-            return _serve(args)
+            return _serve(config)
     except ValidationError as exc:
         print(f"stallfree: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
