@@ -122,3 +122,35 @@ async def test_killing_one_rank_fails_closed_and_leaves_no_process(tmp_path):
         assert not engine.healthy
     # rank 0 was stuck in a collective with the dead rank: shutdown terminated it
     assert all(not p.is_alive() for p in stream.processes)
+
+
+async def test_tp2_prefix_cache_and_per_rank_metrics(tmp_path):
+    """Shared prompts hit the host's prefix cache at tp_size=2 (each rank keeps its head shard
+    of the cached pages); the scrape shows every rank's step and collective figures."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from stallfree.metrics.engine_metrics import EngineMetrics
+
+    path = str(make_llama(tmp_path))
+    shared = [5, 6, 7, 8] * 6
+    prompts = [[*shared, 9 + i] for i in range(3)]
+    want = [hf_greedy(path, p, NEW_TOKENS) for p in prompts]
+    engine = Engine(engine_config(path, parallel={"tp_size": 2}))
+    metrics = EngineMetrics("m", "0", engine.snapshot)
+    async with engine:
+        first = await engine.complete(prompts[0], _params())
+        rest = await asyncio.gather(*(engine.complete(p, _params()) for p in prompts[1:]))
+        counters = engine.snapshot().counters
+        text = metrics.render().decode()
+    assert [r.token_ids for r in [first, *rest]] == want
+    assert counters.prefix_cache_hits > 0
+    samples = {
+        (s.name, s.labels.get("rank")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    for rank in ("0", "1"):
+        assert samples[("stallfree:worker_steps_total", rank)] == counters.steps
+        assert samples[("stallfree:tp_collective_seconds_total", rank)] > 0
+        assert samples[("stallfree:tp_collective_bytes_total", rank)] > 0
+    assert samples[("stallfree:worker_message_bytes_total", None)] > 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -206,6 +206,7 @@ def _families(m: EngineMetrics) -> Iterator[Metric]:
     yield from _request_histograms(m, labels)
     yield from _runtime_metrics(m, snap, labels)
     yield from _hisparse_metrics(snap.sparse or SparseStats(), labels)
+    yield from _worker_metrics(snap, labels)
 
 
 def _gauge(name: str, doc: str, labels: list[str], value: float) -> GaugeMetricFamily:
@@ -221,7 +222,7 @@ def _counter(name: str, doc: str, labels: list[str], value: float) -> CounterMet
 
 
 def _labelled_counter(
-    name: str, doc: str, labels: list[str], key: str, values: dict[str, int]
+    name: str, doc: str, labels: list[str], key: str, values: Mapping[str, float]
 ) -> CounterMetricFamily:
     family = CounterMetricFamily(PREFIX + name, doc, labels=[*BASE_LABELS, key])
     for value_label, value in list(values.items()):
@@ -382,6 +383,40 @@ def _runtime_metrics(m: EngineMetrics, snap: EngineSnapshot, labels: list[str]) 
         "Launches made while an earlier batch was in flight.",
         labels,
         snap.counters.overlap_steps,
+    )
+
+
+def _worker_metrics(snap: EngineSnapshot, labels: list[str]) -> Iterator[Metric]:
+    """Per tensor-parallel rank, when the model runs in worker processes (this node's ranks)."""
+    workers = snap.workers
+    if not workers:
+        return
+    for name, doc, values in (
+        ("worker_steps", "Steps a worker rank ran.", {w.rank: w.steps for w in workers}),
+        (
+            "worker_step_seconds",
+            "Time a worker rank spent running steps (forward, sampling, copies).",
+            {w.rank: w.step_seconds for w in workers},
+        ),
+        (
+            "tp_collective_seconds",
+            "Time a rank spent in tensor-parallel all-reduce and all-gather.",
+            {w.rank: w.comm_seconds for w in workers},
+        ),
+        (
+            "tp_collective_bytes",
+            "Bytes a rank passed to tensor-parallel all-reduce and all-gather.",
+            {w.rank: w.comm_bytes for w in workers},
+        ),
+    ):
+        yield _labelled_counter(
+            name, doc, labels, "rank", {str(rank): v for rank, v in values.items()}
+        )
+    yield _counter(
+        "worker_message_bytes",
+        "Bytes of step messages the scheduler sent to the workers.",
+        labels,
+        sum(w.message_bytes for w in workers),
     )
 
 
