@@ -5,7 +5,10 @@
 1. Streams and events overlap: the host returns from a launch long before the device finishes.
 2. `torch.cuda.set_sync_debug_mode("error")` stays silent through batch preparation in overlap
    mode with mirrors on (strict mode), over a real decode workload.
-3. wall / device-busy for the four modes on a small model in bf16 (benchmarks/bench_overlap.py).
+3. Worker processes on CUDA: the process worker (tp_size 1) gives the in-process engine's greedy
+   tokens; with two or more GPUs, tensor parallelism over NCCL (tp_size 2) gives them too, and
+   the per-rank step and collective figures are printed.
+4. wall / device-busy for the four modes on a small model in bf16 (benchmarks/bench_overlap.py).
 """
 
 from __future__ import annotations
@@ -60,6 +63,42 @@ async def check_sync_debug_mode() -> None:
         assert not errors and engine.core.monitor.schedule_path_reads == 0
 
 
+async def _greedy(**sections: object) -> tuple[list[list[int]], float, object]:
+    from stallfree import Engine, SamplingParams, load_config
+
+    cfg = load_config(model={"path": "bench-cpu", "dtype": "bfloat16"}, **sections)
+    async with Engine(cfg) as engine:
+        params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+        prompts = [[(i * 11 + j) % 256 for j in range(48)] for i in range(32)]
+        start = time.perf_counter()
+        results = await asyncio.gather(*(engine.complete(p, params) for p in prompts))
+        wall = time.perf_counter() - start
+        return [r.token_ids for r in results], wall, engine.snapshot().workers
+
+
+async def check_workers() -> None:
+    want, wall_in, _ = await _greedy(runtime={"device": "cuda", "worker": "inprocess"})
+    got, wall_proc, workers = await _greedy(runtime={"device": "cuda", "worker": "process"})
+    same = sum(a == b for a, b in zip(want, got, strict=True))
+    print(
+        f"[3] process worker, tp 1: {same}/{len(want)} greedy outputs equal in-process; "
+        f"wall {wall_in:.2f}s in-process, {wall_proc:.2f}s process; {workers}"
+    )
+    if torch.cuda.device_count() < 2:
+        print("[3] one GPU: tensor parallelism over NCCL not checked")
+        return
+    got2, wall_tp, workers = await _greedy(runtime={"device": "cuda"}, parallel={"tp_size": 2})
+    same2 = sum(a == b for a, b in zip(want, got2, strict=True))
+    print(f"[3] tp 2 over NCCL: {same2}/{len(want)} equal tp 1; wall {wall_tp:.2f}s")
+    for w in workers:
+        share = w.comm_seconds / w.step_seconds if w.step_seconds else 0.0
+        print(
+            f"    rank {w.rank}: {w.steps} steps, {1e3 * w.step_seconds / max(w.steps, 1):.2f} "
+            f"ms/step, collectives {share:.0%} of step time (host-side launch time on NCCL), "
+            f"{w.comm_bytes / max(w.steps, 1) / 1024:.1f} KiB/step"
+        )
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: this script is for a lent GPU machine")
@@ -67,6 +106,7 @@ def main() -> int:
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     check_stream_overlap()
     asyncio.run(check_sync_debug_mode())
+    asyncio.run(check_workers())
     bench = Path(__file__).with_name("bench_overlap.py")
     cmd = [
         sys.executable,
@@ -87,7 +127,7 @@ def main() -> int:
         "3",
         "--strict",
     ]
-    print("[3]", " ".join(cmd[1:]), flush=True)
+    print("[4]", " ".join(cmd[1:]), flush=True)
     return subprocess.call(cmd)
 
 
