@@ -5,8 +5,10 @@ model path or chat template is one line and exit status 2."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
@@ -461,3 +463,101 @@ async def test_pool_sizes_are_the_engines_own() -> None:
     async with Engine(cfg) as engine:
         assert engine.snapshot().max_context_len == max_context_len
         assert engine.pool_usage().kv_tokens_total == num_kv_slots - 4
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below `pid` (psutil when installed, else /proc)."""
+    try:
+        import psutil
+    except ImportError:
+        children: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(entry.name))
+        found, todo = set(), [pid]
+        while todo:
+            for child in children.get(todo.pop(), []):
+                found.add(child)
+                todo.append(child)
+        return found
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie; the multiprocessing resource tracker does not count (it outlives
+    the workers by design and holds no model)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, IndexError):
+        return False
+    return state != "Z" and b"resource_tracker" not in cmdline
+
+
+def _listening_ports(pid: int) -> list[int] | None:
+    try:
+        import psutil
+    except ImportError:
+        return None
+    conns = psutil.Process(pid).net_connections(kind="inet")
+    return [c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+async def test_two_nodes_on_loopback_serve_what_one_process_does() -> None:
+    """`serve --node-rank 1` runs rank 1 of a tp=2 group and no HTTP server; an engine on
+    "node 0" in this process runs rank 0 and the scheduler. Greedy output equals the
+    single-process engine's; when node 0 shuts down, node 1 exits by itself with 0 and leaves
+    no process behind."""
+    import os
+    import socket
+
+    from stallfree import Engine, SamplingParams
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{sock.getsockname()[1]}"
+    parallel = {"tp_size": 2, "nnodes": 2, "dist_init_addr": addr, "dist_timeout_s": 60}
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "stallfree", "serve", "tiny", "--tp-size", "2", "--nnodes", "2",
+         "--node-rank", "1", "--dist-init-addr", addr, "--dist-timeout", "60", "--device", "cpu"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    prompts = ["hello world", "the quick brown fox jumps over", "1 2 3"]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    try:
+        before = _descendants(os.getpid())
+        async with Engine(
+            model={"path": "tiny"}, runtime={"device": "cpu"}, parallel=parallel
+        ) as engine:
+            split = await asyncio.gather(*(engine.complete(p, params) for p in prompts))
+            (rank0,) = engine.snapshot().workers
+            node1_procs = _descendants(node1.pid)
+            assert any(_running(p) for p in node1_procs)  # rank 1 runs under node 1
+            assert _listening_ports(node1.pid) in ([], None)  # no HTTP server there
+            node0_workers = _descendants(os.getpid()) - before
+        assert rank0.rank == 0 and rank0.steps > 0 and rank0.comm_bytes > 0  # it all-reduced
+        assert node1.wait(timeout=20) == 0  # node 0 stopped the group: node 1 follows
+        out, err = node1.communicate()
+        assert out.splitlines() == [
+            f"stallfree: node 1 of 2 runs tensor-parallel rank 1 of 2 (meeting at {addr}); no "
+            "HTTP server here, node 0 serves"
+        ], (out, err[-2000:])
+        assert "Traceback" not in err
+        assert not [p for p in node1_procs | node0_workers if _running(p)]
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+    async with Engine(model={"path": "tiny"}, runtime={"device": "cpu"}) as single:
+        whole = await asyncio.gather(*(single.complete(p, params) for p in prompts))
+    assert [r.token_ids for r in split] == [r.token_ids for r in whole]

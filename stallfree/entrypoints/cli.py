@@ -537,8 +537,10 @@ def serve_worker_node(config: StallfreeConfig) -> int:
     ranks, sized as node 0 sizes its pools, until node 0 stops them (or they fail)."""
     from stallfree.overlap.stream import resolve_device
     from stallfree.runtime.core import auto_stream_threads, pool_sizes
+    from stallfree.runtime.model.loader import check_tensor_parallel
     from stallfree.runtime.worker import WorkerStartError, read_arch, run_worker_node
 
+    check_tensor_parallel(config.model.path, config.parallel.tp_size)
     arch, _ = read_arch(
         config.model.path, config.model.dtype, resolve_device(config.runtime.device)
     )
