@@ -44,6 +44,17 @@ def model_and_reference(request, tmp_path_factory):
     return str(path), [hf_greedy(path, p, NEW_TOKENS) for p in PROMPTS]
 
 
+async def _settled_snapshot(engine: Engine):
+    """Rank 0 answers a step before the other ranks have counted it: wait until they have."""
+    deadline = time.monotonic() + 5
+    while True:
+        snap = engine.snapshot()
+        steps = snap.counters.steps
+        if all(w.steps == steps for w in snap.workers) or time.monotonic() > deadline:
+            return snap
+        await asyncio.sleep(0.01)
+
+
 def _params() -> SamplingParams:
     return SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
 
@@ -64,7 +75,7 @@ async def test_tp2_greedy_equals_transformers(model_and_reference, overlap, mirr
         results = await asyncio.gather(*(engine.complete(p, _params()) for p in PROMPTS))
         await engine.wait_idle()
         assert engine.pool_usage().all_free
-        snap = engine.snapshot()
+        snap = await _settled_snapshot(engine)
         monitor = engine.core.monitor
     assert [r.token_ids for r in results] == reference
     assert snap.counters.retractions > 0
@@ -140,7 +151,7 @@ async def test_tp2_prefix_cache_and_per_rank_metrics(tmp_path):
     async with engine:
         first = await engine.complete(prompts[0], _params())
         rest = await asyncio.gather(*(engine.complete(p, _params()) for p in prompts[1:]))
-        counters = engine.snapshot().counters
+        counters = (await _settled_snapshot(engine)).counters
         text = metrics.render().decode()
     assert [r.token_ids for r in [first, *rest]] == want
     assert counters.prefix_cache_hits > 0
