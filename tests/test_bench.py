@@ -759,3 +759,31 @@ def test_worker_comparisons_default_to_three_repeats() -> None:
         args = build_parser().parse_args(["bench", *flags])
         _check_flags(args)
         assert args.repeats == 3
+
+
+def test_compare_tp_sizes_in_process(tmp_path, capsys) -> None:
+    """tp 1 and tp 2, both in worker processes: per-rank figures for every rank, and
+    collectives only where the model is split."""
+    out = tmp_path / "bench.json"
+    argv = [*WORKER_RUN, "--compare-tp", "1,2", "--device", "cpu", "--output-json", str(out)]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "tp 2 (x base)" in table and "rank 1 all-reduce + gather share of step" in table
+    data = json.loads(out.read_text())
+    tp1, tp2 = data["runs"]
+    assert [tp1["mode"], tp2["mode"]] == ["tp 1", "tp 2"]
+    for run, size in ((tp1, 1), (tp2, 2)):
+        _check_one_run(run, run["mode"])
+        engine = run["settings"]["target"]["engine_config"]
+        assert engine["parallel"]["tp_size"] == size and engine["runtime"]["worker"] == "process"
+    assert list(_worker_figures(tp1)) == ["0"] and _worker_figures(tp1)["0"]["comm_share"] == 0
+    ranks = _worker_figures(tp2)
+    assert list(ranks) == ["0", "1"]
+    for rank in ranks.values():
+        assert 0 < rank["comm_share"] < 1 and rank["comm_bytes_per_step"] > 0
+        # every rank runs every step (one may still be on a rank when the run ends)
+        assert abs(rank["steps"] - ranks["0"]["steps"]) <= 1
+    assert ranks["0"]["message_bytes_per_step"] > 0 and ranks["1"]["message_bytes_per_step"] == 0
+    assert tp2["ratios_to_baseline"]["rank 0 step time (ms)"] == pytest.approx(
+        ranks["0"]["mean_step_seconds"] / _worker_figures(tp1)["0"]["mean_step_seconds"]
+    )
