@@ -6,7 +6,17 @@ import asyncio
 import random
 from typing import Any
 
+import pytest
+
 from stallfree import Engine, SamplingParams, load_config
+
+# (overlap, cpu_mirrors): every mode the runtime must agree across
+MODES = [
+    pytest.param(True, True, id="overlap-mirrors"),
+    pytest.param(True, False, id="overlap-legacy"),
+    pytest.param(False, True, id="plain-mirrors"),
+    pytest.param(False, False, id="plain-legacy"),
+]
 
 
 def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:

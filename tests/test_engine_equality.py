@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stallfree import Engine
-from tests.engine_util import engine_config, guarded, random_prompts, run_greedy
+from tests.engine_util import MODES, engine_config, guarded, random_prompts, run_greedy
 from tests.hf_models import hf_greedy, make_llama, make_qwen2
 
 NEW_TOKENS = 32
@@ -19,13 +19,6 @@ def model_and_reference(request, tmp_path_factory):
     reference = [hf_greedy(path, p, NEW_TOKENS) for p in PROMPTS]
     return str(path), reference
 
-
-MODES = [
-    pytest.param(True, True, id="overlap-mirrors"),
-    pytest.param(True, False, id="overlap-legacy"),
-    pytest.param(False, True, id="plain-mirrors"),
-    pytest.param(False, False, id="plain-legacy"),
-]
 
 WORKLOADS = {
     "roomy": {},

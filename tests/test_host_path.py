@@ -145,3 +145,6 @@ def test_stream_threads_auto_follows_model_width(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     assert auto_stream_threads(PRESETS["tiny"]) == 1
     assert auto_stream_threads(PRESETS["bench-cpu"]) == 8
+    # worker processes of one node share its cores
+    assert auto_stream_threads(PRESETS["bench-cpu"], ranks=2) == 4
+    assert auto_stream_threads(PRESETS["bench-cpu"], ranks=16) == 1

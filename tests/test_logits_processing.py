@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from stallfree import Engine, SamplingParams
 from stallfree.runtime.errors import InvalidRequestError
-from tests.engine_util import engine_config, guarded, random_prompts
+from tests.engine_util import MODES, engine_config, guarded, random_prompts
 from tests.hf_models import EOS_ID, _load_hf, hf_logits, make_llama, make_qwen2
 
 NEW_TOKENS = 16
@@ -109,13 +109,6 @@ def model_and_reference(request, tmp_path_factory):
     ]
     return str(path), reference
 
-
-MODES = [
-    pytest.param(True, True, id="overlap-mirrors"),
-    pytest.param(True, False, id="overlap-legacy"),
-    pytest.param(False, True, id="plain-mirrors"),
-    pytest.param(False, False, id="plain-legacy"),
-]
 
 STRESSED = {
     "cache": {"page_size": 4, "max_total_tokens": 160, "max_running_requests": 6},

@@ -12,7 +12,7 @@ import pytest
 
 from stallfree import Engine, SamplingParams
 from stallfree.overlap.process_stream import ProcessStream
-from tests.engine_util import engine_config, guarded, random_prompts
+from tests.engine_util import MODES, engine_config, guarded, random_prompts
 from tests.hf_models import hf_greedy, make_llama, make_qwen2
 
 NEW_TOKENS = 10
@@ -29,12 +29,6 @@ MODELS = {
     # 1 KV head replicated on both ranks, tied embeddings
     "qwen2-kv1-tied": (make_qwen2, {"num_key_value_heads": 1, "tie_word_embeddings": True}),
 }
-MODES = [
-    pytest.param(True, True, id="overlap-mirrors"),
-    pytest.param(True, False, id="overlap-legacy"),
-    pytest.param(False, True, id="plain-mirrors"),
-    pytest.param(False, False, id="plain-legacy"),
-]
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

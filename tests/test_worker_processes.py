@@ -12,7 +12,7 @@ import pytest
 
 from stallfree import Engine, SamplingParams
 from stallfree.overlap.process_stream import ProcessStream, decode_tensor, encode_tensor
-from tests.engine_util import engine_config, guarded, random_prompts
+from tests.engine_util import MODES, engine_config, guarded, random_prompts
 from tests.hf_models import make_llama
 
 PROMPTS = random_prompts(5, seed=11, lo=4, hi=30)
@@ -24,12 +24,6 @@ PARAMS = [
     SamplingParams(max_new_tokens=12, ignore_eos=True, presence_penalty=1.0, prompt_logprobs=1),
 ]
 
-MODES = [
-    pytest.param(True, True, id="overlap-mirrors"),
-    pytest.param(True, False, id="overlap-legacy"),
-    pytest.param(False, True, id="plain-mirrors"),
-    pytest.param(False, False, id="plain-legacy"),
-]
 STRESSED = {
     "cache": {"page_size": 4, "max_total_tokens": 64, "max_running_requests": 4},
     "scheduler": {"chunked_prefill_size": 7, "max_prefill_tokens": 16},

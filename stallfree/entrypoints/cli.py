@@ -545,7 +545,8 @@ def serve_worker_node(config: StallfreeConfig) -> int:
         config.model.path, config.model.dtype, resolve_device(config.runtime.device)
     )
     max_context_len, num_kv_slots = pool_sizes(config, arch)
-    threads = config.runtime.stream_threads or auto_stream_threads(arch)
+    per_node = config.parallel.tp_size // config.parallel.nnodes
+    threads = config.runtime.stream_threads or auto_stream_threads(arch, per_node)
     config = config.model_copy(
         update={"runtime": config.runtime.model_copy(update={"stream_threads": threads})}
     )

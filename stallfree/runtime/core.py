@@ -145,11 +145,12 @@ def waiting_limit(config: StallfreeConfig) -> int:
 WIDE_MODEL_HIDDEN = 512
 
 
-def auto_stream_threads(arch: ModelArchConfig) -> int:
-    """Threads for the CPU stream worker when `runtime.stream_threads` is 0."""
+def auto_stream_threads(arch: ModelArchConfig, ranks: int = 1) -> int:
+    """Threads for the CPU stream worker (or for each of a node's `ranks` worker processes,
+    which share its cores) when `runtime.stream_threads` is 0."""
     if arch.hidden_size < WIDE_MODEL_HIDDEN:
         return 1
-    return max(1, os.cpu_count() or 1)
+    return max(1, (os.cpu_count() or 1) // ranks)
 
 
 def prefix_caching_enabled(config: StallfreeConfig) -> bool:
@@ -212,7 +213,8 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
         capacity_ratio = sparse_plugin.capacity_ratio(config.hisparse, arch)
     max_context_len, num_slots = pool_sizes(config, arch, capacity_ratio)
     page_size = config.cache.page_size
-    threads = config.runtime.stream_threads or auto_stream_threads(arch)
+    ranks = config.parallel.tp_size // config.parallel.nnodes if process else 1
+    threads = config.runtime.stream_threads or auto_stream_threads(arch, ranks)
     worker_stats = None
     stream: DeviceStream
     if process:

@@ -43,6 +43,23 @@ class LaunchedBatch:
         return self.token_ids_host.tolist()
 
 
+@dataclass(slots=True, eq=False)
+class StepArgs:
+    """What one step hands the stream side: built at launch from host facts, run by `_step`
+    (in process) or carried to the workers in a step message (`runtime/worker.py`)."""
+
+    fb: ForwardBatch
+    sb: SamplingBatch
+    stash_slots: torch.Tensor  # request slots whose sampled token goes to the future map
+    stash_rows: torch.Tensor  # their rows in the batch
+    token_ids_host: torch.Tensor  # the sampled ids land here
+    fault: Fault = Fault.NONE
+    expected: torch.Tensor | None = None  # future-map debug: generations a decode resolves
+    generation: int | None = None  # future-map debug: this step's stash generation
+    plan: LogitsPlan | None = None
+    logprobs: LogprobBuffers | None = None
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -104,7 +121,7 @@ class ModelRunner:
                     fb.logit_positions = plan.prompt.positions
             expected, generation = self._plan_future_map(fb, slots_cpu)
         fault = self.faults.plan() if self.faults is not None else Fault.NONE
-        event = self._dispatch(
+        args = StepArgs(
             fb,
             sb,
             stash_slots,
@@ -116,6 +133,7 @@ class ModelRunner:
             plan,
             logprobs,
         )
+        event = self._dispatch(args)
         return LaunchedBatch(
             seq=seq,
             mode=batch.forward_mode,
@@ -128,35 +146,11 @@ class ModelRunner:
             logprobs=logprobs,
         )
 
-    def _dispatch(
-        self,
-        fb: ForwardBatch,
-        sb: SamplingBatch,
-        stash_slots: torch.Tensor,
-        stash_rows: torch.Tensor,
-        token_ids_host: torch.Tensor,
-        fault: Fault,
-        expected: torch.Tensor | None,
-        generation: int | None,
-        plan: LogitsPlan | None,
-        logprobs: LogprobBuffers | None,
-    ) -> Event:
+    def _dispatch(self, args: StepArgs) -> Event:
         """Enqueue the step on the stream; its event fires when the token ids are on the host.
         (`runtime/worker.py` sends it to worker processes instead.)"""
         stream = self.ctx.stream
-        stream.submit(
-            self._step,
-            fb,
-            sb,
-            stash_slots,
-            stash_rows,
-            token_ids_host,
-            fault,
-            expected,
-            generation,
-            plan,
-            logprobs,
-        )
+        stream.submit(self._step, args)
         return stream.record_event()
 
     def _sample_planned(
@@ -200,20 +194,10 @@ class ModelRunner:
             fmap.plan_prefill(rows)
         return expected, fmap.plan_stash(slots_cpu.tolist())
 
-    def _step(
-        self,
-        fb: ForwardBatch,
-        sb: SamplingBatch,
-        stash_slots: torch.Tensor,
-        stash_rows: torch.Tensor,
-        token_ids_host: torch.Tensor,
-        fault: Fault = Fault.NONE,
-        expected: torch.Tensor | None = None,
-        generation: int | None = None,
-        plan: LogitsPlan | None = None,
-        logprobs: LogprobBuffers | None = None,
-    ) -> None:
+    def _step(self, args: StepArgs) -> None:
         """Runs on the stream, in order after every earlier enqueued write."""
+        fb, sb, fault, plan = args.fb, args.sb, args.fault, args.plan
+        stash_slots, generation = args.stash_slots, args.generation
         fmap = self.ctx.future_map
         stashed = False
         try:
@@ -221,7 +205,7 @@ class ModelRunner:
                 assert self.faults is not None
                 self.faults.before_forward(fault)
             if fb.mode is ForwardMode.DECODE:
-                fb.input_ids = fmap.resolve(fb.req_pool_indices, expected)
+                fb.input_ids = fmap.resolve(fb.req_pool_indices, args.expected)
             logits = self.model(fb)
             if plan is not None and plan.needs_state:
                 if self.penalties is None:
@@ -231,8 +215,8 @@ class ModelRunner:
             if plan is None:
                 next_ids = self.sampler.sample(logits, sb)
             else:
-                next_ids = self._sample_planned(logits, fb.batch_size, sb, plan, logprobs)
-            fmap.stash(stash_slots, stash_rows, next_ids, generation)
+                next_ids = self._sample_planned(logits, fb.batch_size, sb, plan, args.logprobs)
+            fmap.stash(stash_slots, args.stash_rows, next_ids, generation)
             stashed = True
         finally:
             if not stashed:
@@ -240,4 +224,4 @@ class ModelRunner:
         if fault is Fault.FAIL_COPY:
             assert self.faults is not None
             self.faults.before_copy(fault)
-        token_ids_host.copy_(next_ids, non_blocking=True)
+        args.token_ids_host.copy_(next_ids, non_blocking=True)

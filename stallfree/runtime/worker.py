@@ -50,7 +50,7 @@ from stallfree.runtime.memory_pool import (
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
-from stallfree.runtime.model_runner import ModelRunner
+from stallfree.runtime.model_runner import ModelRunner, StepArgs
 from stallfree.runtime.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger(__name__)
@@ -223,19 +223,8 @@ class RemoteModelRunner(ModelRunner):
         super().__init__(None, ctx, None, faults)  # type: ignore[arg-type]
         self.step_bytes: list[int] = []
 
-    def _dispatch(
-        self,
-        fb: ForwardBatch,
-        sb: SamplingBatch,
-        stash_slots: torch.Tensor,
-        stash_rows: torch.Tensor,
-        token_ids_host: torch.Tensor,
-        fault: Fault,
-        expected: torch.Tensor | None,
-        generation: int | None,
-        plan: LogitsPlan | None,
-        logprobs: LogprobBuffers | None,
-    ) -> Event:
+    def _dispatch(self, args: StepArgs) -> Event:
+        fb, plan, logprobs, token_ids_host = args.fb, args.plan, args.logprobs, args.token_ids_host
         ctx = self.ctx
         journal = ctx.table_journal
         assert journal is not None
@@ -254,12 +243,12 @@ class RemoteModelRunner(ModelRunner):
             prefix_lens_cpu=fb.prefix_lens_cpu,
             prompt_lens_cpu=fb.prompt_lens_cpu,
             logit_positions=fb.logit_positions,
-            sampling=sb,
-            stash_slots=stash_slots,
-            stash_rows=stash_rows,
-            fault=fault.value,
-            expected=expected,
-            generation=generation,
+            sampling=args.sb,
+            stash_slots=args.stash_slots,
+            stash_rows=args.stash_rows,
+            fault=args.fault.value,
+            expected=args.expected,
+            generation=args.generation,
             plan=plan,
             table_writes=writes,
         )
@@ -410,16 +399,18 @@ class _Worker:
         comm_before = self._comm()
         with torch.inference_mode():
             self.runner._step(
-                fb,
-                msg.sampling,
-                msg.stash_slots,
-                msg.stash_rows,
-                token_ids_host,
-                Fault(msg.fault),
-                msg.expected,
-                msg.generation,
-                plan,
-                logprobs,
+                StepArgs(
+                    fb,
+                    msg.sampling,
+                    msg.stash_slots,
+                    msg.stash_rows,
+                    token_ids_host,
+                    Fault(msg.fault),
+                    msg.expected,
+                    msg.generation,
+                    plan,
+                    logprobs,
+                )
             )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
