@@ -103,10 +103,7 @@ class ProcessStream(DeviceStream):
         return self.guard.suspended() if self.guard is not None else contextlib.nullcontext()
 
     def upload(self, cpu: torch.Tensor) -> torch.Tensor:
-        out = cpu.clone()
-        if self.guard is not None:
-            self.guard.register(out)
-        return out
+        return self._produced(cpu.clone())
 
     def compute(
         self,
@@ -121,9 +118,7 @@ class ProcessStream(DeviceStream):
                 out.copy_(fn(*args))
         except Exception as exc:  # carried to the next event, as on a device
             self._note_host_error(exc)
-        if self.guard is not None:
-            self.guard.register(out)
-        return out
+        return self._produced(out)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         try:

@@ -54,6 +54,12 @@ class DeviceStream(ABC):
             for t in tensors:
                 self.guard.register(t)
 
+    def _produced(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor this stream produced (an upload, a compute result): the guard knows it."""
+        if self.guard is not None:
+            self.guard.register(tensor)
+        return tensor
+
     @abstractmethod
     def upload(self, cpu: torch.Tensor) -> torch.Tensor:
         """Host-to-device copy of an immutable host tensor, enqueued non-blocking."""
@@ -190,10 +196,7 @@ class CpuStream(DeviceStream):
 
     def upload(self, cpu: torch.Tensor) -> torch.Tensor:
         # NOTE: host tensors handed here are never mutated afterwards, so a clone is the copy.
-        out = cpu.clone()
-        if self.guard is not None:
-            self.guard.register(out)
-        return out
+        return self._produced(cpu.clone())
 
     def compute(
         self,
@@ -204,9 +207,7 @@ class CpuStream(DeviceStream):
     ) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype)
         self._batch.append((lambda: out.copy_(fn(*args)), ()))
-        if self.guard is not None:
-            self.guard.register(out)
-        return out
+        return self._produced(out)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         # NOTE: submitted work starts now, as a kernel launch would; small ops made by
