@@ -224,3 +224,16 @@ async def test_streaming_state_stays_bounded_over_long_outputs(llama):
     assert out.completion_tokens == 300 and out.text == plain.text
     assert len(out.text) > 64
     assert watch.longest < 16  # the longest stop string, plus one token's text
+
+
+async def test_closing_generate_early_aborts_the_request_at_once(llama):
+    """A consumer that stops and closes the stream frees the request during `aclose()`, not
+    when the garbage collector later finalises the inner generators."""
+    async with Engine(engine_config(llama)) as engine:
+        stream = engine.generate([1, 2, 3], {"max_new_tokens": 500, "ignore_eos": True}, rid="r")
+        first = await anext(stream)
+        assert first.token_ids and "r" in engine._reqs
+        await stream.aclose()
+        assert "r" not in engine._reqs  # unregistered and aborted inside aclose()
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free

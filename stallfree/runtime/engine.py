@@ -7,11 +7,12 @@ built, whole, by `build_core`; output processing lives in `OutputProcessor`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 import torch
@@ -266,8 +267,13 @@ class Engine:
         request; past it the request is aborted (reason `abort`, error "deadline of ...").
         Call it on the event loop the engine was started on; elsewhere it raises RuntimeError.
         """
-        async for chunk in self._submit(prompt, params, rid, timeout, wake_per_step=True):
-            yield chunk
+        # NOTE: aclosing: a consumer that stops early closes the inner generators at once, so the
+        # request is aborted and its memory freed now, not when the garbage collector gets to it
+        async with contextlib.aclosing(
+            self._submit(prompt, params, rid, timeout, wake_per_step=True)
+        ) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _submit(
         self,
@@ -276,7 +282,7 @@ class Engine:
         rid: str | None,
         timeout: float | None,
         wake_per_step: bool,
-    ) -> AsyncIterator[GenerationChunk]:
+    ) -> AsyncGenerator[GenerationChunk, None]:
         timeout = self._timeout(timeout)
         req = self._new_req(prompt, params, rid)
         stream = self._register(req, wake_per_step)
@@ -286,8 +292,9 @@ class Engine:
             self._unregister(req)
             raise
         self.core.loop.notify()
-        async for chunk in self._drain(req, stream, timeout):
-            yield chunk
+        async with contextlib.aclosing(self._drain(req, stream, timeout)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     def _timeout(self, timeout: float | None) -> float | None:
         if timeout is None:
@@ -346,8 +353,9 @@ class Engine:
                 free_req_memory(core.ctx.req_to_token_pool, core.ctx.allocator, req)
             raise
         core.loop.notify()
-        async for chunk in self._drain(req, stream):
-            yield chunk
+        async with contextlib.aclosing(self._drain(req, stream)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def complete(
         self,
@@ -362,14 +370,17 @@ class Engine:
         logprobs: list[TokenLogprobs] | None = None
         prompt_logprobs: list[TokenLogprobs | None] | None = None
         last: GenerationChunk | None = None
-        async for chunk in self._submit(prompt, params, rid, timeout, wake_per_step=False):
-            texts.append(chunk.text)
-            ids.extend(chunk.token_ids)
-            if chunk.logprobs is not None:
-                logprobs = (logprobs or []) + chunk.logprobs
-            if chunk.prompt_logprobs is not None:
-                prompt_logprobs = chunk.prompt_logprobs
-            last = chunk
+        async with contextlib.aclosing(
+            self._submit(prompt, params, rid, timeout, wake_per_step=False)
+        ) as chunks:
+            async for chunk in chunks:
+                texts.append(chunk.text)
+                ids.extend(chunk.token_ids)
+                if chunk.logprobs is not None:
+                    logprobs = (logprobs or []) + chunk.logprobs
+                if chunk.prompt_logprobs is not None:
+                    prompt_logprobs = chunk.prompt_logprobs
+                last = chunk
         assert last is not None
         return GenerationResult(
             rid=last.rid,
@@ -399,7 +410,7 @@ class Engine:
 
     async def _drain(
         self, req: Req, stream: RequestStream, timeout: float | None = None
-    ) -> AsyncIterator[GenerationChunk]:
+    ) -> AsyncGenerator[GenerationChunk, None]:
         # NOTE: one timer per request, not a timed wait per chunk
         deadline = (
             None
