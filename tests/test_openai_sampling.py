@@ -534,3 +534,26 @@ async def test_edge_values_are_served(live):  # noqa: F811
     assert live.engine.pool_usage().all_free
     scrape = samples((await live.http.get("/metrics")).text)
     assert value(scrape, "stallfree:request_success_total", finished_reason="error") == 0
+
+
+@module_loop
+async def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(live):  # noqa: F811
+    prompt = "a prompt long enough to fill a few pages of the cache, twice over"
+    first = await live.client.completions.create(
+        model="test-model", prompt=prompt, max_tokens=2, temperature=0
+    )
+    again = await live.client.completions.create(
+        model="test-model", prompt=prompt, max_tokens=2, temperature=0
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens  # the last prompt token is always computed
+    chat = await live.client.chat.completions.create(
+        model="test-model",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usages = [c.usage async for c in chat if c.usage is not None]
+    assert len(usages) == 1 and usages[0].prompt_tokens_details is not None

@@ -67,14 +67,17 @@ class Usage:
         self.n = n
         self.prompt = 0
         self.completion = 0
+        self.cached = 0
 
     def add(self, index: int, last: GenerationChunk) -> None:
         if index % self.n == 0:
             self.prompt += last.prompt_tokens
+            # NOTE: the prompt's first choice; the others of `n` read it from the cache too
+            self.cached += last.cached_tokens
         self.completion += last.completion_tokens
 
     def info(self) -> UsageInfo:
-        return UsageInfo.of(self.prompt, self.completion)
+        return UsageInfo.of(self.prompt, self.completion, self.cached)
 
 
 def _check_fanout(prompts: int, n: int, limit: int) -> None:
