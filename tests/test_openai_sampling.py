@@ -538,16 +538,18 @@ async def test_edge_values_are_served(live):  # noqa: F811
 
 @module_loop
 async def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(live):  # noqa: F811
-    prompt = "a prompt long enough to fill a few pages of the cache, twice over"
+    prompt = "Qz#7 usage probe: a prompt long enough to fill a few pages of the cache"
     first = await live.client.completions.create(
         model="test-model", prompt=prompt, max_tokens=2, temperature=0
     )
     again = await live.client.completions.create(
         model="test-model", prompt=prompt, max_tokens=2, temperature=0
     )
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    before = first.usage.prompt_tokens_details.cached_tokens
     cached = again.usage.prompt_tokens_details.cached_tokens
-    assert 0 < cached < again.usage.prompt_tokens  # the last prompt token is always computed
+    assert before < 4  # no earlier request shared more than a few leading bytes
+    # the second reads most of the prompt from the cache; its last token is always computed
+    assert again.usage.prompt_tokens // 2 < cached < again.usage.prompt_tokens
     chat = await live.client.chat.completions.create(
         model="test-model",
         messages=[{"role": "user", "content": prompt}],
