@@ -178,6 +178,11 @@ class HFTokenizer(Tokenizer):
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         )
 
+    @property
+    def raw(self) -> Any:
+        """The underlying `tokenizers.Tokenizer` (token strings, the decoder's kind)."""
+        return self._tok
+
     @classmethod
     def from_raw(
         cls,

@@ -22,7 +22,7 @@ from stallfree.entrypoints.server.responses import (
     TopLogprob,
 )
 from stallfree.runtime.logits import TokenLogprobs
-from stallfree.runtime.tokenizer import ByteTokenizer, Tokenizer
+from stallfree.runtime.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 # NOTE: JSON has no -inf; a token with no probability at all is shown as vLLM shows it
 _NO_PROBABILITY = -9999.0
@@ -55,7 +55,7 @@ class TokenPieces:
         self._special = tokenizer.special_ids
         # NOTE: a Hugging Face tokenizer's `tokenizers.Tokenizer`, for the token strings and
         # the decoder kind (only it knows which bytes a byte-level token stands for)
-        self._raw: Any = getattr(tokenizer, "_tok", None)
+        self._raw: Any = tokenizer.raw if isinstance(tokenizer, HFTokenizer) else None
         decoder = getattr(self._raw, "decoder", None)
         self._byte_level = type(decoder).__name__ == "ByteLevel"
         self._cache: dict[int, tuple[str, bytes]] = {}
