@@ -191,3 +191,29 @@ def test_hisparse_panels_follow_the_counters_when_hisparse_is_on(tmp_path):
         series,
         [_case(hit_rate, ("{}", 0.25)), _case(pool, ("{}", 0.25)), _case(prefix, ("{}", 0.25))],
     )
+
+
+def _ratio_exprs(title: str) -> list[str]:
+    board = json.loads(DASHBOARD.read_text())
+    (panel,) = [p for p in board["panels"] if p.get("title") == title]
+    return [e for e in _panel_exprs(panel["id"]) if " / " in e]
+
+
+async def test_ratio_panels_show_zero_on_an_idle_engine(tmp_path):
+    """Every rate is 0 on an idle engine: a ratio of rates must show 0, not NaN or no data."""
+    async with Engine(engine_config("tiny")) as engine:
+        await engine.complete([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        await engine.wait_idle()
+        assert engine.metrics is not None
+        text = generate_latest(engine.metrics.registry)
+    cases = [
+        _case(expr, ("{}", 0))
+        for title in (
+            "Schedule time (host, per batch)",
+            "Device idle fraction (while requests wait)",
+            "Overlapped launches",
+        )
+        for expr in _ratio_exprs(title)
+    ]
+    assert len(cases) == 3
+    run_rule_test(tmp_path, _series(text), cases)
