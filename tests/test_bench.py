@@ -787,3 +787,25 @@ def test_compare_tp_sizes_in_process(tmp_path, capsys) -> None:
     assert tp2["ratios_to_baseline"]["rank 0 step time (ms)"] == pytest.approx(
         ranks["0"]["mean_step_seconds"] / _worker_figures(tp1)["0"]["mean_step_seconds"]
     )
+
+
+def test_a_scrape_gives_the_per_rank_figures_over_http():
+    """`--target http` reads the worker families from /metrics as the in-process bench reads
+    `EngineSnapshot.workers`."""
+    from stallfree.bench.counters import RankCounters, snapshot_prometheus
+    from stallfree.metrics import EngineMetrics
+    from stallfree.runtime.stats import WorkerRankStats
+    from tests.test_metrics import _snapshot
+
+    ranks = (
+        WorkerRankStats(0, 10, 1.5, 0.25, 1024, message_bytes=4096),
+        WorkerRankStats(1, 10, 1.25, 0.5, 1024),
+    )
+    text = EngineMetrics("m", "0", lambda: _snapshot(workers=ranks)).render().decode()
+    got = snapshot_prometheus(text)
+    assert got is not None and got.workers == {
+        "0": RankCounters(10, 1.5, 0.25, 1024, 4096),
+        "1": RankCounters(10, 1.25, 0.5, 1024, 0),
+    }
+    plain = snapshot_prometheus(EngineMetrics("m", "0", _snapshot).render().decode())
+    assert plain is not None and plain.workers is None

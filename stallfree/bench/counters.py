@@ -154,7 +154,36 @@ def snapshot_prometheus(text: str) -> CounterSnapshot | None:
         schedule_count=_total(s, p + "schedule_seconds_count"),
         prefix_queries=_total(s, p + "prefix_cache_queries_total"),
         prefix_hits=_total(s, p + "prefix_cache_hits_total"),
+        workers=_workers(s),
     )
+
+
+def _workers(
+    s: dict[str, list[tuple[dict[str, str], float]]],
+) -> dict[str, RankCounters] | None:
+    """Per-rank figures from the worker families (present only with worker processes)."""
+    p = PREFIX
+
+    def by_rank(name: str) -> dict[str, float]:
+        return _by_label(s, p + name, p + name + "_total", "rank") or {}
+
+    steps = by_rank("worker_steps")
+    if not steps:
+        return None
+    seconds, comm, comm_bytes = (
+        by_rank(n) for n in ("worker_step_seconds", "tp_collective_seconds", "tp_collective_bytes")
+    )
+    sent = _total(s, p + "worker_message_bytes_total") or 0.0
+    return {
+        rank: RankCounters(
+            steps=n,
+            step_seconds=seconds.get(rank, 0.0),
+            comm_seconds=comm.get(rank, 0.0),
+            comm_bytes=comm_bytes.get(rank, 0.0),
+            message_bytes=sent if rank == "0" else 0.0,
+        )
+        for rank, n in steps.items()
+    }
 
 
 def _delta(a: float | None, b: float | None) -> float | None:
