@@ -535,15 +535,12 @@ def _serve(config: StallfreeConfig) -> int:
 def serve_worker_node(config: StallfreeConfig) -> int:
     """`serve` on a node other than 0: no HTTP server, no scheduler; run this node's worker
     ranks, sized as node 0 sizes its pools, until node 0 stops them (or they fail)."""
-    from stallfree.overlap.stream import resolve_device
     from stallfree.runtime.core import auto_stream_threads, pool_sizes
-    from stallfree.runtime.model.loader import check_tensor_parallel
-    from stallfree.runtime.worker import WorkerStartError, read_arch, run_worker_node
+    from stallfree.runtime.model.loader import check_tensor_parallel, read_arch
+    from stallfree.runtime.worker import WorkerStartError, run_worker_node
 
     check_tensor_parallel(config.model.path, config.parallel.tp_size)
-    arch, _ = read_arch(
-        config.model.path, config.model.dtype, resolve_device(config.runtime.device)
-    )
+    arch = read_arch(config.model.path)
     max_context_len, num_kv_slots = pool_sizes(config, arch)
     per_node = config.parallel.tp_size // config.parallel.nnodes
     threads = config.runtime.stream_threads or auto_stream_threads(arch, per_node)

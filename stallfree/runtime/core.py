@@ -29,7 +29,13 @@ from stallfree.runtime.memory_pool import (
     TokenToKVPoolAllocator,
 )
 from stallfree.runtime.model.arch import ModelArchConfig
-from stallfree.runtime.model.loader import LoadedModel, check_tensor_parallel, load_model
+from stallfree.runtime.model.loader import (
+    LoadedModel,
+    check_tensor_parallel,
+    load_model,
+    read_arch,
+    weights_dtype,
+)
 from stallfree.runtime.model_runner import ModelRunner
 from stallfree.runtime.observer import ObserverFanout
 from stallfree.runtime.output_processor import OutputProcessor
@@ -45,7 +51,7 @@ from stallfree.runtime.stats import (
     WorkerRankStats,
 )
 from stallfree.runtime.tokenizer import Tokenizer, load_tokenizer
-from stallfree.runtime.worker import RemoteModelRunner, read_arch, start_workers, worker_spec
+from stallfree.runtime.worker import RemoteModelRunner, start_workers, worker_spec
 
 
 @dataclass(slots=True, eq=False)
@@ -200,7 +206,8 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
     if process:
         # NOTE: the workers load the weights; the scheduler only needs the architecture
         check_tensor_parallel(config.model.path, config.parallel.tp_size)
-        arch, dtype = read_arch(config.model.path, config.model.dtype, device)
+        arch = read_arch(config.model.path)
+        dtype = weights_dtype(config.model.path, config.model.dtype, device)
         host = torch.device("cpu")
     else:
         loaded = load_model(config.model.path, config.model.dtype, device, config.model.seed)

@@ -114,11 +114,12 @@ class SchedulerLoop:
                 self.failed_closed = True
         else:
             self.consecutive_failures = 0
-            logprobs, plan = launched.logprobs, launched.logits_plan
-            if logprobs is not None and plan is not None:
-                logprobs.take_prompt(launched.reqs, plan)
             self.scheduler.process_tokens(
-                launched.reqs, launched.output_rows, token_ids, launched.logprobs
+                launched.reqs,
+                launched.output_rows,
+                token_ids,
+                launched.logprobs,
+                launched.logits_plan,
             )
         self.scheduler.on_processed(launched.seq)
 

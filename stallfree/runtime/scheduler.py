@@ -28,7 +28,7 @@ from stallfree.runtime.alloc import (
     release_req_memory,
 )
 from stallfree.runtime.context import BatchContext
-from stallfree.runtime.logits import LogprobBuffers, TokenLogprobs
+from stallfree.runtime.logits import LogitsPlan, LogprobBuffers, TokenLogprobs
 from stallfree.runtime.observer import EngineObserver
 from stallfree.runtime.output_processor import OutputProcessor
 from stallfree.runtime.radix_cache import RadixCache, TreeNode
@@ -491,9 +491,12 @@ class Scheduler:
         output_rows: list[bool],
         token_ids: list[int],
         logprobs: LogprobBuffers | None = None,
+        plan: LogitsPlan | None = None,
     ) -> None:
         self._step_ok = True  # the batch's step succeeded (see `on_processed`)
         now = time.perf_counter()
+        if logprobs is not None and plan is not None:
+            logprobs.take_prompt(batch_reqs, plan)
         for row, (req, real, tok) in enumerate(
             zip(batch_reqs, output_rows, token_ids, strict=True)
         ):
@@ -503,8 +506,7 @@ class Scheduler:
                 continue  # retracted and recomputed since; this token is stale
             try:
                 lp = None
-                k = req.sampling_params.logprobs
-                if logprobs is not None and k is not None:
+                if logprobs is not None and (k := req.sampling_params.logprobs) is not None:
                     lp = logprobs.outputs(row, tok, k)
                 self._accept(req, tok, now, lp)
             except Exception as exc:  # one request's output failed; the others go on

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from stallfree.config import FaultConfig, StallfreeConfig
-from stallfree.overlap.faults import Fault, FaultInjector
+from stallfree.overlap.faults import FaultInjector
 from stallfree.overlap.future_map import FutureMap
 from stallfree.overlap.host_read import SyncMonitor
 from stallfree.overlap.process_stream import (
@@ -42,8 +42,7 @@ from stallfree.overlap.process_stream import (
 )
 from stallfree.overlap.stream import Event, make_stream
 from stallfree.runtime.context import BatchContext
-from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
-from stallfree.runtime.logits import LogitsPlan, LogprobBuffers
+from stallfree.runtime.logits import LogprobBuffers
 from stallfree.runtime.memory_pool import (
     KVCache,
     KVCacheShape,
@@ -51,7 +50,7 @@ from stallfree.runtime.memory_pool import (
     TokenToKVPoolAllocator,
 )
 from stallfree.runtime.model_runner import ModelRunner, StepArgs
-from stallfree.runtime.sampler import Sampler, SamplingBatch
+from stallfree.runtime.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -137,54 +136,23 @@ def worker_spec(config: StallfreeConfig, num_kv_slots: int, max_context_len: int
     )
 
 
-def read_arch(path_or_preset: str, dtype: str, device: torch.device) -> tuple[Any, torch.dtype]:
-    """The architecture and weight dtype of a model, without loading its weights on the host."""
-    import json
-    from pathlib import Path
-
-    from stallfree.runtime.model import loader
-
-    arch = loader.read_arch(path_or_preset)
-    config_dtype: str | None = None
-    path = Path(path_or_preset)
-    if path_or_preset in loader.PRESETS:
-        config_dtype = None
-    elif path.suffix.lower() == ".gguf":
-        config_dtype = "float32"  # dequantised weights
-    else:
-        cfg = json.loads((path / "config.json").read_text())
-        config_dtype = cfg.get("dtype") or cfg.get("torch_dtype")
-    return arch, loader._resolve_dtype(dtype, config_dtype, device)
-
-
 # ---------------------------------------------------------------------- the step message
 
 
 @dataclass(slots=True)
 class StepMessage:
-    mode: str
-    batch_size: int
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    out_cache_loc: torch.Tensor
-    req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
-    req_pool_indices_cpu: list[int]
-    seq_lens_cpu: list[int]
-    extend_lens_cpu: list[int]
-    prefix_lens_cpu: list[int]
-    prompt_lens_cpu: list[int]
-    logit_positions: torch.Tensor | None
-    sampling: SamplingBatch
-    stash_slots: torch.Tensor
-    stash_rows: torch.Tensor
-    fault: str
-    expected: torch.Tensor | None
-    generation: int | None
-    plan: LogitsPlan | None
+    """One launched step for the workers: its `StepArgs` without what stays on the host (the
+    shared request table and KV cache, the host buffers the results land in), and the
+    `req_to_token` writes made on the host replica since the previous step."""
+
+    args: StepArgs
     table_writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         default_factory=list
     )
+
+
+# stands in for the tensors a message leaves out (each rank has its own)
+_LEFT_OUT = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass(slots=True)
@@ -221,37 +189,17 @@ class RemoteModelRunner(ModelRunner):
     def __init__(self, ctx: BatchContext, stream: ProcessStream, faults: FaultInjector | None):
         self.remote = stream
         super().__init__(None, ctx, None, faults)  # type: ignore[arg-type]
-        self.step_bytes: list[int] = []
 
     def _dispatch(self, args: StepArgs) -> Event:
-        fb, plan, logprobs, token_ids_host = args.fb, args.plan, args.logprobs, args.token_ids_host
-        ctx = self.ctx
-        journal = ctx.table_journal
+        logprobs, token_ids_host = args.logprobs, args.token_ids_host
+        journal = self.ctx.table_journal
         assert journal is not None
         writes, journal[:] = list(journal), []
-        message = StepMessage(
-            mode=fb.mode.value,
-            batch_size=fb.batch_size,
-            input_ids=fb.input_ids,
-            positions=fb.positions,
-            out_cache_loc=fb.out_cache_loc,
-            req_pool_indices=fb.req_pool_indices,
-            seq_lens=fb.seq_lens,
-            req_pool_indices_cpu=fb.req_pool_indices_cpu.tolist(),
-            seq_lens_cpu=fb.seq_lens_cpu.tolist(),
-            extend_lens_cpu=fb.extend_lens_cpu,
-            prefix_lens_cpu=fb.prefix_lens_cpu,
-            prompt_lens_cpu=fb.prompt_lens_cpu,
-            logit_positions=fb.logit_positions,
-            sampling=args.sb,
-            stash_slots=args.stash_slots,
-            stash_rows=args.stash_rows,
-            fault=args.fault.value,
-            expected=args.expected,
-            generation=args.generation,
-            plan=plan,
-            table_writes=writes,
-        )
+        # NOTE: the host's KV cache object has no buffers (the KV lives in the workers): it
+        # travels as its shape and each rank puts its own cache in its place
+        fb = dataclasses.replace(args.fb, req_to_token=_LEFT_OUT)
+        sent = dataclasses.replace(args, fb=fb, token_ids_host=_LEFT_OUT, logprobs=None)
+        message = StepMessage(sent, writes)
         stream = self.remote
 
         def take(result: StepResult) -> None:
@@ -263,9 +211,6 @@ class RemoteModelRunner(ModelRunner):
 
         with stream.packing():
             payload = dumps(message)
-        self.step_bytes.append(len(payload))
-        if len(self.step_bytes) > 4096:
-            del self.step_bytes[:2048]
         stream.send_payload(payload, take)
         return stream.record_event()
 
@@ -375,43 +320,17 @@ class _Worker:
         table = ctx.req_to_token_pool.req_to_token
         for rows, cols, locs in msg.table_writes:
             table[rows, cols] = locs
-        fb = ForwardBatch(
-            mode=ForwardMode(msg.mode),
-            batch_size=msg.batch_size,
-            input_ids=msg.input_ids,
-            positions=msg.positions,
-            out_cache_loc=msg.out_cache_loc,
-            req_pool_indices=msg.req_pool_indices,
-            seq_lens=msg.seq_lens,
-            req_pool_indices_cpu=torch.tensor(msg.req_pool_indices_cpu, dtype=torch.int64),
-            seq_lens_cpu=torch.tensor(msg.seq_lens_cpu, dtype=torch.int64),
-            extend_lens_cpu=msg.extend_lens_cpu,
-            prefix_lens_cpu=msg.prefix_lens_cpu,
-            req_to_token=table,
-            kv_cache=ctx.kv_cache,
-            prompt_lens_cpu=msg.prompt_lens_cpu,
-            logit_positions=msg.logit_positions,
-        )
+        args = msg.args
+        fb = args.fb
+        fb.req_to_token, fb.kv_cache = table, ctx.kv_cache
         host_buffer = ctx.stream.host_buffer
-        token_ids_host = host_buffer((msg.batch_size,), torch.int64)
-        plan = msg.plan
-        logprobs = LogprobBuffers.allocate(plan, msg.batch_size, host_buffer) if plan else None
+        args.token_ids_host = host_buffer((fb.batch_size,), torch.int64)
+        if args.plan is not None:
+            args.logprobs = LogprobBuffers.allocate(args.plan, fb.batch_size, host_buffer)
+        logprobs = args.logprobs
         comm_before = self._comm()
         with torch.inference_mode():
-            self.runner._step(
-                StepArgs(
-                    fb,
-                    msg.sampling,
-                    msg.stash_slots,
-                    msg.stash_rows,
-                    token_ids_host,
-                    Fault(msg.fault),
-                    msg.expected,
-                    msg.generation,
-                    plan,
-                    logprobs,
-                )
-            )
+            self.runner._step(args)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -428,7 +347,7 @@ class _Worker:
                 for f in dataclasses.fields(logprobs)
                 if isinstance(getattr(logprobs, f.name), torch.Tensor)
             }
-        return StepResult(encode_tensor(token_ids_host), lp, elapsed)
+        return StepResult(encode_tensor(args.token_ids_host), lp, elapsed)
 
     def _comm(self) -> tuple[float, float]:
         if self.tp is None:
@@ -604,7 +523,6 @@ __all__ = [
     "WorkerLostError",
     "WorkerSpec",
     "WorkerStartError",
-    "read_arch",
     "run_worker_node",
     "start_workers",
     "worker_spec",

@@ -41,7 +41,7 @@ from stallfree.entrypoints.server.responses import (
     DeltaMessage,
     UsageInfo,
 )
-from stallfree.entrypoints.server.state import server_state
+from stallfree.entrypoints.server.state import ServerState, server_state
 from stallfree.entrypoints.server.streaming import DONE, Context, Generation, Result, respond, sse
 from stallfree.runtime.logits import TokenLogprobs
 from stallfree.runtime.output_processor import GenerationChunk
@@ -91,12 +91,17 @@ def _check_fanout(prompts: int, n: int, limit: int) -> None:
         )
 
 
-async def completions(body: CompletionRequest, request: Request) -> Response:
+def _open(body: CompletionRequest | ChatCompletionRequest, request: Request) -> ServerState:
+    """What both OpenAI routes check first: the model name and the unsupported fields."""
     state = server_state(request)
-    engine = state.engine
     check_model(state, body.model)
     reject_unsupported(body)
-    n = body.n
+    return state
+
+
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = _open(body, request)
+    engine, n = state.engine, body.n
     with converting():
         prompts = prompt_ids(engine, body.prompt, state.limits.max_prompts_per_request)
         _check_fanout(len(prompts), n, state.limits.max_prompts_per_request)
@@ -210,11 +215,8 @@ def _prompt_texts(
 
 
 async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-    state = server_state(request)
-    engine = state.engine
-    check_model(state, body.model)
-    reject_unsupported(body)
-    n = body.n
+    state = _open(body, request)
+    engine, n = state.engine, body.n
     with converting():
         _check_fanout(1, n, state.limits.max_prompts_per_request)
         ids = chat_prompt_ids(engine, body)

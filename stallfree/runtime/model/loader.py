@@ -192,6 +192,20 @@ def read_arch(path_or_preset: str) -> ModelArchConfig:
     return ModelArchConfig.from_hf(_read_config(path))
 
 
+def weights_dtype(path_or_preset: str, dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype `load_model` loads the weights in, without loading them (the scheduler's
+    process sizes its pools with it when the model lives in worker processes)."""
+    path = Path(path_or_preset)
+    if path_or_preset in PRESETS or path.suffix.lower() == ".gguf":
+        return _resolve_dtype(dtype, "float32", device)  # seeded float32; dequantised float32
+    return _resolve_dtype(dtype, _config_dtype(_read_config(path)), device)
+
+
+def _config_dtype(cfg: dict[str, Any]) -> str | None:
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+    return None if dtype is None else str(dtype)
+
+
 def check_tensor_parallel(path_or_preset: str, tp_size: int) -> None:
     """Raise `ModelLoadError` (a ValueError) when the model cannot run split over `tp_size`
     ranks: a head count that does not divide, or a GGUF file. Reads no weights."""
@@ -222,7 +236,7 @@ def _load_directory(path: Path, dtype: str, device: torch.device, tp: TPGroup) -
     cfg = _read_config(path)
     arch = ModelArchConfig.from_hf(cfg)
     validate_tp(arch, tp.size)
-    torch_dtype = _resolve_dtype(dtype, cfg.get("dtype") or cfg.get("torch_dtype"), device)
+    torch_dtype = _resolve_dtype(dtype, _config_dtype(cfg), device)
     # Meta construction skips a throwaway random init of every weight.
     model = LlamaForCausalLM(arch, device=torch.device("meta"), dtype=torch_dtype, tp=tp)
     if tp.size == 1:
