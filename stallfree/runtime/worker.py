@@ -155,6 +155,12 @@ class StepMessage:
 _LEFT_OUT = torch.empty(0, dtype=torch.int64)
 
 
+def _no_kv_cache() -> None:
+    """What a step message's KV cache unpickles to: the host's has no buffers, and each rank
+    sets its own before running the step."""
+    return None
+
+
 @dataclass(slots=True)
 class StepResult:
     token_ids: Any  # encoded [B] int64
@@ -168,6 +174,8 @@ class _TensorPickler(pickle.Pickler):
     def reducer_override(self, obj: object) -> Any:
         if isinstance(obj, torch.Tensor):
             return decode_tensor, (encode_tensor(obj),)
+        if isinstance(obj, KVCache):
+            return _no_kv_cache, ()  # each rank puts its own cache in its place
         return NotImplemented
 
 
@@ -195,8 +203,6 @@ class RemoteModelRunner(ModelRunner):
         journal = self.ctx.table_journal
         assert journal is not None
         writes, journal[:] = list(journal), []
-        # NOTE: the host's KV cache object has no buffers (the KV lives in the workers): it
-        # travels as its shape and each rank puts its own cache in its place
         fb = dataclasses.replace(args.fb, req_to_token=_LEFT_OUT)
         sent = dataclasses.replace(args, fb=fb, token_ids_host=_LEFT_OUT, logprobs=None)
         message = StepMessage(sent, writes)
