@@ -20,8 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
-from stallfree.runtime.memory_pool import KVCache, KVCacheShape
+from stallfree.runtime.memory.pool import KVCache, KVCacheShape
 from stallfree.runtime.model.attention import (
     BUCKET_MERGE_ELEMS,
     BUCKET_PAD_RATIO,
@@ -29,6 +28,7 @@ from stallfree.runtime.model.attention import (
     causal_mask,
     plan_buckets,
 )
+from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 16, 4, 64, 2
 MAX_LEN = 320

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from stallfree import Engine, SamplingParams, load_config
-from stallfree.runtime.observer import EngineObserver
+from stallfree.runtime.telemetry.observer import EngineObserver
 
 
 class DecodeWindow(EngineObserver):

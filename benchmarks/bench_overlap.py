@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from stallfree import Engine, SamplingParams, load_config
-from stallfree.runtime.observer import EngineObserver
+from stallfree.runtime.telemetry.observer import EngineObserver
 
 MODES = [
     ("plain, legacy", False, False),

@@ -29,7 +29,7 @@ import torch
 
 from stallfree import Engine, SamplingParams, load_config
 from stallfree.runtime.model.loader import PRESETS
-from stallfree.runtime.observer import EngineObserver
+from stallfree.runtime.telemetry.observer import EngineObserver
 
 MODEL = "bench-cpu"
 PROMPT_LEN = 16

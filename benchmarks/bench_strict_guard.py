@@ -48,7 +48,7 @@ async def engine_schedule_us(model: str, strict: bool, batch: int, steps: int) -
 
 
 def micro_step_us(strict: bool, batch: int, steps: int) -> float:
-    from stallfree.runtime.schedule_batch import ScheduleBatch
+    from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
     from tests.batch_harness import make_ctx, make_req
 
     ctx = make_ctx(

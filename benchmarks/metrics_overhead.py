@@ -16,8 +16,8 @@ import time
 
 from stallfree import Engine, SamplingParams, load_config
 from stallfree.metrics import EngineMetrics
-from stallfree.runtime.observer import ObserverFanout
-from stallfree.runtime.req import Req
+from stallfree.runtime.request.req import Req
+from stallfree.runtime.telemetry.observer import ObserverFanout
 
 
 def hook_step_seconds(fanout: ObserverFanout, reqs: list[Req], steps: int) -> float:

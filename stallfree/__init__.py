@@ -9,13 +9,13 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Engine": "stallfree.runtime.engine",
-    "EngineOverloadedError": "stallfree.runtime.errors",
-    "EngineSnapshot": "stallfree.runtime.stats",
-    "EngineUnhealthyError": "stallfree.runtime.errors",
-    "GenerationChunk": "stallfree.runtime.output_processor",
-    "GenerationResult": "stallfree.runtime.output_processor",
-    "InvalidRequestError": "stallfree.runtime.errors",
-    "SamplingParams": "stallfree.runtime.sampling_params",
+    "EngineOverloadedError": "stallfree.runtime.request.errors",
+    "EngineSnapshot": "stallfree.runtime.telemetry.stats",
+    "EngineUnhealthyError": "stallfree.runtime.request.errors",
+    "GenerationChunk": "stallfree.runtime.request.outputs",
+    "GenerationResult": "stallfree.runtime.request.outputs",
+    "InvalidRequestError": "stallfree.runtime.request.errors",
+    "SamplingParams": "stallfree.runtime.request.sampling_params",
     "StallfreeConfig": "stallfree.config",
     "load_config": "stallfree.config",
 }

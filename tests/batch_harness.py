@@ -7,15 +7,15 @@ import torch
 from stallfree.overlap.future_map import FutureMap
 from stallfree.overlap.host_read import SyncMonitor
 from stallfree.overlap.stream import CpuStream
-from stallfree.runtime.context import BatchContext
-from stallfree.runtime.memory_pool import (
+from stallfree.runtime.execution.context import BatchContext
+from stallfree.runtime.memory.pool import (
     KVCache,
     KVCacheShape,
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
-from stallfree.runtime.req import Req
-from stallfree.runtime.sampling_params import SamplingParams
+from stallfree.runtime.request.req import Req
+from stallfree.runtime.request.sampling_params import SamplingParams
 
 
 def make_ctx(

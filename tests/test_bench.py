@@ -794,7 +794,7 @@ def test_a_scrape_gives_the_per_rank_figures_over_http():
     `EngineSnapshot.workers`."""
     from stallfree.bench.counters import RankCounters, snapshot_prometheus
     from stallfree.metrics import EngineMetrics
-    from stallfree.runtime.stats import WorkerRankStats
+    from stallfree.runtime.telemetry.stats import WorkerRankStats
     from tests.test_metrics import _snapshot
 
     ranks = (

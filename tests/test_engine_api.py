@@ -204,7 +204,7 @@ async def test_engine_from_section_overrides_and_not_both(llama):
 
 async def test_streaming_state_stays_bounded_over_long_outputs(llama):
     """Only text not yet streamed is kept per request, so per-token work does not grow."""
-    from stallfree.runtime.observer import EngineObserver
+    from stallfree.runtime.telemetry.observer import EngineObserver
 
     engine = Engine(engine_config(llama))
 

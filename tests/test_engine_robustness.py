@@ -18,18 +18,18 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from stallfree import Engine, EngineOverloadedError, InvalidRequestError, SamplingParams
-from stallfree.runtime.observer import EngineObserver, ObserverFanout
-from stallfree.runtime.output_processor import OutputProcessor
-from stallfree.runtime.req import Req
-from stallfree.runtime.sampler import SamplingBatch
-from stallfree.runtime.sampling_params import (
+from stallfree.runtime.execution.sampler import SamplingBatch
+from stallfree.runtime.request.req import Req
+from stallfree.runtime.request.sampling_params import (
     INT64_MAX,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
-from stallfree.runtime.schedule_batch import ScheduleBatch
-from stallfree.runtime.tokenizer import ByteTokenizer
+from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
+from stallfree.runtime.telemetry.observer import EngineObserver, ObserverFanout
+from stallfree.runtime.text.output_processor import OutputProcessor
+from stallfree.runtime.text.tokenizer import ByteTokenizer
 from tests.engine_util import engine_config, random_prompts
 from tests.hf_models import VOCAB_SIZE, hf_greedy, make_llama
 

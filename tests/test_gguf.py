@@ -15,10 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from stallfree import Engine
-from stallfree.runtime.forward_batch import ForwardMode
 from stallfree.runtime.model import ModelLoadError, load_model
 from stallfree.runtime.model import gguf as gguf_module
-from stallfree.runtime.tokenizer import HFTokenizer, load_tokenizer
+from stallfree.runtime.model.forward_batch import ForwardMode
+from stallfree.runtime.model.loader import load_tokenizer
+from stallfree.runtime.text.tokenizer import HFTokenizer
 from tests.engine_util import engine_config, run_greedy
 from tests.hf_models import CHAT_TEMPLATE, hf_greedy, hf_logits, make_llama
 from tests.test_model import PROMPT_A, PROMPT_B, Harness

@@ -23,15 +23,15 @@ from stallfree.hisparse import (
 from stallfree.overlap.future_map import FutureMap
 from stallfree.overlap.host_read import SyncMonitor
 from stallfree.overlap.stream import CpuStream
-from stallfree.runtime.context import BatchContext
-from stallfree.runtime.forward_batch import ForwardMode
-from stallfree.runtime.memory_pool import (
+from stallfree.runtime.execution.context import BatchContext
+from stallfree.runtime.memory.pool import (
     KVCache,
     KVCacheShape,
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
-from stallfree.runtime.req import Req
+from stallfree.runtime.model.forward_batch import ForwardMode
+from stallfree.runtime.request.req import Req
 from tests.engine_util import engine_config, guarded, random_prompts, run_greedy
 from tests.hf_models import hf_greedy, make_llama
 

@@ -11,12 +11,12 @@ from stallfree import Engine, SamplingParams
 from stallfree.config import SchedulerConfig
 from stallfree.entrypoints.cli import run_async
 from stallfree.overlap.stream import CpuStream
-from stallfree.runtime.observer import EngineObserver
-from stallfree.runtime.output_processor import OutputProcessor
-from stallfree.runtime.req import FinishReason
-from stallfree.runtime.sampler import SamplingBatch
-from stallfree.runtime.scheduler import Scheduler
-from stallfree.runtime.tokenizer import ByteTokenizer
+from stallfree.runtime.execution.sampler import SamplingBatch
+from stallfree.runtime.request.req import FinishReason
+from stallfree.runtime.scheduling.scheduler import Scheduler
+from stallfree.runtime.telemetry.observer import EngineObserver
+from stallfree.runtime.text.output_processor import OutputProcessor
+from stallfree.runtime.text.tokenizer import ByteTokenizer
 from tests.batch_harness import make_ctx, make_req
 from tests.engine_util import engine_config
 

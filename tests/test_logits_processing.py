@@ -16,7 +16,7 @@ import torch
 from pydantic import ValidationError
 
 from stallfree import Engine, SamplingParams
-from stallfree.runtime.errors import InvalidRequestError
+from stallfree.runtime.request.errors import InvalidRequestError
 from tests.engine_util import MODES, engine_config, guarded, random_prompts
 from tests.hf_models import EOS_ID, _load_hf, hf_logits, make_llama, make_qwen2
 

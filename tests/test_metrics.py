@@ -24,10 +24,9 @@ from stallfree.metrics.histogram import (
     one_two_five_buckets,
 )
 from stallfree.metrics.names import MIRROR_FIELDS, STALL_SITES
-from stallfree.runtime.observer import EngineObserver
-from stallfree.runtime.req import Req
-from stallfree.runtime.sparse import SparseStats
-from stallfree.runtime.stats import EngineCounters, EngineSnapshot, PoolUsage
+from stallfree.runtime.request.req import Req
+from stallfree.runtime.telemetry.observer import EngineObserver
+from stallfree.runtime.telemetry.stats import EngineCounters, EngineSnapshot, PoolUsage, SparseStats
 from tests.engine_util import engine_config, random_prompts
 
 

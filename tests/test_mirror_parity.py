@@ -11,11 +11,15 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from stallfree.runtime import schedule_batch as schedule_batch_module
-from stallfree.runtime.alloc import alloc_for_extend, decode_pages_needed, free_req_memory
-from stallfree.runtime.context import BatchContext
-from stallfree.runtime.req import FinishReason, Req
-from stallfree.runtime.schedule_batch import (
+from stallfree.runtime.execution.context import BatchContext
+from stallfree.runtime.request.req import FinishReason, Req
+from stallfree.runtime.scheduling import schedule_batch as schedule_batch_module
+from stallfree.runtime.scheduling.alloc import (
+    alloc_for_extend,
+    decode_pages_needed,
+    free_req_memory,
+)
+from stallfree.runtime.scheduling.schedule_batch import (
     ASSIGNED_FIELDS,
     MirrorParityError,
     ScheduleBatch,

@@ -11,8 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
-from stallfree.runtime.memory_pool import KVCache, KVCacheShape, ReqToTokenPool
+from stallfree.runtime.memory.pool import KVCache, KVCacheShape, ReqToTokenPool
 from stallfree.runtime.model import (
     PRESETS,
     LlamaForCausalLM,
@@ -20,6 +19,7 @@ from stallfree.runtime.model import (
     ModelLoadError,
     load_model,
 )
+from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from tests.hf_models import hf_greedy, hf_logits, make_llama, make_mistral, make_qwen2
 
 CPU = torch.device("cpu")

@@ -11,11 +11,12 @@ import torch
 
 from stallfree import Engine
 from stallfree.config import SchedulerConfig
-from stallfree.runtime.observer import EngineObserver
-from stallfree.runtime.output_processor import OutputProcessor
-from stallfree.runtime.req import FinishReason
-from stallfree.runtime.scheduler import Scheduler
-from stallfree.runtime.tokenizer import ByteTokenizer
+from stallfree.runtime.execution.model_runner import StepOutput
+from stallfree.runtime.request.req import FinishReason
+from stallfree.runtime.scheduling.scheduler import Scheduler
+from stallfree.runtime.telemetry.observer import EngineObserver
+from stallfree.runtime.text.output_processor import OutputProcessor
+from stallfree.runtime.text.tokenizer import ByteTokenizer
 from tests.batch_harness import make_ctx, make_req
 from tests.engine_util import engine_config, random_prompts, run_greedy
 from tests.hf_models import make_llama
@@ -38,8 +39,7 @@ def _launch(sched: Scheduler, computed: Counter) -> tuple | None:
 
 def _process(sched: Scheduler, launched: tuple, token: int = 1) -> None:
     seq, reqs, rows = launched
-    sched.process_tokens(reqs, rows, [token] * len(reqs))
-    sched.on_processed(seq)
+    sched.process(StepOutput(seq, reqs, rows, [token] * len(reqs)))
 
 
 def test_scheduler_runs_one_step_ahead_without_over_scheduling():
@@ -85,8 +85,7 @@ def test_eos_costs_at_most_one_dropped_lag_token_and_aborts_land_in_order():
     launched.append(_launch(sched, computed))
     # batch 2's result: `a` emits EOS while batch 3 (which still holds `a`) is in flight
     seq, reqs, rows = launched.pop(0)
-    sched.process_tokens(reqs, rows, [eos if r is a else 1 for r in reqs])
-    sched.on_processed(seq)
+    sched.process(StepOutput(seq, reqs, rows, [eos if r is a else 1 for r in reqs]))
     assert a.finished_reason is FinishReason.STOP
     assert a.req_pool_idx is not None  # deferred: batch 3 may still read its slots
     # abort `b` while batch 3 is in flight and batch 4 is launched
@@ -192,7 +191,7 @@ def test_abort_between_steps_is_not_a_parity_mismatch():
 
 
 async def test_a_failing_debug_check_fails_its_batch_not_the_engine(llama, monkeypatch):
-    from stallfree.runtime import schedule_batch
+    from stallfree.runtime.scheduling import schedule_batch
 
     real = schedule_batch.alloc_for_extend
 
@@ -216,22 +215,22 @@ async def test_a_failing_debug_check_fails_its_batch_not_the_engine(llama, monke
         assert not engine.core.ctx.check_mirrors and not engine.core.ctx.future_map.debug
 
 
-async def test_wait_idle_raises_once_the_scheduler_loop_is_dead(llama):
-    from stallfree.runtime.errors import EngineUnhealthyError
+async def test_wait_idle_raises_once_the_scheduler_loop_is_dead(llama, monkeypatch):
+    from stallfree.runtime.request.errors import EngineUnhealthyError
+    from stallfree.runtime.scheduling.scheduler import Scheduler
 
     async with Engine(engine_config(llama)) as engine:
-        loop = engine.core.loop
-        real = loop._schedule_and_launch
+        real = Scheduler.process
         calls = 0
 
-        def dies_on_the_fifth_call():
+        def dies_on_the_fifth_call(self, out):
             nonlocal calls
             calls += 1
             if calls == 5:
-                raise RuntimeError("scheduler bug")
-            return real()
+                raise RuntimeError("scheduler bug")  # escapes the loop: nothing catches it
+            return real(self, out)
 
-        loop._schedule_and_launch = dies_on_the_fifth_call
+        monkeypatch.setattr(Scheduler, "process", dies_on_the_fifth_call)
         result = await engine.complete([1, 2, 3], {"max_new_tokens": 50, "ignore_eos": True})
         assert result.finish_reason == "error" and "scheduler bug" in result.error
         assert not engine.healthy

@@ -8,7 +8,7 @@ from stallfree import Engine
 from stallfree.hisparse import HisparseCoordinator
 from stallfree.metrics import EngineMetrics
 from stallfree.runtime import plugins
-from stallfree.runtime.observer import MetricsExporter
+from stallfree.runtime.telemetry.observer import MetricsExporter
 from tests.engine_util import engine_config
 
 

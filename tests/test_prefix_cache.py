@@ -8,14 +8,15 @@ import pytest
 import torch
 
 from stallfree.config import SchedulerConfig
-from stallfree.runtime.observer import EngineObserver
-from stallfree.runtime.output_processor import OutputProcessor
-from stallfree.runtime.radix_cache import RadixCache
-from stallfree.runtime.req import FinishReason, Req
-from stallfree.runtime.sampling_params import SamplingParams
-from stallfree.runtime.schedule_batch import ScheduleBatch
-from stallfree.runtime.scheduler import Scheduler
-from stallfree.runtime.tokenizer import ByteTokenizer
+from stallfree.runtime.execution.model_runner import StepOutput
+from stallfree.runtime.memory.radix_cache import RadixCache
+from stallfree.runtime.request.req import FinishReason, Req
+from stallfree.runtime.request.sampling_params import SamplingParams
+from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
+from stallfree.runtime.scheduling.scheduler import Scheduler
+from stallfree.runtime.telemetry.observer import EngineObserver
+from stallfree.runtime.text.output_processor import OutputProcessor
+from stallfree.runtime.text.tokenizer import ByteTokenizer
 from tests.batch_harness import make_ctx
 
 Launched = tuple[int, list[Req], list[bool], ScheduleBatch]
@@ -53,8 +54,7 @@ def _launch(sched: Scheduler) -> Launched | None:
 
 def _process(sched: Scheduler, launched: Launched, token: int = 7) -> None:
     seq, reqs, rows, _ = launched
-    sched.process_tokens(reqs, rows, [token] * len(reqs))
-    sched.on_processed(seq)
+    sched.process(StepOutput(seq, reqs, rows, [token] * len(reqs)))
 
 
 def _drain(sched: Scheduler, in_flight: list[Launched] | None = None) -> None:
@@ -207,9 +207,8 @@ def test_a_failed_step_caches_nothing():
     sched.add_request(r)
     launched = _launch(sched)
     assert launched is not None
-    seq, reqs, _, _ = launched
-    sched.fail_batch(reqs, "step failed")  # what the loop does when a step fails
-    sched.on_processed(seq)
+    seq, reqs, rows, _ = launched
+    sched.process(StepOutput(seq, reqs, rows, None, error="injected"))  # the step failed
     assert r.finished_reason is FinishReason.ERROR
     assert sched.cache is not None and sched.cache.cached_pages == 0
     _whole_pool(sched)

@@ -10,7 +10,7 @@ import pytest
 
 from stallfree import Engine, SamplingParams
 from stallfree.runtime.core import prefix_caching_enabled
-from stallfree.runtime.radix_cache import PrefixCacheConfigError
+from stallfree.runtime.memory.radix_cache import PrefixCacheConfigError
 from tests.engine_util import engine_config, run_greedy
 from tests.hf_models import hf_greedy, make_llama
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from stallfree.runtime.memory_pool import TokenToKVPoolAllocator
-from stallfree.runtime.radix_cache import RadixCache, TreeNode, common_prefix_len
+from stallfree.runtime.memory.pool import TokenToKVPoolAllocator
+from stallfree.runtime.memory.radix_cache import RadixCache, TreeNode, common_prefix_len
 
 
 def _cache(page_size: int = 1, pages: int = 64) -> RadixCache:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from stallfree.runtime.sampler import Sampler, SamplingBatch, noise_seed
-from stallfree.runtime.sampling_params import SamplingParams
+from stallfree.runtime.execution.sampler import Sampler, SamplingBatch, noise_seed
+from stallfree.runtime.request.sampling_params import SamplingParams
 
 V = 64
 

@@ -12,7 +12,7 @@ from stallfree import Engine
 from stallfree.overlap.host_read import ScheduleSyncError, SyncMonitor
 from stallfree.overlap.stream import CpuStream
 from stallfree.overlap.strict import StrictGuard, StrictReadError
-from stallfree.runtime.schedule_batch import ScheduleBatch
+from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
 from tests.batch_harness import make_ctx, make_req
 from tests.engine_util import engine_config, guarded, random_prompts, run_greedy
 from tests.hf_models import make_llama

@@ -17,10 +17,10 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
-from stallfree.runtime.memory_pool import KVCache, ReqToTokenPool
+from stallfree.runtime.memory.pool import KVCache, ReqToTokenPool
 from stallfree.runtime.model import LoadedModel, ModelLoadError, load_model
 from stallfree.runtime.model.arch import ModelArchConfig
+from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.loader import check_tensor_parallel, read_arch
 from stallfree.runtime.model.parallel import (
     CommStats,

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from stallfree.runtime.tokenizer import (
+from stallfree.runtime.model.loader import load_tokenizer
+from stallfree.runtime.text.tokenizer import (
     ByteDetokenizer,
     ByteTokenizer,
     ChatTemplateError,
@@ -15,7 +16,6 @@ from stallfree.runtime.tokenizer import (
     Tokenizer,
     TokenizerLoadError,
     find_stop,
-    load_tokenizer,
 )
 from tests.hf_models import write_byte_tokenizer_json
 

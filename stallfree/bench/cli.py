@@ -453,7 +453,7 @@ def _workload(args: argparse.Namespace) -> WorkloadSpec:
 def _tokenize(args: argparse.Namespace) -> Any:
     if args.workload != "sharegpt":
         return None
-    from stallfree.runtime.tokenizer import load_tokenizer
+    from stallfree.runtime.model.loader import load_tokenizer
 
     source = args.tokenizer or args.model or "tiny"
     try:

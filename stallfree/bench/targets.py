@@ -86,7 +86,7 @@ class InProcessTarget:
             self.engine = None
 
     async def send(self, req: BenchRequest, opts: RequestOptions) -> RequestRecord:
-        from stallfree.runtime.sampling_params import SamplingParams
+        from stallfree.runtime.request.sampling_params import SamplingParams
 
         assert self.engine is not None
         record = RequestRecord(req.prompt_len, req.output_len, input_tokens=req.prompt_len)

@@ -398,7 +398,7 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
 
 async def _generate(args: argparse.Namespace, config: StallfreeConfig) -> int:
     from stallfree.runtime.engine import Engine
-    from stallfree.runtime.sampling_params import SamplingParams
+    from stallfree.runtime.request.sampling_params import SamplingParams
 
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -536,8 +536,8 @@ def serve_worker_node(config: StallfreeConfig) -> int:
     """`serve` on a node other than 0: no HTTP server, no scheduler; run this node's worker
     ranks, sized as node 0 sizes its pools, until node 0 stops them (or they fail)."""
     from stallfree.runtime.core import auto_stream_threads, pool_sizes
+    from stallfree.runtime.execution.worker import WorkerStartError, run_worker_node
     from stallfree.runtime.model.loader import check_tensor_parallel, read_arch
-    from stallfree.runtime.worker import WorkerStartError, run_worker_node
 
     check_tensor_parallel(config.model.path, config.parallel.tp_size)
     arch = read_arch(config.model.path)

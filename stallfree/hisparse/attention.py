@@ -12,8 +12,8 @@ import torch
 
 from stallfree.hisparse.coordinator import DecodePlan, ExtendPlan
 from stallfree.hisparse.indexer import query_proxy
-from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.attention import attend, attend_batched, causal_mask
+from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from stallfree.hisparse.coordinator import HisparseCoordinator

@@ -19,14 +19,14 @@ import torch
 
 from stallfree.hisparse.indexer import index_keys, query_proxy, select_topk, uses_selection
 from stallfree.hisparse.memory import DeviceBuffers, HostKVPool
-from stallfree.runtime.forward_batch import ForwardMode
-from stallfree.runtime.sparse import SparseStats
+from stallfree.runtime.model.forward_batch import ForwardMode
+from stallfree.runtime.telemetry.stats import SparseStats
 
 if TYPE_CHECKING:
     from stallfree.config import HisparseConfig
-    from stallfree.runtime.context import BatchContext
+    from stallfree.runtime.execution.context import BatchContext
     from stallfree.runtime.model.arch import ModelArchConfig
-    from stallfree.runtime.req import Req
+    from stallfree.runtime.request.req import Req
 
 _I64 = torch.int64
 _NEVER_EVICT = torch.iinfo(torch.int64).max

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 import torch
 
 from stallfree.hisparse.indexer import index_keys, query_proxy, select_topk, uses_selection
-from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.attention import PagedAttention, attend, causal_mask
+from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 
 
 def topk_reference_row(

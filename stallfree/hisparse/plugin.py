@@ -12,7 +12,7 @@ from stallfree.runtime.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from stallfree.config import HisparseConfig
-    from stallfree.runtime.context import BatchContext
+    from stallfree.runtime.execution.context import BatchContext
     from stallfree.runtime.model.arch import ModelArchConfig
 
 

@@ -40,13 +40,12 @@ from stallfree.metrics.names import (
     PREFIX,
     STALL_SITES,
 )
-from stallfree.runtime.observer import MetricsExporter
-from stallfree.runtime.sparse import SparseStats
-from stallfree.runtime.stats import EngineSnapshot
+from stallfree.runtime.telemetry.observer import MetricsExporter
+from stallfree.runtime.telemetry.stats import EngineSnapshot, SparseStats
 
 if TYPE_CHECKING:
     from stallfree.config import StallfreeConfig
-    from stallfree.runtime.req import Req
+    from stallfree.runtime.request.req import Req
 
 _engine_ids = itertools.count()
 SnapshotSource = Callable[[], EngineSnapshot]

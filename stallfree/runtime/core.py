@@ -19,39 +19,41 @@ from stallfree.overlap.future_map import FutureMap
 from stallfree.overlap.host_read import SyncMonitor
 from stallfree.overlap.process_stream import ProcessStream
 from stallfree.overlap.stream import DeviceStream, make_stream, resolve_device
-from stallfree.runtime.alloc import pages_for
-from stallfree.runtime.context import BatchContext
-from stallfree.runtime.loop import SchedulerLoop
-from stallfree.runtime.memory_pool import (
+from stallfree.runtime.execution.context import BatchContext
+from stallfree.runtime.execution.executor import Executor, LocalExecutor
+from stallfree.runtime.execution.model_runner import ModelRunner
+from stallfree.runtime.execution.sampler import Sampler
+from stallfree.runtime.execution.worker import RemoteExecutor, start_workers, worker_spec
+from stallfree.runtime.memory.pool import (
     KVCache,
     KVCacheShape,
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
+from stallfree.runtime.memory.radix_cache import PrefixCacheConfigError, RadixCache
 from stallfree.runtime.model.arch import ModelArchConfig
 from stallfree.runtime.model.loader import (
     LoadedModel,
     check_tensor_parallel,
     load_model,
+    load_tokenizer,
     read_arch,
     weights_dtype,
 )
-from stallfree.runtime.model_runner import ModelRunner
-from stallfree.runtime.observer import ObserverFanout
-from stallfree.runtime.output_processor import OutputProcessor
 from stallfree.runtime.plugins import load_sparse_attention_plugin
-from stallfree.runtime.radix_cache import PrefixCacheConfigError, RadixCache
-from stallfree.runtime.sampler import Sampler
-from stallfree.runtime.scheduler import Scheduler
-from stallfree.runtime.stats import (
+from stallfree.runtime.scheduling.alloc import pages_for
+from stallfree.runtime.scheduling.loop import SchedulerLoop
+from stallfree.runtime.scheduling.scheduler import Scheduler
+from stallfree.runtime.telemetry.observer import ObserverFanout
+from stallfree.runtime.telemetry.stats import (
     ActivityClock,
     EngineCounters,
     EngineSnapshot,
     PoolUsage,
     WorkerRankStats,
 )
-from stallfree.runtime.tokenizer import Tokenizer, load_tokenizer
-from stallfree.runtime.worker import RemoteModelRunner, start_workers, worker_spec
+from stallfree.runtime.text.output_processor import OutputProcessor
+from stallfree.runtime.text.tokenizer import Tokenizer
 
 
 @dataclass(slots=True, eq=False)
@@ -276,12 +278,13 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
         cache=cache,
     )
     faults = FaultInjector(config.faults) if config.faults.enabled else None
-    runner: ModelRunner
+    executor: Executor
     if isinstance(stream, ProcessStream):
-        runner = RemoteModelRunner(ctx, stream, faults)
+        executor = RemoteExecutor(ctx, stream)
     else:
         assert loaded is not None
-        runner = ModelRunner(loaded.model, ctx, Sampler(config.model.seed, device), faults=faults)
+        executor = LocalExecutor(loaded.model, ctx, Sampler(config.model.seed, device), faults)
+    runner = ModelRunner(ctx, executor, faults)
     loop = SchedulerLoop(
         scheduler,
         runner,
@@ -310,4 +313,22 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
         activity=activity,
         max_waiting_requests=waiting_limit(config),
         worker_stats=worker_stats,
+    )
+
+
+def describe_engine(core: EngineCore) -> str:
+    """One line naming the model, device, dtype, modes and capacity."""
+    cfg = core.config
+    dtype = str(core.dtype).removeprefix("torch.")
+    allocator = core.ctx.allocator
+
+    def on(flag: bool) -> str:
+        return "on" if flag else "off"
+
+    return (
+        f"model={cfg.model.path} device={core.stream.device} dtype={dtype} "
+        f"overlap={on(cfg.runtime.overlap)} cpu_mirrors={on(cfg.runtime.cpu_mirrors)} "
+        f"hisparse={on(cfg.hisparse.enabled)} kv_slots={allocator.size} "
+        f"page_size={allocator.page_size} request_slots={core.ctx.req_to_token_pool.size} "
+        f"max_context_len={core.max_context_len} max_waiting={core.max_waiting_requests}"
     )

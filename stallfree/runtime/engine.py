@@ -19,24 +19,22 @@ import torch
 
 from stallfree.config import StallfreeConfig, load_config
 from stallfree.overlap.stream import StreamError
-from stallfree.runtime.alloc import free_req_memory, import_prebuilt_kv
-from stallfree.runtime.core import EngineCore, build_core
-from stallfree.runtime.errors import (
+from stallfree.runtime.core import EngineCore, build_core, describe_engine
+from stallfree.runtime.plugins import load_metrics_plugin
+from stallfree.runtime.request.errors import (
     EngineOverloadedError,
     EngineUnhealthyError,
     InvalidRequestError,
 )
-from stallfree.runtime.logits import TokenLogprobs
-from stallfree.runtime.observer import EngineObserver, MetricsExporter
-from stallfree.runtime.output_processor import GenerationChunk, GenerationResult, RequestStream
-from stallfree.runtime.plugins import load_metrics_plugin
-from stallfree.runtime.req import FinishReason, Req
-from stallfree.runtime.request_log import RequestLogger, describe_engine
-from stallfree.runtime.sampling_params import SamplingParams
-from stallfree.runtime.schedule_batch import ScheduleBatch
-from stallfree.runtime.stats import EngineSnapshot, PoolUsage
-from stallfree.runtime.tokenizer import Tokenizer
-from stallfree.runtime.validation import RequestValidator, show
+from stallfree.runtime.request.outputs import GenerationChunk, GenerationResult, TokenLogprobs
+from stallfree.runtime.request.req import FinishReason, Req
+from stallfree.runtime.request.sampling_params import SamplingParams
+from stallfree.runtime.telemetry.observer import EngineObserver, MetricsExporter
+from stallfree.runtime.telemetry.request_log import RequestLogger
+from stallfree.runtime.telemetry.stats import EngineSnapshot, PoolUsage
+from stallfree.runtime.text.output_processor import RequestStream
+from stallfree.runtime.text.tokenizer import Tokenizer
+from stallfree.runtime.text.validation import RequestValidator, show
 
 __all__ = [
     "Engine",
@@ -202,10 +200,6 @@ class Engine:
         """Raise `InvalidRequestError` unless `ids` (and `max_new_tokens` more) can be served."""
         self.validator.check_prompt(ids, max_new_tokens, param, params)
 
-    def check_params(self, params: SamplingParams) -> None:
-        """The sampling bounds that depend on the model: top_k and stop token ids."""
-        self.validator.check_params(params)
-
     def encode(self, text: str, param: str = "prompt") -> list[int]:
         """Tokenize client text; text the tokenizer cannot take is an `InvalidRequestError`."""
         return self.validator.encode(text, param)
@@ -215,8 +209,9 @@ class Engine:
         if not self.accepting:
             raise EngineOverloadedError("engine is not running")
         if not self.healthy:
+            why = self.core.loop.closed_because or "a failure"
             raise EngineUnhealthyError(
-                "engine failed closed after repeated step failures; it takes no new requests"
+                f"engine failed closed after {why}; it takes no new requests"
             )
         limit = self.max_waiting_requests
         if self.core.scheduler.num_waiting >= limit:
@@ -326,31 +321,15 @@ class Engine:
         behind: the request id stays free.
         """
         req = self._new_req(prompt_ids, params, rid)
-        if (
-            isinstance(first_token_id, bool)
-            or not isinstance(first_token_id, int)
-            or not 0 <= first_token_id < self.vocab_size
-        ):
-            raise InvalidRequestError(
-                f"first_token_id must be a token id in [0, {self.vocab_size}), "
-                f"not {show(first_token_id)}",
-                param="first_token_id",
-            )
         core = self.core
-        import_prebuilt_kv(core.ctx, req, kv, first_token_id)
+        self.validator.check_prebuilt(
+            len(req.origin_input_ids), kv, first_token_id, core.ctx.kv_cache.shape
+        )
+        stream = self._register(req)
         try:
-            stream = self._register(req)
-            batch = ScheduleBatch.init_new([req], core.ctx)
-            batch.prepare_for_prebuilt()
-            core.scheduler.add_prebuilt(batch, first_token_id)
+            core.scheduler.add_prebuilt(req, kv, first_token_id)
         except BaseException:
             self._unregister(req)
-            if req.finished:
-                pass  # its memory is on the deferred-free list already
-            else:
-                req.finish(FinishReason.ERROR, "prebuilt import failed")
-                # NOTE: nothing launched reads these fresh slots: free at once
-                free_req_memory(core.ctx.req_to_token_pool, core.ctx.allocator, req)
             raise
         core.loop.notify()
         async with contextlib.aclosing(self._drain(req, stream)) as chunks:

@@ -16,11 +16,11 @@ if TYPE_CHECKING:
     from torch import nn
 
     from stallfree.config import HisparseConfig, StallfreeConfig
-    from stallfree.runtime.context import BatchContext
+    from stallfree.runtime.execution.context import BatchContext
+    from stallfree.runtime.execution.sparse import SparseAttention
     from stallfree.runtime.model.arch import ModelArchConfig
-    from stallfree.runtime.observer import MetricsExporter
-    from stallfree.runtime.sparse import SparseAttention
-    from stallfree.runtime.stats import EngineSnapshot
+    from stallfree.runtime.telemetry.observer import MetricsExporter
+    from stallfree.runtime.telemetry.stats import EngineSnapshot
 
 SPARSE_ATTENTION_GROUP = "stallfree.sparse_attention"
 METRICS_GROUP = "stallfree.metrics"

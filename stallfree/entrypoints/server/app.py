@@ -25,7 +25,7 @@ from stallfree.entrypoints.server.protocol import ErrorInfo
 from stallfree.entrypoints.server.routes import api_routes, open_routes
 from stallfree.entrypoints.server.state import Lifecycle, ServerState, server_state
 from stallfree.runtime.engine import Engine
-from stallfree.runtime.errors import InvalidRequestError
+from stallfree.runtime.request.errors import InvalidRequestError
 
 logger = logging.getLogger("stallfree.server")
 

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from stallfree.entrypoints.server.protocol import ErrorInfo, ErrorResponse
-from stallfree.runtime.errors import (
+from stallfree.runtime.request.errors import (
     EngineOverloadedError,
     EngineUnhealthyError,
     InvalidRequestError,

@@ -21,8 +21,8 @@ from stallfree.entrypoints.server.responses import (
     CompletionLogprobs,
     TopLogprob,
 )
-from stallfree.runtime.logits import TokenLogprobs
-from stallfree.runtime.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from stallfree.runtime.request.outputs import TokenLogprobs
+from stallfree.runtime.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 # NOTE: JSON has no -inf; a token with no probability at all is shown as vLLM shows it
 _NO_PROBABILITY = -9999.0

@@ -43,9 +43,8 @@ from stallfree.entrypoints.server.responses import (
 )
 from stallfree.entrypoints.server.state import ServerState, server_state
 from stallfree.entrypoints.server.streaming import DONE, Context, Generation, Result, respond, sse
-from stallfree.runtime.logits import TokenLogprobs
-from stallfree.runtime.output_processor import GenerationChunk
-from stallfree.runtime.tokenizer import Tokenizer
+from stallfree.runtime.request.outputs import GenerationChunk, TokenLogprobs
+from stallfree.runtime.text.tokenizer import Tokenizer
 
 # NOTE: OpenAI clients parse only their own finish reasons. A request the engine aborted (past
 # its deadline) was cut short by a server limit, as `length` is by max_tokens; `error` never

@@ -27,8 +27,8 @@ from stallfree.entrypoints.server.protocol import (
 )
 from stallfree.entrypoints.server.state import ServerState
 from stallfree.runtime.engine import Engine
-from stallfree.runtime.sampling_params import INT64_MAX, SamplingParams
-from stallfree.runtime.tokenizer import ChatTemplateError
+from stallfree.runtime.request.sampling_params import INT64_MAX, SamplingParams
+from stallfree.runtime.text.tokenizer import ChatTemplateError
 
 
 @contextlib.contextmanager

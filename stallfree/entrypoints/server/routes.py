@@ -20,8 +20,8 @@ from stallfree.entrypoints.server.requests import check_model, converting, nativ
 from stallfree.entrypoints.server.responses import ModelCard, ModelList
 from stallfree.entrypoints.server.state import server_state
 from stallfree.entrypoints.server.streaming import DONE, Context, Generation, Result, respond, sse
-from stallfree.runtime.output_processor import GenerationChunk
-from stallfree.runtime.sampling_params import SamplingParams
+from stallfree.runtime.request.outputs import GenerationChunk
+from stallfree.runtime.request.sampling_params import SamplingParams
 
 
 def open_routes() -> APIRouter:

@@ -36,10 +36,9 @@ from stallfree.entrypoints.server.errors import (
 from stallfree.entrypoints.server.protocol import ErrorResponse
 from stallfree.entrypoints.server.state import Lifecycle, request_id, server_state
 from stallfree.runtime.engine import Engine
-from stallfree.runtime.errors import EngineOverloadedError
-from stallfree.runtime.logits import TokenLogprobs
-from stallfree.runtime.output_processor import GenerationChunk
-from stallfree.runtime.sampling_params import SamplingParams
+from stallfree.runtime.request.errors import EngineOverloadedError
+from stallfree.runtime.request.outputs import GenerationChunk, TokenLogprobs
+from stallfree.runtime.request.sampling_params import SamplingParams
 
 logger = logging.getLogger("stallfree.server")
 DONE = "data: [DONE]\n\n"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 
 
 def _probe_enable_gqa() -> bool:

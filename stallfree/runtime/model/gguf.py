@@ -23,7 +23,7 @@ import torch
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
 
 if TYPE_CHECKING:
-    from stallfree.runtime.tokenizer import HFTokenizer
+    from stallfree.runtime.text.tokenizer import HFTokenizer
 
 _INSTALL_HINT = "pip install 'stallfree[gguf]'"
 
@@ -260,7 +260,7 @@ def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def load_gguf_tokenizer(path: str | Path, eos_token_ids: list[int] | None = None) -> HFTokenizer:
     """The GGUF's tokenizer as an `HFTokenizer`, tokenising as transformers does from the file."""
-    from stallfree.runtime.tokenizer import HFTokenizer, TokenizerLoadError
+    from stallfree.runtime.text.tokenizer import HFTokenizer, TokenizerLoadError
 
     path = Path(path)
     _, meta = _open(path, TokenizerLoadError)

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.attention import PagedAttention
+from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.parallel import (
     TPGroup,
     local_heads,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from stallfree.runtime.memory_pool import KVCacheShape
+from stallfree.runtime.memory.pool import KVCacheShape
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
 from stallfree.runtime.model.llama import LlamaForCausalLM
 from stallfree.runtime.model.parallel import (
@@ -22,6 +22,7 @@ from stallfree.runtime.model.parallel import (
     shard_spec,
     validate_tp,
 )
+from stallfree.runtime.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -339,3 +340,13 @@ def _check_complete(found: set[str], expected: set[str]) -> None:
             f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
         )
         raise ModelLoadError(f"missing tensors in checkpoint: {shown}")
+
+
+def load_tokenizer(path_or_preset: str, eos_token_ids: list[int] | None = None) -> Tokenizer:
+    if path_or_preset in PRESETS:
+        return ByteTokenizer()
+    if str(path_or_preset).lower().endswith(".gguf"):
+        from stallfree.runtime.model.gguf import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path_or_preset, eos_token_ids)
+    return HFTokenizer(path_or_preset, eos_token_ids)

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stallfree.runtime.errors import EngineOverloadedError, InvalidRequestError
+from stallfree.runtime.request.errors import EngineOverloadedError
 
 if TYPE_CHECKING:
-    from stallfree.runtime.context import BatchContext
-    from stallfree.runtime.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-    from stallfree.runtime.radix_cache import RadixCache, TreeNode
-    from stallfree.runtime.req import Req
+    from stallfree.runtime.execution.context import BatchContext
+    from stallfree.runtime.memory.pool import ReqToTokenPool, TokenToKVPoolAllocator
+    from stallfree.runtime.memory.radix_cache import RadixCache, TreeNode
+    from stallfree.runtime.request.req import Req
 
 
 class OutOfMemoryError(RuntimeError):
@@ -207,38 +207,12 @@ def import_prebuilt_kv(
 ) -> None:
     """Give `req` a slot and pages holding KV computed elsewhere (decode-side disaggregation).
 
-    `kv[layer]` is (k, v), each [len(prompt), num_kv_heads, head_dim] with RoPE applied. The
-    table row, the KV and the first token (in the future map) are written on the stream.
+    `kv[layer]` is (k, v), each [len(prompt), num_kv_heads, head_dim] with RoPE applied, as
+    `RequestValidator.check_prebuilt` checked it. The table row, the KV and the first token (in
+    the future map) are written on the stream. Raises `EngineOverloadedError`, holding nothing,
+    when there is no room.
     """
-    if ctx.sparse is not None:
-        raise InvalidRequestError("prebuilt KV import is not supported with sparse attention")
-    if ctx.table_journal is not None:
-        raise InvalidRequestError(
-            "prebuilt KV import is not supported with worker processes yet "
-            "(runtime.worker=process or parallel.tp_size > 1)"
-        )
-    shape = ctx.kv_cache.shape
     n = len(req.origin_input_ids)
-    want = (n, shape.num_kv_heads, shape.head_dim)
-
-    def well_formed(layer: object) -> bool:
-        if not isinstance(layer, (tuple, list)) or len(layer) != 2:
-            return False
-        return all(
-            isinstance(t, torch.Tensor) and t.is_floating_point() and tuple(t.shape) == want
-            for t in layer
-        )
-
-    if (
-        not isinstance(kv, (list, tuple))
-        or len(kv) != shape.num_layers
-        or not all(well_formed(layer) for layer in kv)
-    ):
-        raise InvalidRequestError(
-            f"prebuilt KV must be {shape.num_layers} layers of (k, v) floating-point tensors "
-            f"of shape {want}",
-            param="kv",
-        )
     allocator, pool = ctx.allocator, ctx.req_to_token_pool
     slots = pool.alloc(1)
     pages = allocator.alloc_pages(pages_for(n, allocator.page_size))

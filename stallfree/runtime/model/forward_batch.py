@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from stallfree.runtime.memory_pool import KVCache
+    from stallfree.runtime.memory.pool import KVCache
 
 
 class ForwardMode(enum.Enum):
@@ -42,7 +42,7 @@ class ForwardBatch:
     kv_cache: KVCache
     # original prompt length per request: a re-prefill after retraction also carries outputs
     prompt_lens_cpu: list[int] = field(default_factory=list)
-    # a sparse-attention plug-in's plan for this step, opaque to the core (see runtime/sparse.py)
+    # a sparse-attention plug-in's plan for this step, opaque to the core (see runtime/execution/sparse.py)
     sparse_plan: object = None
     # device [N] int64: flat token offsets whose logits the model also returns, after the last
     # tokens' rows (prompt logprobs); None: only the last tokens'

@@ -11,14 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
-from stallfree.overlap.stream import StreamError
-from stallfree.runtime.forward_batch import ForwardMode
-from stallfree.runtime.model_runner import LaunchedBatch, ModelRunner
-from stallfree.runtime.observer import EngineObserver
-from stallfree.runtime.scheduler import Scheduler, describe_reqs
-from stallfree.runtime.stats import EngineCounters
+from stallfree.runtime.execution.model_runner import LaunchedBatch, ModelRunner
+from stallfree.runtime.model.forward_batch import ForwardMode
+from stallfree.runtime.scheduling.scheduler import Scheduler, describe_reqs
+from stallfree.runtime.telemetry.observer import EngineObserver
+from stallfree.runtime.telemetry.stats import EngineCounters
 
 logger = logging.getLogger(__name__)
 
@@ -35,27 +33,27 @@ class SchedulerLoop:
         self.max_consecutive_failures = max_consecutive_failures
         self.consecutive_failures = 0
         self.failed_closed = False
+        self.closed_because = ""  # why it failed closed: step failures, or a lost worker
         self.scheduler = scheduler
         self.observer = observer or EngineObserver()
-        self._in_flight = False
         self.runner = runner
         self.overlap = overlap
         self.stats: EngineCounters = scheduler.stats  # NOTE: one set of counters, shared
         self.wake = asyncio.Event()
         self.stopping = False
-        self.on_step_error: Callable[[LaunchedBatch, BaseException], None] | None = None
         self._aio_loop: asyncio.AbstractEventLoop | None = None
 
     def fail_closed_from_thread(self, error: BaseException) -> None:
         """Another thread found the device lost (a worker process died): fail closed now,
         waking the loop if it is idle. Safe to call from any thread."""
         logger.error("device lost: %s", error)
+        self.closed_because = f"the device was lost: {error}"
         self.failed_closed = True
         aio = self._aio_loop
         if aio is not None and not aio.is_closed():
             aio.call_soon_threadsafe(self.wake.set)
 
-    def _schedule_and_launch(self) -> LaunchedBatch | None:
+    def _schedule_and_launch(self, in_flight: bool) -> LaunchedBatch | None:
         start = time.perf_counter()
         scheduler = self.scheduler
         launched = None
@@ -64,7 +62,7 @@ class SchedulerLoop:
             if batch is not None:
                 # NOTE: the sequence number is taken only once the launch succeeded, so a failed
                 # launch leaves no number that no processed batch will ever release
-                launched = self.runner.launch(batch, scheduler.launch_seq + 1)
+                launched = self.runner.launch(batch.step_input(), scheduler.launch_seq + 1)
                 scheduler.on_launched()
                 self.stats.steps += 1
             scheduler.building = None
@@ -74,7 +72,7 @@ class SchedulerLoop:
         elapsed = time.perf_counter() - start
         if launched is not None:
             self.stats.schedule_seconds += elapsed
-            overlapped = self.overlap and self._in_flight
+            overlapped = self.overlap and in_flight
             self.observer.on_schedule(elapsed)
             decode = launched.mode is ForwardMode.DECODE
             self.observer.on_step(len(launched.reqs), decode, overlapped)
@@ -95,33 +93,28 @@ class SchedulerLoop:
         )
 
     async def _process(self, launched: LaunchedBatch) -> None:
-        try:
-            token_ids = await launched.wait_token_ids()
-        except StreamError as exc:
+        out = await launched.result()
+        if out.ok:
+            self.consecutive_failures = 0
+        else:
             self.stats.step_failures += 1
             self.consecutive_failures += 1
             logger.error(
                 "step %d failed (%d in a row): %s; failing requests %s",
-                launched.seq,
+                out.seq,
                 self.consecutive_failures,
-                exc,
-                describe_reqs(launched.reqs),
+                out.error,
+                describe_reqs(out.reqs),
             )
-            self.scheduler.fail_batch(launched.reqs, f"step failed: {exc}")
-            if self.on_step_error is not None:
-                self.on_step_error(launched, exc)
-            if self.consecutive_failures >= self.max_consecutive_failures:
+            if (
+                self.consecutive_failures >= self.max_consecutive_failures
+                and not self.failed_closed
+            ):
                 self.failed_closed = True
-        else:
-            self.consecutive_failures = 0
-            self.scheduler.process_tokens(
-                launched.reqs,
-                launched.output_rows,
-                token_ids,
-                launched.logprobs,
-                launched.logits_plan,
-            )
-        self.scheduler.on_processed(launched.seq)
+                self.closed_because = (
+                    f"{self.consecutive_failures} consecutive step failures, the last: {out.error}"
+                )
+        self.scheduler.process(out)
 
     async def run(self) -> None:
         self._aio_loop = asyncio.get_running_loop()
@@ -134,14 +127,13 @@ class SchedulerLoop:
             if self.failed_closed:
                 await self._fail_closed(in_flight)
                 return
-            launched = self._schedule_and_launch()
+            launched = self._schedule_and_launch(in_flight is not None)
             if self.overlap:
                 if in_flight is not None:
                     if launched is not None:
                         self.stats.overlap_steps += 1
                     await self._process(in_flight)
                 in_flight = launched
-                self._in_flight = in_flight is not None
             elif launched is not None:
                 await self._process(launched)
             if in_flight is None and launched is None:
@@ -158,14 +150,13 @@ class SchedulerLoop:
                 await asyncio.sleep(0)
 
     async def _fail_closed(self, in_flight: LaunchedBatch | None) -> None:
-        """Too many failed steps in a row: drain what is launched, fail everything else."""
+        """Too many failed steps in a row, or a lost worker: drain what is launched, fail
+        everything else."""
         if in_flight is not None:
             await self._process(in_flight)
-        n = self.consecutive_failures
-        logger.error(
-            "engine failed closed after %d consecutive step failures; failing every request", n
-        )
-        self.scheduler.fail_all(f"engine failed closed after {n} consecutive step failures")
+        why = self.closed_because or "an unknown cause"
+        logger.error("engine failed closed after %s; failing every request", why)
+        self.scheduler.fail_all(f"engine failed closed after {why}")
 
     def notify(self) -> None:
         self.wake.set()

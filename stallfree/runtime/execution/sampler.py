@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stallfree.runtime.sampling_params import SamplingParams
+from stallfree.runtime.request.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

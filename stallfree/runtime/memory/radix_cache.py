@@ -22,11 +22,10 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from stallfree.runtime.memory_pool import TokenToKVPoolAllocator
-    from stallfree.runtime.stats import EngineCounters
+    from stallfree.runtime.memory.pool import TokenToKVPoolAllocator
 
 
 class PrefixCacheConfigError(ValueError):
@@ -62,9 +61,15 @@ class TreeNode:
         self.last_access = 0
 
 
+class EvictionCounter(Protocol):
+    """Where the cache counts what eviction frees (the engine's counters)."""
+
+    prefix_cache_evicted_tokens: int
+
+
 class RadixCache:
     def __init__(
-        self, allocator: TokenToKVPoolAllocator, counters: EngineCounters | None = None
+        self, allocator: TokenToKVPoolAllocator, counters: EvictionCounter | None = None
     ) -> None:
         self.allocator = allocator
         self.counters = counters  # eviction adds to `prefix_cache_evicted_tokens`

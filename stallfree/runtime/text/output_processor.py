@@ -16,41 +16,10 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from stallfree.runtime.logits import TokenLogprobs
-from stallfree.runtime.observer import EngineObserver
-from stallfree.runtime.req import Req
-from stallfree.runtime.tokenizer import Detokenizer, Tokenizer, find_stop
-
-
-@dataclass(slots=True)
-class GenerationChunk:
-    rid: str
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-    # with `logprobs` set: one entry per token of `token_ids`
-    logprobs: list[TokenLogprobs] | None = None
-    # with `prompt_logprobs` set, in the first chunk only: one per prompt token, the first None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    cached_tokens: int = 0  # prompt tokens the prefix cache served at the last admission
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    rid: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    error: str | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    cached_tokens: int = 0
+from stallfree.runtime.request.outputs import GenerationChunk, TokenLogprobs
+from stallfree.runtime.request.req import Req
+from stallfree.runtime.telemetry.observer import EngineObserver
+from stallfree.runtime.text.tokenizer import Detokenizer, Tokenizer, find_stop
 
 
 @dataclass(slots=True, eq=False)

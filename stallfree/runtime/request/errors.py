@@ -22,4 +22,4 @@ class EngineOverloadedError(RuntimeError):
 
 
 class EngineUnhealthyError(RuntimeError):
-    """The engine failed closed after repeated step failures and takes no new work."""
+    """The engine failed closed (repeated step failures, or a lost worker) and takes no new work."""

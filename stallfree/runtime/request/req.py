@@ -7,11 +7,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from stallfree.runtime.sampling_params import SamplingParams
+from stallfree.runtime.request.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from stallfree.runtime.logits import TokenLogprobs
-    from stallfree.runtime.radix_cache import TreeNode
+    from stallfree.runtime.memory.radix_cache import TreeNode
+    from stallfree.runtime.request.outputs import TokenLogprobs
 
 
 class FinishReason(str, enum.Enum):
@@ -53,7 +53,7 @@ class Req:
     # host bookkeeping for the consumer side, opaque to the scheduler
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
-    # logits processing (runtime/logits.py): the retraction count the device penalty row was
+    # logits processing (runtime/execution/logits.py): the retraction count the device penalty row was
     # last built for (-1: never), and the prompt tokens scored so far (token j at index j - 1)
     penalty_epoch: int = -1
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)

@@ -10,11 +10,29 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from stallfree.runtime.observer import EngineObserver
-from stallfree.runtime.sparse import SparseStats
+from stallfree.runtime.telemetry.observer import EngineObserver
 
 if TYPE_CHECKING:
-    from stallfree.runtime.req import Req
+    from stallfree.runtime.request.req import Req
+
+
+@dataclass(frozen=True, slots=True)
+class SparseStats:
+    """Cumulative transfer counters and current occupancy of a sparse-attention plug-in."""
+
+    hits: int = 0  # top-k selections found in the device buffer
+    misses: int = 0  # top-k selections copied in from the host
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    host_pool_used: int = 0
+    host_pool_total: int = 0
+    buffer_slots_used: int = 0
+    buffer_slots_total: int = 0
+    rows_tracked: int = 0
+
+    @property
+    def all_free(self) -> bool:
+        return self.host_pool_used == 0 and self.buffer_slots_used == 0 and not self.rows_tracked
 
 
 @dataclass(slots=True)

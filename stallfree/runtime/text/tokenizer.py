@@ -10,8 +10,6 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-PRESETS = ("tiny", "bench-cpu")
-
 _REPLACEMENT = "\ufffd"
 # tokens decoded before the read offset so context-dependent decoders (leading spaces) agree
 _PREFIX_WINDOW = 5
@@ -246,16 +244,6 @@ def _chat_template(config: dict[str, Any], directory: Path) -> str | None:
         return str(template)
     jinja = directory / "chat_template.jinja"
     return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
-
-
-def load_tokenizer(path_or_preset: str, eos_token_ids: list[int] | None = None) -> Tokenizer:
-    if path_or_preset in PRESETS:
-        return ByteTokenizer()
-    if str(path_or_preset).lower().endswith(".gguf"):
-        from stallfree.runtime.model.gguf import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(path_or_preset, eos_token_ids)
-    return HFTokenizer(path_or_preset, eos_token_ids)
 
 
 class Detokenizer(ABC):

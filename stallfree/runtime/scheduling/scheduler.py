@@ -1,7 +1,7 @@
 """Host-side scheduling: admission, chunked prefill, decode, retraction and deferred free.
 
 Nothing here reads a device tensor when `cpu_mirrors` is on. `get_next_batch` builds batch N+1
-while batch N may still be running; `process_result` applies batch N's tokens afterwards.
+while batch N may still be running; `process` applies batch N's result afterwards.
 
 With a prefix cache (`cache`), admission starts a request after its longest cached prefix, and
 the cache takes a request's pages at two points, both once the step that computed them is
@@ -16,25 +16,29 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from stallfree.config import SchedulerConfig
-from stallfree.runtime.alloc import (
+from stallfree.runtime.execution.context import BatchContext
+from stallfree.runtime.execution.model_runner import StepOutput
+from stallfree.runtime.memory.radix_cache import RadixCache, TreeNode
+from stallfree.runtime.request.errors import InvalidRequestError
+from stallfree.runtime.request.outputs import TokenLogprobs
+from stallfree.runtime.request.req import FinishReason, Req, ReqStatus
+from stallfree.runtime.scheduling.admission import Admit, PrefillAdder
+from stallfree.runtime.scheduling.alloc import (
     decode_pages_needed,
-    new_pages_needed,
-    pages_for,
+    free_req_memory,
+    import_prebuilt_kv,
     release_req_memory,
 )
-from stallfree.runtime.context import BatchContext
-from stallfree.runtime.logits import LogitsPlan, LogprobBuffers, TokenLogprobs
-from stallfree.runtime.observer import EngineObserver
-from stallfree.runtime.output_processor import OutputProcessor
-from stallfree.runtime.radix_cache import RadixCache, TreeNode
-from stallfree.runtime.req import FinishReason, Req, ReqStatus
-from stallfree.runtime.schedule_batch import ScheduleBatch
-from stallfree.runtime.stats import EngineCounters
+from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
+from stallfree.runtime.telemetry.observer import EngineObserver
+from stallfree.runtime.telemetry.stats import EngineCounters
+from stallfree.runtime.text.output_processor import OutputProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,17 @@ def describe_reqs(reqs: list[Req], limit: int = 8) -> str:
     """Request ids for a log line, at most `limit` of them."""
     rids = ", ".join(r.rid for r in reqs[:limit])
     return rids + (f" and {len(reqs) - limit} more" if len(reqs) > limit else "")
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """A waiting request's cached prefix: its pages, the node they end at, how many tokens they
+    hold, and how many pages admitting it locked."""
+
+    pages: list[int] = field(default_factory=list)
+    node: TreeNode | None = None
+    tokens: int = 0
+    locked: int = 0
 
 
 @dataclass(slots=True)
@@ -84,7 +99,6 @@ class Scheduler:
     # the cache takes those pages once the batch is processed without failing
     cache_records: dict[int, list[tuple[Req, int, int]]] = field(default_factory=dict)
     _building_records: list[tuple[Req, int, int]] | None = None
-    _step_ok: bool = False
 
     def __post_init__(self) -> None:
         self.running_batch = ScheduleBatch.init_new([], self.ctx)
@@ -151,17 +165,36 @@ class Scheduler:
             self.stats.decode_batches += 1
             return running
 
-    def add_prebuilt(self, batch: ScheduleBatch, first_token_id: int) -> None:
-        """Join requests whose prompt KV was imported; their first token came with them."""
-        for req in batch.reqs:
+    def add_prebuilt(
+        self, req: Req, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], first_token_id: int
+    ) -> None:
+        """Join a request whose prompt KV was computed elsewhere, its first token with it
+        (decode-side disaggregation). `kv` is checked already (`validate_prebuilt_kv`). Raises
+        with nothing left behind if it cannot join."""
+        ctx = self.ctx
+        if ctx.sparse is not None:
+            raise InvalidRequestError("prebuilt KV import is not supported with sparse attention")
+        if ctx.table_journal is not None:
+            raise InvalidRequestError(
+                "prebuilt KV import is not supported with worker processes yet "
+                "(runtime.worker=process or parallel.tp_size > 1)"
+            )
+        import_prebuilt_kv(ctx, req, kv, first_token_id)
+        try:
+            batch = ScheduleBatch.init_new([req], ctx)
+            batch.prepare_for_prebuilt()
             req.status = ReqStatus.RUNNING
             req.num_scheduled_outputs = 1
             self._accept(req, first_token_id, time.perf_counter())
-        keep = [i for i, r in enumerate(batch.reqs) if r.wants_more_decode()]
-        if keep:
-            batch.filter_batch(keep)
-            assert self.running_batch is not None
-            self.running_batch.merge_batch(batch)
+            if req.wants_more_decode():
+                assert self.running_batch is not None
+                self.running_batch.merge_batch(batch)
+        except BaseException:
+            if not req.finished:
+                req.finish(FinishReason.ERROR, "prebuilt import failed")
+                # NOTE: nothing launched reads these fresh slots: free at once
+                free_req_memory(ctx.req_to_token_pool, ctx.allocator, req)
+            raise
 
     def _merge_last_extend(self) -> None:
         batch, self.last_extend = self.last_extend, None
@@ -200,41 +233,48 @@ class Scheduler:
             self.stale_waiting = 0
             if self.chunked_req is None:
                 return None
-        allocator = self.ctx.allocator
-        page_size = allocator.page_size
-        budget = self.config.max_prefill_tokens
-        free_tokens = allocator.available_size() - self._reserved_tokens()
-        free_slots = self.ctx.req_to_token_pool.available_size()
-        reqs: list[Req] = []
-        lens: list[int] = []
-        self.building = reqs  # NOTE: the same list, filled below
-
+        adder = self._new_adder()
+        self.building = adder.reqs  # NOTE: the same list, filled below
         chunked = self.chunked_req
         if chunked is not None:
-            ext = min(
-                chunked.fill_len - chunked.num_computed_tokens,
-                self.config.chunked_prefill_size,
-                budget,
-            )
-            cost = (
-                new_pages_needed(chunked, chunked.num_computed_tokens + ext, page_size) * page_size
-            )
-            if cost > allocator.available_size():
+            outcome = adder.add_chunked(chunked)
+            if outcome is Admit.NO_ROOM:
                 return None
-            reqs.append(chunked)
-            lens.append(ext)
-            budget -= ext
-            free_tokens -= cost
-            if chunked.num_computed_tokens + ext == chunked.fill_len:
+            if outcome is Admit.ADDED:
                 self.chunked_req = None
+        self._admit_waiting(adder)
+        if not adder.reqs:
+            return None
+        batch = ScheduleBatch.init_new(adder.reqs, self.ctx)
+        batch.prepare_for_extend(adder.extend_lens)
+        self.stats.prefill_tokens += sum(adder.extend_lens)
+        if self.cache is not None:
+            ends = batch.seq_lens_cpu.tolist()
+            self._building_records = [
+                (r, end, r.num_retractions) for r, end in zip(batch.reqs, ends, strict=True)
+            ]
+        return batch
 
-        running = self.num_running - (chunked is not None)
-        cache = self.cache
-        lpm = cache is not None and self.config.policy == "lpm"
+    def _new_adder(self) -> PrefillAdder:
+        allocator = self.ctx.allocator
+        return PrefillAdder(
+            allocator=allocator,
+            budget=self.config.max_prefill_tokens,
+            free_tokens=allocator.available_size() - self._reserved_tokens(),
+            free_slots=self.ctx.req_to_token_pool.available_size(),
+            running=self.num_running - (self.chunked_req is not None),
+            max_running=self.max_running_requests,
+            chunk_size=self.config.chunked_prefill_size,
+            new_token_ratio=self.config.new_token_ratio,
+        )
+
+    def _admit_waiting(self, adder: PrefillAdder) -> None:
+        """Offer the waiting queue's head to `adder` until it stops; start what it takes."""
+        lpm = self.cache is not None and self.config.policy == "lpm"
         if lpm and self.chunked_req is None:
             self._order_lpm()
         deferred: list[Req] = []  # lpm: skipped this round, back at the head afterwards
-        while self.waiting and budget > 0 and self.chunked_req is None:
+        while self.waiting and adder.budget > 0 and self.chunked_req is None:
             req = self.waiting[0]
             if req.finished:
                 self.waiting.popleft()
@@ -242,87 +282,65 @@ class Scheduler:
                 continue
             if req.in_flight_outputs:
                 break  # a retracted request waits for its in-flight token before re-prefill
-            if running + len(reqs) >= self.max_running_requests:
+            if not adder.has_room():
                 break
-            if free_slots <= 0:
-                break
-            cached_pages: list[int] = []
-            node: TreeNode | None = None
-            locked = 0
-            if cache is not None and req.sampling_params.prompt_logprobs is None:
-                # NOTE: prompt logprobs need every prompt position computed: no cached prefix
-                cached_pages, node = cache.match_prefix(self._matchable(req))
-                if self._shares_with_prefill(req, len(cached_pages) * page_size, reqs, lens):
-                    if not lpm:
-                        break  # fcfs: the head waits one step for the prefix to be cached
-                    deferred.append(self.waiting.popleft())
-                    continue
-                if cached_pages:
-                    locked = cache.lock(node)
-                    free_tokens -= locked * page_size  # locked pages are no longer evictable
-            cached = len(cached_pages) * page_size
-            remaining = req.fill_len - cached
-            ext = min(remaining, self.config.chunked_prefill_size, budget)
-            # NOTE: at most what the request can ever use: its outputs are capped by the context
-            reserve = math.ceil(
-                (remaining - ext + req.remaining_outputs()) * self.config.new_token_ratio
-            )
-            cost = pages_for(ext, page_size) * page_size + reserve
-            alone = not reqs and running == 0
-            if cost > free_tokens:
-                never = alone and self._can_never_fit(req)
-                if never or not (
-                    alone and pages_for(ext, page_size) <= allocator.available_pages()
-                ):
-                    if cache is not None and cached_pages:
-                        assert node is not None
-                        cache.unlock(node)
-                        free_tokens += locked * page_size
-                    if never:
-                        self.waiting.popleft()
-                        self._finish(
-                            req, FinishReason.ERROR, "request does not fit in the KV cache"
-                        )
-                        continue
+            match = self._match_prefix(req, adder)
+            if match is None:  # it shares a prefix with a prefill that is not cached yet
+                if not lpm:
+                    break  # fcfs: the head waits one step for the prefix to be cached
+                deferred.append(self.waiting.popleft())
+                continue
+            outcome = adder.try_add(req, match.tokens, match.locked * adder.page_size)
+            if outcome in (Admit.NO_ROOM, Admit.NEVER_FITS):
+                self._unlock_match(match)
+                if outcome is Admit.NO_ROOM:
                     break
+                self.waiting.popleft()
+                self._finish(req, FinishReason.ERROR, "request does not fit in the KV cache")
+                continue
             self.waiting.popleft()
-            req.status = ReqStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.perf_counter()
-                self.stats.prompt_tokens += len(req.origin_input_ids)
-                self.observer.on_request_scheduled(req)
-            if cache is not None:
-                self.stats.prefix_cache_queries += req.fill_len
-                self.stats.prefix_cache_hits += cached
-                req.cached_tokens = cached
-                if cached_pages:
-                    req.kv_pages = cached_pages
-                    req.cache_node = node
-                    req.cached_pages = len(cached_pages)
-                    req.num_computed_tokens = cached
-            reqs.append(req)
-            lens.append(ext)
-            budget -= ext
-            free_tokens -= cost
-            free_slots -= 1
-            if ext < remaining:
+            self._start(req, match)
+            if outcome is Admit.CHUNKED:
                 self.chunked_req = req
         if deferred:
             self.waiting.extendleft(reversed(deferred))
 
-        if not reqs:
-            return None
-        batch = ScheduleBatch.init_new(reqs, self.ctx)
-        batch.prepare_for_extend(lens)
-        self.stats.prefill_tokens += sum(lens)
-        if cache is not None:
-            ends = batch.seq_lens_cpu.tolist()
-            self._building_records = [
-                (r, end, r.num_retractions) for r, end in zip(batch.reqs, ends, strict=True)
-            ]
-        return batch
+    def _start(self, req: Req, match: PrefixMatch) -> None:
+        req.status = ReqStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.perf_counter()
+            self.stats.prompt_tokens += len(req.origin_input_ids)
+            self.observer.on_request_scheduled(req)
+        if self.cache is not None:
+            self.stats.prefix_cache_queries += req.fill_len
+            self.stats.prefix_cache_hits += match.tokens
+            req.cached_tokens = match.tokens
+            if match.pages:
+                req.kv_pages = match.pages
+                req.cache_node = match.node
+                req.cached_pages = len(match.pages)
+                req.num_computed_tokens = match.tokens
 
     # ------------------------------------------------------------------ prefix cache
+
+    def _match_prefix(self, req: Req, adder: PrefillAdder) -> PrefixMatch | None:
+        """The cached prefix `req` may start after, locked; None when it should wait for a
+        prefill in flight (or in this batch) that shares more with it."""
+        cache = self.cache
+        if cache is None or req.sampling_params.prompt_logprobs is not None:
+            # NOTE: prompt logprobs need every prompt position computed: no cached prefix
+            return PrefixMatch()
+        pages, node = cache.match_prefix(self._matchable(req))
+        tokens = len(pages) * adder.page_size
+        if self._shares_with_prefill(req, tokens, adder.reqs, adder.extend_lens):
+            return None
+        locked = cache.lock(node) if pages else 0
+        return PrefixMatch(pages, node, tokens, locked)
+
+    def _unlock_match(self, match: PrefixMatch) -> None:
+        if match.pages:
+            assert self.cache is not None and match.node is not None
+            self.cache.unlock(match.node)
 
     @staticmethod
     def _matchable(req: Req) -> list[int]:
@@ -440,10 +458,6 @@ class Scheduler:
         self.cache_records.clear()
         return self.cache.flush()
 
-    def _can_never_fit(self, req: Req) -> bool:
-        allocator = self.ctx.allocator
-        return pages_for(req.fill_len + 1, allocator.page_size) > allocator.num_pages
-
     def _make_room_for_decode(self, running: ScheduleBatch) -> tuple[torch.Tensor | None, bool]:
         """Retract until one decode step fits (evicting unused cached pages comes first: they
         count as available). Returns the lengths read, if the batch kept them, and whether a
@@ -485,20 +499,30 @@ class Scheduler:
             self._building_records = None
         return self.launch_seq
 
-    def process_tokens(
-        self,
-        batch_reqs: list[Req],
-        output_rows: list[bool],
-        token_ids: list[int],
-        logprobs: LogprobBuffers | None = None,
-        plan: LogitsPlan | None = None,
-    ) -> None:
-        self._step_ok = True  # the batch's step succeeded (see `on_processed`)
+    def process(self, out: StepOutput) -> None:
+        """Batch `out.seq` is done: apply its tokens, or fail its requests if its step failed;
+        then release what waited for it (deferred frees, unlocks, the cache's new pages)."""
+        if out.ok:
+            self._apply_tokens(out)
+        else:
+            self.fail_batch(out.reqs, f"step failed: {out.error}")
+        self.processed_seq = max(self.processed_seq, out.seq)
+        if self.cache_records:
+            for tag in [t for t in self.cache_records if t <= out.seq]:
+                records = self.cache_records.pop(tag)
+                if out.ok and tag == out.seq:
+                    for req, end, retractions in records:
+                        self._cache_prefill(req, end, retractions)
+        self.release_deferred()
+
+    def _apply_tokens(self, out: StepOutput) -> None:
+        assert out.token_ids is not None
         now = time.perf_counter()
-        if logprobs is not None and plan is not None:
-            logprobs.take_prompt(batch_reqs, plan)
+        logprobs = out.logprobs
+        if logprobs is not None and out.plan is not None:
+            logprobs.take_prompt(out.reqs, out.plan)
         for row, (req, real, tok) in enumerate(
-            zip(batch_reqs, output_rows, token_ids, strict=True)
+            zip(out.reqs, out.output_rows, out.token_ids, strict=True)
         ):
             if not real or req.finished:
                 continue  # an intermediate chunk, or the one-step overlap lag after finishing
@@ -593,18 +617,6 @@ class Scheduler:
         key = (req.finished_reason or reason).value
         self.stats.finished[key] = self.stats.finished.get(key, 0) + 1
         self.output.on_finish(req)
-
-    def on_processed(self, seq: int) -> None:
-        """Batch `seq` was processed: its tokens applied (`process_tokens`) or its step failed."""
-        ok, self._step_ok = self._step_ok, False
-        self.processed_seq = max(self.processed_seq, seq)
-        if self.cache_records:
-            for tag in [t for t in self.cache_records if t <= seq]:
-                records = self.cache_records.pop(tag)
-                if ok and tag == seq:
-                    for req, end, retractions in records:
-                        self._cache_prefill(req, end, retractions)
-        self.release_deferred()
 
     def release_deferred(self, everything: bool = False) -> None:
         if everything:

@@ -9,8 +9,8 @@ import torch
 from stallfree.overlap.future_map import FutureMap
 from stallfree.overlap.host_read import SyncMonitor
 from stallfree.overlap.stream import DeviceStream
-from stallfree.runtime.memory_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
-from stallfree.runtime.sparse import SparseAttention
+from stallfree.runtime.execution.sparse import SparseAttention
+from stallfree.runtime.memory.pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stallfree.runtime.req import Req
+    from stallfree.runtime.request.req import Req
 
 logger = logging.getLogger(__name__)
 

@@ -27,21 +27,13 @@ from typing import Any
 
 import torch
 
-from stallfree.runtime.req import Req
+from stallfree.runtime.request.outputs import TokenLogprobs
+from stallfree.runtime.request.req import Req
 
 _I64 = torch.int64
 # prompt logprobs are computed this many positions at a time, so a long prompt chunk never
 # materialises a [chunk, vocab] log-softmax at once
 PROMPT_LOGPROB_SLICE = 256
-
-
-@dataclass(slots=True, frozen=True)
-class TokenLogprobs:
-    """One token's log-probability and the top alternatives at its position, highest first."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -12,9 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
-from stallfree.runtime.errors import InvalidRequestError
-from stallfree.runtime.sampling_params import SamplingParams, is_valid_unicode
-from stallfree.runtime.tokenizer import Tokenizer
+from stallfree.runtime.memory.pool import KVCacheShape
+from stallfree.runtime.request.errors import InvalidRequestError
+from stallfree.runtime.request.sampling_params import SamplingParams, is_valid_unicode
+from stallfree.runtime.text.tokenizer import Tokenizer
 
 
 def show(value: object) -> str:
@@ -33,6 +34,47 @@ class RequestValidator:
         self.vocab_size = vocab_size
         self.max_context_len = max_context_len
         self.kv_tokens = kv_tokens  # usable KV slots in all
+
+    def check_prebuilt(
+        self,
+        prompt_len: int,
+        kv: object,
+        first_token_id: object,
+        shape: KVCacheShape,
+    ) -> None:
+        """A prebuilt request's KV and first token (decode-side disaggregation): `kv[layer]` is
+        (k, v), each [prompt_len, num_kv_heads, head_dim] floating point; the token is in the
+        vocabulary."""
+        if (
+            isinstance(first_token_id, bool)
+            or not isinstance(first_token_id, int)
+            or not 0 <= first_token_id < self.vocab_size
+        ):
+            raise InvalidRequestError(
+                f"first_token_id must be a token id in [0, {self.vocab_size}), "
+                f"not {show(first_token_id)}",
+                param="first_token_id",
+            )
+        want = (prompt_len, shape.num_kv_heads, shape.head_dim)
+
+        def well_formed(layer: object) -> bool:
+            if not isinstance(layer, (tuple, list)) or len(layer) != 2:
+                return False
+            return all(
+                isinstance(t, torch.Tensor) and t.is_floating_point() and tuple(t.shape) == want
+                for t in layer
+            )
+
+        if (
+            not isinstance(kv, (list, tuple))
+            or len(kv) != shape.num_layers
+            or not all(well_formed(layer) for layer in kv)
+        ):
+            raise InvalidRequestError(
+                f"prebuilt KV must be {shape.num_layers} layers of (k, v) floating-point tensors "
+                f"of shape {want}",
+                param="kv",
+            )
 
     def max_new_tokens_limit(self, prompt_len: int) -> int:
         """The most new tokens a prompt of `prompt_len` tokens can get: the context's rest, or

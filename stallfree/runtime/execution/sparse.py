@@ -7,33 +7,14 @@ holds, so a plug-in makes its decisions on the host, exactly as the core does.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from stallfree.runtime.forward_batch import ForwardMode
-    from stallfree.runtime.req import Req
-
-
-@dataclass(frozen=True, slots=True)
-class SparseStats:
-    """Cumulative transfer counters and current occupancy of a sparse-attention plug-in."""
-
-    hits: int = 0  # top-k selections found in the device buffer
-    misses: int = 0  # top-k selections copied in from the host
-    bytes_h2d: int = 0
-    bytes_d2h: int = 0
-    host_pool_used: int = 0
-    host_pool_total: int = 0
-    buffer_slots_used: int = 0
-    buffer_slots_total: int = 0
-    rows_tracked: int = 0
-
-    @property
-    def all_free(self) -> bool:
-        return self.host_pool_used == 0 and self.buffer_slots_used == 0 and not self.rows_tracked
+    from stallfree.runtime.model.forward_batch import ForwardMode
+    from stallfree.runtime.request.req import Req
+    from stallfree.runtime.telemetry.stats import SparseStats
 
 
 class SparseAttention(Protocol):

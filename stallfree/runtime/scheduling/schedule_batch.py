@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from stallfree.runtime.alloc import alloc_for_decode, alloc_for_extend
-from stallfree.runtime.context import BatchContext
-from stallfree.runtime.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.execution.context import BatchContext
+from stallfree.runtime.execution.planner import StepInput
+from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.scheduling.alloc import alloc_for_decode, alloc_for_extend
 
 if TYPE_CHECKING:
-    from stallfree.runtime.req import Req
+    from stallfree.runtime.request.req import Req
 
 _I64 = torch.int64
 
@@ -461,6 +462,12 @@ class ScheduleBatch:
             prompt_lens_cpu=[len(r.origin_input_ids) for r in self.reqs],
             sparse_plan=self._sparse_plan(),
         )
+
+    def step_input(self) -> StepInput:
+        """What launching this batch needs: its forward tensors and its row lists."""
+        with self.ctx.monitor.schedule_path():
+            fb = self.to_forward_batch()
+        return StepInput(fb, list(self.reqs), list(self.output_rows), list(self.output_steps))
 
     def _sparse_plan(self) -> object:
         sparse = self.ctx.sparse

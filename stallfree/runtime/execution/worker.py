@@ -4,12 +4,12 @@ The scheduler stays in the host process and stays authoritative. For each launch
 sends one `StepMessage` (the mode, the per-row host lists, the batch tensors as the host's
 replica holds them, the sampling and logits plans, and the `req_to_token` writes made since the
 last step) to the rank-0 worker, which broadcasts it to the other ranks over the group. Every
-rank runs the same step (`ModelRunner._step`) on its own device state: its KV-head shard of the
+rank runs the same step (`LocalExecutor.run_step`) on its own device state: its KV-head shard of the
 cache, its copy of the request table, the future map and the penalty state. Every rank samples
 from the same gathered logits with the same generator, so each feeds its own future map the
 same token; rank 0 alone returns the sampled tokens (and logprobs, when asked for).
 
-The host side is `ProcessStream` (overlap/process_stream.py) plus `RemoteModelRunner` below.
+The host side is `ProcessStream` (overlap/process_stream.py) plus `RemoteExecutor` below.
 """
 
 from __future__ import annotations
@@ -41,16 +41,17 @@ from stallfree.overlap.process_stream import (
     encode_tensor,
 )
 from stallfree.overlap.stream import Event, make_stream
-from stallfree.runtime.context import BatchContext
-from stallfree.runtime.logits import LogprobBuffers
-from stallfree.runtime.memory_pool import (
+from stallfree.runtime.execution.context import BatchContext
+from stallfree.runtime.execution.executor import LocalExecutor
+from stallfree.runtime.execution.logits import LogprobBuffers
+from stallfree.runtime.execution.planner import StepArgs
+from stallfree.runtime.execution.sampler import Sampler
+from stallfree.runtime.memory.pool import (
     KVCache,
     KVCacheShape,
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
-from stallfree.runtime.model_runner import ModelRunner, StepArgs
-from stallfree.runtime.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -190,26 +191,26 @@ def dumps(obj: object) -> bytes:
 # ---------------------------------------------------------------------- host side
 
 
-class RemoteModelRunner(ModelRunner):
-    """The host's runner when the model lives in worker processes: plans exactly as
-    `ModelRunner` does, then sends the step instead of running it."""
+class RemoteExecutor:
+    """The host's executor when the model lives in worker processes: the step, planned on the
+    host as for any executor, goes to the rank-0 worker in a step message."""
 
-    def __init__(self, ctx: BatchContext, stream: ProcessStream, faults: FaultInjector | None):
+    def __init__(self, ctx: BatchContext, stream: ProcessStream) -> None:
+        self.ctx = ctx
         self.remote = stream
-        super().__init__(None, ctx, None, faults)  # type: ignore[arg-type]
 
-    def _dispatch(self, args: StepArgs) -> Event:
-        logprobs, token_ids_host = args.logprobs, args.token_ids_host
+    def dispatch(self, args: StepArgs) -> Event:
+        logprobs, token_ids_cpu = args.logprobs, args.token_ids_cpu
         journal = self.ctx.table_journal
         assert journal is not None
         writes, journal[:] = list(journal), []
         fb = dataclasses.replace(args.fb, req_to_token=_LEFT_OUT)
-        sent = dataclasses.replace(args, fb=fb, token_ids_host=_LEFT_OUT, logprobs=None)
+        sent = dataclasses.replace(args, fb=fb, token_ids_cpu=_LEFT_OUT, logprobs=None)
         message = StepMessage(sent, writes)
         stream = self.remote
 
         def take(result: StepResult) -> None:
-            token_ids_host.copy_(decode_tensor(result.token_ids))
+            token_ids_cpu.copy_(decode_tensor(result.token_ids))
             if logprobs is not None and result.logprobs is not None:
                 for name, enc in result.logprobs.items():
                     getattr(logprobs, name).copy_(decode_tensor(enc))
@@ -291,7 +292,7 @@ class _Worker:
         )
         faults = FaultConfig(**spec.faults)
         self.ctx = ctx
-        self.runner = ModelRunner(
+        self.executor = LocalExecutor(
             loaded.model,
             ctx,
             Sampler(spec.seed, self.device),
@@ -330,13 +331,13 @@ class _Worker:
         fb = args.fb
         fb.req_to_token, fb.kv_cache = table, ctx.kv_cache
         host_buffer = ctx.stream.host_buffer
-        args.token_ids_host = host_buffer((fb.batch_size,), torch.int64)
+        args.token_ids_cpu = host_buffer((fb.batch_size,), torch.int64)
         if args.plan is not None:
             args.logprobs = LogprobBuffers.allocate(args.plan, fb.batch_size, host_buffer)
         logprobs = args.logprobs
         comm_before = self._comm()
         with torch.inference_mode():
-            self.runner._step(args)
+            self.executor.run_step(args)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -353,7 +354,7 @@ class _Worker:
                 for f in dataclasses.fields(logprobs)
                 if isinstance(getattr(logprobs, f.name), torch.Tensor)
             }
-        return StepResult(encode_tensor(args.token_ids_host), lp, elapsed)
+        return StepResult(encode_tensor(args.token_ids_cpu), lp, elapsed)
 
     def _comm(self) -> tuple[float, float]:
         if self.tp is None:
@@ -524,7 +525,7 @@ def run_worker_node(config: StallfreeConfig, max_context_len: int, num_kv_slots:
 
 __all__ = [
     "STAT_FIELDS",
-    "RemoteModelRunner",
+    "RemoteExecutor",
     "StepMessage",
     "WorkerLostError",
     "WorkerSpec",

@@ -10,31 +10,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from stallfree.runtime.observer import EngineObserver
+from stallfree.runtime.telemetry.observer import EngineObserver
 
 if TYPE_CHECKING:
-    from stallfree.runtime.core import EngineCore
-    from stallfree.runtime.req import Req
+    from stallfree.runtime.request.req import Req
 
 logger = logging.getLogger(__name__)
-
-
-def describe_engine(core: EngineCore) -> str:
-    """One line naming the model, device, dtype, modes and capacity."""
-    cfg = core.config
-    dtype = str(core.dtype).removeprefix("torch.")
-    allocator = core.ctx.allocator
-
-    def on(flag: bool) -> str:
-        return "on" if flag else "off"
-
-    return (
-        f"model={cfg.model.path} device={core.stream.device} dtype={dtype} "
-        f"overlap={on(cfg.runtime.overlap)} cpu_mirrors={on(cfg.runtime.cpu_mirrors)} "
-        f"hisparse={on(cfg.hisparse.enabled)} kv_slots={allocator.size} "
-        f"page_size={allocator.page_size} request_slots={core.ctx.req_to_token_pool.size} "
-        f"max_context_len={core.max_context_len} max_waiting={core.max_waiting_requests}"
-    )
 
 
 class RequestLogger(EngineObserver):

@@ -1,0 +1,120 @@
+"""Running a planned step: the `Executor` seam, and `LocalExecutor`, which runs the model on this
+process's stream (`execution/worker.py` has the one that sends the step to worker processes)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from stallfree.overlap.faults import Fault, FaultInjector
+from stallfree.overlap.stream import Event
+from stallfree.runtime.execution.context import BatchContext
+from stallfree.runtime.execution.logits import (
+    LogitsPlan,
+    LogprobBuffers,
+    PenaltyState,
+    process_logits,
+)
+from stallfree.runtime.execution.planner import StepArgs
+from stallfree.runtime.execution.sampler import Sampler, SamplingBatch
+from stallfree.runtime.model.forward_batch import ForwardMode
+
+
+class Executor(Protocol):
+    """Runs planned steps in launch order; `dispatch` returns the event that fires once the
+    step's token ids (and logprobs) are in its host buffers."""
+
+    def dispatch(self, args: StepArgs) -> Event: ...
+
+
+def adopt_device_state(ctx: BatchContext) -> None:
+    """Device-resident state is the stream's: the read guard knows it."""
+    fmap, cache = ctx.future_map, ctx.kv_cache
+    state = [ctx.req_to_token_pool.req_to_token, fmap.tokens]
+    state += [t for t in (*cache.k_buffers, *cache.v_buffers) if t is not None]
+    if fmap.stamps is not None:
+        state.append(fmap.stamps)
+    ctx.stream.adopt(*state)
+
+
+class LocalExecutor:
+    """The model on this process's stream: forward, logits processing, sampling, stash, copy."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ctx: BatchContext,
+        sampler: Sampler,
+        faults: FaultInjector | None = None,
+    ) -> None:
+        self.model = model
+        self.ctx = ctx
+        self.sampler = sampler
+        self.faults = faults
+        # NOTE: created on the stream by the first step that needs it; the host never reads it
+        self.penalties: PenaltyState | None = None
+
+    def dispatch(self, args: StepArgs) -> Event:
+        """Enqueue the step on the stream; its event fires when the token ids are on the host."""
+        stream = self.ctx.stream
+        stream.submit(self.run_step, args)
+        return stream.record_event()
+
+    def _sample_planned(
+        self,
+        logits: torch.Tensor,
+        batch_size: int,
+        sb: SamplingBatch,
+        plan: LogitsPlan,
+        logprobs: LogprobBuffers | None,
+    ) -> torch.Tensor:
+        """Stream side: bias, masks and penalties, then sampling, then the logprobs (of the raw
+        logits) and this step's penalty counts."""
+        extra = None
+        if plan.prompt is not None:
+            logits, extra = logits[:batch_size], logits[batch_size:]
+        processed = (
+            process_logits(logits, plan, self.penalties) if plan.processes_logits else logits
+        )
+        next_ids = self.sampler.sample(processed, sb)
+        if logprobs is not None:
+            logprobs.fill_outputs(logits, next_ids)
+            if extra is not None:
+                assert plan.prompt is not None
+                logprobs.fill_prompt(extra, plan.prompt.targets)
+        if self.penalties is not None:
+            self.penalties.record(plan, next_ids)
+        return next_ids
+
+    def run_step(self, args: StepArgs) -> None:
+        """Runs on the stream, in order after every earlier enqueued write."""
+        fb, sb, fault, plan = args.fb, args.sb, args.fault, args.plan
+        stash_slots, generation = args.stash_slots, args.generation
+        fmap = self.ctx.future_map
+        stashed = False
+        try:
+            if fault is not Fault.NONE:
+                assert self.faults is not None
+                self.faults.before_forward(fault)
+            if fb.mode is ForwardMode.DECODE:
+                fb.input_ids = fmap.resolve(fb.req_pool_indices, args.expected)
+            logits = self.model(fb)
+            if plan is not None and plan.needs_state:
+                if self.penalties is None:
+                    slots = self.ctx.req_to_token_pool.req_to_token.shape[0]
+                    self.penalties = PenaltyState(slots, logits.shape[1], logits.device)
+                self.penalties.rebuild(plan)
+            if plan is None:
+                next_ids = self.sampler.sample(logits, sb)
+            else:
+                next_ids = self._sample_planned(logits, fb.batch_size, sb, plan, args.logprobs)
+            fmap.stash(stash_slots, args.stash_rows, next_ids, generation)
+            stashed = True
+        finally:
+            if not stashed:
+                fmap.mark(stash_slots, generation)
+        if fault is Fault.FAIL_COPY:
+            assert self.faults is not None
+            self.faults.before_copy(fault)
+        args.token_ids_cpu.copy_(next_ids, non_blocking=True)

@@ -1,0 +1,110 @@
+"""Planning a step on the host: from a batch's forward tensors and row lists to the `StepArgs`
+that an executor runs (in process, or in worker processes). Nothing here reads the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stallfree.overlap.faults import Fault, FaultInjector
+from stallfree.runtime.execution.context import BatchContext
+from stallfree.runtime.execution.logits import LogitsPlan, LogprobBuffers, build_logits_plan
+from stallfree.runtime.execution.sampler import SamplingBatch
+from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.request.req import Req
+
+_I64 = torch.int64
+
+
+@dataclass(slots=True, eq=False)
+class StepInput:
+    """What one step needs from the batch that scheduling built: its forward tensors and the
+    per-row host lists (which rows make a real token, and that token's output index)."""
+
+    forward_batch: ForwardBatch
+    reqs: list[Req]
+    output_rows: list[bool]
+    output_steps: list[int]
+
+
+@dataclass(slots=True, eq=False)
+class StepArgs:
+    """What one step hands the stream side: built at launch from host facts, run by
+    `LocalExecutor.run_step` (in process) or carried to the workers in a step message
+    (`execution/worker.py`)."""
+
+    fb: ForwardBatch
+    sb: SamplingBatch
+    stash_slots: torch.Tensor  # request slots whose sampled token goes to the future map
+    stash_rows: torch.Tensor  # their rows in the batch
+    token_ids_cpu: torch.Tensor  # pinned; the sampled ids land here
+    fault: Fault = Fault.NONE
+    expected: torch.Tensor | None = None  # future-map debug: generations a decode resolves
+    generation: int | None = None  # future-map debug: this step's stash generation
+    plan: LogitsPlan | None = None
+    logprobs: LogprobBuffers | None = None
+
+
+class StepPlanner:
+    """Turns a `StepInput` into `StepArgs`: uploads, host buffers, the logits plan, faults."""
+
+    def __init__(self, ctx: BatchContext, faults: FaultInjector | None = None) -> None:
+        self.ctx = ctx
+        self.faults = faults
+
+    def plan(self, step: StepInput) -> StepArgs:
+        ctx = self.ctx
+        stream = ctx.stream
+        fb = step.forward_batch
+        with ctx.monitor.schedule_path():
+            params = [r.sampling_params for r in step.reqs]
+            sb = SamplingBatch.build(params, step.output_steps, stream.upload)
+            rows_cpu = torch.tensor(
+                [i for i, real in enumerate(step.output_rows) if real], dtype=_I64
+            )
+            stash_rows = stream.upload(rows_cpu)
+            slots_cpu = fb.req_pool_indices_cpu[rows_cpu]
+            stash_slots = stream.upload(slots_cpu)
+            token_ids_cpu = stream.host_buffer((len(step.reqs),), _I64)
+            plan = build_logits_plan(
+                step.reqs,
+                step.output_rows,
+                step.output_steps,
+                (fb.prefix_lens_cpu, fb.extend_lens_cpu) if fb.mode is ForwardMode.EXTEND else None,
+                stream.upload,
+            )
+            logprobs = None
+            if plan is not None:
+                logprobs = LogprobBuffers.allocate(plan, len(step.reqs), stream.host_buffer)
+                if plan.prompt is not None:
+                    fb.logit_positions = plan.prompt.positions
+            expected, generation = self._plan_future_map(fb, slots_cpu)
+        fault = self.faults.plan() if self.faults is not None else Fault.NONE
+        return StepArgs(
+            fb,
+            sb,
+            stash_slots,
+            stash_rows,
+            token_ids_cpu,
+            fault,
+            expected,
+            generation,
+            plan,
+            logprobs,
+        )
+
+    def _plan_future_map(
+        self, fb: ForwardBatch, slots_cpu: torch.Tensor
+    ) -> tuple[torch.Tensor | None, int | None]:
+        """Debug: the stash generations a decode step must resolve, and this step's own."""
+        fmap = self.ctx.future_map
+        if not fmap.debug:
+            return None, None
+        rows: list[int] = fb.req_pool_indices_cpu.tolist()
+        expected = None
+        if fb.mode is ForwardMode.DECODE:
+            expected = self.ctx.stream.upload(torch.tensor(fmap.plan_resolve(rows), dtype=_I64))
+        else:
+            fmap.plan_prefill(rows)
+        return expected, fmap.plan_stash(slots_cpu.tolist())

@@ -1,0 +1,1 @@
+"""Requests: `Req`, sampling parameters, request errors and the output types a consumer sees."""

@@ -1,0 +1,1 @@
+"""Scheduling: allocation, `ScheduleBatch`, admission, the scheduler and the loops. Host state only."""

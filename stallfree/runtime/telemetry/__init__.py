@@ -1,0 +1,1 @@
+"""Telemetry: counters, the engine snapshot, observers and the request log."""

@@ -1,0 +1,1 @@
+"""Text: tokenizers, request validation, and output processing (detokenisation, stop strings, chunks)."""
