@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import time
-from dataclasses import dataclass
+
+from common import Window
 
 from stallfree import Engine, SamplingParams, load_config
-from stallfree.runtime.telemetry.observer import EngineObserver
 
 MODES = [
     ("plain, legacy", False, False),
@@ -24,41 +23,6 @@ MODES = [
     ("overlap, legacy", True, False),
     ("overlap, mirrors", True, True),
 ]
-
-
-@dataclass
-class Snapshot:
-    wall: float
-    busy: float
-    schedule: float
-    stalls: int
-    stall_seconds: float
-
-
-class Window(EngineObserver):
-    """Snapshots the counters at decode step `start` and `start + steps`."""
-
-    def __init__(self, engine: Engine, start: int, steps: int) -> None:
-        self.engine = engine
-        self.start, self.steps = start, steps
-        self.decode_steps = 0
-        self.marks: list[Snapshot] = []
-
-    def on_step(self, num_reqs: int, decode: bool, overlapped: bool) -> None:
-        if not decode:
-            return
-        self.decode_steps += 1
-        if self.decode_steps in (self.start, self.start + self.steps):
-            snap = self.engine.snapshot()
-            self.marks.append(
-                Snapshot(
-                    wall=time.perf_counter(),
-                    busy=snap.device_busy_seconds,
-                    schedule=snap.counters.schedule_seconds,
-                    stalls=sum(snap.stalls.values()),
-                    stall_seconds=sum(snap.stall_seconds.values()),
-                )
-            )
 
 
 async def run_mode(args: argparse.Namespace, batch: int, overlap: bool, mirrors: bool) -> dict:

@@ -23,13 +23,12 @@ import asyncio
 import os
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
+from common import Window
 
 from stallfree import Engine, SamplingParams, load_config
 from stallfree.runtime.model.loader import PRESETS
-from stallfree.runtime.telemetry.observer import EngineObserver
 
 MODEL = "bench-cpu"
 PROMPT_LEN = 16
@@ -94,41 +93,6 @@ def attention_flops_per_row(context: float) -> float:
 
 
 # ---------------------------------------------------------------------------- decode run
-
-
-@dataclass
-class Mark:
-    wall: float
-    busy: float
-    schedule: float
-    tokens: int
-    steps: int
-
-
-class Window(EngineObserver):
-    """Snapshots the engine at decode step `start` and `start + steps`."""
-
-    def __init__(self, engine: Engine, start: int, steps: int) -> None:
-        self.engine = engine
-        self.start, self.steps = start, steps
-        self.decode_steps = 0
-        self.marks: list[Mark] = []
-
-    def on_step(self, num_reqs: int, decode: bool, overlapped: bool) -> None:
-        if not decode:
-            return
-        self.decode_steps += 1
-        if self.decode_steps in (self.start, self.start + self.steps):
-            snap = self.engine.snapshot()
-            self.marks.append(
-                Mark(
-                    wall=time.perf_counter(),
-                    busy=snap.device_busy_seconds,
-                    schedule=snap.counters.schedule_seconds,
-                    tokens=snap.counters.generation_tokens,
-                    steps=snap.counters.decode_batches,
-                )
-            )
 
 
 async def decode_run(batch: int, warmup: int, steps: int, threads: int) -> dict:
