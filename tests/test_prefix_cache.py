@@ -188,11 +188,11 @@ def test_retraction_frees_only_what_it_owns_and_unlocks_after_the_batch_in_fligh
     assert x.status.value == "waiting" and not x.kv_pages  # x had the longer prompt
     # x's own pages went back at once; the shared prefix stays locked while batches that read
     # it are in flight
-    assert sched.pending_unlocks
+    assert sched.deferred.unlocks
     assert cache.match_len(P[:20]) == 20 and cache.locked_pages >= 20
     while in_flight:
         _process(sched, in_flight.pop(0))
-    assert not sched.pending_unlocks
+    assert not sched.deferred.unlocks
     hits = sched.stats.prefix_cache_hits
     _drain(sched)
     assert sched.stats.prefix_cache_hits > hits  # the re-prefill found its prefix again

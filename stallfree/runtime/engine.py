@@ -459,7 +459,7 @@ class Engine:
         running (never started, shut down, or dead) while work remains.
         """
         scheduler = self.core.scheduler
-        while scheduler.has_work() or scheduler.pending_frees or scheduler.pending_unlocks:
+        while scheduler.has_work() or scheduler.deferred:
             self._raise_if_loop_dead()
             await asyncio.sleep(0.005)
 

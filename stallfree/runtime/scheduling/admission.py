@@ -17,6 +17,11 @@ from stallfree.runtime.request.req import Req
 from stallfree.runtime.scheduling.alloc import new_pages_needed, pages_for
 
 
+def reserved_tokens(running: list[Req], new_token_ratio: float) -> int:
+    """KV the running requests may still need, scaled by `new_token_ratio`."""
+    return math.ceil(sum(r.remaining_outputs() for r in running) * new_token_ratio)
+
+
 class Admit(enum.Enum):
     ADDED = "added"  # the whole remaining prompt is in this batch
     CHUNKED = "chunked"  # a chunk is in this batch; the request goes on in the next ones

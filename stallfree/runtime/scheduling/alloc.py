@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stallfree.runtime.request.errors import EngineOverloadedError
+from stallfree.runtime.request.errors import EngineOverloadedError, InvalidRequestError
 
 if TYPE_CHECKING:
     from stallfree.runtime.execution.context import BatchContext
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from stallfree.runtime.request.req import Req
 
 
-class OutOfMemoryError(RuntimeError):
+class KVPoolExhaustedError(RuntimeError):
     """The pool cannot hold what admission promised; a scheduling bug, not a user error."""
 
 
@@ -32,7 +32,7 @@ def alloc_req_slots(pool: ReqToTokenPool, reqs: list[Req]) -> None:
     missing = [r for r in reqs if r.req_pool_idx is None]
     slots = pool.alloc(len(missing))
     if slots is None:
-        raise OutOfMemoryError(f"no free request slot for {len(missing)} requests")
+        raise KVPoolExhaustedError(f"no free request slot for {len(missing)} requests")
     for req, slot in zip(missing, slots, strict=True):
         req.req_pool_idx = slot
 
@@ -48,7 +48,9 @@ def _grow_pages(allocator: TokenToKVPoolAllocator, req: Req, end: int) -> None:
     if n:
         pages = allocator.alloc_pages(n)
         if pages is None:
-            raise OutOfMemoryError(f"KV pool exhausted growing request {req.rid} to {end} tokens")
+            raise KVPoolExhaustedError(
+                f"KV pool exhausted growing request {req.rid} to {end} tokens"
+            )
         req.kv_pages.extend(pages)
 
 
@@ -120,7 +122,7 @@ def alloc_for_decode(
     if total:
         pages = allocator.alloc_pages(total)
         if pages is None:
-            raise OutOfMemoryError(f"KV pool exhausted by a decode step needing {total} pages")
+            raise KVPoolExhaustedError(f"KV pool exhausted by a decode step needing {total} pages")
         taken = 0
         for req, want in zip(reqs, wants, strict=True):
             if want > 0:
@@ -212,6 +214,13 @@ def import_prebuilt_kv(
     the future map) are written on the stream. Raises `EngineOverloadedError`, holding nothing,
     when there is no room.
     """
+    if ctx.sparse is not None:
+        raise InvalidRequestError("prebuilt KV import is not supported with sparse attention")
+    if ctx.table_journal is not None:
+        raise InvalidRequestError(
+            "prebuilt KV import is not supported with worker processes yet "
+            "(runtime.worker=process or parallel.tp_size > 1)"
+        )
     n = len(req.origin_input_ids)
     allocator, pool = ctx.allocator, ctx.req_to_token_pool
     slots = pool.alloc(1)

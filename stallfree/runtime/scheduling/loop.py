@@ -14,8 +14,9 @@ import time
 
 from stallfree.runtime.execution.model_runner import LaunchedBatch, ModelRunner
 from stallfree.runtime.model.forward_batch import ForwardMode
-from stallfree.runtime.scheduling.scheduler import Scheduler, describe_reqs
+from stallfree.runtime.scheduling.scheduler import Scheduler
 from stallfree.runtime.telemetry.observer import EngineObserver
+from stallfree.runtime.telemetry.request_log import describe_reqs
 from stallfree.runtime.telemetry.stats import EngineCounters
 
 logger = logging.getLogger(__name__)

@@ -11,9 +11,7 @@ when a finished request's memory is released (prompt and outputs).
 
 from __future__ import annotations
 
-import itertools
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -25,15 +23,23 @@ from stallfree.config import SchedulerConfig
 from stallfree.runtime.execution.context import BatchContext
 from stallfree.runtime.execution.model_runner import StepOutput
 from stallfree.runtime.memory.radix_cache import RadixCache, TreeNode
-from stallfree.runtime.request.errors import InvalidRequestError
 from stallfree.runtime.request.outputs import TokenLogprobs
 from stallfree.runtime.request.req import FinishReason, Req, ReqStatus
-from stallfree.runtime.scheduling.admission import Admit, PrefillAdder
+from stallfree.runtime.scheduling.admission import Admit, PrefillAdder, reserved_tokens
 from stallfree.runtime.scheduling.alloc import (
     decode_pages_needed,
     free_req_memory,
     import_prebuilt_kv,
-    release_req_memory,
+)
+from stallfree.runtime.scheduling.deferred import DeferredFrees
+from stallfree.runtime.scheduling.prefix import (
+    CacheRecord,
+    PrefixMatch,
+    cache_prefill,
+    match_prefix,
+    order_lpm,
+    prefills_of,
+    unlock_match,
 )
 from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
 from stallfree.runtime.telemetry.observer import EngineObserver
@@ -41,35 +47,6 @@ from stallfree.runtime.telemetry.stats import EngineCounters
 from stallfree.runtime.text.output_processor import OutputProcessor
 
 logger = logging.getLogger(__name__)
-
-# A waiting request that shares at least this many more tokens with a prefill in flight (or in
-# the batch being built) than with the cache waits until that prefill is cached, rather than
-# compute the same tokens again.
-DEFER_SHARED_TOKENS = 32
-# lpm sorts the waiting queue by cached prefix; past this many waiting it falls back to fcfs.
-LPM_MAX_QUEUE = 128
-
-
-def _tokens(req: Req, n: int) -> list[int]:
-    """A list whose first `n` tokens are `req`'s prompt and outputs (no copy when it can)."""
-    return req.origin_input_ids if n <= len(req.origin_input_ids) else req.fill_slice(0, n)
-
-
-def describe_reqs(reqs: list[Req], limit: int = 8) -> str:
-    """Request ids for a log line, at most `limit` of them."""
-    rids = ", ".join(r.rid for r in reqs[:limit])
-    return rids + (f" and {len(reqs) - limit} more" if len(reqs) > limit else "")
-
-
-@dataclass(slots=True)
-class PrefixMatch:
-    """A waiting request's cached prefix: its pages, the node they end at, how many tokens they
-    hold, and how many pages admitting it locked."""
-
-    pages: list[int] = field(default_factory=list)
-    node: TreeNode | None = None
-    tokens: int = 0
-    locked: int = 0
 
 
 @dataclass(slots=True)
@@ -85,7 +62,6 @@ class Scheduler:
     last_extend: ScheduleBatch | None = None
     launch_seq: int = 0
     processed_seq: int = 0
-    pending_frees: list[tuple[int, Req]] = field(default_factory=list)
     # NOTE: finished requests stay in `waiting` until they reach its head (O(1) abort)
     stale_waiting: int = 0
     stats: EngineCounters = field(default_factory=EngineCounters)
@@ -93,14 +69,16 @@ class Scheduler:
     # launching raises, these are the requests that fail (`fail_unlaunched`)
     building: list[Req] | None = None
     cache: RadixCache | None = None
-    # nodes a retracted request had locked, unlocked once the batch in flight is processed
-    pending_unlocks: list[tuple[int, TreeNode]] = field(default_factory=list)
     # per launched extend batch: (request, its length after the batch, its retraction count);
     # the cache takes those pages once the batch is processed without failing
-    cache_records: dict[int, list[tuple[Req, int, int]]] = field(default_factory=dict)
-    _building_records: list[tuple[Req, int, int]] | None = None
+    cache_records: dict[int, list[CacheRecord]] = field(default_factory=dict)
+    _building_records: list[CacheRecord] | None = None
+
+    # what finished or retracted requests hold until the batches that may read it are processed
+    deferred: DeferredFrees = field(init=False)
 
     def __post_init__(self) -> None:
+        self.deferred = DeferredFrees(self.ctx, self.cache)
         self.running_batch = ScheduleBatch.init_new([], self.ctx)
         self.running_batch.prepare_for_idle()
 
@@ -169,16 +147,9 @@ class Scheduler:
         self, req: Req, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], first_token_id: int
     ) -> None:
         """Join a request whose prompt KV was computed elsewhere, its first token with it
-        (decode-side disaggregation). `kv` is checked already (`validate_prebuilt_kv`). Raises
+        (decode-side disaggregation). `kv` is checked already (`check_prebuilt`). Raises
         with nothing left behind if it cannot join."""
         ctx = self.ctx
-        if ctx.sparse is not None:
-            raise InvalidRequestError("prebuilt KV import is not supported with sparse attention")
-        if ctx.table_journal is not None:
-            raise InvalidRequestError(
-                "prebuilt KV import is not supported with worker processes yet "
-                "(runtime.worker=process or parallel.tp_size > 1)"
-            )
         import_prebuilt_kv(ctx, req, kv, first_token_id)
         try:
             batch = ScheduleBatch.init_new([req], ctx)
@@ -217,16 +188,6 @@ class Scheduler:
         if len(keep) != len(running.reqs):
             running.filter_batch(keep)
 
-    def _reserved_tokens(self) -> int:
-        """KV the running requests may still need, scaled by `new_token_ratio`."""
-        ratio = self.config.new_token_ratio
-        assert self.running_batch is not None
-        reqs = list(self.running_batch.reqs)
-        if self.last_extend is not None:
-            reqs.extend(self.last_extend.reqs)
-        remaining = sum(r.remaining_outputs() for r in reqs)
-        return math.ceil(remaining * ratio)
-
     def _new_prefill_batch(self) -> ScheduleBatch | None:
         if self.num_waiting == 0:
             self.waiting.clear()  # only finished requests were left
@@ -254,6 +215,11 @@ class Scheduler:
                 (r, end, r.num_retractions) for r, end in zip(batch.reqs, ends, strict=True)
             ]
         return batch
+
+    def _reserved_tokens(self) -> int:
+        assert self.running_batch is not None
+        reqs = self.running_batch.reqs + (self.last_extend.reqs if self.last_extend else [])
+        return reserved_tokens(reqs, self.config.new_token_ratio)
 
     def _new_adder(self) -> PrefillAdder:
         allocator = self.ctx.allocator
@@ -284,7 +250,8 @@ class Scheduler:
                 break  # a retracted request waits for its in-flight token before re-prefill
             if not adder.has_room():
                 break
-            match = self._match_prefix(req, adder)
+            prefills = prefills_of(adder.reqs, adder.extend_lens, self.cache_records)
+            match = match_prefix(self.cache, req, adder.page_size, prefills)
             if match is None:  # it shares a prefix with a prefill that is not cached yet
                 if not lpm:
                     break  # fcfs: the head waits one step for the prefix to be cached
@@ -292,7 +259,7 @@ class Scheduler:
                 continue
             outcome = adder.try_add(req, match.tokens, match.locked * adder.page_size)
             if outcome in (Admit.NO_ROOM, Admit.NEVER_FITS):
-                self._unlock_match(match)
+                unlock_match(self.cache, match)
                 if outcome is Admit.NO_ROOM:
                     break
                 self.waiting.popleft()
@@ -323,137 +290,25 @@ class Scheduler:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def _match_prefix(self, req: Req, adder: PrefillAdder) -> PrefixMatch | None:
-        """The cached prefix `req` may start after, locked; None when it should wait for a
-        prefill in flight (or in this batch) that shares more with it."""
-        cache = self.cache
-        if cache is None or req.sampling_params.prompt_logprobs is not None:
-            # NOTE: prompt logprobs need every prompt position computed: no cached prefix
-            return PrefixMatch()
-        pages, node = cache.match_prefix(self._matchable(req))
-        tokens = len(pages) * adder.page_size
-        if self._shares_with_prefill(req, tokens, adder.reqs, adder.extend_lens):
-            return None
-        locked = cache.lock(node) if pages else 0
-        return PrefixMatch(pages, node, tokens, locked)
-
-    def _unlock_match(self, match: PrefixMatch) -> None:
-        if match.pages:
-            assert self.cache is not None and match.node is not None
-            self.cache.unlock(match.node)
-
-    @staticmethod
-    def _matchable(req: Req) -> list[int]:
-        """The tokens a cached prefix may cover: all but the last, whose logits are needed."""
-        return req.fill_slice(0, req.fill_len - 1)
-
-    def _shares_with_prefill(self, req: Req, cached: int, reqs: list[Req], lens: list[int]) -> bool:
-        """Whether `req` shares `DEFER_SHARED_TOKENS` more tokens than `cached` with a prefill
-        that is in flight or in this batch: its pages reach the cache once that batch is
-        processed, so waiting a step saves computing them twice."""
-        need = max(DEFER_SHARED_TOKENS, self.ctx.allocator.page_size)
-        upto = cached + need
-        if req.fill_len - 1 < upto:
-            return False
-        mine = _tokens(req, upto)
-        first = mine[cached]
-        in_batch = ((r, r.num_computed_tokens + n) for r, n in zip(reqs, lens, strict=True))
-        in_flight = ((r, end) for records in self.cache_records.values() for r, end, _ in records)
-        for other, end in itertools.chain(in_batch, in_flight):
-            if end < upto or other is req:
-                continue
-            theirs = _tokens(other, upto)
-            if (
-                theirs[cached] == first  # NOTE: one int first; most prompts differ right here
-                and theirs[cached:upto] == mine[cached:upto]
-                and theirs[:cached] == mine[:cached]
-            ):
-                return True
-        return False
-
     def _order_lpm(self) -> None:
-        """lpm: the waiting queue by longest cached prefix, after requests that ran before
-        (retracted) and requests waiting past `lpm_max_wait_s` (starvation), both by arrival."""
         assert self.cache is not None
         live = [r for r in self.waiting if not r.finished]
         self.waiting.clear()
         self.stale_waiting = 0
-        if len(live) <= LPM_MAX_QUEUE:
-            now = time.perf_counter()
-            max_wait = self.config.lpm_max_wait_s
-            cache = self.cache
-
-            def key(item: tuple[int, Req]) -> tuple[int, int, int]:
-                i, r = item
-                if r.first_scheduled_time is not None:
-                    return (0, 0, i)
-                if now - r.arrival_time > max_wait:
-                    return (1, 0, i)
-                return (2, -cache.match_len(self._matchable(r)), i)
-
-            live = [r for _, r in sorted(enumerate(live), key=key)]
-        self.waiting.extend(live)
-
-    def _cache_prefill(self, req: Req, end: int, retractions: int) -> None:
-        """An extend batch was processed: the cache takes the whole pages `req` now has up to
-        `end`, and the request's lock moves to where they end."""
-        cache = self.cache
-        assert cache is not None
-        if (
-            req.num_retractions != retractions
-            or req.req_pool_idx is None
-            or req.finished_reason is FinishReason.ERROR
-        ):
-            return  # its pages changed hands since, or their content is in doubt
-        page_size = cache.page_size
-        keep = min(end // page_size, len(req.kv_pages))
-        shared = req.cached_pages
-        if keep <= shared:
-            return
-        tokens = req.fill_slice(0, keep * page_size)
-        if cache.match_len(tokens) > shared * page_size:
-            # another request cached some of these tokens first: its copy stays, and this
-            # request keeps its own pages until it finishes (its table row points at them)
-            return
-        node, _ = cache.insert(tokens, req.kv_pages[:keep])
-        cache.lock(node)
-        if req.cache_node is not None:
-            cache.unlock(req.cache_node)
-        req.cache_node = node
-        req.cached_pages = keep
-
-    def _cacheable_tokens(self, req: Req) -> int:
-        """Tokens of a finished request whose KV the cache may take at release.
-
-        Only a request that finished through a token it accepted (stop or length): every step
-        before that token succeeded. The last token's KV is left out: at most the batch that
-        was in flight computed it, and that batch may have failed.
-        """
-        if self.cache is None or req.finished_reason not in (
-            FinishReason.STOP,
-            FinishReason.LENGTH,
-        ):
-            return 0
-        return min(req.num_computed_tokens, req.fill_len - 1)
-
-    def _release(self, req: Req, cache_tokens: int) -> TreeNode | None:
-        ctx = self.ctx
-        return release_req_memory(
-            ctx.req_to_token_pool, ctx.allocator, self.cache, req, cache_tokens
-        )
+        self.waiting.extend(order_lpm(live, self.cache, self.config.lpm_max_wait_s))
 
     def _unlock_after_in_flight(self, node: TreeNode) -> None:
         assert self.cache is not None
         if self.processed_seq >= self.launch_seq:
             self.cache.unlock(node)
         else:
-            self.pending_unlocks.append((self.launch_seq, node))
+            self.deferred.unlock_after(self.launch_seq, node)
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache. Refused (False) unless the engine is idle."""
         if self.cache is None:
             return True
-        if self._all_reqs() or self.pending_frees or self.pending_unlocks:
+        if self._all_reqs() or self.deferred:
             return False
         self.cache_records.clear()
         return self.cache.flush()
@@ -471,7 +326,7 @@ class Scheduler:
             # NOTE: its own pages are freed at once, not deferred: the launched batch reads them
             # before any later batch can write them, because both are ordered on the same
             # stream. Cached pages it shared stay locked until the batch in flight is processed.
-            node = self._release(req, 0)
+            node = self.deferred.release_now(req, 0)
             if node is not None:
                 self._unlock_after_in_flight(node)
             if self.ctx.sparse is not None:
@@ -511,8 +366,9 @@ class Scheduler:
             for tag in [t for t in self.cache_records if t <= out.seq]:
                 records = self.cache_records.pop(tag)
                 if out.ok and tag == out.seq:
+                    assert self.cache is not None
                     for req, end, retractions in records:
-                        self._cache_prefill(req, end, retractions)
+                        cache_prefill(self.cache, req, end, retractions)
         self.release_deferred()
 
     def _apply_tokens(self, out: StepOutput) -> None:
@@ -611,7 +467,7 @@ class Scheduler:
         req.finish(reason, message)
         if req.req_pool_idx is not None or req.kv_pages:
             # NOTE: deferred: the launched batch N+1 may still read this request's slots.
-            self.pending_frees.append((self.launch_seq, req))
+            self.deferred.free_after(self.launch_seq, req)
             if self.processed_seq == self.launch_seq:
                 self.release_deferred()  # nothing in flight can read it
         key = (req.finished_reason or reason).value
@@ -621,29 +477,4 @@ class Scheduler:
     def release_deferred(self, everything: bool = False) -> None:
         if everything:
             self.cache_records.clear()
-        if self.pending_unlocks:
-            assert self.cache is not None
-            still = []
-            for tag, node in self.pending_unlocks:
-                if everything or tag <= self.processed_seq:
-                    self.cache.unlock(node)
-                else:
-                    still.append((tag, node))
-            self.pending_unlocks = still
-        keep = []
-        for tag, req in self.pending_frees:
-            if everything or tag <= self.processed_seq:
-                locked = self._release(req, self._cacheable_tokens(req))
-                if locked is not None:
-                    assert self.cache is not None
-                    self.cache.unlock(locked)
-                if self.ctx.sparse is not None:
-                    try:
-                        self.ctx.sparse.request_finished(req)
-                    except Exception as exc:  # a plug-in's bug; the slots are free already
-                        logger.error(
-                            "sparse plug-in failed releasing request %s", req.rid, exc_info=exc
-                        )
-            else:
-                keep.append((tag, req))
-        self.pending_frees = keep
+        self.deferred.release(self.processed_seq, everything)

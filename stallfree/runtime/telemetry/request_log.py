@@ -18,6 +18,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def describe_reqs(reqs: list[Req], limit: int = 8) -> str:
+    """Request ids for a log line, at most `limit` of them."""
+    rids = ", ".join(r.rid for r in reqs[:limit])
+    return rids + (f" and {len(reqs) - limit} more" if len(reqs) > limit else "")
+
+
 class RequestLogger(EngineObserver):
     """`runtime.log_requests`: one INFO line when a request arrives and one when it finishes."""
 
