@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from stallfree.entrypoints import cli as runtime_cli
+from stallfree.entrypoints.flags import HelpFormatter
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="load-test and compare overlap modes",
         description=DESCRIPTION,
-        formatter_class=runtime_cli.HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_bench_arguments(bench)
     return parser

@@ -89,7 +89,7 @@ def _tp_sizes(text: str) -> list[int]:
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """`stallfree bench`'s flags; `vllm bench serve`'s spellings work beside its own."""
-    from stallfree.entrypoints.cli import add_engine_flags
+    from stallfree.entrypoints.flags import add_engine_flags
 
     target = p.add_argument_group("target")
     target.add_argument(
