@@ -19,9 +19,9 @@ from stallfree.runtime.scheduling.alloc import (
     decode_pages_needed,
     free_req_memory,
 )
+from stallfree.runtime.scheduling.parity import MirrorParityError
 from stallfree.runtime.scheduling.schedule_batch import (
     ASSIGNED_FIELDS,
-    MirrorParityError,
     ScheduleBatch,
     retract_order,
 )

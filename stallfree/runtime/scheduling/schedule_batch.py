@@ -27,6 +27,7 @@ from stallfree.runtime.execution.context import BatchContext
 from stallfree.runtime.execution.planner import StepInput
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.scheduling.alloc import alloc_for_decode, alloc_for_extend
+from stallfree.runtime.scheduling.parity import check_launchable, check_parity, check_shapes
 
 if TYPE_CHECKING:
     from stallfree.runtime.request.req import Req
@@ -107,10 +108,6 @@ ASSIGNED_FIELDS = (
 )
 
 
-class MirrorParityError(AssertionError):
-    """A mirror (or a per-row list) is out of step with its device tensor or the requests."""
-
-
 @dataclass(slots=True, eq=False)
 class ScheduleBatch:
     reqs: list[Req]
@@ -177,19 +174,13 @@ class ScheduleBatch:
 
     def _check_shapes(self, op: str) -> None:
         """Always on (host metadata only): one entry per request in every mirror and list."""
-        n = len(self.reqs)
-        for name in ("req_pool_indices", "seq_lens"):
-            device, host = getattr(self, name), getattr(self, name + "_cpu")
-            if device is host or host.shape != (n,) or device.shape != (n,):
-                raise MirrorParityError(
-                    f"{op}: {name} {tuple(device.shape)} and its mirror {tuple(host.shape)} "
-                    f"for {n} rows" + (" are one tensor" if device is host else "")
-                )
-        lists = (self.prefix_lens_cpu, self.extend_lens_cpu, self.output_rows, self.output_steps)
-        if any(len(col) != n for col in lists):
-            raise MirrorParityError(
-                f"{op}: per-row lists of lengths {[len(c) for c in lists]} for {n} rows"
-            )
+        check_shapes(op, self._mirrors(), self.reqs, self._rows())
+
+    def _mirrors(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        return [
+            ("req_pool_indices", self.req_pool_indices, self.req_pool_indices_cpu),
+            ("seq_lens", self.seq_lens, self.seq_lens_cpu),
+        ]
 
     def _rows(self) -> RowLists:
         return RowLists(
@@ -484,60 +475,14 @@ class ScheduleBatch:
     # ------------------------------------------------------------------ debug
 
     def check_mirror_parity(self, op: str = "check") -> None:
-        """Debug only: this syncs the stream. Raises `MirrorParityError`.
-
-        Each mirror is an int64 host tensor, not its device tensor and not sharing its memory,
-        equal to the device tensor, one entry per request; the slots are the requests' own.
-        A request finished and released between steps keeps its row until the next filter,
-        so its slot is not compared.
-        """
+        """Debug only: this syncs the stream. Raises `MirrorParityError` (`parity.py`)."""
         self._check_shapes(op)
         with self.ctx.monitor.debug_read():
             self.ctx.stream.synchronize()
-            for name in ("req_pool_indices", "seq_lens"):
-                device, host = getattr(self, name), getattr(self, name + "_cpu")
-                mirror = f"{op}: {name}_cpu"
-                if host.dtype != _I64 or host.device.type != "cpu":
-                    raise MirrorParityError(f"{mirror} is {host.dtype} on {host.device}")
-                if host is device or (
-                    host.numel()
-                    and host.untyped_storage().data_ptr() == device.untyped_storage().data_ptr()
-                ):
-                    raise MirrorParityError(f"{mirror} is the device tensor, not a mirror of it")
-                values = device.cpu()
-                if not host.equal(values):
-                    raise MirrorParityError(
-                        f"{mirror} mirror {host.tolist()} != device {values.tolist()}"
-                    )
-            ends = [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu, strict=True)]
-            if ends != self.seq_lens_cpu.tolist():
-                raise MirrorParityError(
-                    f"{op}: per-row lists out of step with the rows: prefix + extend {ends} != "
-                    f"seq_lens {self.seq_lens_cpu.tolist()}"
-                )
-            slots = self.req_pool_indices_cpu.tolist()
-            if len(slots) != len(self.reqs):
-                raise MirrorParityError(f"{op}: {len(slots)} mirror rows for {len(self.reqs)} reqs")
-            for i, (req, slot) in enumerate(zip(self.reqs, slots, strict=True)):
-                if req.req_pool_idx is None and req.finished:
-                    continue  # released between steps; filtered out before the next launch
-                if req.req_pool_idx != slot:
-                    raise MirrorParityError(
-                        f"{op}: mirror out of step with reqs: row {i} ({req.rid}) has slot "
-                        f"{req.req_pool_idx}, the mirror says {slot}"
-                    )
+            check_parity(op, self._mirrors(), self.reqs, self.prefix_lens_cpu, self.extend_lens_cpu)
 
     def _check_launchable(self) -> None:
-        """Debug: a batch about to launch has no released row and fits its step's tensors."""
-        released = [r.rid for r in self.reqs if r.req_pool_idx is None]
-        if released:
-            raise MirrorParityError(f"launch: rows {released} hold no request slot")
-        n_tokens = sum(self.extend_lens_cpu)
-        if self.out_cache_loc.shape != (n_tokens,):
-            raise MirrorParityError(
-                f"launch: out_cache_loc {tuple(self.out_cache_loc.shape)} for {n_tokens} tokens "
-                "(was the batch filtered or merged and not prepared again?)"
-            )
+        check_launchable(self.reqs, self.extend_lens_cpu, self.out_cache_loc)
 
 
 def retract_order(reqs: list[Req]) -> list[int]:
