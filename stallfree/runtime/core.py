@@ -22,8 +22,9 @@ from stallfree.overlap.stream import DeviceStream, make_stream, resolve_device
 from stallfree.runtime.execution.context import BatchContext
 from stallfree.runtime.execution.executor import Executor, LocalExecutor
 from stallfree.runtime.execution.model_runner import ModelRunner
+from stallfree.runtime.execution.remote import RemoteExecutor
 from stallfree.runtime.execution.sampler import Sampler
-from stallfree.runtime.execution.worker import RemoteExecutor, start_workers, worker_spec
+from stallfree.runtime.execution.worker import start_workers, worker_spec
 from stallfree.runtime.memory.pool import (
     KVCache,
     KVCacheShape,
@@ -196,60 +197,69 @@ def pool_sizes(
     return max_context_len, (pages_for(total_tokens, page_size) + 1) * page_size
 
 
-def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None) -> EngineCore:
-    """Load the model and build pools, stream, scheduler, runner and loop for `config`."""
-    prefix_caching = prefix_caching_enabled(config)  # NOTE: before anything is loaded
-    observers = observers if observers is not None else ObserverFanout()
-    activity = ActivityClock()
-    observers.observers.append(activity)
-    device = resolve_device(config.runtime.device)
-    process = config.uses_worker_processes
-    loaded: LoadedModel | None = None
-    if process:
+@dataclass(slots=True)
+class _Model:
+    """What loading gave: the weights (None when the workers hold them), the architecture, the
+    dtype, and the device the host-side tables live on."""
+
+    loaded: LoadedModel | None
+    arch: ModelArchConfig
+    dtype: torch.dtype
+    host: torch.device
+
+
+def _load(config: StallfreeConfig, device: torch.device) -> _Model:
+    if config.uses_worker_processes:
         # NOTE: the workers load the weights; the scheduler only needs the architecture
         check_tensor_parallel(config.model.path, config.parallel.tp_size)
         arch = read_arch(config.model.path)
         dtype = weights_dtype(config.model.path, config.model.dtype, device)
-        host = torch.device("cpu")
-    else:
-        loaded = load_model(config.model.path, config.model.dtype, device, config.model.seed)
-        arch, dtype, host = loaded.arch, loaded.dtype, device
-    tokenizer = load_tokenizer(config.model.path, arch.eos_token_ids)
-    sparse_plugin = None
-    capacity_ratio = 1.0
-    if config.hisparse.enabled:
-        sparse_plugin = load_sparse_attention_plugin("hisparse")
-        capacity_ratio = sparse_plugin.capacity_ratio(config.hisparse, arch)
-    max_context_len, num_slots = pool_sizes(config, arch, capacity_ratio)
-    page_size = config.cache.page_size
+        return _Model(None, arch, dtype, torch.device("cpu"))
+    loaded = load_model(config.model.path, config.model.dtype, device, config.model.seed)
+    return _Model(loaded, loaded.arch, loaded.dtype, device)
+
+
+def _start_stream(
+    config: StallfreeConfig,
+    arch: ModelArchConfig,
+    device: torch.device,
+    sizes: tuple[int, int],
+) -> tuple[DeviceStream, torch.Tensor | None]:
+    """The device stream: this process's (CUDA or CPU-emulated), or the worker processes'
+    (which start here, and load the model). Returns it and the workers' shared statistics."""
+    process = config.uses_worker_processes
     ranks = config.parallel.tp_size // config.parallel.nnodes if process else 1
     threads = config.runtime.stream_threads or auto_stream_threads(arch, ranks)
-    worker_stats = None
-    stream: DeviceStream
-    if process:
-        spec = worker_spec(
-            config.model_copy(
-                update={"runtime": config.runtime.model_copy(update={"stream_threads": threads})}
-            ),
-            num_slots,
-            max_context_len,
-        )
-        conn, processes, worker_stats = start_workers(spec)
-        assert conn is not None, "node 0 holds the channel to rank 0"
-        stream = ProcessStream(conn, processes)
-    else:
-        stream = make_stream(device, threads)
-    monitor = SyncMonitor(stream, strict=config.runtime.strict)
-    monitor.stall_sinks.append(observers.on_stall)
+    if not process:
+        return make_stream(device, threads), None
+    max_context_len, num_slots = sizes
+    runtime = config.runtime.model_copy(update={"stream_threads": threads})
+    spec = worker_spec(config.model_copy(update={"runtime": runtime}), num_slots, max_context_len)
+    conn, processes, worker_stats = start_workers(spec)
+    assert conn is not None, "node 0 holds the channel to rank 0"
+    return ProcessStream(conn, processes), worker_stats
+
+
+def _batch_context(
+    config: StallfreeConfig,
+    model: _Model,
+    stream: DeviceStream,
+    monitor: SyncMonitor,
+    sizes: tuple[int, int],
+) -> BatchContext:
+    """The pools, the KV cache and the future map, on the device the host tables live on."""
+    max_context_len, num_slots = sizes
+    process = config.uses_worker_processes
+    arch, host, page_size = model.arch, model.host, config.cache.page_size
     slots = config.cache.max_running_requests
-    ctx = BatchContext(
+    return BatchContext(
         req_to_token_pool=ReqToTokenPool(slots, max_context_len, host),
         allocator=TokenToKVPoolAllocator(num_slots - page_size, page_size),
         kv_cache=KVCache(
             # NOTE: with workers the KV lives in them; the host keeps the shape, no buffers
             KVCacheShape(0 if process else arch.num_layers, arch.num_kv_heads, arch.head_dim),
             num_slots,
-            dtype,
+            model.dtype,
             host,
         ),
         stream=stream,
@@ -259,32 +269,72 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
         check_mirrors=config.runtime.check_mirrors,
         table_journal=[] if process else None,
     )
-    if sparse_plugin is not None:
-        assert loaded is not None  # the configuration refuses HiSparse with worker processes
-        ctx.sparse = sparse_plugin.install(config.hisparse, arch, ctx, loaded.model)
-    output = OutputProcessor(tokenizer, observers)
+
+
+def _scheduler(
+    config: StallfreeConfig,
+    ctx: BatchContext,
+    output: OutputProcessor,
+    observers: ObserverFanout,
+    prefix_caching: bool,
+) -> Scheduler:
     counters = EngineCounters()
     cache = None
     if prefix_caching:
         cache = RadixCache(ctx.allocator, counters)
         ctx.allocator.evictor = cache
-    scheduler = Scheduler(
+    return Scheduler(
         config=config.scheduler,
         ctx=ctx,
-        max_running_requests=slots,
+        max_running_requests=config.cache.max_running_requests,
         output=output,
         observer=observers,
         stats=counters,
         cache=cache,
     )
+
+
+def _runner(
+    config: StallfreeConfig, ctx: BatchContext, model: _Model, device: torch.device
+) -> ModelRunner:
+    """The step planner and its executor: the model in this process, or the workers."""
     faults = FaultInjector(config.faults) if config.faults.enabled else None
     executor: Executor
-    if isinstance(stream, ProcessStream):
-        executor = RemoteExecutor(ctx, stream)
+    if isinstance(ctx.stream, ProcessStream):
+        executor = RemoteExecutor(ctx, ctx.stream)
     else:
-        assert loaded is not None
-        executor = LocalExecutor(loaded.model, ctx, Sampler(config.model.seed, device), faults)
-    runner = ModelRunner(ctx, executor, faults)
+        assert model.loaded is not None
+        sampler = Sampler(config.model.seed, device)
+        executor = LocalExecutor(model.loaded.model, ctx, sampler, faults)
+    return ModelRunner(ctx, executor, faults)
+
+
+def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None) -> EngineCore:
+    """Load the model and build pools, stream, scheduler, runner and loop for `config`."""
+    prefix_caching = prefix_caching_enabled(config)  # a configuration error before any load
+    observers = observers if observers is not None else ObserverFanout()
+    activity = ActivityClock()
+    observers.observers.append(activity)
+    device = resolve_device(config.runtime.device)
+    model = _load(config, device)
+    arch = model.arch
+    tokenizer = load_tokenizer(config.model.path, arch.eos_token_ids)
+    sparse_plugin = None
+    capacity_ratio = 1.0
+    if config.hisparse.enabled:
+        sparse_plugin = load_sparse_attention_plugin("hisparse")
+        capacity_ratio = sparse_plugin.capacity_ratio(config.hisparse, arch)
+    sizes = pool_sizes(config, arch, capacity_ratio)
+    stream, worker_stats = _start_stream(config, arch, device, sizes)
+    monitor = SyncMonitor(stream, strict=config.runtime.strict)
+    monitor.stall_sinks.append(observers.on_stall)
+    ctx = _batch_context(config, model, stream, monitor, sizes)
+    if sparse_plugin is not None:
+        assert model.loaded is not None  # the configuration refuses HiSparse with workers
+        ctx.sparse = sparse_plugin.install(config.hisparse, arch, ctx, model.loaded.model)
+    output = OutputProcessor(tokenizer, observers)
+    scheduler = _scheduler(config, ctx, output, observers, prefix_caching)
+    runner = _runner(config, ctx, model, device)
     loop = SchedulerLoop(
         scheduler,
         runner,
@@ -297,11 +347,11 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
         stream.on_fatal = loop.fail_closed_from_thread
     return EngineCore(
         config=config,
-        loaded=loaded,
+        loaded=model.loaded,
         arch=arch,
-        dtype=dtype,
+        dtype=model.dtype,
         tokenizer=tokenizer,
-        max_context_len=max_context_len,
+        max_context_len=sizes[0],
         stream=stream,
         monitor=monitor,
         ctx=ctx,

@@ -78,6 +78,104 @@ class LogitsPlan:
         return self.pen_rows is not None or self.init_slots is not None
 
 
+@dataclass(slots=True)
+class _Uploads:
+    """Host lists to device tensors through the stream's `upload`."""
+
+    upload: Callable[[torch.Tensor], torch.Tensor]
+
+    def ints(self, values: list[int]) -> torch.Tensor:
+        return self.upload(torch.tensor(values, dtype=_I64))
+
+    def floats(self, values: list[float]) -> torch.Tensor:
+        return self.upload(torch.tensor(values, dtype=torch.float32))
+
+
+@dataclass(slots=True)
+class _BiasRows:
+    """logit_bias, and min_tokens' ban on EOS and stop ids, as (row, token, value) triples."""
+
+    rows: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+
+    def add(self, row: int, req: Req, output_step: int) -> None:
+        params = req.sampling_params
+        for tok, value in params.logit_bias.items():
+            self._put(row, tok, value)
+        if output_step < params.min_tokens:
+            stops = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stops |= req.eos_token_ids
+            for tok in sorted(stops):
+                self._put(row, tok, float("-inf"))
+
+    def _put(self, row: int, tok: int, value: float) -> None:
+        self.rows.append(row)
+        self.tokens.append(tok)
+        self.values.append(value)
+
+    def apply(self, plan: LogitsPlan, up: _Uploads) -> None:
+        if self.rows:
+            plan.bias = (up.ints(self.rows), up.ints(self.tokens), up.floats(self.values))
+
+
+@dataclass(slots=True)
+class _PenaltyRows:
+    """Penalised rows and their factors; rows whose state is (re)built this step (new, or
+    recomputed after a retraction); rows whose sampled token counts toward their penalties."""
+
+    rows: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    presence: list[float] = field(default_factory=list)
+    frequency: list[float] = field(default_factory=list)
+    repetition: list[float] = field(default_factory=list)
+    init_slots: list[int] = field(default_factory=list)
+    prompt_marks: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
+    output_marks: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
+    count_rows: list[int] = field(default_factory=list)
+    count_slots: list[int] = field(default_factory=list)
+
+    def add(self, row: int, req: Req, real: bool) -> None:
+        params = req.sampling_params
+        slot = req.req_pool_idx
+        assert slot is not None, "a batch row without a request slot"
+        if req.penalty_epoch != req.num_retractions:
+            req.penalty_epoch = req.num_retractions
+            self._rebuild(slot, req)
+        self.rows.append(row)
+        self.slots.append(slot)
+        self.presence.append(params.presence_penalty)
+        self.frequency.append(params.frequency_penalty)
+        self.repetition.append(params.repetition_penalty)
+        if real:
+            self.count_rows.append(row)
+            self.count_slots.append(slot)
+
+    def _rebuild(self, slot: int, req: Req) -> None:
+        self.init_slots.append(slot)
+        if req.sampling_params.repetition_penalty != 1.0:
+            unique = set(req.origin_input_ids)
+            self.prompt_marks[0].extend([slot] * len(unique))
+            self.prompt_marks[1].extend(unique)
+        self.output_marks[0].extend([slot] * len(req.output_ids))
+        self.output_marks[1].extend(req.output_ids)
+
+    def apply(self, plan: LogitsPlan, up: _Uploads) -> None:
+        if self.rows:
+            plan.pen_rows, plan.pen_slots = up.ints(self.rows), up.ints(self.slots)
+            plan.presence, plan.frequency = up.floats(self.presence), up.floats(self.frequency)
+            plan.repetition = up.floats(self.repetition)
+        if self.init_slots:
+            plan.init_slots = up.ints(self.init_slots)
+            if self.prompt_marks[0]:
+                plan.init_prompt = (up.ints(self.prompt_marks[0]), up.ints(self.prompt_marks[1]))
+            if self.output_marks[0]:
+                plan.init_output = (up.ints(self.output_marks[0]), up.ints(self.output_marks[1]))
+        if self.count_rows:
+            plan.count_rows, plan.count_slots = up.ints(self.count_rows), up.ints(self.count_slots)
+
+
 def build_logits_plan(
     reqs: list[Req],
     output_rows: list[bool],
@@ -90,81 +188,21 @@ def build_logits_plan(
     extend batch, None in decode."""
     if not any(r.needs_logits_plan for r in reqs):
         return None
-    plan = LogitsPlan()
-    bias_r: list[int] = []
-    bias_t: list[int] = []
-    bias_v: list[float] = []
-    pen_rows: list[int] = []
-    pen_slots: list[int] = []
-    presence: list[float] = []
-    frequency: list[float] = []
-    repetition: list[float] = []
-    init_slots: list[int] = []
-    prompt_marks: tuple[list[int], list[int]] = ([], [])
-    output_marks: tuple[list[int], list[int]] = ([], [])
-    count_rows: list[int] = []
-    count_slots: list[int] = []
+    bias, penalties = _BiasRows(), _PenaltyRows()
     logprob_k = -1
     for row, req in enumerate(reqs):
         if not req.needs_logits_plan:
             continue
         params = req.sampling_params
-        real = output_rows[row]
-        for tok, value in params.logit_bias.items():
-            bias_r.append(row)
-            bias_t.append(tok)
-            bias_v.append(value)
-        if output_steps[row] < params.min_tokens:
-            stops = set(params.stop_token_ids)
-            if not params.ignore_eos:
-                stops |= req.eos_token_ids
-            for tok in sorted(stops):
-                bias_r.append(row)
-                bias_t.append(tok)
-                bias_v.append(float("-inf"))
-        if params.logprobs is not None and real:
+        bias.add(row, req, output_steps[row])
+        if params.logprobs is not None and output_rows[row]:
             logprob_k = max(logprob_k, params.logprobs)
         if params.has_penalties:
-            slot = req.req_pool_idx
-            assert slot is not None, "a batch row without a request slot"
-            if req.penalty_epoch != req.num_retractions:
-                req.penalty_epoch = req.num_retractions
-                init_slots.append(slot)
-                if params.repetition_penalty != 1.0:
-                    unique = set(req.origin_input_ids)
-                    prompt_marks[0].extend([slot] * len(unique))
-                    prompt_marks[1].extend(unique)
-                output_marks[0].extend([slot] * len(req.output_ids))
-                output_marks[1].extend(req.output_ids)
-            pen_rows.append(row)
-            pen_slots.append(slot)
-            presence.append(params.presence_penalty)
-            frequency.append(params.frequency_penalty)
-            repetition.append(params.repetition_penalty)
-            if real:
-                count_rows.append(row)
-                count_slots.append(slot)
-
-    def ints(values: list[int]) -> torch.Tensor:
-        return upload(torch.tensor(values, dtype=_I64))
-
-    def floats(values: list[float]) -> torch.Tensor:
-        return upload(torch.tensor(values, dtype=torch.float32))
-
-    if bias_r:
-        plan.bias = (ints(bias_r), ints(bias_t), floats(bias_v))
-    if pen_rows:
-        plan.pen_rows, plan.pen_slots = ints(pen_rows), ints(pen_slots)
-        plan.presence, plan.frequency = floats(presence), floats(frequency)
-        plan.repetition = floats(repetition)
-    if init_slots:
-        plan.init_slots = ints(init_slots)
-        if prompt_marks[0]:
-            plan.init_prompt = (ints(prompt_marks[0]), ints(prompt_marks[1]))
-        if output_marks[0]:
-            plan.init_output = (ints(output_marks[0]), ints(output_marks[1]))
-    if count_rows:
-        plan.count_rows, plan.count_slots = ints(count_rows), ints(count_slots)
+            penalties.add(row, req, output_rows[row])
+    plan = LogitsPlan()
+    up = _Uploads(upload)
+    bias.apply(plan, up)
+    penalties.apply(plan, up)
     if logprob_k >= 0:
         plan.logprob_k = logprob_k
     if extend is not None:
