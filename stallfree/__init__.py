@@ -23,7 +23,7 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    # NOTE: lazy, so `import stallfree.config` does not pull in the model stack.
+    # lazy, so `import stallfree.config` does not pull in the model stack.
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'stallfree' has no attribute {name!r}")

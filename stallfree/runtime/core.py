@@ -85,7 +85,7 @@ class EngineCore:
         stream = self.stream
         sent = stream.bytes_sent if isinstance(stream, ProcessStream) else 0
         first = self.config.parallel.node_rank * stats.shape[0]
-        rows = stats.tolist()  # NOTE: host memory the workers write, not a device tensor
+        rows = stats.tolist()  # host memory the workers write, not a device tensor
         return tuple(
             WorkerRankStats(
                 rank=first + i,
@@ -149,7 +149,7 @@ def waiting_limit(config: StallfreeConfig) -> int:
     return WAITING_PER_REQUEST_SLOT * config.cache.max_running_requests
 
 
-# NOTE: measured by benchmarks/bench_stream_threads.py on 2 cores: `tiny` (hidden 64) runs 2x
+# measured by benchmarks/bench_stream_threads.py on 2 cores: `tiny` (hidden 64) runs 2x
 # faster on 1 thread than on 2; `bench-cpu` (hidden 1024) 1.45x faster on 2 than on 1.
 WIDE_MODEL_HIDDEN = 512
 
@@ -210,7 +210,7 @@ class _Model:
 
 def _load(config: StallfreeConfig, device: torch.device) -> _Model:
     if config.uses_worker_processes:
-        # NOTE: the workers load the weights; the scheduler only needs the architecture
+        # the workers load the weights; the scheduler only needs the architecture
         check_tensor_parallel(config.model.path, config.parallel.tp_size)
         arch = read_arch(config.model.path)
         dtype = weights_dtype(config.model.path, config.model.dtype, device)
@@ -256,7 +256,7 @@ def _batch_context(
         req_to_token_pool=ReqToTokenPool(slots, max_context_len, host),
         allocator=TokenToKVPoolAllocator(num_slots - page_size, page_size),
         kv_cache=KVCache(
-            # NOTE: with workers the KV lives in them; the host keeps the shape, no buffers
+            # with workers the KV lives in them; the host keeps the shape, no buffers
             KVCacheShape(0 if process else arch.num_layers, arch.num_kv_heads, arch.head_dim),
             num_slots,
             model.dtype,

@@ -77,7 +77,7 @@ class Engine:
             self.add_observer(RequestLogger())
         self._state = "new"  # new -> running -> closing -> closed
         self._loop_task: asyncio.Task[None] | None = None
-        # NOTE: the engine's state is owned by the event loop that started it; see _check_caller
+        # the engine's state is owned by the event loop that started it; see _check_caller
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread_id: int | None = None
         self._rid_counter = itertools.count()
@@ -262,7 +262,7 @@ class Engine:
         request; past it the request is aborted (reason `abort`, error "deadline of ...").
         Call it on the event loop the engine was started on; elsewhere it raises RuntimeError.
         """
-        # NOTE: aclosing: a consumer that stops early closes the inner generators at once, so the
+        # aclosing: a consumer that stops early closes the inner generators at once, so the
         # request is aborted and its memory freed now, not when the garbage collector gets to it
         async with contextlib.aclosing(
             self._submit(prompt, params, rid, timeout, wake_per_step=True)
@@ -390,7 +390,7 @@ class Engine:
     async def _drain(
         self, req: Req, stream: RequestStream, timeout: float | None = None
     ) -> AsyncGenerator[GenerationChunk, None]:
-        # NOTE: one timer per request, not a timed wait per chunk
+        # one timer per request, not a timed wait per chunk
         deadline = (
             None
             if timeout is None
@@ -410,7 +410,7 @@ class Engine:
             self._unregister(req)
 
     def _expire(self, req: Req, timeout: float) -> None:
-        # NOTE: the reason stays `abort` (front ends map it); the message says it was the deadline
+        # the reason stays `abort` (front ends map it); the message says it was the deadline
         if not req.finished:
             self.core.scheduler.abort(req, FinishReason.ABORT, f"deadline of {timeout}s exceeded")
             self.core.loop.notify()

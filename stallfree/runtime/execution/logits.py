@@ -390,7 +390,7 @@ class LogprobBuffers:
         for row, first, count in prompt.spans:
             req = reqs[row]
             k = req.sampling_params.prompt_logprobs or 0
-            if len(req.prompt_logprobs) + 1 == first:  # NOTE: never twice, never with a gap
+            if len(req.prompt_logprobs) + 1 == first:  # never twice, never with a gap
                 targets = req.origin_input_ids[first : first + count]
                 req.prompt_logprobs.extend(
                     self._entry("prompt_", tok, index + i, k) for i, tok in enumerate(targets)

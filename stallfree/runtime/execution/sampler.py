@@ -37,7 +37,7 @@ class SamplingBatch:
     ) -> SamplingBatch:
         greedy = [p.temperature == 0.0 or p.top_k == 1 for p in params]
         if all(greedy):
-            # NOTE: the common serving case: nothing to upload, nothing to seed
+            # the common serving case: nothing to upload, nothing to seed
             return cls(all_greedy=True, greedy_mask_cpu=greedy, seeds_cpu=[], steps_cpu=[])
         temps = [0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
         sampled = [p for p, g in zip(params, greedy, strict=True) if not g]

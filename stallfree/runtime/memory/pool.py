@@ -55,7 +55,7 @@ class TokenToKVPoolAllocator:
         self.page_size = page_size
         self.num_pages = num_slots // page_size
         self.size = self.num_pages * page_size  # usable slots
-        # NOTE: page 0 (slots 0..page_size-1) is never handed out, so padded writes are harmless.
+        # page 0 (slots 0..page_size-1) is never handed out, so padded writes are harmless.
         self._free_pages: list[int] = list(range(self.num_pages, 0, -1))
         self._free_set: set[int] = set(self._free_pages)
         self.evictor: PageEvictor | None = None

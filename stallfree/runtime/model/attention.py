@@ -271,7 +271,7 @@ def attend(
 
     `mask=None` is plain causal attention with no prefix (n == seq), without building a mask.
     """
-    # NOTE: a batch dim of 1 lets SDPA take its fused kernel (3-D inputs take the slow path)
+    # a batch dim of 1 lets SDPA take its fused kernel (3-D inputs take the slow path)
     q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     out = _sdpa(q4, k4, v4, mask, is_causal=mask is None)
     return out[0].transpose(0, 1)

@@ -69,10 +69,6 @@ _PRE_SPLITS = {
 }
 
 
-def is_gguf_path(path: str | Path) -> bool:
-    return str(path).lower().endswith(".gguf")
-
-
 def _gguf_module(error: type[Exception]) -> Any:
     try:
         import gguf

@@ -26,6 +26,12 @@ from stallfree.runtime.text.tokenizer import ByteTokenizer, HFTokenizer, Tokeniz
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
+
+def is_gguf_path(path: str | Path) -> bool:
+    """A single-file GGUF checkpoint, by its suffix (any case)."""
+    return str(path).lower().endswith(".gguf")
+
+
 # ---------------------------------------------------------------------------- presets
 
 _BYTE_TOKENIZER: dict[str, Any] = {"vocab_size": 260, "bos_token_id": 256, "eos_token_ids": [257]}
@@ -99,7 +105,7 @@ def load_model(
     if path_or_preset in PRESETS:
         return _load_preset(path_or_preset, dtype, device, seed, tp)
     path = Path(path_or_preset)
-    if path.suffix.lower() == ".gguf" and path.is_file():
+    if is_gguf_path(path) and path.is_file():
         if tp.size > 1:
             raise _gguf_tp_error(tp.size)
         return _load_gguf(path, dtype, device)
@@ -181,7 +187,7 @@ def read_arch(path_or_preset: str) -> ModelArchConfig:
         preset = PRESETS[path_or_preset]
         return replace(preset, eos_token_ids=list(preset.eos_token_ids))
     path = Path(path_or_preset)
-    if path.suffix.lower() == ".gguf" and path.is_file():
+    if is_gguf_path(path) and path.is_file():
         from stallfree.runtime.model.gguf import read_gguf_checkpoint
 
         return read_gguf_checkpoint(path).arch
@@ -197,7 +203,7 @@ def weights_dtype(path_or_preset: str, dtype: str, device: torch.device) -> torc
     """The dtype `load_model` loads the weights in, without loading them (the scheduler's
     process sizes its pools with it when the model lives in worker processes)."""
     path = Path(path_or_preset)
-    if path_or_preset in PRESETS or path.suffix.lower() == ".gguf":
+    if path_or_preset in PRESETS or is_gguf_path(path):
         return _resolve_dtype(dtype, "float32", device)  # seeded float32; dequantised float32
     return _resolve_dtype(dtype, _config_dtype(_read_config(path)), device)
 
@@ -213,7 +219,7 @@ def check_tensor_parallel(path_or_preset: str, tp_size: int) -> None:
     if tp_size == 1:
         return
     path = Path(path_or_preset)
-    if path_or_preset not in PRESETS and path.suffix.lower() == ".gguf":
+    if path_or_preset not in PRESETS and is_gguf_path(path):
         raise _gguf_tp_error(tp_size)
     validate_tp(read_arch(path_or_preset), tp_size)
 
@@ -345,7 +351,7 @@ def _check_complete(found: set[str], expected: set[str]) -> None:
 def load_tokenizer(path_or_preset: str, eos_token_ids: list[int] | None = None) -> Tokenizer:
     if path_or_preset in PRESETS:
         return ByteTokenizer()
-    if str(path_or_preset).lower().endswith(".gguf"):
+    if is_gguf_path(path_or_preset):
         from stallfree.runtime.model.gguf import load_gguf_tokenizer
 
         return load_gguf_tokenizer(path_or_preset, eos_token_ids)

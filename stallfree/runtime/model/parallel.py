@@ -79,10 +79,6 @@ class TPGroup:
             raise RuntimeError("torch.distributed is not initialised; call init_process_group")
         return cls(dist.get_rank(group), dist.get_world_size(group), group)
 
-    @property
-    def is_parallel(self) -> bool:
-        return self.size > 1
-
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return t

@@ -57,7 +57,7 @@ class Req:
     # last built for (-1: never), and the prompt tokens scored so far (token j at index j - 1)
     penalty_epoch: int = -1
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # NOTE: read per row per step, so taken once from the (immutable) params
+    # read per row per step, so taken once from the (immutable) params
     needs_logits_plan: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:

@@ -70,7 +70,7 @@ class PrefillAdder:
         free = self.free_tokens - locked_tokens
         remaining = req.fill_len - cached_tokens
         ext = min(remaining, self.chunk_size, self.budget)
-        # NOTE: at most what the request can ever use: its outputs are capped by the context
+        # at most what the request can ever use: its outputs are capped by the context
         reserve = math.ceil((remaining - ext + req.remaining_outputs()) * self.new_token_ratio)
         pages = pages_for(ext, self.page_size)
         cost = pages * self.page_size + reserve

@@ -39,7 +39,7 @@ class SchedulerLoop:
         self.observer = observer or EngineObserver()
         self.runner = runner
         self.overlap = overlap
-        self.stats: EngineCounters = scheduler.stats  # NOTE: one set of counters, shared
+        self.stats: EngineCounters = scheduler.stats  # one set of counters, shared
         self.wake = asyncio.Event()
         self.stopping = False
         self._aio_loop: asyncio.AbstractEventLoop | None = None

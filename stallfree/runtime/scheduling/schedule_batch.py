@@ -263,21 +263,21 @@ class ScheduleBatch:
                 stream.upload(torch.cat(pos) if pos else _empty()),
             ),
         )
-        # NOTE: the slots of an extend batch are the host's allocation, as in any baseline
+        # the slots of an extend batch are the host's allocation, as in any baseline
         self._legacy_rows = (rpi, rpi_cpu)
 
-    def prepare_for_decode(self, seq_lens_host: torch.Tensor | None = None) -> None:
-        """`seq_lens_host`: lengths the caller already read for this batch, if any."""
+    def prepare_for_decode(self, seq_lens_cpu: torch.Tensor | None = None) -> None:
+        """`seq_lens_cpu`: lengths the caller already read for this batch, if any."""
         self.forward_mode = ForwardMode.DECODE
         stream = self.ctx.stream
-        if seq_lens_host is None:
-            seq_lens_host = self.host_seq_lens("schedule.page_count")
+        if seq_lens_cpu is None:
+            seq_lens_cpu = self.host_seq_lens("schedule.page_count")
         n = len(self.reqs)
         out_cache_loc = alloc_for_decode(
-            self.ctx, self.reqs, seq_lens_host, self.req_pool_indices, self.seq_lens
+            self.ctx, self.reqs, seq_lens_cpu, self.req_pool_indices, self.seq_lens
         )
         rows = RowLists(
-            seq_lens_host.tolist(),
+            seq_lens_cpu.tolist(),
             [1] * n,
             [True] * n,
             [r.num_scheduled_outputs for r in self.reqs],
@@ -407,8 +407,8 @@ class ScheduleBatch:
         Returns them and whether the step now fits (it may not, with one request left).
         """
         allocator = self.ctx.allocator
-        seq_lens_host = self.host_seq_lens("schedule.retract")
-        needs = (seq_lens_host % allocator.page_size == 0).tolist()
+        seq_lens_cpu = self.host_seq_lens("schedule.retract")
+        needs = (seq_lens_cpu % allocator.page_size == 0).tolist()
         needed, available = sum(needs), allocator.available_pages()
         order = retract_order(self.reqs)
         keep = set(range(len(self.reqs)))
@@ -431,7 +431,7 @@ class ScheduleBatch:
         if ctx.check_mirrors:
             self._check_launchable()
         # host facts of this step, not mirror reads: the length after it, per row
-        seq_lens_host = torch.tensor(
+        seq_lens_cpu = torch.tensor(
             [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu, strict=True)],
             dtype=_I64,
         )
@@ -445,7 +445,7 @@ class ScheduleBatch:
             req_pool_indices=self.req_pool_indices,
             seq_lens=self.seq_lens,
             req_pool_indices_cpu=self.host_req_pool_indices("launch.req_pool_indices"),
-            seq_lens_cpu=seq_lens_host,
+            seq_lens_cpu=seq_lens_cpu,
             extend_lens_cpu=list(self.extend_lens_cpu),
             prefix_lens_cpu=list(self.prefix_lens_cpu),
             req_to_token=ctx.req_to_token_pool.req_to_token,

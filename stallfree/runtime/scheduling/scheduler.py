@@ -62,7 +62,7 @@ class Scheduler:
     last_extend: ScheduleBatch | None = None
     launch_seq: int = 0
     processed_seq: int = 0
-    # NOTE: finished requests stay in `waiting` until they reach its head (O(1) abort)
+    # finished requests stay in `waiting` until they reach its head (O(1) abort)
     stale_waiting: int = 0
     stats: EngineCounters = field(default_factory=EngineCounters)
     # the requests of the batch being built and launched, until it is launched; if building or
@@ -135,11 +135,11 @@ class Scheduler:
             if running.is_empty():
                 return None
             self.building = list(running.reqs)
-            seq_lens_host, ready = self._make_room_for_decode(running)
+            seq_lens_cpu, ready = self._make_room_for_decode(running)
             if running.is_empty() or not ready:
                 return None
             self.building = list(running.reqs)
-            running.prepare_for_decode(seq_lens_host)
+            running.prepare_for_decode(seq_lens_cpu)
             self.stats.decode_batches += 1
             return running
 
@@ -195,7 +195,7 @@ class Scheduler:
             if self.chunked_req is None:
                 return None
         adder = self._new_adder()
-        self.building = adder.reqs  # NOTE: the same list, filled below
+        self.building = adder.reqs  # the same list, filled below
         chunked = self.chunked_req
         if chunked is not None:
             outcome = adder.add_chunked(chunked)
@@ -318,9 +318,9 @@ class Scheduler:
         count as available). Returns the lengths read, if the batch kept them, and whether a
         step can be built now."""
         allocator = self.ctx.allocator
-        seq_lens_host = running.host_seq_lens("schedule.page_count")
-        if decode_pages_needed(seq_lens_host, allocator.page_size) <= allocator.available_pages():
-            return seq_lens_host, True
+        seq_lens_cpu = running.host_seq_lens("schedule.page_count")
+        if decode_pages_needed(seq_lens_cpu, allocator.page_size) <= allocator.available_pages():
+            return seq_lens_cpu, True
         retracted, fits = running.retract_decode()
         for req in reversed(retracted):
             # NOTE: its own pages are freed at once, not deferred: the launched batch reads them
@@ -402,7 +402,7 @@ class Scheduler:
         self.stats.generation_tokens += 1
         params = req.sampling_params
         stop_string = self.output.on_token(req, tok, now, logprobs)
-        # NOTE: below min_tokens the sampler masked EOS and stop ids; stop strings wait too
+        # below min_tokens the sampler masked EOS and stop ids; stop strings wait too
         if len(req.output_ids) >= params.min_tokens and (
             stop_string
             or (not params.ignore_eos and tok in req.eos_token_ids)

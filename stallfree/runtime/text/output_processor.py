@@ -36,7 +36,7 @@ class RequestStream:
     sent_prompt_logprobs: bool = False
     undecoded: list[int] = field(default_factory=list)  # not yet run through `detok`
     text: list[str] = field(default_factory=list)  # decoded, not yet read
-    # NOTE: with stop strings, decoded text that might begin one is held back here; it is
+    # with stop strings, decoded text that might begin one is held back here; it is
     # bounded by the longest stop string, so the work per token does not grow with the output.
     held: str = ""
     stop_at: int | None = None  # index into `held` where a stop string begins

@@ -131,7 +131,7 @@ class ByteTokenizer(Tokenizer):
         self.eos_token = "</s>"
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        # NOTE: like a tokenizer.json with no post-processor: no special tokens are added
+        # like a tokenizer.json with no post-processor: no special tokens are added
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
@@ -362,7 +362,7 @@ class StreamDetokenizer(Detokenizer):
         return delta
 
     def flush(self) -> str:
-        # NOTE: ids still held are an incomplete character: decode them as replacements
+        # ids still held are an incomplete character: decode them as replacements
         delta = self._tok.decode(self._pending) if self._pending else ""
         self._pending = []
         self._text.append(delta)
