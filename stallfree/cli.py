@@ -15,7 +15,7 @@ from stallfree.entrypoints.flags import HelpFormatter
 
 def build_parser() -> argparse.ArgumentParser:
     from stallfree import __version__
-    from stallfree.bench.cli import DESCRIPTION, add_bench_arguments
+    from stallfree.bench.flags import DESCRIPTION, add_bench_arguments
 
     parser = runtime_cli.build_parser()
     parser.add_argument("--version", action="version", version=f"stallfree {__version__}")
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # NOTE: an unknown flag exits 2 with the usage of its subcommand (`runtime_cli.parse`)
+    # an unknown flag exits 2 with the usage of its subcommand (`runtime_cli.parse`)
     args = runtime_cli.parse(build_parser(), argv)
     if args.command == "bench":
         from stallfree.bench.cli import run_bench

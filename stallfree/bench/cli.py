@@ -1,4 +1,5 @@
-"""`stallfree bench`: flags, the choice of target, the progress bar, and exit codes."""
+"""`stallfree bench`: the checks of its flags (defined in `bench.flags`), the choice of modes and
+target, the progress bar, the result files, and exit codes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from stallfree.bench.flags import DESCRIPTION, ENDPOINTS, add_bench_arguments
 from stallfree.bench.report import (
     PlotUnavailableError,
     check_plot_available,
@@ -41,10 +43,6 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
 
-DESCRIPTION = """Load-test a stallfree engine (in process or over HTTP) or any OpenAI-compatible
-server. With --compare, run the same seeded workload in each overlap mode and print one table
-with a column per mode and each figure's ratio to the first (baseline) mode."""
-
 
 # what the bench imports beyond the base install (its extra also brings the server's and
 # matplotlib, which --plot checks for itself)
@@ -53,249 +51,6 @@ BENCH_MODULES = ("rich", "httpx", "numpy")
 
 class UsageError(ValueError):
     """A bad combination of flags."""
-
-
-BACKENDS = ("openai", "openai-chat", "vllm")
-ENDPOINTS = {"/v1/completions": "openai", "/v1/chat/completions": "openai-chat"}
-# `--workload` names and the `--dataset-name` spellings of `vllm bench serve` for the same sets
-_WORKLOADS = {
-    "random": "random",
-    "sharegpt": "sharegpt",
-    "shared-prefix": "shared-prefix",
-    "prefix": "shared-prefix",
-    "prefix_repetition": "shared-prefix",
-}
-
-
-def _workload_name(text: str) -> str:
-    if text not in _WORKLOADS:
-        raise argparse.ArgumentTypeError(
-            f"invalid choice: {text!r} (choose from {', '.join(_WORKLOADS)})"
-        )
-    return _WORKLOADS[text]
-
-
-def _tp_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        sizes = []
-    if len(sizes) < 2 or min(sizes) < 1 or len(set(sizes)) != len(sizes):
-        raise argparse.ArgumentTypeError(
-            f"not a list of two or more different tensor-parallel sizes: {text!r} (e.g. 1,2)"
-        )
-    return sizes
-
-
-def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    """`stallfree bench`'s flags; `vllm bench serve`'s spellings work beside its own."""
-    from stallfree.entrypoints.flags import add_engine_flags
-
-    target = p.add_argument_group("target")
-    target.add_argument(
-        "--target",
-        choices=["inprocess", "http"],
-        help="default: http with --base-url or --backend, else inprocess",
-    )
-    target.add_argument(
-        "--base-url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (default: none)"
-    )
-    target.add_argument(
-        "--host",
-        help="the server at http://HOST:PORT, another way to give --base-url (default: "
-        "127.0.0.1 when --port is given, else none)",
-    )
-    target.add_argument(
-        "--port",
-        type=int,
-        help="the server's port, with --host (default: 8000 when --host is given, else none)",
-    )
-    target.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        help="the API driven over HTTP: openai (and vllm) stream /v1/completions, openai-chat "
-        "streams /v1/chat/completions (default: openai; without --base-url it picks "
-        "--target http)",
-    )
-    target.add_argument(
-        "--endpoint",
-        choices=list(ENDPOINTS),
-        help="the API path, another way to choose --backend (default: the backend's)",
-    )
-    target.add_argument(
-        "--served-model-name", help="model id sent over HTTP (default: the server's first)"
-    )
-    target.add_argument("--api-key", help="bearer token for --base-url (default: none)")
-    target.add_argument(
-        "--startup-timeout", type=float, default=300.0, help="seconds to wait for a launched server"
-    )
-    add_engine_flags(p)  # engine flags: the base config of every mode
-    target.add_argument(
-        "--stream-threads",
-        type=int,
-        help="torch threads of the CPU stream worker (runtime.stream_threads); on a 2-core "
-        "machine 1 leaves the scheduler a core to overlap with (default: as configured)",
-    )
-    target.add_argument(
-        "--hisparse",
-        choices=["off", "on", "both"],
-        help="HiSparse off or on in every mode (default: as configured); "
-        "both doubles the modes under --compare",
-    )
-    target.add_argument(
-        "--compare-prefix-caching",
-        action="store_true",
-        help="under --compare, run every mode with the prefix cache off and on (doubles the "
-        "modes); the table shows the hit rate",
-    )
-
-    modes = p.add_argument_group("modes")
-    modes.add_argument(
-        "--compare",
-        action="store_true",
-        help="run every mode: overlap off; overlap with mirrors off; overlap with mirrors on",
-    )
-    modes.add_argument(
-        "--modes",
-        help=f"comma list of modes for --compare, from: {', '.join(MODE_KEYS)} (default: all)",
-    )
-    modes.add_argument(
-        "--compare-workers",
-        action="store_true",
-        help="run every mode with the model in process (runtime.worker=inprocess) and then in "
-        "a worker process (runtime.worker=process), the same workload interleaved; the table "
-        "adds per-rank step time, the all-reduce share and the bytes sent per step",
-    )
-    modes.add_argument(
-        "--compare-tp",
-        type=_tp_sizes,
-        metavar="N,M[,...]",
-        help="run every mode at each tensor-parallel size (parallel.tp_size), in worker "
-        "processes at every size unless --worker says otherwise (default: none)",
-    )
-    modes.add_argument(
-        "--repeats",
-        type=int,
-        default=None,
-        help="run the whole workload N times per mode, the modes interleaved (A B C, A B C, "
-        "...), and report each figure's median over a mode's runs and the spread of output "
-        "throughput (default: 3 with --compare, --compare-workers or --compare-tp, else 1)",
-    )
-
-    w = p.add_argument_group("workload")
-    w.add_argument(
-        "--workload",
-        "--dataset-name",
-        type=_workload_name,
-        default="random",
-        metavar="{random,sharegpt,shared-prefix}",
-        help="the requests; vLLM's --dataset-name prefix and prefix_repetition mean shared-prefix",
-    )
-    w.add_argument(
-        "--dataset-path", help="ShareGPT JSON file for --workload sharegpt (default: none)"
-    )
-    w.add_argument(
-        "--tokenizer",
-        help="tokenizer (HF directory or preset) that measures ShareGPT prompts; default: --model",
-    )
-    w.add_argument(
-        "--sharegpt-output-len",
-        type=int,
-        help="fixed output length instead of each reply's (default: the reply's)",
-    )
-    w.add_argument("--num-prompts", type=int, default=200, help="requests in the workload")
-    w.add_argument(
-        "--input-len",
-        "--random-input-len",
-        "--prefix-repetition-suffix-len",
-        dest="input_len",
-        type=int,
-        default=256,
-        help="random prompt tokens (upper bound); shared-prefix: the tokens after the prefix",
-    )
-    w.add_argument(
-        "--output-len",
-        "--random-output-len",
-        "--prefix-repetition-output-len",
-        dest="output_len",
-        type=int,
-        default=128,
-        help="output tokens (upper bound)",
-    )
-    w.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=0.5,
-        help="lengths are uniform in [len*ratio, len] (not vLLM's [len*(1-ratio), len*(1+ratio)])",
-    )
-    w.add_argument(
-        "--prefix-groups",
-        "--prefix-repetition-num-prefixes",
-        dest="prefix_groups",
-        type=int,
-        default=4,
-        help="shared-prefix: number of distinct prefixes",
-    )
-    w.add_argument(
-        "--prefix-len",
-        "--prefix-repetition-prefix-len",
-        dest="prefix_len",
-        type=int,
-        default=256,
-        help="shared-prefix: tokens in each prefix",
-    )
-    w.add_argument(
-        "--request-rate",
-        type=float,
-        default=math.inf,
-        help="Poisson arrivals per second (inf: all at once)",
-    )
-    w.add_argument(
-        "--max-concurrency", type=int, help="most requests in flight at once (default: no cap)"
-    )
-    w.add_argument(
-        "--warmup-requests",
-        "--num-warmups",
-        dest="warmup_requests",
-        type=int,
-        default=2,
-        help="short requests sent before measuring",
-    )
-    w.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals")
-    w.add_argument(
-        "--ignore-eos", action="store_true", help="always generate the full output length"
-    )
-    w.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-
-    out = p.add_argument_group("output")
-    out.add_argument(
-        "--output-json", help="write every figure and the full configuration here (default: none)"
-    )
-    out.add_argument(
-        "--save-result",
-        action="store_true",
-        help="write the same JSON to --result-dir/--result-filename, as vLLM names it",
-    )
-    out.add_argument(
-        "--result-dir",
-        help="directory for --save-result, created if missing (default: the current one)",
-    )
-    out.add_argument(
-        "--result-filename",
-        help="file name for --save-result (default: "
-        "BACKEND-RATEqps[-concurrencyN]-MODEL-YYYYmmdd-HHMMSS.json)",
-    )
-    out.add_argument(
-        "--plot",
-        help="write a PNG: latency distributions, stall time and idle per mode (default: none)",
-    )
-    out.add_argument(
-        "--no-progress",
-        "--disable-tqdm",
-        dest="no_progress",
-        action="store_true",
-        help="no progress bar",
-    )
 
 
 def _resolve_vllm_flags(args: argparse.Namespace) -> None:
