@@ -54,7 +54,7 @@ class HisparseAttention:
             row = int(fb.req_pool_indices_cpu[i])
             k_seq, v_seq = co.host_kv(li, fb.req_to_token[row, :seq])
             mask = causal_mask(prefix, seq, q.device)
-            # NOTE: positions past the prompt are outputs of a re-prefill after retraction
+            # positions past the prompt are outputs of a re-prefill after retraction
             co.mask_decoded(li, row, prefix, fb.prompt_lens_cpu[i], q[start : start + n], mask)
             outs.append(attend(q[start : start + n], k_seq, v_seq, mask))
             start += n
@@ -88,15 +88,15 @@ class HisparseAttention:
                 ]
             )
             n_prev = [plan.n_prev[i] for i in selecting]
-            slots = co.swap_in_selected(plan.sel_rows_t, n_prev, topk, layer_id, plan.step)
-            phys[plan.sel_index_t, : co.top_k] = plan.sel_rows_t[:, None] * stride + slots
-            valid[plan.sel_index_t, : co.top_k] = True
+            slots = co.swap_in_selected(plan.sel_rows, n_prev, topk, layer_id, plan.step)
+            phys[plan.sel_index, : co.top_k] = plan.sel_rows[:, None] * stride + slots
+            valid[plan.sel_index, : co.top_k] = True
         for i in range(bs):
             if not plan.select[i]:  # short: every earlier token is resident
                 n, row = plan.n_prev[i], plan.rows[i]
                 phys[i, :n] = row * stride + co.resident_slots(li, row, n)
                 valid[i, :n] = True
-        phys[:, width] = plan.reserved_t
+        phys[:, width] = plan.reserved
         valid[:, width] = True
         buf = co.buffers
         out = attend_batched(

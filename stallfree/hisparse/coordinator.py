@@ -4,7 +4,8 @@ Two halves, never mixed:
 - the schedule path (`plan_step`, `map_last_loc_to_buffer`, `request_finished`) decides
   everything from host state and the batch's CPU mirrors, and only *enqueues* device work;
 - the forward half (`write_*`, `admit_on_stream`, `select`, `swap_in_selected`) runs on the
-  stream, inside the attention backend, and may touch device tensors freely.
+  stream, inside the attention backend, and may touch device tensors freely; the copies between
+  the host pool and the device buffers are `KVTransfer`'s (`transfer.py`).
 
 All state is keyed by request slot (`req_pool_idx`), so filter and merge need nothing here.
 """
@@ -19,6 +20,7 @@ import torch
 
 from stallfree.hisparse.indexer import index_keys, query_proxy, select_topk, uses_selection
 from stallfree.hisparse.memory import DeviceBuffers, HostKVPool
+from stallfree.hisparse.transfer import KVTransfer
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.telemetry.stats import SparseStats
 
@@ -90,14 +92,18 @@ class DecodePlan:
     """Host decisions for one decode step, consumed by the attention backend on the stream."""
 
     step: int
-    rows: list[int]
+    rows: list[int]  # request slot of each row
     n_prev: list[int]  # tokens before the newest, per row
     select: list[bool]  # row attends to a top-k subset
-    rows_t: torch.Tensor  # [B] device
-    reserved_t: torch.Tensor  # [B] device: physical slot the new token's KV is written to
-    sel_index_t: torch.Tensor  # [S] device: batch index of each selecting row
-    sel_rows_t: torch.Tensor  # [S] device: its request slot
+    reserved: torch.Tensor  # [B] device: physical slot the new token's KV is written to
+    sel_index: torch.Tensor  # [S] device: batch index of each selecting row
+    sel_rows: torch.Tensor  # [S] device: its request slot
     width: int  # most buffer slots any row attends to (before the reserved one)
+
+    @property
+    def reserved_t(self) -> torch.Tensor:
+        """`reserved` under its former name, which tests/test_hisparse.py still reads."""
+        return self.reserved
 
 
 @dataclass(slots=True)
@@ -140,6 +146,7 @@ class HisparseCoordinator:
             cache.dtype,
             cache.device,
         )
+        self.transfer = KVTransfer(self.host, self.buffers, pool, cache.dtype)
         elem = torch.empty((), dtype=cache.dtype).element_size()
         self.token_bytes = 2 * shape.num_kv_heads * shape.head_dim * elem  # one token, one layer
         self._rows: dict[int, RowState] = {}
@@ -149,8 +156,8 @@ class HisparseCoordinator:
         self._bytes_h2d = 0  # host-known transfers (miss copies are counted on the device)
         self._bytes_d2h = 0
         self._counters = torch.zeros(2, dtype=_I64, device=cache.device)  # hits, misses
-        self._counters_host = ctx.stream.host_buffer((2,), _I64)
-        self._counters_host.zero_()
+        self._counters_cpu = ctx.stream.host_buffer((2,), _I64)
+        self._counters_cpu.zero_()
 
     def release_dense_kv(self) -> None:
         """Drop the device KV cache of sparse layers: their KV lives in the host pool."""
@@ -264,8 +271,8 @@ class HisparseCoordinator:
             shape=(2, int(seq_lens.shape[0])),
             dtype=_I64,
         )
-        host = self.ctx.monitor.host_read(both, STALL_SITE)
-        return host[0], host[1]
+        both_cpu = self.ctx.monitor.host_read(both, STALL_SITE)
+        return both_cpu[0], both_cpu[1]
 
     def _eager_backup_previous_token(self, rows: list[int], lens: list[int]) -> None:
         """Enqueue reserved slot -> host slot for each row's previous token, all sparse layers.
@@ -274,7 +281,7 @@ class HisparseCoordinator:
         that token in its next buffer slot (buffer growth).
         """
         backup: list[tuple[int, int]] = []
-        grow: list[tuple[int, int, int]] = []
+        growth: list[tuple[int, int, int]] = []
         for row, length in zip(rows, lens, strict=True):
             state = self._rows.get(row)
             if state is None or not state.admitted:
@@ -287,25 +294,25 @@ class HisparseCoordinator:
             backup.append((row, prev))
             state.host_len += 1
             if state.buf_len == prev < self.buffer_size:
-                grow.append((row, prev, state.buf_len))
+                growth.append((row, prev, state.buf_len))
                 state.buf_len += 1
         if not backup:
             return
         self._bytes_d2h += len(backup) * self.token_bytes * len(self.sparse_layers)
         up = self.ctx.stream.upload
-        b = torch.tensor(backup, dtype=_I64).T
-        g = torch.tensor(grow, dtype=_I64).reshape(-1, 3).T
-        grow_t = tuple(up(c.contiguous()) for c in g) if grow else None
+        backup_cpu = torch.tensor(backup, dtype=_I64).T
+        growth_cpu = torch.tensor(growth, dtype=_I64).reshape(-1, 3).T
+        grow = tuple(up(c.contiguous()) for c in growth_cpu) if growth else None
+        backup_rows = up(backup_cpu[0].contiguous())
+        backup_pos = up(backup_cpu[1].contiguous())
         # NOTE: enqueued after the step that wrote the reserved slots and before the next step
         # overwrites them. On CUDA this belongs on a side stream that the next forward waits on.
-        self.ctx.stream.submit(
-            self._backup_op, up(b[0].contiguous()), up(b[1].contiguous()), grow_t, self._step
-        )
+        self.ctx.stream.submit(self.transfer.backup, backup_rows, backup_pos, grow, self._step)
 
     def _plan_decode(self, rows: list[int], lens: list[int]) -> DecodePlan:
         n_prev = [length - 1 for length in lens]
         select = [uses_selection(n, self.top_k, self.min_sparse_len) for n in n_prev]
-        sel_index = [i for i, s in enumerate(select) if s]
+        selecting = [i for i, s in enumerate(select) if s]
         width = max(
             (self.top_k if s else n for n, s in zip(n_prev, select, strict=True)), default=0
         )
@@ -316,10 +323,9 @@ class HisparseCoordinator:
             rows=rows,
             n_prev=n_prev,
             select=select,
-            rows_t=up(rows_cpu),
-            reserved_t=up(rows_cpu * self.buffers.stride + self.buffer_size),
-            sel_index_t=up(torch.tensor(sel_index, dtype=_I64)),
-            sel_rows_t=up(torch.tensor([rows[i] for i in sel_index], dtype=_I64)),
+            reserved=up(rows_cpu * self.buffers.stride + self.buffer_size),
+            sel_index=up(torch.tensor(selecting, dtype=_I64)),
+            sel_rows=up(torch.tensor([rows[i] for i in selecting], dtype=_I64)),
             width=width,
         )
 
@@ -329,51 +335,22 @@ class HisparseCoordinator:
         if row is not None:
             del self._rows[row]
 
-    request_retracted = request_finished
+    def request_retracted(self, req: Req) -> None:
+        """Drop the request's state as finishing does. The scheduler frees a retracted request's
+        slot and pages at once and re-prefills its prompt and outputs from nothing, so none of
+        its host or buffer state is kept; that re-prefill admits it afresh (`mask_decoded`
+        keeps its outputs attending as their decode steps did)."""
+        self.request_finished(req)
 
     # ------------------------------------------------------------------ stream side
 
-    def _backup_op(
-        self,
-        rows: torch.Tensor,
-        pos: torch.Tensor,
-        grow: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-        step: int,
-    ) -> None:
-        buf, host = self.buffers, self.host
-        locs = self.ctx.req_to_token_pool.req_to_token[rows, pos]
-        src = buf.reserved(rows)
-        for li in range(len(self.sparse_layers)):
-            # NOTE: on CUDA a D2H scatter indexed by device `locs` needs a UVA kernel to stay async.
-            host.k[li][locs] = buf.k[li][src].to(host.k[li].device)
-            host.v[li][locs] = buf.v[li][src].to(host.v[li].device)
-            if grow is not None:
-                self._grow(li, *grow, step)
-
-    def _grow(
-        self, li: int, rows: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, step: int
-    ) -> None:
-        buf = self.buffers
-        dst, src = buf.phys(rows, slots), buf.reserved(rows)
-        buf.k[li][dst] = buf.k[li][src]
-        buf.v[li][dst] = buf.v[li][src]
-        buf.pos_to_buf[li][rows, pos] = slots
-        buf.buf_pos[li][rows, slots] = pos
-        buf.last_use[li][rows, slots] = step
-
     def write_extend(self, li: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """A prefill chunk's KV goes to the host pool; its indexer keys stay on the device."""
-        host_k, host_v = self.host.k[li], self.host.v[li]
-        host_locs = locs.to(host_k.device)
-        host_k[host_locs] = k.to(self.kv_dtype).to(host_k.device)
-        host_v[host_locs] = v.to(self.kv_dtype).to(host_v.device)
-        self.buffers.index_keys[li][locs] = index_keys(k, self.kv_dtype)
+        self.transfer.write_extend(li, locs, k, v)
 
     def host_kv(self, li: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """KV of logical `slots` from the host pool, on the device (chunked prefill's prefix)."""
-        device = self.buffers.k[li].device
-        host_slots = slots.to(self.host.k[li].device)
-        return self.host.k[li][host_slots].to(device), self.host.v[li][host_slots].to(device)
+        return self.transfer.host_kv(li, slots)
 
     def mask_decoded(
         self,
@@ -410,24 +387,16 @@ class HisparseCoordinator:
         buf.buf_pos[li][plan.admit_rows] = -1
         buf.last_use[li][plan.admit_rows] = 0
         rows, pos, slots = plan.fill_rows, plan.fill_pos, plan.fill_slots
-        self._load(li, rows, pos, slots)
+        self.transfer.load(li, rows, pos, slots)
         buf.pos_to_buf[li][rows, pos] = slots
         buf.buf_pos[li][rows, slots] = pos
-
-    def _load(self, li: int, rows: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
-        """Host -> buffer copy of positions `pos` of request slots `rows` into buffer `slots`."""
-        locs = self.ctx.req_to_token_pool.req_to_token[rows, pos]
-        k, v = self.host_kv(li, locs)
-        dst = self.buffers.phys(rows, slots)
-        self.buffers.k[li][dst] = k
-        self.buffers.v[li][dst] = v
 
     def write_decode(
         self, li: int, plan: DecodePlan, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """The new token's KV lands in the reserved slot; its indexer key at its logical slot."""
-        self.buffers.k[li][plan.reserved_t] = k.to(self.kv_dtype)
-        self.buffers.v[li][plan.reserved_t] = v.to(self.kv_dtype)
+        self.buffers.k[li][plan.reserved] = k.to(self.kv_dtype)
+        self.buffers.v[li][plan.reserved] = v.to(self.kv_dtype)
         self.buffers.index_keys[li][locs] = index_keys(k, self.kv_dtype)
 
     def select(self, li: int, row: int, n_prev: int, proxy: torch.Tensor) -> torch.Tensor:
@@ -462,7 +431,7 @@ class HisparseCoordinator:
         else:
             slots = self._load_misses(li, rows, topk, slots)
         buf.last_use[li][rows[:, None], slots] = step
-        self._counters_host.copy_(self._counters, non_blocking=True)
+        self._counters_cpu.copy_(self._counters, non_blocking=True)
         return slots
 
     def _load_misses(
@@ -484,7 +453,7 @@ class HisparseCoordinator:
         buf.pos_to_buf[li][v_rows[had], old_pos[had]] = -1
         buf.pos_to_buf[li][v_rows, new_pos] = v_slots
         buf.buf_pos[li][v_rows, v_slots] = new_pos
-        self._load(li, v_rows, new_pos, v_slots)
+        self.transfer.load(li, v_rows, new_pos, v_slots)
         self._counters += torch.stack([hit.sum(), miss.sum()])
         return torch.where(hit, slots, victims)
 
@@ -497,7 +466,7 @@ class HisparseCoordinator:
             self.ctx.stream.synchronize()
             hits, misses = self._counters.tolist()
         else:
-            hits, misses = self._counters_host.tolist()
+            hits, misses = self._counters_cpu.tolist()
         usage = self.usage()
         return SparseStats(
             hits=int(hits),
