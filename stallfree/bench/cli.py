@@ -344,7 +344,7 @@ async def _bench(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         seed=args.seed,
     )
-    from rich.console import Console  # NOTE: the bench extra; run_bench checked it is there
+    from rich.console import Console  # the bench extra; run_bench checked it is there
 
     err = Console(stderr=True)
     progress = None if args.no_progress else _RichProgress(err)

@@ -73,7 +73,7 @@ class ServerProcess:
         return self.base_url
 
     async def _wait_healthy(self) -> None:
-        import httpx  # NOTE: here, not at the top: the base install has no httpx
+        import httpx  # here, not at the top: the base install has no httpx
 
         deadline = time.monotonic() + self.startup_timeout_s
         async with httpx.AsyncClient(base_url=self.base_url, timeout=2.0) as client:

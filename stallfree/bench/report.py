@@ -163,7 +163,7 @@ def spread_row(results: list[RunResult]) -> list[str] | None:
 
 
 def render_table(results: list[RunResult], title: str | None = None) -> Table:
-    from rich.table import Table  # NOTE: rich comes with the bench extra, not the base install
+    from rich.table import Table  # rich comes with the bench extra, not the base install
 
     table = Table(title=title, title_justify="left")
     table.add_column("figure", no_wrap=True)

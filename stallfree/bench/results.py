@@ -52,7 +52,7 @@ class Distribution:
     def of(cls, values: list[float]) -> Distribution:
         if not values:
             return cls()
-        import numpy as np  # NOTE: here, not at the top: the base install has no numpy
+        import numpy as np  # here, not at the top: the base install has no numpy
 
         arr = np.asarray(values, dtype=np.float64)
         p50, p90, p99 = np.percentile(arr, [50, 90, 99])

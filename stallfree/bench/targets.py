@@ -139,7 +139,7 @@ class HttpTarget:
         timeout_s: float = 600.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        import httpx  # NOTE: here, not at the top: the base install has no httpx
+        import httpx  # here, not at the top: the base install has no httpx
 
         self.root = api_root(base_url)
         self.model = model
@@ -148,7 +148,7 @@ class HttpTarget:
             "base_url": self.root,
             "headers": headers,
             "timeout": httpx.Timeout(timeout_s, connect=10.0),
-            # NOTE: httpx caps a client at 100 connections by default, which would cap the
+            # httpx caps a client at 100 connections by default, which would cap the
             # concurrency being measured.
             "limits": httpx.Limits(max_connections=None, max_keepalive_connections=None),
             "transport": transport,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-# NOTE: ids below 256 are valid in every vocabulary, byte-level presets included, so random
+# ids below 256 are valid in every vocabulary, byte-level presets included, so random
 # prompts can be sent as token ids to any OpenAI-compatible server.
 TOKEN_ID_LIMIT = 256
 

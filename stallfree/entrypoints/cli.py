@@ -1,6 +1,6 @@
 """The `stallfree` command line."""
 
-# NOTE: the docstring above is the parser's description; `stallfree.cli` adds `bench` to it
+# the docstring above is the parser's description; `stallfree.cli` adds `bench` to it
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def _serve(config: StallfreeConfig) -> int:
         return 2
     from stallfree.entrypoints.server import serve
 
-    # NOTE: 0 after a drained shutdown (SIGTERM or SIGINT); 1 if the engine died
+    # 0 after a drained shutdown (SIGTERM or SIGINT); 1 if the engine died
     return serve(config)
 
 
@@ -177,7 +177,7 @@ def serve_worker_node(config: StallfreeConfig) -> int:
     )
 
     def stop(signum: int, frame: Any) -> None:
-        # NOTE: exiting through Python (not the default SIGTERM death) lets multiprocessing
+        # exiting through Python (not the default SIGTERM death) lets multiprocessing
         # terminate and join the worker processes, so none is left behind
         raise SystemExit(128 + signum)
 
@@ -199,7 +199,7 @@ def run_async(coro: Any) -> int:
         import uvloop
     except ImportError:  # pragma: no cover
         return int(asyncio.run(coro))
-    # NOTE: only the import is guarded: an ImportError raised by the command itself propagates
+    # only the import is guarded: an ImportError raised by the command itself propagates
     return int(uvloop.run(coro))
 
 

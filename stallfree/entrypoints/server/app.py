@@ -47,7 +47,7 @@ def create_app(engine_or_config: Engine | StallfreeConfig) -> FastAPI:
                 try:
                     await engine.shutdown(drain=True)
                 except Exception as exc:
-                    # NOTE: the engine logged how it died when it did; one line is enough here
+                    # the engine logged how it died when it did; one line is enough here
                     logger.error("engine shutdown failed: %r", exc)
 
     app = FastAPI(
@@ -86,7 +86,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_json(exc.status_code, info)
 
     app.add_exception_handler(ApiError, api_error)
-    # NOTE: the engine's request checks (`Engine.check_prompt`) raise this from the routes
+    # the engine's request checks (`Engine.check_prompt`) raise this from the routes
     app.add_exception_handler(InvalidRequestError, invalid_request)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

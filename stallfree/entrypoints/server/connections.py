@@ -41,7 +41,7 @@ class ConnectionBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.live: set[GuardedH11Protocol] = set()
-        # NOTE: a dict keeps insertion order: the first key is the longest idle
+        # a dict keeps insertion order: the first key is the longest idle
         self.idle: dict[GuardedH11Protocol, None] = {}
         self.evicted = 0
         self.refused = 0

@@ -23,7 +23,7 @@ from stallfree.runtime.request.errors import (
 
 logger = logging.getLogger("stallfree.server")
 
-# NOTE: the type of every 5xx body; clients retry on 503 and report 500
+# the type of every 5xx body; clients retry on 503 and report 500
 SERVICE_UNAVAILABLE = "service_unavailable"
 INTERNAL_ERROR = "internal_error"
 
@@ -80,7 +80,7 @@ def describe_validation(errors: Sequence[Any]) -> tuple[str, str | None]:
         if err.get("type") == "json_invalid":
             return f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}", None
         if err.get("type") == "invalid_unicode":
-            # NOTE: raised for the body as a whole; the context names the field
+            # raised for the body as a whole; the context names the field
             field = err["ctx"]["field"]
             return f"{field}: {err['msg']}", field
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
@@ -112,7 +112,7 @@ def overloaded(retry_after_s: int, message: str) -> ApiError:
 
 
 def shutting_down(message: str = "the server is shutting down") -> ApiError:
-    # NOTE: Connection: close, so a client's pool does not send its next request here
+    # Connection: close, so a client's pool does not send its next request here
     return ApiError(
         503,
         message,
@@ -133,7 +133,7 @@ def internal_error(request_id: str) -> ApiError:
 
 EngineError = InvalidRequestError | EngineOverloadedError | EngineUnhealthyError
 ENGINE_ERRORS = (InvalidRequestError, EngineOverloadedError, EngineUnhealthyError)
-# NOTE: what turning a client's values into engine inputs may raise; each is the client's fault
+# what turning a client's values into engine inputs may raise; each is the client's fault
 CONVERSION_ERRORS = (InvalidRequestError, ValidationError, OverflowError)
 
 

@@ -111,7 +111,7 @@ class Guard:
         has_length = False
         for name, value in scope["headers"]:
             if name == b"content-length":
-                # NOTE: the HTTP parser has checked it is digits, and that repeats agree
+                # the HTTP parser has checked it is digits, and that repeats agree
                 length = int(value)
                 has_length = True
             elif name == b"transfer-encoding":

@@ -82,7 +82,7 @@ def uvicorn_config(app: FastAPI, config: StallfreeConfig, **overrides: Any) -> u
         "lifespan": "on",
     }
     result = uvicorn.Config(app, **(options | overrides))
-    # NOTE: uvicorn configured its loggers just now; the filter goes on after that
+    # uvicorn configured its loggers just now; the filter goes on after that
     _filter_probes(not limits.access_log_probes)
     return result
 
@@ -137,7 +137,7 @@ class Server(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        # NOTE: uvicorn re-raises the captured signal once it has stopped, so SIGINT exits -2
+        # uvicorn re-raises the captured signal once it has stopped, so SIGINT exits -2
         # and SIGTERM -15; a drained shutdown here exits normally instead
         if threading.current_thread() is not threading.main_thread():
             yield
@@ -152,7 +152,7 @@ class Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # NOTE: a signal handler: it only sets flags; on_tick acts on them
+        # a signal handler: it only sets flags; on_tick acts on them
         self._signals += 1
         if self._signals == 1:
             self.begin_drain()

@@ -24,7 +24,7 @@ from stallfree.entrypoints.server.responses import (
 from stallfree.runtime.request.outputs import TokenLogprobs
 from stallfree.runtime.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-# NOTE: JSON has no -inf; a token with no probability at all is shown as vLLM shows it
+# JSON has no -inf; a token with no probability at all is shown as vLLM shows it
 _NO_PROBABILITY = -9999.0
 
 
@@ -53,7 +53,7 @@ class TokenPieces:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._special = tokenizer.special_ids
-        # NOTE: a Hugging Face tokenizer's `tokenizers.Tokenizer`, for the token strings and
+        # a Hugging Face tokenizer's `tokenizers.Tokenizer`, for the token strings and
         # the decoder kind (only it knows which bytes a byte-level token stands for)
         self._raw: Any = tokenizer.raw if isinstance(tokenizer, HFTokenizer) else None
         decoder = getattr(self._raw, "decoder", None)

@@ -48,7 +48,7 @@ from stallfree.entrypoints.server.streaming import DONE, Context, Generation, Re
 from stallfree.runtime.request.outputs import GenerationChunk, TokenLogprobs
 from stallfree.runtime.text.tokenizer import Tokenizer
 
-# NOTE: OpenAI clients parse only their own finish reasons. A request the engine aborted (past
+# OpenAI clients parse only their own finish reasons. A request the engine aborted (past
 # its deadline) was cut short by a server limit, as `length` is by max_tokens; `error` never
 # reaches a choice (it is a 500, or an SSE error event). /generate keeps the engine's reasons.
 _OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length"}
@@ -73,7 +73,7 @@ class Usage:
     def add(self, index: int, last: GenerationChunk) -> None:
         if index % self.n == 0:
             self.prompt += last.prompt_tokens
-            # NOTE: the prompt's first choice; the others of `n` read it from the cache too
+            # the prompt's first choice; the others of `n` read it from the cache too
             self.cached += last.cached_tokens
         self.completion += last.completion_tokens
 

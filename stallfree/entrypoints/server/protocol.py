@@ -11,7 +11,7 @@ from pydantic_core import PydanticCustomError
 
 logger = logging.getLogger("stallfree.server")
 
-# NOTE: the most choices one request may ask for (`n`); a batch of prompts times `n` is also
+# the most choices one request may ask for (`n`); a batch of prompts times `n` is also
 # bounded by `server.max_prompts_per_request`
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -64,7 +64,7 @@ class _Request(BaseModel):
 
 
 class _StrictRequest(BaseModel):
-    # NOTE: the native route's fields are all known: an unknown one is a 400 naming it
+    # the native route's fields are all known: an unknown one is a 400 naming it
     model_config = ConfigDict(extra="forbid")
 
 
@@ -106,7 +106,7 @@ def _is_unicode(text: str) -> bool:
 def _check_unicode(data: Any) -> Any:
     field = lone_surrogate_at(data)
     if field is not None:
-        # NOTE: a key may hold the surrogate itself; the name is given escaped (\\ud800)
+        # a key may hold the surrogate itself; the name is given escaped (\\ud800)
         escaped = field.encode("utf-8", "backslashreplace").decode()
         raise PydanticCustomError(
             "invalid_unicode",
@@ -187,7 +187,7 @@ class ContentPart(_Request):
 
 class FunctionCall(_Request):
     name: str
-    # NOTE: OpenAI sends a JSON string; a template gets the object it holds (as vLLM does)
+    # OpenAI sends a JSON string; a template gets the object it holds (as vLLM does)
     arguments: str | dict[str, Any] = ""
 
 

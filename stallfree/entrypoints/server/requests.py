@@ -41,7 +41,7 @@ def converting(param: str | None = None) -> Iterator[None]:
 
 
 def check_model(state: ServerState, name: str) -> None:
-    # NOTE: only the served name: with --served-model-name set, the model's path stays private
+    # only the served name: with --served-model-name set, the model's path stays private
     if name != state.model_name:
         raise ApiError(
             404,
@@ -60,7 +60,7 @@ def _text_format(value: Any) -> bool:
     return value is None or (isinstance(value, dict) and value.get("type", "text") == "text")
 
 
-# NOTE: fields that would change the output, and the values of them this server can honour
+# fields that would change the output, and the values of them this server can honour
 # (their defaults); any other value is a 400 naming the field. Fields not declared at all are
 # ignored (see `protocol._Request`).
 _SHARED_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
@@ -133,7 +133,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 
 
 def _choice_seed(seed: int | None, choice: int) -> int | None:
-    # NOTE: choice i of n samples with seed + i, wrapped into the seed's range
+    # choice i of n samples with seed + i, wrapped into the seed's range
     return None if seed is None else (seed + choice) % (INT64_MAX + 1)
 
 
@@ -255,5 +255,5 @@ def chat_prompt_ids(engine: Engine, body: ChatCompletionRequest) -> list[int]:
         raise ApiError(
             400, f"chat is unavailable: {exc}", param="messages", code="no_chat_template"
         ) from exc
-    # NOTE: the template writes its own BOS; adding special tokens would make a second one
+    # the template writes its own BOS; adding special tokens would make a second one
     return engine.tokenizer.encode(text, add_special_tokens=False)

@@ -33,7 +33,7 @@ def open_routes() -> APIRouter:
         engine = state.engine
         if state.lifecycle.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        # NOTE: an engine that failed closed after repeated step failures reports unhealthy.
+        # an engine that failed closed after repeated step failures reports unhealthy.
         up = engine.healthy and engine.accepting
         return JSONResponse(
             {"status": "ok" if up else "unavailable"}, status_code=200 if up else 503
@@ -56,7 +56,7 @@ def api_routes() -> APIRouter:
     async def models(request: Request) -> ModelList:
         return ModelList(data=[_model_card(request)])
 
-    # NOTE: `:path`, so a served name with a slash (`org/model`) is one id
+    # `:path`, so a served name with a slash (`org/model`) is one id
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> ModelCard:
         check_model(server_state(request), model_id)
@@ -84,7 +84,7 @@ def api_routes() -> APIRouter:
 
 def _model_card(request: Request) -> ModelCard:
     state = server_state(request)
-    # NOTE: one creation time per app (its first model answer), so the list and the retrieved
+    # one creation time per app (its first model answer), so the list and the retrieved
     # card are equal
     app_state = request.app.state
     if getattr(app_state, "models_created", None) is None:
@@ -150,7 +150,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     try:
         generation = await Generation.admit(ctx, [prompt], params, [rid])
     except ApiError as err:
-        # NOTE: the engine names a sampling field plainly; here it lives in sampling_params
+        # the engine names a sampling field plainly; here it lives in sampling_params
         if err.info.param in SamplingParams.model_fields:
             err.info.param = f"sampling_params.{err.info.param}"
         raise

@@ -94,7 +94,7 @@ class Generation:
         self.ctx = ctx
         self._rids = rids
         self._gens = gens
-        # NOTE: each task runs its generator's first step: admission, then the first chunk
+        # each task runs its generator's first step: admission, then the first chunk
         self._firsts = firsts
         self._drivers: list[asyncio.Task[None]] = []
         # a request that finished, or was never admitted: nothing of it is left to abort
@@ -121,7 +121,7 @@ class Generation:
         firsts = [asyncio.ensure_future(_first(gen)) for gen in gens]
         generation = cls(ctx, rids, gens, firsts)
         ctx.lifecycle.admitted.add(generation)
-        # NOTE: one turn of the loop runs each first step. The engine admits or refuses a
+        # one turn of the loop runs each first step. The engine admits or refuses a
         # request synchronously in it, before it waits for a token.
         await asyncio.sleep(0)
         refusal = None
@@ -281,7 +281,7 @@ class _SseResponse(StreamingResponse):
         async def receive_or_abort() -> Message:
             message = await receive()
             if message["type"] == "http.disconnect":
-                # NOTE: abort at once. Starlette also cancels the body's task, but that
+                # abort at once. Starlette also cancels the body's task, but that
                 # cancellation can miss a consumer that the engine wakes every step.
                 generation.abort()
             return message
