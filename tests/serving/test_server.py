@@ -29,12 +29,12 @@ from stallfree.entrypoints.cli import build_parser, config_from_args
 from stallfree.entrypoints.server import RunningServer, create_app, start_server
 from tests.engine_util import engine_config
 from tests.hf_models import make_llama
-from tests.test_metrics import samples, value
+from tests.metrics.test_metrics import samples, value
 
 # the module-scoped live server and every test that talks to it share one event loop
 module_loop = pytest.mark.asyncio(loop_scope="module")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GREEDY = {"temperature": 0.0}
 NO_EOS = {"ignore_eos": True}
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from tests.test_http_limits import (
+from tests.serving.test_http_limits import (
     MODEL,
     NO_EOS,
     SLOW,
@@ -30,7 +30,7 @@ from tests.test_http_limits import (
     warnings_logged,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def sse_events(http: httpx.AsyncClient, body: dict[str, Any]) -> list[str]:

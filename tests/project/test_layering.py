@@ -11,7 +11,7 @@ import grimp
 import pytest
 from importlinter.cli import lint_imports
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # top to bottom, as in pyproject.toml's import-linter contract
 LAYERS = [
     ("__main__",),

@@ -16,8 +16,8 @@ import torch
 
 from stallfree import SamplingParams
 from tests.hf_models import hf_logits
-from tests.test_metrics import samples, value
-from tests.test_server import live, llama, module_loop, settle  # noqa: F401  (fixtures)
+from tests.metrics.test_metrics import samples, value
+from tests.serving.test_server import live, llama, module_loop, settle  # noqa: F401  (fixtures)
 
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 NO_EOS = {"ignore_eos": True}

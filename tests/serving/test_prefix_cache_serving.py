@@ -11,7 +11,7 @@ import pytest
 from stallfree.cli import main
 from stallfree.entrypoints.cli import build_parser, config_from_args
 from tests.hf_models import make_llama
-from tests.test_server import serving
+from tests.serving.test_server import serving
 
 
 @pytest.mark.parametrize(

@@ -795,7 +795,7 @@ def test_a_scrape_gives_the_per_rank_figures_over_http():
     from stallfree.bench.counters import RankCounters, snapshot_prometheus
     from stallfree.metrics import EngineMetrics
     from stallfree.runtime.telemetry.stats import WorkerRankStats
-    from tests.test_metrics import _snapshot
+    from tests.metrics.test_metrics import _snapshot
 
     ranks = (
         WorkerRankStats(0, 10, 1.5, 0.25, 1024, message_bytes=4096),

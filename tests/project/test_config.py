@@ -42,5 +42,5 @@ def test_bad_env_value_names_the_field(monkeypatch):
 
 
 def test_readme_configuration_table_is_current():
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert config_table() in readme, "run `python -m stallfree.config.doc` and update the README"

@@ -20,7 +20,7 @@ from stallfree import Engine
 from stallfree.entrypoints.server import create_app, start_server
 from tests.engine_util import engine_config, random_prompts
 from tests.hf_models import make_llama
-from tests.test_metrics import samples, value
+from tests.metrics.test_metrics import samples, value
 
 
 @pytest.fixture(scope="module")

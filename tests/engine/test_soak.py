@@ -18,7 +18,7 @@ import pytest
 from stallfree import Engine
 from tests.engine_util import engine_config, random_prompts
 from tests.hf_models import make_llama
-from tests.test_metrics import samples, value
+from tests.metrics.test_metrics import samples, value
 
 NUM_REQUESTS = 2000
 REASONS = ("stop", "length", "abort", "error")

@@ -25,7 +25,7 @@ from tests.engine_util import engine_config, random_prompts
 PROMTOOL = shutil.which("promtool")
 pytestmark = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed")
 
-DASHBOARD = Path(__file__).parent.parent / "deploy" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
 COLON_RULE = "metric names should not contain ':'"
 # vLLM's name for a histogram; promtool reserves `_total` for counters
 VLLM_TOTAL_HISTOGRAM = (
