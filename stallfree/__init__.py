@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Engine": "stallfree.runtime.engine",
+    "EngineClosedError": "stallfree.runtime.request.errors",
     "EngineOverloadedError": "stallfree.runtime.request.errors",
     "EngineSnapshot": "stallfree.runtime.telemetry.stats",
     "EngineUnhealthyError": "stallfree.runtime.request.errors",

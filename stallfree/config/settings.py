@@ -97,6 +97,14 @@ class RuntimeConfig(_Section):
     max_consecutive_step_failures: int = Field(
         3, ge=1, description="Failed steps in a row before the engine fails closed"
     )
+    step_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="Worker processes: with steps pending and none answered for this long, the "
+        "workers are taken as hung and the engine fails closed; default: parallel.dist_timeout_s",
+    )
     request_timeout_s: float | None = Field(
         None,
         gt=0,

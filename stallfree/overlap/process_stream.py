@@ -75,11 +75,15 @@ class ProcessStream(DeviceStream):
         conn: Connection,
         processes: list[BaseProcess],
         on_fatal: Callable[[BaseException], None] | None = None,
+        step_timeout_s: float | None = None,
     ) -> None:
         self.device = torch.device("cpu")
         self._conn = conn
         self._processes = processes
         self.on_fatal = on_fatal
+        # the watchdog: steps pending and no answer for this long means a hung worker
+        self.step_timeout_s = step_timeout_s
+        self._progress_at = time.monotonic()  # the last answer, or work arriving at idle workers
         self._lock = threading.Lock()
         self._sent = 0
         self._answered = 0
@@ -145,6 +149,8 @@ class ProcessStream(DeviceStream):
         with self._lock:
             if self.fatal is not None:
                 raise self.fatal
+            if self._answered == self._sent:
+                self._progress_at = time.monotonic()  # idle workers start on this step now
             self._sent += 1
             seq = self._sent
             self._handlers[seq] = handler
@@ -206,6 +212,8 @@ class ProcessStream(DeviceStream):
                 ready = []
                 if self._closing:
                     return
+            if not ready and self._hung():
+                return
             for item in ready:
                 if item is self._conn:
                     if not self._take_answer():
@@ -214,7 +222,7 @@ class ProcessStream(DeviceStream):
                     proc = sentinels[item]  # type: ignore[index]
                     if self._closing:
                         return
-                    proc.join(timeout=0)
+                    proc.join(timeout=1.0)  # reaped, so its exit code is known
                     self._lose(
                         WorkerLostError(
                             f"worker process {proc.name} (pid {proc.pid}) exited with code "
@@ -222,6 +230,24 @@ class ProcessStream(DeviceStream):
                         )
                     )
                     return
+
+    def _hung(self) -> bool:
+        """The watchdog: steps are pending and none was answered for `step_timeout_s` (a
+        stopped or wedged worker; one that dies is seen by its sentinel instead)."""
+        timeout = self.step_timeout_s
+        with self._lock:
+            pending = self._sent - self._answered
+            quiet = time.monotonic() - self._progress_at
+        if timeout is None or pending <= 0 or quiet < timeout or self.fatal is not None:
+            return False
+        self._lose(
+            WorkerLostError(
+                f"the workers answered no step for {quiet:.1f}s with {pending} pending "
+                f"(step {self._answered + 1} first; runtime.step_timeout_s={timeout:g}): "
+                "a worker is hung"
+            )
+        )
+        return True
 
     def _take_answer(self) -> bool:
         try:
@@ -249,6 +275,7 @@ class ProcessStream(DeviceStream):
         fire: list[tuple[CpuEvent, BaseException | None]] = []
         with self._lock:
             self._answered = max(self._answered, seq)
+            self._progress_at = time.monotonic()
             if error is not None and self._step_error is None:
                 self._step_error = error
             keep = []
@@ -287,7 +314,8 @@ class ProcessStream(DeviceStream):
         self._closing = True
         with contextlib.suppress(OSError, ValueError):
             self._conn.send_bytes(pickle.dumps(("stop", 0, None)))
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        # a lost (dead or hung) group will not drain: terminate what is left at once
+        deadline = time.monotonic() + (JOIN_TIMEOUT_S if self.fatal is None else 0.5)
         for proc in self._processes:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for proc in self._processes:

@@ -237,7 +237,8 @@ def _start_stream(
     spec = worker_spec(config.model_copy(update={"runtime": runtime}), num_slots, max_context_len)
     conn, processes, worker_stats = start_workers(spec)
     assert conn is not None, "node 0 holds the channel to rank 0"
-    return ProcessStream(conn, processes), worker_stats
+    timeout = config.runtime.step_timeout_s or config.parallel.dist_timeout_s
+    return ProcessStream(conn, processes, step_timeout_s=timeout), worker_stats
 
 
 def _batch_context(

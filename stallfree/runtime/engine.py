@@ -22,6 +22,7 @@ from stallfree.overlap.stream import StreamError
 from stallfree.runtime.core import EngineCore, build_core, describe_engine
 from stallfree.runtime.plugins import load_metrics_plugin
 from stallfree.runtime.request.errors import (
+    EngineClosedError,
     EngineOverloadedError,
     EngineUnhealthyError,
     InvalidRequestError,
@@ -38,6 +39,7 @@ from stallfree.runtime.text.validation import RequestValidator, show
 
 __all__ = [
     "Engine",
+    "EngineClosedError",
     "EngineOverloadedError",
     "EngineUnhealthyError",
     "GenerationChunk",
@@ -207,7 +209,8 @@ class Engine:
     def _new_req(self, prompt: object, params: object, rid: object) -> Req:
         self._check_caller()
         if not self.accepting:
-            raise EngineOverloadedError("engine is not running")
+            state = "shut down" if self._state in ("closing", "closed") else "not started"
+            raise EngineClosedError(f"engine is not running ({state})")
         if not self.healthy:
             why = self.core.loop.closed_because or "a failure"
             raise EngineUnhealthyError(
@@ -380,6 +383,8 @@ class Engine:
         return self._abort(rid)
 
     def _abort(self, rid: str) -> bool:
+        if not isinstance(rid, str):
+            return False  # no request has such an id (and a list would not even hash)
         req = self._reqs.get(rid)
         if req is None or req.finished:
             return False

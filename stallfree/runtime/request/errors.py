@@ -21,5 +21,10 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full, or the engine is shutting down."""
 
 
+class EngineClosedError(EngineOverloadedError):
+    """The engine is not running: not started yet, or shut down. (An `EngineOverloadedError`,
+    so code that treats both as "try elsewhere" keeps working.)"""
+
+
 class EngineUnhealthyError(RuntimeError):
     """The engine failed closed (repeated step failures, or a lost worker) and takes no new work."""

@@ -2,8 +2,8 @@
 
 Every field is bounded here, so no value a client can send overflows a tensor or the admission
 arithmetic. Bounds that depend on the model (top_k and stop token ids against the vocabulary,
-max_new_tokens against the context and the KV cache) are checked by `Engine.check_params` and
-`Engine.check_prompt`.
+max_new_tokens against the context and the KV cache) are checked by `RequestValidator`
+(`text/validation.py`).
 """
 
 from __future__ import annotations
@@ -90,7 +90,9 @@ class SamplingParams(BaseModel):
     )
     repetition_penalty: float = Field(
         1.0,
-        gt=0.0,
+        # as far below 1 as above: at 1e-300 a penalised logit overflows to inf and sampling
+        # returns token 0 forever
+        ge=1.0 / MAX_REPETITION_PENALTY,
         le=MAX_REPETITION_PENALTY,
         allow_inf_nan=False,
         description="Logits of tokens in the prompt or the output: positive ones divided by "
@@ -148,6 +150,28 @@ class SamplingParams(BaseModel):
     def _stop_ids(cls, v: list[int]) -> list[int]:
         if any(not 0 <= t <= INT64_MAX for t in v):
             raise ValueError(f"stop_token_ids must be in [0, {INT64_MAX}]")
+        return v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_exact(cls, v: object) -> object:
+        """Keys are token ids written one way only ("1", not "0001" or " 1", which would alias
+        it silently); values are numbers, not strings pydantic would coerce."""
+        if not isinstance(v, dict):
+            return v
+        seen: set[int] = set()
+        for key, value in v.items():
+            if isinstance(key, bool) or not isinstance(key, (int, str)):
+                raise ValueError("logit_bias keys must be token ids")
+            if isinstance(key, str) and not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids, not {key[:32]!r}")
+            if isinstance(key, str) and key != str(int(key)):
+                raise ValueError(f"logit_bias key {key[:32]!r} must be written {str(int(key))!r}")
+            if int(key) in seen:
+                raise ValueError(f"logit_bias has token id {int(key)} twice")
+            seen.add(int(key))
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"logit_bias values must be numbers, not {type(value).__name__}")
         return v
 
     @field_validator("logit_bias")
