@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -17,3 +18,13 @@ def pytest_asyncio_loop_factories(config, item):
     import uvloop
 
     return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny random Llama (`hf_models.make_llama` defaults, seed 0), written once per run.
+
+    Read-only: a test that needs a changed copy copies it (or writes its own variant)."""
+    from tests.hf_models import make_llama
+
+    return str(make_llama(tmp_path_factory.mktemp("llama")))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from pydantic import ValidationError
 from stallfree import Engine, SamplingParams
 from stallfree.runtime.request.errors import InvalidRequestError
 from tests.engine_util import MODES, engine_config, guarded, random_prompts
-from tests.hf_models import EOS_ID, _load_hf, hf_logits, make_llama, make_qwen2
+from tests.hf_models import EOS_ID, _load_hf, hf_logits, make_qwen2
 
 NEW_TOKENS = 16
 PROMPTS = random_prompts(6, seed=7, lo=5, hi=40)
@@ -101,8 +102,10 @@ def _params(case: dict) -> SamplingParams:
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def model_and_reference(request, tmp_path_factory):
-    make = {"llama": make_llama, "qwen2": make_qwen2}[request.param]
-    path = make(tmp_path_factory.mktemp(request.param))
+    if request.param == "llama":
+        path = Path(request.getfixturevalue("llama"))  # the suite's one tiny Llama
+    else:
+        path = make_qwen2(tmp_path_factory.mktemp(request.param))
     reference = [
         hf_processed_greedy(path, p, case, NEW_TOKENS)
         for p, case in zip(PROMPTS, CASES, strict=True)
@@ -223,8 +226,8 @@ async def test_streamed_chunks_carry_logprobs_for_their_tokens(model_and_referen
     assert len(with_prompt[0].prompt_logprobs) == len(PROMPTS[3])
 
 
-async def test_min_tokens_holds_back_stop_strings(tmp_path):
-    path = str(make_llama(tmp_path))
+async def test_min_tokens_holds_back_stop_strings(llama):
+    path = llama
     async with Engine(engine_config(path)) as engine:
         plain = await engine.complete(
             PROMPTS[0], SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -243,8 +246,8 @@ async def test_min_tokens_holds_back_stop_strings(tmp_path):
     assert held.token_ids[:8] == plain.token_ids[:8]
 
 
-async def test_bad_values_are_refused_with_the_field(tmp_path):
-    path = str(make_llama(tmp_path))
+async def test_bad_values_are_refused_with_the_field(llama):
+    path = llama
     for bad in (
         {"presence_penalty": float("nan")},
         {"frequency_penalty": 2.5},

@@ -19,7 +19,6 @@ from stallfree.runtime.text.output_processor import OutputProcessor
 from stallfree.runtime.text.tokenizer import ByteTokenizer
 from tests.batch_harness import make_ctx, make_req
 from tests.engine_util import engine_config, random_prompts, run_greedy
-from tests.hf_models import make_llama
 
 
 def _scheduler(**kw) -> Scheduler:
@@ -102,11 +101,6 @@ def test_eos_costs_at_most_one_dropped_lag_token_and_aborts_land_in_order():
     assert computed["a"] <= len(a.origin_input_ids) + len(a.output_ids) - 1 + 1
     assert sched.ctx.allocator.available_pages() == sched.ctx.allocator.num_pages
     sched.ctx.stream.close()
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> str:
-    return str(make_llama(tmp_path_factory.mktemp("llama")))
 
 
 async def test_zero_schedule_path_reads_over_200_decode_steps_with_mirrors(llama):

@@ -11,12 +11,7 @@ from pydantic import ValidationError
 from stallfree import Engine, InvalidRequestError, SamplingParams
 from stallfree.runtime.model.loader import ModelLoadError
 from tests.engine_util import engine_config, random_prompts
-from tests.hf_models import hf_greedy, make_llama
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> str:
-    return str(make_llama(tmp_path_factory.mktemp("llama")))
+from tests.hf_models import hf_greedy
 
 
 async def test_streaming_chunks_add_up(llama):

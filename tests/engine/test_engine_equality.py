@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from stallfree import Engine
 from tests.engine_util import MODES, engine_config, guarded, random_prompts, run_greedy
-from tests.hf_models import hf_greedy, make_llama, make_qwen2
+from tests.hf_models import hf_greedy, make_qwen2
 
 NEW_TOKENS = 32
 PROMPTS = random_prompts(8, seed=1)
@@ -14,8 +16,10 @@ PROMPTS = random_prompts(8, seed=1)
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def model_and_reference(request, tmp_path_factory):
-    make = {"llama": make_llama, "qwen2": make_qwen2}[request.param]
-    path = make(tmp_path_factory.mktemp(request.param))
+    if request.param == "llama":
+        path = Path(request.getfixturevalue("llama"))  # the suite's one tiny Llama
+    else:
+        path = make_qwen2(tmp_path_factory.mktemp(request.param))
     reference = [hf_greedy(path, p, NEW_TOKENS) for p in PROMPTS]
     return str(path), reference
 

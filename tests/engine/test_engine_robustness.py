@@ -31,15 +31,10 @@ from stallfree.runtime.telemetry.observer import EngineObserver, ObserverFanout
 from stallfree.runtime.text.output_processor import OutputProcessor
 from stallfree.runtime.text.tokenizer import ByteTokenizer
 from tests.engine_util import engine_config, random_prompts
-from tests.hf_models import VOCAB_SIZE, hf_greedy, make_llama
+from tests.hf_models import VOCAB_SIZE, hf_greedy
 
 NO_EOS = {"ignore_eos": True}
 POISON_SEED = 4242
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> str:
-    return str(make_llama(tmp_path_factory.mktemp("llama")))
 
 
 async def still_serves(engine: Engine) -> None:

@@ -9,14 +9,9 @@ import pytest
 from stallfree import Engine, EngineOverloadedError
 from stallfree.runtime.engine import EngineUnhealthyError
 from tests.engine_util import engine_config, random_prompts, run_greedy
-from tests.hf_models import hf_greedy, make_llama
+from tests.hf_models import hf_greedy
 
 PARAMS = {"max_new_tokens": 12, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> str:
-    return str(make_llama(tmp_path_factory.mktemp("llama")))
 
 
 @pytest.mark.parametrize("kind", ["fail_step_rate", "fail_copy_rate"])

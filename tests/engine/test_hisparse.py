@@ -33,17 +33,12 @@ from stallfree.runtime.memory.pool import (
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.request.req import Req
 from tests.engine_util import engine_config, guarded, random_prompts, run_greedy
-from tests.hf_models import hf_greedy, make_llama
+from tests.hf_models import hf_greedy
 
 NEW_TOKENS = 24
 PROMPTS = random_prompts(6, seed=3)
 LONG_PROMPTS = random_prompts(4, seed=4, lo=150, hi=200)
 ROOMY = {"top_k": 512, "device_buffer_size": 512}  # >= every context here: all dense
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return str(make_llama(tmp_path_factory.mktemp("llama")))
 
 
 @pytest.fixture(scope="module")

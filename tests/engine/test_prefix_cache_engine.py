@@ -12,7 +12,7 @@ from stallfree import Engine, SamplingParams
 from stallfree.runtime.core import prefix_caching_enabled
 from stallfree.runtime.memory.radix_cache import PrefixCacheConfigError
 from tests.engine_util import engine_config, run_greedy
-from tests.hf_models import hf_greedy, make_llama
+from tests.hf_models import hf_greedy
 
 NEW_TOKENS = 12
 _rng = random.Random(14)
@@ -34,8 +34,8 @@ USER_TURNS = [_ids(6), _ids(5), _ids(7)]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = make_llama(tmp_path_factory.mktemp("llama"))
+def model(llama):
+    path = llama
     reference = [hf_greedy(path, p, NEW_TOKENS) for p in CONCURRENT]
     # a conversation that resends its history each turn
     turns, history = [], list(SYSTEM)

@@ -17,7 +17,6 @@ import pytest
 
 from stallfree import Engine
 from tests.engine_util import engine_config, random_prompts
-from tests.hf_models import make_llama
 from tests.metrics.test_metrics import samples, value
 
 NUM_REQUESTS = 2000
@@ -95,11 +94,6 @@ async def run_job(
                 return job.rid, ids, "cancelled"
         assert len(finals) == 1, f"{job.rid} got {len(finals)} final chunks"
         return job.rid, ids, finals[0]
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> str:
-    return str(make_llama(tmp_path_factory.mktemp("llama")))
 
 
 CHAOS = {

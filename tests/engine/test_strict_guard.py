@@ -15,7 +15,6 @@ from stallfree.overlap.strict import StrictGuard, StrictReadError
 from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
 from tests.batch_harness import make_ctx, make_req
 from tests.engine_util import engine_config, guarded, random_prompts, run_greedy
-from tests.hf_models import make_llama
 
 
 def _decode_batch(strict: bool = True, cpu_mirrors: bool = True):
@@ -157,11 +156,6 @@ def test_alloc_for_extend_results_the_guard_knows():
 
 
 # ---------------------------------------------------------------------------- in the engine
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> str:
-    return str(make_llama(tmp_path_factory.mktemp("llama")))
 
 
 async def test_a_schedule_path_read_in_the_engine_fails_its_batch_naming_the_site(

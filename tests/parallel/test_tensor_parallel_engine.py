@@ -109,8 +109,8 @@ async def test_tp2_in_process_and_process_workers_agree_on_sampling(model_and_re
     assert one == two
 
 
-async def test_killing_one_rank_fails_closed_and_leaves_no_process(tmp_path):
-    path = str(make_llama(tmp_path))
+async def test_killing_one_rank_fails_closed_and_leaves_no_process(llama):
+    path = llama
     engine = Engine(engine_config(path, parallel={"tp_size": 2}))
     stream = engine.core.stream
     assert isinstance(stream, ProcessStream)
@@ -129,14 +129,14 @@ async def test_killing_one_rank_fails_closed_and_leaves_no_process(tmp_path):
     assert all(not p.is_alive() for p in stream.processes)
 
 
-async def test_tp2_prefix_cache_and_per_rank_metrics(tmp_path):
+async def test_tp2_prefix_cache_and_per_rank_metrics(llama):
     """Shared prompts hit the host's prefix cache at tp_size=2 (each rank keeps its head shard
     of the cached pages); the scrape shows every rank's step and collective figures."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from stallfree.metrics.engine_metrics import EngineMetrics
 
-    path = str(make_llama(tmp_path))
+    path = llama
     shared = [5, 6, 7, 8] * 6
     prompts = [[*shared, 9 + i] for i in range(3)]
     want = [hf_greedy(path, p, NEW_TOKENS) for p in prompts]

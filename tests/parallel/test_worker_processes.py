@@ -13,7 +13,6 @@ import pytest
 from stallfree import Engine, SamplingParams
 from stallfree.overlap.process_stream import ProcessStream, decode_tensor, encode_tensor
 from tests.engine_util import MODES, engine_config, guarded, random_prompts
-from tests.hf_models import make_llama
 
 PROMPTS = random_prompts(5, seed=11, lo=4, hi=30)
 PARAMS = [
@@ -28,11 +27,6 @@ STRESSED = {
     "cache": {"page_size": 4, "max_total_tokens": 64, "max_running_requests": 4},
     "scheduler": {"chunked_prefill_size": 7, "max_prefill_tokens": 16},
 }
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return str(make_llama(tmp_path_factory.mktemp("llama")))
 
 
 async def _run(cfg, guard: bool = False):
@@ -56,13 +50,13 @@ def _outputs(results):
 
 
 @pytest.mark.parametrize(("overlap", "mirrors"), MODES)
-async def test_process_worker_equals_in_process(model_path, overlap, mirrors):
+async def test_process_worker_equals_in_process(llama, overlap, mirrors):
     runtime = {"overlap": overlap, "cpu_mirrors": mirrors, "strict": mirrors}
     want, _, _, _, _ = await _run(
-        engine_config(model_path, runtime={**runtime, "worker": "inprocess"}, **STRESSED)
+        engine_config(llama, runtime={**runtime, "worker": "inprocess"}, **STRESSED)
     )
     got, usage, snap, monitor, stream = await _run(
-        engine_config(model_path, runtime={**runtime, "worker": "process"}, **STRESSED),
+        engine_config(llama, runtime={**runtime, "worker": "process"}, **STRESSED),
         guard=True,
     )
     assert _outputs(got) == _outputs(want)
@@ -80,8 +74,8 @@ async def test_process_worker_equals_in_process(model_path, overlap, mirrors):
         assert monitor.stall_counts["schedule.page_count"] > 0
 
 
-async def test_killed_worker_fails_closed_without_hanging(model_path):
-    cfg = engine_config(model_path, runtime={"worker": "process"})
+async def test_killed_worker_fails_closed_without_hanging(llama):
+    cfg = engine_config(llama, runtime={"worker": "process"})
     engine = Engine(cfg)
     stream = engine.core.stream
     assert isinstance(stream, ProcessStream)
@@ -101,8 +95,8 @@ async def test_killed_worker_fails_closed_without_hanging(model_path):
     assert not worker.is_alive()
 
 
-async def test_idle_engine_notices_a_dead_worker(model_path):
-    engine = Engine(engine_config(model_path, runtime={"worker": "process"}))
+async def test_idle_engine_notices_a_dead_worker(llama):
+    engine = Engine(engine_config(llama, runtime={"worker": "process"}))
     stream = engine.core.stream
     assert isinstance(stream, ProcessStream)
     async with engine:
@@ -116,9 +110,9 @@ async def test_idle_engine_notices_a_dead_worker(model_path):
         assert not engine.healthy  # /health turns 503 with no request in flight
 
 
-async def test_injected_faults_reach_the_worker(model_path):
+async def test_injected_faults_reach_the_worker(llama):
     cfg = engine_config(
-        model_path,
+        llama,
         runtime={"worker": "process"},
         faults={"enabled": True, "fail_step_rate": 1.0},
     )
@@ -131,15 +125,15 @@ async def test_injected_faults_reach_the_worker(model_path):
         assert not engine.healthy  # a worker that fails a step fails the engine closed
 
 
-def test_configurations_that_do_not_compose_are_refused(model_path):
+def test_configurations_that_do_not_compose_are_refused(llama):
     with pytest.raises(ValueError, match="hisparse"):
-        engine_config(model_path, runtime={"worker": "process"}, hisparse={"enabled": True})
+        engine_config(llama, runtime={"worker": "process"}, hisparse={"enabled": True})
     with pytest.raises(ValueError, match="inprocess"):
-        engine_config(model_path, runtime={"worker": "inprocess"}, parallel={"tp_size": 2})
+        engine_config(llama, runtime={"worker": "inprocess"}, parallel={"tp_size": 2})
     with pytest.raises(ValueError, match=r"multiple of parallel\.nnodes"):
-        engine_config(model_path, parallel={"tp_size": 3, "nnodes": 2, "dist_init_addr": "x:1"})
+        engine_config(llama, parallel={"tp_size": 3, "nnodes": 2, "dist_init_addr": "x:1"})
     with pytest.raises(ValueError, match="dist_init_addr"):
-        engine_config(model_path, parallel={"tp_size": 2, "nnodes": 2})
+        engine_config(llama, parallel={"tp_size": 2, "nnodes": 2})
 
 
 def test_tensor_encoding_round_trips_without_numpy():

@@ -19,13 +19,7 @@ from hypothesis import strategies as st
 from stallfree import Engine
 from stallfree.entrypoints.server import create_app, start_server
 from tests.engine_util import engine_config, random_prompts
-from tests.hf_models import make_llama
 from tests.metrics.test_metrics import samples, value
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> str:
-    return str(make_llama(tmp_path_factory.mktemp("llama")))
 
 
 class ThreadServer:

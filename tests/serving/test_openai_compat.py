@@ -12,7 +12,7 @@ import pytest
 
 from stallfree.entrypoints.server.protocol import ChatMessage
 from stallfree.entrypoints.server.requests import _template_message
-from tests.serving.test_server import live, llama, module_loop  # noqa: F401  (fixtures)
+from tests.serving.test_server import live, module_loop  # noqa: F401  (fixtures)
 
 NO_EOS = {"ignore_eos": True}
 USER = [{"role": "user", "content": "Hi there"}]

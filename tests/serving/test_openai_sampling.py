@@ -17,7 +17,7 @@ import torch
 from stallfree import SamplingParams
 from tests.hf_models import hf_logits
 from tests.metrics.test_metrics import samples, value
-from tests.serving.test_server import live, llama, module_loop, settle  # noqa: F401  (fixtures)
+from tests.serving.test_server import live, module_loop, settle  # noqa: F401  (fixtures)
 
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 NO_EOS = {"ignore_eos": True}

@@ -10,7 +10,6 @@ import pytest
 
 from stallfree.cli import main
 from stallfree.entrypoints.cli import build_parser, config_from_args
-from tests.hf_models import make_llama
 from tests.serving.test_server import serving
 
 
@@ -31,11 +30,6 @@ def test_serve_flags_set_prefix_caching(flags, want):
 def test_schedule_policy_flag():
     config = config_from_args(build_parser().parse_args(["serve", "--schedule-policy", "lpm"]))
     assert config.scheduler.policy == "lpm"
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> str:
-    return str(make_llama(tmp_path_factory.mktemp("llama")))
 
 
 async def test_flush_cache_endpoint(llama):

@@ -28,7 +28,6 @@ from stallfree import Engine, SamplingParams
 from stallfree.entrypoints.cli import build_parser, config_from_args
 from stallfree.entrypoints.server import RunningServer, create_app, start_server
 from tests.engine_util import engine_config
-from tests.hf_models import make_llama
 from tests.metrics.test_metrics import samples, value
 
 # the module-scoped live server and every test that talks to it share one event loop
@@ -62,11 +61,6 @@ async def serving(model: str, api_key: str | None = None, **sections: Any) -> As
         await http.aclose()
         await server.stop()
         await engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> str:
-    return str(make_llama(tmp_path_factory.mktemp("llama")))
 
 
 @pytest.fixture(scope="module")
