@@ -76,6 +76,13 @@ class SchedulerConfig(_Section):
         description="Reject new requests (overloaded, 503) beyond this many waiting; "
         "default: 4 x cache.max_running_requests",
     )
+    max_unread_tokens: int = Field(
+        128,
+        ge=1,
+        le=1 << 20,
+        description="A streaming request whose reader is this many tokens behind stops being "
+        "decoded (it keeps its KV) until the reader catches up to half of it",
+    )
 
 
 class RuntimeConfig(_Section):

@@ -343,6 +343,7 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
         observer=observers,
         max_consecutive_failures=config.runtime.max_consecutive_step_failures,
     )
+    output.on_read = loop.notify  # a paused request's reader caught up: schedule it again
     if isinstance(stream, ProcessStream):
         # a lost worker fails the engine closed at once, even while it is idle
         stream.on_fatal = loop.fail_closed_from_thread

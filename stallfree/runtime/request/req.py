@@ -50,6 +50,7 @@ class Req:
     num_computed_tokens: int = 0  # tokens whose KV is written or enqueued
     num_scheduled_outputs: int = 0  # outputs sampled or in flight
     num_retractions: int = 0
+    paused: bool = False  # out of the decode batch until its reader catches up
     # host bookkeeping for the consumer side, opaque to the scheduler
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None

@@ -140,7 +140,7 @@ class SchedulerLoop:
             if in_flight is None and launched is None:
                 if self.stopping and not self.scheduler.has_work():
                     return
-                if self.scheduler.has_work():
+                if self.scheduler.has_schedulable_work():
                     await asyncio.sleep(0.001)  # nothing fit this round; never spin hot
                 else:
                     self.wake.clear()

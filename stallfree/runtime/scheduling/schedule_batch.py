@@ -321,8 +321,10 @@ class ScheduleBatch:
             step=StepTensors(up(_empty()), empty_ids, empty_ids),
         )
 
-    def prepare_for_prebuilt(self) -> None:
-        """Requests whose prompt KV already sits in their slots (decode-side disaggregation)."""
+    def prepare_for_prebuilt(self, imported: bool = True) -> None:
+        """Requests whose KV already sits in their slots: imported with its first token
+        (decode-side disaggregation), or (`imported=False`) paused requests that rejoin the
+        decode batch, whose last token their own last step stashed."""
         self.forward_mode = ForwardMode.DECODE
         stream = self.ctx.stream
         rpi_cpu = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=_I64)
@@ -340,7 +342,7 @@ class ScheduleBatch:
         )
         self._legacy_rows = (rpi, rpi_cpu)  # the host's allocation
         fmap = self.ctx.future_map
-        if fmap.debug:  # the import stashed each first token (debug bookkeeping of that stash)
+        if imported and fmap.debug:  # the import stashed each first token (its debug stamp)
             slots = rpi_cpu.tolist()
             stream.submit(fmap.mark, stream.upload(rpi_cpu), fmap.plan_stash(slots))
 

@@ -68,6 +68,8 @@ class Scheduler:
     # the requests of the batch being built and launched, until it is launched; if building or
     # launching raises, these are the requests that fail (`fail_unlaunched`)
     building: list[Req] | None = None
+    # streaming requests out of the decode batch until their readers catch up (backpressure)
+    paused: list[Req] = field(default_factory=list)
     cache: RadixCache | None = None
     # per launched extend batch: (request, its length after the batch, its retraction count);
     # the cache takes those pages once the batch is processed without failing
@@ -109,13 +111,19 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         assert self.running_batch is not None
-        n = len(self.running_batch.reqs) + (self.chunked_req is not None)
+        n = len(self.running_batch.reqs) + (self.chunked_req is not None) + len(self.paused)
         if self.last_extend is not None:
             n += sum(1 for r in self.last_extend.reqs if r is not self.chunked_req)
         return n
 
     def has_work(self) -> bool:
         return self.num_waiting > 0 or self.chunked_req is not None or self.num_running > 0
+
+    def has_schedulable_work(self) -> bool:
+        """Work a step could be built for now: not only requests paused for their readers."""
+        return self.has_work() and (
+            self.num_waiting > 0 or self.num_running > len(self.paused) or self._resumable()
+        )
 
     # ------------------------------------------------------------------ schedule path
 
@@ -125,6 +133,8 @@ class Scheduler:
         with self.ctx.monitor.schedule_path():
             self._merge_last_extend()
             self._filter_running()
+            self._pause_unread()
+            self._resume_read()
             batch = self._new_prefill_batch()
             if batch is not None:
                 self.last_extend = batch
@@ -216,9 +226,48 @@ class Scheduler:
             ]
         return batch
 
+    def _pause_unread(self) -> None:
+        """Backpressure: a streaming request whose reader is `max_unread_tokens` behind leaves
+        the decode batch (keeping its slot and KV) until the reader catches up."""
+        running = self.running_batch
+        assert running is not None
+        bound = self.config.max_unread_tokens
+        unread = self.output.unread
+        behind = [i for i, r in enumerate(running.reqs) if unread(r) >= bound]
+        if not behind:
+            return
+        for i in behind:
+            running.reqs[i].paused = True
+            self.paused.append(running.reqs[i])
+        gone = set(behind)
+        running.filter_batch([i for i in range(len(running.reqs)) if i not in gone])
+        self.stats.backpressure_pauses += len(behind)
+
+    def _resumable(self) -> bool:
+        half = self.config.max_unread_tokens // 2
+        return any(r.finished or self.output.unread(r) <= half for r in self.paused)
+
+    def _resume_read(self) -> None:
+        """Paused requests whose readers are back to half the bound rejoin the decode batch;
+        finished ones (aborted while paused) just leave the list."""
+        if not self.paused or not self._resumable():
+            return
+        half = self.config.max_unread_tokens // 2
+        back = [r for r in self.paused if not r.finished and self.output.unread(r) <= half]
+        self.paused = [r for r in self.paused if not r.finished and r not in back]
+        for req in back:
+            req.paused = False
+        back = [r for r in back if r.wants_more_decode()]
+        if back:
+            batch = ScheduleBatch.init_new(back, self.ctx)
+            batch.prepare_for_prebuilt(imported=False)
+            assert self.running_batch is not None
+            self.running_batch.merge_batch(batch)
+
     def _reserved_tokens(self) -> int:
         assert self.running_batch is not None
         reqs = self.running_batch.reqs + (self.last_extend.reqs if self.last_extend else [])
+        reqs = reqs + self.paused
         return reserved_tokens(reqs, self.config.new_token_ratio)
 
     def _new_adder(self) -> PrefillAdder:
@@ -439,7 +488,7 @@ class Scheduler:
 
     def _all_reqs(self) -> list[Req]:
         assert self.running_batch is not None
-        reqs = list(self.waiting) + list(self.running_batch.reqs)
+        reqs = list(self.waiting) + list(self.running_batch.reqs) + self.paused
         if self.last_extend is not None:
             reqs += self.last_extend.reqs
         if self.chunked_req is not None:
@@ -455,6 +504,7 @@ class Scheduler:
         self.chunked_req = None
         self.last_extend = None
         self.building = None
+        self.paused = []
         # NOTE: a fresh batch, not a filter of the old one, whose tensors a failure may have left
         # half-updated; a launched batch keeps the old tensors alive until it is processed.
         self.running_batch = ScheduleBatch.init_new([], self.ctx)

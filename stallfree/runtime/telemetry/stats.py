@@ -47,6 +47,7 @@ class EngineCounters:
     retractions: int = 0
     step_failures: int = 0  # launched steps that failed on the device
     launch_failures: int = 0  # batches whose building or launch raised (their requests failed)
+    backpressure_pauses: int = 0  # streaming requests paused because their readers fell behind
     # prefix cache, in tokens: what admissions looked up, what they found cached, what eviction
     # gave back to the pool
     prefix_cache_queries: int = 0

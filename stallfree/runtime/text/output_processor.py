@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stallfree.runtime.request.outputs import GenerationChunk, TokenLogprobs
@@ -43,6 +44,7 @@ class RequestStream:
     finished: bool = False
     read_final: bool = False
     waiter: asyncio.Future[None] | None = None
+    on_read: Callable[[], None] | None = None  # a paused request's reader caught up
 
     def _ready(self) -> bool:
         if self.finished:
@@ -74,6 +76,8 @@ class RequestStream:
             self.read_final = True
             self.text.append(self._tail())
         ids, self.ids = self.ids, []
+        if req.paused and self.on_read is not None:
+            self.on_read()  # the scheduler resumes it
         text = "".join(self.text)
         self.text = []
         params = req.sampling_params
@@ -109,6 +113,15 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.observer = observer
         self._streams: dict[Req, RequestStream] = {}
+        self.on_read: Callable[[], None] | None = None  # wakes the scheduler (backpressure)
+
+    def unread(self, req: Req) -> int:
+        """Tokens a streaming consumer has not read yet; 0 for one that reads only the end
+        (`wake_per_step=False`: its output is the result it waits for)."""
+        stream = self._streams.get(req)
+        if stream is None or not stream.wake_per_step:
+            return 0
+        return len(stream.ids)
 
     def add(self, req: Req, wake_per_step: bool = True) -> RequestStream:
         """Start collecting `req`'s output. `wake_per_step=False` wakes only at the end."""
@@ -119,6 +132,7 @@ class OutputProcessor:
             stops=stops,
             longest_stop=max((len(s) for s in stops), default=0),
             wake_per_step=wake_per_step,
+            on_read=self.on_read,
         )
         self._streams[req] = stream
         return stream
