@@ -100,11 +100,6 @@ class DecodePlan:
     sel_rows: torch.Tensor  # [S] device: its request slot
     width: int  # most buffer slots any row attends to (before the reserved one)
 
-    @property
-    def reserved_t(self) -> torch.Tensor:
-        """`reserved` under its former name, which tests/test_hisparse.py still reads."""
-        return self.reserved
-
 
 @dataclass(slots=True)
 class HisparseUsage:

@@ -138,7 +138,7 @@ class CheckedHisparse(HisparseAttention):
         host_k, host_v = co.host.k[li], co.host.v[li]
         for i, (row, n) in enumerate(zip(plan.rows, plan.n_prev, strict=True)):
             hist = fb.req_to_token[row, :n]
-            res = plan.reserved_t[i]
+            res = plan.reserved[i]
             want = topk_reference_row(
                 q[i],
                 host_k[hist],
