@@ -51,3 +51,9 @@ async def run_greedy(
     for r in results:
         assert r.error is None, r.error
     return [r.token_ids for r in results]
+
+
+async def settle(engine: Engine, timeout: float = 10) -> None:
+    """Wait until `engine` is idle; then no request holds a slot or a KV token."""
+    await asyncio.wait_for(engine.wait_idle(), timeout)
+    assert engine.pool_usage().all_free

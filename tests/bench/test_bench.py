@@ -795,17 +795,17 @@ def test_a_scrape_gives_the_per_rank_figures_over_http():
     from stallfree.bench.counters import RankCounters, snapshot_prometheus
     from stallfree.metrics import EngineMetrics
     from stallfree.runtime.telemetry.stats import WorkerRankStats
-    from tests.metrics.test_metrics import _snapshot
+    from tests.metrics_util import fake_snapshot
 
     ranks = (
         WorkerRankStats(0, 10, 1.5, 0.25, 1024, message_bytes=4096),
         WorkerRankStats(1, 10, 1.25, 0.5, 1024),
     )
-    text = EngineMetrics("m", "0", lambda: _snapshot(workers=ranks)).render().decode()
+    text = EngineMetrics("m", "0", lambda: fake_snapshot(workers=ranks)).render().decode()
     got = snapshot_prometheus(text)
     assert got is not None and got.workers == {
         "0": RankCounters(10, 1.5, 0.25, 1024, 4096),
         "1": RankCounters(10, 1.25, 0.5, 1024, 0),
     }
-    plain = snapshot_prometheus(EngineMetrics("m", "0", _snapshot).render().decode())
+    plain = snapshot_prometheus(EngineMetrics("m", "0", fake_snapshot).render().decode())
     assert plain is not None and plain.workers is None

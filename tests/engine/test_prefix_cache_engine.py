@@ -178,7 +178,7 @@ def test_hisparse_and_prefix_caching_are_exclusive():
 
 
 async def test_metrics_export_prefix_cache_counters(model):
-    from tests.metrics.test_metrics import samples, value
+    from tests.metrics_util import samples, value
 
     path, _, _ = model
     cfg = engine_config(path, cache={"page_size": 4}, metrics={"enabled": True})

@@ -17,7 +17,7 @@ import pytest
 
 from stallfree import Engine
 from tests.engine_util import engine_config, random_prompts
-from tests.metrics.test_metrics import samples, value
+from tests.metrics_util import samples, value
 
 NUM_REQUESTS = 2000
 REASONS = ("stop", "length", "abort", "error")

@@ -26,24 +26,9 @@ from stallfree.metrics.histogram import (
 from stallfree.metrics.names import MIRROR_FIELDS, STALL_SITES
 from stallfree.runtime.request.req import Req
 from stallfree.runtime.telemetry.observer import EngineObserver
-from stallfree.runtime.telemetry.stats import EngineCounters, EngineSnapshot, PoolUsage, SparseStats
+from stallfree.runtime.telemetry.stats import EngineCounters, SparseStats
 from tests.engine_util import engine_config, random_prompts
-
-
-def samples(text: bytes | str) -> dict[tuple[str, frozenset], float]:
-    """{(sample name, labels without model_name/engine): value} of a scrape."""
-    if isinstance(text, bytes):
-        text = text.decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = {k: v for k, v in s.labels.items() if k not in ("model_name", "engine")}
-            out[(s.name, frozenset(labels.items()))] = s.value
-    return out
-
-
-def value(scrape: dict, name: str, **labels: str) -> float:
-    return scrape.get((name, frozenset(labels.items())), 0.0)
+from tests.metrics_util import fake_snapshot, samples, value
 
 
 async def run_workload(engine: Engine, n: int = 4, max_new_tokens: int = 8) -> int:
@@ -56,13 +41,13 @@ async def run_workload(engine: Engine, n: int = 4, max_new_tokens: int = 8) -> i
 def test_two_engines_have_separate_registries():
     host = CollectorRegistry()
     Counter("stallfree:prompt_tokens", "the host app's own metric", registry=host)
-    a = EngineMetrics("m", "0", lambda: _snapshot())
-    b = EngineMetrics("m", "0", lambda: _snapshot(counters=EngineCounters()))
+    a = EngineMetrics("m", "0", lambda: fake_snapshot())
+    b = EngineMetrics("m", "0", lambda: fake_snapshot(counters=EngineCounters()))
     assert a.registry is not b.registry
     assert value(samples(a.render()), "stallfree:generation_tokens_total") == 5
     assert value(samples(b.render()), "stallfree:generation_tokens_total") == 0
     # a shared registry with the host's metrics still holds both
-    c = EngineMetrics("m", "1", _snapshot, registry=CollectorRegistry())
+    c = EngineMetrics("m", "1", fake_snapshot, registry=CollectorRegistry())
     assert b"stallfree:prompt_tokens_total" in c.render()
     assert b"the host app" in generate_latest(host)
 
@@ -167,25 +152,8 @@ def test_fast_histogram_matches_prometheus_client():
     assert total == pytest.approx(sum((0.05, 0.1, 0.3, 0.5, 0.9, 1.0, 7.0)))
 
 
-def _snapshot(**fields) -> EngineSnapshot:
-    base = dict(
-        running=2,
-        waiting=3,
-        pools=PoolUsage(
-            req_slots_free=4, req_slots_total=8, kv_tokens_free=25, kv_tokens_total=100
-        ),
-        counters=EngineCounters(prompt_tokens=11, generation_tokens=5, steps=9, overlap_steps=4),
-        stalls={"schedule.page_count": 6},
-        stall_seconds={"schedule.page_count": 0.5},
-        mirror_reads={"seq_lens_cpu": 7},
-        device_busy_seconds=1.5,
-        device_idle_seconds=0.25,
-    )
-    return EngineSnapshot(**(base | fields))
-
-
 def test_counters_and_gauges_come_from_one_snapshot():
-    snap = _snapshot()
+    snap = fake_snapshot()
     metrics = EngineMetrics("m", "0", lambda: snap)
     scrape = samples(metrics.render())
     assert value(scrape, "stallfree:num_requests_running") == 2
@@ -204,7 +172,7 @@ def test_counters_and_gauges_come_from_one_snapshot():
 
 
 def test_hisparse_series_are_zero_without_a_plugin_and_follow_its_stats():
-    scrape = samples(EngineMetrics("m", "0", lambda: _snapshot()).render())
+    scrape = samples(EngineMetrics("m", "0", lambda: fake_snapshot()).render())
     for name in (
         "stallfree:hisparse_hits_total",
         "stallfree:hisparse_misses_total",
@@ -215,7 +183,7 @@ def test_hisparse_series_are_zero_without_a_plugin_and_follow_its_stats():
     assert "stallfree:hisparse_host_pool_total" not in {name for name, _ in scrape}
     sparse = SparseStats(hits=30, misses=10, bytes_h2d=4096, bytes_d2h=1024)
     sparse = replace(sparse, host_pool_used=7, host_pool_total=64)
-    scrape = samples(EngineMetrics("m", "0", lambda: _snapshot(sparse=sparse)).render())
+    scrape = samples(EngineMetrics("m", "0", lambda: fake_snapshot(sparse=sparse)).render())
     assert value(scrape, "stallfree:hisparse_hits_total") == 30
     assert value(scrape, "stallfree:hisparse_misses_total") == 10
     assert value(scrape, "stallfree:hisparse_bytes_moved_total", direction="h2d") == 4096
@@ -258,7 +226,7 @@ def _le(text: bytes, name: str) -> list[str]:
 
 
 def test_request_phase_times_follow_the_request_timestamps():
-    metrics = EngineMetrics("m", "0", lambda: _snapshot(), max_model_len=1000)
+    metrics = EngineMetrics("m", "0", lambda: fake_snapshot(), max_model_len=1000)
     params = SamplingParams()
     done = Req(rid="a", origin_input_ids=[1] * 7, sampling_params=params)
     done.arrival_time, done.first_scheduled_time = 10.0, 11.0
@@ -360,8 +328,8 @@ async def test_request_histograms_on_a_real_workload():
 
 def test_engines_sharing_a_registry_share_each_family():
     shared = CollectorRegistry()
-    a = EngineMetrics("m", "a", lambda: _snapshot(), registry=shared)
-    b = EngineMetrics("m", "b", lambda: _snapshot(counters=EngineCounters()), registry=shared)
+    a = EngineMetrics("m", "a", lambda: fake_snapshot(), registry=shared)
+    b = EngineMetrics("m", "b", lambda: fake_snapshot(counters=EngineCounters()), registry=shared)
     text = generate_latest(shared).decode()
     helps = [line for line in text.splitlines() if line.startswith("# HELP ")]
     assert len(helps) == len(set(helps)) > 30
@@ -376,7 +344,7 @@ def test_engines_sharing_a_registry_share_each_family():
     assert a.render() == b.render() == generate_latest(shared)
     # the same labels twice in one registry would be one series from two engines
     with pytest.raises(ValueError, match="engine_label"):
-        EngineMetrics("m", "a", lambda: _snapshot(), registry=shared)
+        EngineMetrics("m", "a", lambda: fake_snapshot(), registry=shared)
     # an engine that is gone leaves the scrape
     del b
     gc.collect()
@@ -392,7 +360,7 @@ def test_engines_sharing_a_registry_share_each_family():
 
 
 def test_every_stall_site_and_mirror_field_is_exported_before_it_happens():
-    quiet = _snapshot(stalls={}, stall_seconds={}, mirror_reads={})
+    quiet = fake_snapshot(stalls={}, stall_seconds={}, mirror_reads={})
     scrape = samples(EngineMetrics("m", "0", lambda: quiet).render())
     for site in STALL_SITES:
         assert scrape[("stallfree:sync_stalls_total", frozenset({("site", site)}))] == 0

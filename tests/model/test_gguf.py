@@ -22,11 +22,10 @@ from stallfree.runtime.model.loader import load_tokenizer
 from stallfree.runtime.text.tokenizer import HFTokenizer
 from tests.engine_util import engine_config, run_greedy
 from tests.hf_models import CHAT_TEMPLATE, hf_greedy, hf_logits, make_llama
-from tests.model.test_model import PROMPT_A, PROMPT_B, Harness
+from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness
 
 gguf = pytest.importorskip("gguf", reason="pip install 'stallfree[gguf]'")
 
-CPU = torch.device("cpu")
 
 _LAYER_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight",

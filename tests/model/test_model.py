@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
@@ -11,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from stallfree.runtime.memory.pool import KVCache, KVCacheShape, ReqToTokenPool
 from stallfree.runtime.model import (
     PRESETS,
     LlamaForCausalLM,
@@ -19,60 +17,11 @@ from stallfree.runtime.model import (
     ModelLoadError,
     load_model,
 )
-from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.model.forward_batch import ForwardMode
 from tests.hf_models import hf_greedy, hf_logits, make_llama, make_mistral, make_qwen2
+from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness
 
-CPU = torch.device("cpu")
 ATOL = 1e-4
-PROMPT_A = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108]  # 12 tokens
-PROMPT_B = [256, 84, 104, 101, 32, 113, 117, 105, 99]  # 9 tokens
-
-
-class Harness:
-    """Request rows and KV slots by hand; slots come from a shuffled free list so a
-    request's KV is scattered, as it is with real paging."""
-
-    def __init__(self, model: LlamaForCausalLM, num_slots: int = 512, num_reqs: int = 4) -> None:
-        arch = model.arch
-        self.model = model
-        self.pool = ReqToTokenPool(num_reqs, 256, CPU)
-        shape = KVCacheShape(arch.num_layers, arch.num_kv_heads, arch.head_dim)
-        self.kv = KVCache(shape, num_slots, torch.float32, CPU)
-        self.free = list(range(1, num_slots))  # slot 0 is padding
-        random.Random(0).shuffle(self.free)
-        self.lens: dict[int, int] = {}
-
-    def batch(self, mode: ForwardMode, reqs: list[tuple[int, list[int]]]) -> ForwardBatch:
-        ids, positions, locs, prefixes = [], [], [], []
-        for row, tokens in reqs:
-            prefix = self.lens.get(row, 0)
-            new = [self.free.pop() for _ in tokens]
-            self.pool.req_to_token[row, prefix : prefix + len(tokens)] = torch.tensor(new)
-            self.lens[row] = prefix + len(tokens)
-            ids += tokens
-            positions += range(prefix, prefix + len(tokens))
-            locs += new
-            prefixes.append(prefix)
-        rows = torch.tensor([row for row, _ in reqs])
-        seq_lens = torch.tensor([self.lens[row] for row, _ in reqs])
-        return ForwardBatch(
-            mode=mode,
-            batch_size=len(reqs),
-            input_ids=torch.tensor(ids),
-            positions=torch.tensor(positions),
-            out_cache_loc=torch.tensor(locs),
-            req_pool_indices=rows,
-            seq_lens=seq_lens,
-            req_pool_indices_cpu=rows.clone(),
-            seq_lens_cpu=seq_lens.clone(),
-            extend_lens_cpu=[len(t) for _, t in reqs],
-            prefix_lens_cpu=prefixes,
-            req_to_token=self.pool.req_to_token,
-            kv_cache=self.kv,
-        )
-
-    def run(self, mode: ForwardMode, reqs: list[tuple[int, list[int]]]) -> torch.Tensor:
-        return self.model(self.batch(mode, reqs))
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ and collective figures to a file that the test process compares.
 from __future__ import annotations
 
 import datetime
-import random
 import socket
 from pathlib import Path
 from typing import Any
@@ -17,10 +16,9 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from stallfree.runtime.memory.pool import KVCache, ReqToTokenPool
 from stallfree.runtime.model import LoadedModel, ModelLoadError, load_model
 from stallfree.runtime.model.arch import ModelArchConfig
-from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.model.loader import check_tensor_parallel, read_arch
 from stallfree.runtime.model.parallel import (
     CommStats,
@@ -32,12 +30,10 @@ from stallfree.runtime.model.parallel import (
     validate_tp,
 )
 from tests.hf_models import hf_logits, make_llama, make_qwen2
+from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness
 
-CPU = torch.device("cpu")
 ATOL = 1e-4
 TP = 2
-PROMPT_A = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108]  # 12 tokens
-PROMPT_B = [256, 84, 104, 101, 32, 113, 117, 105, 99]  # 9 tokens
 DECODE_STEPS = 3
 LOGIT_POSITIONS = [2, 15]  # extra prompt rows (prompt logprobs): A[2] and B[3]
 SPAWN_TIMEOUT_S = 120.0
@@ -73,57 +69,9 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 # ---------------------------------------------------------------------------- the run
 
 
-class Harness:
-    """Request rows and scattered KV slots by hand, with the rank's KV head count."""
-
-    def __init__(self, loaded: LoadedModel, num_slots: int = 256, num_reqs: int = 4) -> None:
-        self.model = loaded.model
-        self.pool = ReqToTokenPool(num_reqs, 128, CPU)
-        self.kv = KVCache(loaded.kv_cache_shape(), num_slots, torch.float32, CPU)
-        self.free = list(range(1, num_slots))
-        random.Random(0).shuffle(self.free)
-        self.lens: dict[int, int] = {}
-
-    def run(
-        self,
-        mode: ForwardMode,
-        reqs: list[tuple[int, list[int]]],
-        logit_positions: list[int] | None = None,
-    ) -> torch.Tensor:
-        ids, positions, locs, prefixes = [], [], [], []
-        for row, tokens in reqs:
-            prefix = self.lens.get(row, 0)
-            new = [self.free.pop() for _ in tokens]
-            self.pool.req_to_token[row, prefix : prefix + len(tokens)] = torch.tensor(new)
-            self.lens[row] = prefix + len(tokens)
-            ids += tokens
-            positions += range(prefix, prefix + len(tokens))
-            locs += new
-            prefixes.append(prefix)
-        rows = torch.tensor([row for row, _ in reqs])
-        seq_lens = torch.tensor([self.lens[row] for row, _ in reqs])
-        fb = ForwardBatch(
-            mode=mode,
-            batch_size=len(reqs),
-            input_ids=torch.tensor(ids),
-            positions=torch.tensor(positions),
-            out_cache_loc=torch.tensor(locs),
-            req_pool_indices=rows,
-            seq_lens=seq_lens,
-            req_pool_indices_cpu=rows.clone(),
-            seq_lens_cpu=seq_lens.clone(),
-            extend_lens_cpu=[len(t) for _, t in reqs],
-            prefix_lens_cpu=prefixes,
-            req_to_token=self.pool.req_to_token,
-            kv_cache=self.kv,
-            logit_positions=None if logit_positions is None else torch.tensor(logit_positions),
-        )
-        return self.model(fb)
-
-
 def run_greedy(loaded: LoadedModel) -> dict[str, Any]:
     """A batched prefill of A and B (with extra prompt rows), then greedy decode steps."""
-    h = Harness(loaded)
+    h = Harness(loaded.model, num_slots=256, max_context=128, kv_shape=loaded.kv_cache_shape())
     steps = [h.run(ForwardMode.EXTEND, [(0, PROMPT_A), (1, PROMPT_B)], LOGIT_POSITIONS)]
     tokens: list[list[int]] = [[], []]
     for _ in range(DECODE_STEPS):

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from stallfree import Engine
 from stallfree.entrypoints.server import create_app, start_server
 from tests.engine_util import engine_config, random_prompts
-from tests.metrics.test_metrics import samples, value
+from tests.metrics_util import samples, value
 
 
 class ThreadServer:

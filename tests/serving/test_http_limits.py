@@ -10,92 +10,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import resource
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 
-from stallfree import Engine
 from stallfree.entrypoints.cli import build_parser, config_from_args, main
-from stallfree.entrypoints.server import RunningServer, create_app, start_server
-from tests.engine_util import engine_config
-
-MODEL = "m"
-NO_EOS = {"ignore_eos": True, "temperature": 0}
-# every step sleeps this long: requests last a predictable while
-SLOW = {"enabled": True, "slow_step_rate": 1.0, "slow_step_seconds": 0.02}
-
-
-@dataclass
-class Live:
-    engine: Engine
-    server: RunningServer
-    http: httpx.AsyncClient
-
-    @property
-    def port(self) -> int:
-        return self.server.port
-
-
-@contextlib.asynccontextmanager
-async def serving(**sections: Any) -> AsyncIterator[Live]:
-    sections.setdefault("server", {}).setdefault("served_model_name", MODEL)
-    # NOTE: these tests time the server; the suite's mirror checks wait for the stream on the
-    # event loop (conftest), which would stall it for every slow step
-    sections.setdefault("runtime", {}).setdefault("check_mirrors", False)
-    engine = Engine(engine_config("tiny", **sections))
-    server = await start_server(create_app(engine))
-    http = httpx.AsyncClient(
-        base_url=server.url, timeout=10, limits=httpx.Limits(max_connections=200)
-    )
-    try:
-        yield Live(engine, server, http)
-    finally:
-        await http.aclose()
-        await server.stop()
-        await engine.shutdown()
-
-
-async def settle(engine: Engine, timeout: float = 10) -> None:
-    await asyncio.wait_for(engine.wait_idle(), timeout)
-    assert engine.pool_usage().all_free
-
-
-def finished(engine: Engine, reason: str) -> int:
-    return engine.snapshot().counters.finished.get(reason, 0)
-
-
-@contextlib.contextmanager
-def warnings_logged() -> Iterator[list[logging.LogRecord]]:
-    """Every record of WARNING or above, from every logger (uvicorn's do not propagate)."""
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if not any(r is record for r in records):  # seen once per logger it passes
-                records.append(record)
-
-    handler = Keep(logging.WARNING)
-    names = ["", "uvicorn", "uvicorn.error", "uvicorn.access", "asyncio", "stallfree"]
-    for name in names:
-        logging.getLogger(name).addHandler(handler)
-    try:
-        yield records
-    finally:
-        for name in names:
-            logging.getLogger(name).removeHandler(handler)
-
-
-@pytest.fixture
-def log_records() -> Iterator[list[logging.LogRecord]]:
-    with warnings_logged() as records:
-        yield records
-
+from tests.engine_util import settle
+from tests.http_util import MODEL, NO_EOS, SLOW, completion, finished, serving
 
 # ---------------------------------------------------------------- raw HTTP
 
@@ -145,10 +68,6 @@ class Raw:
 def head(method: str, path: str, *headers: str) -> bytes:
     lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", *headers, "", ""]
     return "\r\n".join(lines).encode()
-
-
-def completion(**fields: Any) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": "hello", "max_tokens": 4, **fields}
 
 
 # ---------------------------------------------------------------- body size (item 3)

@@ -19,14 +19,14 @@ from typing import Any
 
 import httpx
 
-from tests.serving.test_http_limits import (
+from tests.engine_util import settle
+from tests.http_util import (
     MODEL,
     NO_EOS,
     SLOW,
     completion,
     finished,
     serving,
-    settle,
     warnings_logged,
 )
 

@@ -12,7 +12,7 @@ import pytest
 
 from stallfree.entrypoints.server.protocol import ChatMessage
 from stallfree.entrypoints.server.requests import _template_message
-from tests.serving.test_server import live, module_loop  # noqa: F401  (fixtures)
+from tests.server_util import module_loop
 
 NO_EOS = {"ignore_eos": True}
 USER = [{"role": "user", "content": "Hi there"}]
@@ -27,7 +27,7 @@ def _ignored_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 @module_loop
-async def test_harmless_openai_fields_are_accepted_and_logged(live, caplog):  # noqa: F811
+async def test_harmless_openai_fields_are_accepted_and_logged(live, caplog):
     caplog.set_level(logging.DEBUG, logger="stallfree.server")
     chat = await live.client.chat.completions.create(
         model="test-model",
@@ -69,7 +69,7 @@ async def test_harmless_openai_fields_are_accepted_and_logged(live, caplog):  # 
 
 
 @module_loop
-async def test_unknown_nested_fields_and_stream_options_are_ignored(live):  # noqa: F811
+async def test_unknown_nested_fields_and_stream_options_are_ignored(live):
     messages: list[Any] = [
         {
             "role": "user",
@@ -96,7 +96,7 @@ async def test_unknown_nested_fields_and_stream_options_are_ignored(live):  # no
 
 
 @module_loop
-async def test_tool_call_history_is_accepted_and_reaches_the_template(live):  # noqa: F811
+async def test_tool_call_history_is_accepted_and_reaches_the_template(live):
     call = {
         "id": "call_1",
         "type": "function",
@@ -139,7 +139,7 @@ async def test_tool_call_history_is_accepted_and_reaches_the_template(live):  # 
 
 
 @module_loop
-async def test_malformed_tool_call_history_is_a_400_naming_it(live):  # noqa: F811
+async def test_malformed_tool_call_history_is_a_400_naming_it(live):
     messages = [*USER, {"role": "assistant", "tool_calls": [{"type": "function"}]}]
     with pytest.raises(openai.BadRequestError) as info:
         await live.client.chat.completions.create(model="test-model", messages=messages)
@@ -172,7 +172,7 @@ COMPLETION_UNSUPPORTED = [
 
 @module_loop
 @pytest.mark.parametrize(("field", "value"), CHAT_UNSUPPORTED, ids=lambda v: str(v)[:24])
-async def test_output_changing_chat_fields_are_a_400_naming_them(live, field, value):  # noqa: F811
+async def test_output_changing_chat_fields_are_a_400_naming_them(live, field, value):
     with pytest.raises(openai.BadRequestError) as info:
         await live.client.chat.completions.create(
             model="test-model", messages=USER, max_tokens=2, extra_body={field: value}
@@ -184,7 +184,7 @@ async def test_output_changing_chat_fields_are_a_400_naming_them(live, field, va
 
 @module_loop
 @pytest.mark.parametrize(("field", "value"), COMPLETION_UNSUPPORTED, ids=lambda v: str(v)[:24])
-async def test_output_changing_completion_fields_are_a_400_naming_them(live, field, value):  # noqa: F811
+async def test_output_changing_completion_fields_are_a_400_naming_them(live, field, value):
     r = await live.http.post(
         "/v1/completions",
         json={"model": "test-model", "prompt": "x", "max_tokens": 2, field: value},
@@ -195,7 +195,7 @@ async def test_output_changing_completion_fields_are_a_400_naming_them(live, fie
 
 
 @module_loop
-async def test_the_defaults_of_unsupported_fields_are_accepted(live):  # noqa: F811
+async def test_the_defaults_of_unsupported_fields_are_accepted(live):
     defaults = {
         "tools": [],
         "tool_choice": "none",
@@ -219,7 +219,7 @@ async def test_the_defaults_of_unsupported_fields_are_accepted(live):  # noqa: F
 
 
 @module_loop
-async def test_the_native_route_still_names_unknown_fields(live):  # noqa: F811
+async def test_the_native_route_still_names_unknown_fields(live):
     r = await live.http.post("/generate", json={"text": "x", "bogus": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
 
@@ -228,7 +228,7 @@ async def test_the_native_route_still_names_unknown_fields(live):  # noqa: F811
 
 
 @module_loop
-async def test_retrieve_a_model_by_id(live):  # noqa: F811
+async def test_retrieve_a_model_by_id(live):
     listed = (await live.client.models.list()).data
     retrieved = await live.client.models.retrieve("test-model")
     assert [retrieved] == listed
@@ -239,7 +239,7 @@ async def test_retrieve_a_model_by_id(live):  # noqa: F811
 
 @module_loop
 @pytest.mark.parametrize("name", ["other-model", "org/test-model", "test-model/x", "%00"])
-async def test_retrieving_an_unknown_model_is_a_404_in_the_openai_shape(live, name):  # noqa: F811
+async def test_retrieving_an_unknown_model_is_a_404_in_the_openai_shape(live, name):
     with pytest.raises(openai.NotFoundError) as info:
         await live.client.models.retrieve(name)
     body: dict[str, Any] = info.value.body  # type: ignore[assignment]

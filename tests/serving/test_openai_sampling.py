@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from stallfree import SamplingParams
+from tests.engine_util import settle
 from tests.hf_models import hf_logits
-from tests.metrics.test_metrics import samples, value
-from tests.serving.test_server import live, module_loop, settle  # noqa: F401  (fixtures)
+from tests.metrics_util import samples, value
+from tests.server_util import module_loop
 
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 NO_EOS = {"ignore_eos": True}
@@ -43,7 +44,7 @@ def _text(token_id: int) -> str:
 
 
 @module_loop
-async def test_completion_logprobs_equal_transformers(live, llama):  # noqa: F811
+async def test_completion_logprobs_equal_transformers(live, llama):
     result = await live.client.completions.create(
         model="test-model", prompt=PROMPT, max_tokens=6, logprobs=3, extra_body=NO_EOS, **GREEDY
     )
@@ -72,7 +73,7 @@ async def test_completion_logprobs_equal_transformers(live, llama):  # noqa: F81
 
 
 @module_loop
-async def test_streamed_completion_logprobs_add_up_to_the_whole(live):  # noqa: F811
+async def test_streamed_completion_logprobs_add_up_to_the_whole(live):
     kwargs: dict[str, Any] = {
         "model": "test-model",
         "prompt": PROMPT,
@@ -103,7 +104,7 @@ async def test_streamed_completion_logprobs_add_up_to_the_whole(live):  # noqa: 
 
 
 @module_loop
-async def test_echo_returns_the_prompt_and_its_logprobs(live, llama):  # noqa: F811
+async def test_echo_returns_the_prompt_and_its_logprobs(live, llama):
     plain = await live.client.completions.create(
         model="test-model", prompt=PROMPT, max_tokens=4, extra_body=NO_EOS, **GREEDY
     )
@@ -165,7 +166,7 @@ async def test_echo_returns_the_prompt_and_its_logprobs(live, llama):  # noqa: F
 
 
 @module_loop
-async def test_chat_logprobs_equal_transformers_streaming_and_not(live, llama):  # noqa: F811
+async def test_chat_logprobs_equal_transformers_streaming_and_not(live, llama):
     messages = [{"role": "user", "content": "Hi!"}]
     kwargs: dict[str, Any] = {
         "model": "test-model",
@@ -223,7 +224,7 @@ async def test_chat_logprobs_equal_transformers_streaming_and_not(live, llama): 
 
 
 @module_loop
-async def test_n_choices_are_seeded_distinct_and_reproducible(live):  # noqa: F811
+async def test_n_choices_are_seeded_distinct_and_reproducible(live):
     kwargs: dict[str, Any] = {
         "model": "test-model",
         "prompt": PROMPT,
@@ -294,7 +295,7 @@ async def test_n_choices_are_seeded_distinct_and_reproducible(live):  # noqa: F8
 
 
 @module_loop
-async def test_batched_prompts_times_n_index_choices_by_prompt(live):  # noqa: F811
+async def test_batched_prompts_times_n_index_choices_by_prompt(live):
     result = await live.client.completions.create(
         model="test-model", prompt=["one", "two!"], max_tokens=3, n=2, extra_body=NO_EOS, **GREEDY
     )
@@ -307,7 +308,7 @@ async def test_batched_prompts_times_n_index_choices_by_prompt(live):  # noqa: F
 
 
 @module_loop
-async def test_n_choices_share_the_prompt_through_the_prefix_cache(live):  # noqa: F811
+async def test_n_choices_share_the_prompt_through_the_prefix_cache(live):
     await settle(live.engine)
     assert live.engine.flush_cache()
     prompt = "a shared prompt for all choices: " * 3
@@ -326,7 +327,7 @@ async def test_n_choices_share_the_prompt_through_the_prefix_cache(live):  # noq
 
 
 @module_loop
-async def test_disconnect_aborts_every_choice(live):  # noqa: F811
+async def test_disconnect_aborts_every_choice(live):
     aborted = live.engine.snapshot().counters.finished.get("abort", 0)
     body = {"model": "test-model", "prompt": "long", "max_tokens": 900, "n": 3, "stream": True}
     async with live.http.stream("POST", "/v1/completions", json=body | NO_EOS) as r:
@@ -351,7 +352,7 @@ PENALTIES = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_pena
 
 
 @module_loop
-async def test_penalties_reach_the_engine(live):  # noqa: F811
+async def test_penalties_reach_the_engine(live):
     prompt = "ab ab ab ab ab ab"
     served = await live.client.completions.create(
         model="test-model",
@@ -371,7 +372,7 @@ async def test_penalties_reach_the_engine(live):  # noqa: F811
 
 
 @module_loop
-async def test_logit_bias_and_min_tokens(live):  # noqa: F811
+async def test_logit_bias_and_min_tokens(live):
     forced = await live.client.completions.create(
         model="test-model", prompt="x", max_tokens=5, logit_bias={"65": 100}, **GREEDY
     )
@@ -399,7 +400,7 @@ async def test_logit_bias_and_min_tokens(live):  # noqa: F811
 
 
 @module_loop
-async def test_generate_takes_the_new_sampling_fields(live, llama):  # noqa: F811
+async def test_generate_takes_the_new_sampling_fields(live, llama):
     body = {
         "text": PROMPT,
         "sampling_params": {
@@ -485,7 +486,7 @@ NAN_CASES = [
 @pytest.mark.parametrize(
     ("path", "body", "param"), [c[1:] for c in HOSTILE], ids=[c[0] for c in HOSTILE]
 )
-async def test_hostile_sampling_values_are_400_naming_the_field(live, path, body, param):  # noqa: F811
+async def test_hostile_sampling_values_are_400_naming_the_field(live, path, body, param):
     r = await live.http.post(path, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
@@ -495,7 +496,7 @@ async def test_hostile_sampling_values_are_400_naming_the_field(live, path, body
 @pytest.mark.parametrize(
     ("path", "field", "literal"), [c[1:] for c in NAN_CASES], ids=[c[0] for c in NAN_CASES]
 )
-async def test_non_finite_penalties_are_400(live, path, field, literal):  # noqa: F811
+async def test_non_finite_penalties_are_400(live, path, field, literal):
     base = COMPLETION if path == "/v1/completions" else CHAT
     content = _raw(base | {field: "@x@"}, x=literal)
     r = await live.http.post(path, content=content, headers={"content-type": "application/json"})
@@ -504,7 +505,7 @@ async def test_non_finite_penalties_are_400(live, path, field, literal):  # noqa
 
 
 @module_loop
-async def test_edge_values_are_served(live):  # noqa: F811
+async def test_edge_values_are_served(live):
     # the largest seed with n > 1 wraps around instead of overflowing
     top = await live.client.completions.create(
         model="test-model", prompt="hi", max_tokens=2, n=2, seed=2**63 - 1, temperature=1.0
@@ -537,7 +538,7 @@ async def test_edge_values_are_served(live):  # noqa: F811
 
 
 @module_loop
-async def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(live):  # noqa: F811
+async def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(live):
     prompt = "Qz#7 usage probe: a prompt long enough to fill a few pages of the cache"
     first = await live.client.completions.create(
         model="test-model", prompt=prompt, max_tokens=2, temperature=0

@@ -10,7 +10,7 @@ import pytest
 
 from stallfree.cli import main
 from stallfree.entrypoints.cli import build_parser, config_from_args
-from tests.serving.test_server import serving
+from tests.server_util import serving
 
 
 @pytest.mark.parametrize(

@@ -13,54 +13,23 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import pytest_asyncio
 from openai import AsyncOpenAI
 
-from stallfree import Engine, SamplingParams
+from stallfree import SamplingParams
 from stallfree.entrypoints.cli import build_parser, config_from_args
-from stallfree.entrypoints.server import RunningServer, create_app, start_server
-from tests.engine_util import engine_config
-from tests.metrics.test_metrics import samples, value
-
-# the module-scoped live server and every test that talks to it share one event loop
-module_loop = pytest.mark.asyncio(loop_scope="module")
+from tests.engine_util import settle
+from tests.metrics_util import samples, value
+from tests.server_util import module_loop, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = {"temperature": 0.0}
 NO_EOS = {"ignore_eos": True}
-
-
-@dataclass
-class Live:
-    engine: Engine
-    server: RunningServer
-    client: AsyncOpenAI
-    http: httpx.AsyncClient
-
-
-@contextlib.asynccontextmanager
-async def serving(model: str, api_key: str | None = None, **sections: Any) -> AsyncIterator[Live]:
-    sections.setdefault("server", {}).update(served_model_name="test-model", api_key=api_key)
-    engine = Engine(engine_config(model, **sections))
-    server = await start_server(create_app(engine))
-    client = AsyncOpenAI(base_url=server.url + "/v1", api_key=api_key or "unused", max_retries=0)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    http = httpx.AsyncClient(base_url=server.url, headers=headers, timeout=30)
-    try:
-        yield Live(engine, server, client, http)
-    finally:
-        await client.close()
-        await http.aclose()
-        await server.stop()
-        await engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -71,17 +40,6 @@ def llama_no_template(llama, tmp_path_factory) -> str:
     del config["chat_template"]
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return str(out)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def live(llama) -> AsyncIterator[Live]:
-    async with serving(llama) as server:
-        yield server
-
-
-async def settle(engine: Engine) -> None:
-    await asyncio.wait_for(engine.wait_idle(), timeout=10)
-    assert engine.pool_usage().all_free
 
 
 # ---------------------------------------------------------------- happy paths

@@ -1,0 +1,80 @@
+"""A server on the `tiny` preset in the test's loop, for the HTTP limit and shutdown tests, and
+what they share: request bodies, the slow-step fault, counting finishes, catching warnings."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from stallfree import Engine
+from stallfree.entrypoints.server import RunningServer, create_app, start_server
+from tests.engine_util import engine_config
+
+MODEL = "m"
+NO_EOS = {"ignore_eos": True, "temperature": 0}
+# every step sleeps this long: requests last a predictable while
+SLOW = {"enabled": True, "slow_step_rate": 1.0, "slow_step_seconds": 0.02}
+
+
+@dataclass
+class Live:
+    engine: Engine
+    server: RunningServer
+    http: httpx.AsyncClient
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+
+@contextlib.asynccontextmanager
+async def serving(**sections: Any) -> AsyncIterator[Live]:
+    sections.setdefault("server", {}).setdefault("served_model_name", MODEL)
+    # NOTE: these tests time the server; the suite's mirror checks wait for the stream on the
+    # event loop (conftest), which would stall it for every slow step
+    sections.setdefault("runtime", {}).setdefault("check_mirrors", False)
+    engine = Engine(engine_config("tiny", **sections))
+    server = await start_server(create_app(engine))
+    http = httpx.AsyncClient(
+        base_url=server.url, timeout=10, limits=httpx.Limits(max_connections=200)
+    )
+    try:
+        yield Live(engine, server, http)
+    finally:
+        await http.aclose()
+        await server.stop()
+        await engine.shutdown()
+
+
+def finished(engine: Engine, reason: str) -> int:
+    return engine.snapshot().counters.finished.get(reason, 0)
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "hello", "max_tokens": 4, **fields}
+
+
+@contextlib.contextmanager
+def warnings_logged() -> Iterator[list[logging.LogRecord]]:
+    """Every record of WARNING or above, from every logger (uvicorn's do not propagate)."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if not any(r is record for r in records):  # seen once per logger it passes
+                records.append(record)
+
+    handler = Keep(logging.WARNING)
+    names = ["", "uvicorn", "uvicorn.error", "uvicorn.access", "asyncio", "stallfree"]
+    for name in names:
+        logging.getLogger(name).addHandler(handler)
+    try:
+        yield records
+    finally:
+        for name in names:
+            logging.getLogger(name).removeHandler(handler)
