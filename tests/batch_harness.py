@@ -26,14 +26,17 @@ def make_ctx(
     cpu_mirrors: bool = True,
     strict: bool = False,
     check_mirrors: bool = True,
+    kv_shape: KVCacheShape | None = None,
 ) -> BatchContext:
+    """The caller closes its stream (`ctx.stream.close()`); tests get contexts from the
+    `batch_ctx` fixture (tests/conftest.py), which does."""
     stream = CpuStream()
     device = torch.device("cpu")
     num_slots = (num_tokens // page_size + 1) * page_size
     return BatchContext(
         req_to_token_pool=ReqToTokenPool(num_reqs, max_context, device),
         allocator=TokenToKVPoolAllocator(num_slots - page_size, page_size),
-        kv_cache=KVCache(KVCacheShape(1, 1, 4), num_slots, torch.float32, device),
+        kv_cache=KVCache(kv_shape or KVCacheShape(1, 1, 4), num_slots, torch.float32, device),
         stream=stream,
         monitor=SyncMonitor(stream, strict=strict),
         future_map=FutureMap(num_reqs, device),

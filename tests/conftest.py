@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -11,6 +13,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # its own config (`runtime.check_mirrors=false`), which wins over the environment.
 os.environ.setdefault("STALLFREE_RUNTIME__CHECK_MIRRORS", "true")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+if TYPE_CHECKING:
+    from stallfree.overlap.stream import CpuStream
+    from stallfree.runtime.execution.context import BatchContext
 
 
 def pytest_asyncio_loop_factories(config, item):
@@ -28,3 +34,35 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tests.hf_models import make_llama
 
     return str(make_llama(tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture
+def batch_ctx() -> Iterator[Callable[..., BatchContext]]:
+    """Builds model-free batch contexts (`batch_harness.make_ctx`'s arguments). Every one's
+    stream is closed after the test, pass or fail, so a failed assert leaks no worker thread."""
+    from tests.batch_harness import make_ctx
+
+    made: list[BatchContext] = []
+
+    def build(**kwargs: Any) -> BatchContext:
+        ctx = make_ctx(**kwargs)
+        made.append(ctx)
+        return ctx
+
+    try:
+        yield build
+    finally:
+        for ctx in made:
+            ctx.stream.close()
+
+
+@pytest.fixture
+def cpu_stream() -> Iterator[CpuStream]:
+    """A CPU stream, closed after the test, pass or fail."""
+    from stallfree.overlap.stream import CpuStream
+
+    stream = CpuStream()
+    try:
+        yield stream
+    finally:
+        stream.close()

@@ -8,16 +8,11 @@ from collections import deque
 import pytest
 
 from stallfree import Engine, SamplingParams
-from stallfree.config import SchedulerConfig
 from stallfree.entrypoints.cli import run_async
 from stallfree.overlap.stream import CpuStream
 from stallfree.runtime.execution.sampler import SamplingBatch
 from stallfree.runtime.request.req import FinishReason
-from stallfree.runtime.scheduling.scheduler import Scheduler
-from stallfree.runtime.telemetry.observer import EngineObserver
-from stallfree.runtime.text.output_processor import OutputProcessor
-from stallfree.runtime.text.tokenizer import ByteTokenizer
-from tests.batch_harness import make_ctx, make_req
+from tests.batch_harness import make_req
 from tests.engine_util import engine_config
 
 
@@ -48,14 +43,8 @@ def test_an_all_greedy_batch_uploads_nothing():
     assert sb.greedy_mask_cpu == [True, True, False]
 
 
-def _scheduler() -> Scheduler:
-    ctx = make_ctx(num_tokens=4096, num_reqs=8, max_context=128)
-    output = OutputProcessor(ByteTokenizer(), EngineObserver())
-    return Scheduler(config=SchedulerConfig(), ctx=ctx, max_running_requests=8, output=output)
-
-
-def test_aborting_waiting_requests_is_constant_time_and_they_are_skipped():
-    sched = _scheduler()
+def test_aborting_waiting_requests_is_constant_time_and_they_are_skipped(make_scheduler):
+    sched = make_scheduler(num_tokens=4096)
     reqs = [make_req(f"r{i}", 4, 2) for i in range(2000)]
     for r in reqs:
         sched.add_request(r)
@@ -80,8 +69,8 @@ class _NoScan(deque):
         raise AssertionError("waiting was scanned")
 
 
-def test_abort_and_fail_batch_never_scan_the_queue():
-    sched = _scheduler()
+def test_abort_and_fail_batch_never_scan_the_queue(make_scheduler):
+    sched = make_scheduler(num_tokens=4096)
     sched.waiting = _NoScan()
     reqs = [make_req(f"r{i}", 4, 2) for i in range(50)]
     for r in reqs:

@@ -211,8 +211,8 @@ class SplitForgetsMirror(ScheduleBatch):
         )
 
 
-def test_parity_checker_catches_an_op_that_forgets_the_mirror() -> None:
-    ctx = make_ctx()
+def test_parity_checker_catches_an_op_that_forgets_the_mirror(batch_ctx) -> None:
+    ctx = batch_ctx()
     reqs = [make_req("a", 3), make_req("b", 5)]
     batch = SplitForgetsMirror.init_new(reqs, ctx)
     batch.prepare_for_extend([3, 5])
@@ -220,22 +220,20 @@ def test_parity_checker_catches_an_op_that_forgets_the_mirror() -> None:
     batch.split_batch(1)
     with pytest.raises(AssertionError, match="mirror"):
         batch.check_mirror_parity()
-    ctx.stream.close()
 
 
-def test_legacy_mode_reads_device_through_host_read() -> None:
-    ctx = make_ctx(cpu_mirrors=False)
+def test_legacy_mode_reads_device_through_host_read(batch_ctx) -> None:
+    ctx = batch_ctx(cpu_mirrors=False)
     batch = ScheduleBatch.init_new([make_req("a", 3), make_req("b", 4)], ctx)
     batch.prepare_for_extend([3, 4])
     batch.prepare_for_decode()
     assert ctx.monitor.stall_counts["schedule.page_count"] == 1
     batch.check_mirror_parity()
     assert batch.seq_lens_cpu.tolist() == [4, 5]
-    ctx.stream.close()
 
 
-def test_pools_refuse_double_free() -> None:
-    ctx = make_ctx(page_size=2)
+def test_pools_refuse_double_free(batch_ctx) -> None:
+    ctx = batch_ctx(page_size=2)
     slot = ctx.req_to_token_pool.alloc(1)[0]
     ctx.req_to_token_pool.free(slot)
     with pytest.raises(RuntimeError, match="double free of request slot"):
@@ -244,7 +242,6 @@ def test_pools_refuse_double_free() -> None:
     ctx.allocator.free_pages(pages)
     with pytest.raises(RuntimeError, match="double free of KV page"):
         ctx.allocator.free_pages(pages[:1])
-    ctx.stream.close()
 
 
 # ---------------------------------------------------------------------------- the checker
@@ -284,43 +281,40 @@ CORRUPTIONS = {
 
 
 @pytest.mark.parametrize("kind", list(CORRUPTIONS))
-def test_the_parity_checker_fires_on_each_kind_of_corruption(kind: str) -> None:
-    ctx = make_ctx()
+def test_the_parity_checker_fires_on_each_kind_of_corruption(kind: str, batch_ctx) -> None:
+    ctx = batch_ctx()
     batch = _decoded_batch(ctx)
     batch.check_mirror_parity()
     ctx.stream.synchronize()
     CORRUPTIONS[kind](batch)
     with pytest.raises(MirrorParityError):
         batch.check_mirror_parity()
-    ctx.stream.close()
 
 
-def test_the_checker_runs_after_every_batch_op_with_check_mirrors() -> None:
-    ctx = make_ctx(check_mirrors=True)
+def test_the_checker_runs_after_every_batch_op_with_check_mirrors(batch_ctx) -> None:
+    ctx = batch_ctx(check_mirrors=True)
     batch = _decoded_batch(ctx)
     batch.req_pool_indices = ctx.stream.upload(_swap(batch.req_pool_indices_cpu))
     with pytest.raises(MirrorParityError, match="prepare_for_decode: req_pool_indices_cpu"):
         batch.prepare_for_decode()
-    ctx.stream.close()
-    lax = make_ctx(check_mirrors=False)
+    lax = batch_ctx(check_mirrors=False)
     batch = _decoded_batch(lax)
     batch.req_pool_indices = lax.stream.upload(_swap(batch.req_pool_indices_cpu))
     batch.prepare_for_decode()  # off: nothing compares values (shapes are always checked)
-    lax.stream.close()
 
 
-def test_the_suite_runs_with_check_mirrors_on() -> None:
+def test_the_suite_runs_with_check_mirrors_on(batch_ctx) -> None:
     from stallfree.config import load_config
 
     assert load_config().runtime.check_mirrors
-    assert make_ctx().check_mirrors
+    assert batch_ctx().check_mirrors
 
 
-def test_a_request_released_between_steps_is_not_a_mismatch() -> None:
+def test_a_request_released_between_steps_is_not_a_mismatch(batch_ctx) -> None:
     """Overlap off: a request aborted between steps is released at once, but stays in the
     running batch until the next filter. Merging the last prefill into that batch first must
     not look like a corrupted mirror."""
-    ctx = make_ctx(check_mirrors=True)
+    ctx = batch_ctx(check_mirrors=True)
     running = _decoded_batch(ctx)
     victim = running.reqs[1]
     victim.finish(FinishReason.ABORT)
@@ -334,7 +328,6 @@ def test_a_request_released_between_steps_is_not_a_mismatch() -> None:
     running.reqs[0].req_pool_idx = None
     with pytest.raises(MirrorParityError, match="row 0"):
         running.check_mirror_parity()
-    ctx.stream.close()
 
 
 # ---------------------------------------------------------------------------- structure
@@ -371,8 +364,8 @@ def test_only_assign_sets_the_fields_of_a_batch() -> None:
     assert not offenders, offenders
 
 
-def test_per_row_fields_follow_filter_and_merge() -> None:
-    ctx = make_ctx()
+def test_per_row_fields_follow_filter_and_merge(batch_ctx) -> None:
+    ctx = batch_ctx()
     a, b, c = make_req("a", 3), make_req("b", 5, max_new_tokens=4), make_req("c", 4)
     first = ScheduleBatch.init_new([a, b, c], ctx)
     first.prepare_for_extend([3, 5, 2])  # c is chunked: no output row
@@ -389,24 +382,22 @@ def test_per_row_fields_follow_filter_and_merge() -> None:
     assert (first.prefix_lens_cpu, first.extend_lens_cpu) == ([0, 0, 0], [3, 2, 6])
     assert first.output_rows == [True, False, True]
     assert first.seq_lens_cpu.tolist() == [3, 2, 6]
-    ctx.stream.close()
 
 
-def test_a_filtered_batch_must_be_prepared_again_before_launch() -> None:
-    ctx = make_ctx()
+def test_a_filtered_batch_must_be_prepared_again_before_launch(batch_ctx) -> None:
+    ctx = batch_ctx()
     batch = _decoded_batch(ctx)
     batch.filter_batch([0, 2])
     with pytest.raises(MirrorParityError, match="prepared again"):
         batch.to_forward_batch()
     batch.prepare_for_decode()
     assert batch.to_forward_batch().batch_size == 2
-    ctx.stream.close()
 
 
-def test_alloc_for_extend_contract() -> None:
+def test_alloc_for_extend_contract(batch_ctx) -> None:
     """(out_cache_loc, device slots, host slots): the first two are the stream's tensors, the
     third is the mirror, a host int64 tensor that is neither of them nor shares their memory."""
-    ctx = make_ctx(strict=True, page_size=2)
+    ctx = batch_ctx(strict=True, page_size=2)
     guard = ctx.monitor.guard
     assert guard is not None
     reqs = [make_req("a", 3), make_req("b", 5)]
@@ -422,11 +413,10 @@ def test_alloc_for_extend_contract() -> None:
     assert tuple(device.shape) == (2,) and tuple(out_cache_loc.shape) == (8,)
     ctx.stream.synchronize()
     assert device.tolist() == slots
-    ctx.stream.close()
 
 
-def test_an_idle_batch_has_empty_mirrors() -> None:
-    ctx = make_ctx()
+def test_an_idle_batch_has_empty_mirrors(batch_ctx) -> None:
+    ctx = batch_ctx()
     batch = _decoded_batch(ctx)
     for req in batch.reqs:
         free_req_memory(ctx.req_to_token_pool, ctx.allocator, req)
@@ -436,7 +426,6 @@ def test_an_idle_batch_has_empty_mirrors() -> None:
     ctx.stream.synchronize()
     assert batch.req_pool_indices.numel() == 0 and batch.seq_lens.numel() == 0
     assert batch.reqs == [] and batch.prefix_lens_cpu == [] and batch.output_rows == []
-    ctx.stream.close()
 
 
 # ---------------------------------------------------------------------------- retraction order
@@ -449,14 +438,14 @@ def _req_with_outputs(rid: str, prompt: int, outputs: int) -> Req:
     return req
 
 
-def test_retraction_takes_fewest_outputs_first_then_longest_prompt() -> None:
+def test_retraction_takes_fewest_outputs_first_then_longest_prompt(batch_ctx) -> None:
     """SGLang's policy, on a batch where each other order would retract someone else.
 
     The step needs 4 pages and none is free; one victim frees enough. Fewest outputs first
     takes a or c (no outputs), and the longest prompt among them, a. Most outputs first would
     take d; shortest prompt first among the outputless would take c.
     """
-    ctx = make_ctx(page_size=1, num_tokens=128)
+    ctx = batch_ctx(page_size=1, num_tokens=128)
     reqs = [
         _req_with_outputs("a", 10, 0),
         _req_with_outputs("b", 4, 3),
@@ -472,11 +461,10 @@ def test_retraction_takes_fewest_outputs_first_then_longest_prompt() -> None:
     assert [r.rid for r in batch.reqs] == ["b", "c", "d"]  # the survivors
     batch.check_mirror_parity()
     ctx.allocator.free_pages(hold)
-    ctx.stream.close()
 
 
-def test_retraction_keeps_taking_in_order_until_the_step_fits() -> None:
-    ctx = make_ctx(page_size=1, num_tokens=128)
+def test_retraction_keeps_taking_in_order_until_the_step_fits(batch_ctx) -> None:
+    ctx = batch_ctx(page_size=1, num_tokens=128)
     reqs = [_req_with_outputs(f"r{i}", n, o) for i, (n, o) in enumerate([(3, 2), (2, 0), (3, 0)])]
     batch = ScheduleBatch.init_new(reqs, ctx)
     batch.prepare_for_extend([r.fill_len for r in reqs])
@@ -487,14 +475,13 @@ def test_retraction_keeps_taking_in_order_until_the_step_fits() -> None:
     assert [r.rid for r in retracted] == ["r2"] and fits
     assert [r.rid for r in batch.reqs] == ["r0", "r1"]
     ctx.allocator.free_pages(hold[1:])
-    ctx.stream.close()
 
 
 # ---------------------------------------------------------------------------- legacy mode
 
 
-def test_legacy_launch_reads_the_slots_from_the_device_not_the_mirror() -> None:
-    ctx = make_ctx(cpu_mirrors=False, check_mirrors=False)
+def test_legacy_launch_reads_the_slots_from_the_device_not_the_mirror(batch_ctx) -> None:
+    ctx = batch_ctx(cpu_mirrors=False, check_mirrors=False)
     batch = ScheduleBatch.init_new([make_req("a", 3), make_req("b", 4)], ctx)
     batch.prepare_for_extend([3, 4])
     batch.prepare_for_decode()  # one read at schedule.page_count: lengths and slots
@@ -509,4 +496,3 @@ def test_legacy_launch_reads_the_slots_from_the_device_not_the_mirror() -> None:
     batch.prepare_for_decode()
     assert batch.to_forward_batch().req_pool_indices_cpu.tolist() == device_slots[1:]
     assert ctx.monitor.stall_counts == {"schedule.page_count": 2}
-    ctx.stream.close()

@@ -10,21 +10,11 @@ import pytest
 import torch
 
 from stallfree import Engine
-from stallfree.config import SchedulerConfig
 from stallfree.runtime.execution.model_runner import StepOutput
 from stallfree.runtime.request.req import FinishReason
 from stallfree.runtime.scheduling.scheduler import Scheduler
-from stallfree.runtime.telemetry.observer import EngineObserver
-from stallfree.runtime.text.output_processor import OutputProcessor
-from stallfree.runtime.text.tokenizer import ByteTokenizer
-from tests.batch_harness import make_ctx, make_req
+from tests.batch_harness import make_req
 from tests.engine_util import engine_config, random_prompts, run_greedy
-
-
-def _scheduler(**kw) -> Scheduler:
-    ctx = make_ctx(num_tokens=512, num_reqs=8, max_context=128)
-    output = OutputProcessor(ByteTokenizer(), EngineObserver())
-    return Scheduler(config=SchedulerConfig(**kw), ctx=ctx, max_running_requests=8, output=output)
 
 
 def _launch(sched: Scheduler, computed: Counter) -> tuple | None:
@@ -41,8 +31,8 @@ def _process(sched: Scheduler, launched: tuple, token: int = 1) -> None:
     sched.process(StepOutput(seq, reqs, rows, [token] * len(reqs)))
 
 
-def test_scheduler_runs_one_step_ahead_without_over_scheduling():
-    sched = _scheduler(chunked_prefill_size=4)
+def test_scheduler_runs_one_step_ahead_without_over_scheduling(make_scheduler):
+    sched = make_scheduler(num_tokens=512, chunked_prefill_size=4)
     reqs = [
         make_req(f"r{i}", n, max_new_tokens=m) for i, (n, m) in enumerate([(3, 5), (9, 2), (5, 1)])
     ]
@@ -67,11 +57,10 @@ def test_scheduler_runs_one_step_ahead_without_over_scheduling():
     sched.ctx.stream.synchronize()
     assert sched.ctx.allocator.available_pages() == sched.ctx.allocator.num_pages
     assert sched.ctx.req_to_token_pool.available_size() == sched.ctx.req_to_token_pool.size
-    sched.ctx.stream.close()
 
 
-def test_eos_costs_at_most_one_dropped_lag_token_and_aborts_land_in_order():
-    sched = _scheduler()
+def test_eos_costs_at_most_one_dropped_lag_token_and_aborts_land_in_order(make_scheduler):
+    sched = make_scheduler(num_tokens=512)
     eos = 99
     a = make_req("a", 4, max_new_tokens=50)
     a.eos_token_ids = frozenset({eos})
@@ -100,7 +89,6 @@ def test_eos_costs_at_most_one_dropped_lag_token_and_aborts_land_in_order():
     assert a.req_pool_idx is None and b.req_pool_idx is None
     assert computed["a"] <= len(a.origin_input_ids) + len(a.output_ids) - 1 + 1
     assert sched.ctx.allocator.available_pages() == sched.ctx.allocator.num_pages
-    sched.ctx.stream.close()
 
 
 async def test_zero_schedule_path_reads_over_200_decode_steps_with_mirrors(llama):
@@ -163,10 +151,10 @@ async def test_no_leaks_after_random_cancellations(llama, overlap):
 # ---------------------------------------------------------------------------- debug checks
 
 
-def test_abort_between_steps_is_not_a_parity_mismatch():
+def test_abort_between_steps_is_not_a_parity_mismatch(make_scheduler):
     """Overlap off: an abort between steps frees the request at once; the next schedule merges
     the last prefill into the running batch that still holds it. The checker must not fire."""
-    sched = _scheduler()
+    sched = make_scheduler(num_tokens=512)
     assert sched.ctx.check_mirrors
     a, b, c = make_req("a", 4, 20), make_req("b", 5, 20), make_req("c", 3, 20)
     sched.add_request(a)
@@ -181,7 +169,6 @@ def test_abort_between_steps_is_not_a_parity_mismatch():
     launched = _launch(sched, computed)
     assert launched is not None and [r.rid for r in launched[1]] == ["b", "c"]
     _process(sched, launched)
-    sched.ctx.stream.close()
 
 
 async def test_a_failing_debug_check_fails_its_batch_not_the_engine(llama, monkeypatch):

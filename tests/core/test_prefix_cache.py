@@ -7,33 +7,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stallfree.config import SchedulerConfig
 from stallfree.runtime.execution.model_runner import StepOutput
-from stallfree.runtime.memory.radix_cache import RadixCache
 from stallfree.runtime.request.req import FinishReason, Req
 from stallfree.runtime.request.sampling_params import SamplingParams
 from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
 from stallfree.runtime.scheduling.scheduler import Scheduler
-from stallfree.runtime.telemetry.observer import EngineObserver
-from stallfree.runtime.text.output_processor import OutputProcessor
-from stallfree.runtime.text.tokenizer import ByteTokenizer
-from tests.batch_harness import make_ctx
 
 Launched = tuple[int, list[Req], list[bool], ScheduleBatch]
 
 
-def _scheduler(page_size: int = 1, num_tokens: int = 256, num_reqs: int = 8, **config) -> Scheduler:
-    ctx = make_ctx(page_size=page_size, num_tokens=num_tokens, num_reqs=num_reqs, max_context=256)
-    cache = RadixCache(ctx.allocator)
-    ctx.allocator.evictor = cache
-    output = OutputProcessor(ByteTokenizer(), EngineObserver())
+def _scheduler(
+    make_scheduler, page_size: int = 1, num_tokens: int = 256, num_reqs: int = 8, **config
+) -> Scheduler:
     config.setdefault("new_token_ratio", 0.0)
-    return Scheduler(
-        config=SchedulerConfig(**config),
-        ctx=ctx,
-        max_running_requests=num_reqs,
-        output=output,
-        cache=cache,
+    return make_scheduler(
+        page_size=page_size,
+        num_tokens=num_tokens,
+        num_reqs=num_reqs,
+        max_context=256,
+        prefix_cache=True,
+        **config,
     )
 
 
@@ -97,8 +90,8 @@ P = list(range(10, 50))  # a 40-token shared prefix
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_admission_starts_after_the_cached_prefix_with_exact_rows(page_size):
-    sched = _scheduler(page_size=page_size)
+def test_admission_starts_after_the_cached_prefix_with_exact_rows(page_size, make_scheduler):
+    sched = _scheduler(make_scheduler, page_size=page_size)
     first = _req("first", [*P, 1, 2, 3], max_new_tokens=3)
     sched.add_request(first)
     _drain(sched)
@@ -125,10 +118,10 @@ def test_admission_starts_after_the_cached_prefix_with_exact_rows(page_size):
     _whole_pool(sched)
 
 
-def test_two_schedules_in_flight_under_eviction_pressure():
+def test_two_schedules_in_flight_under_eviction_pressure(make_scheduler):
     """Batches 1 and 2 are both launched before any result: the eviction that batch 2 needs
     takes only unlocked pages, never a page batch 1 reads or writes."""
-    sched = _scheduler(num_tokens=64)
+    sched = _scheduler(make_scheduler, num_tokens=64)
     warm = _req("warm", P[:30], max_new_tokens=1)
     sched.add_request(warm)
     _drain(sched)
@@ -161,8 +154,8 @@ def test_two_schedules_in_flight_under_eviction_pressure():
     _whole_pool(sched)
 
 
-def test_retraction_frees_only_what_it_owns_and_unlocks_after_the_batch_in_flight():
-    sched = _scheduler(num_tokens=48)
+def test_retraction_frees_only_what_it_owns_and_unlocks_after_the_batch_in_flight(make_scheduler):
+    sched = _scheduler(make_scheduler, num_tokens=48)
     warm = _req("warm", P[:21], max_new_tokens=1)
     sched.add_request(warm)
     _drain(sched)
@@ -201,8 +194,8 @@ def test_retraction_frees_only_what_it_owns_and_unlocks_after_the_batch_in_fligh
     _whole_pool(sched)
 
 
-def test_a_failed_step_caches_nothing():
-    sched = _scheduler()
+def test_a_failed_step_caches_nothing(make_scheduler):
+    sched = _scheduler(make_scheduler)
     r = _req("r", P, max_new_tokens=4)
     sched.add_request(r)
     launched = _launch(sched)
@@ -214,8 +207,8 @@ def test_a_failed_step_caches_nothing():
     _whole_pool(sched)
 
 
-def test_an_aborted_request_keeps_only_what_was_processed():
-    sched = _scheduler()
+def test_an_aborted_request_keeps_only_what_was_processed(make_scheduler):
+    sched = _scheduler(make_scheduler)
     r = _req("r", P, max_new_tokens=4)
     sched.add_request(r)
     first = _launch(sched)
@@ -231,8 +224,8 @@ def test_an_aborted_request_keeps_only_what_was_processed():
     _whole_pool(sched)
 
 
-def test_each_processed_chunk_is_cached_and_reused():
-    sched = _scheduler(chunked_prefill_size=8, max_prefill_tokens=8)
+def test_each_processed_chunk_is_cached_and_reused(make_scheduler):
+    sched = _scheduler(make_scheduler, chunked_prefill_size=8, max_prefill_tokens=8)
     long = _req("long", list(range(60, 90)), max_new_tokens=2)  # 30 tokens: 4 chunks
     sched.add_request(long)
     first = _launch(sched)
@@ -252,8 +245,8 @@ def test_each_processed_chunk_is_cached_and_reused():
     _whole_pool(sched)
 
 
-def test_a_request_waits_for_a_shared_prefill_in_flight():
-    sched = _scheduler()
+def test_a_request_waits_for_a_shared_prefill_in_flight(make_scheduler):
+    sched = _scheduler(make_scheduler)
     reqs = [_req(f"r{i}", [*P, i, i + 1]) for i in range(3)]
     for r in reqs:
         sched.add_request(r)
@@ -270,9 +263,9 @@ def test_a_request_waits_for_a_shared_prefill_in_flight():
     _whole_pool(sched)
 
 
-def test_lpm_admits_the_longest_cached_prefix_first_unless_one_starves():
+def test_lpm_admits_the_longest_cached_prefix_first_unless_one_starves(make_scheduler):
     for starving in (False, True):
-        sched = _scheduler(num_reqs=1, policy="lpm", lpm_max_wait_s=5.0)
+        sched = _scheduler(make_scheduler, num_reqs=1, policy="lpm", lpm_max_wait_s=5.0)
         sched.add_request(_req("warm", P, max_new_tokens=1))
         _drain(sched)
         cold = _req("cold", list(range(100, 140)), max_new_tokens=1)
@@ -288,8 +281,8 @@ def test_lpm_admits_the_longest_cached_prefix_first_unless_one_starves():
         _whole_pool(sched)
 
 
-def test_fcfs_keeps_arrival_order():
-    sched = _scheduler(num_reqs=1)
+def test_fcfs_keeps_arrival_order(make_scheduler):
+    sched = _scheduler(make_scheduler, num_reqs=1)
     sched.add_request(_req("warm", P, max_new_tokens=1))
     _drain(sched)
     cold = _req("cold", list(range(100, 140)), max_new_tokens=1)
@@ -302,8 +295,8 @@ def test_fcfs_keeps_arrival_order():
     _whole_pool(sched)
 
 
-def test_flush_is_refused_while_anything_runs():
-    sched = _scheduler()
+def test_flush_is_refused_while_anything_runs(make_scheduler):
+    sched = _scheduler(make_scheduler)
     sched.add_request(_req("a", P, max_new_tokens=3))
     launched = _launch(sched)
     assert not sched.flush_cache()
@@ -312,8 +305,8 @@ def test_flush_is_refused_while_anything_runs():
     _whole_pool(sched)  # flushes
 
 
-def test_identical_prompts_share_all_but_the_last_token():
-    sched = _scheduler(page_size=4)
+def test_identical_prompts_share_all_but_the_last_token(make_scheduler):
+    sched = _scheduler(make_scheduler, page_size=4)
     a = _req("a", P, max_new_tokens=2)
     sched.add_request(a)
     _drain(sched)
@@ -328,9 +321,9 @@ def test_identical_prompts_share_all_but_the_last_token():
     _whole_pool(sched)
 
 
-def test_table_row_of_a_cached_request_is_uploaded_not_read():
+def test_table_row_of_a_cached_request_is_uploaded_not_read(make_scheduler):
     """Nothing on the schedule path reads the device: the cached slots come from host pages."""
-    sched = _scheduler()
+    sched = _scheduler(make_scheduler)
     sched.add_request(_req("warm", P, max_new_tokens=1))
     _drain(sched)
     r = _req("r", [*P, 1])

@@ -9,11 +9,11 @@ import torch
 
 from stallfree.overlap.future_map import FutureMap
 from stallfree.overlap.host_read import ScheduleSyncError, SyncMonitor
-from stallfree.overlap.stream import CpuStream, StreamError
+from stallfree.overlap.stream import StreamError
 
 
-def test_cpu_stream_runs_fifo_and_compute_matches_sync():
-    stream = CpuStream()
+def test_cpu_stream_runs_fifo_and_compute_matches_sync(cpu_stream):
+    stream = cpu_stream
     order: list[int] = []
     gate = threading.Event()
     stream.submit(gate.wait)
@@ -26,11 +26,10 @@ def test_cpu_stream_runs_fifo_and_compute_matches_sync():
     stream.synchronize()
     assert order == [0, 1, 2, 3, 4]
     assert out.equal(a * 3)
-    stream.close()
 
 
-async def test_event_wait_does_not_block_the_event_loop():
-    stream = CpuStream()
+async def test_event_wait_does_not_block_the_event_loop(cpu_stream):
+    stream = cpu_stream
     stream.submit(time.sleep, 0.2)
     event = stream.record_event()
     ticks = 0
@@ -46,11 +45,10 @@ async def test_event_wait_does_not_block_the_event_loop():
     await task
     assert event.query()
     assert ticks >= 5  # the loop kept running while the stream worked
-    stream.close()
 
 
-async def test_error_in_enqueued_work_reaches_the_next_event_only():
-    stream = CpuStream()
+async def test_error_in_enqueued_work_reaches_the_next_event_only(cpu_stream):
+    stream = cpu_stream
 
     def boom() -> None:
         raise ValueError("injected")
@@ -61,11 +59,10 @@ async def test_error_in_enqueued_work_reaches_the_next_event_only():
         await failed.wait()
     ok = stream.record_event()
     await ok.wait()  # the stream keeps serving after a failed step
-    stream.close()
 
 
-def test_host_read_counts_stalls_and_strict_mode_raises_on_schedule_path():
-    stream = CpuStream()
+def test_host_read_counts_stalls_and_strict_mode_raises_on_schedule_path(cpu_stream):
+    stream = cpu_stream
     monitor = SyncMonitor(stream, strict=True)
     t = stream.compute(
         torch.add, torch.ones(3, dtype=torch.int64), 1, shape=(3,), dtype=torch.int64
@@ -79,11 +76,10 @@ def test_host_read_counts_stalls_and_strict_mode_raises_on_schedule_path():
         lax.host_read(t, "schedule.page_count")
     assert lax.stall_counts["schedule.page_count"] == 1
     assert lax.schedule_path_reads == 1
-    stream.close()
 
 
-def test_cpu_stream_overlaps_wall_clock_with_host_work():
-    stream = CpuStream()
+def test_cpu_stream_overlaps_wall_clock_with_host_work(cpu_stream):
+    stream = cpu_stream
     a = torch.randn(512, 512)
 
     def device_work() -> None:
@@ -101,11 +97,10 @@ def test_cpu_stream_overlaps_wall_clock_with_host_work():
     both = time.perf_counter() - start
     # serial execution would take ~2x; the margin keeps this robust on a noisy machine
     assert both < 1.8 * device_alone
-    stream.close()
 
 
-def test_future_map_chunked_prefill_does_not_overwrite_pending_token():
-    stream = CpuStream()
+def test_future_map_chunked_prefill_does_not_overwrite_pending_token(cpu_stream):
+    stream = cpu_stream
     fmap = FutureMap(8, torch.device("cpu"))
     up = stream.upload
     # batch N: request in slot 2 finishes prefill (real row 0); slot 5 is an intermediate chunk
@@ -118,8 +113,8 @@ def test_future_map_chunked_prefill_does_not_overwrite_pending_token():
     assert fmap.tokens[5].item() == 0
 
 
-def test_future_map_slot_reused_while_in_flight_gets_its_own_token():
-    stream = CpuStream()
+def test_future_map_slot_reused_while_in_flight_gets_its_own_token(cpu_stream):
+    stream = cpu_stream
     fmap = FutureMap(8, torch.device("cpu"))
     up = stream.upload
     gate = threading.Event()

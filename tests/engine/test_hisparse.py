@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pydantic
@@ -20,16 +21,8 @@ from stallfree.hisparse import (
     TopkOracleAttention,
     topk_reference_row,
 )
-from stallfree.overlap.future_map import FutureMap
-from stallfree.overlap.host_read import SyncMonitor
-from stallfree.overlap.stream import CpuStream
 from stallfree.runtime.execution.context import BatchContext
-from stallfree.runtime.memory.pool import (
-    KVCache,
-    KVCacheShape,
-    ReqToTokenPool,
-    TokenToKVPoolAllocator,
-)
+from stallfree.runtime.memory.pool import KVCacheShape
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.request.req import Req
 from tests.engine_util import engine_config, guarded, random_prompts, run_greedy
@@ -252,19 +245,24 @@ class Harness:
             self.co.write_decode(li, plan, locs, kv, -kv)
 
 
-def _harness(top_k: int, buffer: int, layers: int = 1) -> Harness:
-    stream = CpuStream()
-    device = torch.device("cpu")
-    ctx = BatchContext(
-        req_to_token_pool=ReqToTokenPool(4, 64, device),
-        allocator=TokenToKVPoolAllocator(255, 1),
-        kv_cache=KVCache(KVCacheShape(layers, 1, 2), 256, torch.float32, device),
-        stream=stream,
-        monitor=SyncMonitor(stream, strict=True),
-        future_map=FutureMap(4, device),
-    )
-    cfg = HisparseConfig(enabled=True, top_k=top_k, device_buffer_size=buffer)
-    return Harness(HisparseCoordinator(cfg, list(range(layers)), ctx), ctx)
+@pytest.fixture
+def harness(batch_ctx) -> Callable[..., Harness]:
+    """A coordinator on a model-free context: 4 request rows of 64 tokens, 256 KV slots, KV
+    [layers, 1 head, dim 2], strict; its stream is closed after the test."""
+
+    def build(top_k: int, buffer: int, layers: int = 1) -> Harness:
+        ctx = batch_ctx(
+            num_tokens=255,
+            num_reqs=4,
+            max_context=64,
+            strict=True,
+            check_mirrors=False,
+            kv_shape=KVCacheShape(layers, 1, 2),
+        )
+        cfg = HisparseConfig(enabled=True, top_k=top_k, device_buffer_size=buffer)
+        return Harness(HisparseCoordinator(cfg, list(range(layers)), ctx), ctx)
+
+    return build
 
 
 def _resident(h: Harness, li: int, row: int, pos: int) -> float | None:
@@ -274,8 +272,8 @@ def _resident(h: Harness, li: int, row: int, pos: int) -> float | None:
     return float(h.co.buffers.k[li][row * h.co.buffers.stride + slot, 0, 0])
 
 
-def test_lru_second_step_moves_exactly_the_misses():
-    h = _harness(top_k=2, buffer=4)
+def test_lru_second_step_moves_exactly_the_misses(harness):
+    h = harness(top_k=2, buffer=4)
     h.prefill(0, 10)  # buffer holds positions 6..9 in slots 0..3
     assert [_resident(h, 0, 0, p) for p in (6, 9)] == [7.0, 10.0]
     token = h.co.token_bytes
@@ -298,8 +296,8 @@ def test_lru_second_step_moves_exactly_the_misses():
     assert slots.tolist() == [[3, 0]]
 
 
-def test_lru_order_is_per_layer():
-    h = _harness(top_k=1, buffer=2, layers=2)
+def test_lru_order_is_per_layer(harness):
+    h = harness(top_k=1, buffer=2, layers=2)
     h.prefill(0, 6)  # both layers: positions 4, 5 in slots 0, 1
     h.co.swap_in_selected(torch.tensor([0]), [6], torch.tensor([[4]]), 0, 1)  # layer 0 uses slot 0
     h.co.swap_in_selected(torch.tensor([0]), [6], torch.tensor([[5]]), 1, 1)  # layer 1 uses slot 1
@@ -310,8 +308,8 @@ def test_lru_order_is_per_layer():
     assert _resident(h, 0, 0, 0) == 1.0 and _resident(h, 1, 0, 0) == 101.0
 
 
-def test_fast_path_counts_hits_and_moves_nothing():
-    h = _harness(top_k=2, buffer=8)
+def test_fast_path_counts_hits_and_moves_nothing(harness):
+    h = harness(top_k=2, buffer=8)
     h.prefill(0, 6)
     before = h.co.stats(sync=True)
     slots = h.co.swap_in_selected(torch.tensor([0]), [6], torch.tensor([[0, 5]]), 0, 1)
@@ -320,8 +318,8 @@ def test_fast_path_counts_hits_and_moves_nothing():
     assert (after.hits - before.hits, after.misses, after.bytes_h2d) == (2, 0, before.bytes_h2d)
 
 
-def test_buffer_grows_and_backup_lands_in_host_slot():
-    h = _harness(top_k=2, buffer=4, layers=2)
+def test_buffer_grows_and_backup_lands_in_host_slot(harness):
+    h = harness(top_k=2, buffer=4, layers=2)
     h.prefill(1, 2)
     assert h.co.usage().buffer_slots_used == 2 and h.co.usage().host_slots_used == 2
     for step, length in enumerate(range(3, 9)):
@@ -346,8 +344,8 @@ def test_buffer_grows_and_backup_lands_in_host_slot():
     assert h.co.usage().all_free
 
 
-def test_map_last_loc_reads_no_device_tensor_with_mirrors():
-    h = _harness(top_k=2, buffer=4)
+def test_map_last_loc_reads_no_device_tensor_with_mirrors(harness):
+    h = harness(top_k=2, buffer=4)
     h.prefill(0, 3)
     h.decode([0], [4], 1.0, schedule_path=True)  # strict: any device read there raises
     h.decode([0], [5], 2.0, schedule_path=True)

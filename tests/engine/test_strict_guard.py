@@ -10,15 +10,14 @@ import torch
 
 from stallfree import Engine
 from stallfree.overlap.host_read import ScheduleSyncError, SyncMonitor
-from stallfree.overlap.stream import CpuStream
 from stallfree.overlap.strict import StrictGuard, StrictReadError
 from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
-from tests.batch_harness import make_ctx, make_req
+from tests.batch_harness import make_req
 from tests.engine_util import engine_config, guarded, random_prompts, run_greedy
 
 
-def _decode_batch(strict: bool = True, cpu_mirrors: bool = True):
-    ctx = make_ctx(strict=strict, cpu_mirrors=cpu_mirrors)
+def _decode_batch(batch_ctx, strict: bool = True, cpu_mirrors: bool = True):
+    ctx = batch_ctx(strict=strict, cpu_mirrors=cpu_mirrors)
     assert ctx.monitor.enable_read_guard() is not None  # strict has it; legacy asks for it
     batch = ScheduleBatch.init_new([make_req("a", 3), make_req("b", 4)], ctx)
     with ctx.monitor.schedule_path():
@@ -54,8 +53,8 @@ SPELLED = {
 
 
 @pytest.mark.parametrize("how", list(READS))
-def test_every_read_of_a_stream_tensor_on_the_schedule_path_raises_naming_the_site(how):
-    ctx, batch = _decode_batch()
+def test_every_read_of_a_stream_tensor_on_the_schedule_path_raises_naming_the_site(how, batch_ctx):
+    ctx, batch = _decode_batch(batch_ctx)
     if how == "req_to_token":
         ctx.stream.adopt(ctx.req_to_token_pool.req_to_token)  # the runner adopts pool state
     read = READS[how]
@@ -64,21 +63,19 @@ def test_every_read_of_a_stream_tensor_on_the_schedule_path_raises_naming_the_si
     message = str(err.value)
     assert SPELLED.get(how, how) in message
     assert "test_strict_guard.py:" in message  # the call site, not torch or the guard
-    ctx.stream.close()
 
 
 @pytest.mark.parametrize("how", ["bool()", "int()", ".item()"])
-def test_scalar_reads_of_a_zero_dim_stream_tensor_are_named(how):
-    ctx = make_ctx(strict=True)
+def test_scalar_reads_of_a_zero_dim_stream_tensor_are_named(how, batch_ctx):
+    ctx = batch_ctx(strict=True)
     t = ctx.stream.compute(torch.add, torch.tensor(1), 1, shape=(), dtype=torch.int64)
     read = {"bool()": bool, "int()": int, ".item()": lambda x: x.item()}[how]
     with ctx.monitor.schedule_path(), pytest.raises(StrictReadError, match=rf"{how[:-2]}"):
         read(t)
-    ctx.stream.close()
 
 
-def test_metadata_mirrors_and_host_state_stay_readable():
-    ctx, batch = _decode_batch()
+def test_metadata_mirrors_and_host_state_stay_readable(batch_ctx):
+    ctx, batch = _decode_batch(batch_ctx)
     with ctx.monitor.schedule_path():
         assert tuple(batch.seq_lens.shape) == (2,) and len(batch.seq_lens) == 2
         assert batch.seq_lens.dtype == torch.int64 and batch.seq_lens.device.type == "cpu"
@@ -86,11 +83,10 @@ def test_metadata_mirrors_and_host_state_stay_readable():
         assert batch.seq_lens_cpu.tolist() == [4, 5]  # the mirror is the host's
         assert int(batch.req_pool_indices_cpu[0]) >= 0
         batch.to_forward_batch()  # building the launch reads mirrors only
-    ctx.stream.close()
 
 
-def test_the_guard_is_off_the_schedule_path_and_on_other_threads():
-    ctx, batch = _decode_batch()
+def test_the_guard_is_off_the_schedule_path_and_on_other_threads(batch_ctx):
+    ctx, batch = _decode_batch(batch_ctx)
     assert batch.seq_lens.tolist() == [4, 5]  # outside the schedule path: a plain read
     seen: list[list[int]] = []
     with ctx.monitor.schedule_path():
@@ -101,37 +97,32 @@ def test_the_guard_is_off_the_schedule_path_and_on_other_threads():
         other.join()
     ctx.stream.synchronize()
     assert seen == [[4, 5], [4, 5]]
-    ctx.stream.close()
 
 
-def test_host_read_is_the_sanctioned_read_outside_strict_mode():
-    ctx, batch = _decode_batch(strict=False, cpu_mirrors=False)
+def test_host_read_is_the_sanctioned_read_outside_strict_mode(batch_ctx):
+    ctx, batch = _decode_batch(batch_ctx, strict=False, cpu_mirrors=False)
     with ctx.monitor.schedule_path():
         assert ctx.monitor.host_read(batch.seq_lens, "schedule.page_count").tolist() == [4, 5]
         with pytest.raises(StrictReadError):
             batch.seq_lens.tolist()  # but not around it
-    ctx.stream.close()
-    strict_ctx, strict_batch = _decode_batch(strict=True)
+    strict_ctx, strict_batch = _decode_batch(batch_ctx, strict=True)
     with strict_ctx.monitor.schedule_path(), pytest.raises(ScheduleSyncError, match="host_read"):
         strict_ctx.monitor.host_read(strict_batch.seq_lens, "schedule.page_count")
-    strict_ctx.stream.close()
 
 
-def test_the_parity_checker_is_a_sanctioned_debug_read():
-    ctx, batch = _decode_batch()
+def test_the_parity_checker_is_a_sanctioned_debug_read(batch_ctx):
+    ctx, batch = _decode_batch(batch_ctx)
     with ctx.monitor.schedule_path():
         batch.check_mirror_parity()
-    ctx.stream.close()
 
 
-def test_production_path_has_no_guard():
-    stream = CpuStream()
+def test_production_path_has_no_guard(cpu_stream):
+    stream = cpu_stream
     monitor = SyncMonitor(stream, strict=False)
     t = stream.upload(torch.arange(3))
     assert monitor.guard is None and stream.guard is None
     with monitor.schedule_path():
         assert t.tolist() == [0, 1, 2]
-    stream.close()
 
 
 def test_the_registry_is_weak_and_survives_id_reuse():
@@ -145,14 +136,13 @@ def test_the_registry_is_weak_and_survives_id_reuse():
     assert all(guard.owns(k) for k in kept) and not any(guard.owns(f) for f in fresh)
 
 
-def test_alloc_for_extend_results_the_guard_knows():
+def test_alloc_for_extend_results_the_guard_knows(batch_ctx):
     """The device/mirror identity contract, as the guard sees it (see test_mirror_parity)."""
-    ctx, batch = _decode_batch()
+    ctx, batch = _decode_batch(batch_ctx)
     guard = ctx.monitor.guard
     assert guard is not None
     assert guard.owns(batch.req_pool_indices) and guard.owns(batch.seq_lens)
     assert not guard.owns(batch.req_pool_indices_cpu) and not guard.owns(batch.seq_lens_cpu)
-    ctx.stream.close()
 
 
 # ---------------------------------------------------------------------------- in the engine
