@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 from collections.abc import AsyncIterator
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -23,7 +22,7 @@ from stallfree.entrypoints.server.errors import (
 from stallfree.entrypoints.server.guard import Guard
 from stallfree.entrypoints.server.protocol import ErrorInfo
 from stallfree.entrypoints.server.routes import api_routes, open_routes
-from stallfree.entrypoints.server.state import Lifecycle, ServerState, server_state
+from stallfree.entrypoints.server.state import Lifecycle, ServerState
 from stallfree.runtime.engine import Engine
 from stallfree.runtime.request.errors import InvalidRequestError
 
@@ -59,7 +58,8 @@ def create_app(engine_or_config: Engine | StallfreeConfig) -> FastAPI:
     )
     _install_error_handlers(app)
     app.include_router(open_routes())
-    app.include_router(api_routes(), dependencies=[Depends(_check_api_key)])
+    # the API key is checked by the Guard on the request head, before any body is read
+    app.include_router(api_routes())
     app.add_middleware(Guard, limits=cfg.server, lifecycle=lifecycle)
     return app
 
@@ -90,17 +90,3 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(InvalidRequestError, invalid_request)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
-
-
-async def _check_api_key(request: Request) -> None:
-    expected = server_state(request).api_key
-    if not expected:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        raise ApiError(
-            401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
-        )
-    if not hmac.compare_digest(token.strip().encode(), expected.encode()):
-        raise ApiError(401, "invalid API key", code="invalid_api_key")

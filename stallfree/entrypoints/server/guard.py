@@ -5,9 +5,10 @@ In order, for each request it:
 1. gives the request an id (`x-request-id` on the answer, and in every log line about it);
 2. refuses a request that carries both `Content-Length` and `Transfer-Encoding` (400), and a
    `Host` outside `server.allowed_hosts` when that is set (400);
-3. for API routes (everything but `/health` and `/metrics`): refuses new requests while the
-   server drains (503) and past `server.max_concurrent_requests` in progress (503 with
-   `Retry-After`);
+3. for API routes (everything but `/health` and `/metrics`): with `server.api_key` set, refuses
+   a request without the key (401, `Connection: close`) on its head alone, before it is counted
+   or a byte of its body is read; refuses new requests while the server drains (503) and past
+   `server.max_concurrent_requests` in progress (503 with `Retry-After`);
 4. refuses a body over `server.max_body_bytes` (413): at once from `Content-Length`, or while
    counting a chunked body; and a body that does not arrive within `server.body_timeout_s`
    (408). The body is read here and handed on whole, so the app never reads an unbounded one;
@@ -20,6 +21,7 @@ connection (or come while draining) also close it.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import uuid
 from typing import Any
@@ -49,9 +51,12 @@ class Guard:
         self.app = app
         self.limits = limits
         self.lifecycle = lifecycle
+        self.api_key = limits.api_key.encode() if limits.api_key else None
         hosts = limits.allowed_hosts
         self.allowed_hosts = (
-            None if hosts is None or "*" in hosts else frozenset(h.lower() for h in hosts)
+            None
+            if hosts is None or "*" in hosts
+            else frozenset(h.lower().removesuffix(".") for h in hosts)
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -108,6 +113,7 @@ class Guard:
         length: int | None = 0
         chunked = False
         host = b""
+        authorization = b""
         has_length = False
         for name, value in scope["headers"]:
             if name == b"content-length":
@@ -118,6 +124,8 @@ class Guard:
                 chunked = True
             elif name == b"host":
                 host = value
+            elif name == b"authorization":
+                authorization = value
         if has_length and chunked:
             raise _Refused(
                 400,
@@ -125,6 +133,8 @@ class Guard:
             )
         if self.allowed_hosts is not None and _hostname(host) not in self.allowed_hosts:
             raise _Refused(400, _info("unknown Host header", param="host", code="invalid_host"))
+        if not probe and self.api_key is not None:
+            self._check_key(authorization)
         if not probe:
             lifecycle = self.lifecycle
             if lifecycle.draining:
@@ -147,6 +157,21 @@ class Guard:
         if length is not None and length > self.limits.max_body_bytes:
             raise self._too_large()
         return length
+
+    def _check_key(self, authorization: bytes) -> None:
+        """The API key, from the request head: nothing of a keyless request is counted or read."""
+        assert self.api_key is not None
+        scheme, _, token = authorization.strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not token.strip():
+            raise _Refused(
+                401,
+                _info(
+                    "missing API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                ),
+            )
+        if not hmac.compare_digest(token.strip(), self.api_key):
+            raise _Refused(401, _info("invalid API key", code="invalid_api_key"))
 
     def _too_large(self) -> _Refused:
         limit = self.limits.max_body_bytes
@@ -198,12 +223,25 @@ def _info(
     return ErrorInfo(message=message, type=type, param=param, code=code)
 
 
-def _hostname(host: bytes) -> str:
-    """The host part of a Host header: `[::1]:8000` -> `::1`, `Example.org:80` -> `example.org`."""
+def _hostname(host: bytes) -> str | None:
+    """The host part of a Host header: `[::1]:8000` -> `::1`, `Example.org.:80` ->
+    `example.org` (one trailing dot is the same name, fully qualified); None when malformed:
+    a port that is not digits, brackets around anything but an IPv6 address, bytes after
+    `]` other than a port."""
     text = host.decode("latin-1").strip().lower()
     if text.startswith("["):
-        return text[1:].partition("]")[0]
-    return text.partition(":")[0]
+        inside, bracket, rest = text[1:].partition("]")
+        if not bracket or ":" not in inside or (rest and not _is_port(rest)):
+            return None
+        return inside
+    name, colon, port = text.partition(":")
+    if colon and not port.isdigit():
+        return None
+    return name[:-1] if name.endswith(".") and not name.endswith("..") else name
+
+
+def _is_port(rest: str) -> bool:
+    return rest.startswith(":") and rest[1:].isdigit()
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

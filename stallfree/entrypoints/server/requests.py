@@ -43,9 +43,13 @@ def converting(param: str | None = None) -> Iterator[None]:
 def check_model(state: ServerState, name: str) -> None:
     # only the served name: with --served-model-name set, the model's path stays private
     if name != state.model_name:
+        # a client's id is echoed at most this long, so the answer cannot be made to grow
+        shown = repr(name[:64]) + (
+            f" (and {len(name) - 64} more characters)" if len(name) > 64 else ""
+        )
         raise ApiError(
             404,
-            f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+            f"the model {shown} does not exist; this server serves {state.model_name!r}",
             param="model",
             code="model_not_found",
         )
