@@ -137,6 +137,19 @@ def _add_worker_flags(g: argparse._ArgumentGroup) -> None:
             "worker",
         ),
     )
+    g.add_argument(
+        "--step-timeout",
+        dest="step_timeout_s",
+        type=_positive_seconds,
+        metavar="SECONDS",
+        help=_help(
+            "worker processes: steps pending and none answered for this long means a hung "
+            "worker; the engine fails closed",
+            "runtime",
+            "step_timeout_s",
+            "--dist-timeout",
+        ),
+    )
 
 
 def _add_multinode_flags(g: argparse._ArgumentGroup) -> None:
@@ -304,6 +317,17 @@ def _add_prefill_flags(g: argparse._ArgumentGroup) -> None:
             "longest prompt chunk one request prefills in a step",
             "scheduler",
             "chunked_prefill_size",
+        ),
+    )
+    g.add_argument(
+        "--max-unread-tokens",
+        type=int,
+        metavar="TOKENS",
+        help=_help(
+            "a streaming request whose reader is this far behind stops being decoded (it keeps "
+            "its KV) until the reader catches up to half of it",
+            "scheduler",
+            "max_unread_tokens",
         ),
     )
 
