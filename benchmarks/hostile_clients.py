@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -149,10 +150,8 @@ async def hung_worker(give_up: float, step_timeout: float) -> None:
         print(f"  worker processes left after exit: {len(alive)}")
     finally:
         for pid in stopped:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
         server.stop()
 
 
