@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 import grimp
 import pytest
 from importlinter.cli import lint_imports
@@ -117,3 +122,127 @@ def test_python_dash_m_and_version():
         [sys.executable, "-m", "stallfree", "--version"], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == f"stallfree {__version__}"
+
+
+def _runtime_rooms() -> list[str]:
+    """The rooms of `stallfree.runtime`, top to bottom, as pyproject.toml's contract lists them."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    contracts = config["tool"]["importlinter"]["contracts"]
+    (rooms,) = [c["layers"] for c in contracts if c.get("containers") == ["stallfree.runtime"]]
+    return rooms
+
+
+def _lint_probe(tmp_path: Path, monkeypatch, upward: bool) -> int:
+    """Run import-linter with the rooms contract over a probe package laid out as the runtime,
+    whose memory room imports the scheduling room when `upward`."""
+    rooms = _runtime_rooms()
+    name = f"rooms_probe_{'up' if upward else 'down'}"
+    runtime = tmp_path / name / "runtime"
+    runtime.mkdir(parents=True)
+    (tmp_path / name / "__init__.py").write_text("")
+    (runtime / "__init__.py").write_text("")
+    for room in rooms:
+        (runtime / room).mkdir()
+        (runtime / room / "__init__.py").write_text("")
+    (runtime / "scheduling" / "scheduler.py").write_text(
+        f"from {name}.runtime.memory import pool\n"
+    )
+    pool = "from typing import TYPE_CHECKING\n"
+    if upward:
+        pool += f"if TYPE_CHECKING:\n    from {name}.runtime.scheduling import scheduler\n"
+    (runtime / "memory" / "pool.py").write_text(pool)
+    layers = "".join(f'    "{room}",\n' for room in rooms)
+    (tmp_path / "pyproject.toml").write_text(
+        f'[tool.importlinter]\nroot_package = "{name}"\n\n'
+        "[[tool.importlinter.contracts]]\n"
+        'name = "runtime rooms"\ntype = "layers"\n'
+        f'containers = ["{name}.runtime"]\nlayers = [\n{layers}]\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    manager = logging.Logger.manager
+    before = {
+        n: lg.disabled for n, lg in manager.loggerDict.items() if isinstance(lg, logging.Logger)
+    }
+    try:
+        return lint_imports(config_filename="pyproject.toml", no_cache=True, no_logo=True)
+    finally:
+        for logger_name, disabled in before.items():
+            logging.getLogger(logger_name).disabled = disabled
+        sys.modules.pop(name, None)
+
+
+def test_the_rooms_contract_fails_on_an_upward_import_between_rooms(tmp_path, monkeypatch):
+    assert _lint_probe(tmp_path / "down", monkeypatch, upward=False) == 0
+    assert _lint_probe(tmp_path / "up", monkeypatch, upward=True) == 1
+
+
+def test_the_rooms_contract_covers_every_room():
+    rooms = _runtime_rooms()
+    here = ROOT / "stallfree" / "runtime"
+    present = {p.name for p in here.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    present |= {p.stem for p in here.glob("*.py") if p.stem != "__init__"}
+    assert set(rooms) == present
+
+
+def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iteratively)."""
+    edges = {m: sorted(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(edges[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(edges[child])))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_module_imports_a_module_that_imports_it_back():
+    """Over the whole package, TYPE_CHECKING imports included (grimp reads them)."""
+    assert _cycles(grimp.build_graph("stallfree")) == []
+
+
+def test_the_cycle_check_finds_a_type_checking_cycle(tmp_path, monkeypatch):
+    pkg = tmp_path / "cycle_probe"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from cycle_probe import b\n")
+    (pkg / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cycle_probe import a\n"
+    )
+    (pkg / "c.py").write_text("from cycle_probe import a\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    graph = grimp.build_graph("cycle_probe", cache_dir=None)
+    assert _cycles(graph) == [["cycle_probe.a", "cycle_probe.b"]]
+    sys.modules.pop("cycle_probe", None)
