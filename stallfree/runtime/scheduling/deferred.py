@@ -33,8 +33,13 @@ class DeferredFrees:
     def free_after(self, seq: int, req: Req) -> None:
         self.frees.append((seq, req))
 
-    def unlock_after(self, seq: int, node: TreeNode) -> None:
-        self.unlocks.append((seq, node))
+    def unlock_after(self, seq: int, node: TreeNode, processed_seq: int) -> None:
+        """Unlock `node` once batch `seq` is processed: now, if it is already."""
+        assert self.cache is not None
+        if processed_seq >= seq:
+            self.cache.unlock(node)
+        else:
+            self.unlocks.append((seq, node))
 
     def release_now(self, req: Req, cache_tokens: int) -> TreeNode | None:
         """Return `req`'s slot and pages (the cache may keep `cache_tokens` of them); returns

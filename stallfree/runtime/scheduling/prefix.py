@@ -33,6 +33,15 @@ class PrefixMatch:
     tokens: int = 0
     locked: int = 0
 
+    def start(self, req: Req) -> None:
+        """Admitted: `req` starts after its cached prefix, holding those pages."""
+        req.cached_tokens = self.tokens
+        if self.pages:
+            req.kv_pages = self.pages
+            req.cache_node = self.node
+            req.cached_pages = len(self.pages)
+            req.num_computed_tokens = self.tokens
+
 
 def _tokens(req: Req, n: int) -> list[int]:
     """A list whose first `n` tokens are `req`'s prompt and outputs (no copy when it can)."""

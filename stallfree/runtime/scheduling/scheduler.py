@@ -22,7 +22,7 @@ import torch
 from stallfree.config import SchedulerConfig
 from stallfree.runtime.execution.context import BatchContext
 from stallfree.runtime.execution.model_runner import StepOutput
-from stallfree.runtime.memory.radix_cache import RadixCache, TreeNode
+from stallfree.runtime.memory.radix_cache import RadixCache
 from stallfree.runtime.request.outputs import TokenLogprobs
 from stallfree.runtime.request.req import FinishReason, Req, ReqStatus
 from stallfree.runtime.scheduling.admission import Admit, PrefillAdder, reserved_tokens
@@ -31,6 +31,7 @@ from stallfree.runtime.scheduling.alloc import (
     free_req_memory,
     import_prebuilt_kv,
 )
+from stallfree.runtime.scheduling.backpressure import PausedRequests
 from stallfree.runtime.scheduling.deferred import DeferredFrees
 from stallfree.runtime.scheduling.prefix import (
     CacheRecord,
@@ -69,18 +70,18 @@ class Scheduler:
     # launching raises, these are the requests that fail (`fail_unlaunched`)
     building: list[Req] | None = None
     # streaming requests out of the decode batch until their readers catch up (backpressure)
-    paused: list[Req] = field(default_factory=list)
+    paused: PausedRequests = field(init=False)
     cache: RadixCache | None = None
     # per launched extend batch: (request, its length after the batch, its retraction count);
     # the cache takes those pages once the batch is processed without failing
     cache_records: dict[int, list[CacheRecord]] = field(default_factory=dict)
     _building_records: list[CacheRecord] | None = None
-
     # what finished or retracted requests hold until the batches that may read it are processed
     deferred: DeferredFrees = field(init=False)
 
     def __post_init__(self) -> None:
         self.deferred = DeferredFrees(self.ctx, self.cache)
+        self.paused = PausedRequests(self.config.max_unread_tokens, self.output.unread)
         self.running_batch = ScheduleBatch.init_new([], self.ctx)
         self.running_batch.prepare_for_idle()
 
@@ -122,7 +123,7 @@ class Scheduler:
     def has_schedulable_work(self) -> bool:
         """Work a step could be built for now: not only requests paused for their readers."""
         return self.has_work() and (
-            self.num_waiting > 0 or self.num_running > len(self.paused) or self._resumable()
+            self.num_waiting > 0 or self.num_running > len(self.paused) or self.paused.resumable()
         )
 
     # ------------------------------------------------------------------ schedule path
@@ -181,11 +182,8 @@ class Scheduler:
         batch, self.last_extend = self.last_extend, None
         if batch is None:
             return
-        keep = [
-            i
-            for i, r in enumerate(batch.reqs)
-            if r is not self.chunked_req and r.wants_more_decode()
-        ]
+        chunked = self.chunked_req
+        keep = [i for i, r in enumerate(batch.reqs) if r is not chunked and r.wants_more_decode()]
         if keep:
             batch.filter_batch(keep)
             assert self.running_batch is not None
@@ -228,36 +226,14 @@ class Scheduler:
 
     def _pause_unread(self) -> None:
         """Backpressure: a streaming request whose reader is `max_unread_tokens` behind leaves
-        the decode batch (keeping its slot and KV) until the reader catches up."""
-        running = self.running_batch
-        assert running is not None
-        bound = self.config.max_unread_tokens
-        unread = self.output.unread
-        behind = [i for i, r in enumerate(running.reqs) if unread(r) >= bound]
-        if not behind:
-            return
-        for i in behind:
-            running.reqs[i].paused = True
-            self.paused.append(running.reqs[i])
-        gone = set(behind)
-        running.filter_batch([i for i in range(len(running.reqs)) if i not in gone])
-        self.stats.backpressure_pauses += len(behind)
-
-    def _resumable(self) -> bool:
-        half = self.config.max_unread_tokens // 2
-        return any(r.finished or self.output.unread(r) <= half for r in self.paused)
+        the decode batch until the reader catches up."""
+        assert self.running_batch is not None
+        self.stats.backpressure_pauses += self.paused.pause_behind(self.running_batch)
 
     def _resume_read(self) -> None:
-        """Paused requests whose readers are back to half the bound rejoin the decode batch;
-        finished ones (aborted while paused) just leave the list."""
-        if not self.paused or not self._resumable():
+        if not self.paused.resumable():
             return
-        half = self.config.max_unread_tokens // 2
-        back = [r for r in self.paused if not r.finished and self.output.unread(r) <= half]
-        self.paused = [r for r in self.paused if not r.finished and r not in back]
-        for req in back:
-            req.paused = False
-        back = [r for r in back if r.wants_more_decode()]
+        back = [r for r in self.paused.take_caught_up() if r.wants_more_decode()]
         if back:
             batch = ScheduleBatch.init_new(back, self.ctx)
             batch.prepare_for_prebuilt(imported=False)
@@ -267,7 +243,7 @@ class Scheduler:
     def _reserved_tokens(self) -> int:
         assert self.running_batch is not None
         reqs = self.running_batch.reqs + (self.last_extend.reqs if self.last_extend else [])
-        reqs = reqs + self.paused
+        reqs = reqs + self.paused.reqs
         return reserved_tokens(reqs, self.config.new_token_ratio)
 
     def _new_adder(self) -> PrefillAdder:
@@ -330,12 +306,7 @@ class Scheduler:
         if self.cache is not None:
             self.stats.prefix_cache_queries += req.fill_len
             self.stats.prefix_cache_hits += match.tokens
-            req.cached_tokens = match.tokens
-            if match.pages:
-                req.kv_pages = match.pages
-                req.cache_node = match.node
-                req.cached_pages = len(match.pages)
-                req.num_computed_tokens = match.tokens
+            match.start(req)
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -345,13 +316,6 @@ class Scheduler:
         self.waiting.clear()
         self.stale_waiting = 0
         self.waiting.extend(order_lpm(live, self.cache, self.config.lpm_max_wait_s))
-
-    def _unlock_after_in_flight(self, node: TreeNode) -> None:
-        assert self.cache is not None
-        if self.processed_seq >= self.launch_seq:
-            self.cache.unlock(node)
-        else:
-            self.deferred.unlock_after(self.launch_seq, node)
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache. Refused (False) unless the engine is idle."""
@@ -377,7 +341,7 @@ class Scheduler:
             # stream. Cached pages it shared stay locked until the batch in flight is processed.
             node = self.deferred.release_now(req, 0)
             if node is not None:
-                self._unlock_after_in_flight(node)
+                self.deferred.unlock_after(self.launch_seq, node, self.processed_seq)
             if self.ctx.sparse is not None:
                 self.ctx.sparse.request_retracted(req)
             req.reset_for_retract()
@@ -488,7 +452,7 @@ class Scheduler:
 
     def _all_reqs(self) -> list[Req]:
         assert self.running_batch is not None
-        reqs = list(self.waiting) + list(self.running_batch.reqs) + self.paused
+        reqs = list(self.waiting) + list(self.running_batch.reqs) + self.paused.reqs
         if self.last_extend is not None:
             reqs += self.last_extend.reqs
         if self.chunked_req is not None:
@@ -504,7 +468,7 @@ class Scheduler:
         self.chunked_req = None
         self.last_extend = None
         self.building = None
-        self.paused = []
+        self.paused.reqs = []
         # NOTE: a fresh batch, not a filter of the old one, whose tensors a failure may have left
         # half-updated; a launched batch keeps the old tensors alive until it is processed.
         self.running_batch = ScheduleBatch.init_new([], self.ctx)
