@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -57,3 +59,22 @@ async def settle(engine: Engine, timeout: float = 10) -> None:
     """Wait until `engine` is idle; then no request holds a slot or a KV token."""
     await asyncio.wait_for(engine.wait_idle(), timeout)
     assert engine.pool_usage().all_free
+
+
+def calls_made(fn: Callable[[], Any]) -> int:
+    """How many Python and builtin functions `fn()` calls on this thread: a cost that does not
+    depend on the machine's speed (a loop over n items costs about n calls or more)."""
+    count = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(previous)
+    return count

@@ -129,7 +129,9 @@ async def test_soak_with_chaos(llama, hisparse, num_requests):
         usage = engine.pool_usage()
         sparse_usage = engine.core.ctx.sparse.usage() if engine.core.ctx.sparse else None
         sparse_stats = engine.core.ctx.sparse.stats(sync=True) if engine.core.ctx.sparse else None
-        counters = engine.snapshot().counters
+        snapshot = engine.snapshot()
+        counters, stalls = snapshot.counters, snapshot.stalls
+        schedule_path_reads = engine.core.monitor.schedule_path_reads
         injected = dict(engine.core.runner.faults.injected)
         scrape = samples(engine.metrics.render())
     wall = time.perf_counter() - start
@@ -155,10 +157,9 @@ async def test_soak_with_chaos(llama, hisparse, num_requests):
     failures = {f.value: n for f, n in injected.items()}
     assert failures["fail_copy"] > 0
     assert counters.step_failures == failures["fail_step"] + failures["fail_copy"]
-    # no iteration of the loop blocks: the longest is within a few dozen mean iterations (about
-    # 3 ms each here; the longest was 16-30 ms), not seconds
-    mean_iteration = wall / max(counters.steps, 1)
-    assert counters.max_iteration_gap < max(0.25, 40 * mean_iteration), mean_iteration
+    # no iteration of the loop blocks on the device: it never read a device tensor, on the
+    # schedule path or off it (every wait for a step is an await); the longest gap is printed
+    assert (schedule_path_reads, stalls) == (0, {}), (schedule_path_reads, stalls)
     # the metrics agree with what the clients saw; a cancel can race a finish, so a client that
     # walked away may have been counted by the engine under the reason it finished with
     served = {
