@@ -228,6 +228,22 @@ class ServerConfig(_Section):
     max_prompts_per_request: int = Field(
         128, ge=1, description="Prompts one /v1/completions request may batch (400 beyond)"
     )
+    max_request_cost: int = Field(
+        1_000_000,
+        ge=1,
+        description="Token entries one /v1 request's answer may hold (a token with k top "
+        "logprobs is k + 1): per prompt n x max_tokens x (k + 1), plus its tokens once, or n x "
+        "(k + 1) times when echoed; 400 request_too_costly beyond, before any generation",
+    )
+    max_chat_messages: int = Field(
+        4096, ge=1, description="Messages one /v1/chat/completions request may hold (400 beyond)"
+    )
+    max_content_parts: int = Field(
+        4096,
+        ge=1,
+        description="Content parts one /v1/chat/completions request may hold, over all its "
+        "messages (400 beyond)",
+    )
     retry_after_s: int = Field(
         1, ge=0, description="Retry-After (seconds) of a 503 answered because of overload"
     )

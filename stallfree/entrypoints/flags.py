@@ -383,6 +383,7 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("server")
     _add_api_flags(g)
+    _add_limit_flags(g)
     _add_log_flags(g)
 
 
@@ -430,6 +431,50 @@ def _add_api_flags(g: argparse._ArgumentGroup) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help=_help("Prometheus metrics at /metrics", "metrics", "enabled"),
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
+    return value
+
+
+def _add_limit_flags(g: argparse._ArgumentGroup) -> None:
+    """What one request may ask of the server (the other limits are settings only)."""
+    g.add_argument(
+        "--max-request-cost",
+        type=_positive_int,
+        metavar="ENTRIES",
+        help=_help(
+            "token entries one /v1 request's answer may hold (a token with k top logprobs is "
+            "k + 1): per prompt n x max_tokens x (k + 1), plus its tokens once, or n x (k + 1) "
+            "times when echoed; more is a 400 before any generation",
+            "server",
+            "max_request_cost",
+        ),
+    )
+    g.add_argument(
+        "--max-chat-messages",
+        type=_positive_int,
+        metavar="N",
+        help=_help(
+            "messages one /v1/chat/completions request may hold", "server", "max_chat_messages"
+        ),
+    )
+    g.add_argument(
+        "--max-content-parts",
+        type=_positive_int,
+        metavar="N",
+        help=_help(
+            "content parts one /v1/chat/completions request may hold, over all its messages",
+            "server",
+            "max_content_parts",
+        ),
     )
 
 

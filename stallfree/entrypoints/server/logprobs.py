@@ -1,6 +1,7 @@
 """Log-probabilities in the OpenAI shapes: the legacy completions form (`tokens`,
 `token_logprobs`, `top_logprobs`, `text_offset`) and the chat form (`content`: one entry per
-token with its text, bytes and top alternatives).
+token with its text, bytes and top alternatives). Each comes as plain values too (`LegacyLists`,
+`chat_logprobs_dump`), what a whole body is written from without building response models.
 
 The engine gives token ids (`TokenLogprobs`); each id is shown as its own text and bytes. A token
 that holds part of a UTF-8 character (byte-level BPE splits them) has exact `bytes`; its text
@@ -11,14 +12,14 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 from stallfree.entrypoints.server.responses import (
     ChatLogprobs,
     ChatTokenLogprob,
-    CompletionLogprobs,
     TopLogprob,
 )
 from stallfree.runtime.request.outputs import TokenLogprobs
@@ -114,67 +115,106 @@ def token_pieces(tokenizer: Tokenizer) -> TokenPieces:
     return pieces
 
 
-def completion_logprobs(
+@dataclass(slots=True)
+class LegacyLists:
+    """The four lists of the legacy completions form, as plain values (what a whole body
+    writes without building models)."""
+
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+    def __add__(self, other: LegacyLists) -> LegacyLists:
+        return LegacyLists(
+            self.tokens + other.tokens,
+            self.token_logprobs + other.token_logprobs,
+            self.top_logprobs + other.top_logprobs,
+            self.text_offset + other.text_offset,
+        )
+
+    def dump(self) -> dict[str, Any]:
+        """`CompletionLogprobs.model_dump()` of these lists."""
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
+
+
+def legacy_lists(
     pieces: TokenPieces,
     entries: Sequence[TokenLogprobs | None],
     token_ids: Sequence[int],
     offset: int,
-) -> tuple[CompletionLogprobs, int]:
+) -> tuple[LegacyLists, int]:
     """The legacy form for `token_ids` (an entry of None, the first prompt token's, has no
     logprob), with text offsets from `offset`; returns it and the offset after the last token.
 
     `top_logprobs` holds the top alternatives and the chosen token, as OpenAI's does (so up to
     `logprobs + 1` entries)."""
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    tops: list[dict[str, float] | None] = []
-    offsets: list[int] = []
+    out = LegacyLists()
     for token_id, entry in zip(token_ids, entries, strict=True):
         text = pieces.text(token_id)
-        tokens.append(text)
-        offsets.append(offset)
+        out.tokens.append(text)
+        out.text_offset.append(offset)
         offset += len(text)
         if entry is None:
-            token_logprobs.append(None)
-            tops.append(None)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
             continue
-        token_logprobs.append(_finite(entry.logprob))
+        out.token_logprobs.append(_finite(entry.logprob))
         top = {pieces.text(t): _finite(lp) for t, lp in entry.top}
         top.setdefault(text, _finite(entry.logprob))
-        tops.append(top)
-    out = CompletionLogprobs(
-        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=tops, text_offset=offsets
-    )
+        out.top_logprobs.append(top)
     return out, offset
 
 
-def merge_completion_logprobs(parts: Sequence[CompletionLogprobs]) -> CompletionLogprobs:
-    merged = CompletionLogprobs()
-    for part in parts:
-        merged.tokens += part.tokens
-        merged.token_logprobs += part.token_logprobs
-        merged.top_logprobs += part.top_logprobs
-        merged.text_offset += part.text_offset
-    return merged
+def _chat_entries(
+    pieces: TokenPieces, entries: Sequence[TokenLogprobs], top_k: int
+) -> Iterator[tuple[str, float, list[int], list[tuple[str, float, list[int]]]]]:
+    """Each token's text, logprob and bytes, and its `top_k` top alternatives' the same."""
+
+    def one(token_id: int, logprob: float) -> tuple[str, float, list[int]]:
+        text, data = pieces.piece(token_id)
+        return text, _finite(logprob), list(data)
+
+    for entry in entries:
+        top = [one(tid, tlp) for tid, tlp in entry.top[:top_k]]
+        yield (*one(entry.token_id, entry.logprob), top)
 
 
 def chat_logprobs(
     pieces: TokenPieces, entries: Sequence[TokenLogprobs], top_k: int
 ) -> ChatLogprobs:
     """The chat form: each token with its exact bytes and its `top_k` top alternatives."""
-
-    def one(token_id: int, logprob: float) -> tuple[str, float, list[int]]:
-        text, data = pieces.piece(token_id)
-        return text, _finite(logprob), list(data)
-
-    content = []
-    for entry in entries:
-        text, logprob, data = one(entry.token_id, entry.logprob)
-        top = [TopLogprob(token=t, logprob=lp, bytes=b) for t, lp, b in (
-            one(tid, tlp) for tid, tlp in entry.top[:top_k]
-        )]  # fmt: skip
-        content.append(ChatTokenLogprob(token=text, logprob=logprob, bytes=data, top_logprobs=top))
+    content = [
+        ChatTokenLogprob(
+            token=text,
+            logprob=logprob,
+            bytes=data,
+            top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=b) for t, lp, b in top],
+        )
+        for text, logprob, data, top in _chat_entries(pieces, entries, top_k)
+    ]
     return ChatLogprobs(content=content)
+
+
+def chat_logprobs_dump(
+    pieces: TokenPieces, entries: Sequence[TokenLogprobs], top_k: int
+) -> dict[str, Any]:
+    """`chat_logprobs(...).model_dump()`, as plain values from the start."""
+    content = [
+        {
+            "token": text,
+            "logprob": logprob,
+            "bytes": data,
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": b} for t, lp, b in top],
+        }
+        for text, logprob, data, top in _chat_entries(pieces, entries, top_k)
+    ]
+    return {"content": content}
 
 
 def native_logprobs(entries: Sequence[TokenLogprobs | None]) -> list[dict[str, Any] | None]:

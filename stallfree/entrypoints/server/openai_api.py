@@ -3,23 +3,34 @@
 A request fans out into one engine request per prompt and choice (`n`): choice `i` of prompt `p`
 is index `p * n + i`, and its engine request id ends in that index. The choices of a prompt
 share its KV through the prefix cache: the scheduler holds back a request whose prompt another
-request is prefilling, so the later ones start from the cached pages.
+request is prefilling, so the later ones start from the cached pages. An echoed prompt's logprobs
+are computed by its first choice alone and shared by the others' answers.
+
+Before anything is generated, a request's cost (`RequestCost`) is held to
+`server.max_request_cost`, and a chat's messages and content parts to their limits. A whole
+(non-streaming) body is written off the event loop, one choice at a time (`json_pieces`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+import asyncio
+import collections
+import itertools
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from stallfree.config.settings import ServerConfig
 from stallfree.entrypoints.server.errors import ApiError
 from stallfree.entrypoints.server.logprobs import (
+    LegacyLists,
     TokenPieces,
     chat_logprobs,
-    completion_logprobs,
-    merge_completion_logprobs,
+    chat_logprobs_dump,
+    legacy_lists,
     token_pieces,
 )
 from stallfree.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -32,16 +43,16 @@ from stallfree.entrypoints.server.requests import (
     sampling_params,
 )
 from stallfree.entrypoints.server.responses import (
-    ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
-    ChatMessageOut,
     ChatStreamChoice,
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    PiecesResponse,
     UsageInfo,
+    json_pieces,
 )
 from stallfree.entrypoints.server.state import ServerState, server_state
 from stallfree.entrypoints.server.streaming import DONE, Context, Generation, Result, respond, sse
@@ -81,6 +92,9 @@ class Usage:
         return UsageInfo.of(self.prompt, self.completion, self.cached)
 
 
+# ---------------------------------------------------------------- limits
+
+
 def _check_fanout(prompts: int, n: int, limit: int) -> None:
     if prompts * n > limit:
         raise ApiError(
@@ -90,6 +104,104 @@ def _check_fanout(prompts: int, n: int, limit: int) -> None:
             param="n" if prompts == 1 else "prompt",
             code="too_many_prompts",
         )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCost:
+    """What a request costs, in the token entries its answer holds (a token with `k` top
+    logprobs is `k + 1` entries): per prompt, n x max_tokens x (k + 1), and the prompt's
+    tokens once, or, echoed, n x its tokens x (k + 1). Each bound alone (n, prompts x n, the
+    top logprobs, the context) lets through a request whose answer is their product;
+    `server.max_request_cost` bounds the product."""
+
+    prompts: int
+    prompt_tokens: int  # summed over the prompts
+    n: int
+    max_tokens: int  # per choice
+    top_logprobs: int | None  # None: logprobs are off
+    echo: bool = False
+    logprobs_field: str = "logprobs"  # the field that asked for them (chat: top_logprobs)
+    max_tokens_field: str = "max_tokens"
+    max_tokens_unset: bool = False  # chat: as many as fit, the rest of the context
+
+    @property
+    def weight(self) -> int:
+        """Entries per token: the token and its top alternatives."""
+        return 1 + (self.top_logprobs or 0)
+
+    @property
+    def total(self) -> int:
+        outputs = self.prompts * self.max_tokens
+        if self.echo:
+            return self.n * (self.prompt_tokens + outputs) * self.weight
+        return self.prompt_tokens + self.n * outputs * self.weight
+
+    def formula(self) -> str:
+        outputs = f"{self.max_tokens} {self.max_tokens_field}"
+        if self.max_tokens_unset:
+            outputs += " (unset: the rest of the context)"
+        if self.prompts > 1:
+            outputs = f"{self.prompts} prompts x {outputs}"
+        weight = (
+            ""
+            if self.top_logprobs is None
+            else f" x ({self.logprobs_field} {self.top_logprobs} + 1)"
+        )
+        if self.echo:
+            return f"n {self.n} x ({self.prompt_tokens} prompt tokens echoed + {outputs}){weight}"
+        return f"{self.prompt_tokens} prompt tokens + n {self.n} x {outputs}{weight}"
+
+    def param(self) -> str:
+        """The field that does most to make the cost: the logprobs, else n, else max_tokens."""
+        if self.weight > 1:
+            return self.logprobs_field
+        return "n" if self.n > 1 else self.max_tokens_field
+
+    def check(self, limit: int) -> None:
+        total = self.total
+        if total > limit:
+            param = self.param()
+            raise ApiError(
+                400,
+                f"{param}: this request costs {total} token entries, {self.formula()}, and "
+                f"the server's budget for one request (server.max_request_cost) is {limit}; "
+                "ask for fewer choices, tokens or logprobs",
+                param=param,
+                code="request_too_costly",
+            )
+
+
+def _check_chat_size(body: ChatCompletionRequest, limits: ServerConfig) -> None:
+    """At most `max_chat_messages` messages and `max_content_parts` content parts (over all
+    the messages), before any of them is rendered."""
+    messages = body.messages
+    if len(messages) > limits.max_chat_messages:
+        raise ApiError(
+            400,
+            f"messages: a chat request may hold at most {limits.max_chat_messages} messages "
+            f"(server.max_chat_messages), and this one holds {len(messages)}",
+            param="messages",
+            code="too_many_messages",
+        )
+    counts = [len(m.content) if isinstance(m.content, list) else 0 for m in messages]
+    total = sum(counts)
+    if total <= limits.max_content_parts:
+        return
+    # the message whose parts go past the limit
+    at = next(
+        i for i, seen in enumerate(itertools.accumulate(counts)) if seen > limits.max_content_parts
+    )
+    param = f"messages.{at}.content"
+    raise ApiError(
+        400,
+        f"{param}: a chat request may hold at most {limits.max_content_parts} content parts "
+        f"over all its messages (server.max_content_parts), and this one holds {total}",
+        param=param,
+        code="too_many_content_parts",
+    )
+
+
+# ---------------------------------------------------------------- answers
 
 
 def _open(body: CompletionRequest | ChatCompletionRequest, request: Request) -> ServerState:
@@ -104,10 +216,49 @@ def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
+async def _respond(
+    request: Request,
+    generation: Generation,
+    stream: bool,
+    answer: _CompletionAnswer | _ChatAnswer,
+) -> Response:
+    """`respond`, with a whole body written off the event loop, in a worker thread, a choice
+    at a time: the loop (and `/health`) keeps answering while a large one is written, sharing
+    the GIL with the thread instead of waiting for it."""
+    kept: list[list[Result]] = []
+
+    def keep(results: list[Result]) -> dict[str, str]:
+        kept.append(results)
+        return {}  # not sent: the body is written below
+
+    answered = await respond(request, generation, stream, answer.events, keep)
+    if not kept:
+        return answered  # the stream, or the 499 of a client that left first
+    pieces = await asyncio.to_thread(answer.body, kept.pop())
+    return PiecesResponse(pieces)
+
+
+def _taken(results: list[Result]) -> Iterator[tuple[int, Result]]:
+    """`results` with their indexes, each let go (the list emptied) as it is taken."""
+    left = collections.deque(results)
+    results.clear()
+    index = 0
+    while left:
+        yield index, left.popleft()
+        index += 1
+
+
 @dataclass(slots=True)
 class _CompletionAnswer:
     """One /v1/completions answer: choice `index` of prompt `index // n`, as SSE events or as
-    one body; with `echoed`, each prompt's first chunk starts with the prompt."""
+    one body; with `echoed`, each prompt's first chunk starts with the prompt.
+
+    With echo and logprobs, only a prompt's first choice brings the prompt's logprobs (the
+    others do not compute them): its part of the logprobs is made once (`echo_parts`), and a
+    stream holds back the other choices' chunks until it is known.
+
+    The events are response models; the whole body is written from plain values, the same
+    JSON that `CompletionResponse.model_dump()` would give."""
 
     rid: str
     model: str
@@ -116,95 +267,138 @@ class _CompletionAnswer:
     echoed: list[str] | None
     pieces: TokenPieces | None
     include_usage: bool
+    # prompt -> its echoed tokens' logprobs and the text offset after them
+    echo_parts: dict[int, tuple[LegacyLists, int]] = field(default_factory=dict)
+
+    @property
+    def echoes_logprobs(self) -> bool:
+        return self.echoed is not None and self.pieces is not None
+
+    def echo_part(
+        self, prompt: int, entries: Sequence[TokenLogprobs | None] | None
+    ) -> tuple[LegacyLists, int]:
+        """The logprobs of `prompt`'s tokens, from its first choice's `entries` (one per
+        token, the first None; a token without one, such as all of a prompt cut off before
+        it was computed, has None)."""
+        part = self.echo_parts.get(prompt)
+        if part is None:
+            assert self.pieces is not None
+            ids = self.prompts[prompt]
+            given = list(entries or [])[: len(ids)]
+            given += [None] * (len(ids) - len(given))
+            part = self.echo_parts[prompt] = legacy_lists(self.pieces, given, ids, 0)
+        return part
 
     def logprobs_of(
         self,
         index: int,
         entries: Sequence[TokenLogprobs] | None,
         token_ids: list[int],
-        prompt_entries: Sequence[TokenLogprobs | None] | None,
+        with_prompt: bool,
         offset: int,
-    ) -> tuple[CompletionLogprobs | None, int]:
-        """The logprobs of `token_ids` (after the prompt's, when echoed) from `offset`."""
+    ) -> tuple[LegacyLists | None, int]:
+        """The logprobs of `token_ids` (after the prompt's, `with_prompt`) from `offset`."""
         if self.pieces is None:
             return None, offset
-        parts = []
-        if prompt_entries is not None:
-            prompt = self.prompts[index // self.n]
-            part, offset = completion_logprobs(self.pieces, prompt_entries, prompt, offset)
-            parts.append(part)
-        part, offset = completion_logprobs(self.pieces, entries or [], token_ids, offset)
-        return merge_completion_logprobs([*parts, part]), offset
+        prompt = None
+        if with_prompt:
+            prompt, offset = self.echo_parts[index // self.n]
+        lists, offset = legacy_lists(self.pieces, entries or [], token_ids, offset)
+        return (lists if prompt is None else prompt + lists), offset
 
-    def prompt_entries_of(
-        self, index: int, chunk_entries: object
-    ) -> list[TokenLogprobs | None] | None:
-        if self.echoed is None or self.pieces is None:
-            return None
-        if isinstance(chunk_entries, list):
-            return chunk_entries
-        return [None] * len(self.prompts[index // self.n])
+    def _ready(
+        self, index: int, chunk: GenerationChunk, held: dict[int, list[GenerationChunk]]
+    ) -> Iterator[tuple[int, GenerationChunk]]:
+        """The chunks that may go out now, in order: with echoed logprobs, a choice's wait
+        for its prompt's first choice, which brings the prompt's logprobs."""
+        prompt = index // self.n
+        if not self.echoes_logprobs or prompt in self.echo_parts:
+            yield index, chunk
+        elif index % self.n:
+            held.setdefault(index, []).append(chunk)
+        else:
+            self.echo_part(prompt, chunk.prompt_logprobs)
+            yield index, chunk
+            for other in range(index + 1, index + self.n):
+                for waited in held.pop(other, []):
+                    yield other, waited
 
     async def events(self, generation: Generation) -> AsyncIterator[str]:
         usage = Usage(self.n)
         offsets = [0] * (len(self.prompts) * self.n)
         started = [False] * (len(self.prompts) * self.n)
-        async for index, chunk in generation.stream():
-            if (end := generation.ending_event(chunk)) is not None:
+        held: dict[int, list[GenerationChunk]] = {}
+        async for arrived, first in generation.stream():
+            if (end := generation.ending_event(first)) is not None:
                 yield end
                 break
-            text, prompt_entries = chunk.text, None
-            if not started[index]:
-                started[index] = True
-                if self.echoed is not None:
-                    text = self.echoed[index // self.n] + text
-                    prompt_entries = self.prompt_entries_of(index, chunk.prompt_logprobs)
-            logprobs, offsets[index] = self.logprobs_of(
-                index, chunk.logprobs, chunk.token_ids, prompt_entries, offsets[index]
-            )
-            if chunk.finished:
-                usage.add(index, chunk)
-            elif not text and not (logprobs and logprobs.tokens):
-                continue  # held back while it may still be a stop string
-            choice = CompletionChoice(
-                index=index,
-                text=text,
-                logprobs=logprobs,
-                finish_reason=openai_finish_reason(chunk.finish_reason),
-            )
-            yield sse(CompletionResponse(id=self.rid, model=self.model, choices=[choice]))
+            for index, chunk in self._ready(arrived, first, held):
+                text, with_prompt = chunk.text, False
+                if not started[index]:
+                    started[index] = True
+                    if self.echoed is not None:
+                        text = self.echoed[index // self.n] + text
+                        with_prompt = self.pieces is not None
+                lists, offsets[index] = self.logprobs_of(
+                    index, chunk.logprobs, chunk.token_ids, with_prompt, offsets[index]
+                )
+                if chunk.finished:
+                    usage.add(index, chunk)
+                elif not text and not (lists and lists.tokens):
+                    continue  # held back while it may still be a stop string
+                choice = CompletionChoice(
+                    index=index,
+                    text=text,
+                    logprobs=None if lists is None else CompletionLogprobs(**lists.dump()),
+                    finish_reason=openai_finish_reason(chunk.finish_reason),
+                )
+                yield sse(CompletionResponse(id=self.rid, model=self.model, choices=[choice]))
         else:
             if self.include_usage:
                 info = usage.info()
                 yield sse(CompletionResponse(id=self.rid, model=self.model, choices=[], usage=info))
         yield DONE
 
-    def whole(self, results: list[Result]) -> CompletionResponse:
+    def _choices(self, results: list[Result]) -> Iterator[dict[str, Any]]:
+        """Each choice as `CompletionChoice.model_dump()` gives it."""
+        for i, r in _taken(results):
+            text = r.text if self.echoed is None else self.echoed[i // self.n] + r.text
+            if self.echoes_logprobs and i % self.n == 0:
+                self.echo_part(i // self.n, r.prompt_logprobs)
+            lists, _ = self.logprobs_of(i, r.logprobs, r.token_ids, self.echoes_logprobs, 0)
+            yield {
+                "index": i,
+                "text": text,
+                "logprobs": None if lists is None else lists.dump(),
+                "finish_reason": openai_finish_reason(r.last.finish_reason),
+            }
+
+    def body(self, results: list[Result]) -> list[bytes]:
+        """The whole body's JSON, one choice at a time (each result let go once written)."""
         usage = Usage(self.n)
-        choices = []
         for i, r in enumerate(results):
             usage.add(i, r.last)
-            text = r.text if self.echoed is None else self.echoed[i // self.n] + r.text
-            prompt_entries = self.prompt_entries_of(i, r.prompt_logprobs)
-            logprobs, _ = self.logprobs_of(i, r.logprobs, r.token_ids, prompt_entries, 0)
-            reason = openai_finish_reason(r.last.finish_reason)
-            choices.append(
-                CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=reason)
-            )
-        return CompletionResponse(
-            id=self.rid, model=self.model, choices=choices, usage=usage.info()
-        )
+        envelope = CompletionResponse(id=self.rid, model=self.model, choices=[], usage=usage.info())
+        return json_pieces(envelope, "choices", self._choices(results))
 
 
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _open(body, request)
-    engine, n = state.engine, body.n
+    engine, n, limits = state.engine, body.n, state.limits
+    max_tokens = body.max_tokens or 16
     with converting():
-        prompts = prompt_ids(engine, body.prompt, state.limits.max_prompts_per_request)
-        _check_fanout(len(prompts), n, state.limits.max_prompts_per_request)
+        prompts = prompt_ids(engine, body.prompt, limits.max_prompts_per_request)
+        _check_fanout(len(prompts), n, limits.max_prompts_per_request)
         for ids in prompts:
             engine.check_prompt(ids, body.max_tokens, param="prompt")
-        params = sampling_params(body, body.max_tokens or 16)
+        cost = RequestCost(
+            len(prompts), sum(map(len, prompts)), n, max_tokens, body.logprobs, body.echo
+        )
+        cost.check(limits.max_request_cost)
+        params = sampling_params(body, max_tokens)
+    if body.echo and body.logprobs is not None:
+        # the prompt's logprobs come from its first choice alone (`_CompletionAnswer`)
+        params[1:] = [p.model_copy(update={"prompt_logprobs": None}) for p in params[1:]]
     echoed = _prompt_texts(engine.tokenizer, body.prompt, prompts) if body.echo else None
     pieces = token_pieces(engine.tokenizer) if body.logprobs is not None else None
     ctx = Context.of(request)
@@ -216,7 +410,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     each = [params[i % n] for i in range(len(fanned))]
     rids = [f"{rid}-{i}" for i in range(len(fanned))]
     generation = await Generation.admit(ctx, fanned, each, rids)
-    return await respond(request, generation, body.stream, answer.events, answer.whole)
+    return await _respond(request, generation, body.stream, answer)
 
 
 def _prompt_texts(
@@ -286,39 +480,57 @@ class _ChatAnswer:
                 yield sse(last)
         yield DONE
 
-    def whole(self, results: list[Result]) -> ChatCompletionResponse:
-        usage = Usage(self.n)
-        choices = []
-        for i, r in enumerate(results):
-            usage.add(i, r.last)
+    def _choices(self, results: list[Result]) -> Iterator[dict[str, Any]]:
+        """Each choice as `ChatChoice.model_dump()` gives it."""
+        for i, r in _taken(results):
             logprobs = (
                 None
                 if self.pieces is None
-                else chat_logprobs(self.pieces, r.logprobs or [], self.top_k)
+                else chat_logprobs_dump(self.pieces, r.logprobs or [], self.top_k)
             )
-            choices.append(
-                ChatChoice(
-                    index=i,
-                    message=ChatMessageOut(content=r.text),
-                    logprobs=logprobs,
-                    finish_reason=openai_finish_reason(r.last.finish_reason),
-                )
-            )
-        return ChatCompletionResponse(
-            id=self.rid, model=self.model, choices=choices, usage=usage.info()
+            yield {
+                "index": i,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": logprobs,
+                "finish_reason": openai_finish_reason(r.last.finish_reason),
+            }
+
+    def body(self, results: list[Result]) -> list[bytes]:
+        """The whole body's JSON, one choice at a time (each result let go once written)."""
+        usage = Usage(self.n)
+        for i, r in enumerate(results):
+            usage.add(i, r.last)
+        envelope = ChatCompletionResponse(
+            id=self.rid, model=self.model, choices=[], usage=usage.info()
         )
+        return json_pieces(envelope, "choices", self._choices(results))
 
 
 async def chat(body: ChatCompletionRequest, request: Request) -> Response:
     state = _open(body, request)
-    engine, n = state.engine, body.n
+    engine, n, limits = state.engine, body.n, state.limits
+    _check_chat_size(body, limits)
     with converting():
-        _check_fanout(1, n, state.limits.max_prompts_per_request)
+        _check_fanout(1, n, limits.max_prompts_per_request)
         ids = chat_prompt_ids(engine, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         engine.check_prompt(ids, max_tokens, param="messages")
         # no max_tokens: as many as fit (the engine caps it to the context and KV cache)
-        params = sampling_params(body, max_tokens or engine.max_context_len)
+        most = max_tokens or engine.max_context_len
+        cost = RequestCost(
+            1,
+            len(ids),
+            n,
+            min(most, max(engine.max_context_len - len(ids), 0)),
+            (body.top_logprobs or 0) if body.logprobs else None,
+            logprobs_field="top_logprobs" if body.top_logprobs else "logprobs",
+            max_tokens_field="max_tokens"
+            if body.max_completion_tokens is None
+            else "max_completion_tokens",
+            max_tokens_unset=max_tokens is None,
+        )
+        cost.check(limits.max_request_cost)
+        params = sampling_params(body, most)
     pieces = token_pieces(engine.tokenizer) if body.logprobs else None
     ctx = Context.of(request)
     rid = f"chatcmpl-{ctx.request_id}"
@@ -327,4 +539,4 @@ async def chat(body: ChatCompletionRequest, request: Request) -> Response:
     )
     rids = [f"{rid}-{i}" for i in range(n)]
     generation = await Generation.admit(ctx, [ids] * n, params, rids)
-    return await respond(request, generation, body.stream, answer.events, answer.whole)
+    return await _respond(request, generation, body.stream, answer)

@@ -1,11 +1,17 @@
-"""Response bodies of the OpenAI-compatible routes."""
+"""Response bodies of the OpenAI-compatible routes, and a whole body sent as the pieces it was
+written in (`json_pieces`, `PiecesResponse`)."""
 
 from __future__ import annotations
 
+import collections
+import json
 import time
-from typing import Literal
+from collections.abc import Iterable
+from typing import Any, Literal
 
+from fastapi.responses import Response
 from pydantic import BaseModel, Field
+from starlette.types import Receive, Scope, Send
 
 
 def _now() -> int:
@@ -126,3 +132,52 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---------------------------------------------------------------- a whole body, in pieces
+
+
+def dumps(content: Any) -> bytes:
+    """JSON as `JSONResponse` writes it (so a body written in pieces is the same bytes)."""
+    return json.dumps(
+        content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    ).encode("utf-8")
+
+
+def json_pieces(envelope: BaseModel, key: str, items: Iterable[dict[str, Any]]) -> list[bytes]:
+    """`envelope` as JSON with its (empty) list field `key` holding `items` (each as
+    `model_dump()` gives it), written one item at a time: the bytes of `dumps` of the whole
+    dump, but no item's values outlive their own piece."""
+    fields = envelope.model_dump()
+    names = list(fields)
+    at = names.index(key)
+    before = dumps({k: fields[k] for k in names[:at]})[:-1]  # without its closing brace
+    after = dumps({k: fields[k] for k in names[at + 1 :]})
+    pieces = [before + (b"," if at else b"") + dumps(key) + b":["]
+    for i, item in enumerate(items):
+        pieces.append((b"," if i else b"") + dumps(item))
+    pieces.append(b"]" + (b"," + after[1:] if len(after) > 2 else b"}"))
+    return pieces
+
+
+class PiecesResponse(Response):
+    """A JSON body sent as the pieces `json_pieces` wrote, each let go once it is sent; the
+    headers are `JSONResponse`'s (with the whole body's `content-length`)."""
+
+    media_type = "application/json"
+
+    def __init__(self, pieces: list[bytes], status_code: int = 200) -> None:
+        self._pieces = collections.deque(pieces)
+        length = sum(map(len, pieces))
+        super().__init__(status_code=status_code, headers={"content-length": str(length)})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        pieces = self._pieces
+        while pieces:
+            piece = pieces.popleft()
+            await send({"type": "http.response.body", "body": piece, "more_body": bool(pieces)})
+        if self.background is not None:
+            await self.background()
