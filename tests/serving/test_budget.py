@@ -388,13 +388,15 @@ async def test_health_answers_while_a_large_body_is_written(monkeypatch):
     }
     async with serving() as live:
         big = asyncio.create_task(live.http.post("/v1/completions", json=request, timeout=60))
-        assert await asyncio.to_thread(started.wait, 30)
         answered = 0
-        for _ in range(5):
-            r = await live.http.get("/health", timeout=5)
-            answered += r.status_code == 200
-            assert not big.done()
-        proceed.set()
+        try:
+            assert await asyncio.to_thread(started.wait, 30)
+            for _ in range(5):
+                r = await live.http.get("/health", timeout=5)
+                answered += r.status_code == 200
+                assert not big.done()
+        finally:
+            proceed.set()  # a failure above must not leave the body waiting
         response = await big
     assert answered == 5
     assert response.status_code == 200
