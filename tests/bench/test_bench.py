@@ -219,6 +219,7 @@ def test_compare_in_process(tmp_path, capsys) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_compare_over_http(tmp_path, capsys) -> None:
     """Each mode gets its own `stallfree serve` subprocess; figures come from /metrics."""
     out = tmp_path / "bench.json"
@@ -761,6 +762,7 @@ def test_worker_comparisons_default_to_three_repeats() -> None:
         assert args.repeats == 3
 
 
+@pytest.mark.slow
 def test_compare_tp_sizes_in_process(tmp_path, capsys) -> None:
     """tp 1 and tp 2, both in worker processes: per-rank figures for every rank, and
     collectives only where the model is split."""

@@ -19,6 +19,8 @@ from stallfree import Engine
 from tests.engine_util import engine_config, random_prompts
 from tests.metrics_util import samples, value
 
+pytestmark = pytest.mark.slow  # every test here is over ~5 s (see pyproject)
+
 NUM_REQUESTS = 2000
 REASONS = ("stop", "length", "abort", "error")
 CONCURRENCY = 64

@@ -296,6 +296,7 @@ def smollm2_hf(smollm2: Path) -> tuple[Any, Any]:
     return tok, model
 
 
+@pytest.mark.slow
 async def test_smollm2_gguf_greedy_matches_transformers(
     smollm2: Path, smollm2_hf: tuple[Any, Any]
 ) -> None:

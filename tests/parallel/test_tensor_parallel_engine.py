@@ -15,6 +15,8 @@ from stallfree.overlap.process_stream import ProcessStream
 from tests.engine_util import MODES, engine_config, guarded, random_prompts
 from tests.hf_models import hf_greedy, make_llama, make_qwen2
 
+pytestmark = pytest.mark.slow  # every test here is over ~5 s (see pyproject)
+
 NEW_TOKENS = 10
 PROMPTS = random_prompts(4, seed=21, lo=4, hi=28)
 STRESSED = {

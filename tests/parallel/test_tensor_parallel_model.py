@@ -145,6 +145,7 @@ def tp_runs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
 # ---------------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [*CASES, "tiny"])
 def test_tp2_matches_tp1(name: str, tp_runs: list[Any], model_dirs: dict[str, Path]) -> None:
     path = "tiny" if name == "tiny" else str(model_dirs[name])
@@ -161,6 +162,7 @@ def test_tp2_matches_tp1(name: str, tp_runs: list[Any], model_dirs: dict[str, Pa
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp2_matches_transformers(
     name: str, tp_runs: list[Any], model_dirs: dict[str, Path]
@@ -183,6 +185,7 @@ def test_tp2_matches_transformers(
     )
 
 
+@pytest.mark.slow
 def test_collective_figures(tp_runs: list[Any]) -> None:
     """Per forward: an all-reduce for the embedding and two per layer, one logits all-gather."""
     layers, hidden, vocab = 2, 64, 260
@@ -198,6 +201,7 @@ def test_collective_figures(tp_runs: list[Any]) -> None:
         assert comm.all_reduce_seconds > 0 and comm.all_gather_seconds > 0
 
 
+@pytest.mark.slow
 def test_rank_parameters_are_shards(tp_runs: list[Any]) -> None:
     d, hidden = 16, 64
     for rank, runs in enumerate(tp_runs):

@@ -49,6 +49,7 @@ def _outputs(results):
     return [(r.token_ids, r.logprobs, r.prompt_logprobs) for r in results]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("overlap", "mirrors"), MODES)
 async def test_process_worker_equals_in_process(llama, overlap, mirrors):
     runtime = {"overlap": overlap, "cpu_mirrors": mirrors, "strict": mirrors}
@@ -74,6 +75,7 @@ async def test_process_worker_equals_in_process(llama, overlap, mirrors):
         assert monitor.stall_counts["schedule.page_count"] > 0
 
 
+@pytest.mark.slow
 async def test_killed_worker_fails_closed_without_hanging(llama):
     cfg = engine_config(llama, runtime={"worker": "process"})
     engine = Engine(cfg)
@@ -95,6 +97,7 @@ async def test_killed_worker_fails_closed_without_hanging(llama):
     assert not worker.is_alive()
 
 
+@pytest.mark.slow
 async def test_idle_engine_notices_a_dead_worker(llama):
     engine = Engine(engine_config(llama, runtime={"worker": "process"}))
     stream = engine.core.stream
@@ -110,6 +113,7 @@ async def test_idle_engine_notices_a_dead_worker(llama):
         assert not engine.healthy  # /health turns 503 with no request in flight
 
 
+@pytest.mark.slow
 async def test_injected_faults_reach_the_worker(llama):
     cfg = engine_config(
         llama,

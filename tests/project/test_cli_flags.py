@@ -510,6 +510,7 @@ def _listening_ports(pid: int) -> list[int] | None:
     return [c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 async def test_two_nodes_on_loopback_serve_what_one_process_does() -> None:
     """`serve --node-rank 1` runs rank 1 of a tp=2 group and no HTTP server; an engine on

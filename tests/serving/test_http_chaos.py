@@ -378,6 +378,7 @@ EXTREMES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route", list(MODEL_FIELDS))
 def test_hostile_values_in_every_field_leave_the_server_whole(fuzz_server, route):
     seen: Counter = Counter()

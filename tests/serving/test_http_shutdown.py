@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.engine_util import settle
 from tests.http_util import (
@@ -156,6 +157,7 @@ SLOW_ENV = {
 }
 
 
+@pytest.mark.slow
 def test_sigint_drains_then_exits_0_and_probes_stay_out_of_the_access_log():
     with stallfree_serve(**SLOW_ENV) as (proc, base):
         assert httpx.get(base + "/v1/models").status_code == 200
@@ -182,6 +184,7 @@ def test_sigint_drains_then_exits_0_and_probes_stay_out_of_the_access_log():
     assert "Traceback" not in out
 
 
+@pytest.mark.slow
 def test_sigterm_past_the_grace_period_ends_streams_with_an_error_and_exits_0():
     env = SLOW_ENV | {"STALLFREE_SERVER__GRACEFUL_SHUTDOWN_S": "1"}
     with stallfree_serve("--no-access-log", **env) as (proc, base):
@@ -210,6 +213,7 @@ def test_sigterm_past_the_grace_period_ends_streams_with_an_error_and_exits_0():
     assert "grace period over" in out
 
 
+@pytest.mark.slow
 def test_a_server_whose_engine_died_exits_non_zero():
     env = {
         "STALLFREE_FAULTS__ENABLED": "true",
