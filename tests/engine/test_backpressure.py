@@ -12,15 +12,9 @@ import pytest
 
 from stallfree import Engine, SamplingParams
 from tests.engine_util import MODES, engine_config, random_prompts, run_greedy
-from tests.hf_models import make_llama
 
 BOUND = 8
 LONG = SamplingParams(max_new_tokens=120, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return str(make_llama(tmp_path_factory.mktemp("llama")))
 
 
 async def _settle(engine: Engine, steps: int = 30) -> None:

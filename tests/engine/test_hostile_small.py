@@ -7,12 +7,6 @@ from pydantic import ValidationError
 
 from stallfree import Engine, EngineClosedError, EngineOverloadedError, SamplingParams
 from tests.engine_util import engine_config
-from tests.hf_models import make_llama
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return str(make_llama(tmp_path_factory.mktemp("llama")))
 
 
 @pytest.mark.parametrize(

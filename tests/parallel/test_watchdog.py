@@ -15,18 +15,12 @@ import pytest
 from stallfree import Engine, SamplingParams
 from stallfree.overlap.process_stream import ProcessStream
 from tests.engine_util import engine_config
-from tests.hf_models import make_llama
 
 TIMEOUT_S = 2.0
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP"),
 ]
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return str(make_llama(tmp_path_factory.mktemp("llama")))
 
 
 def _resume(pids: list[int]) -> None:
@@ -36,11 +30,9 @@ def _resume(pids: list[int]) -> None:
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
-async def test_a_stopped_worker_fails_the_engine_closed_within_the_step_timeout(
-    model_path, tp_size
-):
+async def test_a_stopped_worker_fails_the_engine_closed_within_the_step_timeout(llama, tp_size):
     cfg = engine_config(
-        model_path,
+        llama,
         runtime={"worker": "process", "step_timeout_s": TIMEOUT_S},
         parallel={"tp_size": tp_size},
     )
@@ -71,9 +63,9 @@ async def test_a_stopped_worker_fails_the_engine_closed_within_the_step_timeout(
         _resume(pids)
 
 
-async def test_a_slow_but_answering_worker_is_not_taken_as_hung(model_path):
+async def test_a_slow_but_answering_worker_is_not_taken_as_hung(llama):
     """Steps that each answer within the timeout never trip it, however long the request."""
-    cfg = engine_config(model_path, runtime={"worker": "process", "step_timeout_s": 1.0})
+    cfg = engine_config(llama, runtime={"worker": "process", "step_timeout_s": 1.0})
     async with Engine(cfg) as engine:
         stream = engine.core.stream
         assert isinstance(stream, ProcessStream)
