@@ -157,7 +157,12 @@ class Generation:
                         self._done[0] = chunk.finished
                         yield 0, chunk
                 return
-            queue: asyncio.Queue[tuple[int, GenerationChunk | Exception]] = asyncio.Queue()
+            # bounded: a driver waits while the reader is behind, so it stops reading its
+            # engine stream, and the engine's backpressure pauses that request (an unbounded
+            # queue would hold everything the engine makes for a client that does not read)
+            queue: asyncio.Queue[tuple[int, GenerationChunk | Exception]] = asyncio.Queue(
+                len(self._gens)
+            )
             self._drivers = [
                 asyncio.create_task(_drive(i, first, gen, queue))
                 for i, (first, gen) in enumerate(zip(self._firsts, self._gens, strict=True))
@@ -254,12 +259,12 @@ async def _drive(
     """Run one engine request to its end, passing its chunks on; the only user of `gen`."""
     try:
         chunk = await first
-        queue.put_nowait((index, chunk))
+        await queue.put((index, chunk))
         if not chunk.finished:
             async for chunk in gen:
-                queue.put_nowait((index, chunk))
+                await queue.put((index, chunk))
     except Exception as exc:
-        queue.put_nowait((index, exc))
+        await queue.put((index, exc))
 
 
 class _SseResponse(StreamingResponse):
