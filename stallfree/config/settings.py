@@ -225,6 +225,13 @@ class ServerConfig(_Section):
         allow_inf_nan=False,
         description="A request body must arrive whole within this (408 otherwise)",
     )
+    write_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="A connection whose client accepts no byte of a response for this long "
+        "(its write buffer full and not draining) is reset and its requests aborted",
+    )
     max_prompts_per_request: int = Field(
         128, ge=1, description="Prompts one /v1/completions request may batch (400 beyond)"
     )

@@ -102,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
         "max_request_cost": ("server", "max_request_cost"),
         "max_chat_messages": ("server", "max_chat_messages"),
         "max_content_parts": ("server", "max_content_parts"),
+        "write_timeout_s": ("server", "write_timeout_s"),
         "log_level": ("server", "log_level"),
         "uvicorn_log_level": ("server", "uvicorn_log_level"),
         "access_log": ("server", "access_log"),

@@ -445,7 +445,8 @@ def _positive_int(text: str) -> int:
 
 
 def _add_limit_flags(g: argparse._ArgumentGroup) -> None:
-    """What one request may ask of the server (the other limits are settings only)."""
+    """What one request may ask of the server, and how long a client may leave a response
+    unread (the other limits are settings only)."""
     g.add_argument(
         "--max-request-cost",
         type=_positive_int,
@@ -474,6 +475,18 @@ def _add_limit_flags(g: argparse._ArgumentGroup) -> None:
             "content parts one /v1/chat/completions request may hold, over all its messages",
             "server",
             "max_content_parts",
+        ),
+    )
+    g.add_argument(
+        "--write-timeout",
+        dest="write_timeout_s",
+        type=_positive_seconds,
+        metavar="SECONDS",
+        help=_help(
+            "a connection whose client accepts no byte of a response for this long is reset "
+            "and its requests aborted",
+            "server",
+            "write_timeout_s",
         ),
     )
 

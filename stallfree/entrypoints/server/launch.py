@@ -5,9 +5,12 @@ Shutdown. The first SIGTERM or SIGINT starts a drain: the server keeps listening
 answers 503 and new API requests get 503, while the requests in progress run on. When the last
 one has finished, or `server.graceful_shutdown_s` has passed, the server stops. At that deadline
 every request still running is aborted: a stream ends with an SSE error event, any other
-request gets a JSON 503. A second signal ends the grace period at once; a third exits without
-waiting. A drained shutdown exits with status 0. `serve` also stops, with status 1, when the
-engine dies (its scheduler stopped, or it failed closed).
+request gets a JSON 503; a connection whose client is not reading (its writes stalled) is reset
+instead, since that event could not reach it (`ConnectionBudget.stop_writes`), so the server
+stops at the deadline rather than waiting out the cut-off and uvicorn's own wait, and nothing
+is left for uvicorn to cancel. A second signal ends the grace period at once; a third exits
+without waiting. A drained shutdown exits with status 0. `serve` also stops, with status 1,
+when the engine dies (its scheduler stopped, or it failed closed).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from uvicorn.logging import DefaultFormatter
 from stallfree.config import StallfreeConfig
 from stallfree.config.settings import ServerConfig
 from stallfree.entrypoints.server.app import create_app
-from stallfree.entrypoints.server.connections import guarded_protocol
+from stallfree.entrypoints.server.connections import ConnectionBudget, guarded_protocol
 from stallfree.entrypoints.server.guard import PROBES
 from stallfree.entrypoints.server.state import ServerState
 
@@ -74,7 +77,9 @@ def uvicorn_config(app: FastAPI, config: StallfreeConfig, **overrides: Any) -> u
         "host": limits.host,
         "port": limits.port,
         "loop": _loop_name(),
-        "http": guarded_protocol(max_connections(limits), limits.header_timeout_s),
+        "http": guarded_protocol(
+            max_connections(limits), limits.header_timeout_s, limits.write_timeout_s
+        ),
         "timeout_keep_alive": limits.keep_alive_s,
         "timeout_graceful_shutdown": _CLOSE_WAIT_S,
         "log_level": limits.uvicorn_log_level or limits.log_level,
@@ -173,6 +178,11 @@ class Server(uvicorn.Server):
             return True
         return self._should_stop()
 
+    def _stop_writes(self) -> int:
+        protocol = self.config.http
+        budget = getattr(protocol, "budget", None)
+        return budget.stop_writes() if isinstance(budget, ConnectionBudget) else 0
+
     def _should_stop(self) -> bool:
         lifecycle = self.sf.lifecycle
         engine = self.sf.engine
@@ -194,7 +204,13 @@ class Server(uvicorn.Server):
             )
         if self._cut_off is None and now >= self._deadline:
             cut = lifecycle.expire()
-            logger.warning("grace period over: %d requests still running end with an error", cut)
+            # a client that does not read would never get its error event: closed now
+            stalled = self._stop_writes()
+            logger.warning(
+                "grace period over: %d requests still running end with an error%s",
+                cut,
+                f" ({stalled} connections not reading closed)" if stalled else "",
+            )
             self._cut_off = now + _CUT_OFF_S
         if self._cut_off is not None and now >= self._cut_off:
             logger.warning("%d requests did not end in time; stopping anyway", lifecycle.in_flight)
@@ -249,12 +265,13 @@ def serve(config: StallfreeConfig) -> int:
 def _log_limits(limits: ServerConfig) -> None:
     logger.info(
         "limits: %d connections, %d concurrent requests, %d-byte bodies, head %gs, "
-        "body %gs, keep-alive %gs, grace %gs",
+        "body %gs, unread writes %gs, keep-alive %gs, grace %gs",
         max_connections(limits),
         limits.max_concurrent_requests,
         limits.max_body_bytes,
         limits.header_timeout_s,
         limits.body_timeout_s,
+        limits.write_timeout_s,
         limits.keep_alive_s,
         limits.graceful_shutdown_s,
     )
