@@ -112,15 +112,6 @@ async def test_prompt_ids_are_the_same_on_the_loop_and_off_it(prompt):
 
 # ---------------------------------------------------------------- over HTTP
 
-# the chat route awaits requests.chat_prompt_ids_async only once openai_api.chat calls it
-# (`ids = await chat_prompt_ids_async(engine, body)` in place of `chat_prompt_ids(...)`);
-# openai_api.py is not this change's to edit
-ROUTE_PENDING = pytest.mark.xfail(
-    strict=True, reason="openai_api.chat still renders on the event loop (chat_prompt_ids)"
-)
-
-
-@ROUTE_PENDING
 async def test_health_answers_while_a_heavy_chat_renders():
     async with serving() as live:
         held = HeldRender(live.engine.tokenizer)
@@ -146,7 +137,6 @@ def _tool_calls_body(messages: int, calls: int) -> dict[str, Any]:
     return {"model": MODEL, "messages": history, "max_tokens": 2}
 
 
-@ROUTE_PENDING
 async def test_health_keeps_answering_while_large_chat_bodies_render():
     # 1 MB bodies (2000 messages of 10 tool calls each, rendered by tojson), four at once; each
     # is a 400 in the end (its prompt is over the context), after it has been rendered and

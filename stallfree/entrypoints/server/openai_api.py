@@ -35,10 +35,10 @@ from stallfree.entrypoints.server.logprobs import (
 )
 from stallfree.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
 from stallfree.entrypoints.server.requests import (
-    chat_prompt_ids,
+    chat_prompt_ids_async,
     check_model,
     converting,
-    prompt_ids,
+    prompt_ids_async,
     reject_unsupported,
     sampling_params,
 )
@@ -387,7 +387,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     engine, n, limits = state.engine, body.n, state.limits
     max_tokens = body.max_tokens or 16
     with converting():
-        prompts = prompt_ids(engine, body.prompt, limits.max_prompts_per_request)
+        prompts = await prompt_ids_async(engine, body.prompt, limits.max_prompts_per_request)
         _check_fanout(len(prompts), n, limits.max_prompts_per_request)
         for ids in prompts:
             engine.check_prompt(ids, body.max_tokens, param="prompt")
@@ -512,7 +512,7 @@ async def chat(body: ChatCompletionRequest, request: Request) -> Response:
     _check_chat_size(body, limits)
     with converting():
         _check_fanout(1, n, limits.max_prompts_per_request)
-        ids = chat_prompt_ids(engine, body)
+        ids = await chat_prompt_ids_async(engine, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         engine.check_prompt(ids, max_tokens, param="messages")
         # no max_tokens: as many as fit (the engine caps it to the context and KV cache)

@@ -16,7 +16,12 @@ from stallfree.entrypoints.server.errors import ApiError
 from stallfree.entrypoints.server.logprobs import native_logprobs
 from stallfree.entrypoints.server.openai_api import chat, completions
 from stallfree.entrypoints.server.protocol import GenerateRequest
-from stallfree.entrypoints.server.requests import check_model, converting, native_sampling_params
+from stallfree.entrypoints.server.requests import (
+    check_model,
+    converting,
+    encode_async,
+    native_sampling_params,
+)
 from stallfree.entrypoints.server.responses import ModelCard, ModelList
 from stallfree.entrypoints.server.state import server_state
 from stallfree.entrypoints.server.streaming import DONE, Context, Generation, Result, respond, sse
@@ -103,7 +108,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     with converting():
         params = native_sampling_params(body.sampling_params)
         prompt = (
-            engine.tokenizer.encode(body.text)
+            await encode_async(engine, body.text)
             if body.text is not None
             else list(body.input_ids or [])
         )
