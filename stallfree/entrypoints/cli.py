@@ -15,15 +15,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from stallfree.config import StallfreeConfig, load_config
-from stallfree.entrypoints.flags import (
-    HelpFormatter,
-    add_engine_flags,
-    add_sampling_flags,
-    add_server_flags,
-)
+from stallfree.entrypoints.flags import HelpFormatter, add_engine_flags, add_sampling_flags
 
 # the tests import the token-count type from here, where it was defined
 from stallfree.entrypoints.flags import token_count as token_count
+from stallfree.entrypoints.server_flags import add_server_flags
 
 # what each command needs beyond the base install, and the extra that brings it
 SERVER_MODULES = ("fastapi", "uvicorn", "jinja2")

@@ -62,7 +62,7 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
-def _help(text: str, section: str, key: str, when_unset: str | None = None) -> str:
+def flag_help(text: str, section: str, key: str, when_unset: str | None = None) -> str:
     """`text`, then the setting's default (`when_unset` where the config leaves it None) and
     the setting it fills."""
     value = config_default(section, key)
@@ -93,7 +93,7 @@ def _dtype(text: str) -> str:
     return value
 
 
-def _positive_seconds(text: str) -> float:
+def positive_seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -120,7 +120,7 @@ def _add_worker_flags(g: argparse._ArgumentGroup) -> None:
         dest="tp_size",
         type=int,
         metavar="N",
-        help=_help(
+        help=flag_help(
             "tensor-parallel ranks the model is sharded over, each in its own worker process "
             "(SGLang's and vLLM's spellings)",
             "parallel",
@@ -130,7 +130,7 @@ def _add_worker_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--worker",
         choices=["auto", "inprocess", "process"],
-        help=_help(
+        help=flag_help(
             "where the model runs: inprocess (the scheduler's process) or process (worker "
             "processes); auto: process when --tp-size > 1",
             "runtime",
@@ -140,9 +140,9 @@ def _add_worker_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--step-timeout",
         dest="step_timeout_s",
-        type=_positive_seconds,
+        type=positive_seconds,
         metavar="SECONDS",
-        help=_help(
+        help=flag_help(
             "worker processes: steps pending and none answered for this long means a hung "
             "worker; the engine fails closed",
             "runtime",
@@ -158,7 +158,7 @@ def _add_multinode_flags(g: argparse._ArgumentGroup) -> None:
         "--nnodes",
         type=int,
         metavar="N",
-        help=_help(
+        help=flag_help(
             "machines the tensor-parallel group spans; --tp-size counts the ranks of all",
             "parallel",
             "nnodes",
@@ -168,7 +168,7 @@ def _add_multinode_flags(g: argparse._ArgumentGroup) -> None:
         "--node-rank",
         type=int,
         metavar="I",
-        help=_help(
+        help=flag_help(
             "this machine's index; node 0 serves HTTP and runs the scheduler, every other node "
             "only runs its worker ranks and exits when node 0 stops them",
             "parallel",
@@ -178,7 +178,7 @@ def _add_multinode_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--dist-init-addr",
         metavar="HOST:PORT",
-        help=_help(
+        help=flag_help(
             "where the ranks of every node meet (tcp://HOST:PORT works too); needed with "
             "--nnodes > 1",
             "parallel",
@@ -189,9 +189,9 @@ def _add_multinode_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--dist-timeout",
         dest="dist_timeout_s",
-        type=_positive_seconds,
+        type=positive_seconds,
         metavar="SECONDS",
-        help=_help(
+        help=flag_help(
             "how long the ranks' meeting or one collective may take before it fails",
             "parallel",
             "dist_timeout_s",
@@ -227,13 +227,15 @@ def _add_model_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
-        help=_help("auto: CUDA when available, else the CPU-emulated stream", "runtime", "device"),
+        help=flag_help(
+            "auto: CUDA when available, else the CPU-emulated stream", "runtime", "device"
+        ),
     )
     g.add_argument(
         "--dtype",
         type=_dtype,
         metavar="{" + ",".join([*DTYPES, *_DTYPE_ALIASES]) + "}",
-        help=_help(
+        help=flag_help(
             "weights and KV dtype; auto: the checkpoint's, float32 on CPU (half = float16, "
             "float = float32)",
             "model",
@@ -244,7 +246,7 @@ def _add_model_flags(g: argparse._ArgumentGroup) -> None:
         "--max-model-len",
         type=token_count,
         metavar="TOKENS",
-        help=_help(
+        help=flag_help(
             "cap on prompt + output tokens per request; 32k = 32000, 32K = 32768",
             "model",
             "max_context_len",
@@ -259,13 +261,13 @@ def _add_overlap_flags(g: argparse._ArgumentGroup) -> None:
         "--overlap",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=_help("launch batch N+1 before processing batch N", "runtime", "overlap"),
+        help=flag_help("launch batch N+1 before processing batch N", "runtime", "overlap"),
     )
     g.add_argument(
         "--cpu-mirrors",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=_help(
+        help=flag_help(
             "schedule from host mirrors; off is the legacy mode that syncs",
             "runtime",
             "cpu_mirrors",
@@ -275,11 +277,13 @@ def _add_overlap_flags(g: argparse._ArgumentGroup) -> None:
 
 def _add_pool_flags(g: argparse._ArgumentGroup) -> None:
     """The KV pool's size and how many requests share it."""
-    g.add_argument("--page-size", type=int, help=_help("tokens per KV page", "cache", "page_size"))
+    g.add_argument(
+        "--page-size", type=int, help=flag_help("tokens per KV page", "cache", "page_size")
+    )
     g.add_argument(
         "--max-total-tokens",
         type=int,
-        help=_help("KV slots in the device pool", "cache", "max_total_tokens"),
+        help=flag_help("KV slots in the device pool", "cache", "max_total_tokens"),
     )
     g.add_argument(
         "--max-num-seqs",
@@ -287,7 +291,7 @@ def _add_pool_flags(g: argparse._ArgumentGroup) -> None:
         dest="max_running_requests",
         type=int,
         metavar="N",
-        help=_help(
+        help=flag_help(
             "most requests running at once (vLLM's and SGLang's spellings)",
             "cache",
             "max_running_requests",
@@ -303,7 +307,7 @@ def _add_prefill_flags(g: argparse._ArgumentGroup) -> None:
         dest="max_prefill_tokens",
         type=int,
         metavar="TOKENS",
-        help=_help(
+        help=flag_help(
             "prompt tokens one step may prefill, over all requests; it bounds each chunk too "
             "(vLLM's and SGLang's spellings)",
             "scheduler",
@@ -313,7 +317,7 @@ def _add_prefill_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--chunked-prefill-size",
         type=int,
-        help=_help(
+        help=flag_help(
             "longest prompt chunk one request prefills in a step",
             "scheduler",
             "chunked_prefill_size",
@@ -323,7 +327,7 @@ def _add_prefill_flags(g: argparse._ArgumentGroup) -> None:
         "--max-unread-tokens",
         type=int,
         metavar="TOKENS",
-        help=_help(
+        help=flag_help(
             "a streaming request whose reader is this far behind stops being decoded (it keeps "
             "its KV) until the reader catches up to half of it",
             "scheduler",
@@ -339,7 +343,7 @@ def _add_prefix_cache_flags(g: argparse._ArgumentGroup) -> None:
         dest="prefix_caching",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=_help(
+        help=flag_help(
             "share the KV of common prefixes", "cache", "prefix_caching", "on, off with HiSparse"
         ),
     )
@@ -354,7 +358,7 @@ def _add_prefix_cache_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--schedule-policy",
         choices=["fcfs", "lpm"],
-        help=_help(
+        help=flag_help(
             "admission order: fcfs (arrival) or lpm (longest cached prefix first)",
             "scheduler",
             "policy",
@@ -371,169 +375,3 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     s.add_argument("--seed", type=int, help="seed of this request's sampling (default: none)")
     s.add_argument("--ignore-eos", action="store_true", help="generate past the EOS token")
-
-
-def add_server_flags(p: argparse.ArgumentParser) -> None:
-    """`serve`'s flags beside the engine's: `serve MODEL`, the API and the logs."""
-    p.add_argument(
-        "model_tag",
-        nargs="?",
-        metavar="MODEL",
-        help="the model, as with --model (vLLM's `serve MODEL`)",
-    )
-    g = p.add_argument_group("server")
-    _add_api_flags(g)
-    _add_limit_flags(g)
-    _add_log_flags(g)
-
-
-def _add_api_flags(g: argparse._ArgumentGroup) -> None:
-    """Where the server listens, who may call it, and what it answers with."""
-    g.add_argument("--host", help=_help("bind address", "server", "host"))
-    g.add_argument("--port", type=int, help=_help("TCP port; 0 picks a free one", "server", "port"))
-    g.add_argument(
-        "--api-key",
-        metavar="KEY",
-        help=_help(
-            "require 'Authorization: Bearer KEY' on the API routes (an empty key is refused)",
-            "server",
-            "api_key",
-            "none: the API is open",
-        ),
-    )
-    g.add_argument(
-        "--served-model-name",
-        metavar="NAME",
-        help=_help(
-            "model id in the API and the metrics", "server", "served_model_name", "the model path"
-        ),
-    )
-    g.add_argument(
-        "--chat-template",
-        metavar="TEMPLATE",
-        help=_help(
-            "chat template of /v1/chat/completions instead of the model's own: a Jinja file, or "
-            "the template text itself",
-            "server",
-            "chat_template",
-            "the model's",
-        ),
-    )
-    g.add_argument(
-        "--seed",
-        dest="model_seed",
-        type=int,
-        metavar="SEED",
-        help=_help("seed of preset weights and of unseeded sampling", "model", "seed"),
-    )
-    g.add_argument(
-        "--metrics",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help=_help("Prometheus metrics at /metrics", "metrics", "enabled"),
-    )
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
-    return value
-
-
-def _add_limit_flags(g: argparse._ArgumentGroup) -> None:
-    """What one request may ask of the server, and how long a client may leave a response
-    unread (the other limits are settings only)."""
-    g.add_argument(
-        "--max-request-cost",
-        type=_positive_int,
-        metavar="ENTRIES",
-        help=_help(
-            "token entries one /v1 request's answer may hold (a token with k top logprobs is "
-            "k + 1): per prompt n x max_tokens x (k + 1), plus its tokens once, or n x (k + 1) "
-            "times when echoed; more is a 400 before any generation",
-            "server",
-            "max_request_cost",
-        ),
-    )
-    g.add_argument(
-        "--max-chat-messages",
-        type=_positive_int,
-        metavar="N",
-        help=_help(
-            "messages one /v1/chat/completions request may hold", "server", "max_chat_messages"
-        ),
-    )
-    g.add_argument(
-        "--max-content-parts",
-        type=_positive_int,
-        metavar="N",
-        help=_help(
-            "content parts one /v1/chat/completions request may hold, over all its messages",
-            "server",
-            "max_content_parts",
-        ),
-    )
-    g.add_argument(
-        "--write-timeout",
-        dest="write_timeout_s",
-        type=_positive_seconds,
-        metavar="SECONDS",
-        help=_help(
-            "a connection whose client accepts no byte of a response for this long is reset "
-            "and its requests aborted",
-            "server",
-            "write_timeout_s",
-        ),
-    )
-
-
-def _add_log_flags(g: argparse._ArgumentGroup) -> None:
-    """The server's, uvicorn's, the access and the request logs."""
-    g.add_argument(
-        "--log-level",
-        choices=LOG_LEVELS,
-        help=_help("level of the server's and the engine's logs", "server", "log_level"),
-    )
-    g.add_argument(
-        "--uvicorn-log-level",
-        choices=LOG_LEVELS,
-        help=_help(
-            "level of uvicorn's own logs only", "server", "uvicorn_log_level", "--log-level's"
-        ),
-    )
-    g.add_argument(
-        "--access-log",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help=_help(
-            "one log line per HTTP request (/health and /metrics never, unless "
-            "server.access_log_probes)",
-            "server",
-            "access_log",
-        ),
-    )
-    g.add_argument(
-        "--disable-uvicorn-access-log",
-        dest="access_log",
-        action="store_const",
-        const=False,
-        help="turn the access log off, as --no-access-log does (vLLM's spelling; default: on)",
-    )
-    g.add_argument(
-        "--enable-log-requests",
-        dest="log_requests",
-        action="store_const",
-        const=True,
-        help=_help("log each request's arrival and finish at INFO", "runtime", "log_requests"),
-    )
-    g.add_argument(
-        "--disable-log-requests",
-        dest="log_requests",
-        action="store_const",
-        const=False,
-        help="do not log each request (the default; vLLM's spelling)",
-    )

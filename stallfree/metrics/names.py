@@ -7,7 +7,7 @@ BASE_LABELS = ("model_name", "engine")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # Every `site` a `host_read` names (the runtime's and HiSparse's), exported at 0 from the start
-# so a dashboard shows 0 rather than "No data" (tests/test_metrics.py checks the list against
+# so a dashboard shows 0 rather than "No data" (tests/metrics/test_metrics.py checks the list against
 # the source).
 STALL_SITES = (
     "schedule.page_count",

@@ -20,7 +20,7 @@ import pytest
 
 from stallfree.config.settings import ServerConfig
 from stallfree.entrypoints.server import openai_api
-from stallfree.entrypoints.server.openai_api import RequestCost
+from stallfree.entrypoints.server.budget import RequestCost
 from tests.http_util import MODEL, NO_EOS, serving
 
 DEFAULT_COST = ServerConfig().max_request_cost

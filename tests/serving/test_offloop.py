@@ -112,6 +112,7 @@ async def test_prompt_ids_are_the_same_on_the_loop_and_off_it(prompt):
 
 # ---------------------------------------------------------------- over HTTP
 
+
 async def test_health_answers_while_a_heavy_chat_renders():
     async with serving() as live:
         held = HeldRender(live.engine.tokenizer)

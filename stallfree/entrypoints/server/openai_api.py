@@ -6,7 +6,7 @@ share its KV through the prefix cache: the scheduler holds back a request whose 
 request is prefilling, so the later ones start from the cached pages. An echoed prompt's logprobs
 are computed by its first choice alone and shared by the others' answers.
 
-Before anything is generated, a request's cost (`RequestCost`) is held to
+Before anything is generated, a request's cost (`RequestCost`, budget.py) is held to
 `server.max_request_cost`, and a chat's messages and content parts to their limits. A whole
 (non-streaming) body is written off the event loop, one choice at a time (`json_pieces`).
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +22,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from stallfree.config.settings import ServerConfig
-from stallfree.entrypoints.server.errors import ApiError
+from stallfree.entrypoints.server.budget import RequestCost, check_chat_size, check_fanout
 from stallfree.entrypoints.server.logprobs import (
     LegacyLists,
     TokenPieces,
@@ -90,115 +88,6 @@ class Usage:
 
     def info(self) -> UsageInfo:
         return UsageInfo.of(self.prompt, self.completion, self.cached)
-
-
-# ---------------------------------------------------------------- limits
-
-
-def _check_fanout(prompts: int, n: int, limit: int) -> None:
-    if prompts * n > limit:
-        raise ApiError(
-            400,
-            f"prompt: a request may ask for at most {limit} completions (prompts times n), "
-            f"and this one asks for {prompts} x {n}",
-            param="n" if prompts == 1 else "prompt",
-            code="too_many_prompts",
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class RequestCost:
-    """What a request costs, in the token entries its answer holds (a token with `k` top
-    logprobs is `k + 1` entries): per prompt, n x max_tokens x (k + 1), and the prompt's
-    tokens once, or, echoed, n x its tokens x (k + 1). Each bound alone (n, prompts x n, the
-    top logprobs, the context) lets through a request whose answer is their product;
-    `server.max_request_cost` bounds the product."""
-
-    prompts: int
-    prompt_tokens: int  # summed over the prompts
-    n: int
-    max_tokens: int  # per choice
-    top_logprobs: int | None  # None: logprobs are off
-    echo: bool = False
-    logprobs_field: str = "logprobs"  # the field that asked for them (chat: top_logprobs)
-    max_tokens_field: str = "max_tokens"
-    max_tokens_unset: bool = False  # chat: as many as fit, the rest of the context
-
-    @property
-    def weight(self) -> int:
-        """Entries per token: the token and its top alternatives."""
-        return 1 + (self.top_logprobs or 0)
-
-    @property
-    def total(self) -> int:
-        outputs = self.prompts * self.max_tokens
-        if self.echo:
-            return self.n * (self.prompt_tokens + outputs) * self.weight
-        return self.prompt_tokens + self.n * outputs * self.weight
-
-    def formula(self) -> str:
-        outputs = f"{self.max_tokens} {self.max_tokens_field}"
-        if self.max_tokens_unset:
-            outputs += " (unset: the rest of the context)"
-        if self.prompts > 1:
-            outputs = f"{self.prompts} prompts x {outputs}"
-        weight = (
-            ""
-            if self.top_logprobs is None
-            else f" x ({self.logprobs_field} {self.top_logprobs} + 1)"
-        )
-        if self.echo:
-            return f"n {self.n} x ({self.prompt_tokens} prompt tokens echoed + {outputs}){weight}"
-        return f"{self.prompt_tokens} prompt tokens + n {self.n} x {outputs}{weight}"
-
-    def param(self) -> str:
-        """The field that does most to make the cost: the logprobs, else n, else max_tokens."""
-        if self.weight > 1:
-            return self.logprobs_field
-        return "n" if self.n > 1 else self.max_tokens_field
-
-    def check(self, limit: int) -> None:
-        total = self.total
-        if total > limit:
-            param = self.param()
-            raise ApiError(
-                400,
-                f"{param}: this request costs {total} token entries, {self.formula()}, and "
-                f"the server's budget for one request (server.max_request_cost) is {limit}; "
-                "ask for fewer choices, tokens or logprobs",
-                param=param,
-                code="request_too_costly",
-            )
-
-
-def _check_chat_size(body: ChatCompletionRequest, limits: ServerConfig) -> None:
-    """At most `max_chat_messages` messages and `max_content_parts` content parts (over all
-    the messages), before any of them is rendered."""
-    messages = body.messages
-    if len(messages) > limits.max_chat_messages:
-        raise ApiError(
-            400,
-            f"messages: a chat request may hold at most {limits.max_chat_messages} messages "
-            f"(server.max_chat_messages), and this one holds {len(messages)}",
-            param="messages",
-            code="too_many_messages",
-        )
-    counts = [len(m.content) if isinstance(m.content, list) else 0 for m in messages]
-    total = sum(counts)
-    if total <= limits.max_content_parts:
-        return
-    # the message whose parts go past the limit
-    at = next(
-        i for i, seen in enumerate(itertools.accumulate(counts)) if seen > limits.max_content_parts
-    )
-    param = f"messages.{at}.content"
-    raise ApiError(
-        400,
-        f"{param}: a chat request may hold at most {limits.max_content_parts} content parts "
-        f"over all its messages (server.max_content_parts), and this one holds {total}",
-        param=param,
-        code="too_many_content_parts",
-    )
 
 
 # ---------------------------------------------------------------- answers
@@ -388,7 +277,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     max_tokens = body.max_tokens or 16
     with converting():
         prompts = await prompt_ids_async(engine, body.prompt, limits.max_prompts_per_request)
-        _check_fanout(len(prompts), n, limits.max_prompts_per_request)
+        check_fanout(len(prompts), n, limits.max_prompts_per_request)
         for ids in prompts:
             engine.check_prompt(ids, body.max_tokens, param="prompt")
         cost = RequestCost(
@@ -509,9 +398,9 @@ class _ChatAnswer:
 async def chat(body: ChatCompletionRequest, request: Request) -> Response:
     state = _open(body, request)
     engine, n, limits = state.engine, body.n, state.limits
-    _check_chat_size(body, limits)
+    check_chat_size(body, limits)
     with converting():
-        _check_fanout(1, n, limits.max_prompts_per_request)
+        check_fanout(1, n, limits.max_prompts_per_request)
         ids = await chat_prompt_ids_async(engine, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         engine.check_prompt(ids, max_tokens, param="messages")

@@ -11,7 +11,7 @@ fields as a required keyword: the requests, each device tensor together with its
 per-row host lists and the per-token tensors of one step. An operation either passes a new
 value for a group or says `KEEP`; it cannot leave a mirror or a per-row list behind by
 forgetting it. `_assign` checks the shapes, and runs the parity checker when
-`runtime.check_mirrors` is on. `tests/test_mirror_parity.py` checks that no other method
+`runtime.check_mirrors` is on. `tests/core/test_mirror_parity.py` checks that no other method
 assigns these fields.
 """
 

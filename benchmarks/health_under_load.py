@@ -1,0 +1,133 @@
+"""What stays cheap while the engine is loaded: `/health` latency with N requests queued, the
+host cost of one health check plus `Engine.snapshot()` at 0 and N queued, and the stop-string
+search per token with many long stop strings.
+
+These are the figures the tests used to assert as wall-clock bounds; the tests now assert
+counts (calls made, scans done) and these numbers are printed here instead. `tiny` preset, an
+in-process server on loopback; medians over `--repeats` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import os
+import statistics
+import time
+
+from stallfree import Engine, SamplingParams, load_config
+from stallfree.entrypoints.server import create_app, start_server
+
+
+def _probe(port: int, n: int) -> list[float]:
+    """`n` sequential GET /health on one keep-alive connection; seconds each."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    took = []
+    try:
+        for _ in range(n):
+            start = time.perf_counter()
+            conn.request("GET", "/health")
+            resp = conn.getresponse()
+            resp.read()
+            took.append(time.perf_counter() - start)
+            time.sleep(0.002)
+    finally:
+        conn.close()
+    return took
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _check_cost(engine: Engine, calls: int) -> float:
+    """Microseconds per `healthy` + `snapshot()`, the work of one probe and one scrape."""
+    start = time.perf_counter()
+    seen = 0
+    for _ in range(calls):
+        seen += engine.healthy
+        engine.snapshot()
+    assert seen == calls, "the engine was not healthy throughout"
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+async def health_round(queued: int, probes: int) -> tuple[list[float], float, float]:
+    cfg = load_config(
+        model={"path": "tiny"},
+        runtime={"device": "cpu"},
+        cache={"max_running_requests": 2},
+        scheduler={"max_waiting_requests": queued + 500},
+        server={"max_concurrent_requests": queued + 500},
+    )
+    engine = Engine(cfg)
+    server = await start_server(create_app(engine))
+    params = SamplingParams(max_new_tokens=1500, ignore_eos=True)
+    try:
+        idle_cost = _check_cost(engine, 2000)
+
+        async def hold(i: int) -> None:
+            async for _ in engine.generate([1 + i % 200, 2, 3], params):
+                pass
+
+        held = [asyncio.create_task(hold(i)) for i in range(queued)]
+        while engine.snapshot().waiting < queued - 10:
+            await asyncio.sleep(0.05)
+        loaded_cost = _check_cost(engine, 2000)
+        took = await asyncio.to_thread(_probe, server.port, probes)
+        for t in held:
+            t.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+    finally:
+        await server.stop()
+        await engine.shutdown(drain=False)
+    return took, idle_cost, loaded_cost
+
+
+async def stop_string_cost(stops: int, chars: int, tokens: int) -> float:
+    """Microseconds of output processing per token with `stops` stop strings of `chars`."""
+    cfg = load_config(model={"path": "tiny"}, runtime={"device": "cpu"})
+    never = ["\x00" * (chars - 1) + chr(0x4E00 + i) for i in range(stops)]
+    async with Engine(cfg) as engine:
+        plain = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+        stopped = SamplingParams(max_new_tokens=tokens, ignore_eos=True, stop=never)
+        await engine.complete([1, 2, 3], plain)  # warm
+        start = time.perf_counter()
+        await engine.complete([1, 2, 3], plain)
+        base = time.perf_counter() - start
+        start = time.perf_counter()
+        await engine.complete([1, 2, 3], stopped)
+        with_stops = time.perf_counter() - start
+    return (with_stops - base) / tokens * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--queued", type=int, default=5000)
+    p.add_argument("--probes", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    print(f"load average: {os.getloadavg()}")
+    p50s, p99s, worst, idle, loaded, stop_us = [], [], [], [], [], []
+    for _ in range(args.repeats):
+        took, idle_cost, loaded_cost = asyncio.run(health_round(args.queued, args.probes))
+        p50s.append(_pct(took, 0.5))
+        p99s.append(_pct(took, 0.99))
+        worst.append(max(took))
+        idle.append(idle_cost)
+        loaded.append(loaded_cost)
+        stop_us.append(asyncio.run(stop_string_cost(64, 512, 400)))
+    ms = 1e3
+    print(f"/health with {args.queued} queued, {args.probes} probes, median of {args.repeats}:")
+    print(f"  p50 {statistics.median(p50s) * ms:.2f} ms  p99 {statistics.median(p99s) * ms:.2f} ms")
+    print(f"  max {statistics.median(worst) * ms:.2f} ms")
+    print(
+        f"health check + snapshot: {statistics.median(idle):.1f} us idle, "
+        f"{statistics.median(loaded):.1f} us with {args.queued} queued"
+    )
+    print(f"64 stop strings of 512 chars: {statistics.median(stop_us):.1f} us per token more")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""`serve`'s own flags beside the engine's: `serve MODEL`, where the server listens and who may
+call it, what one request may ask of it, and its logs."""
+
+from __future__ import annotations
+
+import argparse
+
+from stallfree.entrypoints.flags import LOG_LEVELS, flag_help, positive_seconds
+
+
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    """`serve`'s flags beside the engine's: `serve MODEL`, the API and the logs."""
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as with --model (vLLM's `serve MODEL`)",
+    )
+    g = p.add_argument_group("server")
+    _add_api_flags(g)
+    _add_limit_flags(g)
+    _add_log_flags(g)
+
+
+def _add_api_flags(g: argparse._ArgumentGroup) -> None:
+    """Where the server listens, who may call it, and what it answers with."""
+    g.add_argument("--host", help=flag_help("bind address", "server", "host"))
+    g.add_argument(
+        "--port", type=int, help=flag_help("TCP port; 0 picks a free one", "server", "port")
+    )
+    g.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=flag_help(
+            "require 'Authorization: Bearer KEY' on the API routes (an empty key is refused)",
+            "server",
+            "api_key",
+            "none: the API is open",
+        ),
+    )
+    g.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help=flag_help(
+            "model id in the API and the metrics", "server", "served_model_name", "the model path"
+        ),
+    )
+    g.add_argument(
+        "--chat-template",
+        metavar="TEMPLATE",
+        help=flag_help(
+            "chat template of /v1/chat/completions instead of the model's own: a Jinja file, or "
+            "the template text itself",
+            "server",
+            "chat_template",
+            "the model's",
+        ),
+    )
+    g.add_argument(
+        "--seed",
+        dest="model_seed",
+        type=int,
+        metavar="SEED",
+        help=flag_help("seed of preset weights and of unseeded sampling", "model", "seed"),
+    )
+    g.add_argument(
+        "--metrics",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=flag_help("Prometheus metrics at /metrics", "metrics", "enabled"),
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
+    return value
+
+
+def _add_limit_flags(g: argparse._ArgumentGroup) -> None:
+    """What one request may ask of the server, and how long a client may leave a response
+    unread (the other limits are settings only)."""
+    g.add_argument(
+        "--max-request-cost",
+        type=_positive_int,
+        metavar="ENTRIES",
+        help=flag_help(
+            "token entries one /v1 request's answer may hold (a token with k top logprobs is "
+            "k + 1): per prompt n x max_tokens x (k + 1), plus its tokens once, or n x (k + 1) "
+            "times when echoed; more is a 400 before any generation",
+            "server",
+            "max_request_cost",
+        ),
+    )
+    g.add_argument(
+        "--max-chat-messages",
+        type=_positive_int,
+        metavar="N",
+        help=flag_help(
+            "messages one /v1/chat/completions request may hold", "server", "max_chat_messages"
+        ),
+    )
+    g.add_argument(
+        "--max-content-parts",
+        type=_positive_int,
+        metavar="N",
+        help=flag_help(
+            "content parts one /v1/chat/completions request may hold, over all its messages",
+            "server",
+            "max_content_parts",
+        ),
+    )
+    g.add_argument(
+        "--write-timeout",
+        dest="write_timeout_s",
+        type=positive_seconds,
+        metavar="SECONDS",
+        help=flag_help(
+            "a connection whose client accepts no byte of a response for this long is reset "
+            "and its requests aborted",
+            "server",
+            "write_timeout_s",
+        ),
+    )
+
+
+def _add_log_flags(g: argparse._ArgumentGroup) -> None:
+    """The server's, uvicorn's, the access and the request logs."""
+    g.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        help=flag_help("level of the server's and the engine's logs", "server", "log_level"),
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        choices=LOG_LEVELS,
+        help=flag_help(
+            "level of uvicorn's own logs only", "server", "uvicorn_log_level", "--log-level's"
+        ),
+    )
+    g.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=flag_help(
+            "one log line per HTTP request (/health and /metrics never, unless "
+            "server.access_log_probes)",
+            "server",
+            "access_log",
+        ),
+    )
+    g.add_argument(
+        "--disable-uvicorn-access-log",
+        dest="access_log",
+        action="store_const",
+        const=False,
+        help="turn the access log off, as --no-access-log does (vLLM's spelling; default: on)",
+    )
+    g.add_argument(
+        "--enable-log-requests",
+        dest="log_requests",
+        action="store_const",
+        const=True,
+        help=flag_help("log each request's arrival and finish at INFO", "runtime", "log_requests"),
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        dest="log_requests",
+        action="store_const",
+        const=False,
+        help="do not log each request (the default; vLLM's spelling)",
+    )
