@@ -168,3 +168,61 @@ async def test_health_keeps_answering_while_large_chat_bodies_render():
             r = chat.result()
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         assert answered_while_rendering >= 3
+
+
+async def test_health_answers_while_large_bodies_are_validated(monkeypatch):
+    """A 4 MB chat body (120k empty messages) is parsed and validated in the worker pool: the
+    event loop answers /health meanwhile (on the loop, it answered none until all were done)."""
+    validating = 0
+    real = requests._validate_body
+
+    def counted(model: Any, raw: bytes) -> Any:
+        nonlocal validating
+        validating += 1
+        try:
+            return real(model, raw)
+        finally:
+            validating -= 1
+
+    monkeypatch.setattr(requests, "_validate_body", counted)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": ""}] * 120_000}
+    async with serving() as live:
+        posts = [
+            asyncio.create_task(live.http.post("/v1/chat/completions", json=body)) for _ in range(4)
+        ]
+        answered_while_validating = 0
+        while not all(p.done() for p in posts):
+            assert (await live.http.get("/health")).status_code == 200
+            answered_while_validating += validating > 0
+        for post in posts:
+            answer = post.result()
+            assert answer.status_code == 400
+            assert answer.json()["error"]["code"] == "too_many_messages"
+        assert answered_while_validating >= 3
+
+
+async def test_bodies_validated_off_the_loop_answer_as_fastapi_did():
+    """Malformed JSON, a wrong type and a lone surrogate get the same 400s either side of the
+    size threshold."""
+    pad = " " * requests.OFF_LOOP_BODY_BYTES
+    async with serving() as live:
+        for tail in ("", pad):
+            bad_json = await live.http.post(
+                "/v1/completions",
+                content=b'{"model": "x", "prompt": ' + tail.encode(),
+                headers={"content-type": "application/json"},
+            )
+            wrong = await live.http.post(
+                "/v1/completions",
+                content=(f'{{"model": "{MODEL}", "prompt": "hi", "n": "many"}}' + tail).encode(),
+                headers={"content-type": "application/json"},
+            )
+            lone = await live.http.post(
+                "/v1/completions",
+                content=(f'{{"model": "{MODEL}", "prompt": "\\ud800"}}' + tail).encode(),
+                headers={"content-type": "application/json"},
+            )
+            assert bad_json.status_code == wrong.status_code == lone.status_code == 400
+            assert "malformed JSON body" in bad_json.json()["error"]["message"]
+            assert wrong.json()["error"]["param"] == "n"
+            assert lone.json()["error"]["param"] == "prompt"

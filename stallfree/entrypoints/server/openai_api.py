@@ -37,6 +37,7 @@ from stallfree.entrypoints.server.requests import (
     check_model,
     converting,
     prompt_ids_async,
+    read_body,
     reject_unsupported,
     sampling_params,
 )
@@ -271,7 +272,8 @@ class _CompletionAnswer:
         return json_pieces(envelope, "choices", self._choices(results))
 
 
-async def completions(body: CompletionRequest, request: Request) -> Response:
+async def completions(request: Request) -> Response:
+    body = await read_body(request, CompletionRequest)
     state = _open(body, request)
     engine, n, limits = state.engine, body.n, state.limits
     max_tokens = body.max_tokens or 16
@@ -395,7 +397,8 @@ class _ChatAnswer:
         return json_pieces(envelope, "choices", self._choices(results))
 
 
-async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+async def chat(request: Request) -> Response:
+    body = await read_body(request, ChatCompletionRequest)
     state = _open(body, request)
     engine, n, limits = state.engine, body.n, state.limits
     check_chat_size(body, limits)

@@ -3,6 +3,7 @@ body; the response bodies are in `responses`."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Literal
 
@@ -103,7 +104,22 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
+def _all_unicode(data: Any) -> bool:
+    """Whether every string and key in a JSON value is Unicode text, at C speed: the JSON
+    encoder writes them all, and UTF-8 refuses a lone surrogate. (A walk in Python took 0.7 s
+    of the event loop for a 4 MB body; this takes a few ms.)"""
+    try:
+        json.dumps(data, ensure_ascii=False, check_circular=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    except (TypeError, ValueError):
+        return False  # not plain JSON data: let the walk look at it
+    return True
+
+
 def _check_unicode(data: Any) -> Any:
+    if _all_unicode(data):
+        return data
     field = lone_surrogate_at(data)
     if field is not None:
         # a key may hold the surrogate itself; the name is given escaped (\\ud800)
