@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -78,3 +79,18 @@ def warnings_logged() -> Iterator[list[logging.LogRecord]]:
     finally:
         for name in names:
             logging.getLogger(name).removeHandler(handler)
+
+
+def read_to_end(sock: socket.socket, timeout: float = 5) -> bytes:
+    """What `sock` still holds until the server's reset (or close); fails (timeout) if the
+    server never ends the connection."""
+    sock.settimeout(timeout)
+    parts = []
+    try:
+        while data := sock.recv(1 << 16):
+            parts.append(data)
+    except ConnectionResetError:
+        pass
+    finally:
+        sock.close()
+    return b"".join(parts)

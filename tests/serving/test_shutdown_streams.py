@@ -19,7 +19,7 @@ import httpx
 
 from stallfree.entrypoints.server import RunningServer
 from tests.engine_util import settle
-from tests.http_util import NO_EOS, completion, finished, serving, warnings_logged
+from tests.http_util import NO_EOS, completion, finished, read_to_end, serving, warnings_logged
 
 GRACE_S = 0.5
 # the grace period, the server's 0.1 s ticks, the lifespan's engine shutdown
@@ -43,19 +43,6 @@ def never_reading(port: int, body: dict[str, Any]) -> socket.socket:
     )
     sock.sendall(head.encode() + data)
     return sock
-
-
-def read_to_end(sock: socket.socket, timeout: float = 5) -> bytes:
-    sock.settimeout(timeout)
-    parts = []
-    try:
-        while data := sock.recv(1 << 16):
-            parts.append(data)
-    except ConnectionResetError:
-        pass
-    finally:
-        sock.close()
-    return b"".join(parts)
 
 
 async def until(predicate: Any, timeout: float = 20) -> None:

@@ -21,7 +21,7 @@ from stallfree.entrypoints.server import RunningServer
 from stallfree.entrypoints.server.connections import ConnectionBudget
 from stallfree.runtime.telemetry.stats import EngineCounters
 from tests.engine_util import settle
-from tests.http_util import NO_EOS, completion, finished, serving
+from tests.http_util import NO_EOS, completion, finished, read_to_end, serving
 
 CLIENTS = 8
 CHOICES = 16
@@ -68,21 +68,6 @@ def never_reading(port: int, body: dict[str, Any], route: str = "/v1/completions
     sock.connect(("127.0.0.1", port))
     sock.sendall(request_bytes(route, body))
     return sock
-
-
-def read_to_end(sock: socket.socket, timeout: float = 5) -> bytes:
-    """What `sock` still holds until the server's reset (or close); fails if the server
-    never ends the connection."""
-    sock.settimeout(timeout)
-    parts = []
-    try:
-        while data := sock.recv(1 << 16):
-            parts.append(data)
-    except ConnectionResetError:
-        pass
-    finally:
-        sock.close()
-    return b"".join(parts)
 
 
 async def until(predicate: Any, timeout: float = 30, each: Any = None) -> None:
