@@ -14,14 +14,21 @@ from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
 class PausedRequests:
     bound: int  # unread tokens that pause a request; it resumes at half
     unread: Callable[[Req], int]  # tokens its reader has not read (0: it reads only the end)
+    # requests that reached `bound` since they were last looked at (the output processor's)
+    behind: set[Req] = field(default_factory=set)
     reqs: list[Req] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.reqs)
 
     def pause_behind(self, running: ScheduleBatch) -> int:
-        """Take out of `running` every request `bound` tokens ahead of its reader."""
-        behind = [i for i, r in enumerate(running.reqs) if self.unread(r) >= self.bound]
+        """Take out of `running` every request `bound` tokens ahead of its reader. Only the
+        candidates the output processor noted are checked: nothing per running request."""
+        if not self.behind:
+            return 0
+        candidates = {r for r in self.behind if self.unread(r) >= self.bound}
+        self.behind.clear()  # the rest caught up; a request that falls behind again is re-noted
+        behind = [i for i, r in enumerate(running.reqs) if r in candidates] if candidates else []
         if not behind:
             return 0
         for i in behind:

@@ -81,7 +81,10 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         self.deferred = DeferredFrees(self.ctx, self.cache)
-        self.paused = PausedRequests(self.config.max_unread_tokens, self.output.unread)
+        self.output.unread_bound = self.config.max_unread_tokens
+        self.paused = PausedRequests(
+            self.config.max_unread_tokens, self.output.unread, self.output.behind
+        )
         self.running_batch = ScheduleBatch.init_new([], self.ctx)
         self.running_batch.prepare_for_idle()
 

@@ -114,6 +114,11 @@ class OutputProcessor:
         self.observer = observer
         self._streams: dict[Req, RequestStream] = {}
         self.on_read: Callable[[], None] | None = None  # wakes the scheduler (backpressure)
+        # backpressure: streaming requests whose unread tokens reached `unread_bound`, so the
+        # scheduler looks at these, not at every running request, each step (may hold stale
+        # entries: readers that caught up since; `unread` says)
+        self.unread_bound: int | None = None
+        self.behind: set[Req] = set()
 
     def unread(self, req: Req) -> int:
         """Tokens a streaming consumer has not read yet; 0 for one that reads only the end
@@ -140,6 +145,7 @@ class OutputProcessor:
     def discard(self, req: Req) -> None:
         """The consumer is gone; drop what is held for it."""
         self._streams.pop(req, None)
+        self.behind.discard(req)
 
     def held_text_len(self, req: Req) -> int:
         """Characters decoded but held back for stop strings."""
@@ -155,6 +161,9 @@ class OutputProcessor:
         if stream is None:
             return False
         stream.ids.append(tok)
+        bound = self.unread_bound
+        if bound is not None and len(stream.ids) >= bound and stream.wake_per_step:
+            self.behind.add(req)
         if logprobs is not None:
             stream.logprobs.append(logprobs)
         if not stream.stops:
