@@ -139,12 +139,22 @@ def _serve_subprocess() -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("the server did not start")
 
 
-async def large_bodies_round(bodies: int, messages: int) -> tuple[float, int]:
-    """The longest /health answer (seconds) while `bodies` chat bodies of `messages` empty
-    messages each are posted at once to a server in another process, and how many probes were
-    answered meanwhile."""
+_CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+# the dense chat bodies of about 4 MB each: 120k empty messages, 45k tool calls in one
+# message, 125k text parts in one message
+LARGE_BODIES = {
+    "messages": [{"role": "user", "content": ""}] * 120_000,
+    "tool-calls": [{"role": "assistant", "content": None, "tool_calls": [_CALL] * 45_000}],
+    "parts": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 125_000}],
+}
+
+
+async def large_bodies_round(bodies: int, kind: str) -> tuple[float, int, float]:
+    """The longest /health answer (seconds) while `bodies` chat bodies of `kind` are posted at
+    once to a server in another process, how many probes were answered meanwhile, and the
+    seconds until the last body was answered."""
     proc, url = _serve_subprocess()
-    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": ""}] * messages})
+    body = json.dumps({"model": "tiny", "messages": LARGE_BODIES[kind]})
     worst, probes, dropped = 0.0, 0, 0
     try:
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
@@ -155,6 +165,7 @@ async def large_bodies_round(bodies: int, messages: int) -> tuple[float, int]:
                 )
                 for _ in range(bodies)
             ]
+            began = time.perf_counter()
             await asyncio.sleep(0.2)  # the uploads are under way
             while not all(p.done() for p in posts):
                 start = time.perf_counter()
@@ -164,13 +175,19 @@ async def large_bodies_round(bodies: int, messages: int) -> tuple[float, int]:
                 except httpx.TransportError:
                     dropped += 1  # the server closed the probe's connection
                 worst = max(worst, time.perf_counter() - start)
-            await asyncio.gather(*posts, return_exceptions=True)
+            answers = await asyncio.gather(*posts, return_exceptions=True)
+            took = time.perf_counter() - began
+            statuses = {
+                a.status_code if isinstance(a, httpx.Response) else repr(a) for a in answers
+            }
+            if statuses != {400}:
+                print(f"  answers: {statuses}")
     finally:
         proc.kill()
         proc.wait()
     if dropped:
         print(f"  {dropped} probe connections dropped by the server")
-    return worst, probes
+    return worst, probes, took
 
 
 def main() -> None:
@@ -180,18 +197,22 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bodies", type=int, default=8, help="large chat bodies posted at once")
     p.add_argument("--only-bodies", action="store_true", help="only the large-bodies figure")
+    p.add_argument("--kind", choices=[*LARGE_BODIES, "all"], default="all")
     args = p.parse_args()
     print(f"load average: {os.getloadavg()}")
-    gaps, answered = [], []
-    for _ in range(args.repeats):
-        gap, n = asyncio.run(large_bodies_round(args.bodies, 120_000))
-        gaps.append(gap)
-        answered.append(n)
-    print(
-        f"{args.bodies} chat bodies of 120k empty messages (4 MB) at once: longest /health "
-        f"{statistics.median(gaps) * 1e3:.0f} ms, {statistics.median(answered):.0f} probes "
-        f"answered meanwhile (median of {args.repeats})"
-    )
+    kinds = list(LARGE_BODIES) if args.kind == "all" else [args.kind]
+    rounds: dict[str, list[tuple[float, int, float]]] = {k: [] for k in kinds}
+    for _ in range(args.repeats):  # the kinds interleaved, each against a fresh server
+        for kind in kinds:
+            rounds[kind].append(asyncio.run(large_bodies_round(args.bodies, kind)))
+    for kind, runs in rounds.items():
+        gaps, answered, took = zip(*runs, strict=True)
+        print(
+            f"{args.bodies} chat bodies of 4 MB ({kind}) at once: longest /health "
+            f"{statistics.median(gaps) * 1e3:.0f} ms, {statistics.median(answered):.0f} probes "
+            f"answered meanwhile, all answered in {statistics.median(took):.2f} s "
+            f"(median of {args.repeats})"
+        )
     if args.only_bodies:
         return
     p50s, p99s, worst, idle, loaded, stop_us = [], [], [], [], [], []

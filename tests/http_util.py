@@ -1,13 +1,19 @@
 """A server on the `tiny` preset in the test's loop, for the HTTP limit and shutdown tests, and
-what they share: request bodies, the slow-step fault, counting finishes, catching warnings."""
+what they share: request bodies, the slow-step fault, counting finishes, catching warnings, and
+`stallfree serve` in a subprocess."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,6 +22,7 @@ from stallfree import Engine
 from stallfree.entrypoints.server import RunningServer, create_app, start_server
 from tests.engine_util import engine_config
 
+ROOT = Path(__file__).resolve().parents[1]
 MODEL = "m"
 NO_EOS = {"ignore_eos": True, "temperature": 0}
 # every step sleeps this long: requests last a predictable while
@@ -94,3 +101,34 @@ def read_to_end(sock: socket.socket, timeout: float = 5) -> bytes:
     finally:
         sock.close()
     return b"".join(parts)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def stallfree_serve(*flags: str, **env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    port = _free_port()
+    environ = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false", **env)
+    cmd = [sys.executable, "-m", "stallfree.entrypoints.cli", "serve", "--model", "tiny"]
+    cmd += ["--device", "cpu", "--port", str(port), "--served-model-name", MODEL, *flags]
+    proc = subprocess.Popen(
+        cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.1)
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

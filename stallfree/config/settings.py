@@ -248,8 +248,8 @@ class ServerConfig(_Section):
     max_content_parts: int = Field(
         4096,
         ge=1,
-        description="Content parts one /v1/chat/completions request may hold, over all its "
-        "messages (400 beyond)",
+        description="Content parts and tool calls one /v1/chat/completions request may hold, "
+        "over all its messages (400 beyond)",
     )
     retry_after_s: int = Field(
         1, ge=0, description="Retry-After (seconds) of a 503 answered because of overload"

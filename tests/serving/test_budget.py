@@ -229,7 +229,28 @@ async def test_chats_past_the_message_and_content_part_limits_are_refused(monkey
         assert (error["param"], error["code"]) == ("messages.2.content", "too_many_content_parts")
         assert "at most 10 content parts" in error["message"]
         assert "(server.max_content_parts)" in error["message"] and "holds 12" in error["message"]
-        assert len(calls.made) == 2
+        # tool calls count with the parts: 4 parts and 6 calls fit, a seventh call does not
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+        def calling(count: int) -> dict[str, Any]:
+            return {"role": "assistant", "content": None, "tool_calls": [call] * count}
+
+        assert (
+            await live.http.post(
+                "/v1/chat/completions", json=_chat([parted(4), calling(6), message])
+            )
+        ).is_success
+        r = await live.http.post(
+            "/v1/chat/completions", json=_chat([parted(4), calling(7), message])
+        )
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == (
+            "messages.1.tool_calls",
+            "too_many_content_parts",
+        )
+        assert "content parts and tool calls" in error["message"] and "holds 11" in error["message"]
+        assert len(calls.made) == 3
 
 
 async def test_the_default_message_limit_refuses_a_chat_of_4097_messages():

@@ -5,16 +5,9 @@ is logged. In-process servers are drained the way a signal drains them (`Running
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,16 +15,14 @@ import pytest
 
 from tests.engine_util import settle
 from tests.http_util import (
-    MODEL,
     NO_EOS,
     SLOW,
     completion,
     finished,
     serving,
+    stallfree_serve,
     warnings_logged,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 async def sse_events(http: httpx.AsyncClient, body: dict[str, Any]) -> list[str]:
@@ -117,37 +108,6 @@ async def test_a_server_whose_engine_failed_closed_stops_with_status_1():
 
 
 # ---------------------------------------------------------------- `stallfree serve` subprocesses
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def stallfree_serve(*flags: str, **env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    port = _free_port()
-    environ = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false", **env)
-    cmd = [sys.executable, "-m", "stallfree.entrypoints.cli", "serve", "--model", "tiny"]
-    cmd += ["--device", "cpu", "--port", str(port), "--served-model-name", MODEL, *flags]
-    proc = subprocess.Popen(
-        cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.1)
-        yield proc, base
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
 
 
 SLOW_ENV = {

@@ -8,7 +8,8 @@ Streaming is Server-Sent Events everywhere: `data: {json}` events, closed by `da
 | `guard` | the middleware in front: request ids, body limit, concurrency limit, drain refusals |
 | `connections` | the HTTP protocol: connection budget, request-head deadline |
 | `routes` | the route handlers |
-| `requests` | request bodies → prompt ids and `SamplingParams`; unsupported-field rejection |
+| `requests` | request bodies → prompt ids and `SamplingParams` |
+| `screening` | the checks before a body is used (model name, unsupported fields, chat size); dense bodies parsed and checked in a separate process |
 | `streaming` | admission, merged engine streams, SSE bodies, client-disconnect aborts |
 | `errors` | `ApiError` and the mapping of validation and engine errors to it |
 | `state` | what the app keeps for its routes: engine, limits, lifecycle (drain) |
@@ -16,13 +17,24 @@ Streaming is Server-Sent Events everywhere: `data: {json}` events, closed by `da
 | `launch` | `serve`, `start_server`, uvicorn settings, signal handling and drain |
 """
 
-from stallfree.entrypoints.server.app import create_app
-from stallfree.entrypoints.server.launch import (
-    RunningServer,
-    Server,
-    serve,
-    start_server,
-    uvicorn_config,
-)
+from __future__ import annotations
 
-__all__ = ["RunningServer", "Server", "create_app", "serve", "start_server", "uvicorn_config"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "RunningServer": "stallfree.entrypoints.server.launch",
+    "Server": "stallfree.entrypoints.server.launch",
+    "create_app": "stallfree.entrypoints.server.app",
+    "serve": "stallfree.entrypoints.server.launch",
+    "start_server": "stallfree.entrypoints.server.launch",
+    "uvicorn_config": "stallfree.entrypoints.server.launch",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    # lazy, so a light module here (the body screen's process) does not pull in the engine
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 
@@ -22,6 +24,7 @@ from stallfree.entrypoints.server.errors import (
 from stallfree.entrypoints.server.guard import Guard
 from stallfree.entrypoints.server.protocol import ErrorInfo
 from stallfree.entrypoints.server.routes import api_routes, open_routes
+from stallfree.entrypoints.server.screening import close_screening
 from stallfree.entrypoints.server.state import Lifecycle, ServerState
 from stallfree.runtime.engine import Engine
 from stallfree.runtime.request.errors import InvalidRequestError
@@ -29,9 +32,15 @@ from stallfree.runtime.request.errors import InvalidRequestError
 logger = logging.getLogger("stallfree.server")
 
 
-def create_app(engine_or_config: Engine | StallfreeConfig) -> FastAPI:
+def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = False) -> FastAPI:
     """An app serving `engine_or_config`; the lifespan starts the engine (and, when the app
-    built it from a config, drains and shuts it down)."""
+    built it from a config, drains and shuts it down).
+
+    `freeze_heap`, for a process that is only this server (`serve`): once the engine has
+    started, what the process holds moves out of the garbage collector's sight (`gc.freeze`),
+    so a full collection walks only what requests made since. Without it, a collection that a
+    large request's objects set off walks the whole model stack too: one 4 MB chat body held
+    `/health` 190 ms, 50 ms frozen."""
     owns = not isinstance(engine_or_config, Engine)
     engine = engine_or_config if isinstance(engine_or_config, Engine) else Engine(engine_or_config)
     cfg = engine.config
@@ -39,9 +48,13 @@ def create_app(engine_or_config: Engine | StallfreeConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        if freeze_heap:
+            gc.collect()
+            gc.freeze()
         try:
             yield
         finally:
+            await asyncio.to_thread(close_screening)
             if owns:
                 try:
                     await engine.shutdown(drain=True)

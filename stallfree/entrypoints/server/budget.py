@@ -1,15 +1,12 @@
 """What one request may cost, checked before anything is generated: completions per request
 (prompts x n), the token entries its answer would hold (`RequestCost` against
-`server.max_request_cost`), and a chat's messages and content parts."""
+`server.max_request_cost`); a chat's messages and content parts are `screening`'s."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
-from stallfree.config.settings import ServerConfig
 from stallfree.entrypoints.server.errors import ApiError
-from stallfree.entrypoints.server.protocol import ChatCompletionRequest
 
 
 def check_fanout(prompts: int, n: int, limit: int) -> None:
@@ -86,33 +83,3 @@ class RequestCost:
                 param=param,
                 code="request_too_costly",
             )
-
-
-def check_chat_size(body: ChatCompletionRequest, limits: ServerConfig) -> None:
-    """At most `max_chat_messages` messages and `max_content_parts` content parts (over all
-    the messages), before any of them is rendered."""
-    messages = body.messages
-    if len(messages) > limits.max_chat_messages:
-        raise ApiError(
-            400,
-            f"messages: a chat request may hold at most {limits.max_chat_messages} messages "
-            f"(server.max_chat_messages), and this one holds {len(messages)}",
-            param="messages",
-            code="too_many_messages",
-        )
-    counts = [len(m.content) if isinstance(m.content, list) else 0 for m in messages]
-    total = sum(counts)
-    if total <= limits.max_content_parts:
-        return
-    # the message whose parts go past the limit
-    at = next(
-        i for i, seen in enumerate(itertools.accumulate(counts)) if seen > limits.max_content_parts
-    )
-    param = f"messages.{at}.content"
-    raise ApiError(
-        400,
-        f"{param}: a chat request may hold at most {limits.max_content_parts} content parts "
-        f"over all its messages (server.max_content_parts), and this one holds {total}",
-        param=param,
-        code="too_many_content_parts",
-    )

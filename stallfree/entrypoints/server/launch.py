@@ -253,7 +253,7 @@ def serve(config: StallfreeConfig) -> int:
     """Serve until SIGINT or SIGTERM, then drain (module docstring); the exit status."""
     configure_logging(config.server)
     template = load_chat_template(config.server.chat_template)  # before the model loads
-    app = create_app(config)
+    app = create_app(config, freeze_heap=True)
     _use_chat_template(app, template)
     uv_config = uvicorn_config(app, config)
     _log_limits(config.server)

@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from stallfree.entrypoints.server.budget import RequestCost, check_chat_size, check_fanout
+from stallfree.entrypoints.server.budget import RequestCost, check_fanout
 from stallfree.entrypoints.server.logprobs import (
     LegacyLists,
     TokenPieces,
@@ -34,11 +34,9 @@ from stallfree.entrypoints.server.logprobs import (
 from stallfree.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
 from stallfree.entrypoints.server.requests import (
     chat_prompt_ids_async,
-    check_model,
     converting,
     prompt_ids_async,
     read_body,
-    reject_unsupported,
     sampling_params,
 )
 from stallfree.entrypoints.server.responses import (
@@ -53,6 +51,7 @@ from stallfree.entrypoints.server.responses import (
     UsageInfo,
     json_pieces,
 )
+from stallfree.entrypoints.server.screening import check_chat_size, check_model, reject_unsupported
 from stallfree.entrypoints.server.state import ServerState, server_state
 from stallfree.entrypoints.server.streaming import DONE, Context, Generation, Result, respond, sse
 from stallfree.runtime.request.outputs import GenerationChunk, TokenLogprobs
@@ -97,7 +96,7 @@ class Usage:
 def _open(body: CompletionRequest | ChatCompletionRequest, request: Request) -> ServerState:
     """What both OpenAI routes check first: the model name and the unsupported fields."""
     state = server_state(request)
-    check_model(state, body.model)
+    check_model(state.model_name, body.model)
     reject_unsupported(body)
     return state
 

@@ -40,7 +40,7 @@ class _Request(BaseModel):
     """A part of an OpenAI request. Fields this server does not know are ignored (a debug line
     names them), as vLLM does: clients send many that do not change the output (`store`,
     `metadata`, `service_tier`, ...). The fields that would change it and are not supported
-    are declared, and refused with a 400 naming them (`requests.reject_unsupported`)."""
+    are declared, and refused with a 400 naming them (`screening.reject_unsupported`)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -151,7 +151,7 @@ class _SamplingFields(_Body):
     """Fields both OpenAI routes share, plus the extras other engines accept (`extra_body`).
 
     Fields typed `Any` are ones this server does not support: they are read only to refuse a
-    value that would change the output (`requests.reject_unsupported`).
+    value that would change the output (`screening.reject_unsupported`).
     """
 
     model: str

@@ -1,5 +1,4 @@
-"""From request bodies to engine inputs: prompt ids, `SamplingParams`, and the refusals of
-what this server does not support.
+"""From request bodies to engine inputs: prompt ids and `SamplingParams`.
 
 Everything a client's values can raise on the way (a validation error, an engine check, an
 overflow in arithmetic on a huge number) is the client's fault and becomes a 400 (`converting`).
@@ -22,8 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from stallfree.entrypoints.server.errors import (
     CONVERSION_ERRORS,
@@ -36,7 +34,15 @@ from stallfree.entrypoints.server.protocol import (
     ChatMessage,
     CompletionRequest,
 )
-from stallfree.entrypoints.server.state import ServerState
+from stallfree.entrypoints.server.screening import (
+    OFF_LOOP_BODY_BYTES,
+    BodyModel,
+    Screen,
+    is_dense,
+    screen_elsewhere,
+    validate_body,
+)
+from stallfree.entrypoints.server.state import server_state
 from stallfree.runtime.engine import Engine
 from stallfree.runtime.request.sampling_params import INT64_MAX, SamplingParams
 from stallfree.runtime.text.tokenizer import ChatTemplateError
@@ -68,48 +74,18 @@ async def _run(weight: int, fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(_worker_pool(), fn, *args)
 
 
-# bodies at least this large are parsed and validated off the event loop
-OFF_LOOP_BODY_BYTES = 64 * 1024
-BodyModel = TypeVar("BodyModel", bound=BaseModel)
-
-
-def _validate_body(model: type[BodyModel], raw: bytes) -> BodyModel:
-    """`raw` as `model`, with FastAPI's own error shapes (a `RequestValidationError` whose
-    locations start at "body"), so the 400s read as before."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        pos = getattr(exc, "pos", getattr(exc, "start", 0))
-        error = getattr(exc, "msg", str(exc))
-        raise RequestValidationError(
-            [
-                {
-                    "type": "json_invalid",
-                    "loc": ("body", pos),
-                    "msg": "JSON decode error",
-                    "input": {},
-                    "ctx": {"error": error},
-                }
-            ]
-        ) from None
-    except RecursionError:  # nested past Python's recursion limit
-        raise ApiError(400, "malformed JSON body: nested too deeply", param="body") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
-        raise RequestValidationError(errors) from None
-
-
 async def read_body(request: Request, model: type[BodyModel]) -> BodyModel:
-    """The request's body as `model`: a large one parsed and validated in the worker pool, so
-    a multi-megabyte chat holds the event loop for no more than a thread switch (pydantic
-    lets the loop run while it validates)."""
+    """The request's body as `model`. A large one is parsed and validated off the event loop:
+    in the worker pool, or, dense with JSON values, in the screening process, which also
+    screens it (`screening`); the routes' own checks then pass it again at no cost."""
     raw = await request.body()
     if len(raw) < OFF_LOOP_BODY_BYTES:
-        return _validate_body(model, raw)
+        return validate_body(model, raw)
+    if is_dense(raw):
+        state = server_state(request)
+        return await screen_elsewhere(model, raw, Screen(state.model_name, state.limits))
     return await asyncio.get_running_loop().run_in_executor(
-        _worker_pool(), _validate_body, model, raw
+        _worker_pool(), validate_body, model, raw
     )
 
 
@@ -120,89 +96,6 @@ def converting(param: str | None = None) -> Iterator[None]:
         yield
     except CONVERSION_ERRORS as exc:
         raise from_conversion_error(exc, param) from exc
-
-
-def check_model(state: ServerState, name: str) -> None:
-    # only the served name: with --served-model-name set, the model's path stays private
-    if name != state.model_name:
-        # a client's id is echoed at most this long, so the answer cannot be made to grow
-        shown = repr(name[:64]) + (
-            f" (and {len(name) - 64} more characters)" if len(name) > 64 else ""
-        )
-        raise ApiError(
-            404,
-            f"the model {shown} does not exist; this server serves {state.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
-
-
-def _given(value: Any) -> bool:
-    """Set to something other than nothing (None, false, an empty string, list or object)."""
-    return value is not None and value is not False and value != "" and value != [] and value != {}
-
-
-def _text_format(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type", "text") == "text")
-
-
-# fields that would change the output, and the values of them this server can honour
-# (their defaults); any other value is a 400 naming the field. Fields not declared at all are
-# ignored (see `protocol._Request`).
-_SHARED_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "min_p": lambda v: v is None or v == 0,
-    "use_beam_search": lambda v: v is None or v is False,
-    "include_stop_str_in_output": lambda v: v is None or v is False,
-    "bad_words": lambda v: not _given(v),
-    "allowed_token_ids": lambda v: v is None,
-    "prompt_logprobs": lambda v: v is None,
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
-    "structured_outputs": lambda v: v is None,
-    "response_format": _text_format,
-}
-_COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "suffix": lambda v: v is None or v == "",
-}
-_CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: not _given(v),
-    "tool_choice": lambda v: v is None or v == "none",
-    "functions": lambda v: not _given(v),
-    "function_call": lambda v: v is None or v == "none",
-    "audio": lambda v: v is None,
-    "modalities": lambda v: v is None or v == ["text"],
-    "chat_template": lambda v: v is None,
-    "chat_template_kwargs": lambda v: not _given(v),
-    "add_generation_prompt": lambda v: v is None or v is True,
-    "continue_final_message": lambda v: v is None or v is False,
-}
-
-
-def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
-    """A 400 naming the first field whose value would change the output in a way this server
-    does not support."""
-    table = dict(_SHARED_UNSUPPORTED)
-    table |= _COMPLETION_UNSUPPORTED if isinstance(body, CompletionRequest) else _CHAT_UNSUPPORTED
-    for field, supported in table.items():
-        if not supported(getattr(body, field)):
-            raise ApiError(
-                400,
-                f"{field}: this value is not supported by this server",
-                param=field,
-                code="unsupported_parameter",
-            )
-    if isinstance(body, CompletionRequest):
-        if body.best_of is not None and body.best_of != body.n:
-            raise ApiError(
-                400,
-                f"best_of: only best_of equal to n ({body.n}) is supported, not {body.best_of}",
-                param="best_of",
-                code="unsupported_parameter",
-            )
-    elif body.top_logprobs and not body.logprobs:
-        raise ApiError(400, "top_logprobs: set logprobs to true to use it", param="top_logprobs")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

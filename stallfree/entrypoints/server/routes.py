@@ -17,12 +17,12 @@ from stallfree.entrypoints.server.logprobs import native_logprobs
 from stallfree.entrypoints.server.openai_api import chat, completions
 from stallfree.entrypoints.server.protocol import GenerateRequest
 from stallfree.entrypoints.server.requests import (
-    check_model,
     converting,
     encode_async,
     native_sampling_params,
 )
 from stallfree.entrypoints.server.responses import ModelCard, ModelList
+from stallfree.entrypoints.server.screening import check_model
 from stallfree.entrypoints.server.state import server_state
 from stallfree.entrypoints.server.streaming import DONE, Context, Generation, Result, respond, sse
 from stallfree.runtime.request.outputs import GenerationChunk
@@ -64,7 +64,7 @@ def api_routes() -> APIRouter:
     # `:path`, so a served name with a slash (`org/model`) is one id
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> ModelCard:
-        check_model(server_state(request), model_id)
+        check_model(server_state(request).model_name, model_id)
         return _model_card(request)
 
     router.add_api_route("/v1/completions", completions, methods=["POST"])

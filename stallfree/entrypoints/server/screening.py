@@ -1,0 +1,288 @@
+"""What a request body must pass before it is used, and where that runs.
+
+`screen` holds the checks of an OpenAI body that need no engine: the model name, the fields
+whose values this server does not support, and a chat's size (messages, and content parts and
+tool calls over all of them).
+
+Parsing a body dense with JSON values holds the GIL: 120k empty messages (4 MB) cost `json`
+and pydantic about 0.3 s of it, in stretches of up to 150 ms, and a worker thread that holds
+the GIL starves the event loop as surely as the loop itself would (eight such bodies kept
+`/health` waiting 0.7 s). So a body of `OFF_LOOP_BODY_BYTES` or more that is dense (at least
+`DENSE_SEPARATORS` of `{`, `[` and `,`) is parsed, validated and screened in a separate process
+(`screen_elsewhere`), which answers with the error, or with the validated body; what passes the
+screen is bounded by it, so taking it back is cheap. A large body that is not dense (long text)
+parses at C speed and is validated in the worker thread (`requests.read_body`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import multiprocessing
+import threading
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from stallfree.config.settings import ServerConfig
+from stallfree.entrypoints.server.errors import ApiError
+from stallfree.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
+
+BodyModel = TypeVar("BodyModel", bound=BaseModel)
+
+# bodies at least this large are parsed and validated off the event loop
+OFF_LOOP_BODY_BYTES = 64 * 1024
+# ... and, when they hold at least this many `{`, `[` and `,`, in the screening process: about
+# 8k messages' worth, which parse and validate in well under 10 ms
+DENSE_SEPARATORS = 32 * 1024
+
+
+def is_dense(raw: bytes) -> bool:
+    """Whether `raw` may hold `DENSE_SEPARATORS` JSON values or more (separators inside strings
+    count too: a long text with many commas is screened in the process, at no harm)."""
+    return raw.count(b",") + raw.count(b"{") + raw.count(b"[") >= DENSE_SEPARATORS
+
+
+def validate_body(model: type[BodyModel], raw: bytes) -> BodyModel:
+    """`raw` as `model`, with FastAPI's own error shapes (a `RequestValidationError` whose
+    locations start at "body"), so the 400s read as FastAPI's would."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        pos = getattr(exc, "pos", getattr(exc, "start", 0))
+        error = getattr(exc, "msg", str(exc))
+        raise RequestValidationError(
+            [
+                {
+                    "type": "json_invalid",
+                    "loc": ("body", pos),
+                    "msg": "JSON decode error",
+                    "input": {},
+                    "ctx": {"error": error},
+                }
+            ]
+        ) from None
+    except RecursionError:  # nested past Python's recursion limit
+        raise ApiError(400, "malformed JSON body: nested too deeply", param="body") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+        raise RequestValidationError(errors) from None
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def check_model(served: str, name: str) -> None:
+    # only the served name: with --served-model-name set, the model's path stays private
+    if name != served:
+        # a client's id is echoed at most this long, so the answer cannot be made to grow
+        shown = repr(name[:64]) + (
+            f" (and {len(name) - 64} more characters)" if len(name) > 64 else ""
+        )
+        raise ApiError(
+            404,
+            f"the model {shown} does not exist; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _given(value: Any) -> bool:
+    """Set to something other than nothing (None, false, an empty string, list or object)."""
+    return value is not None and value is not False and value != "" and value != [] and value != {}
+
+
+def _text_format(value: Any) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type", "text") == "text")
+
+
+# fields that would change the output, and the values of them this server can honour
+# (their defaults); any other value is a 400 naming the field. Fields not declared at all are
+# ignored (see `protocol._Request`).
+_SHARED_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "min_p": lambda v: v is None or v == 0,
+    "use_beam_search": lambda v: v is None or v is False,
+    "include_stop_str_in_output": lambda v: v is None or v is False,
+    "bad_words": lambda v: not _given(v),
+    "allowed_token_ids": lambda v: v is None,
+    "prompt_logprobs": lambda v: v is None,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+    "response_format": _text_format,
+}
+_COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "suffix": lambda v: v is None or v == "",
+}
+_CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "tools": lambda v: not _given(v),
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": lambda v: not _given(v),
+    "function_call": lambda v: v is None or v == "none",
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v is None or v == ["text"],
+    "chat_template": lambda v: v is None,
+    "chat_template_kwargs": lambda v: not _given(v),
+    "add_generation_prompt": lambda v: v is None or v is True,
+    "continue_final_message": lambda v: v is None or v is False,
+}
+
+
+def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """A 400 naming the first field whose value would change the output in a way this server
+    does not support."""
+    table = dict(_SHARED_UNSUPPORTED)
+    table |= _COMPLETION_UNSUPPORTED if isinstance(body, CompletionRequest) else _CHAT_UNSUPPORTED
+    for field, supported in table.items():
+        if not supported(getattr(body, field)):
+            raise ApiError(
+                400,
+                f"{field}: this value is not supported by this server",
+                param=field,
+                code="unsupported_parameter",
+            )
+    if isinstance(body, CompletionRequest):
+        if body.best_of is not None and body.best_of != body.n:
+            raise ApiError(
+                400,
+                f"best_of: only best_of equal to n ({body.n}) is supported, not {body.best_of}",
+                param="best_of",
+                code="unsupported_parameter",
+            )
+    elif body.top_logprobs and not body.logprobs:
+        raise ApiError(400, "top_logprobs: set logprobs to true to use it", param="top_logprobs")
+
+
+def check_chat_size(body: ChatCompletionRequest, limits: ServerConfig) -> None:
+    """At most `max_chat_messages` messages, and `max_content_parts` content parts and tool
+    calls over all the messages, before any of them is rendered."""
+    messages = body.messages
+    if len(messages) > limits.max_chat_messages:
+        raise ApiError(
+            400,
+            f"messages: a chat request may hold at most {limits.max_chat_messages} messages "
+            f"(server.max_chat_messages), and this one holds {len(messages)}",
+            param="messages",
+            code="too_many_messages",
+        )
+    parts = [len(m.content) if isinstance(m.content, list) else 0 for m in messages]
+    calls = [len(m.tool_calls or ()) for m in messages]
+    total = sum(parts) + sum(calls)
+    if total <= limits.max_content_parts:
+        return
+    # the message whose parts or calls go past the limit
+    seen = itertools.accumulate(p + c for p, c in zip(parts, calls, strict=True))
+    at = next(i for i, upto in enumerate(seen) if upto > limits.max_content_parts)
+    param = f"messages.{at}.{'content' if parts[at] else 'tool_calls'}"
+    raise ApiError(
+        400,
+        f"{param}: a chat request may hold at most {limits.max_content_parts} content parts "
+        f"and tool calls over all its messages (server.max_content_parts), and this one "
+        f"holds {total}",
+        param=param,
+        code="too_many_content_parts",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Screen:
+    """What `screen` checks a body against: the served model's name and the server's limits."""
+
+    served_model: str
+    limits: ServerConfig
+
+
+def screen(body: BaseModel, against: Screen) -> None:
+    """The engine-free checks of an OpenAI body, in the order the routes make them."""
+    if isinstance(body, CompletionRequest | ChatCompletionRequest):
+        check_model(against.served_model, body.model)
+        reject_unsupported(body)
+    if isinstance(body, ChatCompletionRequest):
+        check_chat_size(body, against.limits)
+
+
+# ---------------------------------------------------------------- the screening process
+
+
+def _screened(model: type[BaseModel], raw: bytes, against: Screen) -> tuple[Any, ...]:
+    """In the screening process: `raw` parsed, validated and screened; ("ok", body), or the
+    error as plain values (what a client sent is not sent back: an error's `input` can be the
+    whole body)."""
+    try:
+        body = validate_body(model, raw)
+        screen(body, against)
+    except RequestValidationError as exc:
+        errors = [{k: v for k, v in e.items() if k not in ("input", "url")} for e in exc.errors()]
+        return ("invalid", errors)
+    except ApiError as exc:
+        info = exc.info
+        return ("api", exc.status, info.message, info.param, info.code)
+    return ("ok", body)
+
+
+_pool: ProcessPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _screening_pool() -> ProcessPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            # one process: dense bodies queue behind one another there, and take at most one
+            # core from the engine; "spawn", since forking a process that holds a model and
+            # threads is not safe
+            _pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        return _pool
+
+
+def _restart(broken: ProcessPoolExecutor) -> None:
+    global _pool
+    with _pool_lock:
+        if _pool is broken:
+            _pool = None
+    broken.shutdown(wait=False, cancel_futures=True)
+
+
+async def screen_elsewhere(model: type[BodyModel], raw: bytes, against: Screen) -> BodyModel:
+    """`raw` parsed, validated and screened in the screening process; raises what the checks
+    raise, as they would have here."""
+    pool = _screening_pool()
+    try:
+        answer = await asyncio.get_running_loop().run_in_executor(
+            pool, _screened, model, raw, against
+        )
+    except BrokenProcessPool:
+        # the process died under this body (out of memory, or killed): the next starts anew
+        _restart(pool)
+        raise ApiError(
+            400,
+            "the request body could not be checked: the process checking it stopped",
+            param="body",
+            code="body_unchecked",
+        ) from None
+    if answer[0] == "invalid":
+        raise RequestValidationError(answer[1])
+    if answer[0] == "api":
+        _, status, message, param, code = answer
+        raise ApiError(status, message, param=param, code=code)
+    body: BodyModel = answer[1]
+    return body
+
+
+def close_screening() -> None:
+    """Stop the screening process, if one was started (it starts again when needed)."""
+    global _pool
+    with _pool_lock:
+        pool, _pool = _pool, None
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
