@@ -81,3 +81,42 @@ async def test_aborting_a_paused_request_frees_it(llama):
         assert engine.pool_usage().all_free
         ok = await engine.complete([4, 5, 6], {"max_new_tokens": 4})
         assert ok.finish_reason == "length"
+
+
+@pytest.mark.parametrize(("overlap", "mirrors"), MODES)
+async def test_paused_requests_give_up_their_kv_when_the_queue_needs_it(llama, overlap, mirrors):
+    """Twelve readers that stop after their first chunk, on a pool that holds three of their
+    requests: paused requests give up their KV for the queue's head, so every request starts
+    (without it, the first three held the pool until their readers came back), and each ends
+    with the tokens it makes alone once its reader catches up."""
+    prompts = random_prompts(12, seed=9, lo=3, hi=20)
+    cfg = engine_config(
+        llama,
+        runtime={"overlap": overlap, "cpu_mirrors": mirrors, "check_mirrors": True},
+        cache={"page_size": 4, "max_total_tokens": 256, "max_running_requests": 16},
+        scheduler={"max_unread_tokens": BOUND},
+    )
+    async with Engine(cfg) as engine:
+        want = await run_greedy(engine, prompts, LONG.max_new_tokens)
+        streams = [engine.generate(p, LONG, rid=f"r{i}") for i, p in enumerate(prompts)]
+        try:
+            firsts = await asyncio.wait_for(
+                asyncio.gather(*(s.__anext__() for s in streams)), timeout=30
+            )
+        except TimeoutError:
+            for i in range(len(prompts)):  # so that the engine can stop
+                engine.abort(f"r{i}")
+            pytest.fail("requests behind paused ones never started")
+        await _settle(engine)
+        counters = engine.snapshot().counters
+        assert counters.backpressure_pauses >= len(prompts) - 3
+        assert counters.retractions > 0
+        got = []
+        for first, stream in zip(firsts, streams, strict=True):
+            ids = list(first.token_ids)
+            async for chunk in stream:
+                ids.extend(chunk.token_ids)
+            got.append(ids)
+        assert got == want
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free

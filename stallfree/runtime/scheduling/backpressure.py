@@ -1,12 +1,16 @@
 """Backpressure: streaming requests whose readers fell behind leave the decode batch (keeping
-their slots and KV) and rejoin it once the readers catch up. Host state only."""
+their slots and KV) and rejoin it once the readers catch up. When memory is needed (a decode
+step, or a waiting request, that does not fit), paused requests give up their slots and KV,
+the longest paused first (`evict`), and are prefilled again once their readers catch up.
+Host state only."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from stallfree.runtime.request.req import Req
+from stallfree.runtime.request.req import Req, ReqStatus
 from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
 
 
@@ -38,6 +42,28 @@ class PausedRequests:
         running.filter_batch([i for i in range(len(running.reqs)) if i not in gone])
         return len(behind)
 
+    def holding(self) -> list[Req]:
+        """The paused requests that still hold their slots and KV."""
+        return [r for r in self.reqs if r.req_pool_idx is not None]
+
+    def evict(
+        self, release: Callable[[Req], None], enough: Callable[[], bool] | None = None
+    ) -> int:
+        """Paused requests give up their slots and KV, the longest paused first, until
+        `enough()` (without it, one). `release` frees what a request holds as a retraction
+        does; the request stays paused, off the waiting queue, until `take_caught_up`. How many
+        gave them up."""
+        evicted = 0
+        for req in self.reqs:
+            if enough() if enough is not None else evicted:
+                break
+            if req.finished or req.req_pool_idx is None:
+                continue
+            release(req)
+            req.status = ReqStatus.RUNNING  # still paused: not in the waiting queue
+            evicted += 1
+        return evicted
+
     def _caught_up(self, req: Req) -> bool:
         return self.unread(req) <= self.bound // 2
 
@@ -45,10 +71,26 @@ class PausedRequests:
         return any(r.finished or self._caught_up(r) for r in self.reqs)
 
     def take_caught_up(self) -> list[Req]:
-        """Requests whose readers are back to half the bound, unpaused; finished ones (aborted
-        while paused) just leave the list."""
+        """Requests whose readers are back to half the bound, unpaused (those that gave up their
+        KV, with no `req_pool_idx`, are to be prefilled again); finished ones (aborted while
+        paused) just leave the list."""
         back = [r for r in self.reqs if not r.finished and self._caught_up(r)]
         self.reqs = [r for r in self.reqs if not r.finished and r not in back]
         for req in back:
             req.paused = False
         return back
+
+    def resume_caught_up(self, running: ScheduleBatch, waiting: deque[Req]) -> None:
+        """Requests whose readers caught up rejoin `running`; those that gave up their KV go
+        to the head of `waiting`, to be prefilled again first."""
+        if not self.resumable():
+            return
+        back = [r for r in self.take_caught_up() if r.wants_more_decode()]
+        for req in reversed([r for r in back if r.req_pool_idx is None]):
+            req.status = ReqStatus.WAITING
+            waiting.appendleft(req)
+        held = [r for r in back if r.req_pool_idx is not None]
+        if held:
+            batch = ScheduleBatch.init_new(held, running.ctx)
+            batch.prepare_for_prebuilt(imported=False)
+            running.merge_batch(batch)

@@ -137,8 +137,11 @@ class Scheduler:
         with self.ctx.monitor.schedule_path():
             self._merge_last_extend()
             self._filter_running()
-            self._pause_unread()
-            self._resume_read()
+            # backpressure: streaming requests whose readers are `max_unread_tokens` behind
+            # leave the decode batch, and rejoin it (or the queue) once their readers catch up
+            assert self.running_batch is not None
+            self.stats.backpressure_pauses += self.paused.pause_behind(self.running_batch)
+            self.paused.resume_caught_up(self.running_batch, self.waiting)
             batch = self._new_prefill_batch()
             if batch is not None:
                 self.last_extend = batch
@@ -215,6 +218,10 @@ class Scheduler:
             if outcome is Admit.ADDED:
                 self.chunked_req = None
         self._admit_waiting(adder)
+        while not adder.reqs and self._waits_for_room() and self.paused.evict(self._retract):
+            adder = self._new_adder()  # a paused request gave up its KV for the queue's head
+            self.building = adder.reqs
+            self._admit_waiting(adder)
         if not adder.reqs:
             return None
         batch = ScheduleBatch.init_new(adder.reqs, self.ctx)
@@ -227,26 +234,10 @@ class Scheduler:
             ]
         return batch
 
-    def _pause_unread(self) -> None:
-        """Backpressure: a streaming request whose reader is `max_unread_tokens` behind leaves
-        the decode batch until the reader catches up."""
-        assert self.running_batch is not None
-        self.stats.backpressure_pauses += self.paused.pause_behind(self.running_batch)
-
-    def _resume_read(self) -> None:
-        if not self.paused.resumable():
-            return
-        back = [r for r in self.paused.take_caught_up() if r.wants_more_decode()]
-        if back:
-            batch = ScheduleBatch.init_new(back, self.ctx)
-            batch.prepare_for_prebuilt(imported=False)
-            assert self.running_batch is not None
-            self.running_batch.merge_batch(batch)
-
     def _reserved_tokens(self) -> int:
         assert self.running_batch is not None
         reqs = self.running_batch.reqs + (self.last_extend.reqs if self.last_extend else [])
-        reqs = reqs + self.paused.reqs
+        reqs = reqs + self.paused.holding()
         return reserved_tokens(reqs, self.config.new_token_ratio)
 
     def _new_adder(self) -> PrefillAdder:
@@ -256,7 +247,9 @@ class Scheduler:
             budget=self.config.max_prefill_tokens,
             free_tokens=allocator.available_size() - self._reserved_tokens(),
             free_slots=self.ctx.req_to_token_pool.available_size(),
-            running=self.num_running - (self.chunked_req is not None),
+            running=self.num_running
+            - (self.chunked_req is not None)
+            - (len(self.paused) - len(self.paused.holding())),
             max_running=self.max_running_requests,
             chunk_size=self.config.chunked_prefill_size,
             new_token_ratio=self.config.new_token_ratio,
@@ -300,6 +293,10 @@ class Scheduler:
         if deferred:
             self.waiting.extendleft(reversed(deferred))
 
+    def _waits_for_room(self) -> bool:
+        head = next((r for r in self.waiting if not r.finished), None)
+        return head is not None and not head.in_flight_outputs
+
     def _start(self, req: Req, match: PrefixMatch) -> None:
         req.status = ReqStatus.RUNNING
         if req.first_scheduled_time is None:
@@ -335,21 +332,15 @@ class Scheduler:
         step can be built now."""
         allocator = self.ctx.allocator
         seq_lens_cpu = running.host_seq_lens("schedule.page_count")
-        if decode_pages_needed(seq_lens_cpu, allocator.page_size) <= allocator.available_pages():
+        needed = decode_pages_needed(seq_lens_cpu, allocator.page_size)
+        # paused requests give up their KV first: they make no progress meanwhile
+        self.paused.evict(self._retract, lambda: needed <= allocator.available_pages())
+        if needed <= allocator.available_pages():
             return seq_lens_cpu, True
         retracted, fits = running.retract_decode()
         for req in reversed(retracted):
-            # NOTE: its own pages are freed at once, not deferred: the launched batch reads them
-            # before any later batch can write them, because both are ordered on the same
-            # stream. Cached pages it shared stay locked until the batch in flight is processed.
-            node = self.deferred.release_now(req, 0)
-            if node is not None:
-                self.deferred.unlock_after(self.launch_seq, node, self.processed_seq)
-            if self.ctx.sparse is not None:
-                self.ctx.sparse.request_retracted(req)
-            req.reset_for_retract()
+            self._retract(req)
             self.waiting.appendleft(req)
-            self.stats.retractions += 1
         if not fits:
             if self.processed_seq < self.launch_seq:
                 # NOTE: processing the batch in flight may free what is missing (requests that
@@ -360,6 +351,18 @@ class Scheduler:
             running.filter_batch([])
             self._finish(victim, FinishReason.ERROR, "KV cache too small for this request")
         return None, True
+
+    def _retract(self, req: Req) -> None:
+        # NOTE: its own pages are freed at once, not deferred: the launched batch reads them
+        # before any later batch can write them, because both are ordered on the same stream.
+        # Cached pages it shared stay locked until the batch in flight is processed.
+        node = self.deferred.release_now(req, 0)
+        if node is not None:
+            self.deferred.unlock_after(self.launch_seq, node, self.processed_seq)
+        if self.ctx.sparse is not None:
+            self.ctx.sparse.request_retracted(req)
+        req.reset_for_retract()
+        self.stats.retractions += 1
 
     # ------------------------------------------------------------------ results
 
