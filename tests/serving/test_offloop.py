@@ -12,6 +12,7 @@ import asyncio
 import gc
 import json
 import os
+import signal
 import threading
 import time
 from types import SimpleNamespace
@@ -20,8 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
+from stallfree.config.settings import ServerConfig
 from stallfree.entrypoints.server import create_app, requests, screening, start_server
-from stallfree.entrypoints.server.protocol import ChatCompletionRequest
+from stallfree.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
 from stallfree.runtime.model.loader import load_tokenizer
 from tests.engine_util import engine_config
 from tests.http_util import MODEL, NO_EOS, completion, serving, stallfree_serve
@@ -326,3 +328,79 @@ def test_health_answers_within_100ms_while_dense_chat_bodies_are_screened():
         for messages in kinds:
             worst = min(asyncio.run(round_(base, messages)) for _ in range(2))
             assert worst < 0.1, f"/health took {worst * 1e3:.0f} ms"
+
+
+async def test_a_screening_process_that_dies_costs_only_its_body_a_400():
+    body = {"model": MODEL, "messages": [{"role": "user", "content": ""}] * 120_000}
+    async with serving() as live:
+        post = asyncio.create_task(live.http.post("/v1/chat/completions", json=body))
+        deadline = time.monotonic() + 10
+        while not (screening._pool and screening._pool._processes):
+            assert time.monotonic() < deadline, "the screening process never started"
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # it is starting, or parsing the body
+        for pid in list(screening._pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        answer = await post
+        assert answer.status_code == 400
+        assert answer.json()["error"]["code"] == "body_unchecked"
+        # the next dense body gets a new process, and the server goes on
+        again = await live.http.post("/v1/chat/completions", json=body)
+        assert again.status_code == 400 and again.json()["error"]["code"] == "too_many_messages"
+        assert (await live.http.get("/health")).status_code == 200
+
+
+async def test_a_body_submitted_as_another_app_stops_the_pool_goes_to_a_new_one(monkeypatch):
+    stopped = screening._screening_pool()
+    screening.close_screening()  # as another app's lifespan does, after we took the pool
+    pools = iter([stopped])
+    real = screening._screening_pool
+    monkeypatch.setattr(screening, "_screening_pool", lambda: next(pools, None) or real())
+    raw = json.dumps({"model": "other", "prompt": [[1]] * screening.DENSE_SEPARATORS}).encode()
+    against = screening.Screen("m", ServerConfig())
+    with pytest.raises(requests.ApiError) as caught:
+        await screening.screen_elsewhere(CompletionRequest, raw, against)
+    assert caught.value.status == 404  # screened, by the new pool's process
+    screening.close_screening()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # it exited meanwhile
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_the_screening_process_exits_when_its_server_is_killed():
+    body = {"model": MODEL, "messages": [{"role": "user", "content": ""}] * 120_000}
+    with stallfree_serve() as (proc, base):
+        answer = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+        assert answer.json()["error"]["code"] == "too_many_messages"
+        screeners = []
+        for pid in _children(proc.pid):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"multiprocessing.spawn" in f.read():
+                    screeners.append(pid)
+        assert len(screeners) == 1
+        proc.kill()  # no lifespan, no pool shutdown
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while _alive(screeners[0]):
+            assert time.monotonic() < deadline, "the screening process outlived its server"
+            time.sleep(0.1)

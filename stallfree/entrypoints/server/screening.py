@@ -20,7 +20,9 @@ import asyncio
 import itertools
 import json
 import multiprocessing
+import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -232,6 +234,20 @@ def _screened(model: type[BaseModel], raw: bytes, against: Screen) -> tuple[Any,
 
 _pool: ProcessPoolExecutor | None = None
 _pool_lock = threading.Lock()
+# how often the screening process looks whether the server that started it is still there
+_PARENT_POLL_S = 0.5
+
+
+def _watch_parent(parent: int) -> None:
+    """In the screening process: exit once the server is gone. A server killed outright
+    (SIGKILL, the OOM killer) never stops its pool, and the process would wait forever."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="stallfree-screen-parent", daemon=True).start()
 
 
 def _screening_pool() -> ProcessPoolExecutor:
@@ -241,7 +257,12 @@ def _screening_pool() -> ProcessPoolExecutor:
             # one process: dense bodies queue behind one another there, and take at most one
             # core from the engine; "spawn", since forking a process that holds a model and
             # threads is not safe
-            _pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            _pool = ProcessPoolExecutor(
+                1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_watch_parent,
+                initargs=(os.getpid(),),
+            )
         return _pool
 
 
@@ -256,20 +277,26 @@ def _restart(broken: ProcessPoolExecutor) -> None:
 async def screen_elsewhere(model: type[BodyModel], raw: bytes, against: Screen) -> BodyModel:
     """`raw` parsed, validated and screened in the screening process; raises what the checks
     raise, as they would have here."""
-    pool = _screening_pool()
-    try:
-        answer = await asyncio.get_running_loop().run_in_executor(
-            pool, _screened, model, raw, against
-        )
-    except BrokenProcessPool:
-        # the process died under this body (out of memory, or killed): the next starts anew
-        _restart(pool)
-        raise ApiError(
-            400,
-            "the request body could not be checked: the process checking it stopped",
-            param="body",
-            code="body_unchecked",
-        ) from None
+    loop = asyncio.get_running_loop()
+    for attempt in range(2):
+        pool = _screening_pool()
+        try:
+            answer = await loop.run_in_executor(pool, _screened, model, raw, against)
+            break
+        except BrokenProcessPool:
+            # the process died under this body (out of memory, or killed): the next starts anew
+            _restart(pool)
+            raise ApiError(
+                400,
+                "the request body could not be checked: the process checking it stopped",
+                param="body",
+                code="body_unchecked",
+            ) from None
+        except RuntimeError:
+            # another app of this process stopped the pool (`close_screening`) between our
+            # taking it and submitting: once more, to a new one
+            if attempt:
+                raise
     if answer[0] == "invalid":
         raise RequestValidationError(answer[1])
     if answer[0] == "api":
@@ -280,9 +307,10 @@ async def screen_elsewhere(model: type[BodyModel], raw: bytes, against: Screen) 
 
 
 def close_screening() -> None:
-    """Stop the screening process, if one was started (it starts again when needed)."""
+    """Stop the screening process, if one was started (it starts again when needed), once the
+    bodies given to it are answered: another app of this process may be waiting on them."""
     global _pool
     with _pool_lock:
         pool, _pool = _pool, None
     if pool is not None:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=True)
