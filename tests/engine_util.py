@@ -27,8 +27,10 @@ def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[lis
 
 
 def engine_config(model_path: str, **sections: dict[str, Any]):
+    # float32 unless a test asks otherwise: the equality tests compare with transformers in
+    # float32 exactly, where `auto` would pick bfloat16 on a CPU that has it
     base: dict[str, dict[str, Any]] = {
-        "model": {"path": model_path},
+        "model": {"path": model_path, "dtype": "float32"},
         "runtime": {"device": "cpu"},
         "cache": {},
         "scheduler": {},

@@ -28,7 +28,10 @@ class ModelConfig(_Section):
         description="Hugging Face model directory, a .gguf file, or a preset: tiny, bench-cpu",
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="Weights and KV dtype; auto = the checkpoint's, float32 on CPU"
+        "auto",
+        description="Weights and KV dtype; auto = the checkpoint's on CUDA; on a CPU bfloat16 "
+        "where it has AVX512-BF16 or AMX and the model's hidden size is 512 or more, else "
+        "float32",
     )
     seed: int = Field(0, description="Seed for preset weights and unseeded sampling")
     max_context_len: int | None = Field(

@@ -16,6 +16,7 @@ from stallfree.runtime.model import (
     ModelArchConfig,
     ModelLoadError,
     load_model,
+    loader,
 )
 from stallfree.runtime.model.forward_batch import ForwardMode
 from tests.hf_models import hf_greedy, hf_logits, make_llama, make_mistral, make_qwen2
@@ -243,7 +244,9 @@ def test_dtype_resolution(hf_dirs: dict[str, Path]) -> None:
 @pytest.mark.parametrize("name", ["tiny", "bench-cpu"])
 def test_presets_build_and_run(name: str) -> None:
     loaded = load_model(name, "auto", CPU, 0)
-    assert loaded.path is None and loaded.arch == PRESETS[name] and loaded.dtype == torch.float32
+    wide = PRESETS[name].hidden_size >= loader.BF16_MIN_HIDDEN
+    want = torch.bfloat16 if wide and loader.cpu_has_bf16() else torch.float32
+    assert loaded.path is None and loaded.arch == PRESETS[name] and loaded.dtype == want
     h = Harness(loaded.model)
     first = h.run(ForwardMode.EXTEND, [(0, PROMPT_A), (1, PROMPT_B)])
     step = h.run(ForwardMode.DECODE, [(0, [5]), (1, [6])])
