@@ -115,10 +115,10 @@ def write_tokenizer(out: Path) -> None:
 
 
 @functools.cache
-def _load_hf(model_dir: str) -> Any:
+def _load_hf(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
 def hf_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
@@ -130,25 +130,44 @@ def hf_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
 
 def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Exactly `max_new_tokens` greedy tokens from `generate` (EOS cannot stop it early)."""
-    return list(_hf_greedy(str(model_dir), tuple(prompt_ids), max_new_tokens))
+    return list(_hf_greedy(str(model_dir), tuple(prompt_ids), max_new_tokens)[0])
+
+
+def hf_greedy_top(
+    model_dir: Path | str, prompt_ids: list[int], max_new_tokens: int, dtype: torch.dtype, k: int
+) -> tuple[list[int], list[list[int]]]:
+    """`hf_greedy` in `dtype`, and the top-k token ids at each step."""
+    ids, tops = _hf_greedy(str(model_dir), tuple(prompt_ids), max_new_tokens, dtype, k)
+    return list(ids), [list(t) for t in tops]
 
 
 @functools.cache
-def _hf_greedy(model_dir: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+def _hf_greedy(
+    model_dir: str,
+    prompt_ids: tuple[int, ...],
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
+    k: int = 0,
+) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
     from transformers import GenerationConfig
 
-    model = _load_hf(model_dir)
+    model = _load_hf(model_dir, dtype)
     model.generation_config.eos_token_id = None  # the saved default would still stop on EOS
     gen = GenerationConfig(
         do_sample=False,
         max_new_tokens=max_new_tokens,
         eos_token_id=None,
         pad_token_id=EOS_ID,
+        output_scores=k > 0,
+        return_dict_in_generate=True,
     )
     inputs = torch.tensor([list(prompt_ids)])
     with torch.no_grad():
         out = model.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=gen)
-    new = tuple(int(t) for t in out[0, len(prompt_ids) :])
+    new = tuple(int(t) for t in out.sequences[0, len(prompt_ids) :])
     # NOTE: no min_new_tokens: it masks the EOS logit, which the engine (ignore_eos) does not.
     assert len(new) == max_new_tokens, "generate stopped early; eos_token_id=None should prevent it"
-    return new
+    tops = (
+        tuple(tuple(s[0].float().topk(k).indices.tolist()) for s in out.scores or ()) if k else ()
+    )
+    return new, tops

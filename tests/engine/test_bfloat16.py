@@ -17,33 +17,11 @@ import torch
 from stallfree import Engine, SamplingParams
 from stallfree.runtime.model import loader
 from tests.engine_util import MODES, engine_config, random_prompts
-from tests.hf_models import EOS_ID, make_llama
+from tests.hf_models import hf_greedy_top, make_llama
 
 NEW_TOKENS = 24
 TOP_K = 5
 PROMPTS = random_prompts(6, seed=11)
-
-
-def _hf_bf16_greedy(path: str, prompt: list[int]) -> tuple[list[int], list[list[int]]]:
-    """Greedy tokens of transformers in bfloat16, and the top-k ids at each step."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    model.generation_config.eos_token_id = None
-    gen = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=NEW_TOKENS,
-        eos_token_id=None,
-        pad_token_id=EOS_ID,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
-    inputs = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), generation_config=gen)
-    ids = [int(t) for t in out.sequences[0, len(prompt) :]]
-    tops = [s[0].float().topk(TOP_K).indices.tolist() for s in out.scores]
-    return ids, tops
 
 
 def _check_close(
@@ -62,7 +40,7 @@ def _check_close(
 
 @pytest.fixture(scope="module")
 def reference(llama: str) -> list[tuple[list[int], list[list[int]]]]:
-    return [_hf_bf16_greedy(llama, p) for p in PROMPTS]
+    return [hf_greedy_top(llama, p, NEW_TOKENS, torch.bfloat16, TOP_K) for p in PROMPTS]
 
 
 @pytest.mark.parametrize(("overlap", "mirrors"), MODES)
@@ -114,9 +92,10 @@ def test_the_loaded_model_and_the_pools_agree_on_auto(monkeypatch, tmp_path):
         assert loader.load_model(path, "auto", cpu, 0).dtype == want
 
 
+@pytest.mark.skipif(
+    not Path("/proc/cpuinfo").exists(), reason="the CPU's flags are read from Linux's /proc/cpuinfo"
+)
 def test_the_probe_reads_the_cpu():
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if not flags:
-        pytest.skip("no /proc/cpuinfo to compare with")
+    flags = Path("/proc/cpuinfo").read_text()
     listed = any(f" {flag}" in flags for flag in ("avx512_bf16", "amx_tile"))
     assert loader.cpu_has_bf16() == listed

@@ -17,6 +17,7 @@ from stallfree.cli import build_parser, main
 from stallfree.config import CacheConfig, SchedulerConfig, load_config
 from stallfree.entrypoints.cli import HelpFormatter, config_from_args, subparsers, token_count
 from stallfree.entrypoints.server.launch import load_chat_template, uvicorn_config
+from tests.process_util import descendants, running
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -465,42 +466,6 @@ async def test_pool_sizes_are_the_engines_own() -> None:
         assert engine.pool_usage().kv_tokens_total == num_kv_slots - 4
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every process below `pid` (psutil when installed, else /proc)."""
-    try:
-        import psutil
-    except ImportError:
-        children: dict[int, list[int]] = {}
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue
-                children.setdefault(ppid, []).append(int(entry.name))
-        found, todo = set(), [pid]
-        while todo:
-            for child in children.get(todo.pop(), []):
-                found.add(child)
-                todo.append(child)
-        return found
-    try:
-        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
-    except psutil.NoSuchProcess:
-        return set()
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie; the multiprocessing resource tracker does not count (it outlives
-    the workers by design and holds no model)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (OSError, IndexError):
-        return False
-    return state != "Z" and b"resource_tracker" not in cmdline
-
-
 def _listening_ports(pid: int) -> list[int] | None:
     try:
         import psutil
@@ -536,16 +501,16 @@ async def test_two_nodes_on_loopback_serve_what_one_process_does() -> None:
     prompts = ["hello world", "the quick brown fox jumps over", "1 2 3"]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     try:
-        before = _descendants(os.getpid())
+        before = descendants(os.getpid())
         async with Engine(
             model={"path": "tiny"}, runtime={"device": "cpu"}, parallel=parallel
         ) as engine:
             split = await asyncio.gather(*(engine.complete(p, params) for p in prompts))
             (rank0,) = engine.snapshot().workers
-            node1_procs = _descendants(node1.pid)
-            assert any(_running(p) for p in node1_procs)  # rank 1 runs under node 1
+            node1_procs = descendants(node1.pid)
+            assert any(running(p) for p in node1_procs)  # rank 1 runs under node 1
             assert _listening_ports(node1.pid) in ([], None)  # no HTTP server there
-            node0_workers = _descendants(os.getpid()) - before
+            node0_workers = descendants(os.getpid()) - before
         assert rank0.rank == 0 and rank0.steps > 0 and rank0.comm_bytes > 0  # it all-reduced
         assert node1.wait(timeout=20) == 0  # node 0 stopped the group: node 1 follows
         out, err = node1.communicate()
@@ -554,7 +519,7 @@ async def test_two_nodes_on_loopback_serve_what_one_process_does() -> None:
             "HTTP server here, node 0 serves"
         ], (out, err[-2000:])
         assert "Traceback" not in err
-        assert not [p for p in node1_procs | node0_workers if _running(p)]
+        assert not [p for p in node1_procs | node0_workers if running(p)]
     finally:
         if node1.poll() is None:
             node1.kill()

@@ -27,6 +27,7 @@ from stallfree.entrypoints.server.protocol import ChatCompletionRequest, Complet
 from stallfree.runtime.model.loader import load_tokenizer
 from tests.engine_util import engine_config
 from tests.http_util import MODEL, NO_EOS, completion, serving, stallfree_serve
+from tests.process_util import descendants, running
 
 # the longest a held render waits for the loop to release it
 HOLD_S = 3.0
@@ -364,28 +365,6 @@ async def test_a_body_submitted_as_another_app_stops_the_pool_goes_to_a_new_one(
     screening.close_screening()
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # it exited meanwhile
-            if int(fields[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
 def test_the_screening_process_exits_when_its_server_is_killed():
     body = {"model": MODEL, "messages": [{"role": "user", "content": ""}] * 120_000}
@@ -393,7 +372,7 @@ def test_the_screening_process_exits_when_its_server_is_killed():
         answer = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
         assert answer.json()["error"]["code"] == "too_many_messages"
         screeners = []
-        for pid in _children(proc.pid):
+        for pid in descendants(proc.pid):
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if b"multiprocessing.spawn" in f.read():
                     screeners.append(pid)
@@ -401,6 +380,6 @@ def test_the_screening_process_exits_when_its_server_is_killed():
         proc.kill()  # no lifespan, no pool shutdown
         proc.wait()
         deadline = time.monotonic() + 10
-        while _alive(screeners[0]):
+        while running(screeners[0]):
             assert time.monotonic() < deadline, "the screening process outlived its server"
             time.sleep(0.1)

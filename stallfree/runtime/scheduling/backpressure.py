@@ -54,8 +54,9 @@ class PausedRequests:
         does; the request stays paused, off the waiting queue, until `take_caught_up`. How many
         gave them up."""
         evicted = 0
+        done = enough if enough is not None else lambda: evicted > 0
         for req in self.reqs:
-            if enough() if enough is not None else evicted:
+            if done():
                 break
             if req.finished or req.req_pool_idx is None:
                 continue

@@ -1,0 +1,42 @@
+"""Processes below a test's servers and workers, read from psutil when installed, else from
+/proc: what is left running after a server stops or is killed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (psutil when installed, else /proc)."""
+    try:
+        import psutil
+    except ImportError:
+        children: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(entry.name))
+        found, todo = set(), [pid]
+        while todo:
+            for child in children.get(todo.pop(), []):
+                found.add(child)
+                todo.append(child)
+        return found
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie; the multiprocessing resource tracker does not count (it outlives
+    the workers by design and holds no model)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, IndexError):
+        return False
+    return state != "Z" and b"resource_tracker" not in cmdline
