@@ -27,10 +27,11 @@ def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[lis
 
 
 def engine_config(model_path: str, **sections: dict[str, Any]):
-    # float32 unless a test asks otherwise: the equality tests compare with transformers in
-    # float32 exactly, where `auto` would pick bfloat16 on a CPU that has it
+    # float32 and dense unless a test asks otherwise: the equality tests compare with
+    # transformers in float32 exactly, where `auto` would pick bfloat16 on a CPU that has it
+    # and keep a GGUF file's blocks packed
     base: dict[str, dict[str, Any]] = {
-        "model": {"path": model_path, "dtype": "float32"},
+        "model": {"path": model_path, "dtype": "float32", "quantization": "none"},
         "runtime": {"device": "cpu"},
         "cache": {},
         "scheduler": {},

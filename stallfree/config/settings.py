@@ -33,6 +33,12 @@ class ModelConfig(_Section):
         "where it has AVX512-BF16 or AMX and the model's hidden size is 512 or more, else "
         "float32",
     )
+    quantization: Literal["auto", "none", "int8", "int4", "gguf"] = Field(
+        "auto",
+        description="Linear weights kept packed on the CPU's integer kernels: int8 (per row) "
+        "or int4 (groups of 32) from any checkpoint, gguf keeps a GGUF file's Q4_0/Q4_1/Q4_K "
+        "(int4) and Q8_0 (int8) blocks; auto = gguf for a GGUF file on a CPU, else none",
+    )
     seed: int = Field(0, description="Seed for preset weights and unseeded sampling")
     max_context_len: int | None = Field(
         None, gt=1, description="Cap on prompt + output tokens; default: the model's own"

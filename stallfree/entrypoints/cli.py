@@ -69,6 +69,7 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
     }
     pairs = {
         "dtype": ("model", "dtype"),
+        "quantization": ("model", "quantization"),
         "max_model_len": ("model", "max_context_len"),
         "model_seed": ("model", "seed"),
         "device": ("runtime", "device"),

@@ -236,10 +236,21 @@ def _add_model_flags(g: argparse._ArgumentGroup) -> None:
         type=_dtype,
         metavar="{" + ",".join([*DTYPES, *_DTYPE_ALIASES]) + "}",
         help=flag_help(
-            "weights and KV dtype; auto: the checkpoint's, float32 on CPU (half = float16, "
-            "float = float32)",
+            "weights and KV dtype; auto: the checkpoint's on CUDA, bfloat16 on a CPU that "
+            "has it for models 512 or more wide, else float32 (half = float16, float = float32)",
             "model",
             "dtype",
+        ),
+    )
+    g.add_argument(
+        "--quantization",
+        "-q",
+        choices=["auto", "none", "int8", "int4", "gguf"],
+        help=flag_help(
+            "linear weights kept packed: int8, int4, gguf (a GGUF file's own blocks); "
+            "auto: gguf for a GGUF file on a CPU",
+            "model",
+            "quantization",
         ),
     )
     g.add_argument(

@@ -215,7 +215,10 @@ def _load(config: StallfreeConfig, device: torch.device) -> _Model:
         arch = read_arch(config.model.path)
         dtype = weights_dtype(config.model.path, config.model.dtype, device)
         return _Model(None, arch, dtype, torch.device("cpu"))
-    loaded = load_model(config.model.path, config.model.dtype, device, config.model.seed)
+    model = config.model
+    loaded = load_model(
+        model.path, model.dtype, device, model.seed, quantization=model.quantization
+    )
     return _Model(loaded, loaded.arch, loaded.dtype, device)
 
 

@@ -58,8 +58,17 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_LAYER_NAMES[rest]}"
 
 
-def write_gguf(model_dir: Path, out: Path, *, add_bos: bool = False) -> Path:
-    """A GGUF of the HF model in `model_dir`, F32 tensors, as llama.cpp would write it."""
+def write_gguf(
+    model_dir: Path,
+    out: Path,
+    *,
+    add_bos: bool = False,
+    layer_type: str = "F32",
+    embed_type: str = "F32",
+) -> Path:
+    """A GGUF of the HF model in `model_dir`, as llama.cpp would write it: the layers' linear
+    weights in `layer_type`, the embedding and output matrices in `embed_type` (quantized with
+    the gguf library), norms in F32."""
     cfg = json.loads((model_dir / "config.json").read_text())
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     tok_cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
@@ -104,7 +113,15 @@ def write_gguf(model_dir: Path, out: Path, *, add_bos: bool = False) -> Path:
             w = _llama_cpp_permute(w, heads)
         elif name.endswith("k_proj.weight"):
             w = _llama_cpp_permute(w, kv_heads)
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(w))
+        kind = layer_type if name.endswith("_proj.weight") else "F32"
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            kind = embed_type
+        if kind == "F32":
+            writer.add_tensor(_gguf_name(name), np.ascontiguousarray(w))
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            raw = gguf.quants.quantize(np.ascontiguousarray(w), qtype)
+            writer.add_tensor(_gguf_name(name), raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

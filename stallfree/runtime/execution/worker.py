@@ -69,6 +69,7 @@ class WorkerSpec:
 
     model_path: str
     dtype: str
+    quantization: str
     device: str  # "cpu" or "cuda"
     seed: int
     page_size: int
@@ -119,6 +120,7 @@ def worker_spec(config: StallfreeConfig, num_kv_slots: int, max_context_len: int
     return WorkerSpec(
         model_path=config.model.path,
         dtype=config.model.dtype,
+        quantization=config.model.quantization,
         device=device,
         seed=config.model.seed,
         page_size=config.cache.page_size,
@@ -182,6 +184,7 @@ class _Worker:
         self.control: Any = None
         self.tp = self._join_group()
         kwargs: dict[str, Any] = {"tp": self.tp} if self.tp is not None else {}
+        kwargs["quantization"] = spec.quantization
         loaded = load_model(spec.model_path, spec.dtype, self.device, spec.seed, **kwargs)
         arch = loaded.arch
         kv_heads = arch.num_kv_heads

@@ -23,6 +23,7 @@ import torch
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
 
 if TYPE_CHECKING:
+    from stallfree.runtime.model.quant import QuantizedWeight
     from stallfree.runtime.text.tokenizer import HFTokenizer
 
 _INSTALL_HINT = "pip install 'stallfree[gguf]'"
@@ -80,7 +81,8 @@ def _gguf_module(error: type[Exception]) -> Any:
 @dataclass(slots=True)
 class GGUFCheckpoint:
     arch: ModelArchConfig
-    tensors: dict[str, torch.Tensor]  # HF names, float32, on the host
+    # HF names, on the host: float32, or with keep_quantized a linear weight's blocks
+    tensors: dict[str, torch.Tensor | QuantizedWeight]
     name: str
 
 
@@ -127,23 +129,34 @@ def _cached_reader(gguf: Any, path: str, mtime_ns: int, size: int) -> Any:
 # ---------------------------------------------------------------------------- model
 
 
-def read_gguf_checkpoint(path: str | Path) -> GGUFCheckpoint:
-    """The architecture and the dequantised float32 tensors (HF names) of a Llama GGUF."""
+def read_gguf_checkpoint(path: str | Path, keep_quantized: bool = False) -> GGUFCheckpoint:
+    """The architecture and the tensors (HF names) of a Llama GGUF, dequantised to float32.
+
+    With `keep_quantized`, the linear weights (and a tied embedding, which is the output
+    matrix) of the types gguf_blocks.py reads come as their codes and scales instead.
+    """
+    from stallfree.runtime.model.gguf_blocks import packed_weight
+
     path = Path(path)
     reader, meta = _open(path, ModelLoadError)
     arch = gguf_arch_config(
         meta, path, has_output=_find_tensor(reader, "output.weight") is not None
     )
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
     for tensor in reader.tensors:
         hf_name = _hf_name(tensor.name, arch)
         if hf_name is None:
             continue
-        weight = _dequantize(tensor)
+        linear = hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight"
+        linear = linear or (hf_name == "model.embed_tokens.weight" and arch.tie_word_embeddings)
+        packed = packed_weight(tensor) if keep_quantized and linear else None
+        weight: torch.Tensor | QuantizedWeight = (
+            packed if packed is not None else _dequantize(tensor)
+        )
         if tensor.name.endswith("attn_q.weight"):
-            weight = _unpermute(weight, arch.num_heads)
+            weight = _unpermute_rows(weight, arch.num_heads)
         elif tensor.name.endswith("attn_k.weight"):
-            weight = _unpermute(weight, arch.num_kv_heads)
+            weight = _unpermute_rows(weight, arch.num_kv_heads)
         tensors[hf_name] = weight
     name = str(meta.get("general.name") or path.stem)
     return GGUFCheckpoint(arch=arch, tensors=tensors, name=name)
@@ -232,6 +245,14 @@ def _dequantize(tensor: Any) -> torch.Tensor:
     # a copy: the reader's arrays are read-only views of the memory-mapped file
     array = np.array(array, dtype=np.float32, copy=True).reshape(shape)
     return torch.from_numpy(array)
+
+
+def _unpermute_rows(weight: torch.Tensor | QuantizedWeight, n_head: int) -> Any:
+    """`_unpermute` of a dense weight, or the same row order applied to a quantized one."""
+    if isinstance(weight, torch.Tensor):
+        return _unpermute(weight, n_head)
+    order = _unpermute(torch.arange(weight.shape[0])[:, None], n_head)[:, 0]
+    return weight.rows(order)
 
 
 def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -25,6 +25,15 @@ from stallfree.runtime.model.parallel import (
     padded_shard_len,
     shard_range,
 )
+from stallfree.runtime.model.quant import (
+    GroupQuant,
+    Int8Embedding,
+    Int8Linear,
+    QuantizedWeight,
+    QuantLinear,
+    make_linear,
+    quantize_int8,
+)
 
 if TYPE_CHECKING:
     from stallfree.runtime.model.arch import ModelArchConfig
@@ -166,9 +175,11 @@ class LlamaMLP(nn.Module):
         return _row_parallel(self.down_proj, x, self.tp)
 
 
-def _row_parallel(layer: nn.Linear, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def _row_parallel(layer: nn.Linear | QuantLinear, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """This rank's partial product, summed over the ranks; the bias (replicated) added once."""
-    out = tp.all_reduce(F.linear(x, layer.weight))
+    # a quantized layer (quant.py) has its own matmul
+    partial = F.linear(x, layer.weight) if isinstance(layer, nn.Linear) else layer.matmul(x)
+    out = tp.all_reduce(partial)
     return out if layer.bias is None else out + layer.bias
 
 
@@ -247,6 +258,9 @@ class LlamaForCausalLM(nn.Module):
             vocab = padded_shard_len(arch.vocab_size, tp.size)
             self.lm_head = nn.Linear(arch.hidden_size, vocab, bias=False, **factory)
         self.attn_backend: AttentionBackend = PagedAttention(arch.sliding_window)
+        # the int8 output matrix of a quantized model whose embedding is tied to it: it also
+        # serves the embedding lookup (see quant.quantize_model)
+        self.tied_head: Int8Linear | None = None
 
     def lm_head_weight(self) -> torch.Tensor:
         """The rank's vocab rows of the output projection (all of them at tp size 1)."""
@@ -257,9 +271,12 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         if fb.mode is ForwardMode.IDLE or fb.batch_size == 0:
-            weight = self.lm_head_weight()
-            return torch.empty((0, self.arch.vocab_size), dtype=torch.float32, device=weight.device)
-        h = self.model.embed_tokens(fb.input_ids)
+            device = self.model.norm.weight.device
+            return torch.empty((0, self.arch.vocab_size), dtype=torch.float32, device=device)
+        if self.tied_head is not None:
+            h = self.tied_head.embed(fb.input_ids)
+        else:
+            h = self.model.embed_tokens(fb.input_ids)
         rope = self.model.rotary_emb(fb.positions, h.dtype)
         backend = self.attn_backend
         for layer in self.model.layers:
@@ -267,11 +284,62 @@ class LlamaForCausalLM(nn.Module):
         last = _last_tokens(h, fb)
         if fb.logit_positions is not None:
             last = torch.cat([last, h.index_select(0, fb.logit_positions)])
-        logits = F.linear(self.model.norm(last), self.lm_head_weight())
+        logits = self._output(self.model.norm(last))
         if self.tp.size > 1:
             # each rank's vocab slice (the last one zero-padded), in rank order
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.arch.vocab_size]
         return logits.float()
+
+    def quantize(
+        self,
+        method: str,
+        dtype: torch.dtype,
+        packed: dict[str, QuantizedWeight] | None = None,
+    ) -> dict[str, nn.Module]:
+        """Swap the linear layers for quantized ones (quant.py), in place; returns them by name.
+
+        `packed` holds weights that come quantized (a GGUF file's blocks, by Hugging Face
+        name): they keep their form under any method but `none`, and this model's own weights
+        for those names may be on the meta device. Under `int8` / `int4` every other linear
+        weight is quantized from its float values. The output matrix is int8 under `int4`
+        (logits are the most sensitive product); a tied one also serves the embedding lookup
+        (a tensor-parallel model keeps a tied output matrix dense).
+        """
+        packed = packed or {}
+        swapped: dict[str, nn.Module] = {}
+        for name, module in list(self.named_modules()):
+            if not isinstance(module, nn.Linear):
+                continue
+            weight: torch.Tensor | QuantizedWeight | None = packed.get(f"{name}.weight")
+            if weight is None:
+                if method in ("none", "gguf"):
+                    continue
+                weight = module.weight.detach()
+            layer_method = "int8" if name == "lm_head" and method == "int4" else method
+            layer = make_linear(weight, module.bias, layer_method, dtype)
+            if layer is not None:
+                self.set_submodule(name, layer)
+                swapped[name] = layer
+        if self.arch.tie_word_embeddings and self.tp.size == 1:
+            tied = packed.get("model.embed_tokens.weight")
+            if tied is None and method in ("int8", "int4"):
+                tied = quantize_int8(self.model.embed_tokens.weight.detach())
+            if isinstance(tied, GroupQuant):
+                tied = quantize_int8(tied.dequantize())
+            if tied is not None:
+                head = Int8Linear(tied, None, dtype)
+                self.tied_head = head
+                self.model.embed_tokens = Int8Embedding(head)  # type: ignore[assignment]
+                swapped["lm_head"] = head
+        return swapped
+
+    def _output(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tied_head is not None:
+            return self.tied_head.matmul(x)
+        if self.arch.tie_word_embeddings:
+            return F.linear(x, self.model.embed_tokens.weight)
+        out: torch.Tensor = self.lm_head(x)
+        return out
 
 
 def _last_tokens(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

