@@ -150,11 +150,14 @@ def test_quantized_model_computes_what_its_dequantised_weights_do(llama: Path, m
     assert packed.quantization == method
     layer = packed.model.model.layers[0]
     kind = quant.Int8Linear if method == "int8" else quant.Int4Linear
-    assert isinstance(layer.self_attn.q_proj, kind) and isinstance(layer.mlp.down_proj, kind)
+    # q/k/v and gate/up fused into one layer each, then quantized
+    assert isinstance(layer.self_attn.qkv_proj, kind) and isinstance(layer.mlp.gate_up_proj, kind)
+    assert isinstance(layer.mlp.down_proj, kind) and not hasattr(layer.self_attn, "q_proj")
     # the tied output matrix is int8 and also serves the embedding lookup
     assert isinstance(packed.model.tied_head, quant.Int8Linear)
     assert isinstance(packed.model.model.embed_tokens, quant.Int8Embedding)
     assert quant.weight_bytes(packed.model) < quant.weight_bytes(dense.model) * 0.7
+    dense.model.fuse_projections()  # as the quantized model's layers are
     reference = _dequantised_copy(packed.model, dense.model)
     # what remains is the activations' rounding to bfloat16 on the kernel (where the CPU has it)
     _assert_close_logits(
@@ -176,7 +179,7 @@ def test_gguf_blocks_stay_packed_and_compute_what_the_dequantised_file_does(
     assert packed.quantization == "gguf"
     kind = quant.Int4Linear if layer_kind == "int4" else quant.Int8Linear
     for layer in packed.model.model.layers:
-        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.gate_proj):
+        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
             assert isinstance(proj, kind)
     head = packed.model.tied_head if tied else packed.model.lm_head
     assert isinstance(head, quant.Int8Linear)

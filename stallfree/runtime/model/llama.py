@@ -31,8 +31,10 @@ from stallfree.runtime.model.quant import (
     Int8Linear,
     QuantizedWeight,
     QuantLinear,
+    can_stack,
     make_linear,
     quantize_int8,
+    stack_rows,
 )
 
 if TYPE_CHECKING:
@@ -52,10 +54,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # transformers' arithmetic (float32 statistics, the weight applied in the input's
+        # dtype) in one call where torch has it: equal bit for bit in float32
+        if x.dtype == torch.float32 and _HAS_RMS_NORM:
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = torch.rms_norm(h, h.shape[-1:], None, self.eps) if _HAS_RMS_NORM else _rms(h, self.eps)
         return self.weight * h.to(dtype)
+
+
+_HAS_RMS_NORM = hasattr(torch, "rms_norm")  # torch >= 2.4
+
+
+def _rms(h: torch.Tensor, eps: float) -> torch.Tensor:
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
@@ -106,18 +119,18 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) for `apply_rope`, once per step for every layer."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos = torch.cat((freqs, freqs), dim=-1).cos().to(dtype)
+        sin = freqs.sin().to(dtype)
+        return cos[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' `x * cos + rotate_half(x) * sin`, bit for bit, in four kernels: with
+    `rotate_half(x) = cat(-x2, x1)` and `sin = cat(s, s)`, `rotate_half(x) * sin` is
+    `roll(x, half) * cat(-s, s)` (negating is exact)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class LlamaAttention(nn.Module):
@@ -139,6 +152,9 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_out, bias=arch.qkv_bias, **factory)
         self.v_proj = nn.Linear(hidden, kv_out, bias=arch.qkv_bias, **factory)
         self.o_proj = nn.Linear(q_out, hidden, bias=arch.o_bias, **factory)
+        # q, k and v as one matmul (fuse_projections); None: three
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_split = (q_out, kv_out, kv_out)
 
     def forward(
         self,
@@ -148,9 +164,13 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = h.shape[0]
-        q = self.q_proj(h).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(h).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(h).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(h).split(self.qkv_split, dim=-1)
+        else:
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = backend.forward(q, k, v, self.layer_id, fb)
         out = out.reshape(t, self.num_heads * self.head_dim)
@@ -167,9 +187,15 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(arch.hidden_size, inter, bias=False, **factory)
         self.up_proj = nn.Linear(arch.hidden_size, inter, bias=False, **factory)
         self.down_proj = nn.Linear(inter, arch.hidden_size, bias=False, **factory)
+        self.gate_up_proj: nn.Module | None = None  # gate and up as one matmul
+        self.inter = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split((self.inter, self.inter), dim=-1)
+            x = F.silu(gate) * up
+        else:
+            x = F.silu(self.gate_proj(x)) * self.up_proj(x)
         if self.tp.size == 1:
             return self.down_proj(x)
         return _row_parallel(self.down_proj, x, self.tp)
@@ -290,6 +316,40 @@ class LlamaForCausalLM(nn.Module):
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.arch.vocab_size]
         return logits.float()
 
+    def fuse_projections(self, packed: dict[str, QuantizedWeight] | None = None) -> int:
+        """One matmul for q/k/v and one for gate/up in every layer, in place; returns how many
+        were fused.
+
+        At small batch each projection is a matrix-vector product whose fixed cost rivals its
+        reading (SmolLM2's k_proj, a third of q_proj's weights, takes 87% of its time), so one
+        call over the stacked weights does the three in little more than one. The stacked
+        weight sums in another order than three matmuls, so float32 models that must equal
+        transformers' bit for bit are not fused (loader.py decides). Weights in `packed`
+        (quantized, possibly on the meta device here) are stacked there, under the fused name;
+        a group mixing packed and dense weights stays as it is.
+        """
+        packed = packed if packed is not None else {}
+        fused = 0
+        for i, layer in enumerate(self.model.layers):
+            assert isinstance(layer, LlamaDecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            base = f"model.layers.{i}."
+            qkv = _fused_linear(
+                [attn.q_proj, attn.k_proj, attn.v_proj], base + "self_attn.", "qkv_proj", packed
+            )
+            if qkv is not None:
+                attn.qkv_proj = qkv
+                del attn.q_proj, attn.k_proj, attn.v_proj
+                fused += 1
+            gate_up = _fused_linear(
+                [mlp.gate_proj, mlp.up_proj], base + "mlp.", "gate_up_proj", packed
+            )
+            if gate_up is not None:
+                mlp.gate_up_proj = gate_up
+                del mlp.gate_proj, mlp.up_proj
+                fused += 1
+        return fused
+
     def quantize(
         self,
         method: str,
@@ -340,6 +400,40 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(x, self.model.embed_tokens.weight)
         out: torch.Tensor = self.lm_head(x)
         return out
+
+
+_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def _fused_linear(
+    layers: list[nn.Linear], prefix: str, fused_name: str, packed: dict[str, QuantizedWeight]
+) -> nn.Linear | None:
+    """An nn.Linear whose rows are `layers`' stacked; a packed group's stacked weight goes in
+    `packed` under the fused name and the layer's own weight stays on the meta device."""
+    names = [f"{prefix}{part}.weight" for part in _PARTS[fused_name]]
+    in_packed = [n in packed for n in names]
+    if any(in_packed) and not (all(in_packed) and can_stack([packed[n] for n in names])):
+        return None
+    out = sum(layer.out_features for layer in layers)
+    first = layers[0]
+    has_bias = first.bias is not None
+    device = torch.device("meta") if all(in_packed) else first.weight.device
+    fused = nn.Linear(
+        first.in_features, out, bias=has_bias, device=device, dtype=first.weight.dtype
+    )
+    with torch.no_grad():
+        if all(in_packed):
+            parts = [packed.pop(n) for n in names]
+            packed[f"{prefix}{fused_name}.weight"] = stack_rows(parts)
+        else:
+            fused.weight.copy_(torch.cat([layer.weight for layer in layers]))
+        if has_bias:
+            bias = torch.cat([layer.bias for layer in layers])
+            fused.bias = nn.Parameter(bias, requires_grad=False)
+    return fused
 
 
 def _last_tokens(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

@@ -131,9 +131,17 @@ def load_model(
                 f"directory, a .gguf file or a preset: {', '.join(PRESETS)}"
             )
         loaded = _load_directory(path, dtype, device, tp)
+    if fuses(loaded.dtype, method):
+        loaded.model.fuse_projections()
     if method in ("int8", "int4"):
         _quantize(loaded, method)
     return loaded
+
+
+def fuses(dtype: torch.dtype, method: str) -> bool:
+    """Whether q/k/v and gate/up run as one matmul each (`fuse_projections`): everywhere but
+    a dense float32 model, whose output equals transformers' bit for bit only unfused."""
+    return dtype != torch.float32 or method != "none"
 
 
 def resolve_quantization(quantization: str, path_or_preset: str, device: torch.device) -> str:
@@ -335,16 +343,19 @@ def _load_gguf(path: Path, dtype: str, device: torch.device, method: str) -> Loa
     _check_complete(set(ckpt.tensors), set(expected))
     dense = {k: t for k, t in ckpt.tensors.items() if isinstance(t, torch.Tensor)}
     packed = {k: t for k, t in ckpt.tensors.items() if not isinstance(t, torch.Tensor)}
+    state = {k: t.to(device=device, dtype=torch_dtype) for k, t in dense.items()}
+    # the packed weights' parameters stay on the meta device until their layers are swapped
+    model.load_state_dict(state, strict=False, assign=True)
     loaded = LoadedModel(
         model=model, arch=ckpt.arch, dtype=torch_dtype, path=str(path), name=path.stem
     )
+    if fuses(torch_dtype, method):
+        model.fuse_projections(packed)
     if packed:
         _quantize(loaded, method, packed)
-    # what is still a parameter after the packed layers were swapped in
-    names = {name for name, _ in model.named_parameters()}
-    state = {k: t.to(device=device, dtype=torch_dtype) for k, t in dense.items() if k in names}
-    model.load_state_dict(state, strict=False, assign=True)
-    _check_complete(set(state), names)
+    left = [name for name, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise ModelLoadError(f"{path}: no weights for {', '.join(left[:8])}")
     loaded.model = model.to(device).eval()
     if method in ("int8", "int4"):
         _quantize(loaded, method)

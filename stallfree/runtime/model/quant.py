@@ -78,6 +78,31 @@ class RowQuant:
 QuantizedWeight = GroupQuant | RowQuant
 
 
+def can_stack(parts: list[QuantizedWeight]) -> bool:
+    """Whether `stack_rows` can join these without changing any of them: one form, one group
+    size (a Q4_K_M file mixes Q4_K and Q6_K projections; those stay apart)."""
+    if all(isinstance(p, RowQuant) for p in parts):
+        return True
+    groups = {p.group_size for p in parts if isinstance(p, GroupQuant)}
+    return len(groups) == 1 and all(isinstance(p, GroupQuant) for p in parts)
+
+
+def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """One weight whose output rows are `parts`' in order (a fused projection)."""
+    if not can_stack(parts):
+        raise ValueError("cannot stack quantized weights of different forms")
+    if isinstance(parts[0], RowQuant):
+        rows = [p for p in parts if isinstance(p, RowQuant)]
+        return RowQuant(torch.cat([r.q for r in rows]), torch.cat([r.scale for r in rows]))
+    groups = [p for p in parts if isinstance(p, GroupQuant)]
+    return GroupQuant(
+        torch.cat([g.q for g in groups]),
+        torch.cat([g.scale for g in groups]),
+        torch.cat([g.zero for g in groups]),
+        groups[0].group_size,
+    )
+
+
 def quantize_int8(weight: torch.Tensor) -> RowQuant:
     w = weight.float()
     scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
