@@ -1,10 +1,12 @@
 """Weight-only quantized linear layers: int8 per output row, int4 in groups of 32.
 
-The weights stay packed in memory and every matmul runs on torch's CPU integer-weight kernels
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which read the packed bytes and scale
-them on the fly; activations, scales and outputs are in the model's dtype (float32 or
-bfloat16). At small batch a decode step is bound by reading the weights, so half (int8) or a
-quarter (int4) of bfloat16's bytes is the speed-up.
+The weights stay packed in memory. A call of a few rows (a decode step) runs on torch's CPU
+integer-weight kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which read the
+packed bytes and scale them on the fly: at small batch a step is bound by reading the weights,
+so half (int8) or a quarter (int4) of bfloat16's bytes is the speed-up. Those kernels cost a
+matrix-vector product per row, so a larger call (a prefill) dequantises the layer into one
+shared workspace and runs the dense matmul. Activations, scales and outputs are in the model's
+dtype (the kernels take float32 activations in bfloat16 where the CPU has it).
 
 Methods (`model.quantization`, vLLM's `--quantization` spelling):
 - `int8`: each output row symmetric, scale = max |w| / 127 (torchao's int8 weight-only);
@@ -14,8 +16,8 @@ Methods (`model.quantization`, vLLM's `--quantization` spelling):
   and a zero point, which the int4 layout holds exactly (`w = (q - 8) * scale + zero`); Q8_0
   (blocks of 32 int8 with one scale each) becomes int8 rows, re-scaled once per row.
 
-A layer the kernels cannot take (int4 needs output rows in multiples of 16 and inputs in
-multiples of 32) stays dense; `quantize_model` reports which.
+An int4 layer the kernel cannot take (output rows in multiples of 16, inputs in multiples of
+32) becomes int8; the log line of `loader._quantize` counts each kind.
 """
 
 from __future__ import annotations
@@ -125,13 +127,14 @@ def int4_fits(shape: tuple[int, int], group_size: int = GROUP_SIZE) -> bool:
     return rows % _INT4_ROW_MULTIPLE == 0 and cols % group_size == 0
 
 
-# Up to this many rows (tokens) a call runs on the integer kernel; above it the layer
+# Up to `kernel_max_rows` rows (tokens) a call runs on the integer kernel; above it the layer
 # dequantises into a shared workspace and runs the dense matmul. The kernels cost about one
-# matrix-vector product per row, the dense path one dequantisation per call: at SmolLM2's
-# 1536 x 576 projection the two meet near 32 rows (int8: 397 us against 276 + 234 at 16 rows,
-# 1473 against 276 + 340 at 64; int4: 315 against 1014 + 234 at 16, 4692 against 1014 + 728
-# at 256), and a decode step of up to 32 requests stays on the kernel.
-KERNEL_MAX_ROWS = 32
+# matrix-vector product per row, the dense path one dequantisation per call. At SmolLM2's
+# 1536 x 576 projection in bfloat16 (2 threads): int8 397 us against 276 + 234 at 16 rows and
+# 1473 against 276 + 340 at 64, so they meet near 24 rows; int4 315 against 1014 + 234 at 16
+# and 1083 against 1014 + 340 at 64 (4692 against 1014 + 728 at 256), so near 80.
+INT8_KERNEL_MAX_ROWS = 24
+INT4_KERNEL_MAX_ROWS = 64
 
 _workspaces: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
@@ -165,6 +168,7 @@ class _QuantLinearBase(nn.Module):
     out_features: int
     in_features: int
     bias: nn.Parameter | None
+    kernel_max_rows: int
 
     def __init__(self, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
@@ -175,7 +179,7 @@ class _QuantLinearBase(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T` without the bias, in `x`'s shape with the last dimension `out_features`."""
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= KERNEL_MAX_ROWS:
+        if flat.shape[0] <= self.kernel_max_rows:
             out = self._kernel(flat.to(self.kernel_dtype).contiguous()).to(self.dtype)
         else:
             out = torch.nn.functional.linear(flat, self.dequantize())
@@ -195,6 +199,8 @@ class _QuantLinearBase(nn.Module):
 
 class Int8Linear(_QuantLinearBase):
     """`x @ (q * scale).T (+ bias)` from int8 rows, in the activations' dtype."""
+
+    kernel_max_rows = INT8_KERNEL_MAX_ROWS
 
     def __init__(self, weight: RowQuant, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__(bias, dtype)
@@ -226,6 +232,8 @@ class Int4Linear(_QuantLinearBase):
     The codes are held twice, 4 bits each: in the kernel's packed layout, and as plain nibble
     pairs (byte j of a group: element j low, element j + 16 high) that the dense path expands.
     """
+
+    kernel_max_rows = INT4_KERNEL_MAX_ROWS
 
     def __init__(self, weight: GroupQuant, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__(bias, dtype)
