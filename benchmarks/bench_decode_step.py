@@ -6,8 +6,9 @@ weights are read.
 
 Each (format, repeat) runs in a fresh process, formats interleaved. A format is a dtype and a
 quantization: `f32` and `bf16` are dense, `int8` / `int4` quantize at load, `gguf` keeps the
-file's blocks (bfloat16 activations). A step is `model.forward` on a decode batch of `--batch`
-requests with `--context` tokens of KV each (the KV and `req_to_token` filled once, no
+file's blocks (bfloat16 activations); `FORMAT+compile` (e.g. `bf16+compile`) compiles the
+layers first (`runtime.torch_compile`) and times the step only. A step is `model.forward` on a
+decode batch of `--batch` requests with `--context` tokens of KV each (the KV and `req_to_token` filled once, no
 scheduler), timed as the median of `--steps`. Every linear layer (lm_head included) is timed
 on its own around the call, so "outside linears" is the step minus their sum: norms, RoPE,
 attention, residuals, dispatch. At batch 1 the weights a step reads (every linear weight once,
@@ -77,7 +78,7 @@ def linear_bytes(module: torch.nn.Module) -> int:
 class LinearTimer:
     """Wraps each linear layer's forward (and the output projection) with a timer."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, enabled: bool = True) -> None:
         from stallfree.runtime.model.quant import Int4Linear, Int8Linear
 
         self.seconds = 0.0
@@ -85,12 +86,14 @@ class LinearTimer:
         kinds = (torch.nn.Linear, Int8Linear, Int4Linear)
         for module in model.modules():
             if isinstance(module, kinds):
-                self._wrap(module, "matmul" if hasattr(module, "matmul") else "forward")
+                if enabled:
+                    self._wrap(module, "matmul" if hasattr(module, "matmul") else "forward")
                 self.bytes += linear_bytes(module)
         if model.tied_head is None and model.arch.tie_word_embeddings:
             weight = model.model.embed_tokens.weight
             self.bytes += weight.numel() * weight.element_size()
-            self._wrap_output(model)
+            if enabled:
+                self._wrap_output(model)
 
     def _wrap(self, module: torch.nn.Module, attr: str) -> None:
         inner = getattr(module, attr)
@@ -194,11 +197,19 @@ def child(args: argparse.Namespace) -> None:
     from stallfree.runtime.model.loader import PRESETS, load_model
 
     torch.set_num_threads(args.threads)
-    dtype, quantization = FORMATS[args.format]
+    base, _, variant = args.format.partition("+")
+    dtype, quantization = FORMATS[base]
     loaded = load_model(args.model, dtype, torch.device("cpu"), 0, quantization=quantization)
-    timer = LinearTimer(loaded.model)
+    compiled = variant == "compile"
+    compile_s = None
+    if compiled:
+        from stallfree.runtime.model.compile import warm_up
+
+        compile_s = warm_up(loaded, args.threads)
+    timer = LinearTimer(loaded.model, enabled=not compiled)
     bandwidth = read_bandwidth()
     result = {"format": args.format, "bandwidth_gbs": bandwidth, "weight_bytes": timer.bytes}
+    result["compile_s"] = compile_s
     for batch in args.batch:
         fb = decode_batch(loaded, batch, args.context)
         for _ in range(3):
@@ -215,7 +226,7 @@ def child(args: argparse.Namespace) -> None:
             "linear": statistics.median(linears),
         }
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    if args.logprobs_out and args.model not in PRESETS:
+    if args.logprobs_out and args.model not in PRESETS and not compiled:
         torch.save(prompt_logprobs(loaded, args.model), args.logprobs_out)
     print(json.dumps(result))
 
@@ -225,7 +236,7 @@ def report_distance(files: dict[str, Path], formats: list[str]) -> None:
     ref = torch.load(files["f32"])
     print(f"\nagainst f32 on a {ref.shape[0]}-token English text, every position:")
     for fmt in formats:
-        if fmt == "f32" or not files[fmt].is_file():
+        if fmt == "f32" or fmt not in files or not files[fmt].is_file():
             continue
         got = torch.load(files[fmt])
         kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
@@ -243,7 +254,9 @@ def report_distance(files: dict[str, Path], formats: list[str]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None)
-    p.add_argument("--formats", nargs="+", default=["f32", "bf16", "int8", "gguf"])
+    p.add_argument(
+        "--formats", nargs="+", default=["f32", "bf16", "int8", "gguf"], help="add +compile"
+    )
     p.add_argument("--batch", nargs="+", type=int, default=[1, 16])
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
@@ -251,6 +264,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--format", help=argparse.SUPPRESS)
     p.add_argument("--logprobs-out", help=argparse.SUPPRESS)
+
     args = p.parse_args()
     args.model = args.model or default_model()
     if args.format:
@@ -260,19 +274,21 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
     runs: dict[str, list[dict]] = {f: [] for f in args.formats}
     logprobs = {
-        f: Path(tempfile.gettempdir()) / f"decode-step-{os.getpid()}-{f}.pt" for f in FORMATS
+        f: Path(tempfile.gettempdir()) / f"decode-step-{os.getpid()}-{f}.pt"
+        for f in args.formats
+        if not f.endswith("+compile")
     }
     for rnd in range(args.repeats):
         for fmt in args.formats:
             cmd = [sys.executable, __file__, "--format", fmt, "--model", args.model]
-            if rnd == 0:
+            if rnd == 0 and fmt in logprobs:
                 cmd += ["--logprobs-out", str(logprobs[fmt])]
             cmd += ["--batch", *map(str, args.batch), "--context", str(args.context)]
             cmd += ["--steps", str(args.steps), "--threads", str(args.threads)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             runs[fmt].append(json.loads(out.strip().splitlines()[-1]))
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
-    if "f32" in args.formats and logprobs["f32"].is_file():
+    if "f32" in logprobs and logprobs["f32"].is_file():
         report_distance(logprobs, args.formats)
     for fmt, results in runs.items():
 
@@ -284,8 +300,14 @@ def main() -> None:
             f"peak RSS {med('peak_rss_mb'):.0f} MB, machine read bandwidth "
             f"{med('bandwidth_gbs'):.1f} GB/s"
         )
+        compiled = fmt.endswith("+compile")
+        if compiled:
+            print(f"  compiled and warmed up in {med('compile_s'):.1f} s")
         for batch in args.batch:
             step = statistics.median(r[f"b{batch}"]["step"] for r in results) * 1e3
+            if compiled:
+                print(f"  batch {batch:3d}: step {step:7.2f} ms")
+                continue
             lin = statistics.median(r[f"b{batch}"]["linear"] for r in results) * 1e3
             line = (
                 f"  batch {batch:3d}: step {step:7.2f} ms, linears {lin:7.2f} ms, "

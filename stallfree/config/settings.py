@@ -110,6 +110,12 @@ class RuntimeConfig(_Section):
         description="torch threads of the CPU stream worker; 0 = auto: 1 for models with hidden "
         "size under 512 (small ops lose to thread overhead), else every core",
     )
+    torch_compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer's work around attention (norms, "
+        "projections, RoPE, MLP, residuals) with a dynamic token count, compiled at start-up; "
+        "in-process model only",
+    )
     max_consecutive_step_failures: int = Field(
         3, ge=1, description="Failed steps in a row before the engine fails closed"
     )

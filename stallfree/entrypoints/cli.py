@@ -70,6 +70,7 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
     pairs = {
         "dtype": ("model", "dtype"),
         "quantization": ("model", "quantization"),
+        "enable_torch_compile": ("runtime", "torch_compile"),
         "max_model_len": ("model", "max_context_len"),
         "model_seed": ("model", "seed"),
         "device": ("runtime", "device"),

@@ -243,6 +243,16 @@ def _add_model_flags(g: argparse._ArgumentGroup) -> None:
         ),
     )
     g.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        default=None,
+        help=flag_help(
+            "torch.compile the decoder layers around attention at start-up (SGLang's flag)",
+            "runtime",
+            "torch_compile",
+        ),
+    )
+    g.add_argument(
         "--quantization",
         "-q",
         choices=["auto", "none", "int8", "int4", "gguf"],

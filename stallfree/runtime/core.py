@@ -210,6 +210,8 @@ class _Model:
 
 def _load(config: StallfreeConfig, device: torch.device) -> _Model:
     if config.uses_worker_processes:
+        if config.runtime.torch_compile:
+            raise ValueError("runtime.torch_compile applies to the in-process model only")
         # the workers load the weights; the scheduler only needs the architecture
         check_tensor_parallel(config.model.path, config.parallel.tp_size)
         arch = read_arch(config.model.path)
@@ -219,6 +221,11 @@ def _load(config: StallfreeConfig, device: torch.device) -> _Model:
     loaded = load_model(
         model.path, model.dtype, device, model.seed, quantization=model.quantization
     )
+    if config.runtime.torch_compile:
+        from stallfree.runtime.model.compile import warm_up
+
+        # the graphs are guarded on torch's thread count: warm up at the stream's
+        warm_up(loaded, config.runtime.stream_threads or auto_stream_threads(loaded.arch, 1))
     return _Model(loaded, loaded.arch, loaded.dtype, device)
 
 

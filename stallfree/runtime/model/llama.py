@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -242,6 +242,22 @@ class LlamaDecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), rope, fb, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def split_forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        fb: ForwardBatch,
+        backend: AttentionBackend,
+        before: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        after: Callable[..., torch.Tensor],
+    ) -> torch.Tensor:
+        """`forward` as (q, k, v) = before(...), attention, after(...): the two halves that
+        `LlamaForCausalLM.compile_layers` compiles, with the paged attention left eager."""
+        attn = self.self_attn
+        q, k, v = before(self, h, rope[0], rope[1])
+        out = backend.forward(q, k, v, attn.layer_id, fb)
+        return after(self, h, out.reshape(h.shape[0], attn.num_heads * attn.head_dim))
+
 
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArchConfig, tp: TPGroup, **factory: Any) -> None:
@@ -287,6 +303,8 @@ class LlamaForCausalLM(nn.Module):
         # the int8 output matrix of a quantized model whose embedding is tied to it: it also
         # serves the embedding lookup (see quant.quantize_model)
         self.tied_head: Int8Linear | None = None
+        # compile_layers' two compiled halves of a decoder layer; None: eager
+        self.compiled: tuple[Callable[..., Any], Callable[..., Any]] | None = None
 
     def lm_head_weight(self) -> torch.Tensor:
         """The rank's vocab rows of the output projection (all of them at tp size 1)."""
@@ -305,8 +323,15 @@ class LlamaForCausalLM(nn.Module):
             h = self.model.embed_tokens(fb.input_ids)
         rope = self.model.rotary_emb(fb.positions, h.dtype)
         backend = self.attn_backend
-        for layer in self.model.layers:
-            h = layer(h, rope, fb, backend)
+        if self.compiled is not None:
+            before, after = self.compiled
+            for layer in self.model.layers:
+                h = cast(LlamaDecoderLayer, layer).split_forward(
+                    h, rope, fb, backend, before, after
+                )
+        else:
+            for layer in self.model.layers:
+                h = layer(h, rope, fb, backend)
         last = _last_tokens(h, fb)
         if fb.logit_positions is not None:
             last = torch.cat([last, h.index_select(0, fb.logit_positions)])
@@ -315,6 +340,19 @@ class LlamaForCausalLM(nn.Module):
             # each rank's vocab slice (the last one zero-padded), in rank order
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.arch.vocab_size]
         return logits.float()
+
+    def compile_layers(self) -> None:
+        """torch.compile the decoder layers' work around attention (inductor on the CPU), in
+        two graphs shared by every layer: RMSNorm, q/k/v and RoPE before; o_proj, residual,
+        RMSNorm, MLP and residual after. The token count is dynamic, so one graph serves every
+        batch size (size 1 is specialised by torch: a second graph). The caller warms it up
+        (`compile.warm_up`); the first call of each size compiles."""
+        if self.tp.size > 1:
+            raise ValueError("torch_compile supports tensor-parallel size 1 only")
+        self.compiled = (
+            torch.compile(_before_attention, dynamic=True),
+            torch.compile(_after_attention, dynamic=True),
+        )
 
     def fuse_projections(self, packed: dict[str, QuantizedWeight] | None = None) -> int:
         """One matmul for q/k/v and one for gate/up in every layer, in place; returns how many
@@ -400,6 +438,27 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(x, self.model.embed_tokens.weight)
         out: torch.Tensor = self.lm_head(x)
         return out
+
+
+def _before_attention(
+    layer: LlamaDecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    t = x.shape[0]
+    if attn.qkv_proj is not None:
+        q, k, v = attn.qkv_proj(x).split(attn.qkv_split, dim=-1)
+    else:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    q = q.reshape(t, attn.num_heads, attn.head_dim)
+    k = k.reshape(t, attn.num_kv_heads, attn.head_dim)
+    v = v.reshape(t, attn.num_kv_heads, attn.head_dim)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _after_attention(layer: LlamaDecoderLayer, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    h = h + layer.self_attn.o_proj(out)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 _PARTS = {
