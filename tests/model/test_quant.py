@@ -92,6 +92,26 @@ def test_quantization_error_is_bounded_by_its_step(bits: int) -> None:
     assert torch.all(err <= step / 2 + 1e-6)
 
 
+@pytest.mark.parametrize("cols", [65, 40, 100])
+def test_int8_widths_the_kernel_mishandles_take_the_dense_path(cols: int) -> None:
+    """torch's bfloat16 int8 kernel crashed (65 inputs: SIGSEGV) or summed wrong (40) on
+    widths off a multiple of 32: such layers always dequantise."""
+    w = torch.randn(64, cols) * 0.05
+    weight = quant.quantize_int8(w)
+    layer = quant.Int8Linear(weight, None, torch.bfloat16)
+    assert layer.kernel_max_rows == 0
+    x = torch.randn(3, cols)
+    out = layer(x.to(torch.bfloat16)).float()
+    expected = _reference(x, weight)
+    assert (out - expected).abs().max().item() <= 0.02 * expected.abs().max().item()
+    assert (
+        quant.Int8Linear(
+            quant.quantize_int8(torch.randn(64, 96)), None, torch.bfloat16
+        ).kernel_max_rows
+        > 0
+    )
+
+
 def test_int4_falls_back_to_int8_where_the_kernel_cannot_take_the_shape() -> None:
     w = torch.randn(40, 64)  # 40 output rows: not a multiple of 16
     assert isinstance(quant.make_linear(w, None, "int4", torch.float32), quant.Int8Linear)

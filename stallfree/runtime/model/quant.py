@@ -135,6 +135,7 @@ def int4_fits(shape: tuple[int, int], group_size: int = GROUP_SIZE) -> bool:
 # and 1083 against 1014 + 340 at 64 (4692 against 1014 + 728 at 256), so near 80.
 INT8_KERNEL_MAX_ROWS = 24
 INT4_KERNEL_MAX_ROWS = 64
+_INT8_KERNEL_COLS = 32  # the int8 kernel only for inputs in multiples of this
 
 _workspaces: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
@@ -210,6 +211,10 @@ class Int8Linear(_QuantLinearBase):
         self.row_scale: torch.Tensor
         self.register_buffer("qweight", weight.q.contiguous())
         self.register_buffer("scales", weight.scale.to(self.kernel_dtype).contiguous())
+        if self.in_features % _INT8_KERNEL_COLS:
+            # torch's bfloat16 int8 kernel reads past rows of other widths: 65 inputs died of
+            # SIGSEGV, 40 gave wrong sums (a tensor-parallel shard of an odd MLP hit it)
+            self.kernel_max_rows = 0
         self.register_buffer("row_scale", weight.scale.to(dtype)[:, None].contiguous())
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
