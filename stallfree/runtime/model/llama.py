@@ -31,10 +31,9 @@ from stallfree.runtime.model.quant import (
     Int8Linear,
     QuantizedWeight,
     QuantLinear,
-    can_stack,
+    fused_linear,
     make_linear,
     quantize_int8,
-    stack_rows,
 )
 
 if TYPE_CHECKING:
@@ -301,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(arch.hidden_size, vocab, bias=False, **factory)
         self.attn_backend: AttentionBackend = PagedAttention(arch.sliding_window)
         # the int8 output matrix of a quantized model whose embedding is tied to it: it also
-        # serves the embedding lookup (see quant.quantize_model)
+        # serves the embedding lookup (see quantize)
         self.tied_head: Int8Linear | None = None
         # compile_layers' two compiled halves of a decoder layer; None: eager
         self.compiled: tuple[Callable[..., Any], Callable[..., Any]] | None = None
@@ -372,14 +371,14 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, LlamaDecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
             base = f"model.layers.{i}."
-            qkv = _fused_linear(
+            qkv = fused_linear(
                 [attn.q_proj, attn.k_proj, attn.v_proj], base + "self_attn.", "qkv_proj", packed
             )
             if qkv is not None:
                 attn.qkv_proj = qkv
                 del attn.q_proj, attn.k_proj, attn.v_proj
                 fused += 1
-            gate_up = _fused_linear(
+            gate_up = fused_linear(
                 [mlp.gate_proj, mlp.up_proj], base + "mlp.", "gate_up_proj", packed
             )
             if gate_up is not None:
@@ -459,40 +458,6 @@ def _before_attention(
 def _after_attention(layer: LlamaDecoderLayer, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     h = h + layer.self_attn.o_proj(out)
     return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
-_PARTS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
-
-
-def _fused_linear(
-    layers: list[nn.Linear], prefix: str, fused_name: str, packed: dict[str, QuantizedWeight]
-) -> nn.Linear | None:
-    """An nn.Linear whose rows are `layers`' stacked; a packed group's stacked weight goes in
-    `packed` under the fused name and the layer's own weight stays on the meta device."""
-    names = [f"{prefix}{part}.weight" for part in _PARTS[fused_name]]
-    in_packed = [n in packed for n in names]
-    if any(in_packed) and not (all(in_packed) and can_stack([packed[n] for n in names])):
-        return None
-    out = sum(layer.out_features for layer in layers)
-    first = layers[0]
-    has_bias = first.bias is not None
-    device = torch.device("meta") if all(in_packed) else first.weight.device
-    fused = nn.Linear(
-        first.in_features, out, bias=has_bias, device=device, dtype=first.weight.dtype
-    )
-    with torch.no_grad():
-        if all(in_packed):
-            parts = [packed.pop(n) for n in names]
-            packed[f"{prefix}{fused_name}.weight"] = stack_rows(parts)
-        else:
-            fused.weight.copy_(torch.cat([layer.weight for layer in layers]))
-        if has_bias:
-            bias = torch.cat([layer.bias for layer in layers])
-            fused.bias = nn.Parameter(bias, requires_grad=False)
-    return fused
 
 
 def _last_tokens(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

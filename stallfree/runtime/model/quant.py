@@ -333,6 +333,40 @@ class Int8Embedding(nn.Module):
         return self.head.embed(ids)
 
 
+_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def fused_linear(
+    layers: list[nn.Linear], prefix: str, fused_name: str, packed: dict[str, QuantizedWeight]
+) -> nn.Linear | None:
+    """An nn.Linear whose rows are `layers`' stacked; a packed group's stacked weight goes in
+    `packed` under the fused name and the layer's own weight stays on the meta device."""
+    names = [f"{prefix}{part}.weight" for part in _PARTS[fused_name]]
+    in_packed = [n in packed for n in names]
+    if any(in_packed) and not (all(in_packed) and can_stack([packed[n] for n in names])):
+        return None
+    out = sum(layer.out_features for layer in layers)
+    first = layers[0]
+    has_bias = first.bias is not None
+    device = torch.device("meta") if all(in_packed) else first.weight.device
+    fused = nn.Linear(
+        first.in_features, out, bias=has_bias, device=device, dtype=first.weight.dtype
+    )
+    with torch.no_grad():
+        if all(in_packed):
+            parts = [packed.pop(n) for n in names]
+            packed[f"{prefix}{fused_name}.weight"] = stack_rows(parts)
+        else:
+            fused.weight.copy_(torch.cat([layer.weight for layer in layers]))
+        if has_bias:
+            bias = torch.cat([layer.bias for layer in layers])
+            fused.bias = nn.Parameter(bias, requires_grad=False)
+    return fused
+
+
 def weight_bytes(module: nn.Module) -> int:
     """Bytes of every weight the module holds, quantized layers counted packed."""
     total = 0
