@@ -119,34 +119,16 @@ class LinearTimer:
 
 
 def decode_batch(loaded, batch: int, context: int):  # type: ignore[no-untyped-def]
-    from stallfree.runtime.memory.pool import KVCache
-    from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
+    """`batch` requests decoding their token at position `context`, over random KV."""
+    from stallfree.runtime.model.compile import throwaway_batch
+    from stallfree.runtime.model.forward_batch import ForwardMode
 
-    slots = batch * (context + 1) + 1
-    kv = KVCache(loaded.kv_cache_shape(), slots, loaded.dtype, torch.device("cpu"))
+    fb = throwaway_batch(loaded, ForwardMode.DECODE, [context + 1] * batch, 1)
     gen = torch.Generator().manual_seed(0)
-    for buf in [*kv.k_buffers, *kv.v_buffers]:
+    for buf in [*fb.kv_cache.k_buffers, *fb.kv_cache.v_buffers]:
         buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype) * 0.5)
-    req_to_token = torch.zeros((batch, context + 1), dtype=torch.int64)
-    for row in range(batch):
-        req_to_token[row] = torch.arange(1 + row * (context + 1), 1 + (row + 1) * (context + 1))
-    rows = torch.arange(batch)
-    seq_lens = torch.full((batch,), context + 1)
-    return ForwardBatch(
-        mode=ForwardMode.DECODE,
-        batch_size=batch,
-        input_ids=torch.randint(0, loaded.arch.vocab_size, (batch,), generator=gen),
-        positions=torch.full((batch,), context),
-        out_cache_loc=req_to_token[:, context].clone(),
-        req_pool_indices=rows,
-        seq_lens=seq_lens,
-        req_pool_indices_cpu=rows.clone(),
-        seq_lens_cpu=seq_lens.clone(),
-        extend_lens_cpu=[1] * batch,
-        prefix_lens_cpu=[context] * batch,
-        req_to_token=req_to_token,
-        kv_cache=kv,
-    )
+    fb.input_ids = torch.randint(0, loaded.arch.vocab_size, (batch,), generator=gen)
+    return fb
 
 
 TEXT = (
@@ -160,32 +142,15 @@ TEXT = (
 
 def prompt_logprobs(loaded, path: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """Log-probabilities [tokens, vocab] of a fixed English text, every position (prefill)."""
-    from stallfree.runtime.memory.pool import KVCache
-    from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
+    from stallfree.runtime.model.compile import throwaway_batch
+    from stallfree.runtime.model.forward_batch import ForwardMode
     from stallfree.runtime.model.loader import load_tokenizer
 
     ids = load_tokenizer(path).encode(TEXT)
     n = len(ids)
-    kv = KVCache(loaded.kv_cache_shape(), n + 1, loaded.dtype, torch.device("cpu"))
-    slots = torch.arange(1, n + 1)
-    req_to_token = slots[None, :].clone()
-    zero, length = torch.zeros(1, dtype=torch.int64), torch.tensor([n])
-    fb = ForwardBatch(
-        mode=ForwardMode.EXTEND,
-        batch_size=1,
-        input_ids=torch.tensor(ids),
-        positions=torch.arange(n),
-        out_cache_loc=slots,
-        req_pool_indices=zero,
-        seq_lens=length,
-        req_pool_indices_cpu=zero.clone(),
-        seq_lens_cpu=length.clone(),
-        extend_lens_cpu=[n],
-        prefix_lens_cpu=[0],
-        req_to_token=req_to_token,
-        kv_cache=kv,
-        logit_positions=torch.arange(n - 1),
-    )
+    fb = throwaway_batch(loaded, ForwardMode.EXTEND, [n], n)
+    fb.input_ids = torch.tensor(ids)
+    fb.logit_positions = torch.arange(n - 1)
     logits = loaded.model(fb)  # the last position's row, then positions 0 .. n-2
     logits = torch.cat([logits[1:], logits[:1]])
     return torch.log_softmax(logits.float(), dim=-1)

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import re
 import shutil
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +18,7 @@ from openai import AsyncOpenAI
 from stallfree import SamplingParams
 from stallfree.entrypoints.cli import build_parser, config_from_args
 from tests.engine_util import settle
+from tests.http_util import MODEL, stallfree_serve
 from tests.metrics_util import samples, value
 from tests.server_util import module_loop, serving
 
@@ -487,29 +482,10 @@ def test_flags_toml_and_env_map_to_one_config(tmp_path, monkeypatch):
     assert flag_wins.server.port == 9004
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits():
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "stallfree.entrypoints.cli", "serve", "--model", "tiny"]
-    cmd += ["--device", "cpu", "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.1)
-        body = {"model": "tiny", "prompt": "drain me", "max_tokens": 400, "stream": True} | NO_EOS
+    with stallfree_serve() as (proc, base):
+        body = {"model": MODEL, "prompt": "drain me", "max_tokens": 400, "stream": True} | NO_EOS
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             for line in lines:
@@ -526,7 +502,3 @@ def test_sigterm_drains_in_flight_requests_then_exits():
         assert proc.wait(timeout=30) == 0
         with pytest.raises(httpx.ConnectError):
             httpx.get(base + "/health", timeout=1)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()

@@ -21,8 +21,12 @@ from stallfree.runtime.model.loader import LoadedModel
 logger = logging.getLogger(__name__)
 
 
-def _batch(loaded: LoadedModel, mode: ForwardMode, lens: list[int], new: int) -> ForwardBatch:
-    """`len(lens)` requests whose lengths after the step are `lens`, `new` tokens each."""
+def throwaway_batch(
+    loaded: LoadedModel, mode: ForwardMode, lens: list[int], new: int
+) -> ForwardBatch:
+    """`len(lens)` requests whose lengths after the step are `lens`, `new` tokens each (token
+    id 1), over a KV cache of their own (zeros) with each row's slots contiguous: a batch to
+    run the model on with no scheduler (the warm-up here, benchmarks/bench_decode_step.py)."""
     device = loaded.model.model.norm.weight.device
     width = max(lens)
     kv = KVCache(loaded.kv_cache_shape(), len(lens) * width + 1, loaded.dtype, device)
@@ -62,9 +66,9 @@ def warm_up(loaded: LoadedModel, threads: int) -> float:
     model = loaded.model
     model.compile_layers()
     batches = [
-        _batch(loaded, ForwardMode.DECODE, [4], 1),
-        _batch(loaded, ForwardMode.DECODE, [4, 5], 1),
-        _batch(loaded, ForwardMode.EXTEND, [3], 3),
+        throwaway_batch(loaded, ForwardMode.DECODE, [4], 1),
+        throwaway_batch(loaded, ForwardMode.DECODE, [4, 5], 1),
+        throwaway_batch(loaded, ForwardMode.EXTEND, [3], 3),
     ]
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -155,13 +155,10 @@ class LlamaAttention(nn.Module):
         self.qkv_proj: nn.Module | None = None
         self.qkv_split = (q_out, kv_out, kv_out)
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        fb: ForwardBatch,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
+    def project(
+        self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D] and k [T, KVH, D] with RoPE applied, and v [T, KVH, D]."""
         t = h.shape[0]
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(h).split(self.qkv_split, dim=-1)
@@ -170,7 +167,17 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin), v
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        fb: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = h.shape[0]
+        q, k, v = self.project(h, *rope)
         out = backend.forward(q, k, v, self.layer_id, fb)
         out = out.reshape(t, self.num_heads * self.head_dim)
         if self.tp.size == 1:
@@ -442,17 +449,7 @@ class LlamaForCausalLM(nn.Module):
 def _before_attention(
     layer: LlamaDecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    attn = layer.self_attn
-    x = layer.input_layernorm(h)
-    t = x.shape[0]
-    if attn.qkv_proj is not None:
-        q, k, v = attn.qkv_proj(x).split(attn.qkv_split, dim=-1)
-    else:
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-    q = q.reshape(t, attn.num_heads, attn.head_dim)
-    k = k.reshape(t, attn.num_kv_heads, attn.head_dim)
-    v = v.reshape(t, attn.num_kv_heads, attn.head_dim)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return layer.self_attn.project(layer.input_layernorm(h), cos, sin)
 
 
 def _after_attention(layer: LlamaDecoderLayer, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ An int4 layer the kernel cannot take (output rows in multiples of 16, inputs in 
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,7 +166,7 @@ def cpu_has_bf16() -> bool:
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
-class _QuantLinearBase(nn.Module):
+class _QuantLinearBase(nn.Module, abc.ABC):
     out_features: int
     in_features: int
     bias: nn.Parameter | None
@@ -190,12 +191,13 @@ class _QuantLinearBase(nn.Module):
         out = self.matmul(x)
         return out if self.bias is None else out + self.bias
 
+    @abc.abstractmethod
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """`x @ W.T` on the integer kernel (x contiguous, in `kernel_dtype`)."""
 
+    @abc.abstractmethod
     def dequantize(self) -> torch.Tensor:
         """The dense weight [out, in] in the model's dtype, in the shared workspace."""
-        raise NotImplementedError
 
 
 class Int8Linear(_QuantLinearBase):
