@@ -10,6 +10,7 @@ from stallfree.config.settings import (
     RuntimeConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
     StallfreeConfig,
     load_config,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "RuntimeConfig",
     "SchedulerConfig",
     "ServerConfig",
+    "SpeculativeConfig",
     "StallfreeConfig",
     "load_config",
 ]

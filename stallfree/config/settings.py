@@ -27,7 +27,7 @@ class ModelConfig(_Section):
         "tiny",
         description="Hugging Face model directory, a .gguf file, or a preset: tiny, bench-cpu",
     )
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+    dtype: Literal["auto", "float32", "float16", "bfloat16", "float64"] = Field(
         "auto",
         description="Weights and KV dtype; auto = the checkpoint's on CUDA; on a CPU bfloat16 "
         "where it has AVX512-BF16 or AMX and the model's hidden size is 512 or more, else "
@@ -189,6 +189,69 @@ class HisparseConfig(_Section):
         return self
 
 
+SPEC_METHODS_UNSUPPORTED = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
+
+
+class SpeculativeConfig(_Section):
+    method: Literal["none", "ngram", "draft_model"] = Field(
+        "none",
+        description="Speculative decoding: ngram (prompt lookup, no model) or draft_model (a "
+        "smaller model with the target's tokenizer); none = off",
+    )
+    num_speculative_tokens: int = Field(
+        4, ge=1, le=16, description="Draft tokens proposed per request and step (k)"
+    )
+    prompt_lookup_min: int = Field(
+        1, ge=1, le=64, description="ngram: shortest suffix of the tokens that is looked up"
+    )
+    prompt_lookup_max: int = Field(
+        4, ge=1, le=64, description="ngram: longest suffix of the tokens that is looked up"
+    )
+    draft_model: str | None = Field(
+        None, description="draft_model: path of the draft checkpoint (HF directory or GGUF)"
+    )
+    adaptive: bool = Field(
+        True,
+        description="Per request, stop proposing while drafts are mostly rejected (speculating "
+        "would cost more than it saves) and resume once its text repeats again",
+    )
+    min_acceptance_rate: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="adaptive: a request whose recent drafts are accepted below this rate "
+        "stops proposing",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _method_known(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            method = data.get("method")
+            if isinstance(method, str) and method.lower() in SPEC_METHODS_UNSUPPORTED:
+                raise ValueError(
+                    f"speculative method {method!r} is not supported: stallfree has ngram "
+                    "and draft_model (EAGLE-style, MTP and Medusa heads are not built)"
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _window(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"speculative.prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.method == "draft_model" and not self.draft_model:
+            raise ValueError("speculative.method=draft_model needs speculative.draft_model")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 class ServerConfig(_Section):
     host: str = Field("127.0.0.1", description="Bind address; loopback unless set")
     port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one")
@@ -346,6 +409,7 @@ class StallfreeConfig(BaseSettings):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     hisparse: HisparseConfig = Field(default_factory=HisparseConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
@@ -387,6 +451,17 @@ class StallfreeConfig(BaseSettings):
             raise ValueError(
                 "hisparse.enabled does not compose with worker processes yet (its coordinator "
                 "shares host memory with the model); use runtime.worker=inprocess and tp_size 1"
+            )
+        spec = self.speculative
+        if spec.enabled and self.hisparse.enabled:
+            raise ValueError(
+                "speculative decoding does not compose with hisparse.enabled yet (sparse "
+                "attention selects keys for one query per request)"
+            )
+        if spec.enabled and self.uses_worker_processes:
+            raise ValueError(
+                "speculative decoding does not compose with worker processes yet "
+                "(runtime.worker=process or parallel.tp_size > 1); use one in-process rank"
             )
         return self
 

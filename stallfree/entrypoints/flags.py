@@ -32,7 +32,7 @@ _SECTIONS: dict[str, type[BaseModel]] = {
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 # vLLM's --dtype spellings that name the same type as one of ours
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
-DTYPES = ["auto", "float32", "float16", "bfloat16"]
+DTYPES = ["auto", "float32", "float16", "bfloat16", "float64"]
 
 
 class HelpFormatter(argparse.HelpFormatter):

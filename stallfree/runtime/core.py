@@ -51,6 +51,7 @@ from stallfree.runtime.telemetry.stats import (
     EngineCounters,
     EngineSnapshot,
     PoolUsage,
+    SpecStats,
     WorkerRankStats,
 )
 from stallfree.runtime.text.output_processor import OutputProcessor
@@ -133,6 +134,15 @@ class EngineCore:
             sparse=sparse.stats() if sparse is not None else None,
             max_context_len=self.max_context_len,
             workers=self._workers(),
+            spec=self._spec_stats(),
+        )
+
+    def _spec_stats(self) -> SpecStats | None:
+        spec = self.config.speculative
+        if not spec.enabled:
+            return None
+        return SpecStats.from_counters(
+            spec.method, spec.num_speculative_tokens, self.scheduler.stats
         )
 
 

@@ -34,7 +34,12 @@ from stallfree.runtime.text.tokenizer import ByteTokenizer, HFTokenizer, Tokeniz
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
 
 
 def is_gguf_path(path: str | Path) -> bool:
@@ -141,7 +146,7 @@ def load_model(
 def fuses(dtype: torch.dtype, method: str) -> bool:
     """Whether q/k/v and gate/up run as one matmul each (`fuse_projections`): everywhere but
     a dense float32 model, whose output equals transformers' bit for bit only unfused."""
-    return dtype != torch.float32 or method != "none"
+    return dtype not in (torch.float32, torch.float64) or method != "none"
 
 
 def resolve_quantization(quantization: str, path_or_preset: str, device: torch.device) -> str:

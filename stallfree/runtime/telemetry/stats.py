@@ -56,11 +56,57 @@ class EngineCounters:
     schedule_seconds: float = 0.0  # host time to build and launch batches
     max_iteration_gap: float = 0.0  # longest loop iteration while work was pending
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    # speculative decoding, counted on the host from each step's one device-to-host copy:
+    # verify rows that carried at least one draft, the drafts they carried, the drafts
+    # accepted, accepted drafts by position (index 0 is the first draft), and requests that
+    # stopped proposing because their drafts were mostly rejected (adaptive)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+    spec_requests_disabled: int = 0
 
     def copy(self) -> EngineCounters:
+        skip = ("finished", "spec_accepted_per_pos")
         return EngineCounters(
-            **{name: getattr(self, name) for name in self.__slots__ if name != "finished"},
+            **{name: getattr(self, name) for name in self.__slots__ if name not in skip},
             finished=dict(self.finished),
+            spec_accepted_per_pos=list(self.spec_accepted_per_pos),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SpecStats:
+    """Speculative decoding's figures, as vLLM defines them: acceptance rate is accepted over
+    proposed draft tokens; mean acceptance length counts the token every verify step makes."""
+
+    method: str
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+    requests_disabled: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @classmethod
+    def from_counters(cls, method: str, k: int, counters: EngineCounters) -> SpecStats:
+        per_pos = list(counters.spec_accepted_per_pos) + [0] * k
+        return cls(
+            method=method,
+            num_speculative_tokens=k,
+            num_drafts=counters.spec_num_drafts,
+            num_draft_tokens=counters.spec_num_draft_tokens,
+            num_accepted_tokens=counters.spec_num_accepted_tokens,
+            accepted_per_pos=tuple(per_pos[:k]),
+            requests_disabled=counters.spec_requests_disabled,
         )
 
 
@@ -118,6 +164,8 @@ class EngineSnapshot:
     max_context_len: int = 0  # the engine's longest sequence (0: unknown), for bucket bounds
     # worker processes: one entry per rank on this node; empty in process (in-process model)
     workers: tuple[WorkerRankStats, ...] = ()
+    # speculative decoding's figures; None when it is off
+    spec: SpecStats | None = None
 
 
 @dataclass(frozen=True, slots=True)
