@@ -11,6 +11,11 @@ resolved), and the device keeps a stamp per slot that the stash op writes next t
 A decode row whose slot has no pending stash fails at launch, on the host; a row whose device
 stamp is not the generation the host expects (a stash that was lost, reordered, or written by
 row instead of by slot) fails the step on the stream, naming the slots.
+
+With speculative decoding (`enable_spec`) the map also holds, per slot, the drafts the
+proposer wrote for the slot's next verify step (`drafts`, -1 where there is none) and the
+slot's token history (`history`: prompt and outputs by position, the proposer's input). Both
+are written and read on the stream only; the host never reads a draft to build a batch.
 """
 
 from __future__ import annotations
@@ -31,6 +36,20 @@ class FutureMap:
         self.stamps: torch.Tensor | None = None
         self._pending: dict[int, int] = {}  # host: slot -> generation of its unresolved stash
         self._generation = 0
+        self.drafts: torch.Tensor | None = None  # [slots, k] speculative drafts, -1: none
+        self.history: torch.Tensor | None = None  # [slots, max_context + 1] tokens by position
+
+    def enable_spec(self, max_k: int, history_len: int) -> None:
+        """Speculative decoding: room for `max_k` drafts and a token history per slot."""
+        slots, device = self.tokens.shape[0], self.tokens.device
+        self.drafts = torch.full((slots, max_k), -1, dtype=torch.int64, device=device)
+        self.history = torch.zeros((slots, history_len), dtype=torch.int64, device=device)
+
+    def state(self) -> list[torch.Tensor]:
+        """Every device tensor of the map (the stream owns them)."""
+        out = [self.tokens]
+        out += [t for t in (self.stamps, self.drafts, self.history) if t is not None]
+        return out
 
     def enable_debug(self) -> None:
         if not self.debug:
@@ -91,6 +110,18 @@ class FutureMap:
         if slots.numel():
             self.tokens[slots] = next_ids[rows]
         self.mark(slots, generation)
+
+    def verify_inputs(
+        self, slots: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """Runs on the stream: a verify step's flat input ids. Token `t` of batch row
+        `rows[t]` is the slot's last token at offset 0 and its draft `offsets[t] - 1` after;
+        a missing draft (-1) reads as token 0, whose scores no accepted token depends on."""
+        assert self.drafts is not None
+        flat_slots = slots[rows]
+        last = self.tokens[flat_slots]
+        drafts = self.drafts[flat_slots, (offsets - 1).clamp_(min=0)]
+        return torch.where(offsets == 0, last, drafts.clamp(min=0))
 
     def mark(self, slots: torch.Tensor, generation: int | None) -> None:
         """Runs on the stream (debug): stamp `slots` with `generation`.

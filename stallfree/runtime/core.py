@@ -24,6 +24,12 @@ from stallfree.runtime.execution.executor import Executor, LocalExecutor
 from stallfree.runtime.execution.model_runner import ModelRunner
 from stallfree.runtime.execution.remote import RemoteExecutor
 from stallfree.runtime.execution.sampler import Sampler
+from stallfree.runtime.execution.speculative import (
+    NgramProposer,
+    Proposer,
+    SpecDecoder,
+    draft_proposer,
+)
 from stallfree.runtime.execution.worker import start_workers, worker_spec
 from stallfree.runtime.memory.pool import (
     KVCache,
@@ -45,6 +51,7 @@ from stallfree.runtime.plugins import load_sparse_attention_plugin
 from stallfree.runtime.scheduling.alloc import pages_for
 from stallfree.runtime.scheduling.loop import SchedulerLoop
 from stallfree.runtime.scheduling.scheduler import Scheduler
+from stallfree.runtime.scheduling.speculation import SpecPolicy
 from stallfree.runtime.telemetry.observer import ObserverFanout
 from stallfree.runtime.telemetry.stats import (
     ActivityClock,
@@ -312,6 +319,7 @@ def _scheduler(
         observer=observers,
         stats=counters,
         cache=cache,
+        spec=SpecPolicy(config.speculative) if config.speculative.enabled else None,
     )
 
 
@@ -326,8 +334,29 @@ def _runner(
     else:
         assert model.loaded is not None
         sampler = Sampler(config.model.seed, device)
-        executor = LocalExecutor(model.loaded.model, ctx, sampler, faults)
+        spec = _spec_decoder(config, ctx, model.loaded, sampler)
+        executor = LocalExecutor(model.loaded.model, ctx, sampler, faults, spec)
     return ModelRunner(ctx, executor, faults)
+
+
+def _spec_decoder(
+    config: StallfreeConfig, ctx: BatchContext, loaded: LoadedModel, sampler: Sampler
+) -> SpecDecoder | None:
+    """Speculative decoding's stream side, and room for drafts and histories in the future
+    map (before the runner hands the map's tensors to the stream)."""
+    spec = config.speculative
+    if not spec.enabled:
+        return None
+    k = spec.num_speculative_tokens
+    ctx.spec_k = k
+    width = ctx.req_to_token_pool.req_to_token.shape[1]
+    ctx.future_map.enable_spec(k, width + k + 2)
+    proposer: Proposer
+    if spec.method == "ngram":
+        proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    else:
+        proposer = draft_proposer(config, ctx, loaded)
+    return SpecDecoder(proposer, sampler, ctx.future_map)
 
 
 def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None) -> EngineCore:

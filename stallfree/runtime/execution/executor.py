@@ -18,7 +18,8 @@ from stallfree.runtime.execution.logits import (
 )
 from stallfree.runtime.execution.planner import StepArgs
 from stallfree.runtime.execution.sampler import Sampler, SamplingBatch
-from stallfree.runtime.model.forward_batch import ForwardMode
+from stallfree.runtime.execution.speculative import SpecDecoder
+from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 
 
 class Executor(Protocol):
@@ -31,10 +32,8 @@ class Executor(Protocol):
 def adopt_device_state(ctx: BatchContext) -> None:
     """Device-resident state is the stream's: the read guard knows it."""
     fmap, cache = ctx.future_map, ctx.kv_cache
-    state = [ctx.req_to_token_pool.req_to_token, fmap.tokens]
+    state = [ctx.req_to_token_pool.req_to_token, *fmap.state()]
     state += [t for t in (*cache.k_buffers, *cache.v_buffers) if t is not None]
-    if fmap.stamps is not None:
-        state.append(fmap.stamps)
     ctx.stream.adopt(*state)
 
 
@@ -47,11 +46,13 @@ class LocalExecutor:
         ctx: BatchContext,
         sampler: Sampler,
         faults: FaultInjector | None = None,
+        spec: SpecDecoder | None = None,
     ) -> None:
         self.model = model
         self.ctx = ctx
         self.sampler = sampler
         self.faults = faults
+        self.spec = spec  # speculative decoding's stream side (None: off)
         # NOTE: created on the stream by the first step that needs it; the host never reads it
         self.penalties: PenaltyState | None = None
 
@@ -87,6 +88,27 @@ class LocalExecutor:
             self.penalties.record(plan, next_ids)
         return next_ids
 
+    def _verify(self, fb: ForwardBatch, logits: torch.Tensor, args: StepArgs) -> torch.Tensor:
+        """A verify step after its forward: logits processing on every scored position, then
+        acceptance; returns the one buffer the host copies (tokens, accept counts, drafts)."""
+        assert self.spec is not None and args.spec is not None
+        plan = args.plan
+        if plan is not None and plan.needs_state:
+            assert self.penalties is not None
+        processed = logits
+        if plan is not None and plan.processes_logits:
+            processed = process_logits(logits, plan, self.penalties)
+        tokens, accepted, offered = self.spec.verify(fb, processed, args.spec)
+        if plan is not None:
+            assert fb.verify is not None
+            # each scored position's own token: the draft it accepted, or the step's token
+            flat = tokens.reshape(-1)[fb.verify.flat_pos].clamp(min=0)
+            if args.logprobs is not None:
+                args.logprobs.fill_outputs(logits, flat)
+            if self.penalties is not None:
+                self.penalties.record(plan, flat)
+        return torch.cat([tokens, accepted[:, None], offered[:, None]], dim=1)
+
     def run_step(self, args: StepArgs) -> None:
         """Runs on the stream, in order after every earlier enqueued write."""
         fb, sb, fault, plan = args.fb, args.sb, args.fault, args.plan
@@ -99,22 +121,38 @@ class LocalExecutor:
                 self.faults.before_forward(fault)
             if fb.mode is ForwardMode.DECODE:
                 fb.input_ids = fmap.resolve(fb.req_pool_indices, args.expected)
+            elif fb.mode is ForwardMode.VERIFY:
+                fmap.resolve(fb.req_pool_indices, args.expected)  # debug: the stash check
+                assert fb.verify is not None
+                fb.input_ids = fmap.verify_inputs(
+                    fb.req_pool_indices, fb.verify.rows, fb.verify.offsets
+                )
             logits = self.model(fb)
             if plan is not None and plan.needs_state:
                 if self.penalties is None:
                     slots = self.ctx.req_to_token_pool.req_to_token.shape[0]
                     self.penalties = PenaltyState(slots, logits.shape[1], logits.device)
                 self.penalties.rebuild(plan)
-            if plan is None:
-                next_ids = self.sampler.sample(logits, sb)
+            if fb.mode is ForwardMode.VERIFY:
+                # the verify step stashes its own last tokens (by slot), and its drafts
+                host_out = self._verify(fb, logits, args)
+                fmap.mark(stash_slots, generation)
+                stashed = True
             else:
-                next_ids = self._sample_planned(logits, fb.batch_size, sb, plan, args.logprobs)
-            fmap.stash(stash_slots, args.stash_rows, next_ids, generation)
-            stashed = True
+                if plan is None:
+                    host_out = self.sampler.sample(logits, sb)
+                else:
+                    host_out = self._sample_planned(
+                        logits, fb.batch_size, sb, plan, args.logprobs
+                    )
+                fmap.stash(stash_slots, args.stash_rows, host_out, generation)
+                stashed = True
+                if self.spec is not None and args.spec is not None:
+                    self.spec.after_extend(fb, stash_slots, args.stash_rows, host_out, args.spec)
         finally:
             if not stashed:
                 fmap.mark(stash_slots, generation)
         if fault is Fault.FAIL_COPY:
             assert self.faults is not None
             self.faults.before_copy(fault)
-        args.token_ids_cpu.copy_(next_ids, non_blocking=True)
+        args.token_ids_cpu.copy_(host_out, non_blocking=True)

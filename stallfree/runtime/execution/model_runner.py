@@ -18,6 +18,25 @@ from stallfree.runtime.request.req import Req
 
 
 @dataclass(slots=True, eq=False)
+class VerifyOutput:
+    """What the host learns from a verify step's one copy."""
+
+    ks: list[int]  # drafts each row was planned to carry
+    rows: list[list[int]]  # per row: tokens [max_k + 1], accept count, drafts offered
+
+    def tokens(self, row: int) -> list[int]:
+        """The row's new tokens: its accepted drafts, then the target's token."""
+        data = self.rows[row]
+        return data[: data[-2] + 1]
+
+    def accepted(self, row: int) -> int:
+        return self.rows[row][-2]
+
+    def offered(self, row: int) -> int:
+        return self.rows[row][-1]
+
+
+@dataclass(slots=True, eq=False)
 class StepOutput:
     """A processed step, whole: the sampled ids (None when the step failed, with `error`), and
     the logprobs and the plan that says how to read them."""
@@ -29,6 +48,9 @@ class StepOutput:
     logprobs: LogprobBuffers | None = None
     plan: LogitsPlan | None = None
     error: str | None = None
+    # a verify step: per row, its drafts' count as planned, and the copied row (the tokens
+    # padded to `max_k + 1` with -1, then the accept count, then the drafts it carried)
+    verify: VerifyOutput | None = None
 
     @property
     def ok(self) -> bool:
@@ -55,6 +77,19 @@ class LaunchedBatch:
             await self.event.wait()
         except StreamError as exc:
             return StepOutput(self.seq, self.reqs, self.output_rows, None, error=str(exc))
+        if self.mode is ForwardMode.VERIFY:
+            fb = self.forward_batch
+            assert fb.verify is not None
+            rows = self.token_ids_cpu.tolist()
+            return StepOutput(
+                self.seq,
+                self.reqs,
+                self.output_rows,
+                [r[0] for r in rows],
+                self.logprobs,
+                self.logits_plan,
+                verify=VerifyOutput(list(fb.verify.ks), rows),
+            )
         return StepOutput(
             self.seq,
             self.reqs,

@@ -11,8 +11,10 @@ from stallfree.overlap.faults import Fault, FaultInjector
 from stallfree.runtime.execution.context import BatchContext
 from stallfree.runtime.execution.logits import LogitsPlan, LogprobBuffers, build_logits_plan
 from stallfree.runtime.execution.sampler import SamplingBatch
+from stallfree.runtime.execution.speculative import SpecArgs
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.request.req import Req
+from stallfree.runtime.request.sampling_params import SamplingParams
 
 _I64 = torch.int64
 
@@ -44,6 +46,7 @@ class StepArgs:
     generation: int | None = None  # future-map debug: this step's stash generation
     plan: LogitsPlan | None = None
     logprobs: LogprobBuffers | None = None
+    spec: SpecArgs | None = None  # speculative decoding's host facts (None: off)
 
 
 class StepPlanner:
@@ -66,17 +69,35 @@ class StepPlanner:
             stash_rows = stream.upload(rows_cpu)
             slots_cpu = fb.req_pool_indices_cpu[rows_cpu]
             stash_slots = stream.upload(slots_cpu)
-            token_ids_cpu = stream.host_buffer((len(step.reqs),), _I64)
+            spec = None
+            if fb.mode is ForwardMode.VERIFY:
+                spec = self._plan_verify(fb, params, step.output_steps)
+                # the flat token rows: one per scored position, each its own output index
+                ns = fb.extend_lens_cpu
+                reqs = [r for r, n in zip(step.reqs, ns, strict=True) for _ in range(n)]
+                plan_rows = (
+                    reqs,
+                    [True] * len(reqs),
+                    [s + j for s, n in zip(step.output_steps, ns, strict=True) for j in range(n)],
+                )
+                assert fb.verify is not None
+                # one copy: each row's tokens, its accept count, the drafts it carried
+                shape = (len(step.reqs), fb.verify.max_k + 3)
+                token_ids_cpu = stream.host_buffer(shape, _I64)
+            else:
+                if ctx.spec_k:
+                    width = int(fb.seq_lens_cpu.max()) + 1 if len(fb.seq_lens_cpu) else 1
+                    spec = SpecArgs(width=width)
+                plan_rows = (step.reqs, step.output_rows, step.output_steps)
+                token_ids_cpu = stream.host_buffer((len(step.reqs),), _I64)
             plan = build_logits_plan(
-                step.reqs,
-                step.output_rows,
-                step.output_steps,
+                *plan_rows,
                 (fb.prefix_lens_cpu, fb.extend_lens_cpu) if fb.mode is ForwardMode.EXTEND else None,
                 stream.upload,
             )
             logprobs = None
             if plan is not None:
-                logprobs = LogprobBuffers.allocate(plan, len(step.reqs), stream.host_buffer)
+                logprobs = LogprobBuffers.allocate(plan, len(plan_rows[0]), stream.host_buffer)
                 if plan.prompt is not None:
                     fb.logit_positions = plan.prompt.positions
             expected, generation = self._plan_future_map(fb, slots_cpu)
@@ -92,6 +113,26 @@ class StepPlanner:
             generation,
             plan,
             logprobs,
+            spec,
+        )
+
+    def _plan_verify(
+        self, fb: ForwardBatch, params: list[SamplingParams], output_steps: list[int]
+    ) -> SpecArgs:
+        """Host facts of a verify step: each row's draft count and mask, and the sampling of
+        its padded positions (position j of a row is its output `output_steps[row] + j`)."""
+        layout = fb.verify
+        assert layout is not None
+        up = self.ctx.stream.upload
+        ks, max_k = layout.ks, layout.max_k
+        mask = torch.arange(max_k)[None, :] < torch.tensor(ks, dtype=_I64)[:, None]
+        pad_params = [p for p in params for _ in range(max_k + 1)]
+        pad_steps = [s + j for s in output_steps for j in range(max_k + 1)]
+        return SpecArgs(
+            width=int(fb.seq_lens_cpu.max()) + 1,
+            ks=up(torch.tensor(ks, dtype=_I64)),
+            draft_mask=up(mask),
+            sb_pad=SamplingBatch.build(pad_params, pad_steps, up),
         )
 
     def _plan_future_map(
@@ -103,7 +144,7 @@ class StepPlanner:
             return None, None
         rows: list[int] = fb.req_pool_indices_cpu.tolist()
         expected = None
-        if fb.mode is ForwardMode.DECODE:
+        if fb.mode in (ForwardMode.DECODE, ForwardMode.VERIFY):
             expected = self.ctx.stream.upload(torch.tensor(fmap.plan_resolve(rows), dtype=_I64))
         else:
             fmap.plan_prefill(rows)

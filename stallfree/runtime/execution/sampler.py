@@ -76,16 +76,36 @@ class Sampler:
         greedy_ids = logits.argmax(dim=-1)
         if sb.all_greedy:
             return greedy_ids
+        assert sb.temperatures is not None
+        greedy = sb.temperatures <= 0.0
+        probs = self.probs(logits, sb)
+        sampled = (probs / self.exponential(probs, sb)).argmax(dim=-1)
+        return torch.where(greedy, greedy_ids, sampled)
+
+    def probs(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        """Each row's distribution after temperature, top-k and top-p (greedy rows: at
+        temperature 1; only their argmax is used). Not for an all-greedy batch."""
         assert sb.temperatures is not None and sb.top_ks is not None and sb.top_ps is not None
         greedy = sb.temperatures <= 0.0
         scaled = logits / torch.where(greedy, 1.0, sb.temperatures).unsqueeze(1)
         if sb.needs_filter:
             scaled = _filter_top_k_top_p(scaled, sb.top_ks, sb.top_ps)
-        probs = torch.softmax(scaled, dim=-1)
-        sampled = (probs / self._exponential(probs, sb)).argmax(dim=-1)
-        return torch.where(greedy, greedy_ids, sampled)
+        return torch.softmax(scaled, dim=-1)
 
-    def _exponential(self, probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    def uniforms(self, sb: SamplingBatch, salt: int = 0x5EC) -> torch.Tensor:
+        """One U[0, 1) draw per row (speculative acceptance tests), seeded rows from their own
+        seed and output index, like the sampling noise but from a different stream."""
+        n = len(sb.greedy_mask_cpu)
+        out = torch.rand(n, generator=self._gen, device=self.device)
+        for row, seed in enumerate(sb.seeds_cpu):
+            if seed is None or sb.greedy_mask_cpu[row]:
+                continue
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(noise_seed(seed ^ salt, sb.steps_cpu[row]))
+            out[row] = torch.rand(1, generator=gen, device=self.device)[0]
+        return out
+
+    def exponential(self, probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         noise = torch.empty_like(probs).exponential_(generator=self._gen)
         for row, seed in enumerate(sb.seeds_cpu):
             if seed is None or sb.greedy_mask_cpu[row]:

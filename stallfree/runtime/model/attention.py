@@ -162,7 +162,32 @@ class PagedAttention:
         fb.kv_cache.write(layer_id, fb.out_cache_loc, k, v)
         if fb.mode is ForwardMode.DECODE:
             return self._decode(q, layer_id, fb)
+        if fb.mode is ForwardMode.VERIFY:
+            return self._verify(q, layer_id, fb)
         return self._extend(q, layer_id, fb)
+
+    def _verify(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
+        """Every row's `k + 1` queries at once, padded to the longest row and to the widest
+        key window the host allows (its upper bound). Query positions are the device's (each
+        row's own length), so the causal mask hides the keys past them: positions a rejected
+        draft wrote, or the window the host reserved but the device has not reached."""
+        layout = fb.verify
+        assert layout is not None
+        width = int(fb.seq_lens_cpu.max())
+        n_pos = layout.max_k + 1
+        bsz = fb.batch_size
+        device = q.device
+        pos = torch.arange(width, device=device)
+        slots = fb.req_to_token[:, :width][fb.req_pool_indices]  # [B, width]
+        k, v = self._gather_kv(layer_id, fb, slots)  # [B, width, KVH, D]
+        q_pad = q[layout.pad_index]  # [B, n_pos, H, D]
+        q_pos = fb.positions[layout.pad_index]  # [B, n_pos]
+        mask = pos[None, None, :] <= q_pos[:, :, None]
+        if self.sliding_window is not None:
+            mask &= pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+        out = attend_batched(q_pad.transpose(1, 2), k, v, mask[:, None])  # [B, H, n_pos, D]
+        flat = out.transpose(1, 2).reshape(bsz * n_pos, *q.shape[1:])
+        return flat[layout.flat_pos]
 
     def _extend(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
         outs = []

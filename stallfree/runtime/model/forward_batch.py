@@ -7,6 +7,7 @@ copies taken at schedule time; the model uses them for shapes and loops, never t
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,52 @@ if TYPE_CHECKING:
 class ForwardMode(enum.Enum):
     EXTEND = "extend"
     DECODE = "decode"
+    # speculative verify: each request's last token and its drafts, at positions the device
+    # decides (its own length); shapes and widths come from host upper bounds
+    VERIFY = "verify"
     IDLE = "idle"
+
+
+@dataclass(slots=True)
+class VerifyLayout:
+    """A verify step's layout, decided on the host: row `b` carries `ks[b]` drafts after its
+    last token (`ks[b] + 1` tokens), padded to `max_k + 1` positions per row.
+
+    `pad_index` [B, max_k + 1] (device): the flat token each padded position reads (a row's
+    last token repeated past its own); `flat_pos` [T] (device): each flat token's padded
+    position `b * (max_k + 1) + j`.
+    """
+
+    ks: list[int]
+    max_k: int
+    pad_index: torch.Tensor
+    flat_pos: torch.Tensor
+    rows: torch.Tensor  # [T] device: each flat token's batch row
+    offsets: torch.Tensor  # [T] device: each flat token's offset j in its row
+
+    @classmethod
+    def build(cls, ks: list[int], upload: Callable[[torch.Tensor], torch.Tensor]) -> VerifyLayout:
+        """From the host's draft counts, uploaded."""
+        i64 = torch.int64
+        ns = [k + 1 for k in ks]
+        max_k = max(ks, default=0)
+        rows = torch.repeat_interleave(torch.arange(len(ks), dtype=i64), torch.tensor(ns, dtype=i64))
+        offsets = (
+            torch.cat([torch.arange(m, dtype=i64) for m in ns]) if ns else torch.empty(0, dtype=i64)
+        )
+        pad, start = [], 0
+        for k, m in zip(ks, ns, strict=True):
+            pad.append([start + min(j, k) for j in range(max_k + 1)])
+            start += m
+        pad_index = torch.tensor(pad, dtype=i64).reshape(len(ks), max_k + 1)
+        return cls(
+            ks=list(ks),
+            max_k=max_k,
+            pad_index=upload(pad_index),
+            flat_pos=upload(rows * (max_k + 1) + offsets),
+            rows=upload(rows),
+            offsets=upload(offsets),
+        )
 
 
 @dataclass(slots=True)
@@ -47,6 +93,8 @@ class ForwardBatch:
     # device [N] int64: flat token offsets whose logits the model also returns, after the last
     # tokens' rows (prompt logprobs); None: only the last tokens'
     logit_positions: torch.Tensor | None = None
+    # VERIFY only: the padded layout of the rows (None otherwise)
+    verify: VerifyLayout | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -459,8 +459,10 @@ def _after_attention(layer: LlamaDecoderLayer, h: torch.Tensor, out: torch.Tenso
 
 def _last_tokens(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
     """Rows of each request's last token, sliced with host offsets (no index tensor upload)."""
-    if fb.mode is ForwardMode.DECODE or all(n == 1 for n in fb.extend_lens_cpu):
-        return h
+    if fb.mode in (ForwardMode.DECODE, ForwardMode.VERIFY) or all(
+        n == 1 for n in fb.extend_lens_cpu
+    ):
+        return h  # a verify step scores every position
     ends = []
     total = 0
     for n in fb.extend_lens_cpu:

@@ -50,6 +50,16 @@ class Req:
     num_computed_tokens: int = 0  # tokens whose KV is written or enqueued
     num_scheduled_outputs: int = 0  # outputs sampled or in flight
     num_retractions: int = 0
+    # speculative decoding: positions of verify steps in flight (`k + 1` each), all counted
+    # in `num_computed_tokens` and `num_scheduled_outputs` as if every draft were accepted;
+    # the committed length is `num_computed_tokens - spec_window` (docs/overlap.md)
+    spec_window: int = 0
+    # adaptive speculation (scheduling/speculation.py): running acceptance rate, drafted
+    # steps, whether it stopped proposing, and normal steps since it stopped
+    spec_rate: float = 1.0
+    spec_steps: int = 0
+    spec_off: bool = False
+    spec_idle: int = 0
     paused: bool = False  # out of the decode batch until its reader catches up
     # host bookkeeping for the consumer side, opaque to the scheduler
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -115,5 +125,6 @@ class Req:
         self.cache_node = None
         self.cached_pages = 0
         self.num_computed_tokens = 0
+        self.spec_window = 0
         self.num_retractions += 1
         self.status = ReqStatus.WAITING

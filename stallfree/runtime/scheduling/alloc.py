@@ -140,6 +140,79 @@ def alloc_for_decode(
     return out_cache_loc
 
 
+def verify_pages_needed(reqs: list[Req], base: list[int], ns: list[int], page_size: int) -> int:
+    """Pages a verify step needs: each row's window grown to `base + k + 1` tokens."""
+    return sum(
+        new_pages_needed(r, b + n, page_size) for r, b, n in zip(reqs, base, ns, strict=True)
+    )
+
+
+def alloc_for_verify(
+    ctx: BatchContext,
+    reqs: list[Req],
+    base: list[int],
+    ns: list[int],
+    req_pool_indices: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """The window of a verify step, decided on the host: each row's pages grow to cover
+    `base + n` tokens (`base` its upper bound), and its `req_to_token` row is written for
+    positions `base .. base + n - 1`. Earlier windows wrote the positions below, and a
+    position's slot never changes while the request holds its pages, so wherever inside the
+    window the device's length is, its `n` positions have slots. Returns `out_cache_loc`,
+    gathered on the stream at the device's `positions` (flat, by batch `rows`)."""
+    page_size = ctx.allocator.page_size
+    for req, b, n in zip(reqs, base, ns, strict=True):
+        _grow_pages(ctx.allocator, req, b + n)
+    if reqs:
+        slots = [r.req_pool_idx for r in reqs]
+        t_rows = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), torch.tensor(ns))
+        cols = torch.cat([torch.arange(b, b + n, dtype=torch.int64) for b, n in zip(base, ns)])
+        locs = torch.cat(
+            [_token_slots(r, b, b + n, page_size) for r, b, n in zip(reqs, base, ns, strict=True)]
+        )
+        up = ctx.stream.upload
+        _write_req_to_token(ctx, up(t_rows), up(cols), up(locs))
+    table = ctx.req_to_token_pool.req_to_token
+    return ctx.stream.compute(
+        lambda rpi, r, p: table[rpi[r], p],
+        req_pool_indices,
+        rows,
+        positions,
+        shape=tuple(positions.shape),
+        dtype=torch.int64,
+    )
+
+
+def write_history(
+    ctx: BatchContext,
+    reqs: list[Req],
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    fresh: list[bool],
+) -> None:
+    """Speculative decoding: an extend step's tokens go into each slot's token history (the
+    proposer's input) on the stream; a slot new to its request gets its cached prefix too."""
+    history = ctx.future_map.history
+    assert history is not None
+    rows, cols, vals = [], [], []
+    for req, prefix, ext, new in zip(reqs, prefix_lens, extend_lens, fresh, strict=True):
+        first = 0 if new else prefix
+        rows.append(torch.full((prefix + ext - first,), req.req_pool_idx, dtype=torch.int64))
+        cols.append(torch.arange(first, prefix + ext, dtype=torch.int64))
+        vals.append(torch.tensor(req.fill_slice(first, prefix + ext), dtype=torch.int64))
+    if not rows:
+        return
+    up = ctx.stream.upload
+    r, c, v = up(torch.cat(rows)), up(torch.cat(cols)), up(torch.cat(vals))
+
+    def write() -> None:
+        history[r, c] = v
+
+    ctx.stream.submit(write)
+
+
 def _write_req_to_token(
     ctx: BatchContext, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor
 ) -> None:
@@ -243,7 +316,24 @@ def import_prebuilt_kv(
             cache.write(layer, locs, k, v)
 
     stream.submit(write)
+    if ctx.spec_k:
+        _import_history(ctx, row, [*req.origin_input_ids, first_token_id])
     slot = stream.upload(torch.tensor([row], dtype=torch.int64))
     tok = stream.upload(torch.tensor([first_token_id], dtype=torch.int64))
     first_row = stream.upload(torch.zeros(1, dtype=torch.int64))
     stream.submit(ctx.future_map.stash, slot, first_row, tok)
+
+
+def _import_history(ctx: BatchContext, row: int, tokens: list[int]) -> None:
+    """Speculative decoding: an imported request's history is its prompt and first token; its
+    first verify step carries no drafts (whatever the slot's last user left is cleared)."""
+    fmap = ctx.future_map
+    history, drafts = fmap.history, fmap.drafts
+    assert history is not None and drafts is not None
+    vals = ctx.stream.upload(torch.tensor(tokens, dtype=torch.int64))
+
+    def write() -> None:
+        history[row, : len(tokens)] = vals
+        drafts[row] = -1
+
+    ctx.stream.submit(write)

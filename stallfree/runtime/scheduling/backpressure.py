@@ -90,7 +90,10 @@ class PausedRequests:
         for req in reversed([r for r in back if r.req_pool_idx is None]):
             req.status = ReqStatus.WAITING
             waiting.appendleft(req)
+        # NOTE: a verify step of a paused request is processed before it can resume (pausing and
+        # resuming never meet in one round), so its lengths are exact: no window in flight
         held = [r for r in back if r.req_pool_idx is not None]
+        assert not any(r.spec_window for r in held), "resuming a request with drafts in flight"
         if held:
             batch = ScheduleBatch.init_new(held, running.ctx)
             batch.prepare_for_prebuilt(imported=False)

@@ -13,20 +13,41 @@ value for a group or says `KEEP`; it cannot leave a mirror or a per-row list beh
 forgetting it. `_assign` checks the shapes, and runs the parity checker when
 `runtime.check_mirrors` is on. `tests/core/test_mirror_parity.py` checks that no other method
 assigns these fields.
+
+Speculative decoding splits the length mirror in two (`docs/overlap.md`): `seq_lens_cpu` is an
+upper bound (every draft in flight accepted) and `committed_lens_cpu` is exact as of the last
+processed batch. The device's `seq_lens` advance on the stream by the accept lengths, so while
+a verify step is in flight parity is `committed <= device <= upper bound`, and exact once it is
+processed (`settle_spec`). Without speculation the two host mirrors are equal.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
 from stallfree.runtime.execution.context import BatchContext
 from stallfree.runtime.execution.planner import StepInput
-from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
-from stallfree.runtime.scheduling.alloc import alloc_for_decode, alloc_for_extend
+from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode, VerifyLayout
+from stallfree.runtime.scheduling.alloc import (
+    alloc_for_decode,
+    alloc_for_extend,
+    alloc_for_verify,
+    new_pages_needed,
+    write_history,
+)
+from stallfree.runtime.scheduling.batch_reads import HostReads
+from stallfree.runtime.scheduling.batch_fields import (
+    ASSIGNED_FIELDS,
+    KEEP,
+    Mirrored,
+    RowLists,
+    StepTensors,
+    _Keep,
+    _empty,
+)
 from stallfree.runtime.scheduling.parity import check_launchable, check_parity, check_shapes
 
 if TYPE_CHECKING:
@@ -34,82 +55,11 @@ if TYPE_CHECKING:
 
 _I64 = torch.int64
 
-
-def _empty() -> torch.Tensor:
-    return torch.empty(0, dtype=_I64)
-
-
-class _Keep(enum.Enum):
-    KEEP = "keep"
-
-
-KEEP = _Keep.KEEP
-"""An operation leaves this group of fields as it is (it says so; it does not forget it)."""
-
-
-class Mirrored(NamedTuple):
-    """A device tensor and its CPU mirror: set together or not at all."""
-
-    device: torch.Tensor
-    host: torch.Tensor
-
-
-class RowLists(NamedTuple):
-    """Per-row host facts of the step the batch was last prepared for."""
-
-    prefix_lens: list[int]
-    extend_lens: list[int]
-    output_rows: list[bool]  # rows whose sampled token is real
-    output_steps: list[int]  # output index each row's token will have (seeded sampling)
-
-    @classmethod
-    def empty(cls) -> RowLists:
-        return cls([], [], [], [])
-
-    def select(self, keep: list[int]) -> RowLists:
-        return RowLists(
-            [self.prefix_lens[i] for i in keep],
-            [self.extend_lens[i] for i in keep],
-            [self.output_rows[i] for i in keep],
-            [self.output_steps[i] for i in keep],
-        )
-
-    def concat(self, other: RowLists) -> RowLists:
-        return RowLists(
-            self.prefix_lens + other.prefix_lens,
-            self.extend_lens + other.extend_lens,
-            self.output_rows + other.output_rows,
-            self.output_steps + other.output_steps,
-        )
-
-
-class StepTensors(NamedTuple):
-    """Per-token device tensors of one prepared step. Filter and merge clear them."""
-
-    out_cache_loc: torch.Tensor
-    input_ids: torch.Tensor | None  # None in decode: resolved from the future map
-    positions: torch.Tensor | None
-
-
-# the fields `_assign` owns; no other method may assign them (a test reads the source)
-ASSIGNED_FIELDS = (
-    "reqs",
-    "req_pool_indices",
-    "req_pool_indices_cpu",
-    "seq_lens",
-    "seq_lens_cpu",
-    "prefix_lens_cpu",
-    "extend_lens_cpu",
-    "output_rows",
-    "output_steps",
-    "out_cache_loc",
-    "input_ids",
-    "positions",
-)
+__all__ = ["ASSIGNED_FIELDS", "KEEP", "ScheduleBatch", "retract_order"]
 
 
 @dataclass(slots=True, eq=False)
-class ScheduleBatch:
+class ScheduleBatch(HostReads):
     reqs: list[Req]
     ctx: BatchContext
     forward_mode: ForwardMode = ForwardMode.IDLE
@@ -117,6 +67,8 @@ class ScheduleBatch:
     req_pool_indices_cpu: torch.Tensor = field(default_factory=_empty)
     seq_lens: torch.Tensor = field(default_factory=_empty)
     seq_lens_cpu: torch.Tensor = field(default_factory=_empty)
+    # exact length as of the last processed batch (speculation: seq_lens_cpu is a bound)
+    committed_lens_cpu: torch.Tensor = field(default_factory=_empty)
     out_cache_loc: torch.Tensor = field(default_factory=_empty)
     input_ids: torch.Tensor | None = None  # None in decode: resolved from the future map
     positions: torch.Tensor | None = None
@@ -129,6 +81,8 @@ class ScheduleBatch:
     # legacy mode: (device tensor, its values as read through host_read or allocated on the
     # host); valid while the device tensor is the same object
     _legacy_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the layout of the verify step the batch was last prepared for (speculative decoding)
+    _verify: VerifyLayout | None = None
 
     @classmethod
     def init_new(cls, reqs: list[Req], ctx: BatchContext) -> ScheduleBatch:
@@ -149,6 +103,7 @@ class ScheduleBatch:
         reqs: list[Req] | _Keep,
         req_pool_indices: Mirrored | _Keep,
         seq_lens: Mirrored | _Keep,
+        committed: torch.Tensor | _Keep,
         rows: RowLists | _Keep,
         step: StepTensors | _Keep,
     ) -> None:
@@ -159,6 +114,8 @@ class ScheduleBatch:
             self.req_pool_indices, self.req_pool_indices_cpu = req_pool_indices
         if seq_lens is not KEEP:
             self.seq_lens, self.seq_lens_cpu = seq_lens
+        if committed is not KEEP:
+            self.committed_lens_cpu = committed
         if rows is not KEEP:
             (
                 self.prefix_lens_cpu,
@@ -174,7 +131,7 @@ class ScheduleBatch:
 
     def _check_shapes(self, op: str) -> None:
         """Always on (host metadata only): one entry per request in every mirror and list."""
-        check_shapes(op, self._mirrors(), self.reqs, self._rows())
+        check_shapes(op, self._mirrors(), self.reqs, self._rows(), self.committed_lens_cpu)
 
     def _mirrors(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         return [
@@ -187,47 +144,6 @@ class ScheduleBatch:
             self.prefix_lens_cpu, self.extend_lens_cpu, self.output_rows, self.output_steps
         )
 
-    # ------------------------------------------------------------------ host reads
-
-    def host_seq_lens(self, site: str) -> torch.Tensor:
-        """Sequence lengths on the host: the mirror, or (legacy) a device read at `site`."""
-        if self.ctx.cpu_mirrors:
-            self.ctx.monitor.mirror_read("seq_lens_cpu")
-            return self.seq_lens_cpu
-        return self._read_device_rows(site)
-
-    def host_req_pool_indices(self, site: str) -> torch.Tensor:
-        """Request slots on the host: the mirror, or (legacy) the device's values.
-
-        Legacy reads the device at `site` unless the values were read (or allocated on the
-        host, for an extend batch) since the device tensor last changed.
-        """
-        if self.ctx.cpu_mirrors:
-            self.ctx.monitor.mirror_read("req_pool_indices_cpu")
-            return self.req_pool_indices_cpu
-        cached = self._legacy_rows
-        if cached is not None and cached[0] is self.req_pool_indices:
-            return cached[1]
-        self._legacy_rows = (
-            self.req_pool_indices,
-            self.ctx.monitor.host_read(self.req_pool_indices, site),
-        )
-        return self._legacy_rows[1]
-
-    def _read_device_rows(self, site: str) -> torch.Tensor:
-        """Legacy: one `host_read` of slots and lengths; returns the lengths, keeps the slots."""
-        n = len(self.reqs)
-        both = self.ctx.stream.compute(
-            lambda a, b: torch.stack([a, b]),
-            self.req_pool_indices,
-            self.seq_lens,
-            shape=(2, n),
-            dtype=_I64,
-        )
-        host = self.ctx.monitor.host_read(both, site)
-        self._legacy_rows = (self.req_pool_indices, host[0])
-        return host[1]
-
     # ------------------------------------------------------------------ lifecycle
 
     def prepare_for_extend(self, extend_lens: list[int]) -> None:
@@ -239,10 +155,13 @@ class ScheduleBatch:
         for req, prefix, ext in zip(self.reqs, prefix_lens, extend_lens, strict=True):
             ids.extend(req.fill_slice(prefix, prefix + ext))
             pos.append(torch.arange(prefix, prefix + ext, dtype=_I64))
+        fresh = [r.req_pool_idx is None for r in self.reqs]
         out_cache_loc, rpi, rpi_cpu = alloc_for_extend(self.ctx, self.reqs, extend_lens)
         seq_lens_cpu = torch.tensor(
             [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)], dtype=_I64
         )
+        if self.ctx.spec_k:
+            write_history(self.ctx, self.reqs, prefix_lens, extend_lens, fresh)
         output_rows, output_steps = [], []
         for req, ext in zip(self.reqs, extend_lens, strict=True):
             req.num_computed_tokens += ext
@@ -256,6 +175,7 @@ class ScheduleBatch:
             reqs=KEEP,
             req_pool_indices=Mirrored(rpi, rpi_cpu),
             seq_lens=Mirrored(stream.upload(seq_lens_cpu), seq_lens_cpu),
+            committed=seq_lens_cpu.clone(),
             rows=RowLists(prefix_lens, extend_lens, output_rows, output_steps),
             step=StepTensors(
                 out_cache_loc,
@@ -292,6 +212,7 @@ class ScheduleBatch:
                 stream.compute(torch.add, old_seq_lens, 1, shape=(n,), dtype=_I64),
                 self.seq_lens_cpu + 1,
             ),
+            committed=self.committed_lens_cpu + 1,
             rows=rows,
             # the new token sits at the old length
             step=StepTensors(out_cache_loc, None, old_seq_lens),
@@ -308,6 +229,77 @@ class ScheduleBatch:
                 self.req_pool_indices_cpu if self.ctx.cpu_mirrors else None,
             )
 
+    def prepare_for_verify(self, ks: list[int], base: torch.Tensor | None = None) -> None:
+        """A speculative step: each row's last token and `ks[i]` drafts (resolved from the
+        future map on the stream) at the device's own length, inside the window the host
+        reserves up to its upper bound (`alloc_for_verify`). The device's lengths after the
+        step start at `before + k + 1` and drop by the rejected drafts on the stream."""
+        self.forward_mode = ForwardMode.VERIFY
+        stream = self.ctx.stream
+        # upper bounds (mirrors), or (legacy) the device's exact lengths, read through host_read
+        if base is None:
+            base = self.host_seq_lens("schedule.page_count")
+        ns = [k + 1 for k in ks]
+        n = len(self.reqs)
+        layout = VerifyLayout.build(ks, stream.upload)
+        rows, offsets = layout.rows, layout.offsets
+        ns_cpu = torch.tensor(ns, dtype=_I64)
+        before = self.seq_lens
+        positions = stream.compute(
+            lambda b, r, o: b[r] + o, before, rows, offsets, shape=(sum(ns),), dtype=_I64
+        )
+        out_cache_loc = alloc_for_verify(
+            self.ctx, self.reqs, base.tolist(), ns, self.req_pool_indices, rows, positions
+        )
+        for req, m in zip(self.reqs, ns, strict=True):
+            req.num_computed_tokens += m
+            req.num_scheduled_outputs += m
+            req.spec_window += m
+        ub = self.seq_lens_cpu + ns_cpu
+        self._assign(
+            "prepare_for_verify",
+            reqs=KEEP,
+            req_pool_indices=KEEP,
+            # NOTE: out of place; the verify step lowers it by the rejected drafts on the stream
+            seq_lens=Mirrored(
+                stream.compute(torch.add, before, stream.upload(ns_cpu), shape=(n,), dtype=_I64),
+                ub,
+            ),
+            committed=ub - torch.tensor([r.spec_window for r in self.reqs], dtype=_I64),
+            rows=RowLists(
+                base.tolist(),
+                ns,
+                [True] * n,
+                [r.num_scheduled_outputs - m for r, m in zip(self.reqs, ns, strict=True)],
+            ),
+            step=StepTensors(out_cache_loc, None, positions),
+        )
+        self._verify = layout
+
+    def settle_spec(self) -> None:
+        """A verify step was processed: its rows' upper bounds dropped by the drafts it
+        rejected and their committed lengths rose by what it accepted (host facts, on the
+        requests). The mirrors follow; the device tensors already did, on the stream."""
+        ub = torch.tensor([r.num_computed_tokens for r in self.reqs], dtype=_I64)
+        committed = ub - torch.tensor([r.spec_window for r in self.reqs], dtype=_I64)
+        if ub.equal(self.seq_lens_cpu) and committed.equal(self.committed_lens_cpu):
+            return
+        extend = self.extend_lens_cpu
+        self._assign(
+            "settle_spec",
+            reqs=KEEP,
+            req_pool_indices=KEEP,
+            seq_lens=Mirrored(self.seq_lens, ub),
+            committed=committed,
+            rows=RowLists(
+                [u - e for u, e in zip(ub.tolist(), extend, strict=True)],
+                list(extend),
+                list(self.output_rows),
+                list(self.output_steps),
+            ),
+            step=KEEP,
+        )
+
     def prepare_for_idle(self) -> None:
         self.forward_mode = ForwardMode.IDLE
         up = self.ctx.stream.upload
@@ -317,6 +309,7 @@ class ScheduleBatch:
             reqs=[],
             req_pool_indices=Mirrored(up(_empty()), _empty()),
             seq_lens=Mirrored(up(_empty()), _empty()),
+            committed=_empty(),
             rows=RowLists.empty(),
             step=StepTensors(up(_empty()), empty_ids, empty_ids),
         )
@@ -336,6 +329,7 @@ class ScheduleBatch:
             reqs=KEEP,
             req_pool_indices=Mirrored(rpi, rpi_cpu),
             seq_lens=Mirrored(stream.upload(seq_lens_cpu), seq_lens_cpu),
+            committed=seq_lens_cpu.clone(),
             # the first token came with the KV: like a final prefill chunk already processed
             rows=RowLists(seq_lens_cpu.tolist(), [0] * n, [False] * n, [0] * n),
             step=StepTensors(stream.upload(_empty()), None, None),
@@ -366,6 +360,7 @@ class ScheduleBatch:
                 stream.compute(torch.index_select, self.seq_lens, 0, keep, shape=n, dtype=_I64),
                 self.seq_lens_cpu[keep_cpu],
             ),
+            committed=self.committed_lens_cpu[keep_cpu],
             rows=self._rows().select(keep_indices),
             step=self._cleared_step(),
         )
@@ -390,6 +385,7 @@ class ScheduleBatch:
                 stream.compute(cat, self.seq_lens, other.seq_lens, shape=n, dtype=_I64),
                 torch.cat([self.seq_lens_cpu, other.seq_lens_cpu]),
             ),
+            committed=torch.cat([self.committed_lens_cpu, other.committed_lens_cpu]),
             rows=self._rows().concat(other._rows()),
             step=self._cleared_step(),
         )
@@ -402,15 +398,22 @@ class ScheduleBatch:
         empty = self.ctx.stream.upload(_empty())
         return StepTensors(empty, None, None)
 
-    def retract_decode(self) -> tuple[list[Req], bool]:
-        """Remove requests until one decode step fits the free KV pages.
+    def retract_decode(self, ns: list[int] | None = None) -> tuple[list[Req], bool]:
+        """Remove requests until one decode step fits the free KV pages (`ns`: a verify step
+        of `ns[i]` tokens per row, each row's window counted).
 
         Victims have the fewest outputs, then the longest prompts, so the least work is redone.
         Returns them and whether the step now fits (it may not, with one request left).
         """
         allocator = self.ctx.allocator
         seq_lens_cpu = self.host_seq_lens("schedule.retract")
-        needs = (seq_lens_cpu % allocator.page_size == 0).tolist()
+        if ns is None:
+            needs = (seq_lens_cpu % allocator.page_size == 0).tolist()
+        else:
+            needs = [
+                new_pages_needed(r, b + n, allocator.page_size)
+                for r, b, n in zip(self.reqs, seq_lens_cpu.tolist(), ns, strict=True)
+            ]
         needed, available = sum(needs), allocator.available_pages()
         order = retract_order(self.reqs)
         keep = set(range(len(self.reqs)))
@@ -454,6 +457,7 @@ class ScheduleBatch:
             kv_cache=ctx.kv_cache,
             prompt_lens_cpu=[len(r.origin_input_ids) for r in self.reqs],
             sparse_plan=self._sparse_plan(),
+            verify=self._verify if self.forward_mode is ForwardMode.VERIFY else None,
         )
 
     def step_input(self) -> StepInput:
@@ -481,7 +485,14 @@ class ScheduleBatch:
         self._check_shapes(op)
         with self.ctx.monitor.debug_read():
             self.ctx.stream.synchronize()
-            check_parity(op, self._mirrors(), self.reqs, self.prefix_lens_cpu, self.extend_lens_cpu)
+            check_parity(
+                op,
+                self._mirrors(),
+                self.reqs,
+                self.prefix_lens_cpu,
+                self.extend_lens_cpu,
+                self.committed_lens_cpu,
+            )
 
     def _check_launchable(self) -> None:
         check_launchable(self.reqs, self.extend_lens_cpu, self.out_cache_loc)

@@ -30,6 +30,7 @@ from stallfree.runtime.scheduling.alloc import (
     decode_pages_needed,
     free_req_memory,
     import_prebuilt_kv,
+    verify_pages_needed,
 )
 from stallfree.runtime.scheduling.backpressure import PausedRequests
 from stallfree.runtime.scheduling.deferred import DeferredFrees
@@ -43,6 +44,7 @@ from stallfree.runtime.scheduling.prefix import (
     unlock_match,
 )
 from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
+from stallfree.runtime.scheduling.speculation import SpecPolicy, count_verify_row
 from stallfree.runtime.telemetry.observer import EngineObserver
 from stallfree.runtime.telemetry.stats import EngineCounters
 from stallfree.runtime.text.output_processor import OutputProcessor
@@ -78,6 +80,8 @@ class Scheduler:
     _building_records: list[CacheRecord] | None = None
     # what finished or retracted requests hold until the batches that may read it are processed
     deferred: DeferredFrees = field(init=False)
+    # speculative decoding: each decode step verifies drafts (None: off)
+    spec: SpecPolicy | None = None
 
     def __post_init__(self) -> None:
         self.deferred = DeferredFrees(self.ctx, self.cache)
@@ -152,11 +156,16 @@ class Scheduler:
             if running.is_empty():
                 return None
             self.building = list(running.reqs)
-            seq_lens_cpu, ready = self._make_room_for_decode(running)
+            seq_lens_cpu, ks, ready = self._make_room_for_decode(running)
             if running.is_empty() or not ready:
                 return None
             self.building = list(running.reqs)
-            running.prepare_for_decode(seq_lens_cpu)
+            if ks is not None:
+                assert self.spec is not None
+                running.prepare_for_verify(ks, seq_lens_cpu)
+                self.spec.launched(running.reqs, ks)
+            else:
+                running.prepare_for_decode(seq_lens_cpu)
             self.stats.decode_batches += 1
             return running
 
@@ -238,7 +247,10 @@ class Scheduler:
         assert self.running_batch is not None
         reqs = self.running_batch.reqs + (self.last_extend.reqs if self.last_extend else [])
         reqs = reqs + self.paused.holding()
-        return reserved_tokens(reqs, self.config.new_token_ratio)
+        reserved = reserved_tokens(reqs, self.config.new_token_ratio)
+        if self.spec is not None:  # the next verify window of each running request
+            reserved += sum(min(self.spec.k, r.remaining_outputs()) for r in reqs)
+        return reserved
 
     def _new_adder(self) -> PrefillAdder:
         allocator = self.ctx.allocator
@@ -326,18 +338,26 @@ class Scheduler:
         self.cache_records.clear()
         return self.cache.flush()
 
-    def _make_room_for_decode(self, running: ScheduleBatch) -> tuple[torch.Tensor | None, bool]:
+    def _make_room_for_decode(
+        self, running: ScheduleBatch
+    ) -> tuple[torch.Tensor | None, list[int] | None, bool]:
         """Retract until one decode step fits (evicting unused cached pages comes first: they
-        count as available). Returns the lengths read, if the batch kept them, and whether a
-        step can be built now."""
+        count as available). With speculation, the drafts' windows come next: when they do not
+        fit, the step carries no drafts before anything is retracted. Returns the lengths read,
+        if the batch kept them, the rows' draft counts (None: a plain decode step), and whether
+        a step can be built now."""
         allocator = self.ctx.allocator
         seq_lens_cpu = running.host_seq_lens("schedule.page_count")
-        needed = decode_pages_needed(seq_lens_cpu, allocator.page_size)
+        ks = self.spec.plan(running.reqs) if self.spec is not None else None
+        needed = self._pages_needed(running.reqs, seq_lens_cpu, ks)
+        if ks is not None and any(ks) and needed > allocator.available_pages():
+            ks = [0] * len(ks)  # speculation never costs a retraction
+            needed = self._pages_needed(running.reqs, seq_lens_cpu, ks)
         # paused requests give up their KV first: they make no progress meanwhile
         self.paused.evict(self._retract, lambda: needed <= allocator.available_pages())
         if needed <= allocator.available_pages():
-            return seq_lens_cpu, True
-        retracted, fits = running.retract_decode()
+            return seq_lens_cpu, ks, True
+        retracted, fits = running.retract_decode(None if ks is None else [k + 1 for k in ks])
         for req in reversed(retracted):
             self._retract(req)
             self.waiting.appendleft(req)
@@ -346,11 +366,21 @@ class Scheduler:
                 # NOTE: processing the batch in flight may free what is missing (requests that
                 # finish with it, deferred frees, cached pages a retracted request still locks);
                 # only with nothing in flight is the last request truly too big
-                return None, False
+                return None, None, False
             victim = running.reqs[0]
             running.filter_batch([])
             self._finish(victim, FinishReason.ERROR, "KV cache too small for this request")
-        return None, True
+        ks = self.spec.plan(running.reqs) if self.spec is not None else None
+        return None, None if ks is None else [0] * len(ks), True
+
+    def _pages_needed(
+        self, reqs: list[Req], seq_lens_cpu: torch.Tensor, ks: list[int] | None
+    ) -> int:
+        page_size = self.ctx.allocator.page_size
+        if ks is None:
+            return decode_pages_needed(seq_lens_cpu, page_size)
+        ns = [k + 1 for k in ks]
+        return verify_pages_needed(reqs, seq_lens_cpu.tolist(), ns, page_size)
 
     def _retract(self, req: Req) -> None:
         # NOTE: its own pages are freed at once, not deferred: the launched batch reads them
@@ -376,7 +406,9 @@ class Scheduler:
     def process(self, out: StepOutput) -> None:
         """Batch `out.seq` is done: apply its tokens, or fail its requests if its step failed;
         then release what waited for it (deferred frees, unlocks, the cache's new pages)."""
-        if out.ok:
+        if out.ok and out.verify is not None:
+            self._apply_verify(out)
+        elif out.ok:
             self._apply_tokens(out)
         else:
             self.fail_batch(out.reqs, f"step failed: {out.error}")
@@ -413,6 +445,42 @@ class Scheduler:
                 if not req.finished:
                     self._leave_queues(req)
                     self._finish(req, FinishReason.ERROR, f"output processing failed: {exc!r}")
+
+    def _apply_verify(self, out: StepOutput) -> None:
+        """A verify step: each row's accepted drafts and its own token, in order, through the
+        same checks as any token (a stop inside the window ends the request there); then the
+        drafts it rejected come off the request's upper bounds, and the running batch's
+        mirrors settle."""
+        verify, logprobs, spec = out.verify, out.logprobs, self.spec
+        assert verify is not None and spec is not None
+        now = time.perf_counter()
+        flat_row = 0
+        for row, req in enumerate(out.reqs):
+            k, accepted = verify.ks[row], verify.accepted(row)
+            count_verify_row(self.stats, verify.offered(row), accepted)
+            if not req.finished and req.in_flight_outputs > 0:
+                try:
+                    for tok in verify.tokens(row):
+                        lp = None
+                        if logprobs is not None and (n := req.sampling_params.logprobs) is not None:
+                            lp = logprobs.outputs(flat_row, tok, n)  # k is 0 for these rows
+                        self._accept(req, tok, now, lp)
+                        if req.finished:
+                            break
+                except Exception as exc:
+                    logger.error("request %s failed processing its tokens", req.rid, exc_info=exc)
+                    if not req.finished:
+                        self._leave_queues(req)
+                        self._finish(req, FinishReason.ERROR, f"output processing failed: {exc!r}")
+            flat_row += k + 1
+            rejected = k - accepted
+            req.num_scheduled_outputs -= rejected
+            if req.spec_window >= k + 1:  # not retracted since: its bound is this life's
+                req.spec_window -= k + 1
+                req.num_computed_tokens -= rejected
+            spec.observe(req, k, accepted, self.stats)
+        assert self.running_batch is not None
+        self.running_batch.settle_spec()
 
     def _accept(
         self, req: Req, tok: int, now: float, logprobs: TokenLogprobs | None = None

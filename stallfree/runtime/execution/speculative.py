@@ -1,0 +1,165 @@
+"""Speculative decoding on the stream: the proposers, and the verify step that accepts drafts.
+
+Everything here runs on the device stream, in FIFO order with the steps around it, and reads
+only device state and the host facts planned at launch (`SpecArgs`). The host never reads a
+draft: a proposer writes each slot's drafts into the future map right after the step that
+produced the slot's last token, and the next verify step resolves them there.
+
+A verify step scores `k + 1` positions per request (its last token and `k` drafts). Greedy
+rows accept the longest prefix of drafts that equal the target's argmax, then take the
+target's token at the first mismatch (or the bonus token after the last draft). Sampled rows
+use rejection sampling (`spec_ops.rejection_sample`), which keeps the target distribution
+exactly. The step then lowers each row's device length by the drafts it rejected, appends
+the accepted tokens to the slot's history, and runs the proposer for the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from stallfree.overlap.future_map import FutureMap
+from stallfree.runtime.execution.sampler import Sampler, SamplingBatch
+from stallfree.runtime.execution.spec_ops import ngram_propose, rejection_sample
+from stallfree.runtime.model.forward_batch import ForwardBatch
+
+
+class Proposer(Protocol):
+    """Writes the drafts of each slot's next verify step into the future map (stream side).
+
+    `slots` [B] and `lens` [B] are device tensors: the slots and how many tokens of their
+    history are valid (the last one is the token the next step feeds). `width` (host) bounds
+    every `lens`.
+    """
+
+    def propose(self, fmap: FutureMap, slots: torch.Tensor, lens: torch.Tensor, width: int) -> None:
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the longest earlier match of the history's
+    suffix (`prompt_lookup_min` to `prompt_lookup_max` tokens long). No model."""
+
+    def __init__(self, k: int, min_n: int, max_n: int) -> None:
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+
+    def propose(self, fmap: FutureMap, slots: torch.Tensor, lens: torch.Tensor, width: int) -> None:
+        assert fmap.history is not None and fmap.drafts is not None
+        if not slots.numel():
+            return
+        hist = fmap.history[:, :width][slots]
+        drafts, _ = ngram_propose(hist, lens, self.k, self.min_n, self.max_n)
+        fmap.drafts[slots] = drafts
+
+
+@dataclass(slots=True, eq=False)
+class SpecArgs:
+    """Host facts of one step for the speculative side, planned at launch."""
+
+    width: int  # history columns the proposer reads (every row's valid length fits)
+    # verify steps only:
+    ks: torch.Tensor | None = None  # [B] drafts each row carries
+    draft_mask: torch.Tensor | None = None  # [B, max_k] bool: position j < k of the row
+    sb_pad: SamplingBatch | None = None  # sampling over the padded [B * (max_k + 1)] rows
+
+
+class SpecDecoder:
+    """The stream side of speculative decoding for one model: verify, history, proposer."""
+
+    def __init__(self, proposer: Proposer, sampler: Sampler, fmap: FutureMap) -> None:
+        self.proposer = proposer
+        self.sampler = sampler
+        self.fmap = fmap
+
+    def after_extend(
+        self,
+        fb: ForwardBatch,
+        stash_slots: torch.Tensor,
+        stash_rows: torch.Tensor,
+        next_ids: torch.Tensor,
+        spec: SpecArgs,
+    ) -> None:
+        """A prefill step sampled the first token of its final rows: it joins each slot's
+        history (at the prompt's end) and the proposer drafts the first verify step."""
+        hist = self.fmap.history
+        assert hist is not None
+        if not stash_slots.numel():
+            return
+        ends = fb.seq_lens[stash_rows]
+        hist[stash_slots, ends.clamp(max=hist.shape[1] - 1)] = next_ids[stash_rows]
+        self.proposer.propose(self.fmap, stash_slots, ends + 1, spec.width)
+
+    def verify(
+        self, fb: ForwardBatch, logits: torch.Tensor, spec: SpecArgs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Accept drafts against the target's `logits` [T, V] (processed). Returns the padded
+        tokens [B, max_k + 1] (accepted drafts, then the target's token; -1 after), the
+        accept counts [B] and the drafts each row carried [B]; updates the device lengths, the
+        last tokens, the histories and the next drafts."""
+        layout = fb.verify
+        fmap = self.fmap
+        assert layout is not None and fmap.drafts is not None and fmap.history is not None
+        assert spec.ks is not None and spec.draft_mask is not None
+        slots = fb.req_pool_indices
+        max_k = layout.max_k
+        drafts = fmap.drafts[slots, :max_k].masked_fill(~spec.draft_mask, -1)
+        padded = logits[layout.pad_index]  # [B, max_k + 1, V]
+        sb = spec.sb_pad
+        if sb is None or sb.all_greedy:
+            accepted, tokens = _greedy_accept(padded, drafts)
+        else:
+            accepted, tokens = self._sampled_accept(padded, drafts, sb)
+        offered = (drafts >= 0).sum(dim=1)
+        last = tokens.gather(1, accepted[:, None])[:, 0]
+        fmap.tokens[slots] = last
+        after = fb.seq_lens  # `before + k + 1`, planned: lowered by the rejected drafts
+        after.sub_(spec.ks - accepted)
+        # history: the token at each row's old length was its input; the new ones follow it
+        hist = fmap.history
+        start = after - accepted  # old length + 1
+        cols = (start[:, None] + torch.arange(max_k + 1, device=start.device)[None, :]).clamp_(
+            max=hist.shape[1] - 1
+        )
+        hist[slots[:, None], cols] = tokens
+        self.proposer.propose(fmap, slots, after + 1, spec.width)
+        return tokens, accepted, offered
+
+    def _sampled_accept(
+        self, padded: torch.Tensor, drafts: torch.Tensor, sb: SamplingBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        bsz, n_pos, vocab = padded.shape
+        flat = padded.reshape(bsz * n_pos, vocab)
+        probs = self.sampler.probs(flat, sb)
+        noise = self.sampler.exponential(probs, sb)
+        uniforms = self.sampler.uniforms(sb).view(bsz, n_pos)[:, : n_pos - 1]
+        assert sb.temperatures is not None
+        greedy = (sb.temperatures <= 0.0).view(bsz, n_pos)[:, 0]
+        # greedy rows decide on the raw scores' argmax, which their probs keep
+        return rejection_sample(
+            probs.view(bsz, n_pos, vocab),
+            greedy,
+            drafts,
+            None,
+            uniforms,
+            noise.view(bsz, n_pos, vocab),
+        )
+
+
+def _greedy_accept(
+    padded: torch.Tensor, drafts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: drafts accepted while they equal the argmax; the argmax at the
+    first mismatch (or after the last draft) is the step's own token."""
+    target = padded.argmax(dim=-1)  # [B, max_k + 1]
+    max_k = drafts.shape[1]
+    match = (drafts == target[:, :max_k]).to(torch.int64)
+    accepted = match.cumprod(dim=1).sum(dim=1)
+    pos = torch.arange(max_k + 1, device=target.device)[None, :]
+    tokens = target.masked_fill(pos > accepted[:, None], -1)
+    return accepted, tokens
+
+
+def draft_proposer(config: object, ctx: object, loaded: object) -> Proposer:
+    raise NotImplementedError("draft_model speculation is being built")
