@@ -25,10 +25,10 @@ from stallfree.runtime.execution.model_runner import ModelRunner
 from stallfree.runtime.execution.remote import RemoteExecutor
 from stallfree.runtime.execution.sampler import Sampler
 from stallfree.runtime.execution.speculative import (
+    DraftModelProposer,
     NgramProposer,
     Proposer,
     SpecDecoder,
-    draft_proposer,
 )
 from stallfree.runtime.execution.worker import start_workers, worker_spec
 from stallfree.runtime.memory.pool import (
@@ -38,7 +38,7 @@ from stallfree.runtime.memory.pool import (
     TokenToKVPoolAllocator,
 )
 from stallfree.runtime.memory.radix_cache import PrefixCacheConfigError, RadixCache
-from stallfree.runtime.model.arch import ModelArchConfig
+from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
 from stallfree.runtime.model.loader import (
     LoadedModel,
     check_tensor_parallel,
@@ -355,8 +355,36 @@ def _spec_decoder(
     if spec.method == "ngram":
         proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
     else:
-        proposer = draft_proposer(config, ctx, loaded)
+        proposer = _draft_model(config, ctx, loaded)
+        ctx.spec_draft_model = True
     return SpecDecoder(proposer, sampler, ctx.future_map)
+
+
+def _draft_model(
+    config: StallfreeConfig, ctx: BatchContext, target: LoadedModel
+) -> DraftModelProposer:
+    """The draft model, in the target's dtype and quantization, with a KV cache of the
+    target's token slots. It must share the target's vocabulary."""
+    path = config.speculative.draft_model
+    assert path is not None
+    model = config.model
+    try:
+        draft = load_model(
+            path, model.dtype, ctx.kv_cache.device, model.seed, None, model.quantization
+        )
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"speculative.draft_model: {exc}") from exc
+    if draft.arch.vocab_size != target.arch.vocab_size:
+        raise ModelLoadError(
+            f"speculative.draft_model {path!r} has a vocabulary of {draft.arch.vocab_size} "
+            f"tokens and the model {target.arch.vocab_size}: a draft model must share the "
+            "target's tokenizer"
+        )
+    arch = draft.arch
+    shape = KVCacheShape(arch.num_layers, arch.num_kv_heads, arch.head_dim)
+    cache = KVCache(shape, ctx.kv_cache.num_slots, draft.dtype, ctx.kv_cache.device)
+    ctx.stream.adopt(*cache.k_buffers, *cache.v_buffers)
+    return DraftModelProposer(draft.model, cache)
 
 
 def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None) -> EngineCore:

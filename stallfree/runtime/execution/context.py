@@ -25,6 +25,7 @@ class BatchContext:
     check_mirrors: bool = False
     sparse: SparseAttention | None = None  # set once by a sparse-attention plug-in
     spec_k: int = 0  # speculative decoding: the most drafts a request carries (0: off)
+    spec_draft_model: bool = False  # the drafts come from a draft model
     # worker processes: the `req_to_token` writes (rows, cols, locs) made on the host replica
     # since the last step, which the next step message carries to the workers; None in process
     table_journal: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None

@@ -123,7 +123,8 @@ class LocalExecutor:
                 fb.input_ids = fmap.resolve(fb.req_pool_indices, args.expected)
             elif fb.mode is ForwardMode.VERIFY:
                 fmap.resolve(fb.req_pool_indices, args.expected)  # debug: the stash check
-                assert fb.verify is not None
+                assert fb.verify is not None and self.spec is not None and args.spec is not None
+                self.spec.before_verify(fb, args.spec)
                 fb.input_ids = fmap.verify_inputs(
                     fb.req_pool_indices, fb.verify.rows, fb.verify.offsets
                 )
@@ -142,9 +143,7 @@ class LocalExecutor:
                 if plan is None:
                     host_out = self.sampler.sample(logits, sb)
                 else:
-                    host_out = self._sample_planned(
-                        logits, fb.batch_size, sb, plan, args.logprobs
-                    )
+                    host_out = self._sample_planned(logits, fb.batch_size, sb, plan, args.logprobs)
                 fmap.stash(stash_slots, args.stash_rows, host_out, generation)
                 stashed = True
                 if self.spec is not None and args.spec is not None:

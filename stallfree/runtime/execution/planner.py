@@ -11,7 +11,7 @@ from stallfree.overlap.faults import Fault, FaultInjector
 from stallfree.runtime.execution.context import BatchContext
 from stallfree.runtime.execution.logits import LogitsPlan, LogprobBuffers, build_logits_plan
 from stallfree.runtime.execution.sampler import SamplingBatch
-from stallfree.runtime.execution.speculative import SpecArgs
+from stallfree.runtime.execution.speculative import DraftPlan, SpecArgs
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.request.req import Req
 from stallfree.runtime.request.sampling_params import SamplingParams
@@ -133,6 +133,7 @@ class StepPlanner:
             ks=up(torch.tensor(ks, dtype=_I64)),
             draft_mask=up(mask),
             sb_pad=SamplingBatch.build(pad_params, pad_steps, up),
+            draft=DraftPlan.build(ks, up) if self.ctx.spec_draft_model else None,
         )
 
     def _plan_future_map(

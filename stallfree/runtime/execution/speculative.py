@@ -15,6 +15,8 @@ the accepted tokens to the slot's history, and runs the proposer for the next st
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,19 +25,29 @@ import torch
 from stallfree.overlap.future_map import FutureMap
 from stallfree.runtime.execution.sampler import Sampler, SamplingBatch
 from stallfree.runtime.execution.spec_ops import ngram_propose, rejection_sample
-from stallfree.runtime.model.forward_batch import ForwardBatch
+from stallfree.runtime.memory.pool import KVCache
+from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode, VerifyLayout
 
 
 class Proposer(Protocol):
-    """Writes the drafts of each slot's next verify step into the future map (stream side).
+    """Writes the drafts of each slot's next verify step into the future map (stream side),
+    at one of two points of the stream: right after the step that produced the slot's last
+    token (`after_step`), or at the start of the verify step that will check them
+    (`before_verify`), before its target forward resolves them. Both come after step N and
+    before step N + 1 reads the drafts: nothing else runs between them on the stream."""
 
-    `slots` [B] and `lens` [B] are device tensors: the slots and how many tokens of their
-    history are valid (the last one is the token the next step feeds). `width` (host) bounds
-    every `lens`.
-    """
+    def on_extend(self, fb: ForwardBatch) -> None:
+        """A prefill step ran its target forward (a draft model fills its own KV)."""
 
-    def propose(self, fmap: FutureMap, slots: torch.Tensor, lens: torch.Tensor, width: int) -> None:
-        ...
+    def after_step(
+        self, fmap: FutureMap, slots: torch.Tensor, lens: torch.Tensor, width: int
+    ) -> None:
+        """`slots` [B] and `lens` [B] (device): the slots and how many tokens of their history
+        are valid (the last one is the token the next step feeds); `width` bounds every
+        `lens`."""
+
+    def before_verify(self, fmap: FutureMap, fb: ForwardBatch, spec: SpecArgs) -> None:
+        """The verify step `fb` is about to resolve its drafts."""
 
 
 class NgramProposer:
@@ -45,13 +57,21 @@ class NgramProposer:
     def __init__(self, k: int, min_n: int, max_n: int) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
-    def propose(self, fmap: FutureMap, slots: torch.Tensor, lens: torch.Tensor, width: int) -> None:
+    def on_extend(self, fb: ForwardBatch) -> None:
+        return
+
+    def after_step(
+        self, fmap: FutureMap, slots: torch.Tensor, lens: torch.Tensor, width: int
+    ) -> None:
         assert fmap.history is not None and fmap.drafts is not None
         if not slots.numel():
             return
         hist = fmap.history[:, :width][slots]
         drafts, _ = ngram_propose(hist, lens, self.k, self.min_n, self.max_n)
         fmap.drafts[slots] = drafts
+
+    def before_verify(self, fmap: FutureMap, fb: ForwardBatch, spec: SpecArgs) -> None:
+        return
 
 
 @dataclass(slots=True, eq=False)
@@ -63,6 +83,26 @@ class SpecArgs:
     ks: torch.Tensor | None = None  # [B] drafts each row carries
     draft_mask: torch.Tensor | None = None  # [B, max_k] bool: position j < k of the row
     sb_pad: SamplingBatch | None = None  # sampling over the padded [B * (max_k + 1)] rows
+    draft: DraftPlan | None = None  # a draft model's batches (None: no draft model)
+
+
+@dataclass(slots=True, eq=False)
+class DraftPlan:
+    """The draft model's batches inside one verify step, decided on the host: a two-token
+    step over every row (the token before its last, recomputed, and its last), then one
+    single-token step per further draft over the rows that carry that many."""
+
+    first: VerifyLayout  # every row, two tokens
+    steps: list[tuple[torch.Tensor, list[int], VerifyLayout]]  # (rows, their indices, layout)
+
+    @classmethod
+    def build(cls, ks: list[int], upload: Callable[[torch.Tensor], torch.Tensor]) -> DraftPlan:
+        steps = []
+        for j in range(2, max(ks, default=0) + 1):
+            rows = [i for i, k in enumerate(ks) if k >= j]
+            layout = VerifyLayout.build([0] * len(rows), upload)
+            steps.append((upload(torch.tensor(rows, dtype=torch.int64)), rows, layout))
+        return cls(VerifyLayout.build([1] * len(ks), upload), steps)
 
 
 class SpecDecoder:
@@ -83,13 +123,18 @@ class SpecDecoder:
     ) -> None:
         """A prefill step sampled the first token of its final rows: it joins each slot's
         history (at the prompt's end) and the proposer drafts the first verify step."""
+        self.proposer.on_extend(fb)
         hist = self.fmap.history
         assert hist is not None
         if not stash_slots.numel():
             return
         ends = fb.seq_lens[stash_rows]
         hist[stash_slots, ends.clamp(max=hist.shape[1] - 1)] = next_ids[stash_rows]
-        self.proposer.propose(self.fmap, stash_slots, ends + 1, spec.width)
+        self.proposer.after_step(self.fmap, stash_slots, ends + 1, spec.width)
+
+    def before_verify(self, fb: ForwardBatch, spec: SpecArgs) -> None:
+        """Before the target forward of a verify step resolves its drafts."""
+        self.proposer.before_verify(self.fmap, fb, spec)
 
     def verify(
         self, fb: ForwardBatch, logits: torch.Tensor, spec: SpecArgs
@@ -123,7 +168,7 @@ class SpecDecoder:
             max=hist.shape[1] - 1
         )
         hist[slots[:, None], cols] = tokens
-        self.proposer.propose(fmap, slots, after + 1, spec.width)
+        self.proposer.after_step(fmap, slots, after + 1, spec.width)
         return tokens, accepted, offered
 
     def _sampled_accept(
@@ -147,9 +192,7 @@ class SpecDecoder:
         )
 
 
-def _greedy_accept(
-    padded: torch.Tensor, drafts: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _greedy_accept(padded: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification: drafts accepted while they equal the argmax; the argmax at the
     first mismatch (or after the last draft) is the step's own token."""
     target = padded.argmax(dim=-1)  # [B, max_k + 1]
@@ -161,5 +204,79 @@ def _greedy_accept(
     return accepted, tokens
 
 
-def draft_proposer(config: object, ctx: object, loaded: object) -> Proposer:
-    raise NotImplementedError("draft_model speculation is being built")
+class DraftModelProposer:
+    """A smaller model with the target's tokenizer drafts greedily (its proposal is a point
+    mass, so rejection sampling needs no draft distribution). Its KV cache has the target's
+    token slots and is addressed through the same `req_to_token` rows, so every slot the host
+    reserves for the target holds the draft's KV at the same position.
+
+    Its KV follows the target's: it runs on every prefill chunk, and at the start of each
+    verify step it recomputes the position before the row's last token (the one draft the
+    previous step could not have written, when it accepted every draft) before drafting."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+
+    def on_extend(self, fb: ForwardBatch) -> None:
+        self.model(dataclasses.replace(fb, kv_cache=self.kv_cache, logit_positions=None))
+
+    def after_step(
+        self, fmap: FutureMap, slots: torch.Tensor, lens: torch.Tensor, width: int
+    ) -> None:
+        return
+
+    def before_verify(self, fmap: FutureMap, fb: ForwardBatch, spec: SpecArgs) -> None:
+        plan, layout = spec.draft, fb.verify
+        history, drafts = fmap.history, fmap.drafts
+        assert plan is not None and layout is not None
+        assert history is not None and drafts is not None
+        rpi = fb.req_pool_indices
+        n = fb.batch_size
+        last_pos = fb.positions[layout.pad_index[:, 0]]  # each row's length on the device
+        first = plan.first
+        pos = (last_pos - 1)[first.rows] + first.offsets
+        ids = history[rpi[first.rows], pos]
+        logits = self._forward(fb, first, n, list(range(n)), ids, pos, rpi)
+        cur = logits.view(n, 2, -1)[:, 1].argmax(dim=-1)
+        out = torch.full((n, layout.max_k), -1, dtype=torch.int64, device=cur.device)
+        if layout.max_k:
+            out[:, 0] = cur
+        for j, (rows, rows_cpu, step) in enumerate(plan.steps, start=2):
+            sub_rpi = rpi[rows]
+            pos = last_pos[rows] + (j - 1)
+            logits = self._forward(fb, step, len(rows_cpu), rows_cpu, cur[rows], pos, sub_rpi)
+            nxt = logits.argmax(dim=-1)
+            out[rows, j - 1] = nxt
+            cur = cur.index_copy(0, rows, nxt)
+        drafts[rpi, : layout.max_k] = out
+
+    def _forward(
+        self,
+        fb: ForwardBatch,
+        layout: VerifyLayout,
+        n: int,
+        rows: list[int],
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        rpi: torch.Tensor,
+    ) -> torch.Tensor:
+        """One draft forward at device positions `pos`, inside the rows' verify windows."""
+        widths = fb.seq_lens_cpu[rows] if len(rows) != fb.batch_size else fb.seq_lens_cpu
+        draft_fb = ForwardBatch(
+            mode=ForwardMode.VERIFY,
+            batch_size=n,
+            input_ids=ids,
+            positions=pos,
+            out_cache_loc=fb.req_to_token[rpi[layout.rows], pos],
+            req_pool_indices=rpi,
+            seq_lens=fb.seq_lens,
+            req_pool_indices_cpu=fb.req_pool_indices_cpu[rows],
+            seq_lens_cpu=widths,
+            extend_lens_cpu=[k + 1 for k in layout.ks],
+            prefix_lens_cpu=[0] * n,
+            req_to_token=fb.req_to_token,
+            kv_cache=self.kv_cache,
+            verify=layout,
+        )
+        return self.model(draft_fb)

@@ -49,7 +49,9 @@ class VerifyLayout:
         i64 = torch.int64
         ns = [k + 1 for k in ks]
         max_k = max(ks, default=0)
-        rows = torch.repeat_interleave(torch.arange(len(ks), dtype=i64), torch.tensor(ns, dtype=i64))
+        rows = torch.repeat_interleave(
+            torch.arange(len(ks), dtype=i64), torch.tensor(ns, dtype=i64)
+        )
         offsets = (
             torch.cat([torch.arange(m, dtype=i64) for m in ns]) if ns else torch.empty(0, dtype=i64)
         )

@@ -168,7 +168,7 @@ def alloc_for_verify(
     if reqs:
         slots = [r.req_pool_idx for r in reqs]
         t_rows = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), torch.tensor(ns))
-        cols = torch.cat([torch.arange(b, b + n, dtype=torch.int64) for b, n in zip(base, ns)])
+        cols = torch.cat([torch.arange(b, b + n, dtype=torch.int64) for b, n in zip(base, ns, strict=False)])
         locs = torch.cat(
             [_token_slots(r, b, b + n, page_size) for r, b, n in zip(reqs, base, ns, strict=True)]
         )
@@ -199,6 +199,7 @@ def write_history(
     rows, cols, vals = [], [], []
     for req, prefix, ext, new in zip(reqs, prefix_lens, extend_lens, fresh, strict=True):
         first = 0 if new else prefix
+        assert req.req_pool_idx is not None
         rows.append(torch.full((prefix + ext - first,), req.req_pool_idx, dtype=torch.int64))
         cols.append(torch.arange(first, prefix + ext, dtype=torch.int64))
         vals.append(torch.tensor(req.fill_slice(first, prefix + ext), dtype=torch.int64))

@@ -16,7 +16,7 @@ _I64 = torch.int64
 
 
 class HostReads:
-    __slots__ = ()
+    # the fields it reads (`ScheduleBatch` declares them)
     ctx: BatchContext
     reqs: list[Req]
     req_pool_indices: torch.Tensor

@@ -31,17 +31,17 @@ def check_shapes(
 ) -> None:
     """One entry per request in every mirror and per-row list; a mirror is its own tensor."""
     n = len(reqs)
-    if committed.shape != (n,):
-        raise MirrorParityError(
-            f"{op}: committed_lens_cpu {tuple(committed.shape)} for {n} rows (an op left the "
-            "speculative state behind)"
-        )
     for name, device, host in mirrors:
         if device is host or host.shape != (n,) or device.shape != (n,):
             raise MirrorParityError(
                 f"{op}: {name} {tuple(device.shape)} and its mirror {tuple(host.shape)} "
                 f"for {n} rows" + (" are one tensor" if device is host else "")
             )
+    if committed.shape != (n,):
+        raise MirrorParityError(
+            f"{op}: committed length mirror {tuple(committed.shape)} for {n} rows (an op left "
+            "the speculative state behind)"
+        )
     if any(len(col) != n for col in rows):
         raise MirrorParityError(
             f"{op}: per-row lists of lengths {[len(c) for c in rows]} for {n} rows"

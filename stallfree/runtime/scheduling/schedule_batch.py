@@ -38,16 +38,16 @@ from stallfree.runtime.scheduling.alloc import (
     new_pages_needed,
     write_history,
 )
-from stallfree.runtime.scheduling.batch_reads import HostReads
 from stallfree.runtime.scheduling.batch_fields import (
     ASSIGNED_FIELDS,
     KEEP,
     Mirrored,
     RowLists,
     StepTensors,
-    _Keep,
     _empty,
+    _Keep,
 )
+from stallfree.runtime.scheduling.batch_reads import HostReads
 from stallfree.runtime.scheduling.parity import check_launchable, check_parity, check_shapes
 
 if TYPE_CHECKING:
