@@ -8,6 +8,7 @@ import math
 
 from stallfree.bench.runner import MODE_KEYS
 from stallfree.entrypoints.flags import add_engine_flags
+from stallfree.entrypoints.spec_flags import add_speculative_flags
 
 DESCRIPTION = """Load-test a stallfree engine (in process or over HTTP) or any OpenAI-compatible
 server. With --compare, run the same seeded workload in each overlap mode and print one table
@@ -49,6 +50,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """`stallfree bench`'s flags; `vllm bench serve`'s spellings work beside its own."""
     target = _add_target_flags(p)
     add_engine_flags(p)  # engine flags: the base config of every mode
+    add_speculative_flags(p)
     _add_engine_target_flags(target)
     _add_mode_flags(p)
     w = p.add_argument_group("workload")

@@ -20,6 +20,11 @@ from stallfree.entrypoints.flags import HelpFormatter, add_engine_flags, add_sam
 # the tests import the token-count type from here, where it was defined
 from stallfree.entrypoints.flags import token_count as token_count
 from stallfree.entrypoints.server_flags import add_server_flags
+from stallfree.entrypoints.spec_flags import (
+    add_speculative_flags,
+    check_speculative_flags,
+    speculative_settings,
+)
 
 # what each command needs beyond the base install, and the extra that brings it
 SERVER_MODULES = ("fastapi", "uvicorn", "jinja2")
@@ -66,6 +71,7 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
         "scheduler": {},
         "server": {},
         "metrics": {},
+        "speculative": {},
     }
     pairs = {
         "dtype": ("model", "dtype"),
@@ -105,6 +111,8 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
         "uvicorn_log_level": ("server", "uvicorn_log_level"),
         "access_log": ("server", "access_log"),
         "metrics": ("metrics", "enabled"),
+        "speculative_adaptive": ("speculative", "adaptive"),
+        "speculative_min_acceptance_rate": ("speculative", "min_acceptance_rate"),
     }
     model = _model(args)
     if model is not None:
@@ -113,7 +121,10 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
         value = getattr(args, flag, None)
         if value is not None:
             overrides[section][key] = value
-    return load_config(args.config, **{k: v for k, v in overrides.items() if v})
+    overrides["speculative"].update(speculative_settings(args))
+    config = load_config(args.config, **{k: v for k, v in overrides.items() if v})
+    check_speculative_flags(args, config)
+    return config
 
 
 async def _generate(args: argparse.Namespace, config: StallfreeConfig) -> int:
@@ -231,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream one completion", formatter_class=HelpFormatter)
     add_engine_flags(gen)
+    add_speculative_flags(gen)
     add_sampling_flags(gen)
     srv = sub.add_parser(
         "serve",
@@ -241,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_server_flags(srv)
     add_engine_flags(srv)
+    add_speculative_flags(srv)
     return parser
 
 

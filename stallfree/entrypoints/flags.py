@@ -18,6 +18,7 @@ from stallfree.config import (
     RuntimeConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
 )
 
 _SECTIONS: dict[str, type[BaseModel]] = {
@@ -28,6 +29,7 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "parallel": ParallelConfig,
     "server": ServerConfig,
     "metrics": MetricsConfig,
+    "speculative": SpeculativeConfig,
 }
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 # vLLM's --dtype spellings that name the same type as one of ours
