@@ -59,6 +59,7 @@ class Req:
     spec_rate: float = 1.0
     spec_steps: int = 0
     spec_off: bool = False
+    spec_was_off: bool = False
     spec_idle: int = 0
     paused: bool = False  # out of the decode batch until its reader catches up
     # host bookkeeping for the consumer side, opaque to the scheduler

@@ -168,7 +168,9 @@ def alloc_for_verify(
     if reqs:
         slots = [r.req_pool_idx for r in reqs]
         t_rows = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), torch.tensor(ns))
-        cols = torch.cat([torch.arange(b, b + n, dtype=torch.int64) for b, n in zip(base, ns, strict=False)])
+        cols = torch.cat(
+            [torch.arange(b, b + n, dtype=torch.int64) for b, n in zip(base, ns, strict=False)]
+        )
         locs = torch.cat(
             [_token_slots(r, b, b + n, page_size) for r, b, n in zip(reqs, base, ns, strict=True)]
         )

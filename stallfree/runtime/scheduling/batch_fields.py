@@ -1,12 +1,16 @@
 """The field groups `ScheduleBatch._assign` takes: a device tensor with its mirror, the per-row
-host lists, the per-token tensors of one step; and the names of the fields only it may set."""
+host lists, the per-token tensors of one step; the names of the fields only it may set; and
+the order retraction takes a batch's rows in."""
 
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from stallfree.runtime.request.req import Req
 
 _I64 = torch.int64
 
@@ -83,3 +87,11 @@ ASSIGNED_FIELDS = (
     "input_ids",
     "positions",
 )
+
+
+def retract_order(reqs: list[Req]) -> list[int]:
+    """Rows in the order retraction takes them: fewest outputs, then the longest prompt."""
+    return sorted(
+        range(len(reqs)),
+        key=lambda i: (len(reqs[i].output_ids), -len(reqs[i].origin_input_ids)),
+    )

@@ -46,6 +46,7 @@ from stallfree.runtime.scheduling.batch_fields import (
     StepTensors,
     _empty,
     _Keep,
+    retract_order,
 )
 from stallfree.runtime.scheduling.batch_reads import HostReads
 from stallfree.runtime.scheduling.parity import check_launchable, check_parity, check_shapes
@@ -496,11 +497,3 @@ class ScheduleBatch(HostReads):
 
     def _check_launchable(self) -> None:
         check_launchable(self.reqs, self.extend_lens_cpu, self.out_cache_loc)
-
-
-def retract_order(reqs: list[Req]) -> list[int]:
-    """Rows in the order retraction takes them: fewest outputs, then the longest prompt."""
-    return sorted(
-        range(len(reqs)),
-        key=lambda i: (len(reqs[i].output_ids), -len(reqs[i].origin_input_ids)),
-    )

@@ -34,6 +34,7 @@ from stallfree.runtime.scheduling.alloc import (
 )
 from stallfree.runtime.scheduling.backpressure import PausedRequests
 from stallfree.runtime.scheduling.deferred import DeferredFrees
+from stallfree.runtime.scheduling.failures import Failures
 from stallfree.runtime.scheduling.prefix import (
     CacheRecord,
     PrefixMatch,
@@ -44,7 +45,7 @@ from stallfree.runtime.scheduling.prefix import (
     unlock_match,
 )
 from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
-from stallfree.runtime.scheduling.speculation import SpecPolicy, count_verify_row
+from stallfree.runtime.scheduling.speculation import ParkedRequests, SpecPolicy, apply_verify
 from stallfree.runtime.telemetry.observer import EngineObserver
 from stallfree.runtime.telemetry.stats import EngineCounters
 from stallfree.runtime.text.output_processor import OutputProcessor
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class Scheduler:
+class Scheduler(Failures):
     config: SchedulerConfig
     ctx: BatchContext
     max_running_requests: int
@@ -80,8 +81,10 @@ class Scheduler:
     _building_records: list[CacheRecord] | None = None
     # what finished or retracted requests hold until the batches that may read it are processed
     deferred: DeferredFrees = field(init=False)
-    # speculative decoding: each decode step verifies drafts (None: off)
+    # speculative decoding: each decode step verifies drafts (None: off); requests waiting for
+    # a verify step in flight to learn whether they are done
     spec: SpecPolicy | None = None
+    parked: ParkedRequests = field(default_factory=lambda: ParkedRequests([]))
 
     def __post_init__(self) -> None:
         self.deferred = DeferredFrees(self.ctx, self.cache)
@@ -120,6 +123,7 @@ class Scheduler:
     def num_running(self) -> int:
         assert self.running_batch is not None
         n = len(self.running_batch.reqs) + (self.chunked_req is not None) + len(self.paused)
+        n += len(self.parked.reqs)
         if self.last_extend is not None:
             n += sum(1 for r in self.last_extend.reqs if r is not self.chunked_req)
         return n
@@ -207,9 +211,18 @@ class Scheduler:
     def _filter_running(self) -> None:
         running = self.running_batch
         assert running is not None
-        keep = [i for i, r in enumerate(running.reqs) if r.wants_more_decode()]
+        keep = []
+        for i, r in enumerate(running.reqs):
+            if r.wants_more_decode():
+                keep.append(i)
+            elif not r.finished and r.spec_window:
+                self.parked.park(r)  # done only if the step in flight accepts every draft
         if len(keep) != len(running.reqs):
             running.filter_batch(keep)
+        if self.parked.reqs and (back := self.parked.take_ready()):
+            batch = ScheduleBatch.init_new(back, self.ctx)
+            batch.prepare_for_prebuilt(imported=False)
+            running.merge_batch(batch)
 
     def _new_prefill_batch(self) -> ScheduleBatch | None:
         if self.num_waiting == 0:
@@ -246,7 +259,7 @@ class Scheduler:
     def _reserved_tokens(self) -> int:
         assert self.running_batch is not None
         reqs = self.running_batch.reqs + (self.last_extend.reqs if self.last_extend else [])
-        reqs = reqs + self.paused.holding()
+        reqs = reqs + self.paused.holding() + self.parked.reqs
         reserved = reserved_tokens(reqs, self.config.new_token_ratio)
         if self.spec is not None:  # the next verify window of each running request
             reserved += sum(min(self.spec.k, r.remaining_outputs()) for r in reqs)
@@ -379,8 +392,7 @@ class Scheduler:
         page_size = self.ctx.allocator.page_size
         if ks is None:
             return decode_pages_needed(seq_lens_cpu, page_size)
-        ns = [k + 1 for k in ks]
-        return verify_pages_needed(reqs, seq_lens_cpu.tolist(), ns, page_size)
+        return verify_pages_needed(reqs, seq_lens_cpu.tolist(), [k + 1 for k in ks], page_size)
 
     def _retract(self, req: Req) -> None:
         # NOTE: its own pages are freed at once, not deferred: the launched batch reads them
@@ -442,45 +454,17 @@ class Scheduler:
                 self._accept(req, tok, now, lp)
             except Exception as exc:  # one request's output failed; the others go on
                 logger.error("request %s failed processing token %d", req.rid, tok, exc_info=exc)
-                if not req.finished:
-                    self._leave_queues(req)
-                    self._finish(req, FinishReason.ERROR, f"output processing failed: {exc!r}")
+                self._fail_one(req, f"output processing failed: {exc!r}")
 
     def _apply_verify(self, out: StepOutput) -> None:
-        """A verify step: each row's accepted drafts and its own token, in order, through the
-        same checks as any token (a stop inside the window ends the request there); then the
-        drafts it rejected come off the request's upper bounds, and the running batch's
-        mirrors settle."""
-        verify, logprobs, spec = out.verify, out.logprobs, self.spec
-        assert verify is not None and spec is not None
-        now = time.perf_counter()
-        flat_row = 0
-        for row, req in enumerate(out.reqs):
-            k, accepted = verify.ks[row], verify.accepted(row)
-            count_verify_row(self.stats, verify.offered(row), accepted)
-            if not req.finished and req.in_flight_outputs > 0:
-                try:
-                    for tok in verify.tokens(row):
-                        lp = None
-                        if logprobs is not None and (n := req.sampling_params.logprobs) is not None:
-                            lp = logprobs.outputs(flat_row, tok, n)  # k is 0 for these rows
-                        self._accept(req, tok, now, lp)
-                        if req.finished:
-                            break
-                except Exception as exc:
-                    logger.error("request %s failed processing its tokens", req.rid, exc_info=exc)
-                    if not req.finished:
-                        self._leave_queues(req)
-                        self._finish(req, FinishReason.ERROR, f"output processing failed: {exc!r}")
-            flat_row += k + 1
-            rejected = k - accepted
-            req.num_scheduled_outputs -= rejected
-            if req.spec_window >= k + 1:  # not retracted since: its bound is this life's
-                req.spec_window -= k + 1
-                req.num_computed_tokens -= rejected
-            spec.observe(req, k, accepted, self.stats)
-        assert self.running_batch is not None
+        assert self.spec is not None and self.running_batch is not None
+        apply_verify(out, self.spec, self.stats, self._accept, self._fail_one)
         self.running_batch.settle_spec()
+
+    def _fail_one(self, req: Req, message: str) -> None:
+        if not req.finished:
+            self._leave_queues(req)
+            self._finish(req, FinishReason.ERROR, message)
 
     def _accept(
         self, req: Req, tok: int, now: float, logprobs: TokenLogprobs | None = None
@@ -500,56 +484,6 @@ class Scheduler:
             len(req.origin_input_ids) + len(req.output_ids) >= req.max_context_len
         ):
             self._finish(req, FinishReason.LENGTH)
-
-    def fail_batch(self, batch_reqs: list[Req], message: str) -> None:
-        for req in batch_reqs:
-            if not req.finished:
-                self._leave_queues(req)
-                self._finish(req, FinishReason.ERROR, message)
-
-    def fail_unlaunched(self, message: str) -> list[Req]:
-        """Building or launching the next batch raised: fail that batch's requests.
-
-        Their memory goes on the deferred-free list as for any finish, tagged with the last
-        batch that was launched. Returns the failed requests. If the failure came before any
-        request was picked, nothing identifies a culprit, so everything fails (the engine must
-        make progress rather than raise on every iteration).
-        """
-        reqs, self.building = self.building, None
-        failed = [r for r in reqs or [] if not r.finished]
-        if failed:
-            self.fail_batch(failed, message)
-            return failed
-        everything = self._all_reqs()
-        self.fail_all(message)
-        return everything
-
-    def _all_reqs(self) -> list[Req]:
-        assert self.running_batch is not None
-        reqs = list(self.waiting) + list(self.running_batch.reqs) + self.paused.reqs
-        if self.last_extend is not None:
-            reqs += self.last_extend.reqs
-        if self.chunked_req is not None:
-            reqs.append(self.chunked_req)
-        return [r for r in dict.fromkeys(reqs) if not r.finished]
-
-    def fail_all(self, message: str) -> None:
-        """Finish every queued and running request with an error (the engine failed closed)."""
-        assert self.running_batch is not None
-        reqs = self._all_reqs()
-        self.waiting.clear()
-        self.stale_waiting = 0
-        self.chunked_req = None
-        self.last_extend = None
-        self.building = None
-        self.paused.reqs = []
-        # NOTE: a fresh batch, not a filter of the old one, whose tensors a failure may have left
-        # half-updated; a launched batch keeps the old tensors alive until it is processed.
-        self.running_batch = ScheduleBatch.init_new([], self.ctx)
-        self.running_batch.prepare_for_idle()
-        for req in reqs:
-            if not req.finished:
-                self._finish(req, FinishReason.ERROR, message)
 
     def _finish(self, req: Req, reason: FinishReason, message: str | None = None) -> None:
         req.finish(reason, message)

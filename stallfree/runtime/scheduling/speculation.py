@@ -17,11 +17,18 @@ turns speculation back on (its text turned repetitive again).
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from stallfree.config import SpeculativeConfig
+from stallfree.runtime.execution.model_runner import StepOutput
+from stallfree.runtime.request.outputs import TokenLogprobs
 from stallfree.runtime.request.req import Req
 from stallfree.runtime.telemetry.stats import EngineCounters
+
+logger = logging.getLogger(__name__)
 
 # steps a request that stopped proposing decodes normally between two probes
 PROBE_INTERVAL = 16
@@ -78,7 +85,29 @@ class SpecPolicy:
         if req.spec_steps >= MIN_STEPS and req.spec_rate < self.config.min_acceptance_rate:
             req.spec_off = True
             req.spec_idle = 0
-            stats.spec_requests_disabled += 1
+            if not req.spec_was_off:  # requests, not times: a probe may turn it on again
+                req.spec_was_off = True
+                stats.spec_requests_disabled += 1
+
+
+@dataclass(slots=True)
+class ParkedRequests:
+    """Requests whose upper bound reached `max_new_tokens` or the context while a verify step
+    of theirs is in flight: the next step cannot carry them (every draft might be accepted),
+    yet the drafts it rejects may leave them short. They wait here, holding their slot and
+    KV, until that step is processed, then rejoin the decode batch with exact lengths (or are
+    done)."""
+
+    reqs: list[Req]
+
+    def park(self, req: Req) -> None:
+        self.reqs.append(req)
+
+    def take_ready(self) -> list[Req]:
+        """Requests whose verify steps are all processed and that still decode."""
+        ready = [r for r in self.reqs if r.spec_window == 0]
+        self.reqs = [r for r in self.reqs if r.spec_window > 0 and not r.finished]
+        return [r for r in ready if r.wants_more_decode() and r.req_pool_idx is not None]
 
 
 def count_verify_row(stats: EngineCounters, offered: int, accepted: int) -> None:
@@ -93,3 +122,42 @@ def count_verify_row(stats: EngineCounters, offered: int, accepted: int) -> None
         per_pos.extend([0] * (accepted - len(per_pos)))
     for j in range(accepted):
         per_pos[j] += 1
+
+
+def apply_verify(
+    out: StepOutput,
+    policy: SpecPolicy,
+    stats: EngineCounters,
+    accept: Callable[[Req, int, float, TokenLogprobs | None], None],
+    fail: Callable[[Req, str], None],
+) -> None:
+    """A processed verify step: each row's accepted drafts and its own token, in order,
+    through the scheduler's `accept` like any token (a stop inside the window ends the request
+    there); then the drafts it rejected come off the request's upper bounds. The caller
+    settles the running batch's mirrors afterwards."""
+    verify, logprobs = out.verify, out.logprobs
+    assert verify is not None
+    now = time.perf_counter()
+    flat_row = 0
+    for row, req in enumerate(out.reqs):
+        k, accepted = verify.ks[row], verify.accepted(row)
+        count_verify_row(stats, verify.offered(row), accepted)
+        if not req.finished and req.in_flight_outputs > 0:
+            try:
+                for tok in verify.tokens(row):
+                    lp = None
+                    if logprobs is not None and (n := req.sampling_params.logprobs) is not None:
+                        lp = logprobs.outputs(flat_row, tok, n)  # k is 0 for these rows
+                    accept(req, tok, now, lp)
+                    if req.finished:
+                        break
+            except Exception as exc:  # one request's output failed; the others go on
+                logger.error("request %s failed processing its tokens", req.rid, exc_info=exc)
+                fail(req, f"output processing failed: {exc!r}")
+        flat_row += k + 1
+        rejected = k - accepted
+        req.num_scheduled_outputs -= rejected
+        if req.spec_window >= k + 1:  # not retracted since: its bounds are this life's
+            req.spec_window -= k + 1
+            req.num_computed_tokens -= rejected
+        policy.observe(req, k, accepted, stats)
