@@ -1,5 +1,5 @@
-"""Stall and overlap counters of a stallfree target: snapshots before and after a run, from the
-embedded engine or from `/metrics`, and the figures their difference gives."""
+"""Stall, overlap and speculative-decoding counters of a stallfree target: snapshots before and
+after a run, from the embedded engine or from `/metrics`, and the figures their difference gives."""
 
 from __future__ import annotations
 
@@ -40,6 +40,34 @@ class RankFigures:
 
 
 @dataclass(slots=True)
+class SpecCounters:
+    """Speculative decoding's cumulative counters (`SpecStats`): verify rows that carried
+    drafts, their draft tokens, those accepted, accepted by draft position (0 is the first),
+    and requests that stopped proposing."""
+
+    num_drafts: float
+    num_draft_tokens: float
+    num_accepted_tokens: float
+    accepted_per_pos: list[float]
+    requests_disabled: float
+
+
+@dataclass(slots=True)
+class SpecFigures:
+    """What speculative decoding did during a run, as vLLM defines its figures. The ratios are
+    None when nothing was drafted (there is nothing to accept)."""
+
+    num_drafts: float | None = None
+    num_draft_tokens: float | None = None
+    num_accepted_tokens: float | None = None
+    acceptance_rate: float | None = None  # accepted / draft tokens
+    mean_acceptance_length: float | None = None  # 1 + accepted / drafts: tokens per verify row
+    # accepted at each draft position / drafts, keyed by the position ("0" is the first)
+    acceptance_rate_per_pos: dict[str, float] | None = None
+    requests_disabled: float | None = None
+
+
+@dataclass(slots=True)
 class CounterSnapshot:
     """Cumulative counters at one moment; None where the target does not expose one."""
 
@@ -55,6 +83,7 @@ class CounterSnapshot:
     prefix_queries: float | None = None  # prefix cache lookups, tokens
     prefix_hits: float | None = None
     workers: dict[str, RankCounters] | None = None  # by rank; None: the model runs in process
+    spec: SpecCounters | None = None  # None: speculation off, or not a stallfree target
 
 
 @dataclass(slots=True)
@@ -76,6 +105,7 @@ class StallFigures:
     sites: list[str] = field(default_factory=list)
     # per worker rank, keyed by the rank; None without worker processes
     workers: dict[str, RankFigures] | None = None
+    spec: SpecFigures | None = None  # None with speculation off
 
 
 def snapshot_engine(engine: Engine) -> CounterSnapshot:
@@ -105,6 +135,15 @@ def snapshot_engine(engine: Engine) -> CounterSnapshot:
             for w in snap.workers
         }
         or None,
+        spec=None
+        if snap.spec is None
+        else SpecCounters(
+            num_drafts=float(snap.spec.num_drafts),
+            num_draft_tokens=float(snap.spec.num_draft_tokens),
+            num_accepted_tokens=float(snap.spec.num_accepted_tokens),
+            accepted_per_pos=[float(n) for n in snap.spec.accepted_per_pos],
+            requests_disabled=float(snap.spec.requests_disabled),
+        ),
     )
 
 
@@ -155,6 +194,26 @@ def snapshot_prometheus(text: str) -> CounterSnapshot | None:
         prefix_queries=_total(s, p + "prefix_cache_queries_total"),
         prefix_hits=_total(s, p + "prefix_cache_hits_total"),
         workers=_workers(s),
+        spec=_spec(s),
+    )
+
+
+def _spec(s: dict[str, list[tuple[dict[str, str], float]]]) -> SpecCounters | None:
+    """The speculative-decoding counters, or None with speculation off: its per-position family
+    then has no series (no draft position), though the other counters are there at 0."""
+    p = PREFIX + "spec_decode_"
+    per_pos = _by_label(
+        s, p + "num_accepted_tokens_per_pos", p + "num_accepted_tokens_per_pos_total", "position"
+    )
+    positions = [int(k) for k in per_pos or {} if k.isdigit()]
+    if not positions:
+        return None
+    return SpecCounters(
+        num_drafts=_total(s, p + "num_drafts_total") or 0.0,
+        num_draft_tokens=_total(s, p + "num_draft_tokens_total") or 0.0,
+        num_accepted_tokens=_total(s, p + "num_accepted_tokens_total") or 0.0,
+        accepted_per_pos=[(per_pos or {}).get(str(i), 0.0) for i in range(max(positions) + 1)],
+        requests_disabled=_total(s, p + "requests_disabled_total") or 0.0,
     )
 
 
@@ -226,6 +285,31 @@ def rank_figures(
     return out or None
 
 
+def spec_figures(before: SpecCounters | None, after: SpecCounters | None) -> SpecFigures | None:
+    """Draft and accepted tokens over a run, the acceptance rate (accepted / draft tokens), the
+    mean acceptance length (1 + accepted / drafts) and the acceptance rate by position."""
+    if before is None or after is None:
+        return None
+    drafts = after.num_drafts - before.num_drafts
+    draft_tokens = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    earlier = before.accepted_per_pos
+    per_pos = [
+        n - (earlier[i] if i < len(earlier) else 0.0) for i, n in enumerate(after.accepted_per_pos)
+    ]
+    return SpecFigures(
+        num_drafts=drafts,
+        num_draft_tokens=draft_tokens,
+        num_accepted_tokens=accepted,
+        acceptance_rate=_ratio(accepted, draft_tokens),
+        mean_acceptance_length=None if not drafts else 1.0 + accepted / drafts,
+        acceptance_rate_per_pos={str(i): n / drafts for i, n in enumerate(per_pos)}
+        if drafts
+        else None,
+        requests_disabled=after.requests_disabled - before.requests_disabled,
+    )
+
+
 def stall_figures(before: CounterSnapshot, after: CounterSnapshot) -> StallFigures:
     steps = _delta(before.steps, after.steps)
     stalls = _delta_map(before.stalls, after.stalls)
@@ -255,4 +339,5 @@ def stall_figures(before: CounterSnapshot, after: CounterSnapshot) -> StallFigur
         ),
         sites=sorted(stalls or {}),
         workers=rank_figures(before.workers, after.workers),
+        spec=spec_figures(before.spec, after.spec),
     )

@@ -98,6 +98,43 @@ def _worker_rows(results: list[RunResult]) -> list[tuple[str, Getter, str, float
     return rows
 
 
+def _spec_getter(attr: str) -> Getter:
+    def get(r: RunResult) -> float | None:
+        spec = None if r.stallfree is None else r.stallfree.spec
+        return None if spec is None else getattr(spec, attr)
+
+    return get
+
+
+def _position_getter(position: str) -> Getter:
+    def get(r: RunResult) -> float | None:
+        spec = None if r.stallfree is None else r.stallfree.spec
+        per_pos = None if spec is None else spec.acceptance_rate_per_pos
+        return None if per_pos is None else per_pos.get(position)
+
+    return get
+
+
+def _spec_rows(results: list[RunResult]) -> list[tuple[str, Getter, str, float]]:
+    """Speculative decoding (modes with it on; absent in the others): draft and accepted
+    tokens, acceptance rate and mean acceptance length, and the rate by draft position."""
+    specs = [r.stallfree.spec for r in results if r.stallfree and r.stallfree.spec]
+    if not specs:
+        return []
+    positions = sorted({p for s in specs for p in s.acceptance_rate_per_pos or {}}, key=int)
+    return [
+        ("spec decode draft tokens", _spec_getter("num_draft_tokens"), "{:.0f}", 1),
+        ("spec decode accepted tokens", _spec_getter("num_accepted_tokens"), "{:.0f}", 1),
+        ("spec decode acceptance rate", _spec_getter("acceptance_rate"), "{:.1%}", 1),
+        ("spec decode mean acceptance length", _spec_getter("mean_acceptance_length"), "{:.2f}", 1),
+        *[
+            (f"  acceptance rate: position {p}", _position_getter(p), "{:.1%}", 1)
+            for p in positions
+        ],
+        ("spec decode requests disabled", _spec_getter("requests_disabled"), "{:.0f}", 1),
+    ]
+
+
 def table_rows(results: list[RunResult]) -> list[tuple[str, Getter, str, float]]:
     """(label, value getter, format, scale) for every figure the table shows."""
     rows: list[tuple[str, Getter, str, float]] = [
@@ -125,6 +162,7 @@ def table_rows(results: list[RunResult]) -> list[tuple[str, Getter, str, float]]
         ("device idle fraction", _stall_getter("device_idle_fraction"), "{:.3f}", 1),
         ("mean schedule time (ms)", _stall_getter("mean_schedule_seconds"), "{:.3f}", 1e3),
         ("prefix cache hit rate", _stall_getter("prefix_cache_hit_rate"), "{:.1%}", 1),
+        *_spec_rows(results),
         *_worker_rows(results),
     ]
     return rows

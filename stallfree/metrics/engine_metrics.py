@@ -38,10 +38,11 @@ from stallfree.metrics.names import (
     FINISH_REASONS,
     MIRROR_FIELDS,
     PREFIX,
+    SPEC_DECODE_PER_POS,
     STALL_SITES,
 )
 from stallfree.runtime.telemetry.observer import MetricsExporter
-from stallfree.runtime.telemetry.stats import EngineSnapshot, SparseStats
+from stallfree.runtime.telemetry.stats import EngineSnapshot, SparseStats, SpecStats
 
 if TYPE_CHECKING:
     from stallfree.config import StallfreeConfig
@@ -205,6 +206,7 @@ def _families(m: EngineMetrics) -> Iterator[Metric]:
     yield from _request_histograms(m, labels)
     yield from _runtime_metrics(m, snap, labels)
     yield from _hisparse_metrics(snap.sparse or SparseStats(), labels)
+    yield from _spec_metrics(snap.spec, labels)
     yield from _worker_metrics(snap, labels)
 
 
@@ -443,3 +445,23 @@ def _hisparse_metrics(stats: SparseStats, labels: list[str]) -> Iterator[Metric]
         labels,
         stats.host_pool_total,
     )
+
+
+def _spec_metrics(spec: SpecStats | None, labels: list[str]) -> Iterator[Metric]:
+    """Speculative decoding (vLLM's names): the counters at 0 with speculation off; the
+    per-position family has a series per draft position (0 is the first) only while it is on."""
+    stats = spec or SpecStats(method="none", num_speculative_tokens=0)
+    for name, doc, value in (
+        ("spec_decode_num_drafts", "Verify rows that carried drafts.", stats.num_drafts),
+        ("spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.num_accepted_tokens),
+        (
+            "spec_decode_requests_disabled",
+            "Requests that stopped proposing because their drafts were mostly rejected.",
+            stats.requests_disabled,
+        ),
+    ):
+        yield _counter(name, doc, labels, value)
+    per_pos = {str(i): n for i, n in enumerate(stats.accepted_per_pos)}
+    doc = "Draft tokens accepted, by draft position."
+    yield _labelled_counter(SPEC_DECODE_PER_POS, doc, labels, "position", per_pos)

@@ -17,3 +17,15 @@ STALL_SITES = (
 )
 # Every host mirror field a read can be served from, likewise exported at 0.
 MIRROR_FIELDS = ("seq_lens_cpu", "req_pool_indices_cpu")
+# Speculative decoding's families (vLLM's names). The counters are exported at 0 from the start,
+# with speculation on or off. The per-position one has a `position` series for each draft position
+# 0..k-1, at 0 from the start, while speculation is on; with it off there is no draft position, so
+# it is declared (HELP and TYPE) with no series.
+SPEC_DECODE_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
+SPEC_DECODE_FAMILIES = (
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+    "spec_decode_requests_disabled",
+    SPEC_DECODE_PER_POS,
+)

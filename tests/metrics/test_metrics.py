@@ -23,10 +23,10 @@ from stallfree.metrics.histogram import (
     FastHistogram,
     one_two_five_buckets,
 )
-from stallfree.metrics.names import MIRROR_FIELDS, STALL_SITES
+from stallfree.metrics.names import MIRROR_FIELDS, SPEC_DECODE_FAMILIES, STALL_SITES
 from stallfree.runtime.request.req import Req
 from stallfree.runtime.telemetry.observer import EngineObserver
-from stallfree.runtime.telemetry.stats import EngineCounters, SparseStats
+from stallfree.runtime.telemetry.stats import EngineCounters, SparseStats, SpecStats
 from tests.engine_util import engine_config, random_prompts
 from tests.metrics_util import fake_snapshot, samples, value
 
@@ -208,6 +208,62 @@ async def test_hisparse_series_follow_a_real_coordinator():
     h2d = value(scrape, "stallfree:hisparse_bytes_moved_total", direction="h2d")
     assert h2d == stats.bytes_h2d > 0
     assert value(scrape, "stallfree:hisparse_host_pool_capacity") == stats.host_pool_total
+
+
+SPEC = "stallfree:spec_decode_"
+
+
+def _spec_families(text: bytes) -> dict[str, list]:
+    return {
+        f.name.removeprefix("stallfree:"): f.samples
+        for f in text_string_to_metric_families(text.decode())
+        if f.name.startswith(SPEC)
+    }
+
+
+def test_spec_series_are_zero_with_speculation_off_and_follow_its_stats():
+    text = EngineMetrics("m", "0", lambda: fake_snapshot()).render()
+    families = _spec_families(text)
+    assert tuple(families) == SPEC_DECODE_FAMILIES  # every family declared, speculation off
+    scrape = samples(text)
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "requests_disabled"):
+        assert scrape[(f"{SPEC}{name}_total", frozenset())] == 0  # exported, at 0
+    assert families["spec_decode_num_accepted_tokens_per_pos"] == []  # no draft position
+    spec = SpecStats("ngram", 3, 5, 12, 7, (5, 2, 0), requests_disabled=1)
+    scrape = samples(EngineMetrics("m", "0", lambda: fake_snapshot(spec=spec)).render())
+    assert value(scrape, SPEC + "num_drafts_total") == 5
+    assert value(scrape, SPEC + "num_draft_tokens_total") == 12
+    assert value(scrape, SPEC + "num_accepted_tokens_total") == 7
+    assert value(scrape, SPEC + "requests_disabled_total") == 1
+    per_pos = {
+        dict(labels)["position"]: v
+        for (name, labels), v in scrape.items()
+        if name == SPEC + "num_accepted_tokens_per_pos_total"
+    }
+    assert per_pos == {"0": 5, "1": 2, "2": 0}  # every position, the unused last one at 0
+
+
+async def test_spec_positions_are_exported_at_zero_from_the_start():
+    config = engine_config("tiny", speculative={"method": "ngram", "num_speculative_tokens": 4})
+    async with Engine(config) as engine:
+        assert engine.metrics is not None
+        scrape = samples(engine.metrics.render())
+    positions = {
+        dict(labels)["position"]: v
+        for (name, labels), v in scrape.items()
+        if name == SPEC + "num_accepted_tokens_per_pos_total"
+    }
+    assert positions == {"0": 0, "1": 0, "2": 0, "3": 0}
+    assert value(scrape, SPEC + "num_drafts_total") == 0
+
+
+def test_every_spec_family_has_a_doc_row_and_a_panel():
+    root = Path(stallfree.__file__).parents[1]
+    serving = (root / "docs" / "serving.md").read_text()
+    dashboard = (root / "deploy" / "grafana-dashboard.json").read_text()
+    for family in SPEC_DECODE_FAMILIES:
+        assert f"| `{family}_total`" in serving, family
+        assert f"stallfree:{family}_total" in dashboard, family
 
 
 # ---------------------------------------------------------------------- vLLM's request histograms

@@ -44,8 +44,10 @@ def check_metrics(text: bytes) -> list[str]:
     return [line for line in lines if line.strip()]
 
 
-async def _scrape(config_sections: dict) -> tuple[bytes, int]:
-    """A real engine after a small workload, and a second one in the same registry."""
+async def _scrape(config_sections: dict) -> tuple[bytes, int, int]:
+    """A real engine after a small workload, and a second one in the same registry; the
+    families the scrape declares, and those of them with a series (promtool reads only those:
+    with speculation off, the per-position family has none)."""
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     async with (
         Engine(engine_config("tiny", **config_sections)) as a,
@@ -59,8 +61,8 @@ async def _scrape(config_sections: dict) -> tuple[bytes, int]:
         await a.wait_idle()
         await b.wait_idle()
         text = a.metrics.render()
-    families = len(list(text_string_to_metric_families(text.decode())))
-    return text, families
+    families = list(text_string_to_metric_families(text.decode()))
+    return text, len(families), len([f for f in families if f.samples])
 
 
 @pytest.mark.parametrize(
@@ -69,14 +71,17 @@ async def _scrape(config_sections: dict) -> tuple[bytes, int]:
         {},
         {"runtime": {"cpu_mirrors": False}},  # legacy: real stalls
         {"hisparse": {"enabled": True, "top_k": 8, "device_buffer_size": 16}},
+        {"speculative": {"method": "ngram", "num_speculative_tokens": 3}},
     ],
-    ids=["default", "legacy", "hisparse"],
+    ids=["default", "legacy", "hisparse", "speculative"],
 )
 async def test_promtool_finds_only_the_names_vllm_shares(sections):
-    text, families = await _scrape(sections)
+    text, families, with_series = await _scrape(sections)
     findings = check_metrics(text)
     colon = [f for f in findings if f.endswith(COLON_RULE)]
-    assert len(colon) == families > 30  # promtool read every family, each once
+    assert len(colon) == with_series > 30  # promtool read every family with a series, once
+    # only the per-position speculative family can be empty: speculation off, no position
+    assert families - with_series == (0 if "speculative" in sections else 1)
     assert [f for f in findings if f not in colon] == [VLLM_TOTAL_HISTOGRAM]
     # two engines, one family each: a repeated HELP would be a parse error, not a finding
     helps = [line for line in text.decode().splitlines() if line.startswith("# HELP")]
@@ -114,6 +119,7 @@ HISPARSE_HIT_RATE, HISPARSE_BYTES, HISPARSE_POOL, PREFIX_HIT_RATE, TOKENS_PER_ST
     22,
     26,
 )
+SPEC_ACCEPTANCE_RATE, SPEC_ACCEPTANCE_LENGTH, SPEC_PER_POSITION, SPEC_TOKENS = 28, 29, 30, 31
 
 
 def _series(text: bytes) -> list[dict[str, str]]:
@@ -217,3 +223,59 @@ async def test_ratio_panels_show_zero_on_an_idle_engine(tmp_path):
     ]
     assert len(cases) == 3
     run_rule_test(tmp_path, _series(text), cases)
+
+
+# ---------------------------------------------------------------------- speculative decoding
+
+
+async def _idle_scrape(**sections: dict) -> bytes:
+    async with Engine(engine_config("tiny", **sections)) as engine:
+        await engine.complete([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        await engine.wait_idle()
+        assert engine.metrics is not None
+        return generate_latest(engine.metrics.registry)
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["off", "on"])
+async def test_speculative_panels_show_zero_without_drafts(tmp_path, spec):
+    """Speculation off, or on with nothing drafted: the ratios are 0, not NaN; the positions
+    are there only with speculation on (k of them, each 0)."""
+    sections = {"speculative": {"method": "ngram", "num_speculative_tokens": 3}} if spec else {}
+    text = await _idle_scrape(**sections)
+    (rate,) = _panel_exprs(SPEC_ACCEPTANCE_RATE)
+    (length,) = _panel_exprs(SPEC_ACCEPTANCE_LENGTH)
+    (per_pos,) = _panel_exprs(SPEC_PER_POSITION)
+    positions = [(f'{{position="{i}"}}', 0) for i in range(3)] if spec else []
+    cases = [_case(rate, ("{}", 0)), _case(length, ("{}", 0)), _case(per_pos, *positions)]
+    cases += [_case(e, ("{}", 0)) for e in _panel_exprs(SPEC_TOKENS)]
+    run_rule_test(tmp_path, _series(text), cases)
+
+
+def test_speculative_panels_follow_the_counters(tmp_path):
+    """Per minute: 16 drafts of 32 tokens, 14 accepted (8, 4 and 2 at positions 0, 1, 2)."""
+    labels = 'model_name="m",engine="0"'
+    name = "stallfree:spec_decode_"
+    per_pos = name + "num_accepted_tokens_per_pos_total"
+    series = [
+        {"series": f"{name}num_drafts_total{{{labels}}}", "values": "0+16x10"},
+        {"series": f"{name}num_draft_tokens_total{{{labels}}}", "values": "0+32x10"},
+        {"series": f"{name}num_accepted_tokens_total{{{labels}}}", "values": "0+14x10"},
+        {"series": f"{name}requests_disabled_total{{{labels}}}", "values": "0+0x10"},
+    ]
+    series += [
+        {"series": f'{per_pos}{{{labels},position="{i}"}}', "values": f"0+{n}x10"}
+        for i, n in enumerate((8, 4, 2))
+    ]
+    (rate,) = _panel_exprs(SPEC_ACCEPTANCE_RATE)
+    (length,) = _panel_exprs(SPEC_ACCEPTANCE_LENGTH)
+    (by_position,) = _panel_exprs(SPEC_PER_POSITION)
+    positions = [(f'{{position="{i}"}}', v) for i, v in enumerate((0.5, 0.25, 0.125))]
+    run_rule_test(
+        tmp_path,
+        series,
+        [
+            _case(rate, ("{}", 14 / 32)),
+            _case(length, ("{}", 1 + 14 / 16)),
+            _case(by_position, *positions),
+        ],
+    )
