@@ -147,7 +147,12 @@ class LocalExecutor:
                 fmap.stash(stash_slots, args.stash_rows, host_out, generation)
                 stashed = True
                 if self.spec is not None and args.spec is not None:
-                    self.spec.after_extend(fb, stash_slots, args.stash_rows, host_out, args.spec)
+                    if fb.mode is ForwardMode.DECODE:
+                        self.spec.after_decode(fb, host_out, args.spec)
+                    else:
+                        self.spec.after_extend(
+                            fb, stash_slots, args.stash_rows, host_out, args.spec
+                        )
         finally:
             if not stashed:
                 fmap.mark(stash_slots, generation)

@@ -88,6 +88,8 @@ class StepPlanner:
                 if ctx.spec_k:
                     width = int(fb.seq_lens_cpu.max()) + 1 if len(fb.seq_lens_cpu) else 1
                     spec = SpecArgs(width=width)
+                    if ctx.spec_draft_model and fb.mode is ForwardMode.DECODE:
+                        spec.draft = DraftPlan.build([0] * fb.batch_size, stream.upload)
                 plan_rows = (step.reqs, step.output_rows, step.output_steps)
                 token_ids_cpu = stream.host_buffer((len(step.reqs),), _I64)
             plan = build_logits_plan(

@@ -10,7 +10,7 @@ rows accept the longest prefix of drafts that equal the target's argmax, then ta
 target's token at the first mismatch (or the bonus token after the last draft). Sampled rows
 use rejection sampling (`spec_ops.rejection_sample`), which keeps the target distribution
 exactly. The step then lowers each row's device length by the drafts it rejected, appends
-the accepted tokens to the slot's history, and runs the proposer for the next step.
+the accepted tokens to the slot's history; the next verify step proposes from there.
 """
 
 from __future__ import annotations
@@ -30,24 +30,22 @@ from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode, Ver
 
 
 class Proposer(Protocol):
-    """Writes the drafts of each slot's next verify step into the future map (stream side),
-    at one of two points of the stream: right after the step that produced the slot's last
-    token (`after_step`), or at the start of the verify step that will check them
-    (`before_verify`), before its target forward resolves them. Both come after step N and
-    before step N + 1 reads the drafts: nothing else runs between them on the stream."""
+    """Writes the drafts of a verify step into the future map (stream side), at the start of
+    that step, before its target forward resolves them: after step N and its history writes,
+    before step N + 1 reads anything, with nothing else between them on the stream."""
 
-    def on_extend(self, fb: ForwardBatch) -> None:
-        """A prefill step ran its target forward (a draft model fills its own KV)."""
-
-    def after_step(
-        self, fmap: FutureMap, slots: torch.Tensor, lens: torch.Tensor, width: int
-    ) -> None:
-        """`slots` [B] and `lens` [B] (device): the slots and how many tokens of their history
-        are valid (the last one is the token the next step feeds); `width` bounds every
-        `lens`."""
+    def on_target_step(self, fmap: FutureMap, fb: ForwardBatch, spec: SpecArgs) -> None:
+        """A prefill or plain decode step ran its target forward: a draft model writes its own
+        KV for the same tokens."""
 
     def before_verify(self, fmap: FutureMap, fb: ForwardBatch, spec: SpecArgs) -> None:
         """The verify step `fb` is about to resolve its drafts."""
+
+
+def last_positions(fb: ForwardBatch) -> torch.Tensor:
+    """Stream side: each verify row's length on the device (its last token's position)."""
+    assert fb.verify is not None
+    return fb.positions[fb.verify.pad_index[:, 0]]
 
 
 class NgramProposer:
@@ -57,21 +55,15 @@ class NgramProposer:
     def __init__(self, k: int, min_n: int, max_n: int) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
-    def on_extend(self, fb: ForwardBatch) -> None:
+    def on_target_step(self, fmap: FutureMap, fb: ForwardBatch, spec: SpecArgs) -> None:
         return
-
-    def after_step(
-        self, fmap: FutureMap, slots: torch.Tensor, lens: torch.Tensor, width: int
-    ) -> None:
-        assert fmap.history is not None and fmap.drafts is not None
-        if not slots.numel():
-            return
-        hist = fmap.history[:, :width][slots]
-        drafts, _ = ngram_propose(hist, lens, self.k, self.min_n, self.max_n)
-        fmap.drafts[slots] = drafts
 
     def before_verify(self, fmap: FutureMap, fb: ForwardBatch, spec: SpecArgs) -> None:
-        return
+        assert fmap.history is not None and fmap.drafts is not None and fb.verify is not None
+        slots = fb.req_pool_indices
+        hist = fmap.history[:, : spec.width][slots]
+        drafts, _ = ngram_propose(hist, last_positions(fb) + 1, self.k, self.min_n, self.max_n)
+        fmap.drafts[slots, : drafts.shape[1]] = drafts
 
 
 @dataclass(slots=True, eq=False)
@@ -122,15 +114,22 @@ class SpecDecoder:
         spec: SpecArgs,
     ) -> None:
         """A prefill step sampled the first token of its final rows: it joins each slot's
-        history (at the prompt's end) and the proposer drafts the first verify step."""
-        self.proposer.on_extend(fb)
+        history, at the prompt's end."""
+        self.proposer.on_target_step(self.fmap, fb, spec)
         hist = self.fmap.history
         assert hist is not None
         if not stash_slots.numel():
             return
         ends = fb.seq_lens[stash_rows]
         hist[stash_slots, ends.clamp(max=hist.shape[1] - 1)] = next_ids[stash_rows]
-        self.proposer.after_step(self.fmap, stash_slots, ends + 1, spec.width)
+
+    def after_decode(self, fb: ForwardBatch, next_ids: torch.Tensor, spec: SpecArgs) -> None:
+        """A plain decode step (no row carried drafts): each token joins its slot's history at
+        the row's new length."""
+        self.proposer.on_target_step(self.fmap, fb, spec)
+        hist = self.fmap.history
+        assert hist is not None
+        hist[fb.req_pool_indices, fb.seq_lens.clamp(max=hist.shape[1] - 1)] = next_ids
 
     def before_verify(self, fb: ForwardBatch, spec: SpecArgs) -> None:
         """Before the target forward of a verify step resolves its drafts."""
@@ -168,7 +167,6 @@ class SpecDecoder:
             max=hist.shape[1] - 1
         )
         hist[slots[:, None], cols] = tokens
-        self.proposer.after_step(fmap, slots, after + 1, spec.width)
         return tokens, accepted, offered
 
     def _sampled_accept(
@@ -210,35 +208,40 @@ class DraftModelProposer:
     token slots and is addressed through the same `req_to_token` rows, so every slot the host
     reserves for the target holds the draft's KV at the same position.
 
-    Its KV follows the target's: it runs on every prefill chunk, and at the start of each
-    verify step it recomputes the position before the row's last token (the one draft the
-    previous step could not have written, when it accepted every draft) before drafting."""
+    Its KV follows the target's: it runs on every prefill chunk, and every decode or verify
+    step starts with a two-token step that recomputes the position before each row's last
+    token (the one draft a verify step that accepted every draft could not have written)."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache) -> None:
         self.model = model
         self.kv_cache = kv_cache
 
-    def on_extend(self, fb: ForwardBatch) -> None:
-        self.model(dataclasses.replace(fb, kv_cache=self.kv_cache, logit_positions=None))
+    def on_target_step(self, fmap: FutureMap, fb: ForwardBatch, spec: SpecArgs) -> None:
+        if fb.mode is ForwardMode.DECODE:
+            assert spec.draft is not None
+            self._catch_up(fmap, fb, spec.draft, fb.positions)
+        else:
+            self.model(dataclasses.replace(fb, kv_cache=self.kv_cache, logit_positions=None))
 
-    def after_step(
-        self, fmap: FutureMap, slots: torch.Tensor, lens: torch.Tensor, width: int
-    ) -> None:
-        return
-
-    def before_verify(self, fmap: FutureMap, fb: ForwardBatch, spec: SpecArgs) -> None:
-        plan, layout = spec.draft, fb.verify
-        history, drafts = fmap.history, fmap.drafts
-        assert plan is not None and layout is not None
-        assert history is not None and drafts is not None
-        rpi = fb.req_pool_indices
-        n = fb.batch_size
-        last_pos = fb.positions[layout.pad_index[:, 0]]  # each row's length on the device
-        first = plan.first
+    def _catch_up(
+        self, fmap: FutureMap, fb: ForwardBatch, plan: DraftPlan, last_pos: torch.Tensor
+    ) -> torch.Tensor:
+        """The two-token step at each row's `last_pos - 1` and `last_pos`; returns the draft's
+        next token after the last."""
+        history = fmap.history
+        assert history is not None
+        rpi, n, first = fb.req_pool_indices, fb.batch_size, plan.first
         pos = (last_pos - 1)[first.rows] + first.offsets
         ids = history[rpi[first.rows], pos]
         logits = self._forward(fb, first, n, list(range(n)), ids, pos, rpi)
-        cur = logits.view(n, 2, -1)[:, 1].argmax(dim=-1)
+        return logits.view(n, 2, -1)[:, 1].argmax(dim=-1)
+
+    def before_verify(self, fmap: FutureMap, fb: ForwardBatch, spec: SpecArgs) -> None:
+        plan, layout, drafts = spec.draft, fb.verify, fmap.drafts
+        assert plan is not None and layout is not None and drafts is not None
+        rpi, n = fb.req_pool_indices, fb.batch_size
+        last_pos = last_positions(fb)
+        cur = self._catch_up(fmap, fb, plan, last_pos)
         out = torch.full((n, layout.max_k), -1, dtype=torch.int64, device=cur.device)
         if layout.max_k:
             out[:, 0] = cur

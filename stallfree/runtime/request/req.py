@@ -54,6 +54,7 @@ class Req:
     # in `num_computed_tokens` and `num_scheduled_outputs` as if every draft were accepted;
     # the committed length is `num_computed_tokens - spec_window` (docs/overlap.md)
     spec_window: int = 0
+    spec_drafts: int = 0  # drafts of verify steps in flight (0: its bounds are exact)
     # adaptive speculation (scheduling/speculation.py): running acceptance rate, drafted
     # steps, whether it stopped proposing, and normal steps since it stopped
     spec_rate: float = 1.0
@@ -61,6 +62,7 @@ class Req:
     spec_off: bool = False
     spec_was_off: bool = False
     spec_idle: int = 0
+    spec_probe_wait: int = 16
     paused: bool = False  # out of the decode batch until its reader catches up
     # host bookkeeping for the consumer side, opaque to the scheduler
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -127,5 +129,6 @@ class Req:
         self.cached_pages = 0
         self.num_computed_tokens = 0
         self.spec_window = 0
+        self.spec_drafts = 0
         self.num_retractions += 1
         self.status = ReqStatus.WAITING

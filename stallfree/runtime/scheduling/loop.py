@@ -75,10 +75,12 @@ class SchedulerLoop:
             self.stats.schedule_seconds += elapsed
             overlapped = self.overlap and in_flight
             self.observer.on_schedule(elapsed)
-            decode = launched.mode is ForwardMode.DECODE
+            mode = launched.mode
+            decode = mode in (ForwardMode.DECODE, ForwardMode.VERIFY)
             self.observer.on_step(len(launched.reqs), decode, overlapped)
             fb = launched.forward_batch
-            self.observer.on_step_tokens(len(launched.reqs) if decode else sum(fb.extend_lens_cpu))
+            plain = mode is ForwardMode.DECODE
+            self.observer.on_step_tokens(len(launched.reqs) if plain else sum(fb.extend_lens_cpu))
         return launched
 
     def _launch_failed(self, exc: Exception) -> None:

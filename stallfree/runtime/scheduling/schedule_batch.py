@@ -256,6 +256,7 @@ class ScheduleBatch(HostReads):
             req.num_computed_tokens += m
             req.num_scheduled_outputs += m
             req.spec_window += m
+            req.spec_drafts += m - 1
         ub = self.seq_lens_cpu + ns_cpu
         self._assign(
             "prepare_for_verify",

@@ -10,9 +10,10 @@ verify batch, exactly as without speculation.
 Adaptive speculation (`speculative.adaptive`): each request keeps a running acceptance rate
 (accepted drafts over the drafts it was planned to carry, so a step whose proposer found
 nothing counts as a miss: it paid for `k + 1` positions and gained one token). Below
-`min_acceptance_rate` the request stops proposing and decodes normally; every
-`PROBE_INTERVAL` steps it carries drafts once more, and a probe whose rate clears the bar
-turns speculation back on (its text turned repetitive again).
+`min_acceptance_rate` the request stops proposing and decodes normally (a batch where no row
+carries drafts runs as a plain decode step). It probes again after `PROBE_INTERVAL` steps,
+carrying drafts for one step; a probe whose rate clears the bar turns speculation back on (its
+text turned repetitive again), and each failed probe doubles the wait, up to `MAX_PROBE_WAIT`.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from stallfree.runtime.telemetry.stats import EngineCounters
 
 logger = logging.getLogger(__name__)
 
-# steps a request that stopped proposing decodes normally between two probes
+# steps a request that stopped proposing decodes normally before its first probe, and the
+# longest wait between probes (each failed probe doubles it)
 PROBE_INTERVAL = 16
+MAX_PROBE_WAIT = 256
 # weight of the newest step in the running acceptance rate
 RATE_WEIGHT = 0.3
 # drafted steps before a request may be turned off (its first steps are not a judgement)
@@ -60,7 +63,7 @@ class SpecPolicy:
     def _k(self, req: Req) -> int:
         if not speculates(req):
             return 0
-        if req.spec_off and req.spec_idle % PROBE_INTERVAL != PROBE_INTERVAL - 1:
+        if req.spec_off and req.spec_idle < req.spec_probe_wait:
             return 0
         return max(0, min(self.k, req.remaining_outputs() - 1))
 
@@ -79,12 +82,17 @@ class SpecPolicy:
             if rate >= self.config.min_acceptance_rate:
                 req.spec_off = False
                 req.spec_rate = rate
+                req.spec_probe_wait = PROBE_INTERVAL
+            else:
+                req.spec_probe_wait = min(2 * req.spec_probe_wait, MAX_PROBE_WAIT)
             return
+        first = req.spec_steps == 0
         req.spec_steps += 1
-        req.spec_rate += RATE_WEIGHT * (rate - req.spec_rate)
+        req.spec_rate = rate if first else req.spec_rate + RATE_WEIGHT * (rate - req.spec_rate)
         if req.spec_steps >= MIN_STEPS and req.spec_rate < self.config.min_acceptance_rate:
             req.spec_off = True
             req.spec_idle = 0
+            req.spec_probe_wait = PROBE_INTERVAL
             if not req.spec_was_off:  # requests, not times: a probe may turn it on again
                 req.spec_was_off = True
                 stats.spec_requests_disabled += 1
@@ -159,5 +167,6 @@ def apply_verify(
         req.num_scheduled_outputs -= rejected
         if req.spec_window >= k + 1:  # not retracted since: its bounds are this life's
             req.spec_window -= k + 1
+            req.spec_drafts -= k
             req.num_computed_tokens -= rejected
         policy.observe(req, k, accepted, stats)
