@@ -18,7 +18,9 @@ from stallfree.runtime.scheduling.alloc import (
     alloc_for_extend,
     decode_pages_needed,
     free_req_memory,
+    verify_pages_needed,
 )
+from stallfree.runtime.scheduling.batch_fields import KEEP, Mirrored
 from stallfree.runtime.scheduling.parity import MirrorParityError
 from stallfree.runtime.scheduling.schedule_batch import (
     ASSIGNED_FIELDS,
@@ -27,7 +29,19 @@ from stallfree.runtime.scheduling.schedule_batch import (
 )
 from tests.batch_harness import make_ctx, make_req
 
-OPS = ["extend", "chunk", "decode", "idle", "idle_used", "prebuilt", "filter", "merge", "retract"]
+OPS = [
+    "extend",
+    "chunk",
+    "decode",
+    "verify",
+    "settle",
+    "idle",
+    "idle_used",
+    "prebuilt",
+    "filter",
+    "merge",
+    "retract",
+]
 
 
 class World:
@@ -35,6 +49,8 @@ class World:
         self.ctx = ctx
         self.batches: list[ScheduleBatch] = []
         self.ids = itertools.count()
+        # verify steps launched and not yet processed: (rows, drafts, accepted)
+        self.in_flight: list[tuple[list[Req], list[int], list[int]]] = []
 
     def alive(self) -> list[Req]:
         return [r for b in self.batches for r in b.reqs]
@@ -84,7 +100,52 @@ class World:
             return
         if int(batch.seq_lens_cpu.max()) + 1 >= self.ctx.req_to_token_pool.max_context_len:
             return
+        if any(r.spec_drafts for r in batch.reqs):
+            return  # the scheduler runs a verify step while drafts are in flight
         batch.prepare_for_decode()
+
+    def op_verify(self, arg: int) -> None:
+        """A speculative step: row i carries (arg >> i) % 4 drafts, within the context."""
+        if not self.batches:
+            return
+        batch = self.batches[arg % len(self.batches)]
+        if batch.is_empty():
+            return
+        limit = self.ctx.req_to_token_pool.max_context_len
+        ub = batch.seq_lens_cpu.tolist()
+        ks = [max(0, min((arg >> i) % 4, limit - 1 - u)) for i, u in enumerate(ub)]
+        if max(ub) + 1 >= limit:
+            return
+        ps = self.ctx.allocator.page_size
+        if verify_pages_needed(batch.reqs, ub, [k + 1 for k in ks], ps) > (
+            self.ctx.allocator.available_pages()
+        ):
+            return
+        batch.prepare_for_verify(ks)
+        # the step itself, on the stream: row i accepts (arg >> (i + 2)) % (k + 1) drafts and
+        # lowers its device length by the rest, as the verify step does
+        accepted = [(arg >> (i + 2)) % (k + 1) for i, k in enumerate(ks)]
+        rejected = torch.tensor([k - a for k, a in zip(ks, accepted, strict=True)])
+        after = batch.seq_lens
+        self.ctx.stream.submit(lambda: after.sub_(rejected))
+        self.in_flight.append((list(batch.reqs), ks, accepted))
+
+    def op_settle(self, arg: int) -> None:
+        """The oldest verify step is processed: the host takes its rejected drafts off the
+        bounds (as `apply_verify` does) and every batch settles."""
+        if not self.in_flight:
+            return
+        reqs, ks, accepted = self.in_flight.pop(0)
+        alive = {id(r) for r in self.alive()}
+        for req, k, a in zip(reqs, ks, accepted, strict=True):
+            if id(req) not in alive:
+                continue
+            req.spec_window -= k + 1
+            req.spec_drafts -= k
+            req.num_computed_tokens -= k - a
+            req.num_scheduled_outputs -= k - a
+        for batch in self.batches:
+            batch.settle_spec()
 
     def op_idle(self, arg: int) -> None:
         batch = ScheduleBatch.init_new([], self.ctx)
@@ -183,8 +244,19 @@ class World:
 @example(ops=[("extend", 2), ("decode", 0), ("extend", 3), ("merge", 1), ("decode", 1)])
 @example(ops=[("extend", 5), ("decode", 0), ("idle_used", 0), ("extend", 1), ("merge", 0)])
 @example(ops=[("prebuilt", 3), ("extend", 6), ("merge", 1), ("retract", 0), ("decode", 0)])
+# speculative steps: two verify steps in flight, then processed in order, around a filter and
+# a merge; a retraction with drafts in flight
+@example(
+    ops=[("extend", 5), ("verify", 255), ("verify", 6), ("filter", 3), ("settle", 1), ("settle", 0)]
+)
+@example(
+    ops=[("extend", 4), ("extend", 1), ("verify", 7), ("merge", 0), ("settle", 255), ("verify", 2)]
+)
+@example(ops=[("extend", 3), ("verify", 255), ("retract", 0), ("settle", 2), ("decode", 0)])
 def test_mirror_parity_after_every_operation(page_size: int, ops: list[tuple[str, int]]) -> None:
     ctx = make_ctx(page_size=page_size, num_tokens=256, num_reqs=12, max_context=96)
+    ctx.spec_k = 3
+    ctx.future_map.enable_spec(3, 96 + 5)
     world = World(ctx)
     try:
         for op, arg in ops:
@@ -220,6 +292,70 @@ def test_parity_checker_catches_an_op_that_forgets_the_mirror(batch_ctx) -> None
     batch.split_batch(1)
     with pytest.raises(AssertionError, match="mirror"):
         batch.check_mirror_parity()
+
+
+class SpecForgetsCommitted(ScheduleBatch):
+    """Batch ops that forget the speculative state: the checker catches each."""
+
+    def filter_keeping_committed(self, keep: list[int]) -> None:
+        k = torch.tensor(keep)
+        self._assign(
+            "filter_keeping_committed",
+            reqs=[self.reqs[i] for i in keep],
+            req_pool_indices=Mirrored(self.req_pool_indices[k], self.req_pool_indices_cpu[k]),
+            seq_lens=Mirrored(self.seq_lens[k], self.seq_lens_cpu[k]),
+            committed=KEEP,
+            rows=self._rows().select(keep),
+            step=self._cleared_step(),
+        )
+
+    def settle_bounds_only(self) -> None:
+        ub = torch.tensor([r.num_computed_tokens for r in self.reqs])
+        self._assign(
+            "settle_bounds_only",
+            reqs=KEEP,
+            req_pool_indices=KEEP,
+            seq_lens=Mirrored(self.seq_lens, ub),
+            committed=KEEP,
+            rows=KEEP,
+            step=KEEP,
+        )
+
+
+def _verified(batch_ctx) -> tuple[SpecForgetsCommitted, list[int]]:
+    """Two requests, one verify step of 2 and 3 drafts in flight (1 and 0 accepted)."""
+    ctx = batch_ctx(check_mirrors=False)
+    ctx.spec_k = 3
+    ctx.future_map.enable_spec(3, 128)
+    batch = SpecForgetsCommitted.init_new([make_req("a", 3), make_req("b", 5)], ctx)
+    batch.prepare_for_extend([3, 5])
+    batch.prepare_for_verify([2, 3])
+    accepted = [1, 0]
+    after = batch.seq_lens
+    ctx.stream.submit(lambda: after.sub_(torch.tensor([1, 3])))
+    return batch, accepted
+
+
+def test_parity_checker_catches_an_op_that_forgets_the_speculative_state(batch_ctx) -> None:
+    batch, _ = _verified(batch_ctx)
+    batch.check_mirror_parity()  # in flight: committed <= device <= bound
+    with pytest.raises(AssertionError, match="committed length mirror"):
+        batch.filter_keeping_committed([1])
+
+
+def test_parity_checker_catches_a_settle_that_forgets_the_committed_lengths(batch_ctx) -> None:
+    batch, accepted = _verified(batch_ctx)
+    for req, k, a in zip(batch.reqs, [2, 3], accepted, strict=True):  # processed, as apply_verify
+        req.spec_window -= k + 1
+        req.spec_drafts -= k
+        req.num_computed_tokens -= k - a
+        req.num_scheduled_outputs -= k - a
+    batch.settle_bounds_only()
+    with pytest.raises(AssertionError, match="not the bound less the window"):
+        batch.check_mirror_parity()
+    batch.settle_spec()  # the real op
+    batch.check_mirror_parity()
+    assert batch.seq_lens_cpu.tolist() == [5, 6] == batch.committed_lens_cpu.tolist()
 
 
 def test_legacy_mode_reads_device_through_host_read(batch_ctx) -> None:
