@@ -219,22 +219,34 @@ class DraftModelProposer:
     def on_target_step(self, fmap: FutureMap, fb: ForwardBatch, spec: SpecArgs) -> None:
         if fb.mode is ForwardMode.DECODE:
             assert spec.draft is not None
-            self._catch_up(fmap, fb, spec.draft, fb.positions)
-        else:
-            self.model(dataclasses.replace(fb, kv_cache=self.kv_cache, logit_positions=None))
+            self._catch_up(fmap, fb, spec.draft, fb.positions, scored=False)
+        else:  # KV only: no position is scored
+            none = torch.empty(0, dtype=torch.int64, device=fb.positions.device)
+            self.model(
+                dataclasses.replace(
+                    fb, kv_cache=self.kv_cache, logit_positions=None, logit_rows=none
+                )
+            )
 
     def _catch_up(
-        self, fmap: FutureMap, fb: ForwardBatch, plan: DraftPlan, last_pos: torch.Tensor
+        self,
+        fmap: FutureMap,
+        fb: ForwardBatch,
+        plan: DraftPlan,
+        last_pos: torch.Tensor,
+        scored: bool = True,
     ) -> torch.Tensor:
         """The two-token step at each row's `last_pos - 1` and `last_pos`; returns the draft's
-        next token after the last."""
+        next token after the last (`scored`; else only the KV is written)."""
         history = fmap.history
         assert history is not None
         rpi, n, first = fb.req_pool_indices, fb.batch_size, plan.first
         pos = (last_pos - 1)[first.rows] + first.offsets
         ids = history[rpi[first.rows], pos]
-        logits = self._forward(fb, first, n, list(range(n)), ids, pos, rpi)
-        return logits.view(n, 2, -1)[:, 1].argmax(dim=-1)
+        # only the last position's scores are needed: one output row per request, not two
+        rows = torch.arange(1 if scored else 0, 2 * n if scored else 0, 2, device=pos.device)
+        logits = self._forward(fb, first, n, list(range(n)), ids, pos, rpi, rows)
+        return logits.argmax(dim=-1)
 
     def before_verify(self, fmap: FutureMap, fb: ForwardBatch, spec: SpecArgs) -> None:
         plan, layout, drafts = spec.draft, fb.verify, fmap.drafts
@@ -263,6 +275,7 @@ class DraftModelProposer:
         ids: torch.Tensor,
         pos: torch.Tensor,
         rpi: torch.Tensor,
+        logit_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One draft forward at device positions `pos`, inside the rows' verify windows."""
         widths = fb.seq_lens_cpu[rows] if len(rows) != fb.batch_size else fb.seq_lens_cpu
@@ -281,5 +294,6 @@ class DraftModelProposer:
             req_to_token=fb.req_to_token,
             kv_cache=self.kv_cache,
             verify=layout,
+            logit_rows=logit_rows,
         )
         return self.model(draft_fb)

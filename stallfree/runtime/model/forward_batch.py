@@ -97,6 +97,9 @@ class ForwardBatch:
     logit_positions: torch.Tensor | None = None
     # VERIFY only: the padded layout of the rows (None otherwise)
     verify: VerifyLayout | None = None
+    # device [N] int64: the only flat token rows whose logits are returned (a draft model's
+    # steps that need one position, or none, of each row); None: as the mode says
+    logit_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -338,7 +338,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             for layer in self.model.layers:
                 h = layer(h, rope, fb, backend)
-        last = _last_tokens(h, fb)
+        last = _last_tokens(h, fb) if fb.logit_rows is None else h.index_select(0, fb.logit_rows)
         if fb.logit_positions is not None:
             last = torch.cat([last, h.index_select(0, fb.logit_positions)])
         logits = self._output(self.model.norm(last))
