@@ -38,6 +38,7 @@ from stallfree.bench.runner import (
 )
 from stallfree.bench.targets import TargetError
 from stallfree.bench.workloads import WorkloadError, WorkloadSpec, build_requests
+from stallfree.entrypoints.spec_flags import SPEC_DEST
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -144,6 +145,14 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError("the prefix cache cannot run with HiSparse; drop --hisparse on/both")
     if args.base_url and args.hisparse:
         raise UsageError("--hisparse configures an engine this command starts, not --base-url")
+    spec_flags = bool(getattr(args, SPEC_DEST, None)) or (
+        getattr(args, "speculative_adaptive", None) is not None
+    )
+    if args.base_url and spec_flags:
+        raise UsageError(
+            "the speculative decoding flags configure an engine this command starts, not "
+            "--base-url (start that server with them)"
+        )
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise UsageError("--max-concurrency must be at least 1")
     if args.warmup_requests < 0:

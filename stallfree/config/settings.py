@@ -215,6 +215,11 @@ class SpeculativeConfig(_Section):
         description="Per request, stop proposing while drafts are mostly rejected (speculating "
         "would cost more than it saves) and resume once its text repeats again",
     )
+    cost_aware: bool = Field(
+        True,
+        description="adaptive on a CPU: measure what steps cost by token count and carry fewer "
+        "drafts, or none, where that gives more tokens per second (high concurrency)",
+    )
     min_acceptance_rate: float = Field(
         0.1,
         ge=0.0,

@@ -18,7 +18,7 @@ from stallfree.overlap.faults import FaultInjector
 from stallfree.overlap.future_map import FutureMap
 from stallfree.overlap.host_read import SyncMonitor
 from stallfree.overlap.process_stream import ProcessStream
-from stallfree.overlap.stream import DeviceStream, make_stream, resolve_device
+from stallfree.overlap.stream import CpuStream, DeviceStream, make_stream, resolve_device
 from stallfree.runtime.execution.context import BatchContext
 from stallfree.runtime.execution.executor import Executor, LocalExecutor
 from stallfree.runtime.execution.model_runner import ModelRunner
@@ -51,7 +51,7 @@ from stallfree.runtime.plugins import load_sparse_attention_plugin
 from stallfree.runtime.scheduling.alloc import pages_for
 from stallfree.runtime.scheduling.loop import SchedulerLoop
 from stallfree.runtime.scheduling.scheduler import Scheduler
-from stallfree.runtime.scheduling.speculation import SpecPolicy
+from stallfree.runtime.scheduling.speculation import SpecPolicy, StepCosts
 from stallfree.runtime.telemetry.observer import ObserverFanout
 from stallfree.runtime.telemetry.stats import (
     ActivityClock,
@@ -319,8 +319,18 @@ def _scheduler(
         observer=observers,
         stats=counters,
         cache=cache,
-        spec=SpecPolicy(config.speculative) if config.speculative.enabled else None,
+        spec=_spec_policy(config, ctx),
     )
+
+
+def _spec_policy(config: StallfreeConfig, ctx: BatchContext) -> SpecPolicy | None:
+    """Speculation's host side; adaptive on a CPU stream also measures what steps cost (the
+    stream's worker times each step; a CUDA stream's work is asynchronous to that timing)."""
+    spec = config.speculative
+    if not spec.enabled:
+        return None
+    measured = spec.adaptive and spec.cost_aware and isinstance(ctx.stream, CpuStream)
+    return SpecPolicy(spec, StepCosts() if measured else None)
 
 
 def _runner(

@@ -393,6 +393,19 @@ def test_bench_passes_the_flags_through_its_checks_and_records_them() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [["--speculative-config", NGRAM_JSON], ["--no-speculative-adaptive"]],
+    ids=["vllm", "own"],
+)
+def test_bench_refuses_speculative_flags_for_a_server_it_does_not_start(flags) -> None:
+    from stallfree.bench.cli import UsageError, _check_flags
+
+    args = parse("bench", "--base-url", "http://127.0.0.1:8000", *flags)
+    with pytest.raises(UsageError, match="engine this command starts"):
+        _check_flags(args)
+
+
 @pytest.mark.parametrize("command", ["serve", "generate", "bench"])
 def test_help_names_each_default_and_setting(command: str) -> None:
     parser = subparsers(build_parser()).choices[command]

@@ -3,6 +3,7 @@ process's stream (`execution/worker.py` has the one that sends the step to worke
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
@@ -111,6 +112,7 @@ class LocalExecutor:
 
     def run_step(self, args: StepArgs) -> None:
         """Runs on the stream, in order after every earlier enqueued write."""
+        start = time.perf_counter()
         fb, sb, fault, plan = args.fb, args.sb, args.fault, args.plan
         stash_slots, generation = args.stash_slots, args.generation
         fmap = self.ctx.future_map
@@ -160,3 +162,4 @@ class LocalExecutor:
             assert self.faults is not None
             self.faults.before_copy(fault)
         args.token_ids_cpu.copy_(host_out, non_blocking=True)
+        args.timing.append(time.perf_counter() - start)

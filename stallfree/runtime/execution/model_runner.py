@@ -51,6 +51,8 @@ class StepOutput:
     # a verify step: per row, its drafts' count as planned, and the copied row (the tokens
     # padded to `max_k + 1` with -1, then the accept count, then the drafts it carried)
     verify: VerifyOutput | None = None
+    seconds: float | None = None  # the stream's time for the step, where it was measured
+    mode: ForwardMode | None = None
 
     @property
     def ok(self) -> bool:
@@ -70,6 +72,7 @@ class LaunchedBatch:
     forward_batch: ForwardBatch  # NOTE: holds the launched device tensors alive
     logits_plan: LogitsPlan | None = None
     logprobs: LogprobBuffers | None = None  # host; valid once `event` has fired
+    timing: list[float] | None = None  # host; the step's time, once `event` has fired
 
     async def result(self) -> StepOutput:
         """Wait for the step without blocking the event loop; a failed step is an output too."""
@@ -77,6 +80,7 @@ class LaunchedBatch:
             await self.event.wait()
         except StreamError as exc:
             return StepOutput(self.seq, self.reqs, self.output_rows, None, error=str(exc))
+        seconds = self.timing[0] if self.timing else None
         if self.mode is ForwardMode.VERIFY:
             fb = self.forward_batch
             assert fb.verify is not None
@@ -89,6 +93,8 @@ class LaunchedBatch:
                 self.logprobs,
                 self.logits_plan,
                 verify=VerifyOutput(list(fb.verify.ks), rows),
+                seconds=seconds,
+                mode=self.mode,
             )
         return StepOutput(
             self.seq,
@@ -97,6 +103,8 @@ class LaunchedBatch:
             self.token_ids_cpu.tolist(),
             self.logprobs,
             self.logits_plan,
+            seconds=seconds,
+            mode=self.mode,
         )
 
 
@@ -132,4 +140,5 @@ class ModelRunner:
             forward_batch=step.forward_batch,
             logits_plan=args.plan,
             logprobs=args.logprobs,
+            timing=args.timing,
         )

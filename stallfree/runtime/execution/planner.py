@@ -3,7 +3,7 @@ that an executor runs (in process, or in worker processes). Nothing here reads t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +47,9 @@ class StepArgs:
     plan: LogitsPlan | None = None
     logprobs: LogprobBuffers | None = None
     spec: SpecArgs | None = None  # speculative decoding's host facts (None: off)
+    # the stream's time for the step, appended by the in-process executor's worker when it
+    # is done (a host list: read once the step's event fired)
+    timing: list[float] = field(default_factory=list)
 
 
 class StepPlanner:

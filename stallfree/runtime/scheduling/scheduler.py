@@ -85,6 +85,7 @@ class Scheduler(Failures):
     # a verify step in flight to learn whether they are done
     spec: SpecPolicy | None = None
     parked: ParkedRequests = field(default_factory=lambda: ParkedRequests([]))
+    last_processed_at: float | None = None  # when the last step was processed (speculation)
 
     def __post_init__(self) -> None:
         self.deferred = DeferredFrees(self.ctx, self.cache)
@@ -421,6 +422,10 @@ class Scheduler(Failures):
     def process(self, out: StepOutput) -> None:
         """Batch `out.seq` is done: apply its tokens, or fail its requests if its step failed;
         then release what waited for it (deferred frees, unlocks, the cache's new pages)."""
+        if self.spec is not None and out.ok:
+            now = time.perf_counter()
+            last, self.last_processed_at = self.last_processed_at, now
+            self.spec.observe_step(out, None if last is None else now - last)
         if out.ok and out.verify is not None:
             self._apply_verify(out)
         elif out.ok:

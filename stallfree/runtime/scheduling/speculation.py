@@ -7,6 +7,12 @@ flight as if accepted), and is 0 for requests whose logits processing depends on
 output index (penalties, `min_tokens`, logprobs): they decode one token per step inside the
 verify batch, exactly as without speculation.
 
+Cost-aware drafting: the same host measures what steps cost (`StepCosts`, the stream's time per
+step by token count) and carries fewer drafts, or none, where the expected tokens per second
+(each row's `1 + rate * k` over the step's measured time) is higher that way: on a CPU a
+verify step costs about what a decode step does while the batch is small, and in proportion
+to its tokens once matrix work dominates, so at high concurrency speculation turns itself off.
+
 Adaptive speculation (`speculative.adaptive`): each request keeps a running acceptance rate
 (accepted drafts over the drafts it was planned to carry, so a step whose proposer found
 nothing counts as a miss: it paid for `k + 1` positions and gained one token). Below
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 
 from stallfree.config import SpeculativeConfig
 from stallfree.runtime.execution.model_runner import StepOutput
+from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.request.outputs import TokenLogprobs
 from stallfree.runtime.request.req import Req
 from stallfree.runtime.telemetry.stats import EngineCounters
@@ -39,6 +46,13 @@ MAX_PROBE_WAIT = 256
 RATE_WEIGHT = 0.3
 # drafted steps before a request may be turned off (its first steps are not a judgement)
 MIN_STEPS = 3
+# weight of the newest step in the running step costs, and steps after which a token count's
+# cost counts as unknown again (tried once more)
+COST_WEIGHT = 0.2
+STALE_STEPS = 500
+# drafts must promise this much more throughput than no drafts: the estimates are noisy, and
+# a marginal gain is not worth the risk of a loss
+GAIN_MARGIN = 1.1
 
 
 def speculates(req: Req) -> bool:
@@ -48,17 +62,84 @@ def speculates(req: Req) -> bool:
     return not (params.has_penalties or params.min_tokens > 0 or params.logprobs is not None)
 
 
+class StepCosts:
+    """What a step of `T` tokens costs on this machine, measured: a running mean of the
+    stream's time per step, by token count rounded up to a power of two. A count never seen
+    (or not seen for `STALE_STEPS` steps) is unknown, and a plan that needs it is tried: that
+    is how it gets measured."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+        self._seen: dict[int, int] = {}
+        self._steps = 0
+
+    @staticmethod
+    def _bucket(tokens: int) -> int:
+        return max(tokens - 1, 0).bit_length()
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self._steps += 1
+        b = self._bucket(tokens)
+        old = self._seconds.get(b)
+        self._seconds[b] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
+        self._seen[b] = self._steps
+
+    def estimate(self, tokens: int) -> float | None:
+        b = self._bucket(tokens)
+        if b not in self._seconds or self._steps - self._seen[b] > STALE_STEPS:
+            return None
+        return self._seconds[b]
+
+
 @dataclass(slots=True)
 class SpecPolicy:
     config: SpeculativeConfig
+    # measured step costs (None: not measured, e.g. on CUDA, where the stream's work is
+    # asynchronous to the host that would time it); every plan then keeps its drafts
+    costs: StepCosts | None = None
 
     @property
     def k(self) -> int:
         return self.config.num_speculative_tokens
 
     def plan(self, reqs: list[Req]) -> list[int]:
-        """Each row's draft count for the next verify step (no state changes)."""
-        return [self._k(r) for r in reqs]
+        """Each row's draft count for the next verify step (no state changes): each request's
+        cap, then scaled down (halved, quartered, or none) where the measured step costs say
+        the expected tokens per second is higher without them."""
+        ks = [self._k(r) for r in reqs]
+        if self.costs is None or not any(ks):
+            return ks
+        return self._cheapest(reqs, ks, self.costs)
+
+    def _cheapest(self, reqs: list[Req], ks: list[int], costs: StepCosts) -> list[int]:
+        base = costs.estimate(len(reqs))
+        if base is None:
+            return [0] * len(ks)  # unmeasured: a step without drafts measures it
+        best, best_rate = [0] * len(ks), len(reqs) / base
+        for scale in (1.0, 0.5, 0.25):
+            cand = [int(k * scale) for k in ks]
+            spent = costs.estimate(len(reqs) + sum(cand))
+            if spent is None:
+                return cand  # unmeasured: try it
+            expected = sum(1 + r.spec_rate * k for r, k in zip(reqs, cand, strict=True))
+            if expected / spent > best_rate * GAIN_MARGIN:
+                best, best_rate = cand, expected / spent
+        return best
+
+    def observe_step(self, out: StepOutput, since_last: float | None) -> None:
+        """A processed decode or verify step's cost, by its token count: the time since the
+        last step was processed, which under overlap is the whole step as the engine runs it
+        (host work on its tokens included), or the stream's own time where that interval
+        cannot be one step's (the engine was idle, or waited for something else)."""
+        if self.costs is None or out.seconds is None or not out.reqs:
+            return
+        seconds = out.seconds
+        if since_last is not None and seconds <= since_last < 4 * seconds:
+            seconds = since_last
+        if out.verify is not None:
+            self.costs.observe(sum(k + 1 for k in out.verify.ks), seconds)
+        elif out.mode is ForwardMode.DECODE:
+            self.costs.observe(len(out.reqs), seconds)
 
     def _k(self, req: Req) -> int:
         if not speculates(req):
