@@ -65,17 +65,22 @@ def test_measured_costs_decide_how_many_drafts_a_batch_carries():
     costs = StepCosts()
     rows = [req(str(i)) for i in range(16)]
     for r in rows:
-        r.spec_rate = 0.5
+        r.spec_rate, r.spec_steps = 0.9, 4
     p = policy(k=4, costs=costs)
     assert p.plan(rows) == [0] * 16  # no step of 16 tokens measured yet: measure one
     costs.observe(16, 0.08)
-    assert p.plan(rows) == [4] * 16  # 80 tokens never measured: try them
+    assert p.plan(rows) == [1] * 16  # the smallest plan that could pay is tried first
     # on a CPU past its matrix-bound point a step costs in proportion to its tokens
-    for tokens, seconds in ((80, 0.30), (48, 0.18), (32, 0.12)):
+    for tokens, seconds in ((32, 0.16), (48, 0.24), (80, 0.40)):
         costs.observe(tokens, seconds)
     assert p.plan(rows) == [0] * 16  # 16 tokens / 0.08 s beats every plan with drafts
+    for r in rows:
+        r.spec_rate = 0.2  # too few accepted to try what was never measured
+    fresh = StepCosts()
+    fresh.observe(16, 0.08)
+    assert policy(k=4, costs=fresh).plan(rows) == [0] * 16
     one = [req("alone")]
-    one[0].spec_rate = 0.5
+    one[0].spec_rate, one[0].spec_steps = 0.5, 4
     for tokens, seconds in ((1, 0.030), (2, 0.031), (3, 0.032), (5, 0.034)):
         costs.observe(tokens, seconds)  # a small batch: k + 1 positions cost about one
     assert p.plan(one) == [4]

@@ -53,6 +53,8 @@ STALE_STEPS = 500
 # drafts must promise this much more throughput than no drafts: the estimates are noisy, and
 # a marginal gain is not worth the risk of a loss
 GAIN_MARGIN = 1.1
+# weight of each drafted row in the engine-wide acceptance rate new requests start from
+PRIOR_WEIGHT = 0.1
 
 
 def speculates(req: Req) -> bool:
@@ -84,6 +86,15 @@ class StepCosts:
         self._seconds[b] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
         self._seen[b] = self._steps
 
+    def below(self, tokens: int) -> tuple[int, float]:
+        """The largest measured token count (its bucket's top) under `tokens`, and its cost;
+        (0, 0.0) when none is."""
+        top = self._bucket(tokens)
+        for b in range(top - 1, -1, -1):
+            if b in self._seconds and self._steps - self._seen[b] <= STALE_STEPS:
+                return 1 << b, self._seconds[b]
+        return 0, 0.0
+
     def estimate(self, tokens: int) -> float | None:
         b = self._bucket(tokens)
         if b not in self._seconds or self._steps - self._seen[b] > STALE_STEPS:
@@ -97,6 +108,10 @@ class SpecPolicy:
     # measured step costs (None: not measured, e.g. on CUDA, where the stream's work is
     # asynchronous to the host that would time it); every plan then keeps its drafts
     costs: StepCosts | None = None
+    # the acceptance rate of recent drafted rows, any request's: what a request that has not
+    # drafted yet is expected to accept (so that a workload whose drafts fail does not try
+    # again with each request it admits)
+    prior: float = 1.0
 
     @property
     def k(self) -> int:
@@ -112,19 +127,39 @@ class SpecPolicy:
         return self._cheapest(reqs, ks, self.costs)
 
     def _cheapest(self, reqs: list[Req], ks: list[int], costs: StepCosts) -> list[int]:
-        base = costs.estimate(len(reqs))
+        """The plan with the most expected tokens per second: none, or every cap scaled by a
+        quarter, a half or one. A plan whose cost is not measured yet is guessed from the
+        largest measured count below it (time growing as the square root of the tokens: a
+        guess between memory-bound, where it stays flat, and compute-bound, where it grows in
+        proportion) and tried when the guess says it would win; plans are tried smallest
+        first, so the costly ones are only tried once cheaper ones have been measured."""
+        n = len(reqs)
+        base = costs.estimate(n)
         if base is None:
-            return [0] * len(ks)  # unmeasured: a step without drafts measures it
-        best, best_rate = [0] * len(ks), len(reqs) / base
-        for scale in (1.0, 0.5, 0.25):
+            return [0] * n  # unmeasured: a step without drafts measures it
+        best, best_rate = [0] * n, n / base
+        for scale in (0.25, 0.5, 1.0):
             cand = [int(k * scale) for k in ks]
-            spent = costs.estimate(len(reqs) + sum(cand))
+            tokens = n + sum(cand)
+            if tokens == n:
+                continue
+            expected = sum(1 + self._rate(r) * k for r, k in zip(reqs, cand, strict=True))
+            spent = costs.estimate(tokens)
             if spent is None:
-                return cand  # unmeasured: try it
-            expected = sum(1 + r.spec_rate * k for r, k in zip(reqs, cand, strict=True))
+                known, seconds = costs.below(tokens)
+                guess = seconds * (tokens / max(known, n)) ** 0.5 if known else base
+                if expected / guess > best_rate * GAIN_MARGIN:
+                    return cand  # unmeasured, and it could pay: try it
+                break  # a larger plan would only be guessed dearer
             if expected / spent > best_rate * GAIN_MARGIN:
                 best, best_rate = cand, expected / spent
         return best
+
+    def _rate(self, req: Req) -> float:
+        """What a row is expected to accept per draft: a probe, just the bar it must clear."""
+        if req.spec_off:
+            return self.config.min_acceptance_rate
+        return req.spec_rate if req.spec_steps else self.prior
 
     def observe_step(self, out: StepOutput, since_last: float | None) -> None:
         """A processed decode or verify step's cost, by its token count: the time since the
@@ -167,6 +202,7 @@ class SpecPolicy:
             else:
                 req.spec_probe_wait = min(2 * req.spec_probe_wait, MAX_PROBE_WAIT)
             return
+        self.prior += PRIOR_WEIGHT * (rate - self.prior)
         first = req.spec_steps == 0
         req.spec_steps += 1
         req.spec_rate = rate if first else req.spec_rate + RATE_WEIGHT * (rate - req.spec_rate)
