@@ -147,6 +147,15 @@ def verify_pages_needed(reqs: list[Req], base: list[int], ns: list[int], page_si
     )
 
 
+def step_pages_needed(
+    reqs: list[Req], seq_lens_cpu: torch.Tensor, ks: list[int] | None, page_size: int
+) -> int:
+    """Pages the next step needs: a decode step (`ks` None), or a verify step of `ks` drafts."""
+    if ks is None:
+        return decode_pages_needed(seq_lens_cpu, page_size)
+    return verify_pages_needed(reqs, seq_lens_cpu.tolist(), [k + 1 for k in ks], page_size)
+
+
 def alloc_for_verify(
     ctx: BatchContext,
     reqs: list[Req],

@@ -27,10 +27,9 @@ from stallfree.runtime.request.outputs import TokenLogprobs
 from stallfree.runtime.request.req import FinishReason, Req, ReqStatus
 from stallfree.runtime.scheduling.admission import Admit, PrefillAdder, reserved_tokens
 from stallfree.runtime.scheduling.alloc import (
-    decode_pages_needed,
     free_req_memory,
     import_prebuilt_kv,
-    verify_pages_needed,
+    step_pages_needed,
 )
 from stallfree.runtime.scheduling.backpressure import PausedRequests
 from stallfree.runtime.scheduling.deferred import DeferredFrees
@@ -223,10 +222,7 @@ class Scheduler(Failures):
                 self.parked.park(r)  # done only if the step in flight accepts every draft
         if len(keep) != len(running.reqs):
             running.filter_batch(keep)
-        if self.parked.reqs and (back := self.parked.take_ready()):
-            batch = ScheduleBatch.init_new(back, self.ctx)
-            batch.prepare_for_prebuilt(imported=False)
-            running.merge_batch(batch)
+        self.parked.rejoin(running)
 
     def _new_prefill_batch(self) -> ScheduleBatch | None:
         if self.num_waiting == 0:
@@ -366,10 +362,10 @@ class Scheduler(Failures):
         allocator = self.ctx.allocator
         seq_lens_cpu = running.host_seq_lens("schedule.page_count")
         ks = self.spec.plan(running.reqs) if self.spec is not None else None
-        needed = self._pages_needed(running.reqs, seq_lens_cpu, ks)
+        needed = step_pages_needed(running.reqs, seq_lens_cpu, ks, allocator.page_size)
         if ks is not None and any(ks) and needed > allocator.available_pages():
             ks = [0] * len(ks)  # speculation never costs a retraction
-            needed = self._pages_needed(running.reqs, seq_lens_cpu, ks)
+            needed = step_pages_needed(running.reqs, seq_lens_cpu, ks, allocator.page_size)
         # paused requests give up their KV first: they make no progress meanwhile
         self.paused.evict(self._retract, lambda: needed <= allocator.available_pages())
         if needed <= allocator.available_pages():
@@ -389,14 +385,6 @@ class Scheduler(Failures):
             self._finish(victim, FinishReason.ERROR, "KV cache too small for this request")
         ks = self.spec.plan(running.reqs) if self.spec is not None else None
         return None, None if ks is None else [0] * len(ks), True
-
-    def _pages_needed(
-        self, reqs: list[Req], seq_lens_cpu: torch.Tensor, ks: list[int] | None
-    ) -> int:
-        page_size = self.ctx.allocator.page_size
-        if ks is None:
-            return decode_pages_needed(seq_lens_cpu, page_size)
-        return verify_pages_needed(reqs, seq_lens_cpu.tolist(), [k + 1 for k in ks], page_size)
 
     def _retract(self, req: Req) -> None:
         # NOTE: its own pages are freed at once, not deferred: the launched batch reads them

@@ -34,6 +34,7 @@ from stallfree.runtime.execution.model_runner import StepOutput
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.request.outputs import TokenLogprobs
 from stallfree.runtime.request.req import Req
+from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
 from stallfree.runtime.telemetry.stats import EngineCounters
 
 logger = logging.getLogger(__name__)
@@ -227,6 +228,13 @@ class ParkedRequests:
 
     def park(self, req: Req) -> None:
         self.reqs.append(req)
+
+    def rejoin(self, running: ScheduleBatch) -> None:
+        """Requests ready again join `running`, their lengths and last tokens as they are."""
+        if self.reqs and (back := self.take_ready()):
+            batch = ScheduleBatch.init_new(back, running.ctx)
+            batch.prepare_for_prebuilt(imported=False)
+            running.merge_batch(batch)
 
     def take_ready(self) -> list[Req]:
         """Requests whose verify steps are all processed and that still decode."""
