@@ -10,6 +10,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -414,6 +415,40 @@ def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None)
         capacity_ratio = sparse_plugin.capacity_ratio(config.hisparse, arch)
     sizes = pool_sizes(config, arch, capacity_ratio)
     stream, worker_stats = _start_stream(config, arch, device, sizes)
+    try:
+        return _wire(
+            config,
+            device,
+            observers,
+            activity,
+            model,
+            tokenizer,
+            sparse_plugin,
+            sizes,
+            stream,
+            worker_stats,
+            prefix_caching,
+        )
+    except BaseException:
+        stream.close()  # e.g. a draft model that fails to load: no worker left behind
+        raise
+
+
+def _wire(
+    config: StallfreeConfig,
+    device: torch.device,
+    observers: ObserverFanout,
+    activity: ActivityClock,
+    model: _Model,
+    tokenizer: Tokenizer,
+    sparse_plugin: Any,
+    sizes: tuple[int, int],
+    stream: DeviceStream,
+    worker_stats: torch.Tensor | None,
+    prefix_caching: bool,
+) -> EngineCore:
+    """Everything built on the started stream."""
+    arch = model.arch
     monitor = SyncMonitor(stream, strict=config.runtime.strict)
     monitor.stall_sinks.append(observers.on_stall)
     ctx = _batch_context(config, model, stream, monitor, sizes)

@@ -413,10 +413,14 @@ def test_what_does_not_compose_is_a_configuration_error(llama, sections, match):
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(llama, tmp_path):
+    import threading
+
     from stallfree.runtime.model.arch import ModelLoadError
     from tests.hf_models import make_llama
 
     other = make_llama(tmp_path, vocab_size=300)
     cfg = spec_config(llama, {"method": "draft_model", "draft_model": str(other)})
+    before = threading.active_count()
     with pytest.raises(ModelLoadError, match="vocabulary"):
         Engine(cfg)
+    assert threading.active_count() == before  # the started stream's worker is closed
