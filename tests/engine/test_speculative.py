@@ -18,6 +18,11 @@ from stallfree import Engine, SamplingParams
 from stallfree.runtime.request.req import Req
 from tests.engine_util import MODES, engine_config, guarded, random_prompts
 
+# NOTE: in the slow set (CI runs it as its own step). Run in one process before
+# tests/serving/test_offloop.py, this module left that timing test's /health reads timing out
+# (each half alone does not); not understood yet, so they run apart.
+pytestmark = pytest.mark.slow
+
 F64 = {"dtype": "float64"}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
