@@ -30,6 +30,13 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 REPEAT = [7, 19, 33, 41, 52, 60, 71, 85, 90, 101, 113, 127] * 4
 
 
+def method_spec(method: str, model: str, k: int) -> dict[str, Any]:
+    """The n-gram section, or a draft-model one whose draft is `model` itself."""
+    if method == "ngram":
+        return {**NGRAM, "num_speculative_tokens": k}
+    return {"method": "draft_model", "draft_model": model, "num_speculative_tokens": k}
+
+
 def spec_config(path: str, spec: dict[str, Any] | None, **sections: dict[str, Any]):
     """Float64, and (unless `spec` says otherwise) drafts not left to measured step costs,
     which are noise for a tiny model: the drafts each test sees are the same every run."""
@@ -89,15 +96,7 @@ async def test_greedy_output_is_the_same_with_speculation(
     llama, workload, method, overlap, mirrors, page_size
 ):
     ref = await reference(llama, workload, page_size)
-    spec = (
-        dict(NGRAM)
-        if method == "ngram"
-        else {
-            "method": "draft_model",
-            "draft_model": llama,
-            "num_speculative_tokens": 3,
-        }
-    )
+    spec = method_spec(method, llama, 3)
     sections = stressed(page_size)
     sections["runtime"].update(overlap=overlap, cpu_mirrors=mirrors)
     out, snap = await generate(spec_config(llama, spec, **sections), workload, 40)
@@ -325,15 +324,7 @@ async def test_a_prebuilt_request_speculates_from_its_imported_prompt(bigram_lla
 async def test_speculating_under_overlap_reads_nothing_on_the_schedule_path(
     llama, workload, method
 ):
-    spec = (
-        dict(NGRAM)
-        if method == "ngram"
-        else {
-            "method": "draft_model",
-            "draft_model": llama,
-            "num_speculative_tokens": 2,
-        }
-    )
+    spec = method_spec(method, llama, 2)
     cfg = spec_config(llama, spec, runtime={"strict": True, "overlap": True})
     async with guarded(Engine(cfg)) as engine:
         await run_all(engine, workload, 24)
