@@ -1,5 +1,6 @@
 """Every setting of stallfree, as pydantic models."""
 
+from stallfree.config.disagg import DisaggregationConfig
 from stallfree.config.settings import (
     CacheConfig,
     FaultConfig,
@@ -17,6 +18,7 @@ from stallfree.config.settings import (
 
 __all__ = [
     "CacheConfig",
+    "DisaggregationConfig",
     "FaultConfig",
     "HisparseConfig",
     "MetricsConfig",

@@ -9,17 +9,16 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from stallfree.config.disagg import DisaggregationConfig, FaultConfig
+from stallfree.config.sections import Section as _Section
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelConfig(_Section):
@@ -378,29 +377,6 @@ class MetricsConfig(_Section):
     )
 
 
-class FaultConfig(_Section):
-    """Fault injection for reliability tests; off unless enabled."""
-
-    enabled: bool = Field(False, description="Inject faults into launched steps (tests only)")
-    seed: int = Field(0, description="Seed of the fault schedule")
-    fail_step_rate: float = Field(
-        0.0, ge=0, le=1, allow_inf_nan=False, description="Share of steps whose forward raises"
-    )
-    slow_step_rate: float = Field(
-        0.0, ge=0, le=1, allow_inf_nan=False, description="Share of steps made slow"
-    )
-    slow_step_seconds: float = Field(
-        0.05, ge=0, allow_inf_nan=False, description="Extra time of a slow step"
-    )
-    fail_copy_rate: float = Field(
-        0.0,
-        ge=0,
-        le=1,
-        allow_inf_nan=False,
-        description="Share of steps whose device-to-host copy fails",
-    )
-
-
 class StallfreeConfig(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="STALLFREE_",
@@ -418,6 +394,7 @@ class StallfreeConfig(BaseSettings):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
     faults: FaultConfig = Field(default_factory=FaultConfig)
 
     @classmethod
@@ -468,7 +445,24 @@ class StallfreeConfig(BaseSettings):
                 "speculative decoding does not compose with worker processes yet "
                 "(runtime.worker=process or parallel.tp_size > 1); use one in-process rank"
             )
+        self._check_disaggregation()
         return self
+
+    def _check_disaggregation(self) -> None:
+        dis = self.disaggregation
+        if not dis.enabled:
+            return
+        for on, what in (
+            (self.hisparse.enabled, "hisparse.enabled (its full KV lives in host memory)"),
+            (self.speculative.enabled, "speculative decoding (drafts are not transferred)"),
+        ):
+            if on:
+                raise ValueError(f"disaggregation does not compose with {what} yet")
+        if dis.mode == "prefill" and self.uses_worker_processes:
+            raise ValueError(
+                "a prefill server runs one in-process rank (its KV is read on the scheduler's "
+                "stream); tensor parallelism is for the decode side (disaggregation.mode=decode)"
+            )
 
     @property
     def uses_worker_processes(self) -> bool:

@@ -297,6 +297,7 @@ def _batch_context(
         cpu_mirrors=config.runtime.cpu_mirrors,
         check_mirrors=config.runtime.check_mirrors,
         table_journal=[] if process else None,
+        import_journal=[] if process else None,
     )
 
 

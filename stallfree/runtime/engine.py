@@ -20,6 +20,7 @@ import torch
 from stallfree.config import StallfreeConfig, load_config
 from stallfree.overlap.stream import StreamError
 from stallfree.runtime.core import EngineCore, build_core, describe_engine
+from stallfree.runtime.handoff import KVExport, KVImport
 from stallfree.runtime.plugins import load_metrics_plugin
 from stallfree.runtime.request.errors import (
     EngineClosedError,
@@ -338,6 +339,25 @@ class Engine:
         async with contextlib.aclosing(self._drain(req, stream)) as chunks:
             async for chunk in chunks:
                 yield chunk
+
+    def open_export(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | dict | None = None,
+        rid: str | None = None,
+    ) -> KVExport:
+        """Prefill side of disaggregation (runtime/handoff.py): one output token, KV held."""
+        params = self.validator.params(params).model_copy(update={"max_new_tokens": 1})
+        return KVExport(self, self._new_req(prompt_ids, params, rid))
+
+    def open_import(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | dict | None = None,
+        rid: str | None = None,
+    ) -> KVImport:
+        """Decode side of disaggregation (runtime/handoff.py): the prompt's KV arrives later."""
+        return KVImport(self, self._new_req(prompt_ids, params, rid))
 
     async def complete(
         self,

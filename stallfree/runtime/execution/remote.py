@@ -31,6 +31,9 @@ class StepMessage:
     table_writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         default_factory=list
     )
+    # imported KV ("kv", layer, slot slices, k per rank, v per rank) and first tokens
+    # ("stash", slots, tokens), applied in order after the table writes
+    imports: list[tuple[Any, ...]] = field(default_factory=list)
 
 
 # stands in for the tensors a message leaves out (each rank has its own)
@@ -80,9 +83,12 @@ class RemoteExecutor:
         journal = self.ctx.table_journal
         assert journal is not None
         writes, journal[:] = list(journal), []
+        imports = self.ctx.import_journal
+        assert imports is not None
+        imported, imports[:] = list(imports), []
         fb = dataclasses.replace(args.fb, req_to_token=_LEFT_OUT)
         sent = dataclasses.replace(args, fb=fb, token_ids_cpu=_LEFT_OUT, logprobs=None)
-        message = StepMessage(sent, writes)
+        message = StepMessage(sent, writes, imported)
         stream = self.remote
 
         def take(result: StepResult) -> None:

@@ -244,6 +244,7 @@ class _Worker:
         table = ctx.req_to_token_pool.req_to_token
         for rows, cols, locs in msg.table_writes:
             table[rows, cols] = locs
+        self._apply_imports(msg.imports)
         args = msg.args
         fb = args.fb
         fb.req_to_token, fb.kv_cache = table, ctx.kv_cache
@@ -272,6 +273,24 @@ class _Worker:
                 if isinstance(getattr(logprobs, f.name), torch.Tensor)
             }
         return StepResult(encode_tensor(args.token_ids_cpu), lp, elapsed)
+
+    def _apply_imports(self, imports: list[tuple[Any, ...]]) -> None:
+        """Imported KV (this rank's KV-head shard of each layer) and first tokens."""
+        ctx = self.ctx
+        cache, fmap = ctx.kv_cache, ctx.future_map
+        for op in imports:
+            if op[0] == "kv":
+                _, layer, slices, ks, vs = op
+                k, v = ks[self.rank], vs[self.rank]  # the tensor-parallel rank's shard
+                at = 0
+                for s in slices:
+                    n = s.stop - s.start
+                    cache.k_buffers[layer][s].copy_(k[at : at + n])
+                    cache.v_buffers[layer][s].copy_(v[at : at + n])
+                    at += n
+            else:
+                _, slots, tokens = op
+                fmap.stash(slots, torch.zeros(1, dtype=torch.int64, device=slots.device), tokens)
 
     def _comm(self) -> tuple[float, float]:
         if self.tp is None:

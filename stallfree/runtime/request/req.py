@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -64,6 +65,10 @@ class Req:
     spec_idle: int = 0
     spec_probe_wait: int = 16
     paused: bool = False  # out of the decode batch until its reader catches up
+    # disaggregation, prefill side: keep the slot and pages once finished, until released
+    # (scheduling/imports.py); `on_kv_held` is called when they are held and readable
+    hold_kv: bool = False
+    on_kv_held: Callable[[], None] | None = None
     # host bookkeeping for the consumer side, opaque to the scheduler
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None

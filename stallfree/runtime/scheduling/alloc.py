@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-
-from stallfree.runtime.request.errors import EngineOverloadedError, InvalidRequestError
 
 if TYPE_CHECKING:
     from stallfree.runtime.execution.context import BatchContext
@@ -37,7 +34,7 @@ def alloc_req_slots(pool: ReqToTokenPool, reqs: list[Req]) -> None:
         req.req_pool_idx = slot
 
 
-def _token_slots(req: Req, start: int, end: int, page_size: int) -> torch.Tensor:
+def token_slots(req: Req, start: int, end: int, page_size: int) -> torch.Tensor:
     pages = torch.tensor(req.kv_pages, dtype=torch.int64)
     pos = torch.arange(start, end, dtype=torch.int64)
     return pages[pos // page_size] * page_size + pos % page_size
@@ -73,12 +70,12 @@ def alloc_for_extend(
         assert req.req_pool_idx is not None
         start = req.num_computed_tokens
         _grow_pages(ctx.allocator, req, start + ext)
-        loc = _token_slots(req, start, start + ext, page_size)
+        loc = token_slots(req, start, start + ext, page_size)
         locs.append(loc)
         first = 0 if new_slot else start  # a new row needs its cached prefix written too
         if first < start:
             with_prefix = True
-            table_locs.append(_token_slots(req, first, start, page_size))
+            table_locs.append(token_slots(req, first, start, page_size))
         table_locs.append(loc)
         rows.append(torch.full((start + ext - first,), req.req_pool_idx, dtype=torch.int64))
         cols.append(torch.arange(first, start + ext, dtype=torch.int64))
@@ -88,7 +85,7 @@ def alloc_for_extend(
     out_cache_loc = stream.upload(out_cache_loc_cpu)
     if locs:
         table = stream.upload(torch.cat(table_locs)) if with_prefix else out_cache_loc
-        _write_req_to_token(
+        write_req_to_token(
             ctx, stream.upload(torch.cat(rows)), stream.upload(torch.cat(cols)), table
         )
     return out_cache_loc, stream.upload(req_pool_indices_cpu), req_pool_indices_cpu
@@ -136,7 +133,7 @@ def alloc_for_decode(
             for r, n in zip(reqs, lens, strict=True)
         ]
     out_cache_loc = ctx.stream.upload(torch.tensor(locs, dtype=torch.int64))
-    _write_req_to_token(ctx, req_pool_indices, seq_lens, out_cache_loc)
+    write_req_to_token(ctx, req_pool_indices, seq_lens, out_cache_loc)
     return out_cache_loc
 
 
@@ -181,10 +178,10 @@ def alloc_for_verify(
             [torch.arange(b, b + n, dtype=torch.int64) for b, n in zip(base, ns, strict=False)]
         )
         locs = torch.cat(
-            [_token_slots(r, b, b + n, page_size) for r, b, n in zip(reqs, base, ns, strict=True)]
+            [token_slots(r, b, b + n, page_size) for r, b, n in zip(reqs, base, ns, strict=True)]
         )
         up = ctx.stream.upload
-        _write_req_to_token(ctx, up(t_rows), up(cols), up(locs))
+        write_req_to_token(ctx, up(t_rows), up(cols), up(locs))
     table = ctx.req_to_token_pool.req_to_token
     return ctx.stream.compute(
         lambda rpi, r, p: table[rpi[r], p],
@@ -225,7 +222,7 @@ def write_history(
     ctx.stream.submit(write)
 
 
-def _write_req_to_token(
+def write_req_to_token(
     ctx: BatchContext, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor
 ) -> None:
     table = ctx.req_to_token_pool.req_to_token
@@ -284,68 +281,3 @@ def release_req_memory(
     req.cache_node = None
     req.cached_pages = 0
     return node
-
-
-def import_prebuilt_kv(
-    ctx: BatchContext,
-    req: Req,
-    kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    first_token_id: int,
-) -> None:
-    """Give `req` a slot and pages holding KV computed elsewhere (decode-side disaggregation).
-
-    `kv[layer]` is (k, v), each [len(prompt), num_kv_heads, head_dim] with RoPE applied, as
-    `RequestValidator.check_prebuilt` checked it. The table row, the KV and the first token (in
-    the future map) are written on the stream. Raises `EngineOverloadedError`, holding nothing,
-    when there is no room.
-    """
-    if ctx.sparse is not None:
-        raise InvalidRequestError("prebuilt KV import is not supported with sparse attention")
-    if ctx.table_journal is not None:
-        raise InvalidRequestError(
-            "prebuilt KV import is not supported with worker processes yet "
-            "(runtime.worker=process or parallel.tp_size > 1)"
-        )
-    n = len(req.origin_input_ids)
-    allocator, pool = ctx.allocator, ctx.req_to_token_pool
-    slots = pool.alloc(1)
-    pages = allocator.alloc_pages(pages_for(n, allocator.page_size))
-    if slots is None or pages is None:
-        if slots is not None:
-            pool.free(slots[0])
-        if pages is not None:
-            allocator.free_pages(pages)
-        raise EngineOverloadedError("no room to import prebuilt KV")
-    req.req_pool_idx, req.kv_pages = slots[0], pages
-    req.num_computed_tokens = n
-    stream, cache, table, row = ctx.stream, ctx.kv_cache, pool.req_to_token, slots[0]
-    locs = stream.upload(_token_slots(req, 0, n, allocator.page_size))
-    layers = [(stream.upload(k.detach().cpu()), stream.upload(v.detach().cpu())) for k, v in kv]
-
-    def write() -> None:
-        table[row, :n] = locs
-        for layer, (k, v) in enumerate(layers):
-            cache.write(layer, locs, k, v)
-
-    stream.submit(write)
-    if ctx.spec_k:
-        _import_history(ctx, row, [*req.origin_input_ids, first_token_id])
-    slot = stream.upload(torch.tensor([row], dtype=torch.int64))
-    tok = stream.upload(torch.tensor([first_token_id], dtype=torch.int64))
-    first_row = stream.upload(torch.zeros(1, dtype=torch.int64))
-    stream.submit(ctx.future_map.stash, slot, first_row, tok)
-
-
-def _import_history(ctx: BatchContext, row: int, tokens: list[int]) -> None:
-    """Speculative decoding: an imported request's history is its prompt and first token; its
-    first verify step carries no drafts (whatever the slot's last user left is cleared)."""
-    fmap = ctx.future_map
-    history, drafts = fmap.history, fmap.drafts
-    assert history is not None and drafts is not None
-    vals = ctx.stream.upload(torch.tensor(tokens, dtype=torch.int64))
-
-    def write() -> None:
-        history[row, : len(tokens)] = vals
-        drafts[row] = -1
-
-    ctx.stream.submit(write)

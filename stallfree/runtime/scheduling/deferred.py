@@ -26,9 +26,19 @@ class DeferredFrees:
     # (last batch launched when it was deferred, what waits for that batch)
     frees: list[tuple[int, Req]] = field(default_factory=list)
     unlocks: list[tuple[int, TreeNode]] = field(default_factory=list)
+    # finished `hold_kv` requests whose KV a transfer still reads, by id (disaggregation)
+    held: dict[str, Req] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.frees or self.unlocks)
+
+    def release_held(self, rid: str) -> bool:
+        req = self.held.pop(rid, None)
+        if req is None:
+            return False
+        req.hold_kv = False
+        self._release_finished(req)
+        return True
 
     def free_after(self, seq: int, req: Req) -> None:
         self.frees.append((seq, req))
@@ -67,8 +77,16 @@ class DeferredFrees:
             else:
                 keep.append((tag, req))
         self.frees = keep
+        if everything:
+            for rid in list(self.held):
+                self.release_held(rid)
 
     def _release_finished(self, req: Req) -> None:
+        if req.hold_kv and req.req_pool_idx is not None:
+            self.held[req.rid] = req  # its KV is readable now: nothing launched writes it
+            if req.on_kv_held is not None:
+                req.on_kv_held()
+            return
         cache = self.cache
         locked = self.release_now(req, cacheable_tokens(req) if cache is not None else 0)
         if locked is not None:

@@ -28,6 +28,7 @@ class Failures:
     building: list[Req] | None
     paused: PausedRequests
     parked: ParkedRequests
+    importing: dict[str, Req]
 
     _leave_queues: Callable[[Req], None]
     _finish: Callable[[Req, FinishReason, str | None], None]
@@ -58,7 +59,7 @@ class Failures:
     def _all_reqs(self) -> list[Req]:
         assert self.running_batch is not None
         reqs = list(self.waiting) + list(self.running_batch.reqs) + self.paused.reqs
-        reqs += self.parked.reqs
+        reqs += self.parked.reqs + list(self.importing.values())
         if self.last_extend is not None:
             reqs += self.last_extend.reqs
         if self.chunked_req is not None:
@@ -76,6 +77,7 @@ class Failures:
         self.building = None
         self.paused.reqs = []
         self.parked.reqs = []
+        self.importing.clear()  # their slots and pages go with the finish, as for any request
         # NOTE: a fresh batch, not a filter of the old one, whose tensors a failure may have left
         # half-updated; a launched batch keeps the old tensors alive until it is processed.
         self.running_batch = ScheduleBatch.init_new([], self.ctx)

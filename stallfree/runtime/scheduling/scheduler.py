@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,14 +25,11 @@ from stallfree.runtime.memory.radix_cache import RadixCache
 from stallfree.runtime.request.outputs import TokenLogprobs
 from stallfree.runtime.request.req import FinishReason, Req, ReqStatus
 from stallfree.runtime.scheduling.admission import Admit, PrefillAdder, reserved_tokens
-from stallfree.runtime.scheduling.alloc import (
-    free_req_memory,
-    import_prebuilt_kv,
-    step_pages_needed,
-)
+from stallfree.runtime.scheduling.alloc import step_pages_needed
 from stallfree.runtime.scheduling.backpressure import PausedRequests
 from stallfree.runtime.scheduling.deferred import DeferredFrees
 from stallfree.runtime.scheduling.failures import Failures
+from stallfree.runtime.scheduling.imports import Imports
 from stallfree.runtime.scheduling.prefix import (
     CacheRecord,
     PrefixMatch,
@@ -53,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class Scheduler(Failures):
+class Scheduler(Failures, Imports):
     config: SchedulerConfig
     ctx: BatchContext
     max_running_requests: int
@@ -85,6 +81,8 @@ class Scheduler(Failures):
     spec: SpecPolicy | None = None
     parked: ParkedRequests = field(default_factory=lambda: ParkedRequests([]))
     last_processed_at: float | None = None  # when the last step was processed (speculation)
+    # disaggregation: requests whose KV is on its way, by id (scheduling/imports.py)
+    importing: dict[str, Req] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.deferred = DeferredFrees(self.ctx, self.cache)
@@ -112,6 +110,7 @@ class Scheduler(Failures):
         """Before finishing `req`: it will be skipped in `waiting`, and stops being chunked."""
         if req.status is ReqStatus.WAITING:
             self.stale_waiting += 1
+        self.importing.pop(req.rid, None)
         if req is self.chunked_req:
             self.chunked_req = None
 
@@ -176,30 +175,6 @@ class Scheduler(Failures):
             self.stats.decode_batches += 1
             return running
 
-    def add_prebuilt(
-        self, req: Req, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], first_token_id: int
-    ) -> None:
-        """Join a request whose prompt KV was computed elsewhere, its first token with it
-        (decode-side disaggregation). `kv` is checked already (`check_prebuilt`). Raises
-        with nothing left behind if it cannot join."""
-        ctx = self.ctx
-        import_prebuilt_kv(ctx, req, kv, first_token_id)
-        try:
-            batch = ScheduleBatch.init_new([req], ctx)
-            batch.prepare_for_prebuilt()
-            req.status = ReqStatus.RUNNING
-            req.num_scheduled_outputs = 1
-            self._accept(req, first_token_id, time.perf_counter())
-            if req.wants_more_decode():
-                assert self.running_batch is not None
-                self.running_batch.merge_batch(batch)
-        except BaseException:
-            if not req.finished:
-                req.finish(FinishReason.ERROR, "prebuilt import failed")
-                # NOTE: nothing launched reads these fresh slots: free at once
-                free_req_memory(ctx.req_to_token_pool, ctx.allocator, req)
-            raise
-
     def _merge_last_extend(self) -> None:
         batch, self.last_extend = self.last_extend, None
         if batch is None:
@@ -259,7 +234,7 @@ class Scheduler(Failures):
     def _reserved_tokens(self) -> int:
         assert self.running_batch is not None
         reqs = self.running_batch.reqs + (self.last_extend.reqs if self.last_extend else [])
-        reqs = reqs + self.paused.holding() + self.parked.reqs
+        reqs = reqs + self.paused.holding() + self.parked.reqs + list(self.importing.values())
         reserved = reserved_tokens(reqs, self.config.new_token_ratio)
         if self.spec is not None:  # the next verify window of each running request
             reserved += sum(min(self.spec.k, r.remaining_outputs()) for r in reqs)
@@ -274,7 +249,8 @@ class Scheduler(Failures):
             free_slots=self.ctx.req_to_token_pool.available_size(),
             running=self.num_running
             - (self.chunked_req is not None)
-            - (len(self.paused) - len(self.paused.holding())),
+            - (len(self.paused) - len(self.paused.holding()))
+            + len(self.importing),
             max_running=self.max_running_requests,
             chunk_size=self.config.chunked_prefill_size,
             new_token_ratio=self.config.new_token_ratio,

@@ -1,0 +1,110 @@
+"""The `disaggregation` section (prefill/decode disaggregation) and the `faults` section, whose
+transfer faults drive the disaggregation tests."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from stallfree.config.sections import Section
+
+
+class DisaggregationConfig(Section):
+    """Prefill/decode disaggregation (docs/disaggregation.md): a prefill server computes a
+    prompt's KV and first token, a decode server receives them page by page and decodes."""
+
+    mode: Literal["null", "prefill", "decode"] = Field(
+        "null",
+        description="null: colocated; prefill: compute prompts and hand their KV over; "
+        "decode: receive prefilled KV and decode",
+    )
+    transfer_backend: Literal["auto", "gloo", "nccl", "loopback"] = Field(
+        "auto",
+        description="How KV moves: torch.distributed point-to-point over gloo (CPU) or NCCL "
+        "(GPU; auto picks by device), or loopback (two engines in one process)",
+    )
+    bootstrap_host: str = Field(
+        "127.0.0.1", description="prefill: address the bootstrap endpoint and KV store bind"
+    )
+    bootstrap_port: int = Field(
+        8998, ge=0, le=65535, description="prefill: bootstrap endpoint port; 0 picks a free one"
+    )
+    bootstrap_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="A room's deadline to pair up: prefill waits for decode's destination "
+        "pages, decode for its pages and the handshake",
+    )
+    transfer_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="A paired room's deadline: decode waits for the KV, prefill for the "
+        "acknowledgement (then frees its copy)",
+    )
+    heartbeat_interval_s: float = Field(
+        5.0, gt=0, allow_inf_nan=False, description="decode: how often it probes each prefill"
+    )
+    heartbeat_max_failures: int = Field(
+        2, ge=1, description="decode: failed probes in a row that fail every room of a prefill"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "null"
+
+
+class FaultConfig(Section):
+    """Fault injection for reliability tests; off unless enabled."""
+
+    enabled: bool = Field(False, description="Inject faults into launched steps (tests only)")
+    seed: int = Field(0, description="Seed of the fault schedule")
+    fail_step_rate: float = Field(
+        0.0, ge=0, le=1, allow_inf_nan=False, description="Share of steps whose forward raises"
+    )
+    slow_step_rate: float = Field(
+        0.0, ge=0, le=1, allow_inf_nan=False, description="Share of steps made slow"
+    )
+    slow_step_seconds: float = Field(
+        0.05, ge=0, allow_inf_nan=False, description="Extra time of a slow step"
+    )
+    fail_copy_rate: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Share of steps whose device-to-host copy fails",
+    )
+    kv_drop_rate: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="prefill: share of KV transfers never sent",
+    )
+    kv_delay_rate: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="prefill: share of KV transfers sent late",
+    )
+    kv_delay_seconds: float = Field(
+        1.0, ge=0, allow_inf_nan=False, description="How late a delayed KV transfer is sent"
+    )
+    kv_wrong_room_rate: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="prefill: share of KV transfers sent under another room id",
+    )
+    kv_kill_rate: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="prefill: share of KV transfers after whose first layer the process dies",
+    )
