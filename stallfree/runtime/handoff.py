@@ -87,15 +87,19 @@ class KVExport:
             raise
         engine.core.loop.notify()
         last: GenerationChunk | None = None
-        async with contextlib.aclosing(engine._drain(req, stream)) as chunks:
-            async for chunk in chunks:
-                self.token_ids.extend(chunk.token_ids)
-                last = chunk
-        assert last is not None
-        if last.finish_reason in (FinishReason.STOP.value, FinishReason.LENGTH.value):
-            await asyncio.wait_for(self._held.wait(), HOLD_WAIT_S)
-        else:
-            self.release()
+        try:
+            async with contextlib.aclosing(engine._drain(req, stream)) as chunks:
+                async for chunk in chunks:
+                    self.token_ids.extend(chunk.token_ids)
+                    last = chunk
+            assert last is not None
+            if last.finish_reason in (FinishReason.STOP.value, FinishReason.LENGTH.value):
+                await asyncio.wait_for(self._held.wait(), HOLD_WAIT_S)
+            else:
+                self.release()
+        except BaseException:
+            self.release()  # nothing will read it: freed as soon as nothing launched reads it
+            raise
         return last
 
     @property
@@ -143,6 +147,7 @@ class KVExport:
         if self._released:
             return
         self._released = True
+        self._held.set()  # wakes a `run` still waiting for the hold
         req = self.req
         req.hold_kv = False
         scheduler = self.engine.core.scheduler
@@ -218,4 +223,3 @@ class KVImport:
             self._stream = None
             engine._unregister(self.req)
         engine.core.loop.notify()
-

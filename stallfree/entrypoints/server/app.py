@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stallfree.config import StallfreeConfig
+from stallfree.entrypoints.server.disagg import Disaggregated, disagg_routes
 from stallfree.entrypoints.server.errors import (
     ApiError,
     api_error_json,
@@ -48,12 +49,18 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        disagg = Disaggregated.for_engine(engine) if cfg.disaggregation.enabled else None
+        if disagg is not None:
+            await disagg.start()
+            app.state.sf.disagg = disagg
         if freeze_heap:
             gc.collect()
             gc.freeze()
         try:
             yield
         finally:
+            if disagg is not None:
+                await disagg.stop()
             await asyncio.to_thread(close_screening)
             if owns:
                 try:
@@ -73,6 +80,8 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
     app.include_router(open_routes())
     # the API key is checked by the Guard on the request head, before any body is read
     app.include_router(api_routes())
+    if cfg.disaggregation.enabled:
+        app.include_router(disagg_routes())
     app.add_middleware(Guard, limits=cfg.server, lifecycle=lifecycle)
     return app
 

@@ -292,6 +292,8 @@ async def completions(request: Request) -> Response:
     echoed = _prompt_texts(engine.tokenizer, body.prompt, prompts) if body.echo else None
     pieces = token_pieces(engine.tokenizer) if body.logprobs is not None else None
     ctx = Context.of(request)
+    if state.disagg is not None:
+        ctx.source = state.disagg.source(body)
     rid = f"cmpl-{ctx.request_id}"
     answer = _CompletionAnswer(
         rid, state.model_name, prompts, n, echoed, pieces, _include_usage(body)
@@ -424,6 +426,8 @@ async def chat(request: Request) -> Response:
         params = sampling_params(body, most)
     pieces = token_pieces(engine.tokenizer) if body.logprobs else None
     ctx = Context.of(request)
+    if state.disagg is not None:
+        ctx.source = state.disagg.source(body)
     rid = f"chatcmpl-{ctx.request_id}"
     answer = _ChatAnswer(
         rid, state.model_name, n, pieces, body.top_logprobs or 0, _include_usage(body)

@@ -49,7 +49,11 @@ def open_routes() -> APIRouter:
         engine = server_state(request).engine
         if engine.metrics is None:
             raise ApiError(404, "metrics are disabled (metrics.enabled = false)", code="not_found")
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        text = engine.metrics.render()
+        disagg = server_state(request).disagg
+        if disagg is not None:
+            text += disagg.render_metrics()
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return router
 
@@ -103,6 +107,12 @@ def _model_card(request: Request) -> ModelCard:
 
 async def generate(body: GenerateRequest, request: Request) -> Response:
     engine = server_state(request).engine
+    if server_state(request).disagg is not None:
+        raise ApiError(
+            400,
+            "a disaggregated server serves /v1/completions and /v1/chat/completions, "
+            "through its router",
+        )
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "send exactly one of text and input_ids", param="text")
     with converting():

@@ -4,7 +4,7 @@ limits, and where the server is in its life (serving, draining, past its grace p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi import Request
 
@@ -54,6 +54,8 @@ class ServerState:
     api_key: str | None
     limits: ServerConfig
     lifecycle: Lifecycle
+    # a disaggregated role (entrypoints/server/disagg.py `Disaggregated`), or None
+    disagg: Any = None
 
 
 def server_state(request: Request) -> ServerState:

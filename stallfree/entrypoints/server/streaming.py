@@ -53,6 +53,11 @@ class Context:
     lifecycle: Lifecycle
     request_id: str
     retry_after_s: int
+    # where the engine requests come from: `Engine.generate`, or a disaggregated role's
+    # (prompt ids, params, rid, choice index) -> chunks (entrypoints/server/disagg.py)
+    source: (
+        Callable[[list[int], SamplingParams, str, int], AsyncIterator[GenerationChunk]] | None
+    ) = None
 
     @classmethod
     def of(cls, request: Request) -> Context:
@@ -115,8 +120,10 @@ class Generation:
             raise shutting_down()
         engine = ctx.engine
         each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        source = ctx.source
         gens = [
-            engine.generate(ids, p, rid) for ids, p, rid in zip(prompts, each, rids, strict=True)
+            engine.generate(ids, p, rid) if source is None else source(list(ids), p, rid, i)
+            for i, (ids, p, rid) in enumerate(zip(prompts, each, rids, strict=True))
         ]
         firsts = [asyncio.ensure_future(_first(gen)) for gen in gens]
         generation = cls(ctx, rids, gens, firsts)
@@ -232,7 +239,13 @@ class Generation:
         return results
 
     def failed(self, chunk: GenerationChunk) -> ApiError:
-        """The 500 for a request the engine failed; its details go to the log only."""
+        """The 500 for a request the engine failed; its details go to the log only. An error
+        meant for the client (`error_status`) is answered as it is."""
+        if chunk.error_status is not None:
+            logger.warning("request %s (%s): %s", self.ctx.request_id, chunk.rid, chunk.error)
+            return ApiError(
+                chunk.error_status, chunk.error or "request failed", type="server_error"
+            )
         logger.error(
             "request %s (%s): generation failed: %s", self.ctx.request_id, chunk.rid, chunk.error
         )

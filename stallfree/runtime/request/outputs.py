@@ -24,6 +24,9 @@ class GenerationChunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    # set when `error` is meant for the client, with the HTTP status it answers (a failed KV
+    # hand-over between servers: 503); otherwise an error is the server's own, logged only
+    error_status: int | None = None
     # with `logprobs` set: one entry per token of `token_ids`
     logprobs: list[TokenLogprobs] | None = None
     # with `prompt_logprobs` set, in the first chunk only: one per prompt token, the first None

@@ -1,0 +1,385 @@
+"""The decode server's side: pair with a prefill server (handshake once per peer), reserve a
+room's slot and pages on the host, tell the prefill where they are, write each arriving layer on
+the stream, then join the decode batch with the first token and decode.
+
+Each paired prefill has one receiver thread reading its channel: a room's header, its layers,
+its tail. What arrives for a room this side does not expect (a wrong room id, a room that has
+failed) is read and dropped, so the channel stays in step. The pages are written only on the
+stream, from the loop, and only while the room is transferring: a failed room's pages are
+freed at once, since no transfer writes them behind the stream's back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stallfree.config import DisaggregationConfig
+from stallfree.disagg.bootstrap import ControlError, HttpControl, PrefillControl
+from stallfree.disagg.fingerprint import Fingerprint, HandshakeError, fingerprint_of
+from stallfree.disagg.rooms import Room, RoomError, RoomState, RoomTable
+from stallfree.disagg.stats import DisaggStats
+from stallfree.disagg.transport import (
+    KVChannel,
+    RoomHeader,
+    RoomTail,
+    TransportError,
+    recv_header,
+    recv_layer,
+    recv_tail,
+)
+from stallfree.runtime.engine import Engine
+from stallfree.runtime.handoff import KVImport
+from stallfree.runtime.model.parallel import kv_head_range
+from stallfree.runtime.request.outputs import GenerationChunk
+from stallfree.runtime.request.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+TICK_S = 0.05
+PREALLOC_RETRY_S = 0.005
+
+
+@dataclass(eq=False)
+class _Link:
+    """A paired prefill server: its control client, the pair's channel and receiver."""
+
+    key: tuple[str, int]
+    control: PrefillControl
+    pair_id: str = ""
+    channel: KVChannel | None = None
+    alive: bool = True
+    misses: int = 0
+    heartbeat: asyncio.Task[None] | None = None
+    # the room the receiver is reading now (None: dropping what arrives)
+    current: Room | None = None
+    layers_seen: int = 0
+    rooms: set[int] = field(default_factory=set)
+
+
+class DecodeSide:
+    def __init__(
+        self,
+        engine: Engine,
+        config: DisaggregationConfig,
+        controls: Callable[[str, int], PrefillControl] | None = None,
+    ) -> None:
+        self.engine, self.config = engine, config
+        self.rooms = RoomTable()
+        self.stats = DisaggStats("decode")
+        self._links: dict[tuple[str, int], _Link] = {}
+        self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
+        device = engine.core.ctx.kv_cache.device
+        self._controls = controls or (lambda host, port: HttpControl(host, port, device))
+        self._fingerprint: Fingerprint | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self.wrong_rooms = 0  # transfers that arrived for no room this side expects
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._fingerprint = fingerprint_of(self.engine.core)
+        self._ticker = asyncio.create_task(self._tick())
+
+    async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        for room in self.rooms:
+            room.fail("decode server shutting down")
+        for link in list(self._links.values()):
+            self._break(link, "decode server shutting down")
+            await link.control.close()
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            for room in self.rooms.expire():
+                self.stats.failed(room.error.stage if room.error else "transfer")
+            self.stats.queues = self.rooms.counts()
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        assert self._fingerprint is not None, "DecodeSide.start() first"
+        return self._fingerprint
+
+    def shards(self) -> list[list[int]]:
+        """The KV-head range each of this server's tensor-parallel ranks holds."""
+        arch, tp = self.engine.core.arch, self.engine.config.parallel.tp_size
+        return [list(kv_head_range(arch, r, tp)) for r in range(tp)]
+
+    # ------------------------------------------------------------------ pairing
+
+    async def connect(self, host: str, port: int) -> _Link:
+        """Pair with the prefill at `host:port` (once; later calls reuse the pair). Raises
+        `HandshakeError` naming what differs when the two cannot work together."""
+        key = (host, port)
+        link = self._links.get(key)
+        if link is not None and link.alive:
+            return link
+        lock = self._connecting.setdefault(key, asyncio.Lock())
+        async with lock:
+            link = self._links.get(key)
+            if link is not None and link.alive:
+                return link
+            control = self._controls(host, port)
+            try:
+                link = await self._pair(key, control)
+            except BaseException:
+                await control.close()
+                raise
+            self._links[key] = link
+            return link
+
+    async def _pair(self, key: tuple[str, int], control: PrefillControl) -> _Link:
+        info = await control.info()
+        if info.get("role") != "prefill":
+            raise HandshakeError(f"{control.label} is not a prefill server")
+        theirs = Fingerprint.model_validate(info["fingerprint"])
+        theirs.check_decode(self.fingerprint)
+        try:
+            pair = await control.pair(self.fingerprint, self.shards())
+        except ControlError as exc:
+            if exc.status == 409:
+                raise HandshakeError(str(exc)) from exc
+            raise
+        link = _Link(key, control, pair["pair_id"])
+        link.channel = await control.channel(pair, info)
+        threading.Thread(
+            target=self._receive,
+            args=(link,),
+            name=f"stallfree-kv-recv-{link.pair_id[:8]}",
+            daemon=True,
+        ).start()
+        link.heartbeat = asyncio.create_task(self._heartbeat(link))
+        return link
+
+    async def _heartbeat(self, link: _Link) -> None:
+        cfg = self.config
+        while link.alive:
+            await asyncio.sleep(cfg.heartbeat_interval_s)
+            if await link.control.health():
+                link.misses = 0
+                continue
+            link.misses += 1
+            if link.misses >= cfg.heartbeat_max_failures:
+                self._break(link, f"{link.control.label} stopped answering its heartbeat")
+
+    def _break(self, link: _Link, why: str) -> None:
+        """The pair is gone: every room on it fails; the next request pairs anew."""
+        if not link.alive:
+            return
+        link.alive = False
+        if self._links.get(link.key) is link:
+            del self._links[link.key]
+        for room_id in list(link.rooms):
+            room = self.rooms.get(room_id)
+            if room is not None and room.fail(f"prefill lost: {why}"):
+                self.stats.failed(room.error.stage if room.error else "transfer")
+        if link.heartbeat is not None and link.heartbeat is not asyncio.current_task():
+            link.heartbeat.cancel()
+        if link.channel is not None:
+            link.channel.close()
+
+    # ------------------------------------------------------------------ the receiver
+
+    def _receive(self, link: _Link) -> None:
+        """The pair's receiver thread: rooms, one after another, posted to the loop."""
+        channel = link.channel
+        assert channel is not None
+        try:
+            while link.alive:
+                header = recv_header(channel)
+                self._post(self._on_header, link, header)
+                for layer in range(header.num_layers):
+                    ks, vs = recv_layer(channel, header)
+                    self._post(self._on_layer, link, header, layer, ks, vs)
+                self._post(self._on_tail, link, recv_tail(channel))
+        except TransportError as exc:
+            if link.alive:
+                self._post(self._break, link, str(exc))
+        except Exception as exc:  # a bug here must not leave the rooms waiting
+            logger.exception("KV receiver failed")
+            self._post(self._break, link, f"receiver failed: {exc!r}")
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(fn, *args)
+
+    def _on_header(self, link: _Link, h: RoomHeader) -> None:
+        link.current, link.layers_seen = None, 0
+        room = self.rooms.get(h.room)
+        if room is None or room.room not in link.rooms:
+            self.wrong_rooms += 1
+            logger.warning("dropping a KV transfer for room %d, which is not expected", h.room)
+            return
+        if room.state is not RoomState.TRANSFERRING:
+            return  # failed or expired meanwhile: drop what arrives
+        imp: KVImport = room.data["import"]
+        shape = self.engine.core.ctx.kv_cache.shape
+        want_heads = [b - a for a, b in self.shards()]
+        problem = (
+            f"{h.num_tokens} tokens, not {len(imp.req.origin_input_ids)}"
+            if h.num_tokens != len(imp.req.origin_input_ids)
+            else f"{h.num_layers} layers, not {shape.num_layers}"
+            if h.num_layers != shape.num_layers
+            else f"KV-head shards {h.shard_heads}, not {want_heads}"
+            if h.shard_heads != want_heads
+            else f"page size {h.page_size}, not {imp.page_size}"
+            if h.page_size != imp.page_size
+            else None
+        )
+        if problem is None and sorted(p + i for p, n in h.dst_runs for i in range(n)) != sorted(
+            imp.pages
+        ):
+            problem = "pages this room does not hold"
+        if problem is not None:
+            if room.fail(f"transfer header does not match the room: {problem}", "transfer"):
+                self.stats.failed("transfer")
+            return
+        link.current = room
+
+    def _on_layer(
+        self,
+        link: _Link,
+        h: RoomHeader,
+        layer: int,
+        ks: list[torch.Tensor],
+        vs: list[torch.Tensor],
+    ) -> None:
+        room = link.current
+        if room is None or room.state is not RoomState.TRANSFERRING:
+            return
+        try:
+            room.data["import"].write_layer(layer, h.dst_runs, ks, vs)
+        except Exception as exc:
+            if room.fail(f"writing layer {layer} failed: {exc}", "transfer"):
+                self.stats.failed("transfer")
+            return
+        link.layers_seen += 1
+        room.data["bytes"] = room.data.get("bytes", 0) + sum(t.nbytes for t in (*ks, *vs))
+
+    def _on_tail(self, link: _Link, tail: RoomTail) -> None:
+        room, link.current = link.current, None
+        if room is None or room.state is not RoomState.TRANSFERRING:
+            return
+        shape = self.engine.core.ctx.kv_cache.shape
+        if tail.room != room.room or link.layers_seen != shape.num_layers:
+            if room.fail("transfer tail does not match its header", "transfer"):
+                self.stats.failed("transfer")
+            return
+        room.data["first_token"] = tail.first_token
+        room.data["cached_tokens"] = tail.cached_tokens
+        self.stats.transferred(time.monotonic() - room.data["since"], room.data.get("bytes", 0))
+        room.advance(RoomState.DONE)
+
+    # ------------------------------------------------------------------ one request
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None,
+        rid: str,
+        room_id: int,
+        host: str,
+        port: int,
+    ) -> AsyncIterator[GenerationChunk]:
+        """Decode one room's request: its chunks, the first being the prefill's token. Raises
+        `HandshakeError` or `RoomError` (with the stage) when it cannot."""
+        imp = self.engine.open_import(prompt_ids, params, rid)  # checks the request first
+        try:
+            room = self.rooms.open(
+                room_id, RoomState.BOOTSTRAPPING, self.config.bootstrap_timeout_s
+            )
+        except KeyError as exc:
+            imp.cancel()
+            raise RoomError("bootstrap", f"room {room_id} is in use") from exc
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        room.data["import"] = imp
+        room.on_final.append(lambda _: _resolve(done))
+        link: _Link | None = None
+        joined = False
+        try:
+            link = await self._until(room, done, self.connect(host, port))
+            link.rooms.add(room_id)
+            room.advance(RoomState.PREALLOC)
+            while not imp.reserve():
+                await self._until(room, done, asyncio.sleep(PREALLOC_RETRY_S))
+            room.advance(RoomState.TRANSFERRING, time.monotonic() + self.config.transfer_timeout_s)
+            room.data["since"] = time.monotonic()
+            await self._until(
+                room, done, link.control.register(room_id, link.pair_id, imp.pages, len(prompt_ids))
+            )
+            await done
+            if room.state is not RoomState.DONE:
+                assert room.error is not None
+                raise room.error
+            first = room.data["first_token"]
+            asyncio.get_running_loop().create_task(self._quiet(link.control.ack(room_id, True)))
+            joined = True
+            chunks = imp.join(first)
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            finally:
+                await chunks.aclose()  # type: ignore[attr-defined]
+        except HandshakeError:
+            room.fail("handshake refused", "bootstrap")
+            raise
+        except ControlError as exc:
+            if exc.status == 404 and link is not None:  # the prefill forgot the pair
+                self._break(link, str(exc))
+            stage = room.state.value
+            if room.fail(str(exc), stage):
+                self.stats.failed(stage)
+            raise room.error or RoomError(stage, str(exc)) from exc
+        finally:
+            if link is not None:
+                link.rooms.discard(room_id)
+            if not joined:
+                if room.fail("decode request ended before its KV arrived"):
+                    self.stats.failed(room.error.stage if room.error else "transfer")
+                imp.cancel()
+                if link is not None and link.alive:
+                    why = str(room.error) if room.error else "aborted"
+                    asyncio.get_running_loop().create_task(
+                        self._quiet(link.control.abort(room_id, why))
+                    )
+
+    async def _until(self, room: Room, done: asyncio.Future[None], aw: Any) -> Any:
+        """Await `aw` unless the room fails first (its deadline, a broken pair)."""
+        task = asyncio.ensure_future(aw)
+        try:
+            await asyncio.wait({task, done}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        assert room.error is not None
+        raise room.error
+
+    @staticmethod
+    async def _quiet(aw: Any) -> None:
+        """Best effort (an acknowledgement, an abort): the prefill's deadline covers a loss."""
+        with contextlib.suppress(ControlError, asyncio.CancelledError):
+            await aw
+
+
+def _resolve(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)

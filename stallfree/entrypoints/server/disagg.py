@@ -1,0 +1,187 @@
+"""A server in a disaggregated role (`disaggregation.mode` prefill or decode).
+
+Requests come through the router (`stallfree router`) and carry SGLang's bootstrap fields:
+`bootstrap_host` and `bootstrap_port` (the prefill's bootstrap endpoint) and `bootstrap_room`
+(the router's room id). Choice `i` of a request (its `n` choices, its prompts) is room
+`bootstrap_room + i`, on both servers.
+
+- prefill: each engine request runs with one output token; its answer is that token, sent once
+  the decode side has the KV. The bootstrap endpoint runs beside the API.
+- decode: each engine request waits for its KV, then decodes; `POST /disagg/connect` makes the
+  handshake with a prefill ahead of any request (the router calls it at startup).
+
+A failed transfer ends the request with a 503 (or an SSE error event) that names the stage.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from stallfree.disagg.bootstrap import BootstrapServer, ControlError
+from stallfree.disagg.decode import DecodeSide
+from stallfree.disagg.fingerprint import HandshakeError
+from stallfree.disagg.prefill import PrefillSide
+from stallfree.disagg.rooms import MAX_ROOM, RoomError
+from stallfree.entrypoints.server.errors import ApiError
+from stallfree.runtime.engine import Engine
+from stallfree.runtime.request.outputs import GenerationChunk
+from stallfree.runtime.request.sampling_params import SamplingParams
+
+logger = logging.getLogger("stallfree.server")
+
+# (prompt ids, params, engine request id, choice index) -> the request's chunks
+Source = Callable[[list[int], SamplingParams, str, int], AsyncIterator[GenerationChunk]]
+
+TRANSFER_FAILED = 503
+
+
+class Disaggregated:
+    """The role side of one server, with its bootstrap endpoint when it is a prefill."""
+
+    def __init__(self, engine: Engine, side: PrefillSide | DecodeSide) -> None:
+        self.engine, self.side = engine, side
+        self.bootstrap: BootstrapServer | None = None
+
+    @classmethod
+    def for_engine(cls, engine: Engine) -> Disaggregated | None:
+        cfg = engine.config.disaggregation
+        if not cfg.enabled:
+            return None
+        if cfg.mode == "decode":
+            return cls(engine, DecodeSide(engine, cfg))
+        backend = cfg.transfer_backend
+        if backend == "loopback":
+            raise ValueError(
+                "disaggregation.transfer_backend=loopback joins two engines in one process; "
+                "a prefill server needs gloo or nccl (or auto)"
+            )
+        if backend == "auto":
+            backend = "nccl" if engine.core.ctx.kv_cache.device.type == "cuda" else "gloo"
+        from stallfree.disagg.dist import KVStore
+
+        store = KVStore(cfg.bootstrap_host)
+        side = PrefillSide(engine, cfg, engine.config.faults, backend=backend, store=store)
+        return cls(engine, side)
+
+    async def start(self) -> None:
+        await self.side.start()
+        if isinstance(self.side, PrefillSide):
+            cfg = self.engine.config.disaggregation
+            self.bootstrap = BootstrapServer(self.side, cfg.bootstrap_host, cfg.bootstrap_port)
+            await self.bootstrap.start()
+            logger.warning("prefill bootstrap endpoint at %s", self.bootstrap.url)
+
+    async def stop(self) -> None:
+        if self.bootstrap is not None:
+            await self.bootstrap.stop()
+        await self.side.close()
+
+    def render_metrics(self) -> bytes:
+        return self.side.stats.render()
+
+    def source(self, body: Any) -> Source:
+        """The engine requests of one API request, from its bootstrap fields (400 without)."""
+        room = getattr(body, "bootstrap_room", None)
+        host = getattr(body, "bootstrap_host", None)
+        port = getattr(body, "bootstrap_port", None)
+        side = self.side
+        role = "prefill" if isinstance(side, PrefillSide) else "decode"
+        if room is None or (role == "decode" and (host is None or port is None)):
+            need = (
+                "bootstrap_room"
+                if role == "prefill"
+                else "bootstrap_host, bootstrap_port and bootstrap_room"
+            )
+            raise ApiError(
+                400,
+                f"this is a {role} server of a disaggregated deployment: send requests through "
+                f"its router, which sets {need}",
+                param="bootstrap_room",
+            )
+
+        def each(
+            ids: list[int], params: SamplingParams, rid: str, index: int
+        ) -> AsyncIterator[GenerationChunk]:
+            sub = (room + index) % (MAX_ROOM + 1)
+            if isinstance(side, PrefillSide):
+                return _prefill(side, ids, params, rid, sub)
+            assert host is not None and port is not None
+            return _decode(side, ids, params, rid, sub, host, port)
+
+        return each
+
+
+def failure_chunk(rid: str, message: str) -> GenerationChunk:
+    """The last chunk of a request whose hand-over failed: the client sees `message`."""
+    return GenerationChunk(
+        rid,
+        [],
+        "",
+        finished=True,
+        finish_reason="error",
+        error=message,
+        error_status=TRANSFER_FAILED,
+    )
+
+
+async def _prefill(
+    side: PrefillSide, ids: list[int], params: SamplingParams, rid: str, room: int
+) -> AsyncIterator[GenerationChunk]:
+    try:
+        chunk = await side.prefill(ids, params, rid, room)
+    except RoomError as exc:
+        chunk = failure_chunk(rid, f"KV transfer failed ({exc.stage}): {exc}")
+    yield chunk
+
+
+async def _decode(
+    side: DecodeSide,
+    ids: list[int],
+    params: SamplingParams,
+    rid: str,
+    room: int,
+    host: str,
+    port: int,
+) -> AsyncIterator[GenerationChunk]:
+    gen = side.generate(ids, params, rid, room, host, port)
+    try:
+        async for chunk in gen:
+            yield chunk
+    except RoomError as exc:
+        yield failure_chunk(rid, f"KV transfer failed ({exc.stage}): {exc}")
+    except HandshakeError as exc:
+        yield failure_chunk(rid, f"cannot decode for prefill {host}:{port}: {exc}")
+    except ControlError as exc:
+        yield failure_chunk(rid, f"prefill {host}:{port}: {exc}")
+    finally:
+        await gen.aclose()  # type: ignore[attr-defined]
+
+
+class ConnectBody(BaseModel):
+    bootstrap_host: str = Field(min_length=1, max_length=253)
+    bootstrap_port: int = Field(ge=1, le=65535)
+
+
+def disagg_routes() -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/disagg/connect", response_model=None)
+    async def connect(body: ConnectBody, request: Request) -> Any:
+        dis: Disaggregated | None = request.app.state.sf.disagg
+        if dis is None or not isinstance(dis.side, DecodeSide):
+            raise ApiError(404, "this server is not a decode server (disaggregation.mode)")
+        try:
+            link = await dis.side.connect(body.bootstrap_host, body.bootstrap_port)
+        except HandshakeError as exc:
+            raise ApiError(409, f"handshake refused: {exc}", code="disagg_mismatch") from exc
+        except ControlError as exc:
+            raise ApiError(502, str(exc), type="upstream_error") from exc
+        return JSONResponse({"status": "paired", "pair_id": link.pair_id})
+
+    return router
