@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from stallfree.config import (
     CacheConfig,
+    DisaggregationConfig,
     MetricsConfig,
     ModelConfig,
     ParallelConfig,
@@ -30,6 +31,7 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "server": ServerConfig,
     "metrics": MetricsConfig,
     "speculative": SpeculativeConfig,
+    "disaggregation": DisaggregationConfig,
 }
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 # vLLM's --dtype spellings that name the same type as one of ours

@@ -1,0 +1,183 @@
+"""Disaggregation's flags on `serve`, in SGLang's spelling (`--disaggregation-mode prefill`,
+`--disaggregation-bootstrap-port`, `--disaggregation-transfer-backend`) and vLLM's
+(`--kv-transfer-config '{"kv_connector": ..., "kv_role": "kv_producer"}'`), all filling the one
+`disaggregation` section. Two flags that set one setting to different values are refused as a
+usage error."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from stallfree.entrypoints.flags import flag_help
+
+DISAGG_DEST = "disaggregation_settings"
+
+_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+# vLLM's connectors that mean a transport here; the others move KV in ways not built here
+_CONNECTORS = {
+    "StallfreeConnector": "auto",
+    "TorchDistributedConnector": "auto",
+    "P2pNcclConnector": "nccl",
+    "GlooConnector": "gloo",
+}
+_EXTRA_KEYS = {
+    "bootstrap_timeout_s": "bootstrap_timeout_s",
+    "transfer_timeout_s": "transfer_timeout_s",
+    "heartbeat_interval_s": "heartbeat_interval_s",
+}
+
+
+def _record(namespace: argparse.Namespace, flag: str, settings: dict[str, Any]) -> None:
+    """Keep what `flag` sets; a setting another flag set to a different value is an error."""
+    have: dict[str, tuple[str, Any]] = getattr(namespace, DISAGG_DEST, None) or {}
+    for key, value in settings.items():
+        if key in have and have[key][1] != value:
+            other, was = have[key]
+            raise argparse.ArgumentError(
+                None, f"{flag} sets disaggregation.{key}={value!r} but {other} set it to {was!r}"
+            )
+        have[key] = (flag, value)
+    setattr(namespace, DISAGG_DEST, have)
+
+
+class _Setting(argparse.Action):
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        key = self.dest.removeprefix("disagg_")
+        _record(namespace, option_string or self.dest, {key: values})
+
+
+def kv_transfer_settings(text: str) -> dict[str, Any]:
+    """vLLM's `--kv-transfer-config` JSON as `disaggregation` settings."""
+    try:
+        cfg = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--kv-transfer-config is not JSON: {text!r}") from None
+    if not isinstance(cfg, dict):
+        raise argparse.ArgumentTypeError("--kv-transfer-config must be a JSON object")
+    out: dict[str, Any] = {}
+    role = cfg.get("kv_role")
+    if role == "kv_both":
+        raise argparse.ArgumentTypeError(
+            "kv_role kv_both: a stallfree server is either prefill (kv_producer) or decode "
+            "(kv_consumer); colocated serving needs no connector"
+        )
+    if role not in _ROLES:
+        raise argparse.ArgumentTypeError(
+            f"kv_role must be kv_producer or kv_consumer, not {role!r}"
+        )
+    out["mode"] = _ROLES[role]
+    connector = cfg.get("kv_connector", "StallfreeConnector")
+    if connector not in _CONNECTORS:
+        raise argparse.ArgumentTypeError(
+            f"kv_connector {connector!r} is not built: stallfree moves KV over torch.distributed "
+            f"({', '.join(_CONNECTORS)})"
+        )
+    if _CONNECTORS[connector] != "auto":
+        out["transfer_backend"] = _CONNECTORS[connector]
+    if "kv_ip" in cfg:
+        out["bootstrap_host"] = str(cfg["kv_ip"])
+    if "kv_port" in cfg:
+        port = cfg["kv_port"]
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise argparse.ArgumentTypeError(f"kv_port must be a port number, not {port!r}")
+        out["bootstrap_port"] = port
+    extra = cfg.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise argparse.ArgumentTypeError("kv_connector_extra_config must be a JSON object")
+    for key, value in extra.items():
+        if key not in _EXTRA_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"kv_connector_extra_config key {key!r} is not known here "
+                f"(known: {', '.join(_EXTRA_KEYS)})"
+            )
+        out[_EXTRA_KEYS[key]] = value
+    unknown = set(cfg) - {
+        "kv_role",
+        "kv_connector",
+        "kv_ip",
+        "kv_port",
+        "kv_connector_extra_config",
+        "kv_rank",
+        "kv_parallel_size",
+        "kv_buffer_device",
+        "kv_buffer_size",
+        "engine_id",
+    }
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"--kv-transfer-config keys not known here: {', '.join(sorted(unknown))}"
+        )
+    return out
+
+
+class _KVTransfer(argparse.Action):
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        _record(namespace, option_string or "--kv-transfer-config", values)
+
+
+def add_disaggregation_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    group.add_argument(
+        "--disaggregation-mode",
+        dest="disagg_mode",
+        action=_Setting,
+        choices=["null", "prefill", "decode"],
+        help=flag_help("this server's role", "disaggregation", "mode"),
+    )
+    group.add_argument(
+        "--disaggregation-transfer-backend",
+        dest="disagg_transfer_backend",
+        action=_Setting,
+        choices=["auto", "gloo", "nccl"],
+        help=flag_help(
+            "how KV moves: torch.distributed over gloo or NCCL",
+            "disaggregation",
+            "transfer_backend",
+        ),
+    )
+    group.add_argument(
+        "--disaggregation-bootstrap-port",
+        dest="disagg_bootstrap_port",
+        action=_Setting,
+        type=int,
+        metavar="PORT",
+        help=flag_help(
+            "prefill: the bootstrap endpoint's port", "disaggregation", "bootstrap_port"
+        ),
+    )
+    group.add_argument(
+        "--disaggregation-bootstrap-host",
+        dest="disagg_bootstrap_host",
+        action=_Setting,
+        metavar="HOST",
+        help=flag_help(
+            "prefill: the address the bootstrap endpoint binds", "disaggregation", "bootstrap_host"
+        ),
+    )
+    for flag, key, what in (
+        ("--disaggregation-bootstrap-timeout", "bootstrap_timeout_s", "pairing deadline"),
+        ("--disaggregation-transfer-timeout", "transfer_timeout_s", "transfer deadline"),
+    ):
+        group.add_argument(
+            flag,
+            dest=f"disagg_{key}",
+            action=_Setting,
+            type=float,
+            metavar="SECONDS",
+            help=flag_help(f"a room's {what}", "disaggregation", key),
+        )
+    group.add_argument(
+        "--kv-transfer-config",
+        action=_KVTransfer,
+        type=kv_transfer_settings,
+        metavar="JSON",
+        help="vLLM's spelling: kv_role kv_producer (prefill) or kv_consumer (decode), "
+        "kv_connector, kv_ip and kv_port (the bootstrap endpoint)",
+    )
+
+
+def disaggregation_settings(args: argparse.Namespace) -> dict[str, Any]:
+    have: dict[str, tuple[str, Any]] = getattr(args, DISAGG_DEST, None) or {}
+    return {key: value for key, (_, value) in have.items()}
