@@ -146,6 +146,11 @@ class DecodeSide:
             raise HandshakeError(f"{control.label} is not a prefill server")
         theirs = Fingerprint.model_validate(info["fingerprint"])
         theirs.check_decode(self.fingerprint)
+        if info.get("backend") == "nccl" and self.engine.config.uses_worker_processes:
+            raise HandshakeError(
+                "the prefill sends over NCCL, which this decode server's host cannot receive: "
+                "its KV lives in worker processes (tp_size > 1); use gloo on the prefill"
+            )
         try:
             pair = await control.pair(self.fingerprint, self.shards())
         except ControlError as exc:
@@ -227,13 +232,13 @@ class DecodeSide:
         if room.state is not RoomState.TRANSFERRING:
             return  # failed or expired meanwhile: drop what arrives
         imp: KVImport = room.data["import"]
-        shape = self.engine.core.ctx.kv_cache.shape
+        layers = self.engine.core.arch.num_layers
         want_heads = [b - a for a, b in self.shards()]
         problem = (
             f"{h.num_tokens} tokens, not {len(imp.req.origin_input_ids)}"
             if h.num_tokens != len(imp.req.origin_input_ids)
-            else f"{h.num_layers} layers, not {shape.num_layers}"
-            if h.num_layers != shape.num_layers
+            else f"{h.num_layers} layers, not {layers}"
+            if h.num_layers != layers
             else f"KV-head shards {h.shard_heads}, not {want_heads}"
             if h.shard_heads != want_heads
             else f"page size {h.page_size}, not {imp.page_size}"
@@ -274,8 +279,7 @@ class DecodeSide:
         room, link.current = link.current, None
         if room is None or room.state is not RoomState.TRANSFERRING:
             return
-        shape = self.engine.core.ctx.kv_cache.shape
-        if tail.room != room.room or link.layers_seen != shape.num_layers:
+        if tail.room != room.room or link.layers_seen != self.engine.core.arch.num_layers:
             if room.fail("transfer tail does not match its header", "transfer"):
                 self.stats.failed("transfer")
             return
