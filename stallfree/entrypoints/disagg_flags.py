@@ -174,7 +174,8 @@ def add_disaggregation_flags(parser: argparse.ArgumentParser) -> None:
         type=kv_transfer_settings,
         metavar="JSON",
         help="vLLM's spelling: kv_role kv_producer (prefill) or kv_consumer (decode), "
-        "kv_connector, kv_ip and kv_port (the bootstrap endpoint)",
+        "kv_connector, kv_ip and kv_port (the bootstrap endpoint) (default: none; sets "
+        "disaggregation.mode and the settings it names)",
     )
 
 

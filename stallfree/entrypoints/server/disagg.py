@@ -30,6 +30,7 @@ from stallfree.disagg.prefill import PrefillSide
 from stallfree.disagg.rooms import MAX_ROOM, RoomError
 from stallfree.entrypoints.server.errors import ApiError
 from stallfree.runtime.engine import Engine
+from stallfree.runtime.request.errors import InvalidRequestError
 from stallfree.runtime.request.outputs import GenerationChunk
 from stallfree.runtime.request.sampling_params import SamplingParams
 
@@ -108,6 +109,12 @@ class Disaggregated:
         def each(
             ids: list[int], params: SamplingParams, rid: str, index: int
         ) -> AsyncIterator[GenerationChunk]:
+            if params.logprobs is not None or params.prompt_logprobs is not None:
+                # NOTE: the first token's logprobs are the prefill's, and are not carried over
+                raise InvalidRequestError(
+                    "logprobs are not served by disaggregated servers yet",
+                    param="logprobs",
+                )
             sub = (room + index) % (MAX_ROOM + 1)
             if isinstance(side, PrefillSide):
                 return _prefill(side, ids, params, rid, sub)
