@@ -16,6 +16,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from stallfree import SamplingParams
+from stallfree.disagg.stats import DisaggStats
 from stallfree.entrypoints.cli import build_parser, config_from_args
 from tests.engine_util import settle
 from tests.http_util import MODEL, stallfree_serve
@@ -233,6 +234,8 @@ async def test_dashboard_queries_only_metrics_that_exist(live):
     exposed = {name for name, _ in samples((await live.http.get("/metrics")).text)}
     # families with no series yet (stalls by site with mirrors on) still print HELP/TYPE lines
     text = (await live.http.get("/metrics")).text
+    # the disaggregation row's families: a prefill or decode server appends them
+    text += DisaggStats("decode").render().decode()
     declared = set(re.findall(r"^# TYPE (stallfree:[a-z0-9_]+) (\w+)", text, re.M))
     for name, kind in declared:
         exposed |= {name, name + "_total"} if kind == "counter" else {name}
