@@ -19,6 +19,11 @@ from stallfree.entrypoints.flags import HelpFormatter, add_engine_flags, add_sam
 
 # the tests import the token-count type from here, where it was defined
 from stallfree.entrypoints.flags import token_count as token_count
+from stallfree.entrypoints.router.flags import (
+    RouterHelpFormatter,
+    add_router_flags,
+    router_settings,
+)
 from stallfree.entrypoints.server_flags import add_server_flags
 from stallfree.entrypoints.spec_flags import (
     add_speculative_flags,
@@ -28,6 +33,7 @@ from stallfree.entrypoints.spec_flags import (
 
 # what each command needs beyond the base install, and the extra that brings it
 SERVER_MODULES = ("fastapi", "uvicorn", "jinja2")
+ROUTER_MODULES = ("fastapi", "uvicorn", "httpx")
 
 
 def missing_module(names: Sequence[str]) -> str | None:
@@ -166,6 +172,22 @@ def _serve(config: StallfreeConfig) -> int:
     return serve(config)
 
 
+def _router(args: argparse.Namespace) -> int:
+    try:
+        settings = router_settings(args)
+    except ValueError as exc:
+        print(f"router: {exc}", file=sys.stderr)
+        return 2
+    if needs_extra("stallfree router", "server", ROUTER_MODULES):
+        return 2
+    from stallfree.entrypoints.router import serve_router
+
+    try:
+        return run_async(serve_router(settings))
+    except KeyboardInterrupt:  # before it listens: waiting for the servers
+        return 130
+
+
 def serve_worker_node(config: StallfreeConfig) -> int:
     """`serve` on a node other than 0: no HTTP server, no scheduler; run this node's worker
     ranks, sized as node 0 sizes its pools, until node 0 stops them (or they fail)."""
@@ -254,12 +276,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_flags(srv)
     add_engine_flags(srv)
     add_speculative_flags(srv)
+    rtr = sub.add_parser(
+        "router",
+        help="route requests to prefill and decode servers (disaggregated serving)",
+        description="An OpenAI-compatible front for prefill/decode disaggregation: each "
+        "request goes to a prefill and a decode server at once, and the decode server's "
+        "answer is streamed back. SGLang's router flag spellings work.",
+        formatter_class=RouterHelpFormatter,
+    )
+    add_router_flags(rtr)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed `generate` or `serve`; every expected failure is one line on stderr and
     exit status 2."""
+    if args.command == "router":
+        return _router(args)
     try:
         config = config_from_args(args)
         if args.command == "generate":

@@ -1,0 +1,235 @@
+"""`stallfree router`'s flags and the settings they parse to.
+
+No server extra here: the whole `stallfree` parser, this command's flags included, is built
+with the base install, where fastapi and httpx may be absent. SGLang's router
+spellings work: `--prefill URL [BOOTSTRAP_PORT]`, `--decode URL` (each repeated, one per
+server) and `--pd-disaggregation`, accepted and ignored since this router is always
+prefill/decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from stallfree.entrypoints.flags import HelpFormatter
+
+# SGLang's default bootstrap port: where a prefill server's KV sender listens for decode servers
+DEFAULT_BOOTSTRAP_PORT = 8998
+POLICIES = ("round_robin", "least_load")
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """One server behind the router: its base URL (no trailing slash) and, for a prefill
+    server, the bootstrap port decode servers fetch its KV from."""
+
+    url: str
+    bootstrap_port: int | None = None
+
+    @property
+    def host(self) -> str:
+        """The URL's host, which is also where the prefill's bootstrap server listens."""
+        return urlsplit(self.url).hostname or ""
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """Everything `stallfree router` runs with; `router_settings` builds it from the flags."""
+
+    prefill: tuple[Upstream, ...]
+    decode: tuple[Upstream, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "round_robin"
+    api_key: str | None = None
+    startup_timeout_s: float = 60.0
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+def server_url(text: str) -> str:
+    """An upstream's base URL: http or https with a host; a trailing slash is dropped."""
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not a server URL: {text!r} (expected http://HOST:PORT)")
+    try:
+        parts.port  # noqa: B018 - urlsplit checks the port only when it is read
+    except ValueError:
+        raise ValueError(f"not a server URL: {text!r} (bad port)") from None
+    return text.rstrip("/")
+
+
+def port_number(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise ValueError(f"not a port: {text!r} (expected 1-65535)")
+    return port
+
+
+class _PrefillAction(argparse.Action):
+    """`--prefill URL [BOOTSTRAP_PORT]`, repeatable: appends an `Upstream`."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        given = [values] if isinstance(values, str) else list(values or [])
+        if not 1 <= len(given) <= 2:
+            raise argparse.ArgumentError(self, "expected URL [BOOTSTRAP_PORT]")
+        try:
+            url = server_url(given[0])
+            port = port_number(given[1]) if len(given) == 2 else DEFAULT_BOOTSTRAP_PORT
+        except ValueError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
+        servers = [*(getattr(namespace, self.dest, None) or []), Upstream(url, port)]
+        setattr(namespace, self.dest, servers)
+
+
+class _DecodeAction(argparse.Action):
+    """`--decode URL`, repeatable: appends an `Upstream`."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        try:
+            url = server_url(str(values))
+        except ValueError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), Upstream(url)])
+
+
+class RouterHelpFormatter(HelpFormatter):
+    """The shared help format; `--prefill` reads `URL [BOOTSTRAP_PORT]` (argparse would show
+    a list of ports)."""
+
+    def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        if isinstance(action, _PrefillAction):
+            return "URL [BOOTSTRAP_PORT]"
+        return super()._format_args(action, default_metavar)
+
+
+def _listen_port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"must be 0-65535, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be over 0, got {text}")
+    return value
+
+
+def _bytes(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be over 0, got {text}")
+    return value
+
+
+def add_router_flags(parser: argparse.ArgumentParser) -> None:
+    default = RouterSettings((), ())
+    ups = parser.add_argument_group("servers (SGLang's spellings)")
+    ups.add_argument(
+        "--prefill",
+        action=_PrefillAction,
+        nargs="+",
+        help="a prefill server and its bootstrap port (default port: "
+        f"{DEFAULT_BOOTSTRAP_PORT}); repeat for more servers; at least one is required",
+    )
+    ups.add_argument(
+        "--decode",
+        action=_DecodeAction,
+        metavar="URL",
+        help="a decode server; repeat for more servers (default: none; at least one is required)",
+    )
+    ups.add_argument(
+        "--pd-disaggregation",
+        action="store_true",
+        help="accepted for SGLang's command lines; this router is always prefill/decode",
+    )
+    run = parser.add_argument_group("routing and listening")
+    run.add_argument("--host", default=default.host, help="address to listen on")
+    run.add_argument(
+        "--port",
+        type=_listen_port,
+        default=default.port,
+        metavar="PORT",
+        help="port to listen on; 0 picks a free one",
+    )
+    run.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=default.policy,
+        help="how a prefill and a decode server are picked for each request: in turn "
+        "(a counter for each kind), or the one with the fewest requests in flight through "
+        "this router (ties go to the first listed)",
+    )
+    run.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: none); the header is "
+        "passed on to the servers unchanged",
+    )
+    run.add_argument(
+        "--startup-timeout-s",
+        type=_seconds,
+        default=default.startup_timeout_s,
+        metavar="S",
+        help="how long to wait at start for every server to answer GET /health",
+    )
+    run.add_argument(
+        "--request-timeout-s",
+        type=_seconds,
+        default=default.request_timeout_s,
+        metavar="S",
+        help="longest wait for a server's next byte (its answer's head, or the next chunk of "
+        "its body)",
+    )
+    run.add_argument(
+        "--max-body-bytes",
+        type=_bytes,
+        default=default.max_body_bytes,
+        metavar="N",
+        help="largest request body accepted (413 above it)",
+    )
+
+
+def router_settings(args: argparse.Namespace) -> RouterSettings:
+    """The settings of parsed router flags; a missing `--prefill` or `--decode` is a
+    ValueError (one line)."""
+    prefill = tuple(args.prefill or ())
+    decode = tuple(args.decode or ())
+    if not prefill:
+        raise ValueError("at least one --prefill URL [BOOTSTRAP_PORT] is required")
+    if not decode:
+        raise ValueError("at least one --decode URL is required")
+    return RouterSettings(
+        prefill=prefill,
+        decode=decode,
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        api_key=args.api_key,
+        startup_timeout_s=args.startup_timeout_s,
+        request_timeout_s=args.request_timeout_s,
+        max_body_bytes=args.max_body_bytes,
+    )
