@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from stallfree.config import StallfreeConfig, load_config
+from stallfree.entrypoints.disagg_flags import add_disaggregation_flags, disaggregation_settings
 from stallfree.entrypoints.flags import HelpFormatter, add_engine_flags, add_sampling_flags
 
 # the tests import the token-count type from here, where it was defined
@@ -78,6 +79,7 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
         "server": {},
         "metrics": {},
         "speculative": {},
+        "disaggregation": {},
     }
     pairs = {
         "dtype": ("model", "dtype"),
@@ -128,6 +130,7 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
         if value is not None:
             overrides[section][key] = value
     overrides["speculative"].update(speculative_settings(args))
+    overrides["disaggregation"].update(disaggregation_settings(args))
     config = load_config(args.config, **{k: v for k, v in overrides.items() if v})
     check_speculative_flags(args, config)
     return config
@@ -276,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_flags(srv)
     add_engine_flags(srv)
     add_speculative_flags(srv)
+    add_disaggregation_flags(srv)
     rtr = sub.add_parser(
         "router",
         help="route requests to prefill and decode servers (disaggregated serving)",
