@@ -47,6 +47,8 @@ from stallfree.runtime.request.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.05  # how often deadlines are checked
+# pairs at once: each holds a sender thread (and, until the decode side joins, a rendezvous)
+MAX_PAIRS = 64
 
 
 @dataclass(slots=True)
@@ -133,6 +135,11 @@ class PrefillSide:
         """A decode server asks to pair: check it can take this server's KV, then open the
         pair's channel (rank 0 of a two-rank group; the decode side joins as rank 1)."""
         self.fingerprint.check_decode(decode)
+        if len(self.pairs) >= MAX_PAIRS:
+            raise HandshakeError(
+                f"this prefill server is paired with {len(self.pairs)} decode servers already "
+                f"(at most {MAX_PAIRS})"
+            )
         heads = [(int(a), int(b)) for a, b in shards]
         if not heads or any(not 0 <= a < b <= decode.num_kv_heads for a, b in heads):
             raise HandshakeError(f"decode KV-head shards {heads} do not fit the model")
@@ -225,7 +232,9 @@ class PrefillSide:
         room = self.rooms.get(room_id)
         if room is None:
             return False
-        if ok and room.state is RoomState.WAITING_ACK:
+        # NOTE: the acknowledgement may overtake the sender thread's own "sent" (the decode
+        # side had the tail before this loop heard from the thread): both mean done
+        if ok and room.state in (RoomState.TRANSFERRING, RoomState.WAITING_ACK):
             room.advance(RoomState.DONE)
         elif room.fail(message or "decode side refused the transfer", "wait_ack"):
             self.stats.failed("wait_ack")

@@ -222,3 +222,21 @@ def test_fault_schedule_is_seeded() -> None:
     plan = [a.plan() for _ in range(50)]
     assert plan == [b.plan() for _ in range(50)]
     assert {f.value for f in plan} == {"none", "drop", "wrong_room"}
+
+
+async def test_an_ack_that_overtakes_the_senders_report_completes_the_room(llama: str) -> None:
+    async with engine_pair(llama) as pair:
+        room = pair.p._room(999)
+        room.advance(RoomState.TRANSFERRING)  # the sender thread's "sent" not yet heard
+        assert pair.p.ack(999, True)
+        assert room.state is RoomState.DONE and pair.p.rooms.get(999) is None
+
+
+async def test_pairing_is_bounded(llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stallfree.disagg import prefill
+
+    monkeypatch.setattr(prefill, "MAX_PAIRS", 1)
+    async with engine_pair(llama) as pair:
+        await pair.d.connect("local", 0)
+        with pytest.raises(HandshakeError, match="at most 1"):
+            pair.p.pair(pair.d.fingerprint, pair.d.shards())
