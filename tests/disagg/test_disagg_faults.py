@@ -131,6 +131,11 @@ async def test_decode_client_leaves_while_transferring(llama: str) -> None:
         task = asyncio.ensure_future(_decode_only(pair, 21))  # no prefill leg yet
         await _until(lambda: _state(pair, 21) is RoomState.TRANSFERRING)
         assert pair.decode.pool_usage().req_slots_free < pair.decode.pool_usage().req_slots_total
+        # admission counts it as running, with its outputs reserved; no batch holds it
+        scheduler = pair.decode.core.scheduler
+        assert scheduler._new_adder().running == 1
+        assert scheduler._reserved_tokens() > 0  # its outputs, scaled by new_token_ratio
+        assert scheduler.running_batch is not None and not scheduler.running_batch.reqs
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
