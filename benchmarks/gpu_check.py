@@ -9,6 +9,10 @@
    tokens; with two or more GPUs, tensor parallelism over NCCL (tp_size 2) gives them too, and
    the per-rank step and collective figures are printed.
 4. wall / device-busy for the four modes on a small model in bf16 (benchmarks/bench_overlap.py).
+5. Prefill/decode disaggregation on CUDA: two engines in this process joined by the loopback
+   transport (the KV read from and written to the device on each engine's stream) give the
+   colocated engine's greedy tokens; with two or more GPUs, the NCCL transport between two
+   processes (one GPU each) moves KV-sized tensors, checked equal, with GB/s.
 """
 
 from __future__ import annotations
@@ -99,6 +103,116 @@ async def check_workers() -> None:
         )
 
 
+async def check_disagg_loopback() -> None:
+    from stallfree import Engine, SamplingParams, load_config
+    from stallfree.disagg.bootstrap import LocalControl
+    from stallfree.disagg.decode import DecodeSide
+    from stallfree.disagg.prefill import PrefillSide
+
+    def cfg(mode: str | None) -> object:
+        sections: dict[str, dict[str, object]] = {
+            "model": {"path": "bench-cpu", "dtype": "bfloat16"},
+            "runtime": {"device": "cuda"},
+            "cache": {"page_size": 16, "max_total_tokens": 65536},
+        }
+        if mode:
+            sections["disaggregation"] = {"mode": mode, "transfer_backend": "loopback"}
+        return load_config(**sections)
+
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    prompts = [[(i * 13 + j) % 256 for j in range(200 + 37 * i)] for i in range(8)]
+    async with Engine(cfg(None)) as colocated:
+        want = [
+            r.token_ids
+            for r in await asyncio.gather(*(colocated.complete(p, params) for p in prompts))
+        ]
+    pc, dc = cfg("prefill"), cfg("decode")
+    async with Engine(pc) as prefill, Engine(dc) as decode:
+        p = PrefillSide(prefill, pc.disaggregation, backend="loopback")  # type: ignore[attr-defined]
+        control = LocalControl(p)
+        d = DecodeSide(decode, dc.disaggregation, controls=lambda h, port: control)  # type: ignore[attr-defined]
+        await p.start()
+        await d.start()
+
+        async def one(i: int, ids: list[int]) -> list[int]:
+            out: list[int] = []
+
+            async def decode_leg() -> None:
+                async for chunk in d.generate(ids, params, f"d{i}", i, "local", 0):
+                    out.extend(chunk.token_ids)
+
+            await asyncio.gather(p.prefill(ids, params, f"p{i}", i), decode_leg())
+            return out
+
+        start = time.perf_counter()
+        got = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+        wall = time.perf_counter() - start
+        stats = p.stats
+        await d.close()
+        await p.close()
+    same = sum(a == b for a, b in zip(want, got, strict=True))
+    print(
+        f"[5] disaggregated on CUDA (loopback): {same}/{len(want)} greedy outputs equal "
+        f"colocated; wall {wall:.2f}s; {stats.transfers} transfers, "
+        f"{stats.transfer_bytes / max(stats.transfers, 1) / 1024:.0f} KiB and "
+        f"{1e3 * stats.transfer_seconds / max(stats.transfers, 1):.2f} ms each"
+    )
+
+
+def _nccl_rank(rank: int, port: int, shape: tuple[int, ...], repeats: int, out: object) -> None:
+    from stallfree.disagg.dist import DistChannel, KVStore
+
+    device = torch.device(f"cuda:{rank}")
+    torch.cuda.set_device(device)
+    if rank == 0:
+        store = KVStore("127.0.0.1")
+        out.put(store.port)  # type: ignore[attr-defined]
+        channel = DistChannel(store.store, "gpucheck", 0, "nccl", device)
+        t = torch.randn(shape, device=device).to(torch.bfloat16)
+        channel.send(t)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            channel.send(t)
+        torch.cuda.synchronize()
+        out.put(("sent", time.perf_counter() - start, t.sum().item()))  # type: ignore[attr-defined]
+    else:
+        port = out.get(timeout=60)  # type: ignore[attr-defined]
+        channel = DistChannel.connect("127.0.0.1", port, "gpucheck", "nccl", device)
+        got = None
+        for _ in range(repeats + 1):
+            got = channel.recv(shape, torch.bfloat16)
+        torch.cuda.synchronize()
+        out.put(("received", got.sum().item()))  # type: ignore[union-attr, attr-defined]
+    channel.close()
+
+
+def check_disagg_nccl() -> None:
+    if torch.cuda.device_count() < 2:
+        print("[5] skipped: NCCL between two ranks needs two GPUs (one here)")
+        return
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    shape, repeats = (4096, 8, 128), 10
+    q0, q1 = ctx.Queue(), ctx.Queue()
+    p0 = ctx.Process(target=_nccl_rank, args=(0, 0, shape, repeats, q0))
+    p0.start()
+    port = q0.get(timeout=120)
+    q1.put(port)
+    p1 = ctx.Process(target=_nccl_rank, args=(1, port, shape, repeats, q1))
+    p1.start()
+    sent = q0.get(timeout=300)
+    received = q1.get(timeout=300)
+    p0.join(60)
+    p1.join(60)
+    nbytes = 2 * shape[0] * shape[1] * shape[2] * repeats
+    print(
+        f"[5] NCCL transport, cuda:0 -> cuda:1: {repeats} x {list(shape)} bf16, "
+        f"{nbytes / sent[1] / 1e9:.2f} GB/s; sums equal: {abs(sent[2] - received[1]) < 1e-3 * abs(sent[2]) + 1e-3}"
+    )
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: this script is for a lent GPU machine")
@@ -107,6 +221,8 @@ def main() -> int:
     check_stream_overlap()
     asyncio.run(check_sync_debug_mode())
     asyncio.run(check_workers())
+    asyncio.run(check_disagg_loopback())
+    check_disagg_nccl()
     bench = Path(__file__).with_name("bench_overlap.py")
     cmd = [
         sys.executable,
