@@ -3,7 +3,7 @@
     python benchmarks/bench_disagg.py [--model MODEL] [--concurrency 4] [--num-requests 32]
         [--rounds 3] [--long-prompt-len 400 800] [--long-prompt-output 16]
         [--short-prompt-len 16 24] [--long-output 128] [--threads N]
-        [--transfer-backend auto|gloo|nccl] [--server-args "..."] [--exact-itl]
+        [--transfer-backend auto|gloo|nccl] [--server-args "..."]
         [--log-dir D] [--output-json F] [--quick]
 
 Systems, each started afresh (subprocesses on free ports) for every run and stopped after it:
@@ -36,9 +36,8 @@ Figures of one run, medians over `--rounds` rounds (the systems' order rotates e
             stream does not say how many tokens a chunk holds: a request whose chunks are as
             many as its tokens (usage) has one per chunk; one with fewer (text held back, as
             an incomplete UTF-8 character is) gets its mean tokens per chunk after the first
-            (the report prints tokens per chunk). `--exact-itl` sends `logprobs: 0` instead,
-            whose token lists count each chunk's tokens exactly, at the cost of a logprob
-            per token on both systems
+            (the report prints tokens per chunk; the disaggregated servers serve no logprobs,
+            which would count them)
   per class TTFT p50 and ITL p50 (and ITL p99) of the long-prompt and the long-output
             requests apart: colocated, a long prompt's prefill stalls every stream decoding
             beside it; disaggregated, the decode server never runs a prefill
@@ -219,18 +218,14 @@ def start_system(system: str, args: argparse.Namespace, tag: str) -> dict[str, A
 # ---------------------------------------------------------------------------- client
 
 
-async def one_request(
-    client: Any, url: str, req: dict[str, Any], exact: bool = False
-) -> dict[str, Any]:
-    """One streamed completion. `exact`: ask for `logprobs: 0`, whose token list says how many
-    tokens each chunk holds (a chunk whose text is held back still comes, with its tokens)."""
+async def one_request(client: Any, url: str, req: dict[str, Any]) -> dict[str, Any]:
     body = {
         "model": SERVED_NAME,
         "prompt": req["prompt"],
         "max_tokens": req["max_tokens"],
         "temperature": 0.0,
         "ignore_eos": True,
-        "logprobs": 0 if exact else None,
+        "logprobs": None,  # the disaggregated servers refuse logprobs
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -240,7 +235,6 @@ async def one_request(
         "max_tokens": req["max_tokens"],
         "text": "",
         "chunks": [],  # arrival times of chunks with text, seconds after the send
-        "chunk_tokens": [] if exact else None,  # tokens in each chunk (exact only)
         "output_tokens": None,
         "error": None,
     }
@@ -262,12 +256,9 @@ async def one_request(
                     rec["error"] = str(event["error"])[:300]
                     continue
                 for choice in event.get("choices") or []:
-                    n = len((choice.get("logprobs") or {}).get("tokens") or []) if exact else 0
-                    if choice.get("text") or n:
+                    if choice.get("text"):
                         rec["chunks"].append(time.perf_counter() - t0)
-                        texts.append(choice.get("text") or "")
-                        if exact:
-                            rec["chunk_tokens"].append(n)
+                        texts.append(choice["text"])
                 usage = event.get("usage")
                 if usage:
                     rec["output_tokens"] = int(usage.get("completion_tokens", 0))
@@ -331,7 +322,7 @@ def one_run(
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
             timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
             async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-                warm = await one_request(client, sysinfo["front"], WARMUP, args.exact_itl)
+                warm = await one_request(client, sysinfo["front"], WARMUP)
             if warm["error"]:
                 raise RuntimeError(f"{system}: warm-up request failed: {warm['error']}")
             before = {role: scrape(u) for role, u in servers.items()}
@@ -340,7 +331,7 @@ def one_run(
 
                 async def limited(req: dict[str, Any]) -> dict[str, Any]:
                     async with sem:
-                        return await one_request(client, sysinfo["front"], req, args.exact_itl)
+                        return await one_request(client, sysinfo["front"], req)
 
                 t0 = time.perf_counter()
                 records = await asyncio.gather(*(limited(r) for r in requests))
@@ -377,12 +368,6 @@ def request_itls(rec: dict[str, Any]) -> list[float]:
     chunks = rec["chunks"]
     if len(chunks) < 2:
         return []
-    if rec["chunk_tokens"] is not None:  # --exact-itl
-        tokens = rec["chunk_tokens"][1:]
-        return [
-            (b - a) / max(1, n)
-            for (a, b), n in zip(itertools.pairwise(chunks), tokens, strict=True)
-        ]
     per_chunk = 1.0
     if rec["output_tokens"] > len(chunks):  # text held back: several tokens in some chunks
         per_chunk = (rec["output_tokens"] - 1) / (len(chunks) - 1)
@@ -439,7 +424,9 @@ def f(x: float | None, spec: str = ".1f") -> str:
 
 
 def report(
-    figs: dict[str, list[dict[str, Any]]], same: list[tuple[int, int]], args: argparse.Namespace
+    figs: dict[str, list[dict[str, Any]]],
+    same: list[tuple[int, int, int]],
+    args: argparse.Namespace,
 ) -> dict:
     summary = {
         s: {k: med([r.get(k) for r in figs[s]]) for k in figs[s][0]} for s in SYSTEMS if figs[s]
@@ -492,18 +479,19 @@ def report(
             "  prefill: first KV read to last layer sent; decode: registration to last layer "
             "received (includes waiting for the prefill's forward)"
         )
-    n_same, n_all = sum(a for a, _ in same), sum(b for _, b in same)
+    n_same, n_all, n_both = (sum(t[i] for t in same) for i in range(3))
     share = n_same / n_all if n_all else None
     print(
         f"\ngreedy text identical in both systems: {n_same}/{n_all} requests"
-        f" ({f(None if share is None else 100 * share, '.0f')}%, all rounds)"
+        f" ({f(None if share is None else 100 * share, '.0f')}%, all rounds; "
+        f"{n_same}/{n_both} of those that succeeded in both)"
     )
     print("\nevery round:")
     for s in SYSTEMS:
         tps = [round(r["output_tok_s"], 1) for r in figs[s]]
         itl = [f(r["itl_p50_ms"]) for r in figs[s]]
         print(f"  {s}: output tok/s {tps}; ITL p50 ms {itl}")
-    return {"summary": summary, "same": n_same, "compared": n_all}
+    return {"summary": summary, "same": n_same, "compared": n_all, "succeeded_in_both": n_both}
 
 
 # ---------------------------------------------------------------------------- main
@@ -555,12 +543,6 @@ def main() -> None:
         choices=["auto", "gloo", "nccl"],
         default=None,
         help="--disaggregation-transfer-backend (default: the servers' own, auto)",
-    )
-    p.add_argument(
-        "--exact-itl",
-        action="store_true",
-        help="send logprobs 0 (not null) so each chunk's token count is known exactly; "
-        "costs both systems the logprob of every token",
     )
     p.add_argument("--server-args", default="", help="extra `serve` flags for every server")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds per process (300)")
@@ -619,7 +601,8 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()}", flush=True)
     figs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
     raw: list[dict[str, Any]] = []
-    same: list[tuple[int, int]] = []
+    same: list[tuple[int, int, int]] = []
+    mismatches: list[str] = []
     drift: list[str] = []
     first_texts: list[str] | None = None
     started = time.perf_counter()
@@ -645,7 +628,18 @@ def main() -> None:
                         print(f"  failed ({r['class']}): {r['error']}")
                         break
             a, b = texts["colocated"], texts["disaggregated"]
-            same.append((sum(x is not None and x == y for x, y in zip(a, b, strict=True)), len(a)))
+            both = [(x, y) for x, y in zip(a, b, strict=True) if x is not None and y is not None]
+            same.append((sum(x == y for x, y in both), len(a), len(both)))
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                if x is not None and y is not None and x != y:
+                    at = next(
+                        (k for k, (c, d) in enumerate(zip(x, y, strict=False)) if c != d),
+                        min(len(x), len(y)),
+                    )
+                    mismatches.append(
+                        f"round {rnd + 1} request {i} ({requests[i]['class']}): texts differ "
+                        f"from character {at}"
+                    )
             col = [t or "" for t in a]
             if first_texts is None:
                 first_texts = col
@@ -656,6 +650,10 @@ def main() -> None:
         stop_all()
     print(f"load average at end: {os.getloadavg()}; {time.perf_counter() - started:.0f} s")
     out = report(figs, same, args)
+    for line in mismatches[:10]:
+        print("  " + line)
+    if len(mismatches) > 10:
+        print(f"  ... and {len(mismatches) - 10} more (in --output-json)")
     if drift:
         print("colocated itself differed from its first round: " + "; ".join(drift))
     if args.output_json:
@@ -663,6 +661,7 @@ def main() -> None:
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "cores": cores,
             **out,
+            "mismatches": mismatches,
             "drift": drift,
             "runs": raw,
         }

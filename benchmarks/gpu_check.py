@@ -18,10 +18,15 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import multiprocessing as mp
+import queue
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -159,57 +164,120 @@ async def check_disagg_loopback() -> None:
     )
 
 
-def _nccl_rank(rank: int, port: int, shape: tuple[int, ...], repeats: int, out: object) -> None:
-    from stallfree.disagg.dist import DistChannel, KVStore
-
-    device = torch.device(f"cuda:{rank}")
-    torch.cuda.set_device(device)
-    if rank == 0:
-        store = KVStore("127.0.0.1")
-        out.put(store.port)  # type: ignore[attr-defined]
-        channel = DistChannel(store.store, "gpucheck", 0, "nccl", device)
-        t = torch.randn(shape, device=device).to(torch.bfloat16)
-        channel.send(t)  # warm-up
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            channel.send(t)
-        torch.cuda.synchronize()
-        out.put(("sent", time.perf_counter() - start, t.sum().item()))  # type: ignore[attr-defined]
-    else:
-        port = out.get(timeout=60)  # type: ignore[attr-defined]
-        channel = DistChannel.connect("127.0.0.1", port, "gpucheck", "nccl", device)
-        got = None
-        for _ in range(repeats + 1):
-            got = channel.recv(shape, torch.bfloat16)
-        torch.cuda.synchronize()
-        out.put(("received", got.sum().item()))  # type: ignore[union-attr, attr-defined]
-    channel.close()
+KV_SHAPE = (4096, 8, 128)  # slots x KV heads x head dim: one layer's K of a 4096-token run
+KV_SENDS = 10
+DISAGG_TIMEOUT_S = 180.0
 
 
-def check_disagg_nccl() -> None:
-    if torch.cuda.device_count() < 2:
-        print("[5] skipped: NCCL between two ranks needs two GPUs (one here)")
+def _kv_like(i: int) -> torch.Tensor:
+    """Tensor `i` of the transfer, the same in both processes (seeded, made on the CPU)."""
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(KV_SHAPE, generator=g).to(torch.bfloat16)
+
+
+def _disagg_rank(rank: int, port_q: Any, result_q: Any, done: Any, backend: str) -> None:
+    """One side of the pair: rank 0 (prefill) hosts the store and sends, rank 1 receives.
+    Tensor 0 is a warm-up (the NCCL communicator is set up at the first send); the rest are
+    timed. Puts (rank, seconds, equal, first_s, error) on `result_q`. `backend` gloo (on the
+    CPU) runs the same plumbing without a GPU."""
+    try:
+        from stallfree.disagg.dist import DistChannel, KVStore
+
+        cuda = backend == "nccl"
+        dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
+        if cuda:
+            torch.cuda.set_device(dev)
+
+        def sync() -> None:
+            if cuda:
+                torch.cuda.synchronize(dev)
+
+        want = [_kv_like(i) for i in range(KV_SENDS + 1)]
+        equal = None
+        if rank == 0:
+            store = KVStore("127.0.0.1")
+            port_q.put(store.port)
+            ch = DistChannel(store.store, "gpucheck", 0, backend, dev)
+            tensors = [t.to(dev) for t in want]
+            start = time.perf_counter()
+            ch.send(tensors[0])
+            sync()
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            for t in tensors[1:]:
+                ch.send(t)
+            sync()
+            seconds = time.perf_counter() - start
+            done.wait(DISAGG_TIMEOUT_S)  # until rank 1 has it all
+        else:
+            port = port_q.get(timeout=60)
+            ch = DistChannel.connect("127.0.0.1", port, "gpucheck", backend, dev)
+            start = time.perf_counter()
+            got = [ch.recv(KV_SHAPE, torch.bfloat16)]
+            sync()
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            for _ in range(KV_SENDS):
+                got.append(ch.recv(KV_SHAPE, torch.bfloat16))
+            sync()
+            seconds = time.perf_counter() - start
+            equal = sum(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
+            done.set()
+        ch.close()
+        result_q.put((rank, seconds, equal, first, None))
+    except BaseException:
+        result_q.put((rank, None, None, None, traceback.format_exc()[-3000:]))
+        done.set()
+
+
+def check_disagg_nccl(backend: str = "nccl") -> None:
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        print("[5] disaggregation NCCL transport: skipped: NCCL between two ranks needs two GPUs")
         return
-    import multiprocessing as mp
-
     ctx = mp.get_context("spawn")
-    shape, repeats = (4096, 8, 128), 10
-    q0, q1 = ctx.Queue(), ctx.Queue()
-    p0 = ctx.Process(target=_nccl_rank, args=(0, 0, shape, repeats, q0))
-    p0.start()
-    port = q0.get(timeout=120)
-    q1.put(port)
-    p1 = ctx.Process(target=_nccl_rank, args=(1, port, shape, repeats, q1))
-    p1.start()
-    sent = q0.get(timeout=300)
-    received = q1.get(timeout=300)
-    p0.join(60)
-    p1.join(60)
-    nbytes = 2 * shape[0] * shape[1] * shape[2] * repeats
+    port_q, result_q, done = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [
+        ctx.Process(target=_disagg_rank, args=(r, port_q, result_q, done, backend), daemon=True)
+        for r in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple] = {}
+    deadline = time.monotonic() + DISAGG_TIMEOUT_S
+    try:
+        while len(results) < 2:
+            try:
+                r = result_q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            results[r[0]] = r
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    for rank in (0, 1):
+        if rank not in results:
+            print(
+                f"[5] disaggregation NCCL transport: rank {rank} gave no result in "
+                f"{DISAGG_TIMEOUT_S:.0f}s (exit code {procs[rank].exitcode})"
+            )
+        elif results[rank][4]:
+            print(f"[5] disaggregation NCCL transport: rank {rank} failed:\n{results[rank][4]}")
+    if len(results) < 2 or any(r[4] for r in results.values()):
+        return
+    nbytes = KV_SENDS * math.prod(KV_SHAPE) * 2  # bf16
+    _, send_s, _, send_first, _ = results[0]
+    _, recv_s, equal, recv_first, _ = results[1]
+    status = "ok" if equal == KV_SENDS + 1 else "MISMATCH"
+    where = "cuda:0 -> cuda:1" if backend == "nccl" else "cpu -> cpu"
     print(
-        f"[5] NCCL transport, cuda:0 -> cuda:1: {repeats} x {list(shape)} bf16, "
-        f"{nbytes / sent[1] / 1e9:.2f} GB/s; sums equal: {abs(sent[2] - received[1]) < 1e-3 * abs(sent[2]) + 1e-3}"
+        f"[5] disaggregation {backend} transport, DistChannel {where}: {KV_SENDS} x bf16 "
+        f"{list(KV_SHAPE)} ({nbytes / KV_SENDS / 2**20:.0f} MiB each) after a warm-up: "
+        f"{equal}/{KV_SENDS + 1} equal ({status}); receive {nbytes / recv_s / 1e9:.1f} GB/s, "
+        f"send {nbytes / send_s / 1e9:.1f} GB/s; first tensor (communicator set-up) "
+        f"{recv_first:.2f}s received, {send_first:.2f}s sent"
     )
 
 
