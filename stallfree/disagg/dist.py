@@ -35,10 +35,15 @@ class KVStore:
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        self._port = int(self.store.port)
 
     @property
     def port(self) -> int:
-        return int(self.store.port)
+        return self._port
+
+    def close(self) -> None:
+        """Drop the store (its server thread goes with the last reference)."""
+        self.store = None  # type: ignore[assignment]
 
 
 class DistChannel:
@@ -80,16 +85,22 @@ class DistChannel:
         if self.backend == "nccl":
             tensor = tensor.to(self.device)
         t = tensor.contiguous()
+        group = self.group
+        if group is None:
+            raise TransportError("the KV channel is closed")
         try:
-            self.group.send([t], self._peer(), 0).wait()
+            group.send([t], self._peer(), 0).wait()
         except RuntimeError as exc:
             raise TransportError(f"KV send failed: {exc}") from exc
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         device = self.device if self.backend == "nccl" else torch.device("cpu")
         buf = torch.empty(shape, dtype=dtype, device=device)
+        group = self.group
+        if group is None:
+            raise TransportError("the KV channel is closed")
         try:
-            self.group.recv([buf], self._peer(), 0).wait()
+            group.recv([buf], self._peer(), 0).wait()
         except RuntimeError as exc:
             raise TransportError(f"KV receive failed: {exc}") from exc
         return buf
@@ -99,7 +110,9 @@ class DistChannel:
             if self._closed:
                 return
             self._closed = True
-        abort = getattr(self.group, "abort", None)
+        group, self.group = self.group, None
+        abort = getattr(group, "abort", None)
         if callable(abort):
             with contextlib.suppress(RuntimeError):
                 abort()
+        del group  # its transport threads go with it, before the interpreter's teardown

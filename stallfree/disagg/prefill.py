@@ -107,6 +107,11 @@ class PrefillSide:
             room.fail("prefill server shutting down")
         for pair in list(self.pairs.values()):
             self._drop_pair(pair, "prefill server shutting down")
+        # NOTE: the store's server thread must not outlive the interpreter's teardown while a
+        # decode server is still connected to it (std::terminate at exit)
+        store, self.store = self.store, None
+        if store is not None:
+            store.close()
 
     async def _tick(self) -> None:
         while True:
@@ -197,8 +202,9 @@ class PrefillSide:
             lost = reg is not None and reg.pair_id == pair.pair_id
             if lost and room.fail(f"pair with the decode server lost: {why}", "transfer"):
                 self.stats.failed("transfer")
-        if pair.channel is not None:
-            pair.channel.close()
+        channel, pair.channel = pair.channel, None
+        if channel is not None:
+            channel.close()
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop

@@ -255,3 +255,13 @@ def test_decode_killed_mid_stream_then_restarted() -> None:
         dep.start_decode()
         r = httpx.post(router + "/v1/completions", json=completion(), timeout=60)
         assert r.status_code == 200, r.text
+
+
+def test_prefill_exits_cleanly_on_sigterm_while_its_decode_peer_runs() -> None:
+    """Its KV store and pair group go before the interpreter's teardown (else: SIGABRT)."""
+    with deployment() as dep:
+        r = httpx.post(dep.url(dep.r_port) + "/v1/completions", json=completion(), timeout=60)
+        assert r.status_code == 200, r.text
+        dep.procs["prefill"].send_signal(signal.SIGTERM)
+        assert dep.procs["prefill"].wait(timeout=30) == 0
+        assert httpx.get(dep.url(dep.d_port) + "/health", timeout=5).status_code == 200
