@@ -24,9 +24,9 @@ import torch
 
 from stallfree.config import DisaggregationConfig
 from stallfree.disagg.bootstrap import ControlError, HttpControl, PrefillControl
-from stallfree.disagg.fingerprint import Fingerprint, HandshakeError, fingerprint_of
-from stallfree.disagg.rooms import Room, RoomError, RoomState, RoomTable
-from stallfree.disagg.stats import DisaggStats
+from stallfree.disagg.fingerprint import Fingerprint, HandshakeError
+from stallfree.disagg.rooms import Room, RoomError, RoomState
+from stallfree.disagg.side import RoomSide
 from stallfree.disagg.transport import (
     KVChannel,
     RoomHeader,
@@ -44,7 +44,6 @@ from stallfree.runtime.request.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-TICK_S = 0.05
 PREALLOC_RETRY_S = 0.005
 
 
@@ -65,52 +64,26 @@ class _Link:
     rooms: set[int] = field(default_factory=set)
 
 
-class DecodeSide:
+class DecodeSide(RoomSide):
     def __init__(
         self,
         engine: Engine,
         config: DisaggregationConfig,
         controls: Callable[[str, int], PrefillControl] | None = None,
     ) -> None:
-        self.engine, self.config = engine, config
-        self.rooms = RoomTable()
-        self.stats = DisaggStats("decode")
+        super().__init__(engine, "decode")
+        self.config = config
         self._links: dict[tuple[str, int], _Link] = {}
         self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
         device = engine.core.ctx.kv_cache.device
         self._controls = controls or (lambda host, port: HttpControl(host, port, device))
-        self._fingerprint: Fingerprint | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._ticker: asyncio.Task[None] | None = None
         self.wrong_rooms = 0  # transfers that arrived for no room this side expects
 
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._fingerprint = fingerprint_of(self.engine.core)
-        self._ticker = asyncio.create_task(self._tick())
-
     async def close(self) -> None:
-        if self._ticker is not None:
-            self._ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
-        for room in self.rooms:
-            room.fail("decode server shutting down")
+        await self._stop("decode server shutting down")
         for link in list(self._links.values()):
             self._break(link, "decode server shutting down")
             await link.control.close()
-
-    async def _tick(self) -> None:
-        while True:
-            await asyncio.sleep(TICK_S)
-            for room in self.rooms.expire():
-                self.stats.failed(room.error.stage if room.error else "transfer")
-            self.stats.queues = self.rooms.counts()
-
-    @property
-    def fingerprint(self) -> Fingerprint:
-        assert self._fingerprint is not None, "DecodeSide.start() first"
-        return self._fingerprint
 
     def shards(self) -> list[list[int]]:
         """The KV-head range each of this server's tensor-parallel ranks holds."""
@@ -215,12 +188,6 @@ class DecodeSide:
         except Exception as exc:  # a bug here must not leave the rooms waiting
             logger.exception("KV receiver failed")
             self._post(self._break, link, f"receiver failed: {exc!r}")
-
-    def _post(self, fn: Callable[..., None], *args: Any) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(fn, *args)
 
     def _on_header(self, link: _Link, h: RoomHeader) -> None:
         link.current, link.layers_seen = None, 0

@@ -10,7 +10,6 @@ servers has one sender thread, which sends its rooms in order on the pair's chan
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import queue
@@ -24,9 +23,9 @@ from typing import Any
 import torch
 
 from stallfree.config import DisaggregationConfig, FaultConfig
-from stallfree.disagg.fingerprint import Fingerprint, HandshakeError, fingerprint_of
-from stallfree.disagg.rooms import Room, RoomError, RoomState, RoomTable
-from stallfree.disagg.stats import DisaggStats
+from stallfree.disagg.fingerprint import Fingerprint, HandshakeError
+from stallfree.disagg.rooms import Room, RoomError, RoomState
+from stallfree.disagg.side import RoomSide
 from stallfree.disagg.transport import (
     KVChannel,
     LoopbackChannel,
@@ -46,7 +45,6 @@ from stallfree.runtime.request.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-TICK_S = 0.05  # how often deadlines are checked
 # pairs at once: each holds a sender thread (and, until the decode side joins, a rendezvous)
 MAX_PAIRS = 64
 
@@ -71,7 +69,7 @@ class _Pair:
     error: str | None = None
 
 
-class PrefillSide:
+class PrefillSide(RoomSide):
     def __init__(
         self,
         engine: Engine,
@@ -80,31 +78,17 @@ class PrefillSide:
         backend: str = "gloo",
         store: Any = None,
     ) -> None:
-        self.engine, self.config = engine, config
+        super().__init__(engine, "prefill")
+        self.config = config
         self.backend = backend  # gloo | nccl | loopback
         self.store = store  # disagg.dist.KVStore for gloo and nccl
-        self.rooms = RoomTable()
         self.pairs: dict[str, _Pair] = {}
-        self.stats = DisaggStats("prefill")
         self.faults = TransferFaults(faults) if faults is not None and faults.enabled else None
-        self._fingerprint: Fingerprint | None = None
-        self._ticker: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ life
 
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._fingerprint = fingerprint_of(self.engine.core)
-        self._ticker = asyncio.create_task(self._tick())
-
     async def close(self) -> None:
-        if self._ticker is not None:
-            self._ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
-        for room in self.rooms:
-            room.fail("prefill server shutting down")
+        await self._stop("prefill server shutting down")
         for pair in list(self.pairs.values()):
             self._drop_pair(pair, "prefill server shutting down")
         # NOTE: the store's server thread must not outlive the interpreter's teardown while a
@@ -112,18 +96,6 @@ class PrefillSide:
         store, self.store = self.store, None
         if store is not None:
             store.close()
-
-    async def _tick(self) -> None:
-        while True:
-            await asyncio.sleep(TICK_S)
-            for room in self.rooms.expire():
-                self.stats.failed(room.error.stage if room.error else "transfer")
-            self.stats.queues = self.rooms.counts()
-
-    @property
-    def fingerprint(self) -> Fingerprint:
-        assert self._fingerprint is not None, "PrefillSide.start() first"
-        return self._fingerprint
 
     def info(self) -> dict[str, Any]:
         store_port = self.store.port if self.store is not None else None
@@ -205,12 +177,6 @@ class PrefillSide:
         channel, pair.channel = pair.channel, None
         if channel is not None:
             channel.close()
-
-    def _post(self, fn: Callable[..., None], *args: Any) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(fn, *args)
 
     # ------------------------------------------------------------------ rooms
 
