@@ -170,7 +170,7 @@ def launched_http_targets(
         server = ServerProcess(settings, config_path, startup_timeout_s)
         url = await server.start()
         # the server reads STALLFREE_SERVER__API_KEY from the environment it inherits
-        target = http_target(backend, url, api_key=base.server.api_key)
+        target = http_target(backend, url, api_key=next(iter(base.server.api_keys), None))
         try:
             await target.start()
             yield target

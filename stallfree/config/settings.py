@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from stallfree.config.disagg import DisaggregationConfig, FaultConfig
 from stallfree.config.sections import Section as _Section
+from stallfree.config.server import MetricsConfig, ServerConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -254,127 +255,6 @@ class SpeculativeConfig(_Section):
     @property
     def enabled(self) -> bool:
         return self.method != "none"
-
-
-class ServerConfig(_Section):
-    host: str = Field("127.0.0.1", description="Bind address; loopback unless set")
-    port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one")
-    api_key: str | None = Field(None, description="Bearer token the HTTP API requires, if set")
-    served_model_name: str | None = Field(
-        None, description="Model id in the API and the metrics; default: model.path"
-    )
-    chat_template: str | None = Field(
-        None,
-        description="Chat template of /v1/chat/completions instead of the model's own: a Jinja "
-        "file, or the template text itself",
-    )
-    graceful_shutdown_s: float = Field(
-        30.0,
-        ge=0,
-        allow_inf_nan=False,
-        description="On SIGTERM or SIGINT, how long in-flight requests may take to finish",
-    )
-    max_body_bytes: int = Field(
-        4 * 1024 * 1024,
-        ge=1024,
-        description="Largest request body; a larger one gets 413 before it is read whole",
-    )
-    max_connections: int = Field(
-        4096,
-        ge=1,
-        description="Open connections; past it the longest-idle one is closed (or the new one, "
-        "if none is idle). Capped below the process's open-file limit",
-    )
-    max_concurrent_requests: int = Field(
-        4096,
-        ge=1,
-        description="API requests in progress at once; more get 503 with Retry-After "
-        "(/health and /metrics are exempt)",
-    )
-    keep_alive_s: float = Field(
-        5.0, gt=0, allow_inf_nan=False, description="Idle keep-alive connections close after this"
-    )
-    header_timeout_s: float = Field(
-        10.0,
-        gt=0,
-        allow_inf_nan=False,
-        description="A request's line and headers must arrive whole within this, counted from "
-        "the connection's opening or the request's first byte; slower connections are closed",
-    )
-    body_timeout_s: float = Field(
-        30.0,
-        gt=0,
-        allow_inf_nan=False,
-        description="A request body must arrive whole within this (408 otherwise)",
-    )
-    write_timeout_s: float = Field(
-        30.0,
-        gt=0,
-        allow_inf_nan=False,
-        description="A connection whose client accepts no byte of a response for this long "
-        "(its write buffer full and not draining) is reset and its requests aborted",
-    )
-    max_prompts_per_request: int = Field(
-        128, ge=1, description="Prompts one /v1/completions request may batch (400 beyond)"
-    )
-    max_request_cost: int = Field(
-        1_000_000,
-        ge=1,
-        description="Token entries one /v1 request's answer may hold (a token with k top "
-        "logprobs is k + 1): per prompt n x max_tokens x (k + 1), plus its tokens once, or n x "
-        "(k + 1) times when echoed; 400 request_too_costly beyond, before any generation",
-    )
-    max_chat_messages: int = Field(
-        4096, ge=1, description="Messages one /v1/chat/completions request may hold (400 beyond)"
-    )
-    max_content_parts: int = Field(
-        4096,
-        ge=1,
-        description="Content parts and tool calls one /v1/chat/completions request may hold, "
-        "over all its messages (400 beyond)",
-    )
-    retry_after_s: int = Field(
-        1, ge=0, description="Retry-After (seconds) of a 503 answered because of overload"
-    )
-    allowed_hosts: list[str] | None = Field(
-        None,
-        description="Host header values (without port) the server answers; others get 400. "
-        "Default: any. Set it when binding beyond loopback",
-    )
-    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
-        "info", description="Level of the server's and the engine's logs"
-    )
-    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] | None = (
-        Field(None, description="Level of uvicorn's own logs only; default: server.log_level")
-    )
-    access_log: bool = Field(True, description="Log one line per HTTP request")
-    access_log_probes: bool = Field(
-        False, description="Also access-log /health and /metrics (probes and scrapes)"
-    )
-
-    @field_validator("api_key")
-    @classmethod
-    def _api_key(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        if not v:
-            raise ValueError(
-                "the API key is empty, which would leave the API open; pass a non-empty key, "
-                "or none at all to serve without authentication"
-            )
-        if not v.isascii() or not v.isprintable() or any(c.isspace() for c in v):
-            raise ValueError("the API key must be printable ASCII without spaces")
-        return v
-
-    def model_name(self, model_path: str) -> str:
-        return self.served_model_name or model_path
-
-
-class MetricsConfig(_Section):
-    enabled: bool = Field(True, description="Attach Prometheus metrics to every engine")
-    engine_label: str | None = Field(
-        None, description="Value of the `engine` label; default: a per-process counter"
-    )
 
 
 class StallfreeConfig(BaseSettings):

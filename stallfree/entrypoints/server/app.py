@@ -74,7 +74,7 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
     )
     lifecycle = Lifecycle()
     app.state.sf = ServerState(
-        engine, cfg.server.model_name(cfg.model.path), cfg.server.api_key, cfg.server, lifecycle
+        engine, cfg.server.model_name(cfg.model.path), cfg.server.api_keys, cfg.server, lifecycle
     )
     _install_error_handlers(app)
     app.include_router(open_routes())

@@ -5,8 +5,8 @@ In order, for each request it:
 1. gives the request an id (`x-request-id` on the answer, and in every log line about it);
 2. refuses a request that carries both `Content-Length` and `Transfer-Encoding` (400), and a
    `Host` outside `server.allowed_hosts` when that is set (400);
-3. for API routes (everything but `/health` and `/metrics`): with `server.api_key` set, refuses
-   a request without the key (401, `Connection: close`) on its head alone, before it is counted
+3. for API routes (everything but `/health` and `/metrics`): with `server.api_key` set (one key or several), refuses
+   a request without one of the keys (401, `Connection: close`) on its head alone, before it is counted
    or a byte of its body is read; refuses new requests while the server drains (503) and past
    `server.max_concurrent_requests` in progress (503 with `Retry-After`);
 4. refuses a body over `server.max_body_bytes` (413): at once from `Content-Length`, or while
@@ -51,7 +51,7 @@ class Guard:
         self.app = app
         self.limits = limits
         self.lifecycle = lifecycle
-        self.api_key = limits.api_key.encode() if limits.api_key else None
+        self.api_keys = tuple(k.encode() for k in limits.api_keys)
         hosts = limits.allowed_hosts
         self.allowed_hosts = (
             None
@@ -133,7 +133,7 @@ class Guard:
             )
         if self.allowed_hosts is not None and _hostname(host) not in self.allowed_hosts:
             raise _Refused(400, _info("unknown Host header", param="host", code="invalid_host"))
-        if not probe and self.api_key is not None:
+        if not probe and self.api_keys:
             self._check_key(authorization)
         if not probe:
             lifecycle = self.lifecycle
@@ -160,7 +160,6 @@ class Guard:
 
     def _check_key(self, authorization: bytes) -> None:
         """The API key, from the request head: nothing of a keyless request is counted or read."""
-        assert self.api_key is not None
         scheme, _, token = authorization.strip().partition(b" ")
         if scheme.lower() != b"bearer" or not token.strip():
             raise _Refused(
@@ -170,7 +169,11 @@ class Guard:
                     code="invalid_api_key",
                 ),
             )
-        if not hmac.compare_digest(token.strip(), self.api_key):
+        token = token.strip()
+        # every key is compared, in constant time each: which key matched (or how many came
+        # before it) does not show in the answer's timing
+        matched = [hmac.compare_digest(token, key) for key in self.api_keys]
+        if not any(matched):
             raise _Refused(401, _info("invalid API key", code="invalid_api_key"))
 
     def _too_large(self) -> _Refused:
