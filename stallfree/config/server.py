@@ -1,12 +1,11 @@
 """The `server` section (`stallfree serve`: where it listens, who may call it, what one request
-may ask of it, its logs, TLS, CORS and tracing) and the `metrics` section."""
+may ask of it, and its logs) and the `metrics` section."""
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from stallfree.config.sections import Section as _Section
 
@@ -111,45 +110,6 @@ class ServerConfig(_Section):
         False, description="Also access-log /health and /metrics (probes and scrapes)"
     )
 
-    ssl_keyfile: str | None = Field(None, description="TLS: the server's private key (PEM)")
-    ssl_certfile: str | None = Field(
-        None, description="TLS: the server's certificate chain (PEM); with ssl_keyfile, HTTPS only"
-    )
-    ssl_ca_certs: str | None = Field(
-        None, description="TLS: CA bundle that client certificates are checked against"
-    )
-    ssl_cert_reqs: int = Field(
-        0,
-        ge=0,
-        le=2,
-        description="TLS: whether a client certificate is required (Python's ssl.CERT_*: 0 "
-        "none, 1 optional, 2 required)",
-    )
-    allowed_origins: list[str] = Field(
-        default_factory=list,
-        description="CORS: origins browsers may call the API from ('*' for any); default: "
-        "none, and no CORS headers at all",
-    )
-    allowed_methods: list[str] = Field(
-        default_factory=lambda: ["*"], description="CORS: methods allowed cross-origin"
-    )
-    allowed_headers: list[str] = Field(
-        default_factory=lambda: ["*"], description="CORS: request headers allowed cross-origin"
-    )
-    allow_credentials: bool = Field(False, description="CORS: allow credentials cross-origin")
-    root_path: str = Field(
-        "",
-        description="Path prefix a proxy serves the API under (ASGI root_path), e.g. /llm",
-    )
-    uds: str | None = Field(
-        None, description="Serve on this Unix domain socket instead of host and port"
-    )
-    otlp_traces_endpoint: str | None = Field(
-        None,
-        description="OTLP/HTTP endpoint that receives one trace span per request (with child "
-        "spans for queueing, prefill and decode); default: tracing off",
-    )
-
     @field_validator("api_key")
     @classmethod
     def _api_key(cls, v: str | list[str] | None) -> str | list[str] | None:
@@ -161,43 +121,12 @@ class ServerConfig(_Section):
             return [cls._one_key(k) for k in v]
         return cls._one_key(v)
 
-    @field_validator("ssl_certfile", "ssl_keyfile", "ssl_ca_certs")
-    @classmethod
-    def _readable(cls, v: str | None) -> str | None:
-        if v is not None and not os.path.isfile(v):
-            raise ValueError(f"no such file: {v!r}")
-        return v
-
-    @field_validator("root_path")
-    @classmethod
-    def _root_path(cls, v: str) -> str:
-        if v and (not v.startswith("/") or v.endswith("/")):
-            raise ValueError("the root path starts with '/' and does not end with one, e.g. /llm")
-        return v
-
-    @model_validator(mode="after")
-    def _tls_pair(self) -> ServerConfig:
-        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
-            raise ValueError("TLS needs both ssl_keyfile and ssl_certfile")
-        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
-            raise ValueError("ssl_ca_certs checks client certificates: it needs TLS on")
-        if "*" in self.allowed_origins and self.allow_credentials:
-            raise ValueError(
-                "allow_credentials with allowed_origins '*' would let any site call the API "
-                "with the user's credentials; list the origins"
-            )
-        return self
-
     @property
     def api_keys(self) -> tuple[str, ...]:
         """Every accepted key (none: the API is open)."""
         if self.api_key is None:
             return ()
         return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
-
-    @property
-    def tls(self) -> bool:
-        return self.ssl_certfile is not None
 
     @staticmethod
     def _one_key(v: str) -> str:

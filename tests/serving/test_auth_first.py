@@ -108,3 +108,27 @@ async def test_an_unknown_model_id_is_not_echoed_at_length(llama):
     assert answer.status_code == 404
     assert len(answer.content) < 1_000
     assert "59936 more characters" in answer.json()["error"]["message"]
+
+
+async def test_any_of_several_api_keys_is_accepted_and_no_other(llama):
+    body = {"model": "test-model", "prompt": "hi", "max_tokens": 2}
+    async with (
+        serving(llama, server={"api_key": ["first-key", "second-key"]}) as live,
+        httpx.AsyncClient(base_url=live.server.url) as anonymous,
+    ):
+        for key, status in [("first-key", 200), ("second-key", 200), ("first-keyx", 401)]:
+            headers = {"Authorization": f"Bearer {key}"}
+            r = await anonymous.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == status, (key, r.text[:200])
+        assert (await anonymous.post("/v1/completions", json=body)).status_code == 401
+
+
+def test_an_empty_list_of_api_keys_is_refused():
+    from pydantic import ValidationError
+
+    from stallfree.config import ServerConfig
+
+    with pytest.raises(ValidationError, match="list of API keys is empty"):
+        ServerConfig(api_key=[])
+    with pytest.raises(ValidationError, match="API key is empty"):
+        ServerConfig(api_key=["ok", ""])
