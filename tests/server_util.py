@@ -31,9 +31,9 @@ class Live:
 
 @contextlib.asynccontextmanager
 async def serving(model: str, api_key: str | None = None, **sections: Any) -> AsyncIterator[Live]:
-    server = sections.setdefault("server", {})
-    server.setdefault("api_key", api_key)
-    server.update(served_model_name="test-model")
+    section = sections.setdefault("server", {})
+    section.setdefault("api_key", api_key)
+    section["served_model_name"] = "test-model"
     engine = Engine(engine_config(model, **sections))
     server = await start_server(create_app(engine))
     client = AsyncOpenAI(base_url=server.url + "/v1", api_key=api_key or "unused", max_retries=0)

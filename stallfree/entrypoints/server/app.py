@@ -73,9 +73,7 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
         title="stallfree", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     lifecycle = Lifecycle()
-    app.state.sf = ServerState(
-        engine, cfg.server.model_name(cfg.model.path), cfg.server.api_keys, cfg.server, lifecycle
-    )
+    app.state.sf = ServerState(engine, cfg.server.model_name(cfg.model.path), cfg.server, lifecycle)
     _install_error_handlers(app)
     app.include_router(open_routes())
     # the API key is checked by the Guard on the request head, before any body is read

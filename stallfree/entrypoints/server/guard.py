@@ -5,10 +5,11 @@ In order, for each request it:
 1. gives the request an id (`x-request-id` on the answer, and in every log line about it);
 2. refuses a request that carries both `Content-Length` and `Transfer-Encoding` (400), and a
    `Host` outside `server.allowed_hosts` when that is set (400);
-3. for API routes (everything but `/health` and `/metrics`): with `server.api_key` set (one key or several), refuses
-   a request without one of the keys (401, `Connection: close`) on its head alone, before it is counted
-   or a byte of its body is read; refuses new requests while the server drains (503) and past
-   `server.max_concurrent_requests` in progress (503 with `Retry-After`);
+3. for API routes (everything but `/health` and `/metrics`): with `server.api_key` set (one key
+   or several), refuses a request without one of the keys (401, `Connection: close`) on its head
+   alone, before it is counted or a byte of its body is read; refuses new requests while the
+   server drains (503) and past `server.max_concurrent_requests` in progress (503 with
+   `Retry-After`);
 4. refuses a body over `server.max_body_bytes` (413): at once from `Content-Length`, or while
    counting a chunked body; and a body that does not arrive within `server.body_timeout_s`
    (408). The body is read here and handed on whole, so the app never reads an unbounded one;

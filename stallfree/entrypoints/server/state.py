@@ -51,7 +51,6 @@ class Lifecycle:
 class ServerState:
     engine: Engine
     model_name: str
-    api_keys: tuple[str, ...]
     limits: ServerConfig
     lifecycle: Lifecycle
     # a disaggregated role (entrypoints/server/disagg.py `Disaggregated`), or None
