@@ -20,6 +20,7 @@ from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    InfoMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
@@ -41,6 +42,7 @@ from stallfree.metrics.names import (
     SPEC_DECODE_PER_POS,
     STALL_SITES,
 )
+from stallfree.metrics.operator import config_info_labels
 from stallfree.runtime.telemetry.observer import MetricsExporter
 from stallfree.runtime.telemetry.stats import EngineSnapshot, SparseStats, SpecStats
 
@@ -63,8 +65,11 @@ class EngineMetrics(MetricsExporter):
         snapshot: SnapshotSource,
         registry: CollectorRegistry | None = None,
         max_model_len: int = 0,
+        info: Mapping[str, str] | None = None,
     ) -> None:
         self.labels = (model_name, engine_label)
+        # the info metric's labels (`operator.config_info_labels`); none: no info metric
+        self.info = dict(info or {})
         self.snapshot = snapshot
         self.registry = registry if registry is not None else CollectorRegistry()
         self.ttft = FastHistogram(TTFT_BUCKETS)
@@ -88,7 +93,9 @@ class EngineMetrics(MetricsExporter):
     def for_config(cls, config: StallfreeConfig, snapshot: SnapshotSource) -> EngineMetrics:
         name = config.server.model_name(config.model.path)
         label = config.metrics.engine_label or str(next(_engine_ids))
-        return cls(name, label, snapshot, max_model_len=snapshot().max_context_len)
+        snap = snapshot()
+        info = config_info_labels(config, snap)
+        return cls(name, label, snapshot, max_model_len=snap.max_context_len, info=info)
 
     def render(self) -> bytes:
         """The registry in the Prometheus text format."""
@@ -208,6 +215,12 @@ def _families(m: EngineMetrics) -> Iterator[Metric]:
     yield from _hisparse_metrics(snap.sparse or SparseStats(), labels)
     yield from _spec_metrics(snap.spec, labels)
     yield from _worker_metrics(snap, labels)
+    if m.info:
+        info = InfoMetricFamily(
+            PREFIX + "config", "The engine's version and configuration.", labels=BASE_LABELS
+        )
+        info.add_metric(labels, m.info)
+        yield info
 
 
 def _gauge(name: str, doc: str, labels: list[str], value: float) -> GaugeMetricFamily:

@@ -29,3 +29,14 @@ SPEC_DECODE_FAMILIES = (
     "spec_decode_requests_disabled",
     SPEC_DECODE_PER_POS,
 )
+# Why the server refused a request (`http_refusals_total{reason}`), each exported at 0 from the
+# start: too many in progress or a full queue; draining; a body over the limit; a body that did
+# not arrive in time; no valid API key; anything else the client must change (a 4xx).
+REFUSAL_REASONS = (
+    "overloaded",
+    "shutting_down",
+    "body_too_large",
+    "timeout",
+    "unauthorized",
+    "invalid_request",
+)

@@ -143,6 +143,7 @@ class EngineCore:
             max_context_len=self.max_context_len,
             workers=self._workers(),
             spec=self._spec_stats(),
+            dtype=str(self.dtype).removeprefix("torch."),
         )
 
     def _spec_stats(self) -> SpecStats | None:

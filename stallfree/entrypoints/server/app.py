@@ -21,12 +21,15 @@ from stallfree.entrypoints.server.errors import (
     describe_validation,
     error_json,
     from_invalid_request,
+    refusal_reason,
 )
 from stallfree.entrypoints.server.guard import Guard
 from stallfree.entrypoints.server.protocol import ErrorInfo
 from stallfree.entrypoints.server.routes import api_routes, open_routes
 from stallfree.entrypoints.server.screening import close_screening
 from stallfree.entrypoints.server.state import Lifecycle, ServerState
+from stallfree.metrics.engine_metrics import EngineMetrics
+from stallfree.metrics.operator import ServerMetrics
 from stallfree.runtime.engine import Engine
 from stallfree.runtime.request.errors import InvalidRequestError
 
@@ -73,36 +76,56 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
         title="stallfree", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     lifecycle = Lifecycle()
-    app.state.sf = ServerState(engine, cfg.server.model_name(cfg.model.path), cfg.server, lifecycle)
-    _install_error_handlers(app)
+    exporter = engine.metrics
+    metrics = (
+        ServerMetrics(exporter.registry, exporter.labels, engine.max_context_len)
+        if isinstance(exporter, EngineMetrics)
+        else None
+    )
+    app.state.sf = ServerState(
+        engine, cfg.server.model_name(cfg.model.path), cfg.server, lifecycle, metrics=metrics
+    )
+    _install_error_handlers(app, metrics)
     app.include_router(open_routes())
     # the API key is checked by the Guard on the request head, before any body is read
     app.include_router(api_routes())
     if cfg.disaggregation.enabled:
         app.include_router(disagg_routes())
-    app.add_middleware(Guard, limits=cfg.server, lifecycle=lifecycle)
+    app.add_middleware(Guard, limits=cfg.server, lifecycle=lifecycle, metrics=metrics)
+    if metrics is not None:
+        # outermost: the HTTP families see the Guard's own answers (401, 413, 503) too
+        metrics.instrument(app)
     return app
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _install_error_handlers(app: FastAPI, metrics: ServerMetrics | None) -> None:
+    def counted(status: int, info: ErrorInfo) -> None:
+        reason = refusal_reason(status, info.code)
+        if metrics is not None and reason is not None:
+            metrics.refused(reason)
+
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
+        counted(exc.status, exc.info)
         return api_error_json(exc)
 
     async def invalid_request(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, InvalidRequestError)
-        return api_error_json(from_invalid_request(exc))
+        err = from_invalid_request(exc)
+        counted(err.status, err.info)
+        return api_error_json(err)
 
     async def validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         message, param = describe_validation(exc.errors())
-        return error_json(
-            400, ErrorInfo(message=message, type="invalid_request_error", param=param)
-        )
+        info = ErrorInfo(message=message, type="invalid_request_error", param=param)
+        counted(400, info)
+        return error_json(400, info)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         info = ErrorInfo(message=str(exc.detail), type="invalid_request_error")
+        counted(exc.status_code, info)
         return error_json(exc.status_code, info)
 
     app.add_exception_handler(ApiError, api_error)

@@ -56,6 +56,24 @@ class AsciiJSONResponse(JSONResponse):
         ).encode()
 
 
+def refusal_reason(status: int, code: str | None) -> str | None:
+    """The reason `http_refusals_total` counts a refusal under (`metrics.names.REFUSAL_REASONS`);
+    None for an answer that is not a refusal (the server's own failures, 5xx)."""
+    if code == "shutting_down":
+        return "shutting_down"
+    if code in ("overloaded", "engine_busy"):
+        return "overloaded"
+    if status == 413:
+        return "body_too_large"
+    if status == 408:
+        return "timeout"
+    if status == 401:
+        return "unauthorized"
+    if 400 <= status < 500:
+        return "invalid_request"
+    return None
+
+
 def error_body(info: ErrorInfo) -> bytes:
     return json.dumps(ErrorResponse(error=info).model_dump(), separators=(",", ":")).encode()
 

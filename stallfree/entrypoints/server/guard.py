@@ -13,7 +13,8 @@ In order, for each request it:
 4. refuses a body over `server.max_body_bytes` (413): at once from `Content-Length`, or while
    counting a chunked body; and a body that does not arrive within `server.body_timeout_s`
    (408). The body is read here and handed on whole, so the app never reads an unbounded one;
-5. turns any exception that escapes the app into a JSON 500 naming the request id, and logs it.
+5. counts each refusal by reason (`http_refusals_total`) when metrics are on;
+6. turns any exception that escapes the app into a JSON 500 naming the request id, and logs it.
 
 A refusal is a JSON body in the OpenAI error shape; refusals that leave unread bytes on the
 connection (or come while draining) also close it.
@@ -30,9 +31,16 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stallfree.config.settings import ServerConfig
-from stallfree.entrypoints.server.errors import ApiError, error_body, internal_error, overloaded
+from stallfree.entrypoints.server.errors import (
+    ApiError,
+    error_body,
+    internal_error,
+    overloaded,
+    refusal_reason,
+)
 from stallfree.entrypoints.server.protocol import ErrorInfo
 from stallfree.entrypoints.server.state import Lifecycle
+from stallfree.metrics.operator import ServerMetrics
 
 logger = logging.getLogger("stallfree.server")
 
@@ -48,10 +56,17 @@ class _Refused(Exception):
 
 
 class Guard:
-    def __init__(self, app: ASGIApp, limits: ServerConfig, lifecycle: Lifecycle) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        limits: ServerConfig,
+        lifecycle: Lifecycle,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
         self.app = app
         self.limits = limits
         self.lifecycle = lifecycle
+        self.metrics = metrics
         self.api_keys = tuple(k.encode() for k in limits.api_keys)
         hosts = limits.allowed_hosts
         self.allowed_hosts = (
@@ -93,9 +108,11 @@ class Guard:
                 receive = _replay(body, receive)
             await self.app(scope, receive, send_with_id)
         except _Refused as refused:
+            self._count(refused.status, refused.info.code)
             if not started:
                 await _answer(send_with_id, refused.status, refused.info, refused.close)
         except ApiError as err:
+            self._count(err.status, err.info.code)
             if not started:
                 close = "connection" in {k.lower() for k in err.headers}
                 extra = [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
@@ -108,6 +125,11 @@ class Guard:
         finally:
             if counted:
                 lifecycle.in_flight -= 1
+
+    def _count(self, status: int, code: str | None) -> None:
+        reason = refusal_reason(status, code)
+        if self.metrics is not None and reason is not None:
+            self.metrics.refused(reason)
 
     def _check_head(self, scope: Scope, probe: bool) -> int | None:
         """Check the request line and headers; the body's declared length (None: chunked)."""

@@ -302,6 +302,7 @@ async def completions(request: Request) -> Response:
     each = [params[i % n] for i in range(len(fanned))]
     rids = [f"{rid}-{i}" for i in range(len(fanned))]
     generation = await Generation.admit(ctx, fanned, each, rids)
+    state.observe_params(n, max_tokens)
     return await _respond(request, generation, body.stream, answer)
 
 
@@ -434,4 +435,5 @@ async def chat(request: Request) -> Response:
     )
     rids = [f"{rid}-{i}" for i in range(n)]
     generation = await Generation.admit(ctx, [ids] * n, params, rids)
+    state.observe_params(n, most)
     return await _respond(request, generation, body.stream, answer)

@@ -106,8 +106,9 @@ def _model_card(request: Request) -> ModelCard:
 
 
 async def generate(body: GenerateRequest, request: Request) -> Response:
-    engine = server_state(request).engine
-    if server_state(request).disagg is not None:
+    state = server_state(request)
+    engine = state.engine
+    if state.disagg is not None:
         raise ApiError(
             400,
             "a disaggregated server serves /v1/completions and /v1/chat/completions, "
@@ -169,4 +170,5 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         if err.info.param in SamplingParams.model_fields:
             err.info.param = f"sampling_params.{err.info.param}"
         raise
+    state.observe_params(1, params.max_new_tokens)
     return await respond(request, generation, body.stream, events, whole)

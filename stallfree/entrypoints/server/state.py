@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from fastapi import Request
 
 from stallfree.config.settings import ServerConfig
+from stallfree.metrics.operator import ServerMetrics
 from stallfree.runtime.engine import Engine
 
 
@@ -55,6 +56,13 @@ class ServerState:
     lifecycle: Lifecycle
     # a disaggregated role (entrypoints/server/disagg.py `Disaggregated`), or None
     disagg: Any = None
+    # the server's Prometheus families (refusals, request parameters); None with metrics off
+    metrics: ServerMetrics | None = None
+
+    def observe_params(self, n: int, max_tokens: int) -> None:
+        """A request's `n` and `max_tokens`, for vLLM's `request_params_*` histograms."""
+        if self.metrics is not None:
+            self.metrics.observe_params(n, max_tokens)
 
 
 def server_state(request: Request) -> ServerState:

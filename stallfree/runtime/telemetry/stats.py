@@ -166,6 +166,7 @@ class EngineSnapshot:
     workers: tuple[WorkerRankStats, ...] = ()
     # speculative decoding's figures; None when it is off
     spec: SpecStats | None = None
+    dtype: str = ""  # the weights' dtype as loaded ("bfloat16"); "" when unknown
 
 
 @dataclass(frozen=True, slots=True)
