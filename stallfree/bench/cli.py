@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from stallfree.bench.flags import DESCRIPTION, ENDPOINTS, add_bench_arguments
+from stallfree.bench.flags import (
+    DESCRIPTION,
+    ENDPOINTS,
+    UsageError,
+    add_bench_arguments,
+    check_arrival_flags,
+)
 from stallfree.bench.report import (
     PlotUnavailableError,
     check_plot_available,
@@ -36,6 +42,7 @@ from stallfree.bench.runner import (
     url_targets,
     worker_modes,
 )
+from stallfree.bench.slo import detailed_lists, print_figures, run_figures
 from stallfree.bench.targets import TargetError
 from stallfree.bench.workloads import WorkloadError, WorkloadSpec, build_requests
 from stallfree.entrypoints.spec_flags import SPEC_DEST
@@ -48,10 +55,6 @@ if TYPE_CHECKING:
 # what the bench imports beyond the base install (its extra also brings the server's and
 # matplotlib, which --plot checks for itself)
 BENCH_MODULES = ("rich", "httpx", "numpy")
-
-
-class UsageError(ValueError):
-    """A bad combination of flags."""
 
 
 def _resolve_vllm_flags(args: argparse.Namespace) -> None:
@@ -159,6 +162,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError("--warmup-requests must be >= 0")
     if not 0.0 <= args.random_range_ratio <= 1.0:
         raise UsageError("--random-range-ratio must be within [0, 1]")
+    check_arrival_flags(args)
     if args.plot:
         check_plot_available()
 
@@ -211,11 +215,15 @@ def _workload(args: argparse.Namespace) -> WorkloadSpec:
         prefix_groups=args.prefix_groups,
         prefix_len=args.prefix_len,
         seed=args.seed,
+        custom_output_len=args.custom_output_len,
+        sonnet_input_len=args.sonnet_input_len,
+        sonnet_output_len=args.sonnet_output_len,
+        sonnet_prefix_len=args.sonnet_prefix_len,
     )
 
 
 def _tokenize(args: argparse.Namespace) -> Any:
-    if args.workload != "sharegpt":
+    if args.workload not in ("sharegpt", "custom", "sonnet"):
         return None
     from stallfree.runtime.model.loader import load_tokenizer
 
@@ -224,7 +232,7 @@ def _tokenize(args: argparse.Namespace) -> Any:
         return load_tokenizer(source).encode
     except (ValueError, OSError) as exc:
         raise WorkloadError(
-            f"cannot load tokenizer {source!r} for ShareGPT lengths: {exc}"
+            f"cannot load tokenizer {source!r} for {args.workload} prompt lengths: {exc}"
         ) from None
 
 
@@ -291,7 +299,7 @@ def _model_id(results: list[RunResult]) -> str | None:
 
 
 def _backend(args: argparse.Namespace) -> str:
-    """The API the bench drove: openai or openai-chat over HTTP, stallfree in process."""
+    """The API the bench drove: openai, openai-chat or sglang over HTTP, stallfree in process."""
     if args.base_url or args.target == "http":
         return str(args.backend or "openai")
     return "stallfree"
@@ -300,29 +308,41 @@ def _backend(args: argparse.Namespace) -> str:
 def _vllm_header(args: argparse.Namespace, results: list[RunResult]) -> dict[str, Any]:
     """The settings `vllm bench serve` puts first in its result file, under its names."""
     model = _model_id(results)
-    return {
+    header = {
         "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": _backend(args),
         "endpoint_type": _backend(args),
+        "label": args.label or _backend(args),
         "model_id": model,
         "tokenizer_id": args.tokenizer or model,
         "num_prompts": args.num_prompts,
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
-        "burstiness": 1.0,  # Poisson arrivals, vLLM's burstiness 1
+        "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
     }
+    if args.ramp_up_strategy is not None:
+        header["ramp_up_strategy"] = args.ramp_up_strategy
+        header["ramp_up_start_rps"] = args.ramp_up_start_rps
+        header["ramp_up_end_rps"] = args.ramp_up_end_rps
+    return {**header, **dict(args.metadata or [])}
 
 
 def result_path(args: argparse.Namespace, header: dict[str, Any]) -> Path:
     """Where `--save-result` writes: `--result-dir` / `--result-filename`, or vLLM's name
-    `BACKEND-RATEqps[-concurrencyN]-MODEL-DATE.json`."""
+    `LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json` (LABEL: --label, else the backend; with a
+    ramp-up, `LABEL-ramp-up-STRATEGY-STARTqps-ENDqps...`)."""
     name = args.result_filename
     if not name:
         concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
         model = str(header["model_id"] or "model").rstrip("/").split("/")[-1]
-        name = (
-            f"{header['backend']}-{args.request_rate}qps{concurrency}-{model}-{header['date']}.json"
-        )
+        rate = f"{args.request_rate}qps"
+        if args.ramp_up_strategy is not None:
+            rate = (
+                f"ramp-up-{args.ramp_up_strategy}-{args.ramp_up_start_rps}qps-"
+                f"{args.ramp_up_end_rps}qps"
+            )
+        label = args.label or header["backend"]
+        name = f"{label}-{rate}{concurrency}-{model}-{header['date']}.json"
     directory = Path(args.result_dir or ".")
     directory.mkdir(parents=True, exist_ok=True)
     return directory / name
@@ -352,6 +372,10 @@ async def _bench(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
         seed=args.seed,
+        burstiness=args.burstiness,
+        ramp_up=None
+        if args.ramp_up_strategy is None
+        else (args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps),
     )
     from rich.console import Console  # the bench extra; run_bench checked it is there
 
@@ -360,6 +384,8 @@ async def _bench(args: argparse.Namespace) -> int:
     results = await run_modes(modes, open_target, requests, rs, progress, args.repeats)
     title = _title(args, info, results)
     print_table(results, title)
+    figures = [_figures(args, r) for r in results]
+    print_figures(Console(width=None if Console().is_terminal else 200), results, figures)
     config = {
         "command": "stallfree bench",
         "arguments": {
@@ -379,16 +405,22 @@ async def _bench(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
     }
     header = _vllm_header(args, results)
+    detailed = detailed_lists(results[0]) if args.save_detailed and len(results) == 1 else None
     outputs = [args.output_json] if args.output_json else []
     if args.save_result:
         outputs.append(str(result_path(args, header)))
     for path in outputs:
-        write_json(path, results, config, header)
+        write_json(path, results, config, header, lambda r: _figures(args, r), detailed)
         err.print(f"wrote {path}")
     if args.plot:
         write_plot(args.plot, results, title)
         err.print(f"wrote {args.plot}")
     return 1 if all(x.summary.completed == 0 for r in results for x in r.runs) else 0
+
+
+def _figures(args: argparse.Namespace, result: RunResult) -> dict[str, Any]:
+    slos = None if args.goodput is None else dict(args.goodput)
+    return run_figures(result, slos, args.percentile_metrics, args.metric_percentiles)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -7,6 +7,14 @@ import argparse
 import math
 
 from stallfree.bench.runner import MODE_KEYS
+from stallfree.bench.slo import (
+    DEFAULT_METRIC_PERCENTILES,
+    DEFAULT_PERCENTILE_METRICS,
+    goodput_item,
+    metadata_item,
+    metric_percentiles,
+    percentile_metrics,
+)
 from stallfree.entrypoints.flags import add_engine_flags
 from stallfree.entrypoints.spec_flags import add_speculative_flags
 
@@ -14,8 +22,12 @@ DESCRIPTION = """Load-test a stallfree engine (in process or over HTTP) or any O
 server. With --compare, run the same seeded workload in each overlap mode and print one table
 with a column per mode and each figure's ratio to the first (baseline) mode."""
 
-BACKENDS = ("openai", "openai-chat", "vllm")
-ENDPOINTS = {"/v1/completions": "openai", "/v1/chat/completions": "openai-chat"}
+BACKENDS = ("openai", "openai-chat", "vllm", "sglang")
+ENDPOINTS = {
+    "/v1/completions": "openai",
+    "/v1/chat/completions": "openai-chat",
+    "/generate": "sglang",
+}
 # `--workload` names and the `--dataset-name` spellings of `vllm bench serve` for the same sets
 _WORKLOADS = {
     "random": "random",
@@ -23,7 +35,38 @@ _WORKLOADS = {
     "shared-prefix": "shared-prefix",
     "prefix": "shared-prefix",
     "prefix_repetition": "shared-prefix",
+    "custom": "custom",
+    "sonnet": "sonnet",
 }
+
+
+class UsageError(ValueError):
+    """A bad combination of flags."""
+
+
+def check_arrival_flags(args: argparse.Namespace) -> None:
+    """--burstiness and the ramp-up flags, checked as `vllm bench serve` checks them."""
+    if not args.burstiness > 0:
+        raise UsageError(f"--burstiness must be positive (got {args.burstiness})")
+    if args.ramp_up_strategy is None:
+        if args.ramp_up_start_rps is not None or args.ramp_up_end_rps is not None:
+            raise UsageError("--ramp-up-start-rps and --ramp-up-end-rps need --ramp-up-strategy")
+        return
+    if not math.isinf(args.request_rate):
+        raise UsageError(
+            "When using ramp-up, do not specify --request-rate. The request rate will be "
+            "controlled by ramp-up parameters. Please remove the --request-rate argument."
+        )
+    start, end = args.ramp_up_start_rps, args.ramp_up_end_rps
+    if start is None or end is None:
+        raise UsageError(
+            "When using --ramp-up-strategy, both --ramp-up-start-rps and --ramp-up-end-rps "
+            "must be specified"
+        )
+    if start <= 0 or end <= 0 or math.isinf(start) or math.isinf(end):
+        raise UsageError("Ramp-up start and end RPS must be positive and finite")
+    if start > end:
+        raise UsageError("Ramp-up start RPS must be less than end RPS")
 
 
 def _workload_name(text: str) -> str:
@@ -85,8 +128,8 @@ def _add_target_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--backend",
         choices=BACKENDS,
         help="the API driven over HTTP: openai (and vllm) stream /v1/completions, openai-chat "
-        "streams /v1/chat/completions (default: openai; without --base-url it picks "
-        "--target http)",
+        "streams /v1/chat/completions, sglang streams SGLang's native /generate (stallfree "
+        "serves it too) (default: openai; without --base-url it picks --target http)",
     )
     target.add_argument(
         "--endpoint",
@@ -168,11 +211,37 @@ def _add_dataset_flags(w: argparse._ArgumentGroup) -> None:
         "--dataset-name",
         type=_workload_name,
         default="random",
-        metavar="{random,sharegpt,shared-prefix}",
-        help="the requests; vLLM's --dataset-name prefix and prefix_repetition mean shared-prefix",
+        metavar="{random,sharegpt,shared-prefix,custom,sonnet}",
+        help="the requests (default: random); vLLM's --dataset-name prefix and "
+        "prefix_repetition mean shared-prefix",
     )
     w.add_argument(
-        "--dataset-path", help="ShareGPT JSON file for --workload sharegpt (default: none)"
+        "--dataset-path",
+        help="ShareGPT JSON file for sharegpt, JSON lines file for custom, poem text for sonnet "
+        "(default: none; sonnet: the Shakespeare sonnets built in)",
+    )
+    w.add_argument(
+        "--custom-output-len",
+        type=int,
+        help='custom: output tokens of a line without "output_tokens" (default: --output-len)',
+    )
+    w.add_argument(
+        "--sonnet-input-len",
+        type=int,
+        default=550,
+        help="sonnet: most prompt tokens per request (default: 550)",
+    )
+    w.add_argument(
+        "--sonnet-output-len",
+        type=int,
+        default=150,
+        help="sonnet: output tokens per request (default: 150)",
+    )
+    w.add_argument(
+        "--sonnet-prefix-len",
+        type=int,
+        default=200,
+        help="sonnet: tokens of the prefix every prompt shares (default: 200)",
     )
     w.add_argument(
         "--tokenizer",
@@ -236,7 +305,32 @@ def _add_arrival_flags(w: argparse._ArgumentGroup) -> None:
         "--request-rate",
         type=float,
         default=math.inf,
-        help="Poisson arrivals per second (inf: all at once)",
+        help="arrivals per second, Poisson unless --burstiness says otherwise (default: inf, "
+        "all at once)",
+    )
+    w.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="with a finite --request-rate or a ramp-up: gaps between arrivals are gamma "
+        "distributed with this shape, scale 1/(rate*burstiness); 1 is Poisson, lower is "
+        "burstier, higher steadier (default: 1.0)",
+    )
+    w.add_argument(
+        "--ramp-up-strategy",
+        choices=["linear", "exponential"],
+        help="raise the request rate over the run from --ramp-up-start-rps to "
+        "--ramp-up-end-rps, instead of --request-rate (default: none, a fixed rate)",
+    )
+    w.add_argument(
+        "--ramp-up-start-rps",
+        type=float,
+        help="the rate at the first request, with --ramp-up-strategy (default: none)",
+    )
+    w.add_argument(
+        "--ramp-up-end-rps",
+        type=float,
+        help="the rate at the last request, with --ramp-up-strategy (default: none)",
     )
     w.add_argument(
         "--max-concurrency", type=int, help="most requests in flight at once (default: no cap)"
@@ -275,6 +369,48 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
         "--result-filename",
         help="file name for --save-result (default: "
         "BACKEND-RATEqps[-concurrencyN]-MODEL-YYYYmmdd-HHMMSS.json)",
+    )
+    out.add_argument(
+        "--goodput",
+        nargs="+",
+        type=goodput_item,
+        metavar="KEY:MS",
+        help="service level objectives, from ttft:MS tpot:MS e2el:MS: request_goodput counts "
+        "the requests per second meeting all given (default: none, no goodput)",
+    )
+    out.add_argument(
+        "--percentile-metrics",
+        type=percentile_metrics,
+        default=percentile_metrics(DEFAULT_PERCENTILE_METRICS),
+        metavar="METRICS",
+        help="comma list from ttft, tpot, itl, e2el whose --metric-percentiles are reported "
+        f"(default: {DEFAULT_PERCENTILE_METRICS})",
+    )
+    out.add_argument(
+        "--metric-percentiles",
+        type=metric_percentiles,
+        default=metric_percentiles(DEFAULT_METRIC_PERCENTILES),
+        metavar="PERCENTILES",
+        help="comma list of percentiles, e.g. 50,90,99.9, written as p50_ttft_ms, ... "
+        f"(default: {DEFAULT_METRIC_PERCENTILES})",
+    )
+    out.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="add vLLM's per-request lists to the result: ttfts, itls, input_lens, output_lens, "
+        "errors, generated_texts (default: off)",
+    )
+    out.add_argument(
+        "--metadata",
+        nargs="+",
+        type=metadata_item,
+        metavar="KEY=VALUE",
+        help="pairs written into the result file as they are (default: none)",
+    )
+    out.add_argument(
+        "--label",
+        help="a name stored as label in the result, and the first part of the --save-result "
+        "file name (default: the backend)",
     )
     out.add_argument(
         "--plot",

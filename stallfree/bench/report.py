@@ -230,7 +230,9 @@ def print_table(results: list[RunResult], title: str, console: Console | None = 
 
 
 def _request_dict(record: RequestRecord) -> dict[str, Any]:
-    return {**asdict(record), "tpot": record.tpot}
+    out = {**asdict(record), "tpot": record.tpot}
+    out.pop("generated_text")  # the texts go in --save-detailed's `generated_texts` only
+    return out
 
 
 # vLLM's name of each latency that `vllm bench serve` and this bench both measure
@@ -270,20 +272,31 @@ def _summary_json(s: RunSummary) -> dict[str, Any]:
     return {**asdict(s), **vllm_figures(s)}
 
 
+Extras = Callable[[RunResult], dict[str, Any]]
+
+
 def to_json(
-    results: list[RunResult], config: dict[str, Any], header: dict[str, Any] | None = None
+    results: list[RunResult],
+    config: dict[str, Any],
+    header: dict[str, Any] | None = None,
+    extras: Extras | None = None,
+    detailed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`runs[]` has one entry per mode: its figures (the medians, with several repeats) and
     `repeats[]`, every run behind them in full; a single run also keeps `requests` there.
 
     `header` (vLLM's `date`, `backend`, `model_id`, ...) goes first. With a single mode its
-    figures are at the top level too, under vLLM's names, as `vllm bench serve` writes them."""
+    figures are at the top level too, under vLLM's names, as `vllm bench serve` writes them.
+    `extras(run)` adds figures (goodput, chosen percentiles) to every summary and to the top
+    with it; `detailed` (per-request lists) goes at the top."""
     from stallfree import __version__
 
     repeats = max(len(r.runs) for r in results)
     top = dict(header or {})
     if len(results) == 1:
         top.update(vllm_figures(results[0].summary))
+        top.update(extras(results[0]) if extras else {})
+        top.update(detailed or {})
     return {
         **top,
         "stallfree_version": __version__,
@@ -292,32 +305,34 @@ def to_json(
         "baseline": results[0].mode,
         "repeats": repeats,
         "aggregate": "median",
-        "runs": [_mode_json(r, results, repeats) for r in results],
+        "runs": [_mode_json(r, results, repeats, extras) for r in results],
     }
 
 
-def _mode_json(r: RunResult, results: list[RunResult], repeats: int) -> dict[str, Any]:
+def _mode_json(
+    r: RunResult, results: list[RunResult], repeats: int, extras: Extras | None
+) -> dict[str, Any]:
     out = {
         "mode": r.mode,
         "settings": r.settings,
-        "summary": _summary_json(r.summary),
+        "summary": {**_summary_json(r.summary), **(extras(r) if extras else {})},
         "stallfree": None if r.stallfree is None else asdict(r.stallfree),
         "ratios_to_baseline": _ratios(r, results[0], results),
         "errors": r.errors,
-        "repeats": [_run_json(x) for x in r.runs],
+        "repeats": [_run_json(x, extras) for x in r.runs],
     }
     if repeats == 1:
         out["requests"] = [_request_dict(x) for x in r.requests]
     return out
 
 
-def _run_json(r: RunResult) -> dict[str, Any]:
+def _run_json(r: RunResult, extras: Extras | None = None) -> dict[str, Any]:
     return {
         "repeat": r.repeat,
         "sequence": r.sequence,
         "started_at": r.started_at,
         "finished_at": r.finished_at,
-        "summary": _summary_json(r.summary),
+        "summary": {**_summary_json(r.summary), **(extras(r) if extras else {})},
         "stallfree": None if r.stallfree is None else asdict(r.stallfree),
         "errors": r.errors,
         "requests": [_request_dict(x) for x in r.requests],
@@ -337,8 +352,11 @@ def write_json(
     results: list[RunResult],
     config: dict[str, Any],
     header: dict[str, Any] | None = None,
+    extras: Extras | None = None,
+    detailed: dict[str, Any] | None = None,
 ) -> None:
-    Path(path).write_text(json.dumps(to_json(results, config, header), indent=2) + "\n")
+    data = to_json(results, config, header, extras, detailed)
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def check_plot_available() -> None:

@@ -28,6 +28,7 @@ class RequestRecord:
     ttft: float | None = None
     e2e: float | None = None
     itls: list[float] = field(default_factory=list)
+    generated_text: str = ""  # kept for --save-detailed; not in each request's JSON entry
 
     @property
     def tpot(self) -> float | None:

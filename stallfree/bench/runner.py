@@ -117,6 +117,8 @@ class RunSettings:
     ignore_eos: bool = False
     temperature: float = 0.0
     seed: int = 0
+    burstiness: float = 1.0
+    ramp_up: tuple[str, float, float] | None = None  # (strategy, start rps, end rps)
 
 
 class ProgressSink(Protocol):
@@ -239,7 +241,9 @@ async def _send_all(
 
     tasks = []
     for req, offset in zip(
-        requests, arrival_offsets(len(requests), rs.request_rate, rs.seed), strict=True
+        requests,
+        arrival_offsets(len(requests), rs.request_rate, rs.seed, rs.burstiness, rs.ramp_up),
+        strict=True,
     ):
         delay = start + offset - time.perf_counter()
         if delay > 0:

@@ -100,6 +100,7 @@ class InProcessTarget:
             async for chunk in self.engine.generate(req.prompt, params):
                 if chunk.token_ids:
                     timer.content()
+                record.generated_text += chunk.text
                 if chunk.finished:
                     record.finish_reason = chunk.finish_reason
                     record.input_tokens = chunk.prompt_tokens
@@ -228,9 +229,10 @@ class HttpTarget:
                 record.error = _error_message(json.dumps(event))
                 continue
             for choice in event.get("choices") or []:
-                if self._text(choice):
+                if text := self._text(choice):
                     timer.content()
                     chunks += 1
+                    record.generated_text += str(text)
                 if choice.get("finish_reason"):
                     record.finish_reason = choice["finish_reason"]
             usage = event.get("usage")
@@ -295,6 +297,84 @@ class ChatHttpTarget(HttpTarget):
         return delta.get("content") if isinstance(delta, dict) else None
 
 
+class SGLangTarget(HttpTarget):
+    """SGLang's native `POST /generate` (stallfree serves it too), streamed: `text` (or
+    `input_ids` for token-id prompts) and `sampling_params`; each SSE event carries `text`
+    and `meta_info` (`prompt_tokens`, `completion_tokens`, `finish_reason`), and `[DONE]`
+    ends the stream. SGLang sends the text so far in each event, stallfree only the new text;
+    both count completion tokens in `meta_info`, so a token event is one where that count
+    grows (or, without it, where the text grows)."""
+
+    backend = "sglang"
+    path = "/generate"
+
+    async def start(self) -> None:
+        import httpx
+
+        self.client = httpx.AsyncClient(**self._client_args)
+        try:
+            resp = await self.client.get("/v1/models")  # the model's name, for the record
+        except httpx.HTTPError as exc:
+            await self.stop()
+            raise TargetError(f"cannot reach {self.root}: {_describe(exc)}") from None
+        if self.model is None:
+            self.model = _first_model(resp)  # /generate needs none
+
+    def _body(self, req: BenchRequest, opts: RequestOptions) -> dict[str, Any]:
+        prompt_key = "text" if isinstance(req.prompt, str) else "input_ids"
+        return {
+            prompt_key: req.prompt,
+            "sampling_params": {
+                "max_new_tokens": min(req.output_len, opts.max_tokens or req.output_len),
+                "temperature": opts.temperature,
+                "ignore_eos": opts.ignore_eos,
+            },
+            "stream": True,
+        }
+
+    async def _read_stream(self, resp: httpx.Response, record: RequestRecord, timer: _Timer) -> int:
+        chunks, tokens = 0, 0
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                record.error = _error_message(json.dumps(event))
+                continue
+            meta = event.get("meta_info") or {}
+            text = str(event.get("text") or "")
+            new_text = _new_text(record.generated_text, text)
+            count = meta.get("completion_tokens")
+            if count is not None:
+                grew = int(count) > tokens
+                tokens = max(tokens, int(count))
+            else:
+                grew = bool(new_text)
+            if grew:
+                timer.content()
+                chunks += 1
+            record.generated_text += new_text
+            if "prompt_tokens" in meta:
+                record.input_tokens = int(meta["prompt_tokens"])
+            reason = meta.get("finish_reason")
+            if isinstance(reason, dict):  # SGLang: {"type": "length", "length": 8}
+                reason = reason.get("type")
+            if reason:
+                record.finish_reason = str(reason)
+        record.output_tokens = tokens
+        return chunks
+
+
+def _new_text(so_far: str, text: str) -> str:
+    """The part of an event's `text` not seen yet: SGLang's events repeat the text so far."""
+    if so_far and len(text) > len(so_far) and text.startswith(so_far):
+        return text[len(so_far) :]
+    return text
+
+
 def http_target(
     backend: str | None,
     base_url: str,
@@ -302,8 +382,8 @@ def http_target(
     api_key: str | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> HttpTarget:
-    """The target for `--backend`: openai (also vllm, and the default) or openai-chat."""
-    cls = ChatHttpTarget if backend == "openai-chat" else HttpTarget
+    """The target for `--backend`: openai (also vllm, and the default), openai-chat or sglang."""
+    cls = {"openai-chat": ChatHttpTarget, "sglang": SGLangTarget}.get(backend or "", HttpTarget)
     return cls(base_url, model, api_key, transport=transport)
 
 

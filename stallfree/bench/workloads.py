@@ -30,7 +30,7 @@ class BenchRequest:
 
 @dataclass(slots=True)
 class WorkloadSpec:
-    kind: str = "random"  # random | sharegpt | shared-prefix
+    kind: str = "random"  # random | sharegpt | shared-prefix | custom | sonnet
     num_prompts: int = 200
     input_len: int = 256
     output_len: int = 128
@@ -41,6 +41,10 @@ class WorkloadSpec:
     prefix_len: int = 256
     max_context_len: int | None = None
     seed: int = 0
+    custom_output_len: int | None = None  # custom: lines without "output_tokens"
+    sonnet_input_len: int = 550
+    sonnet_output_len: int = 150
+    sonnet_prefix_len: int = 200
 
 
 def _lengths(rng: random.Random, target: int, ratio: float) -> int:
@@ -132,10 +136,13 @@ def build_requests(spec: WorkloadSpec, tokenize: Tokenize | None = None) -> list
         requests = random_requests(spec)
     elif spec.kind == "shared-prefix":
         requests = shared_prefix_requests(spec)
-    elif spec.kind == "sharegpt":
+    elif spec.kind in ("sharegpt", "custom", "sonnet"):
         if tokenize is None:
-            raise WorkloadError("the sharegpt workload needs a tokenizer")
-        requests = sharegpt_requests(spec, tokenize)
+            raise WorkloadError(f"the {spec.kind} workload needs a tokenizer")
+        from stallfree.bench.datasets import custom_requests, sonnet_requests
+
+        build = {"sharegpt": sharegpt_requests, "custom": custom_requests}
+        requests = build.get(spec.kind, sonnet_requests)(spec, tokenize)
     else:
         raise WorkloadError(f"unknown workload {spec.kind!r}")
     _check_context(requests, spec.max_context_len)
@@ -153,15 +160,54 @@ def _check_context(requests: list[BenchRequest], limit: int | None) -> None:
         )
 
 
-def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
-    """Seconds after the start at which each request is sent: Poisson, or all at 0 for inf."""
-    if request_rate <= 0:
+def ramp_up_rate(
+    strategy: str | None, start_rps: float, end_rps: float, index: int, total: int, rate: float
+) -> float:
+    """The request rate at request `index` of `total`, as `vllm bench serve` ramps it: linear
+    `start + (end - start) * progress` or exponential `start * (end / start) ** progress`, with
+    progress `index / (total - 1)`; `rate` itself without a strategy."""
+    if strategy is None:
+        return rate
+    progress = index / max(total - 1, 1)
+    if strategy == "linear":
+        return start_rps + (end_rps - start_rps) * progress
+    if strategy == "exponential":
+        return float(start_rps * (end_rps / start_rps) ** progress)
+    raise WorkloadError(f"unknown ramp-up strategy {strategy!r} (linear or exponential)")
+
+
+def arrival_offsets(
+    n: int,
+    request_rate: float,
+    seed: int,
+    burstiness: float = 1.0,
+    ramp_up: tuple[str, float, float] | None = None,
+) -> list[float]:
+    """Seconds after the start at which each request is sent; the first at 0.
+
+    The gap after request i is drawn from a gamma distribution with shape `burstiness` and
+    scale `1 / (rate_i * burstiness)` (vLLM's formula): its mean is 1 / rate_i and its squared
+    coefficient of variation 1 / burstiness, so 1 is Poisson (exponential gaps, drawn as they
+    always were), below 1 burstier, above 1 steadier. rate_i is `request_rate`, or the ramp-up
+    `(strategy, start_rps, end_rps)` rate at request i (`ramp_up_rate`). An infinite rate sends
+    everything at 0."""
+    if burstiness <= 0:
+        raise WorkloadError("--burstiness must be positive")
+    if ramp_up is None and request_rate <= 0:
         raise WorkloadError("--request-rate must be positive (or inf)")
-    if math.isinf(request_rate):
+    if ramp_up is None and math.isinf(request_rate):
         return [0.0] * n
     rng = random.Random(seed + 1)
     t, out = 0.0, []
-    for _ in range(n):
+    for i in range(n):
         out.append(t)
-        t += rng.expovariate(request_rate)
+        rate = request_rate if ramp_up is None else ramp_up_rate(*ramp_up, i, n, request_rate)
+        if math.isinf(rate):
+            continue
+        if rate <= 0:
+            raise WorkloadError(f"the request rate at request {i} is {rate}; it must be positive")
+        if burstiness == 1.0:
+            t += rng.expovariate(rate)
+        else:
+            t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
     return out
