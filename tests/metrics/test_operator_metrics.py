@@ -15,10 +15,20 @@ from stallfree import Engine
 from stallfree.entrypoints.server import create_app, start_server
 from stallfree.metrics.names import REFUSAL_REASONS
 from tests.engine_util import engine_config
-from tests.metrics.test_promtool import COLON_RULE, PROMTOOL, VLLM_TOTAL_HISTOGRAM, check_metrics
+from tests.metrics.test_promtool import (
+    COLON_RULE,
+    PROMTOOL,
+    VLLM_TOTAL_HISTOGRAM,
+    _case,
+    _panel_exprs,
+    _series,
+    check_metrics,
+    run_rule_test,
+)
 
 KEY = "sk-ops"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed")
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 5, "n": 2, "ignore_eos": True}
 
 
@@ -179,7 +189,7 @@ def test_request_parameter_histograms(scrape):
     assert value(found, "stallfree:request_params_n_bucket", le="1.0") == 1
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed")
+@needs_promtool
 def test_promtool_accepts_the_server_families(scrape):
     findings = check_metrics(scrape[0].encode())
     others = [f for f in findings if not f.endswith(COLON_RULE)]
@@ -192,6 +202,47 @@ def test_promtool_accepts_the_server_families(scrape):
         "stallfree:request_params_n",
     } <= flagged
     assert not any(name.startswith(("process_", "python_")) for name in flagged)
+
+
+HTTP_BY_STATUS, REFUSALS_BY_REASON, REFUSED_SHARE = 38, 40, 41
+
+
+@needs_promtool
+def test_http_panels_show_zero_on_an_idle_server(scrape, tmp_path):
+    """Every series of the real scrape held still: rates of 0 everywhere, a share of 0 (not
+    NaN), and every reason and status class that the workload produced."""
+    (by_status,) = _panel_exprs(HTTP_BY_STATUS)
+    (by_reason,) = _panel_exprs(REFUSALS_BY_REASON)
+    (share,) = _panel_exprs(REFUSED_SHARE)
+    statuses = [(f'{{status="{s}"}}', 0) for s in ("2xx", "4xx", "5xx")]
+    reasons = [(f'{{reason="{r}"}}', 0) for r in sorted(REFUSAL_REASONS)]
+    cases = [_case(by_status, *statuses), _case(by_reason, *reasons), _case(share, ("{}", 0))]
+    run_rule_test(tmp_path, _series(scrape[0].encode()), cases)
+
+
+@needs_promtool
+def test_http_panels_follow_the_counters(tmp_path):
+    """Per minute: 45 answered requests and 15 refused as overloaded (a 5xx): a quarter of
+    the requests refused, a quarter of a refusal per second."""
+    labels = 'model_name="m",engine="0"'
+    http = 'handler="/v1/completions",method="POST"'
+    series = [
+        {"series": f'stallfree:http_requests_total{{{http},status="2xx"}}', "values": "0+45x10"},
+        {"series": f'stallfree:http_requests_total{{{http},status="5xx"}}', "values": "0+15x10"},
+        {
+            "series": f'stallfree:http_refusals_total{{{labels},reason="overloaded"}}',
+            "values": "0+15x10",
+        },
+    ]
+    (by_status,) = _panel_exprs(HTTP_BY_STATUS)
+    (by_reason,) = _panel_exprs(REFUSALS_BY_REASON)
+    (share,) = _panel_exprs(REFUSED_SHARE)
+    cases = [
+        _case(by_status, ('{status="2xx"}', 0.75), ('{status="5xx"}', 0.25)),
+        _case(by_reason, ('{reason="overloaded"}', 0.25)),
+        _case(share, ("{}", 0.25)),
+    ]
+    run_rule_test(tmp_path, series, cases)
 
 
 async def test_metrics_off_adds_no_http_families_and_no_middleware():
