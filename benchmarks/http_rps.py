@@ -5,6 +5,11 @@ is a minimal keep-alive HTTP/1.1 client on raw asyncio streams in this process (
 per-request cost would dominate the figure). On a small machine the two compete for cores.
 
     python benchmarks/http_rps.py [--requests 400] [--concurrency 16] [--max-tokens 4]
+
+`--metrics-ab ROUNDS` instead measures what `/metrics` costs a request: servers with
+`--metrics` and with `--no-metrics`, each in a fresh process, interleaved over ROUNDS rounds
+(medians), and then the HTTP middleware alone (prometheus-fastapi-instrumentator around an
+app that answers at once), timed in this process.
 """
 
 from __future__ import annotations
@@ -50,12 +55,12 @@ async def embedded(args: argparse.Namespace) -> float:
 
 
 @contextlib.contextmanager
-def server_process() -> Iterator[str]:
+def server_process(*flags: str) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "stallfree.entrypoints.cli", "serve", "--model", "tiny"]
-    cmd += ["--device", "cpu", "--port", str(port)]
+    cmd += ["--device", "cpu", "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -126,12 +131,86 @@ def _body(route: str, i: int, max_tokens: int) -> dict[str, object]:
     }
 
 
+def metrics_ab(args: argparse.Namespace) -> None:
+    """Requests per second with metrics on and off, interleaved, and the middleware's cost."""
+    import os
+    import statistics
+
+    print(f"load average {os.getloadavg()[0]:.2f}")
+    rps: dict[str, list[float]] = {"--metrics": [], "--no-metrics": []}
+    for round_ in range(args.metrics_ab):
+        for flag, runs in rps.items():
+            with server_process(flag) as url:
+                runs.append(uvloop.run(over_http(args, url, "/v1/completions")))
+            print(f"round {round_ + 1} {flag:<13} {runs[-1]:>8.1f} req/s")
+    on, off = (statistics.median(v) for v in rps.values())
+    cost_us = (1 / on - 1 / off) * 1e6
+    print(f"median: metrics on {on:.1f} req/s, off {off:.1f} req/s, on/off {on / off:.3f}")
+    print(f"per request, end to end: {cost_us:+.0f} us (with {args.concurrency} in flight)")
+    per_call = uvloop.run(middleware_cost(20_000))
+    print(f"the HTTP middleware alone: {per_call:.1f} us per request")
+    print(f"load average {os.getloadavg()[0]:.2f}")
+
+
+async def middleware_cost(n: int) -> float:
+    """Microseconds the instrumentator adds to one request (an app that answers at once)."""
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+    from prometheus_client import CollectorRegistry
+
+    from stallfree.metrics.operator import ServerMetrics
+
+    async def call(app: FastAPI) -> float:
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "raw_path": b"/v1/completions",
+            "root_path": "",
+            "query_string": b"",
+            "headers": [],
+            "scheme": "http",
+            "server": ("bench", 80),
+            "http_version": "1.1",
+        }
+
+        async def receive() -> dict[str, object]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, object]) -> None:
+            return None
+
+        await app(scope, receive, send)  # builds the middleware stack
+        start = time.perf_counter()
+        for _ in range(n):
+            await app(scope, receive, send)
+        return (time.perf_counter() - start) / n * 1e6
+
+    def app_with(instrumented: bool) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/v1/completions")
+        async def answer() -> Response:
+            return Response(b"{}", media_type="application/json")
+
+        if instrumented:
+            ServerMetrics(CollectorRegistry(), ("m", "0"), 4096).instrument(app)
+        return app
+
+    plain, instrumented = await call(app_with(False)), await call(app_with(True))
+    return instrumented - plain
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--metrics-ab", type=int, default=0, metavar="ROUNDS")
     args = parser.parse_args()
+    if args.metrics_ab:
+        metrics_ab(args)
+        return
     print(f"{args.requests} requests, {args.concurrency} in flight, {args.max_tokens} tokens each")
     base = uvloop.run(embedded(args))
     print(f"{'embedded Engine.complete':<28} {base:>8.1f} req/s")

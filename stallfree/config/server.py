@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from stallfree.config.sections import Section as _Section
 
@@ -99,6 +99,48 @@ class ServerConfig(_Section):
         description="Host header values (without port) the server answers; others get 400. "
         "Default: any. Set it when binding beyond loopback",
     )
+    root_path: str = Field(
+        "",
+        description="Path prefix a proxy in front strips before forwarding (ASGI root_path); "
+        "default: none",
+    )
+    uds: str | None = Field(
+        None, description="Serve on this Unix domain socket instead of host and port"
+    )
+    ssl_keyfile: str | None = Field(None, description="TLS private key file (PEM); default: no TLS")
+    ssl_certfile: str | None = Field(
+        None, description="TLS certificate chain file (PEM); default: no TLS"
+    )
+    ssl_ca_certs: str | None = Field(
+        None, description="CA certificates (PEM) that client certificates are checked against"
+    )
+    ssl_cert_reqs: int = Field(
+        0,
+        ge=0,
+        le=2,
+        description="Client certificates: 0 not asked for, 1 optional, 2 required (Python's "
+        "ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED)",
+    )
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="CORS: origins browsers may call the API from ('*': any); default: none, "
+        "and no CORS headers at all",
+    )
+    allowed_methods: list[str] = Field(
+        default_factory=lambda: ["*"], description="CORS: methods an allowed origin may use"
+    )
+    allowed_headers: list[str] = Field(
+        default_factory=lambda: ["*"],
+        description="CORS: request headers an allowed origin may send",
+    )
+    allow_credentials: bool = Field(
+        False, description="CORS: let an allowed origin send cookies and Authorization"
+    )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="OpenTelemetry collector (OTLP/HTTP) that gets one span tree per request, "
+        "e.g. http://localhost:4318; default: no tracing",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="Level of the server's and the engine's logs"
     )
@@ -120,6 +162,22 @@ class ServerConfig(_Section):
                 raise ValueError("the list of API keys is empty; pass at least one key, or none")
             return [cls._one_key(k) for k in v]
         return cls._one_key(v)
+
+    @model_validator(mode="after")
+    def _tls(self) -> ServerConfig:
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("TLS needs both ssl_keyfile and ssl_certfile; one was given")
+        if self.ssl_certfile is None and (self.ssl_ca_certs or self.ssl_cert_reqs):
+            raise ValueError("ssl_ca_certs and ssl_cert_reqs apply only with TLS (ssl_certfile)")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError("checking client certificates (ssl_cert_reqs) needs ssl_ca_certs")
+        if self.root_path and not self.root_path.startswith("/"):
+            raise ValueError(f"root_path must start with '/': {self.root_path!r}")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None
 
     @property
     def api_keys(self) -> tuple[str, ...]:

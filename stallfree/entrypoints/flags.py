@@ -57,13 +57,15 @@ class HelpFormatter(argparse.HelpFormatter):
 
 def config_default(section: str, key: str) -> Any:
     """The built-in default of the setting `section.key`."""
-    return _SECTIONS[section].model_fields[key].default
+    return _SECTIONS[section].model_fields[key].get_default(call_default_factory=True)
 
 
 def _shown(value: Any) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
-    return str(value)
+    if isinstance(value, list):
+        return ",".join(value) if value else "none"
+    return str(value) if value != "" else "none"
 
 
 def flag_help(text: str, section: str, key: str, when_unset: str | None = None) -> str:

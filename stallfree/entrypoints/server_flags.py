@@ -4,6 +4,7 @@ call it, what one request may ask of it, and its logs."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from stallfree.entrypoints.flags import LOG_LEVELS, flag_help, positive_seconds
 
@@ -18,6 +19,7 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("server")
     _add_api_flags(g)
+    _add_transport_flags(p.add_argument_group("transport (TLS, CORS, proxy, Unix socket)"))
     _add_limit_flags(g)
     _add_log_flags(g)
 
@@ -31,8 +33,10 @@ def _add_api_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--api-key",
         metavar="KEY",
+        action="append",
         help=flag_help(
-            "require 'Authorization: Bearer KEY' on the API routes (an empty key is refused)",
+            "require 'Authorization: Bearer KEY' on the API routes (an empty key is refused); "
+            "repeat it to accept any of several keys",
             "server",
             "api_key",
             "none: the API is open",
@@ -69,6 +73,79 @@ def _add_api_flags(g: argparse._ArgumentGroup) -> None:
         default=None,
         help=flag_help("Prometheus metrics at /metrics", "metrics", "enabled"),
     )
+
+
+def _add_transport_flags(g: argparse._ArgumentGroup) -> None:
+    """TLS, CORS, a proxy's path prefix, a Unix socket and tracing (vLLM's spellings)."""
+    for flag, key, text in (
+        ("--ssl-keyfile", "ssl_keyfile", "TLS private key file (PEM)"),
+        ("--ssl-certfile", "ssl_certfile", "TLS certificate chain file (PEM)"),
+        ("--ssl-ca-certs", "ssl_ca_certs", "CA certificates client certificates are checked with"),
+    ):
+        g.add_argument(flag, metavar="FILE", help=flag_help(text, "server", key, "none"))
+    g.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        choices=(0, 1, 2),
+        help=flag_help(
+            "client certificates: 0 not asked for, 1 optional, 2 required",
+            "server",
+            "ssl_cert_reqs",
+        ),
+    )
+    for flag, key, text in (
+        ("--allowed-origins", "allowed_origins", "CORS origins allowed ('*': any)"),
+        ("--allowed-methods", "allowed_methods", "CORS methods an allowed origin may use"),
+        ("--allowed-headers", "allowed_headers", "CORS headers an allowed origin may send"),
+    ):
+        g.add_argument(
+            flag,
+            type=_name_list,
+            metavar="LIST",
+            help=flag_help(f"{text}: a JSON list or comma-separated names", "server", key),
+        )
+    g.add_argument(
+        "--allow-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=flag_help("CORS: allowed origins may send credentials", "server", "allow_credentials"),
+    )
+    g.add_argument(
+        "--root-path",
+        metavar="PATH",
+        help=flag_help("path prefix a proxy strips (e.g. /llm)", "server", "root_path", "none"),
+    )
+    g.add_argument(
+        "--uds",
+        metavar="PATH",
+        help=flag_help(
+            "serve on this Unix domain socket instead of host and port", "server", "uds", "none"
+        ),
+    )
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help=flag_help(
+            "export a span tree per request to this OpenTelemetry collector (OTLP/HTTP)",
+            "server",
+            "otlp_traces_endpoint",
+            "none: no tracing",
+        ),
+    )
+
+
+def _name_list(text: str) -> list[str]:
+    """vLLM's JSON list (`'["https://a.example"]'`), or names separated by commas."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {text!r} ({exc.msg})") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+        return value
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def _positive_int(text: str) -> int:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,6 +29,7 @@ from stallfree.entrypoints.server.protocol import ErrorInfo
 from stallfree.entrypoints.server.routes import api_routes, open_routes
 from stallfree.entrypoints.server.screening import close_screening
 from stallfree.entrypoints.server.state import Lifecycle, ServerState
+from stallfree.entrypoints.server.tracing import RequestTracer
 from stallfree.metrics.engine_metrics import EngineMetrics
 from stallfree.metrics.operator import ServerMetrics
 from stallfree.runtime.engine import Engine
@@ -65,6 +67,8 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
             if disagg is not None:
                 await disagg.stop()
             await asyncio.to_thread(close_screening)
+            if tracer is not None:
+                await asyncio.to_thread(tracer.shutdown)  # sends the spans still queued
             if owns:
                 try:
                     await engine.shutdown(drain=True)
@@ -82,8 +86,17 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
         if isinstance(exporter, EngineMetrics)
         else None
     )
+    tracer = None
+    if cfg.server.otlp_traces_endpoint is not None:
+        tracer = RequestTracer(cfg.server.otlp_traces_endpoint)
+        engine.add_observer(tracer)
     app.state.sf = ServerState(
-        engine, cfg.server.model_name(cfg.model.path), cfg.server, lifecycle, metrics=metrics
+        engine,
+        cfg.server.model_name(cfg.model.path),
+        cfg.server,
+        lifecycle,
+        metrics=metrics,
+        tracer=tracer,
     )
     _install_error_handlers(app, metrics)
     app.include_router(open_routes())
@@ -92,6 +105,17 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
     if cfg.disaggregation.enabled:
         app.include_router(disagg_routes())
     app.add_middleware(Guard, limits=cfg.server, lifecycle=lifecycle, metrics=metrics)
+    if cfg.server.allowed_origins:
+        # outside the Guard: a preflight (OPTIONS, no API key) is answered here, and every
+        # answer the Guard gives (401, 413, 503) carries the CORS headers a browser needs
+        # to read it
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=cfg.server.allowed_origins,
+            allow_methods=cfg.server.allowed_methods,
+            allow_headers=cfg.server.allowed_headers,
+            allow_credentials=cfg.server.allow_credentials,
+        )
     if metrics is not None:
         # outermost: the HTTP families see the Guard's own answers (401, 413, 503) too
         metrics.instrument(app)

@@ -94,7 +94,11 @@ class Guard:
                 message = {**message, "headers": headers}
             await send(message)
 
-        probe = scope["path"] in PROBES
+        path = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]  # behind a proxy's prefix (`server.root_path`)
+        probe = path in PROBES
         counted = False
         try:
             length = self._check_head(scope, probe)

@@ -71,7 +71,8 @@ def max_connections(limits: ServerConfig) -> int:
 
 
 def uvicorn_config(app: FastAPI, config: StallfreeConfig, **overrides: Any) -> uvicorn.Config:
-    """uvicorn settings for `app`: uvloop, the guarded HTTP protocol, keep-alive, logging."""
+    """uvicorn settings for `app`: uvloop, the guarded HTTP protocol, keep-alive, logging, and
+    the transport: TLS, a Unix socket instead of TCP, the proxy's root path."""
     limits = config.server
     options: dict[str, Any] = {
         "host": limits.host,
@@ -85,7 +86,17 @@ def uvicorn_config(app: FastAPI, config: StallfreeConfig, **overrides: Any) -> u
         "log_level": limits.uvicorn_log_level or limits.log_level,
         "access_log": limits.access_log,
         "lifespan": "on",
+        "root_path": limits.root_path,
     }
+    if limits.uds is not None:
+        options["uds"] = limits.uds
+    if limits.tls:
+        options |= {
+            "ssl_keyfile": limits.ssl_keyfile,
+            "ssl_certfile": limits.ssl_certfile,
+            "ssl_ca_certs": limits.ssl_ca_certs,
+            "ssl_cert_reqs": limits.ssl_cert_reqs,
+        }
     result = uvicorn.Config(app, **(options | overrides))
     # uvicorn configured its loggers just now; the filter goes on after that
     _filter_probes(not limits.access_log_probes)
@@ -290,11 +301,12 @@ class RunningServer:
     server: Server
     task: asyncio.Task[None]
     host: str
-    port: int
+    port: int  # 0 on a Unix socket
+    scheme: str = "http"
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def drain(self) -> None:
         """What SIGTERM does: drain, then stop (`wait` for it)."""
@@ -317,12 +329,18 @@ async def start_server(
     exit_on_engine_death: bool = False,
     **overrides: Any,
 ) -> RunningServer:
-    """Start `app` on `host:port` (0: a free port) in this event loop; returns once it listens.
-    `overrides` are uvicorn settings."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    """Start `app` on `host:port` (0: a free port) in this event loop, or on `server.uds` when
+    that is set; returns once it listens. `overrides` are uvicorn settings."""
     state: ServerState = app.state.sf
+    uds = state.engine.config.server.uds
+    sock = socket.socket(socket.AF_UNIX if uds else socket.AF_INET, socket.SOCK_STREAM)
+    if uds:
+        with contextlib.suppress(FileNotFoundError):
+            Path(uds).unlink()
+        sock.bind(uds)
+    else:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
     _use_chat_template(app, load_chat_template(state.engine.config.server.chat_template))
     options = {"log_level": "warning"} | overrides
     server = Server(
@@ -334,4 +352,5 @@ async def start_server(
             task.result()
             raise RuntimeError("server exited during startup")
         await asyncio.sleep(0.01)
-    return RunningServer(server, task, host, sock.getsockname()[1])
+    scheme = "https" if state.engine.config.server.tls else "http"
+    return RunningServer(server, task, host, 0 if uds else sock.getsockname()[1], scheme)

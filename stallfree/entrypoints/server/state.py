@@ -58,6 +58,8 @@ class ServerState:
     disagg: Any = None
     # the server's Prometheus families (refusals, request parameters); None with metrics off
     metrics: ServerMetrics | None = None
+    # `tracing.RequestTracer` with `server.otlp_traces_endpoint` set, else None
+    tracer: Any = None
 
     def observe_params(self, n: int, max_tokens: int) -> None:
         """A request's `n` and `max_tokens`, for vLLM's `request_params_*` histograms."""

@@ -58,11 +58,17 @@ class Context:
     source: (
         Callable[[list[int], SamplingParams, str, int], AsyncIterator[GenerationChunk]] | None
     ) = None
+    # with tracing on: the tracer, and the request's headers (a `traceparent` continues)
+    tracer: Any = None
+    headers: Any = None
 
     @classmethod
     def of(cls, request: Request) -> Context:
         state = server_state(request)
-        return cls(state.engine, state.lifecycle, request_id(request), state.limits.retry_after_s)
+        ctx = cls(state.engine, state.lifecycle, request_id(request), state.limits.retry_after_s)
+        if state.tracer is not None:
+            ctx.tracer, ctx.headers = state.tracer, request.headers
+        return ctx
 
     def expired_abort(self, chunk: GenerationChunk) -> bool:
         """True for the last chunk of a request the server aborted at its shutdown deadline."""
@@ -120,6 +126,8 @@ class Generation:
             raise shutting_down()
         engine = ctx.engine
         each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if ctx.tracer is not None:
+            ctx.tracer.expect(rids, ctx.headers)
         source = ctx.source
         gens = [
             engine.generate(ids, p, rid) if source is None else source(list(ids), p, rid, i)
@@ -136,6 +144,8 @@ class Generation:
             if first.done() and not first.cancelled() and first.exception() is not None:
                 generation._done[i] = True  # refused: its id may be another request's
                 refusal = refusal or first.exception()
+                if ctx.tracer is not None:
+                    ctx.tracer.forget([rids[i]])
         if refusal is not None:
             await generation.aclose()
             raise generation._refusal(refusal)
