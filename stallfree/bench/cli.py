@@ -352,6 +352,12 @@ def _title(args: argparse.Namespace, info: dict[str, Any], results: list[RunResu
     model = _model_id(results)
     where = args.base_url or info["kind"]
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}/s"
+    if args.ramp_up_strategy is not None:
+        rate = (
+            f"{args.ramp_up_strategy} ramp-up {args.ramp_up_start_rps:g}-{args.ramp_up_end_rps:g}/s"
+        )
+    if args.burstiness != 1.0:
+        rate += f" (burstiness {args.burstiness:g})"
     repeats = f"; median of {args.repeats} runs, modes interleaved" if args.repeats > 1 else ""
     return (
         f"stallfree bench: {where}, model {model or '?'}, {args.workload} x {args.num_prompts}, "
