@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from stallfree.bench.datasets import build_requests
 from stallfree.bench.results import Distribution, RequestRecord, RunResult, RunSummary
 from stallfree.bench.runner import Mode, RunSettings, compare_modes, run_mode, run_modes
-from stallfree.bench.workloads import BenchRequest, WorkloadSpec, build_requests
+from stallfree.bench.workloads import BenchRequest, WorkloadSpec
 
 __all__ = [
     "BenchRequest",

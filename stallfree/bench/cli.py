@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from stallfree.bench.datasets import build_requests
 from stallfree.bench.flags import (
     DESCRIPTION,
     ENDPOINTS,
@@ -44,7 +45,7 @@ from stallfree.bench.runner import (
 )
 from stallfree.bench.slo import detailed_lists, print_figures, run_figures
 from stallfree.bench.targets import TargetError
-from stallfree.bench.workloads import WorkloadError, WorkloadSpec, build_requests
+from stallfree.bench.workloads import WorkloadError, WorkloadSpec
 from stallfree.entrypoints.spec_flags import SPEC_DEST
 
 if TYPE_CHECKING:

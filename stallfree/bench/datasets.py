@@ -1,5 +1,6 @@
-"""File and text workloads of `vllm bench serve`: `--dataset-name custom` (JSON lines with a
-prompt each) and `--dataset-name sonnet` (prompts built from poem lines, with a shared prefix)."""
+"""`build_requests`, the one door to every workload, and the file and text workloads of
+`vllm bench serve`: `--dataset-name custom` (JSON lines with a prompt each) and
+`--dataset-name sonnet` (prompts built from poem lines, with a shared prefix)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stallfree.bench.workloads import BenchRequest, Tokenize, WorkloadError
+from stallfree.bench.workloads import (
+    BenchRequest,
+    Tokenize,
+    WorkloadError,
+    random_requests,
+    shared_prefix_requests,
+    sharegpt_requests,
+)
 
 if TYPE_CHECKING:
     from stallfree.bench.workloads import WorkloadSpec
@@ -122,3 +130,32 @@ def sonnet_requests(spec: WorkloadSpec, tokenize: Tokenize) -> list[BenchRequest
             f"could not draw sonnet prompts of at most {input_len} tokens; raise --sonnet-input-len"
         )
     return out
+
+
+def build_requests(spec: WorkloadSpec, tokenize: Tokenize | None = None) -> list[BenchRequest]:
+    if spec.num_prompts < 1:
+        raise WorkloadError("--num-prompts must be at least 1")
+    if spec.kind == "random":
+        requests = random_requests(spec)
+    elif spec.kind == "shared-prefix":
+        requests = shared_prefix_requests(spec)
+    elif spec.kind in ("sharegpt", "custom", "sonnet"):
+        if tokenize is None:
+            raise WorkloadError(f"the {spec.kind} workload needs a tokenizer")
+        build = {"sharegpt": sharegpt_requests, "custom": custom_requests}
+        requests = build.get(spec.kind, sonnet_requests)(spec, tokenize)
+    else:
+        raise WorkloadError(f"unknown workload {spec.kind!r}")
+    _check_context(requests, spec.max_context_len)
+    return requests
+
+
+def _check_context(requests: list[BenchRequest], limit: int | None) -> None:
+    if limit is None:
+        return
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    if longest > limit:
+        raise WorkloadError(
+            f"a request needs {longest} tokens (prompt + output) but the context is {limit}; "
+            "lower --input-len/--output-len"
+        )

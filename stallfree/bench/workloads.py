@@ -129,37 +129,6 @@ def sharegpt_requests(spec: WorkloadSpec, tokenize: Tokenize) -> list[BenchReque
     return out
 
 
-def build_requests(spec: WorkloadSpec, tokenize: Tokenize | None = None) -> list[BenchRequest]:
-    if spec.num_prompts < 1:
-        raise WorkloadError("--num-prompts must be at least 1")
-    if spec.kind == "random":
-        requests = random_requests(spec)
-    elif spec.kind == "shared-prefix":
-        requests = shared_prefix_requests(spec)
-    elif spec.kind in ("sharegpt", "custom", "sonnet"):
-        if tokenize is None:
-            raise WorkloadError(f"the {spec.kind} workload needs a tokenizer")
-        from stallfree.bench.datasets import custom_requests, sonnet_requests
-
-        build = {"sharegpt": sharegpt_requests, "custom": custom_requests}
-        requests = build.get(spec.kind, sonnet_requests)(spec, tokenize)
-    else:
-        raise WorkloadError(f"unknown workload {spec.kind!r}")
-    _check_context(requests, spec.max_context_len)
-    return requests
-
-
-def _check_context(requests: list[BenchRequest], limit: int | None) -> None:
-    if limit is None:
-        return
-    longest = max(r.prompt_len + r.output_len for r in requests)
-    if longest > limit:
-        raise WorkloadError(
-            f"a request needs {longest} tokens (prompt + output) but the context is {limit}; "
-            "lower --input-len/--output-len"
-        )
-
-
 def ramp_up_rate(
     strategy: str | None, start_rps: float, end_rps: float, index: int, total: int, rate: float
 ) -> float:

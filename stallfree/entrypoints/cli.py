@@ -140,6 +140,9 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
         value = getattr(args, flag, None)
         if value is not None:
             overrides[section][key] = value
+    keys = overrides["server"].get("api_key")
+    if isinstance(keys, list) and len(keys) == 1:
+        overrides["server"]["api_key"] = keys[0]  # `--api-key K` once: one key, as before
     overrides["speculative"].update(speculative_settings(args))
     overrides["disaggregation"].update(disaggregation_settings(args))
     config = load_config(args.config, **{k: v for k, v in overrides.items() if v})

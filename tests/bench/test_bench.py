@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from stallfree.bench.counters import snapshot_prometheus, stall_figures
+from stallfree.bench.datasets import build_requests
 from stallfree.bench.runner import Mode, RunSettings, run_mode
 from stallfree.bench.targets import HttpTarget
 from stallfree.bench.workloads import (
@@ -23,7 +24,6 @@ from stallfree.bench.workloads import (
     WorkloadError,
     WorkloadSpec,
     arrival_offsets,
-    build_requests,
 )
 from stallfree.cli import main
 

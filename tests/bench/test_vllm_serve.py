@@ -13,7 +13,7 @@ import statistics
 import httpx
 import pytest
 
-from stallfree.bench.datasets import SONNET_BASE_PROMPT
+from stallfree.bench.datasets import SONNET_BASE_PROMPT, build_requests
 from stallfree.bench.results import RequestRecord, RunResult, summarize
 from stallfree.bench.runner import Mode, RunSettings, run_mode, url_targets
 from stallfree.bench.slo import (
@@ -32,7 +32,6 @@ from stallfree.bench.workloads import (
     WorkloadError,
     WorkloadSpec,
     arrival_offsets,
-    build_requests,
     ramp_up_rate,
 )
 from stallfree.cli import main

@@ -168,7 +168,7 @@ def test_help_defaults_are_the_configs_own() -> None:
         (["serve", "tiny", "extra"], "usage: stallfree serve"),
         (["serve", "--dtype", "int8"], "usage: stallfree serve"),
         (["generate", "hi", "--max-num-seqs"], "usage: stallfree generate"),
-        (["bench", "--dataset-name", "sonnet"], "usage: stallfree bench"),
+        (["bench", "--dataset-name", "poems"], "usage: stallfree bench"),
         (["bench", "--bogus", "1"], "usage: stallfree bench"),
     ],
 )
