@@ -259,3 +259,18 @@ async def test_metrics_off_adds_no_http_families_and_no_middleware():
     finally:
         await server.stop()
         await engine.shutdown()
+
+
+def test_refusal_reasons_follow_status_and_code():
+    from stallfree.entrypoints.server.errors import overloaded, refusal_reason, shutting_down
+
+    engine_full = overloaded(1, "too many requests are waiting")
+    assert refusal_reason(engine_full.status, engine_full.info.code) == "overloaded"
+    draining = shutting_down()
+    assert refusal_reason(draining.status, draining.info.code) == "shutting_down"
+    # /flush_cache while requests run is a 400 the client retries later, not overload
+    assert refusal_reason(400, "engine_busy") == "invalid_request"
+    assert refusal_reason(404, "model_not_found") == "invalid_request"
+    # the server's own failures are not refusals
+    assert refusal_reason(503, "engine_unhealthy") is None
+    assert refusal_reason(500, None) is None

@@ -30,6 +30,7 @@ from stallfree.entrypoints.server.routes import api_routes, open_routes
 from stallfree.entrypoints.server.screening import close_screening
 from stallfree.entrypoints.server.state import Lifecycle, ServerState
 from stallfree.entrypoints.server.tracing import RequestTracer
+from stallfree.entrypoints.server.utility import utility_routes
 from stallfree.metrics.engine_metrics import EngineMetrics
 from stallfree.metrics.operator import ServerMetrics
 from stallfree.runtime.engine import Engine
@@ -102,6 +103,7 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
     app.include_router(open_routes())
     # the API key is checked by the Guard on the request head, before any body is read
     app.include_router(api_routes())
+    app.include_router(utility_routes())
     if cfg.disaggregation.enabled:
         app.include_router(disagg_routes())
     app.add_middleware(Guard, limits=cfg.server, lifecycle=lifecycle, metrics=metrics)

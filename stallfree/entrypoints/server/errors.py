@@ -61,7 +61,7 @@ def refusal_reason(status: int, code: str | None) -> str | None:
     None for an answer that is not a refusal (the server's own failures, 5xx)."""
     if code == "shutting_down":
         return "shutting_down"
-    if code in ("overloaded", "engine_busy"):
+    if code == "overloaded":  # the Guard's limit, or the engine's queue full
         return "overloaded"
     if status == 413:
         return "body_too_large"

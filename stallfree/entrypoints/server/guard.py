@@ -2,7 +2,9 @@
 
 In order, for each request it:
 
-1. gives the request an id (`x-request-id` on the answer, and in every log line about it);
+1. gives the request an id (`x-request-id` on the answer, and in every log line about it): the
+   client's own `X-Request-Id` when it sends one (1 to 128 of `A-Za-z0-9-_.:~`; another is a
+   400), else a fresh one;
 2. refuses a request that carries both `Content-Length` and `Transfer-Encoding` (400), and a
    `Host` outside `server.allowed_hosts` when that is set (400);
 3. for API routes (everything but `/health` and `/metrics`): with `server.api_key` set (one key
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import uuid
 from typing import Any
 
@@ -45,6 +48,8 @@ from stallfree.metrics.operator import ServerMetrics
 logger = logging.getLogger("stallfree.server")
 
 PROBES = frozenset({"/health", "/metrics"})
+# a client's own request id (`X-Request-Id`), used as the request's id when it is this
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9_.:~-]{1,128}")
 _CLOSE = (b"connection", b"close")
 
 
@@ -79,7 +84,9 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = uuid.uuid4().hex
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        bad_id = given is not None and not _REQUEST_ID.fullmatch(given)
+        rid = given.decode() if given is not None and not bad_id else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
         lifecycle = self.lifecycle
         started = False
@@ -101,7 +108,16 @@ class Guard:
         probe = path in PROBES
         counted = False
         try:
-            length = self._check_head(scope, probe)
+            length = self._check_head(scope, probe)  # the API key first, as for any request
+            if bad_id:
+                raise _Refused(
+                    400,
+                    _info(
+                        "x-request-id must be 1 to 128 characters of letters, digits and "
+                        "-_.:~ (it names the request in logs, answers and aborts)",
+                        param="x-request-id",
+                    ),
+                )
             if not probe:
                 lifecycle.in_flight += 1
                 counted = True

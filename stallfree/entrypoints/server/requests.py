@@ -197,9 +197,12 @@ async def prompt_ids_async(
     return await _run(weight, prompt_ids, engine, prompt, max_prompts)
 
 
-async def encode_async(engine: Engine, text: str) -> list[int]:
+async def encode_async(engine: Engine, text: str, add_special_tokens: bool = True) -> list[int]:
     """`engine.tokenizer.encode(text)`, off the event loop when the text is long."""
-    return await _run(len(text), engine.tokenizer.encode, text)
+    encode = engine.tokenizer.encode
+    if add_special_tokens:
+        return await _run(len(text), encode, text)
+    return await _run(len(text), lambda t: encode(t, add_special_tokens=False), text)
 
 
 def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
@@ -242,7 +245,9 @@ def _arguments(arguments: str | dict[str, Any]) -> Any:
     return parsed if isinstance(parsed, dict) else arguments
 
 
-def chat_prompt_ids(engine: Engine, body: ChatCompletionRequest) -> list[int]:
+def chat_prompt_ids(
+    engine: Engine, body: ChatCompletionRequest, add_special_tokens: bool = False
+) -> list[int]:
     messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
     try:
         text = engine.tokenizer.apply_chat_template(messages)
@@ -250,8 +255,9 @@ def chat_prompt_ids(engine: Engine, body: ChatCompletionRequest) -> list[int]:
         raise ApiError(
             400, f"chat is unavailable: {exc}", param="messages", code="no_chat_template"
         ) from exc
-    # the template writes its own BOS; adding special tokens would make a second one
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+    # the template writes its own BOS; adding special tokens would make a second one (only
+    # `/tokenize` asks for them, as vLLM lets it)
+    return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _chat_weight(body: ChatCompletionRequest) -> int:
@@ -272,6 +278,8 @@ def _chat_weight(body: ChatCompletionRequest) -> int:
     return weight
 
 
-async def chat_prompt_ids_async(engine: Engine, body: ChatCompletionRequest) -> list[int]:
+async def chat_prompt_ids_async(
+    engine: Engine, body: ChatCompletionRequest, add_special_tokens: bool = False
+) -> list[int]:
     """`chat_prompt_ids`, rendering and tokenizing off the event loop for a heavy request."""
-    return await _run(_chat_weight(body), chat_prompt_ids, engine, body)
+    return await _run(_chat_weight(body), chat_prompt_ids, engine, body, add_special_tokens)

@@ -17,6 +17,9 @@ class Abortable(Protocol):
     def abort(self) -> None:
         """Abort the engine requests this stands for."""
 
+    def names(self) -> tuple[str, ...]:
+        """The ids a client may abort it by: the HTTP request's id, and its engine requests'."""
+
 
 @dataclass(slots=True, eq=False)
 class Lifecycle:
@@ -36,6 +39,14 @@ class Lifecycle:
 
     def begin_drain(self) -> None:
         self.draining = True
+
+    def abort_matching(self, ids: set[str] | None) -> int:
+        """Abort the admitted HTTP requests named by any of `ids` (None: all of them); how
+        many were aborted."""
+        matched = [a for a in self.admitted if ids is None or not ids.isdisjoint(a.names())]
+        for item in matched:
+            item.abort()
+        return len(matched)
 
     def expire(self) -> int:
         """End the grace period: abort what is still admitted; returns how many HTTP requests

@@ -214,6 +214,9 @@ class Generation:
                 await gen.aclose()  # type: ignore[attr-defined]
         self.abort()
 
+    def names(self) -> tuple[str, ...]:
+        return (self.ctx.request_id, *self._rids)
+
     def abort(self) -> None:
         """Abort the unfinished requests; each stream then ends with its last chunk."""
         for rid, done in zip(self._rids, self._done, strict=True):

@@ -1,0 +1,162 @@
+"""The routes beside generation, behind the API key like the rest:
+
+- vLLM's `POST /tokenize` (`prompt`, or chat `messages`; `add_special_tokens`) and
+  `POST /detokenize` (`tokens`);
+- `GET /version`, and `GET /server_info`: the configuration, without its secrets;
+- SGLang's `POST /abort_request` (`rid`, or `abort_all`) and vLLM's `POST /abort_requests`
+  (`request_ids`): each names requests by the id the client knows, its `X-Request-Id` (the id
+  every answer echoes), or an engine request id (`/generate`'s `rid`, `cmpl-...-0`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field, model_validator
+
+from stallfree import __version__
+from stallfree.entrypoints.server.errors import ApiError
+from stallfree.entrypoints.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    _Body,
+    _StrictRequest,
+)
+from stallfree.entrypoints.server.requests import (
+    chat_prompt_ids_async,
+    converting,
+    encode_async,
+    read_body,
+)
+from stallfree.entrypoints.server.screening import check_model
+from stallfree.entrypoints.server.state import server_state
+
+# the settings `/server_info` never shows
+SECRETS = {"server": ("api_key",)}
+REDACTED = "<redacted>"
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # vLLM's defaults: special tokens for a prompt; none for a chat (its template writes them)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
+class AbortRequest(_StrictRequest):
+    """SGLang's body: one id, or every request."""
+
+    rid: str | None = Field(None, max_length=256)
+    abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _one_target(self) -> AbortRequest:
+        if (self.rid is None) == (not self.abort_all):
+            raise ValueError("send rid, or abort_all: true")
+        return self
+
+
+class AbortRequests(_StrictRequest):
+    """vLLM's body: the ids to abort."""
+
+    request_ids: list[str] = Field(min_length=1, max_length=4096)
+
+
+def utility_routes() -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await read_body(request, TokenizeRequest)
+        state = server_state(request)
+        if body.model is not None:
+            check_model(state.model_name, body.model)
+        engine = state.engine
+        with converting():
+            if body.prompt is not None:
+                special = True if body.add_special_tokens is None else body.add_special_tokens
+                ids = await encode_async(engine, body.prompt, add_special_tokens=special)
+            else:
+                if not body.add_generation_prompt:
+                    raise ApiError(
+                        400,
+                        "add_generation_prompt: false is not supported; the chat template always "
+                        "ends with the assistant's turn, as /v1/chat/completions sends it",
+                        param="add_generation_prompt",
+                    )
+                chat = ChatCompletionRequest(model=state.model_name, messages=body.messages)
+                ids = await chat_prompt_ids_async(engine, chat, bool(body.add_special_tokens))
+        answer: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": engine.max_context_len,
+            "tokens": ids,
+        }
+        if body.return_token_strs:
+            answer["token_strs"] = [engine.tokenizer.decode([i]) for i in ids]
+        return JSONResponse(answer)
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        body = await read_body(request, DetokenizeRequest)
+        state = server_state(request)
+        if body.model is not None:
+            check_model(state.model_name, body.model)
+        vocab = state.engine.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(
+                400,
+                f"tokens: {bad} is not a token id of this model (0 to {vocab - 1})",
+                param="tokens",
+            )
+        return JSONResponse({"prompt": state.engine.tokenizer.decode(body.tokens)})
+
+    @router.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @router.get("/server_info")
+    async def server_info(request: Request) -> JSONResponse:
+        config = server_state(request).engine.config.model_dump(mode="json")
+        for section, keys in SECRETS.items():
+            for key in keys:
+                if config[section].get(key) is not None:
+                    config[section][key] = REDACTED
+        return JSONResponse({"version": __version__, "config": config})
+
+    @router.post("/abort_request")
+    async def abort_request(request: Request) -> JSONResponse:
+        body = await read_body(request, AbortRequest)
+        lifecycle = server_state(request).lifecycle
+        if body.abort_all:
+            aborted = lifecycle.abort_matching(None)
+        else:
+            assert body.rid is not None
+            aborted = lifecycle.abort_matching({body.rid})
+        return JSONResponse({"aborted": aborted})
+
+    @router.post("/abort_requests")
+    async def abort_requests(request: Request) -> JSONResponse:
+        body = await read_body(request, AbortRequests)
+        aborted = server_state(request).lifecycle.abort_matching(set(body.request_ids))
+        return JSONResponse({"aborted": aborted})
+
+    return router
