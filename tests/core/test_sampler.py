@@ -126,3 +126,42 @@ def test_output_dtype_and_shape_on_cpu() -> None:
     out = Sampler(0, "cpu").sample(logits, _batch(params, [0, 1, 2, 3, 4]))
     assert out.dtype == torch.int64 and out.shape == (5,) and out.device.type == "cpu"
     assert bool(((out >= 0) & (out < V)).all())
+
+
+def test_min_p_equals_transformers_min_p_warper() -> None:
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+    )
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 3
+    cases = [(0.1, 1.0, -1), (0.3, 0.7, -1), (0.05, 1.3, 10), (0.0, 1.0, -1)]
+    params = [
+        SamplingParams(min_p=m, temperature=t, top_k=k, max_new_tokens=1) for m, t, k in cases
+    ]
+    sb = SamplingBatch.build(params, [0] * 4, lambda t: t)
+    assert sb.min_ps is not None
+    got = Sampler(0, "cpu").probs(logits, sb)
+    for row, (min_p, temperature, top_k) in enumerate(cases):
+        scores = logits[row : row + 1]
+        scores = TemperatureLogitsWarper(temperature)(None, scores)
+        if top_k > 0:
+            scores = TopKLogitsWarper(top_k)(None, scores)
+        if min_p > 0:
+            scores = MinPLogitsWarper(min_p)(None, scores)
+        want = torch.softmax(scores, dim=-1)[0]
+        assert torch.equal(got[row] > 0, want > 0), row  # the same tokens kept
+        torch.testing.assert_close(got[row], want, atol=1e-6, rtol=1e-5)
+    # min_p cut something in each row that set it
+    assert all((got[r] == 0).sum() > 0 for r in range(3))
+
+
+def test_min_p_off_uploads_nothing_and_one_keeps_only_the_top() -> None:
+    assert SamplingBatch.build([SamplingParams(temperature=1.0)], [0], lambda t: t).min_ps is None
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5]])
+    sb = SamplingBatch.build([SamplingParams(temperature=2.0, min_p=1.0)], [0], lambda t: t)
+    sampler = Sampler(0, "cpu")
+    assert sampler.probs(logits, sb).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    assert {int(sampler.sample(logits, sb)[0]) for _ in range(20)} == {1}

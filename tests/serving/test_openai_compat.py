@@ -158,7 +158,6 @@ CHAT_UNSUPPORTED = [
     ("modalities", ["text", "audio"]),
     ("chat_template_kwargs", {"enable_thinking": False}),
     ("continue_final_message", True),
-    ("min_p", 0.1),
     ("guided_json", {"type": "object"}),
     ("use_beam_search", True),
 ]

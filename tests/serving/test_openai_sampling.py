@@ -560,3 +560,42 @@ async def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(live):
     )
     usages = [c.usage async for c in chat if c.usage is not None]
     assert len(usages) == 1 and usages[0].prompt_tokens_details is not None
+
+
+# ---------------------------------------------------------------------- min_p
+
+
+@module_loop
+async def test_min_p_one_keeps_only_the_likeliest_token(live):
+    """min_p = 1 leaves only the top token at any temperature: hot, seeded sampling then
+    gives the greedy text; a small min_p leaves sampling free (it differs from greedy)."""
+    base = {"model": "test-model", "prompt": PROMPT, "max_tokens": 12, **NO_EOS}
+    greedy = await live.http.post("/v1/completions", json={**base, **GREEDY})
+    hot = {**base, "temperature": 2.0, "seed": 3}
+    cut = await live.http.post("/v1/completions", json={**hot, "min_p": 1.0})
+    free = await live.http.post("/v1/completions", json={**hot, "min_p": 0.0001})
+    assert greedy.status_code == cut.status_code == free.status_code == 200
+    assert cut.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+    assert free.json()["choices"][0]["text"] != greedy.json()["choices"][0]["text"]
+    native = await live.http.post(
+        "/generate",
+        json={
+            "text": PROMPT,
+            "sampling_params": {
+                "max_new_tokens": 12,
+                "ignore_eos": True,
+                "temperature": 2.0,
+                "min_p": 1.0,
+            },
+        },
+    )
+    assert native.json()["text"] == greedy.json()["choices"][0]["text"]
+
+
+@module_loop
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "x"])
+async def test_a_bad_min_p_is_a_400_naming_it(live, bad):
+    body = {"model": "test-model", "prompt": PROMPT, "max_tokens": 2, "min_p": bad}
+    r = await live.http.post("/v1/completions", json=body)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "min_p"

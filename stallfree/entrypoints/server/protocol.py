@@ -172,13 +172,13 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     repetition_penalty: float | None = Field(None, allow_inf_nan=False)
     min_tokens: int = Field(0, ge=0)
+    min_p: float | None = Field(None, allow_inf_nan=False)  # vLLM's; SamplingParams checks it
     # disaggregation (SGLang's names; the router sets them): the prefill's bootstrap endpoint
     # and the room id of choice 0 (choice i is room + i)
     bootstrap_host: str | None = Field(None, min_length=1, max_length=253)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, le=2**63 - 1)
     # extras that would change the output and are not supported
-    min_p: Any = None
     use_beam_search: Any = None
     include_stop_str_in_output: Any = None
     bad_words: Any = None

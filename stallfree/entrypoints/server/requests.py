@@ -131,6 +131,7 @@ def sampling_params(
         "max_new_tokens": max_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
+        "min_p": body.min_p or 0.0,
         "top_k": -1 if body.top_k is None else body.top_k,
         "stop": stop,
         "stop_token_ids": list(body.stop_token_ids or []),

@@ -110,7 +110,6 @@ def _text_format(value: Any) -> bool:
 # (their defaults); any other value is a 400 naming the field. Fields not declared at all are
 # ignored (see `protocol._Request`).
 _SHARED_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "min_p": lambda v: v is None or v == 0,
     "use_beam_search": lambda v: v is None or v is False,
     "include_stop_str_in_output": lambda v: v is None or v is False,
     "bad_words": lambda v: not _given(v),

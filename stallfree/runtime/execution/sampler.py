@@ -27,6 +27,7 @@ class SamplingBatch:
     temperatures: torch.Tensor | None = None  # [B] float32; 0 marks a greedy row
     top_ps: torch.Tensor | None = None  # [B] float32
     top_ks: torch.Tensor | None = None  # [B] int64; -1 means the whole vocabulary
+    min_ps: torch.Tensor | None = None  # [B] float32; None when no sampled row sets min_p
 
     @classmethod
     def build(
@@ -41,6 +42,9 @@ class SamplingBatch:
             return cls(all_greedy=True, greedy_mask_cpu=greedy, seeds_cpu=[], steps_cpu=[])
         temps = [0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
         sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
+        min_ps = None
+        if any(p.min_p > 0.0 for p in sampled):
+            min_ps = upload(torch.tensor([p.min_p for p in params], dtype=torch.float32))
         return cls(
             all_greedy=False,
             greedy_mask_cpu=greedy,
@@ -50,6 +54,7 @@ class SamplingBatch:
             temperatures=upload(torch.tensor(temps, dtype=torch.float32)),
             top_ps=upload(torch.tensor([p.top_p for p in params], dtype=torch.float32)),
             top_ks=upload(torch.tensor([p.top_k for p in params], dtype=torch.int64)),
+            min_ps=min_ps,
         )
 
 
@@ -83,14 +88,20 @@ class Sampler:
         return torch.where(greedy, greedy_ids, sampled)
 
     def probs(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-        """Each row's distribution after temperature, top-k and top-p (greedy rows: at
+        """Each row's distribution after temperature, top-k, top-p and min-p (greedy rows: at
         temperature 1; only their argmax is used). Not for an all-greedy batch."""
         assert sb.temperatures is not None and sb.top_ks is not None and sb.top_ps is not None
         greedy = sb.temperatures <= 0.0
         scaled = logits / torch.where(greedy, 1.0, sb.temperatures).unsqueeze(1)
         if sb.needs_filter:
             scaled = _filter_top_k_top_p(scaled, sb.top_ks, sb.top_ps)
-        return torch.softmax(scaled, dim=-1)
+        probs = torch.softmax(scaled, dim=-1)
+        if sb.min_ps is not None:
+            # transformers' MinPLogitsWarper: below min_p x the top probability is dropped
+            # (the top token always stays); a row at 0 keeps everything
+            floor = probs.amax(dim=-1, keepdim=True) * sb.min_ps.unsqueeze(1)
+            probs = torch.softmax(scaled.masked_fill(probs < floor, float("-inf")), dim=-1)
+        return probs
 
     def uniforms(self, sb: SamplingBatch, salt: int = 0x5EC) -> torch.Tensor:
         """One U[0, 1) draw per row (speculative acceptance tests), seeded rows from their own

@@ -52,6 +52,14 @@ class SamplingParams(BaseModel):
         description=f"0 means greedy; values below {MIN_TEMPERATURE:g} are treated as 0",
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    min_p: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="Drop tokens less likely than min_p times the likeliest one (after "
+        "temperature, top-k and top-p, as transformers' MinPLogitsWarper); 0 disables",
+    )
     top_k: int = Field(
         -1, le=INT64_MAX, description="-1 disables; otherwise >= 1 and at most the vocabulary"
     )
