@@ -274,3 +274,38 @@ async def test_bad_values_are_refused_with_the_field(llama):
         assert len(ok.token_ids) >= 1
         await engine.wait_idle()
         assert engine.pool_usage().all_free
+
+
+def test_frequency_and_presence_penalties_are_told_apart():
+    """Token 5 three times and token 7 once in the output: a presence penalty takes p once from
+    each, a frequency penalty f per occurrence. Swapped in the plan, the rows would differ."""
+    from stallfree.runtime.execution.logits import PenaltyState, build_logits_plan, process_logits
+    from stallfree.runtime.request.req import Req
+
+    vocab = 12
+    reqs = []
+    for slot, penalties in enumerate(
+        [
+            {"presence_penalty": 0.5},
+            {"frequency_penalty": 0.5},
+            {"presence_penalty": 0.25, "frequency_penalty": 1.0},
+        ]
+    ):
+        req = Req(
+            rid=f"r{slot}",
+            origin_input_ids=[1, 2],
+            sampling_params=SamplingParams(max_new_tokens=8, **penalties),
+        )
+        req.req_pool_idx = slot
+        req.output_ids = [5, 5, 5, 7]
+        reqs.append(req)
+    plan = build_logits_plan(reqs, [True] * 3, [4] * 3, None, lambda t: t)
+    assert plan is not None
+    state = PenaltyState(3, vocab, torch.device("cpu"))
+    state.rebuild(plan)
+    out = process_logits(torch.zeros(3, vocab), plan, state)
+    expected = torch.zeros(3, vocab)
+    expected[0, 5], expected[0, 7] = -0.5, -0.5  # presence: once per token present
+    expected[1, 5], expected[1, 7] = -1.5, -0.5  # frequency: per occurrence
+    expected[2, 5], expected[2, 7] = -3.25, -1.25  # both: 3f + p, f + p
+    torch.testing.assert_close(out, expected)
