@@ -599,3 +599,48 @@ async def test_a_bad_min_p_is_a_400_naming_it(live, bad):
     r = await live.http.post("/v1/completions", json=body)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "min_p"
+
+
+# ---------------------------------------------------------------------- include_stop_str_in_output
+
+
+@module_loop
+async def test_include_stop_str_in_output_keeps_the_stop_string(live):
+    base = {"model": "test-model", "prompt": PROMPT, "max_tokens": 24, **NO_EOS, **GREEDY}
+    whole = (await live.http.post("/v1/completions", json=base)).json()["choices"][0]["text"]
+    stop = whole[6:8]  # two characters the greedy text holds; it ends where they first appear
+    cut = whole.index(stop)
+    trimmed = await live.http.post("/v1/completions", json={**base, "stop": [stop]})
+    kept = await live.http.post(
+        "/v1/completions",
+        json={**base, "stop": ["zzzz-never", stop], "include_stop_str_in_output": True},
+    )
+    assert trimmed.json()["choices"][0]["text"] == whole[:cut]
+    assert kept.json()["choices"][0]["text"] == whole[: cut + len(stop)]
+    assert kept.json()["choices"][0]["finish_reason"] == "stop"
+    # streamed: the deltas add up to the same text
+    streamed = await live.http.post(
+        "/v1/completions",
+        json={**base, "stop": [stop], "include_stop_str_in_output": True, "stream": True},
+    )
+    deltas = [
+        json.loads(line[6:])["choices"][0]["text"]
+        for line in streamed.text.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert "".join(deltas) == whole[: cut + len(stop)]
+    # SGLang's spelling on /generate
+    native = await live.http.post(
+        "/generate",
+        json={
+            "text": PROMPT,
+            "sampling_params": {
+                "max_new_tokens": 24,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stop": [stop],
+                "no_stop_trim": True,
+            },
+        },
+    )
+    assert native.json()["text"] == whole[: cut + len(stop)]

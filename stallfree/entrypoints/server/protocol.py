@@ -173,6 +173,7 @@ class _SamplingFields(_Body):
     repetition_penalty: float | None = Field(None, allow_inf_nan=False)
     min_tokens: int = Field(0, ge=0)
     min_p: float | None = Field(None, allow_inf_nan=False)  # vLLM's; SamplingParams checks it
+    include_stop_str_in_output: bool = False  # vLLM's
     # disaggregation (SGLang's names; the router sets them): the prefill's bootstrap endpoint
     # and the room id of choice 0 (choice i is room + i)
     bootstrap_host: str | None = Field(None, min_length=1, max_length=253)
@@ -180,7 +181,6 @@ class _SamplingFields(_Body):
     bootstrap_room: int | None = Field(None, ge=0, le=2**63 - 1)
     # extras that would change the output and are not supported
     use_beam_search: Any = None
-    include_stop_str_in_output: Any = None
     bad_words: Any = None
     allowed_token_ids: Any = None
     prompt_logprobs: Any = None

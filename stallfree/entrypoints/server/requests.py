@@ -136,6 +136,7 @@ def sampling_params(
         "stop": stop,
         "stop_token_ids": list(body.stop_token_ids or []),
         "ignore_eos": body.ignore_eos,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
         "presence_penalty": body.presence_penalty or 0.0,
         "frequency_penalty": body.frequency_penalty or 0.0,
         "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
@@ -154,7 +155,11 @@ def sampling_params(
 
 
 def native_sampling_params(fields: dict[str, Any]) -> SamplingParams:
-    """`/generate`'s `sampling_params`, validated; errors name `sampling_params.<field>`."""
+    """`/generate`'s `sampling_params`, validated; errors name `sampling_params.<field>`.
+    SGLang's `no_stop_trim` is `include_stop_str_in_output`."""
+    if "no_stop_trim" in fields:
+        fields = dict(fields)
+        fields.setdefault("include_stop_str_in_output", fields.pop("no_stop_trim"))
     try:
         return SamplingParams(**fields)
     except ValidationError as exc:

@@ -111,7 +111,6 @@ def _text_format(value: Any) -> bool:
 # ignored (see `protocol._Request`).
 _SHARED_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": lambda v: v is None or v is False,
-    "include_stop_str_in_output": lambda v: v is None or v is False,
     "bad_words": lambda v: not _given(v),
     "allowed_token_ids": lambda v: v is None,
     "prompt_logprobs": lambda v: v is None,

@@ -76,6 +76,11 @@ class SamplingParams(BaseModel):
         f"each of 1 to {MAX_STOP_STRING_CHARS} characters",
     )
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = Field(
+        False,
+        description="Keep the stop string that ended the output in its text (vLLM's name; "
+        "SGLang's no_stop_trim)",
+    )
     min_tokens: int = Field(
         0,
         ge=0,

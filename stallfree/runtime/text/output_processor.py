@@ -177,6 +177,9 @@ class OutputProcessor:
         if len(req.output_ids) >= req.sampling_params.min_tokens:
             idx = find_stop(stream.held, stream.stops, len(stream.held) - len(delta))
         if idx is not None:
+            if req.sampling_params.include_stop_str_in_output:
+                # through the end of the stop string found there (the first listed, as vLLM)
+                idx += next(len(s) for s in stream.stops if stream.held.startswith(s, idx))
             stream.stop_at = idx
             return True
         safe = len(stream.held) - (stream.longest_stop - 1)
