@@ -644,3 +644,41 @@ async def test_include_stop_str_in_output_keeps_the_stop_string(live):
         },
     )
     assert native.json()["text"] == whole[: cut + len(stop)]
+
+
+# ---------------------------------------------------------------------- allowed_token_ids
+
+
+@module_loop
+async def test_allowed_token_ids_limit_every_sampled_token(live):
+    allowed = [40, 41, 97]
+    hot = {"max_new_tokens": 24, "ignore_eos": True, "temperature": 1.5, "seed": 5}
+    native = await live.http.post(
+        "/generate",
+        json={"text": PROMPT, "sampling_params": {**hot, "allowed_token_ids": allowed}},
+    )
+    ids = native.json()["output_ids"]
+    assert len(ids) == 24 and set(ids) <= set(allowed) and len(set(ids)) > 1
+    free = await live.http.post("/generate", json={"text": PROMPT, "sampling_params": hot})
+    assert not set(free.json()["output_ids"]) <= set(allowed)  # the limit did the work
+    one = await live.http.post(
+        "/v1/completions",
+        json={
+            "model": "test-model",
+            "prompt": PROMPT,
+            "max_tokens": 5,
+            "allowed_token_ids": [97],
+            **NO_EOS,
+            **GREEDY,
+        },
+    )
+    assert one.json()["choices"][0]["text"] == "aaaaa"  # token 97 is the byte "a"
+
+
+@module_loop
+@pytest.mark.parametrize("bad", [[10**6], [-1], []])
+async def test_bad_allowed_token_ids_are_a_400(live, bad):
+    body = {"model": "test-model", "prompt": PROMPT, "max_tokens": 2, "allowed_token_ids": bad}
+    r = await live.http.post("/v1/completions", json=body)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"].startswith("allowed_token_ids")

@@ -174,6 +174,7 @@ class _SamplingFields(_Body):
     min_tokens: int = Field(0, ge=0)
     min_p: float | None = Field(None, allow_inf_nan=False)  # vLLM's; SamplingParams checks it
     include_stop_str_in_output: bool = False  # vLLM's
+    allowed_token_ids: list[int] | None = None  # vLLM's; checked against the vocabulary
     # disaggregation (SGLang's names; the router sets them): the prefill's bootstrap endpoint
     # and the room id of choice 0 (choice i is room + i)
     bootstrap_host: str | None = Field(None, min_length=1, max_length=253)
@@ -182,7 +183,6 @@ class _SamplingFields(_Body):
     # extras that would change the output and are not supported
     use_beam_search: Any = None
     bad_words: Any = None
-    allowed_token_ids: Any = None
     prompt_logprobs: Any = None
     guided_json: Any = None
     guided_regex: Any = None

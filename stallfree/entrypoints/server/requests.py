@@ -137,6 +137,7 @@ def sampling_params(
         "stop_token_ids": list(body.stop_token_ids or []),
         "ignore_eos": body.ignore_eos,
         "include_stop_str_in_output": body.include_stop_str_in_output,
+        "allowed_token_ids": body.allowed_token_ids,
         "presence_penalty": body.presence_penalty or 0.0,
         "frequency_penalty": body.frequency_penalty or 0.0,
         "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,

@@ -112,7 +112,6 @@ def _text_format(value: Any) -> bool:
 _SHARED_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": lambda v: v is None or v is False,
     "bad_words": lambda v: not _given(v),
-    "allowed_token_ids": lambda v: v is None,
     "prompt_logprobs": lambda v: v is None,
     "guided_json": lambda v: v is None,
     "guided_regex": lambda v: v is None,

@@ -52,6 +52,8 @@ class PromptLogprobPlan:
 class LogitsPlan:
     # logit_bias and min_tokens, as (row, token, value) triples added to the logits
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # allowed_token_ids: (row, token) pairs; a listed row keeps only its pairs' tokens
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     # penalties: rows, their slots and factors [P]
     pen_rows: torch.Tensor | None = None
     pen_slots: torch.Tensor | None = None
@@ -71,7 +73,7 @@ class LogitsPlan:
 
     @property
     def processes_logits(self) -> bool:
-        return self.bias is not None or self.pen_rows is not None
+        return self.bias is not None or self.allowed is not None or self.pen_rows is not None
 
     @property
     def needs_state(self) -> bool:
@@ -98,9 +100,14 @@ class _BiasRows:
     rows: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
+    allowed_rows: list[int] = field(default_factory=list)
+    allowed_tokens: list[int] = field(default_factory=list)
 
     def add(self, row: int, req: Req, output_step: int) -> None:
         params = req.sampling_params
+        if params.allowed_token_ids is not None:
+            self.allowed_rows.extend([row] * len(params.allowed_token_ids))
+            self.allowed_tokens.extend(params.allowed_token_ids)
         for tok, value in params.logit_bias.items():
             self._put(row, tok, value)
         if output_step < params.min_tokens:
@@ -118,6 +125,8 @@ class _BiasRows:
     def apply(self, plan: LogitsPlan, up: _Uploads) -> None:
         if self.rows:
             plan.bias = (up.ints(self.rows), up.ints(self.tokens), up.floats(self.values))
+        if self.allowed_rows:
+            plan.allowed = (up.ints(self.allowed_rows), up.ints(self.allowed_tokens))
 
 
 @dataclass(slots=True)
@@ -297,11 +306,19 @@ class PenaltyState:
 def process_logits(
     logits: torch.Tensor, plan: LogitsPlan, state: PenaltyState | None
 ) -> torch.Tensor:
-    """Stream side: bias and min_tokens masks, then penalties. Out of place: the raw logits
+    """Stream side: bias and min_tokens masks, the allowed tokens, then penalties. Out of place: the raw logits
     stay as they were for logprobs."""
     if plan.bias is not None:
         rows, toks, values = plan.bias
         logits = logits.index_put((rows, toks), values, accumulate=True)
+    if plan.allowed is not None:
+        rows, toks = plan.allowed
+        keep = torch.zeros_like(logits, dtype=torch.bool).index_put_(
+            (rows, toks), torch.ones_like(toks, dtype=torch.bool)
+        )
+        limited = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        limited.index_fill_(0, rows, True)
+        logits = logits.masked_fill(limited.unsqueeze(1) & ~keep, float("-inf"))
     if plan.pen_rows is not None:
         assert state is not None
         logits = state.apply(logits, plan)

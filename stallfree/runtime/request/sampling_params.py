@@ -117,6 +117,12 @@ class SamplingParams(BaseModel):
         description=f"token id -> bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] added to "
         "its logit before sampling",
     )
+    allowed_token_ids: list[int] | None = Field(
+        None,
+        min_length=1,
+        max_length=1 << 18,
+        description="vLLM's: only these token ids may be sampled (none: any)",
+    )
     logprobs: int | None = Field(
         None,
         ge=0,
@@ -213,6 +219,7 @@ class SamplingParams(BaseModel):
         """Something between the forward and the sampler: bias, masks, penalties, logprobs."""
         return (
             bool(self.logit_bias)
+            or self.allowed_token_ids is not None
             or self.min_tokens > 0
             or self.has_penalties
             or self.logprobs is not None

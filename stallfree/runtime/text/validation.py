@@ -146,7 +146,8 @@ class RequestValidator:
             )
 
     def check_params(self, params: SamplingParams) -> None:
-        """The sampling bounds that depend on the model: top_k, stop token ids, logit_bias."""
+        """The sampling bounds that depend on the model: top_k, stop token ids, logit_bias,
+        allowed_token_ids."""
         vocab = self.vocab_size
         if params.top_k > vocab:
             raise InvalidRequestError(
@@ -165,6 +166,13 @@ class RequestValidator:
             raise InvalidRequestError(
                 f"logit_bias token ids out of range [0, {vocab}): {', '.join(map(show, bad[:5]))}",
                 param="logit_bias",
+            )
+        allowed = params.allowed_token_ids or ()
+        bad = [t for t in allowed if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"allowed_token_ids out of range [0, {vocab}): {', '.join(map(show, bad[:5]))}",
+                param="allowed_token_ids",
             )
         if params.min_tokens > params.max_new_tokens:
             raise InvalidRequestError(
