@@ -682,3 +682,39 @@ async def test_bad_allowed_token_ids_are_a_400(live, bad):
     r = await live.http.post("/v1/completions", json=body)
     assert r.status_code == 400
     assert r.json()["error"]["param"].startswith("allowed_token_ids")
+
+
+# ---------------------------------------------------------------------- truncate_prompt_tokens
+
+
+@module_loop
+async def test_truncate_prompt_tokens_keeps_the_last_tokens(live):
+    ids = list(range(65, 65 + 20))  # "ABCD...": 20 byte tokens
+    base = {"model": "test-model", "max_tokens": 4, **NO_EOS, **GREEDY}
+    cut = await live.http.post(
+        "/v1/completions",
+        json={**base, "prompt": ids, "truncate_prompt_tokens": 6, "echo": True},
+    )
+    tail = await live.http.post("/v1/completions", json={**base, "prompt": ids[-6:]})
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["usage"]["prompt_tokens"] == 6
+    text = cut.json()["choices"][0]["text"]
+    assert text == "OPQRST" + tail.json()["choices"][0]["text"]  # echo shows what was kept
+    whole = await live.http.post(
+        "/v1/completions", json={**base, "prompt": ids, "truncate_prompt_tokens": -1}
+    )
+    assert whole.json()["usage"]["prompt_tokens"] == 20  # -1: as much as the context holds
+    chat = await live.http.post(
+        "/v1/chat/completions",
+        json={
+            **base,
+            "messages": [{"role": "user", "content": "a long question"}],
+            "truncate_prompt_tokens": 3,
+        },
+    )
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 3
+    for bad in (0, -2):
+        r = await live.http.post(
+            "/v1/completions", json={**base, "prompt": ids, "truncate_prompt_tokens": bad}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"

@@ -38,6 +38,7 @@ from stallfree.entrypoints.server.requests import (
     prompt_ids_async,
     read_body,
     sampling_params,
+    truncated,
 )
 from stallfree.entrypoints.server.responses import (
     ChatCompletionChunk,
@@ -278,6 +279,8 @@ async def completions(request: Request) -> Response:
     max_tokens = body.max_tokens or 16
     with converting():
         prompts = await prompt_ids_async(engine, body.prompt, limits.max_prompts_per_request)
+        keep = body.truncate_prompt_tokens
+        prompts = [truncated(p, keep, engine.max_context_len) for p in prompts]
         check_fanout(len(prompts), n, limits.max_prompts_per_request)
         for ids in prompts:
             engine.check_prompt(ids, body.max_tokens, param="prompt")
@@ -289,7 +292,9 @@ async def completions(request: Request) -> Response:
     if body.echo and body.logprobs is not None:
         # the prompt's logprobs come from its first choice alone (`_CompletionAnswer`)
         params[1:] = [p.model_copy(update={"prompt_logprobs": None}) for p in params[1:]]
-    echoed = _prompt_texts(engine.tokenizer, body.prompt, prompts) if body.echo else None
+    # echo repeats what the model saw: a truncated prompt decoded from its kept tokens
+    sent = body.prompt if body.truncate_prompt_tokens is None else prompts
+    echoed = _prompt_texts(engine.tokenizer, sent, prompts) if body.echo else None
     pieces = token_pieces(engine.tokenizer) if body.logprobs is not None else None
     ctx = Context.of(request)
     if state.disagg is not None:
@@ -407,6 +412,7 @@ async def chat(request: Request) -> Response:
     with converting():
         check_fanout(1, n, limits.max_prompts_per_request)
         ids = await chat_prompt_ids_async(engine, body)
+        ids = truncated(ids, body.truncate_prompt_tokens, engine.max_context_len)
         max_tokens = body.max_completion_tokens or body.max_tokens
         engine.check_prompt(ids, max_tokens, param="messages")
         # no max_tokens: as many as fit (the engine caps it to the context and KV cache)

@@ -175,6 +175,8 @@ class _SamplingFields(_Body):
     min_p: float | None = Field(None, allow_inf_nan=False)  # vLLM's; SamplingParams checks it
     include_stop_str_in_output: bool = False  # vLLM's
     allowed_token_ids: list[int] | None = None  # vLLM's; checked against the vocabulary
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**31)
     # disaggregation (SGLang's names; the router sets them): the prefill's bootstrap endpoint
     # and the room id of choice 0 (choice i is room + i)
     bootstrap_host: str | None = Field(None, min_length=1, max_length=253)

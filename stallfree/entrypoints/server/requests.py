@@ -155,6 +155,21 @@ def sampling_params(
         raise from_validation(exc) from exc
 
 
+def truncated(ids: list[int], keep: int | None, max_context_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: the context's
+    length); None leaves it whole."""
+    if keep is None:
+        return ids
+    if keep == 0:
+        raise ApiError(
+            400,
+            "truncate_prompt_tokens must be -1 (the context's length) or at least 1",
+            param="truncate_prompt_tokens",
+        )
+    limit = max_context_len if keep == -1 else keep
+    return ids[-limit:] if len(ids) > limit else ids
+
+
 def native_sampling_params(fields: dict[str, Any]) -> SamplingParams:
     """`/generate`'s `sampling_params`, validated; errors name `sampling_params.<field>`.
     SGLang's `no_stop_trim` is `include_stop_str_in_output`."""
