@@ -136,6 +136,11 @@ class ServerConfig(_Section):
     allow_credentials: bool = Field(
         False, description="CORS: let an allowed origin send cookies and Authorization"
     )
+    generation_config: str = Field(
+        "auto",
+        description="Sampling defaults for fields a request leaves unset: auto reads the model "
+        "directory's generation_config.json, vllm ignores it, or a directory holding one",
+    )
     otlp_traces_endpoint: str | None = Field(
         None,
         description="OpenTelemetry collector (OTLP/HTTP) that gets one span tree per request, "

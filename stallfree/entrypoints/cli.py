@@ -111,6 +111,7 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
         "api_key": ("server", "api_key"),
         "served_model_name": ("server", "served_model_name"),
         "chat_template": ("server", "chat_template"),
+        "generation_config": ("server", "generation_config"),
         "max_request_cost": ("server", "max_request_cost"),
         "max_chat_messages": ("server", "max_chat_messages"),
         "max_content_parts": ("server", "max_content_parts"),

@@ -50,6 +50,16 @@ def _add_api_flags(g: argparse._ArgumentGroup) -> None:
         ),
     )
     g.add_argument(
+        "--generation-config",
+        metavar="auto|vllm|DIR",
+        help=flag_help(
+            "sampling defaults for fields a request leaves unset: auto reads the model's "
+            "generation_config.json, vllm ignores it, or a directory holding one",
+            "server",
+            "generation_config",
+        ),
+    )
+    g.add_argument(
         "--chat-template",
         metavar="TEMPLATE",
         help=flag_help(

@@ -24,6 +24,7 @@ from stallfree.entrypoints.server.errors import (
     from_invalid_request,
     refusal_reason,
 )
+from stallfree.entrypoints.server.generation_defaults import load_generation_defaults
 from stallfree.entrypoints.server.guard import Guard
 from stallfree.entrypoints.server.protocol import ErrorInfo
 from stallfree.entrypoints.server.routes import api_routes, open_routes
@@ -98,6 +99,9 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
         lifecycle,
         metrics=metrics,
         tracer=tracer,
+        defaults=load_generation_defaults(
+            cfg.server.generation_config, cfg.model.path, engine.tokenizer.eos_token_ids
+        ),
     )
     _install_error_handlers(app, metrics)
     app.include_router(open_routes())

@@ -288,7 +288,7 @@ async def completions(request: Request) -> Response:
             len(prompts), sum(map(len, prompts)), n, max_tokens, body.logprobs, body.echo
         )
         cost.check(limits.max_request_cost)
-        params = sampling_params(body, max_tokens)
+        params = sampling_params(body, max_tokens, state.defaults)
     if body.echo and body.logprobs is not None:
         # the prompt's logprobs come from its first choice alone (`_CompletionAnswer`)
         params[1:] = [p.model_copy(update={"prompt_logprobs": None}) for p in params[1:]]
@@ -430,7 +430,7 @@ async def chat(request: Request) -> Response:
             max_tokens_unset=max_tokens is None,
         )
         cost.check(limits.max_request_cost)
-        params = sampling_params(body, most)
+        params = sampling_params(body, most, state.defaults)
     pieces = token_pieces(engine.tokenizer) if body.logprobs else None
     ctx = Context.of(request)
     if state.disagg is not None:

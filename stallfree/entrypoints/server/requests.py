@@ -29,6 +29,7 @@ from stallfree.entrypoints.server.errors import (
     from_conversion_error,
     from_validation,
 )
+from stallfree.entrypoints.server.generation_defaults import GenerationDefaults
 from stallfree.entrypoints.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -117,9 +118,14 @@ def _choice_seed(seed: int | None, choice: int) -> int | None:
 
 
 def sampling_params(
-    body: CompletionRequest | ChatCompletionRequest, max_tokens: int
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    defaults: GenerationDefaults | None = None,
 ) -> list[SamplingParams]:
-    """One `SamplingParams` per choice (`n`): they differ only in the seed."""
+    """One `SamplingParams` per choice (`n`): they differ only in the seed. Fields the body
+    leaves unset take the model's `defaults` (its generation_config.json), then the built-in
+    ones."""
+    model = defaults or GenerationDefaults()
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if isinstance(body, CompletionRequest):
         logprobs = body.logprobs
@@ -129,18 +135,19 @@ def sampling_params(
         prompt_logprobs = None
     fields: dict[str, Any] = {
         "max_new_tokens": max_tokens,
-        "temperature": 1.0 if body.temperature is None else body.temperature,
-        "top_p": 1.0 if body.top_p is None else body.top_p,
-        "min_p": body.min_p or 0.0,
-        "top_k": -1 if body.top_k is None else body.top_k,
+        "temperature": model.value("temperature", body.temperature, 1.0),
+        "top_p": model.value("top_p", body.top_p, 1.0),
+        "min_p": model.value("min_p", body.min_p, 0.0),
+        "top_k": model.value("top_k", body.top_k, -1),
         "stop": stop,
-        "stop_token_ids": list(body.stop_token_ids or []),
+        "stop_token_ids": list(body.stop_token_ids or [])
+        + ([] if body.ignore_eos else list(model.stop_token_ids)),
         "ignore_eos": body.ignore_eos,
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "allowed_token_ids": body.allowed_token_ids,
         "presence_penalty": body.presence_penalty or 0.0,
         "frequency_penalty": body.frequency_penalty or 0.0,
-        "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        "repetition_penalty": model.value("repetition_penalty", body.repetition_penalty, 1.0),
         "min_tokens": body.min_tokens,
         "logit_bias": _logit_bias(body.logit_bias),
         "logprobs": logprobs,

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from fastapi import Request
 
 from stallfree.config.settings import ServerConfig
+from stallfree.entrypoints.server.generation_defaults import GenerationDefaults
 from stallfree.metrics.operator import ServerMetrics
 from stallfree.runtime.engine import Engine
 
@@ -71,6 +72,8 @@ class ServerState:
     metrics: ServerMetrics | None = None
     # `tracing.RequestTracer` with `server.otlp_traces_endpoint` set, else None
     tracer: Any = None
+    # the model's sampling defaults (`generation_defaults.GenerationDefaults`), or none
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     def observe_params(self, n: int, max_tokens: int) -> None:
         """A request's `n` and `max_tokens`, for vLLM's `request_params_*` histograms."""
