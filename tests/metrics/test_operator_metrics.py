@@ -274,3 +274,35 @@ def test_refusal_reasons_follow_status_and_code():
     # the server's own failures are not refusals
     assert refusal_reason(503, "engine_unhealthy") is None
     assert refusal_reason(500, None) is None
+
+
+async def test_a_client_that_leaves_mid_body_is_a_4xx_not_a_5xx():
+    """The instrumentator counts a request that got no answer as a 500; the Guard ends one
+    whose client left while sending its body as 499, so no 5xx alert fires on it."""
+    config = engine_config("tiny", server={"served_model_name": "m"})
+    engine = Engine(config)
+    server = await start_server(create_app(engine))
+    try:
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model"'
+        )
+        await asyncio.sleep(0.2)
+        sock.close()
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+            for _ in range(100):
+                found = samples((await http.get("/metrics")).text)
+                statuses = {
+                    lab["status"]: v
+                    for lab, v in found.get("stallfree:http_requests_total", [])
+                    if lab["handler"] == "/v1/completions"
+                }
+                if statuses:
+                    break
+                await asyncio.sleep(0.05)
+        assert statuses == {"4xx": 1.0}
+        assert value(found, "stallfree:http_refusals_total", reason="invalid_request") == 0
+    finally:
+        await server.stop()
+        await engine.shutdown()

@@ -43,6 +43,7 @@ from stallfree.entrypoints.server.errors import (
 )
 from stallfree.entrypoints.server.protocol import ErrorInfo
 from stallfree.entrypoints.server.state import Lifecycle
+from stallfree.entrypoints.server.streaming import CLIENT_CLOSED_REQUEST
 from stallfree.metrics.operator import ServerMetrics
 
 logger = logging.getLogger("stallfree.server")
@@ -124,7 +125,12 @@ class Guard:
             if length is None or length > 0:
                 body = await self._read_body(receive, length)
                 if body is None:
-                    return  # the client left while sending it
+                    # the client left while sending it: nobody reads this answer, but it ends
+                    # the request as what it was (499, nginx's "client closed request") for
+                    # the HTTP metrics and logs, not as a 500 the server never gave
+                    info = _info("the client closed the connection before its body arrived")
+                    await _answer(send_with_id, CLIENT_CLOSED_REQUEST, info, close=True)
+                    return
                 receive = _replay(body, receive)
             await self.app(scope, receive, send_with_id)
         except _Refused as refused:
