@@ -240,3 +240,18 @@ def test_a_bad_origin_list_is_a_flag_error(capsys):
     with pytest.raises(SystemExit):
         _server("--allowed-origins", '["unclosed"')
     assert "not a JSON list" in capsys.readouterr().err
+
+
+def test_the_probes_stay_out_of_the_access_log_behind_a_root_path():
+    import logging
+
+    from stallfree.entrypoints.server.launch import _SkipProbes
+
+    def line(path: str) -> logging.LogRecord:
+        args = ("127.0.0.1:5000", "GET", path, "1.1", 200)
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, "%s %s %s", args, None)
+
+    behind = _SkipProbes("/llm")
+    assert not behind.filter(line("/llm/health")) and not behind.filter(line("/llm/metrics?x"))
+    assert behind.filter(line("/llm/v1/models"))
+    assert not _SkipProbes().filter(line("/health")) and _SkipProbes().filter(line("/llm/health"))

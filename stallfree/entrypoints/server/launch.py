@@ -99,26 +99,34 @@ def uvicorn_config(app: FastAPI, config: StallfreeConfig, **overrides: Any) -> u
         }
     result = uvicorn.Config(app, **(options | overrides))
     # uvicorn configured its loggers just now; the filter goes on after that
-    _filter_probes(not limits.access_log_probes)
+    _filter_probes(not limits.access_log_probes, limits.root_path)
     return result
 
 
 class _SkipProbes(logging.Filter):
-    """Drops access-log lines of /health and /metrics (probes and scrapes)."""
+    """Drops access-log lines of /health and /metrics (probes and scrapes), behind the proxy's
+    `root_path` too (uvicorn logs the path with it)."""
+
+    def __init__(self, root_path: str = "") -> None:
+        super().__init__()
+        self.root_path = root_path
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
         if isinstance(args, tuple) and len(args) >= 3:
-            return str(args[2]).partition("?")[0] not in PROBES
+            path = str(args[2]).partition("?")[0]
+            if self.root_path and path.startswith(self.root_path):
+                path = path[len(self.root_path) :]
+            return path not in PROBES
         return True
 
 
-def _filter_probes(on: bool) -> None:
+def _filter_probes(on: bool, root_path: str = "") -> None:
     access = logging.getLogger("uvicorn.access")
     for f in [f for f in access.filters if isinstance(f, _SkipProbes)]:
         access.removeFilter(f)
     if on:
-        access.addFilter(_SkipProbes())
+        access.addFilter(_SkipProbes(root_path))
 
 
 def configure_logging(limits: ServerConfig) -> None:
