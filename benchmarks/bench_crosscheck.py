@@ -32,17 +32,16 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
 import httpx
+from common import serve_process
 
 from stallfree.bench.sonnet_text import sonnet_lines
 
@@ -52,35 +51,13 @@ CACHE = Path.home() / ".cache" / "stallfree-bench" / "guidellm"
 
 @contextlib.contextmanager
 def server_process(model: str, threads: int | None, cores: str | None) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "stallfree.entrypoints.cli", "serve", "--model", model]
-    cmd += ["--device", "cpu", "--port", str(port)]
-    if cores:
-        cmd = ["taskset", "-c", cores, *cmd]
+    """The server under test, pinned to `cores` with `threads` torch threads when given."""
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("stallfree serve did not start")
-            time.sleep(0.2)
+    prefix = ["taskset", "-c", cores] if cores else []
+    with serve_process(model, prefix=prefix, env=env) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def server_figures(url: str) -> tuple[float, float, float]:

@@ -3,8 +3,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+
+import httpx
 
 from stallfree import Engine
 from stallfree.runtime.telemetry.observer import EngineObserver
@@ -49,3 +56,44 @@ class Window(EngineObserver):
                     steps=snap.counters.decode_batches,
                 )
             )
+
+
+@contextlib.contextmanager
+def serve_process(
+    model: str = "tiny",
+    *flags: str,
+    prefix: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Iterator[str]:
+    """`stallfree serve --model MODEL` on the CPU in a subprocess on a free loopback port
+    (`prefix` runs it under another command, such as `taskset`); its URL once `/health`
+    answers 200."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [*prefix, sys.executable, "-m", "stallfree.entrypoints.cli", "serve", "--model", model]
+    cmd += ["--device", "cpu", "--port", str(port), *flags]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=None if env is None else dict(env),
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("stallfree serve did not start")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 
-import httpx
 import uvloop
+from common import serve_process
 
 from stallfree import Engine, SamplingParams, load_config
 
@@ -52,34 +48,6 @@ async def embedded(args: argparse.Namespace) -> float:
 
         await drive(args.concurrency, args.concurrency, one)  # warm up
         return await drive(args.requests, args.concurrency, one)
-
-
-@contextlib.contextmanager
-def server_process(*flags: str) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "stallfree.entrypoints.cli", "serve", "--model", "tiny"]
-    cmd += ["--device", "cpu", "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("stallfree serve did not start")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 async def over_http(args: argparse.Namespace, url: str, route: str) -> float:
@@ -140,7 +108,7 @@ def metrics_ab(args: argparse.Namespace) -> None:
     rps: dict[str, list[float]] = {"--metrics": [], "--no-metrics": []}
     for round_ in range(args.metrics_ab):
         for flag, runs in rps.items():
-            with server_process(flag) as url:
+            with serve_process("tiny", flag) as url:
                 runs.append(uvloop.run(over_http(args, url, "/v1/completions")))
             print(f"round {round_ + 1} {flag:<13} {runs[-1]:>8.1f} req/s")
     on, off = (statistics.median(v) for v in rps.values())
@@ -214,7 +182,7 @@ def main() -> None:
     print(f"{args.requests} requests, {args.concurrency} in flight, {args.max_tokens} tokens each")
     base = uvloop.run(embedded(args))
     print(f"{'embedded Engine.complete':<28} {base:>8.1f} req/s")
-    with server_process() as url:
+    with serve_process() as url:
         for route in ("/generate", "/v1/completions"):
             rps = uvloop.run(over_http(args, url, route))
             print(f"{'HTTP ' + route:<28} {rps:>8.1f} req/s  ({rps / base:.2f}x embedded)")

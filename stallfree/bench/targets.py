@@ -14,6 +14,8 @@ from stallfree.bench.results import RequestRecord
 from stallfree.bench.workloads import BenchRequest
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     import httpx
 
     from stallfree.config import StallfreeConfig
@@ -218,16 +220,7 @@ class HttpTarget:
 
     async def _read_stream(self, resp: httpx.Response, record: RequestRecord, timer: _Timer) -> int:
         chunks = 0
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
-            if "error" in event:
-                record.error = _error_message(json.dumps(event))
-                continue
+        async for event in _sse_events(resp, record):
             for choice in event.get("choices") or []:
                 if text := self._text(choice):
                     timer.content()
@@ -334,16 +327,7 @@ class SGLangTarget(HttpTarget):
 
     async def _read_stream(self, resp: httpx.Response, record: RequestRecord, timer: _Timer) -> int:
         chunks, tokens = 0, 0
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
-            if "error" in event:
-                record.error = _error_message(json.dumps(event))
-                continue
+        async for event in _sse_events(resp, record):
             meta = event.get("meta_info") or {}
             text = str(event.get("text") or "")
             new_text = _new_text(record.generated_text, text)
@@ -366,6 +350,22 @@ class SGLangTarget(HttpTarget):
                 record.finish_reason = str(reason)
         record.output_tokens = tokens
         return chunks
+
+
+async def _sse_events(resp: httpx.Response, record: RequestRecord) -> AsyncIterator[dict[str, Any]]:
+    """A stream's JSON events up to `data: [DONE]`; an error event goes to `record.error`
+    instead."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event:
+            record.error = _error_message(json.dumps(event))
+            continue
+        yield event
 
 
 def _new_text(so_far: str, text: str) -> str:
