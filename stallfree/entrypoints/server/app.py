@@ -19,10 +19,10 @@ from stallfree.entrypoints.server.disagg import Disaggregated, disagg_routes
 from stallfree.entrypoints.server.errors import (
     ApiError,
     api_error_json,
+    count_refusal,
     describe_validation,
     error_json,
     from_invalid_request,
-    refusal_reason,
 )
 from stallfree.entrypoints.server.generation_defaults import load_generation_defaults
 from stallfree.entrypoints.server.guard import Guard
@@ -130,9 +130,7 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
 
 def _install_error_handlers(app: FastAPI, metrics: ServerMetrics | None) -> None:
     def counted(status: int, info: ErrorInfo) -> None:
-        reason = refusal_reason(status, info.code)
-        if metrics is not None and reason is not None:
-            metrics.refused(reason)
+        count_refusal(metrics, status, info.code)
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)

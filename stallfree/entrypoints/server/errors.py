@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from stallfree.entrypoints.server.protocol import ErrorInfo, ErrorResponse
+from stallfree.metrics.operator import ServerMetrics
 from stallfree.runtime.request.errors import (
     EngineOverloadedError,
     EngineUnhealthyError,
@@ -72,6 +73,13 @@ def refusal_reason(status: int, code: str | None) -> str | None:
     if 400 <= status < 500:
         return "invalid_request"
     return None
+
+
+def count_refusal(metrics: ServerMetrics | None, status: int, code: str | None) -> None:
+    """Count an answer in `http_refusals_total` when it is a refusal and metrics are on."""
+    reason = refusal_reason(status, code)
+    if metrics is not None and reason is not None:
+        metrics.refused(reason)
 
 
 def error_body(info: ErrorInfo) -> bytes:

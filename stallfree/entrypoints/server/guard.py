@@ -36,10 +36,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from stallfree.config.settings import ServerConfig
 from stallfree.entrypoints.server.errors import (
     ApiError,
+    count_refusal,
     error_body,
     internal_error,
     overloaded,
-    refusal_reason,
 )
 from stallfree.entrypoints.server.protocol import ErrorInfo
 from stallfree.entrypoints.server.state import Lifecycle
@@ -134,11 +134,11 @@ class Guard:
                 receive = _replay(body, receive)
             await self.app(scope, receive, send_with_id)
         except _Refused as refused:
-            self._count(refused.status, refused.info.code)
+            count_refusal(self.metrics, refused.status, refused.info.code)
             if not started:
                 await _answer(send_with_id, refused.status, refused.info, refused.close)
         except ApiError as err:
-            self._count(err.status, err.info.code)
+            count_refusal(self.metrics, err.status, err.info.code)
             if not started:
                 close = "connection" in {k.lower() for k in err.headers}
                 extra = [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
@@ -151,11 +151,6 @@ class Guard:
         finally:
             if counted:
                 lifecycle.in_flight -= 1
-
-    def _count(self, status: int, code: str | None) -> None:
-        reason = refusal_reason(status, code)
-        if self.metrics is not None and reason is not None:
-            self.metrics.refused(reason)
 
     def _check_head(self, scope: Scope, probe: bool) -> int | None:
         """Check the request line and headers; the body's declared length (None: chunked)."""

@@ -100,7 +100,8 @@ class Sampler:
             # transformers' MinPLogitsWarper: below min_p x the top probability is dropped
             # (the top token always stays); a row at 0 keeps everything
             floor = probs.amax(dim=-1, keepdim=True) * sb.min_ps.unsqueeze(1)
-            probs = torch.softmax(scaled.masked_fill(probs < floor, float("-inf")), dim=-1)
+            probs = probs.masked_fill(probs < floor, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
 
     def uniforms(self, sb: SamplingBatch, salt: int = 0x5EC) -> torch.Tensor:
