@@ -62,6 +62,7 @@ from stallfree.runtime.telemetry.stats import (
     SpecStats,
     WorkerRankStats,
 )
+from stallfree.runtime.text.grammar import GrammarCompiler, unsupported_reason
 from stallfree.runtime.text.output_processor import OutputProcessor
 from stallfree.runtime.text.tokenizer import Tokenizer
 
@@ -85,6 +86,7 @@ class EngineCore:
     activity: ActivityClock
     max_waiting_requests: int
     worker_stats: torch.Tensor | None = None  # shared host memory the worker ranks write
+    grammars: GrammarCompiler | None = None  # structured outputs' compiler (text/grammar.py)
     _idle_reported: float = 0.0
 
     def _workers(self) -> tuple[WorkerRankStats, ...]:
@@ -489,6 +491,11 @@ def _wire(
         activity=activity,
         max_waiting_requests=waiting_limit(config),
         worker_stats=worker_stats,
+        grammars=GrammarCompiler(
+            tokenizer,
+            arch.vocab_size,
+            unsupported_reason(config, device.type, not isinstance(stream, ProcessStream)),
+        ),
     )
 
 

@@ -31,6 +31,7 @@ from stallfree.runtime.request.errors import (
 from stallfree.runtime.request.outputs import GenerationChunk, GenerationResult, TokenLogprobs
 from stallfree.runtime.request.req import FinishReason, Req
 from stallfree.runtime.request.sampling_params import SamplingParams
+from stallfree.runtime.request.structured import StructuredOutputs
 from stallfree.runtime.telemetry.observer import EngineObserver, MetricsExporter
 from stallfree.runtime.telemetry.request_log import RequestLogger
 from stallfree.runtime.telemetry.stats import EngineSnapshot, PoolUsage
@@ -142,6 +143,8 @@ class Engine:
                 logger.warning("shutting down after a device failure: %s", exc)
             core.scheduler.release_deferred(everything=True)
             core.stream.close()
+            if core.grammars is not None:
+                core.grammars.close()
             self._state = "closed"
             logger.info("engine shut down")
 
@@ -284,6 +287,8 @@ class Engine:
     ) -> AsyncGenerator[GenerationChunk, None]:
         timeout = self._timeout(timeout)
         req = self._new_req(prompt, params, rid)
+        if (spec := req.sampling_params.structured_outputs) is not None:
+            await self._constrain(req, spec)
         stream = self._register(req, wake_per_step)
         try:
             self.core.scheduler.add_request(req)
@@ -294,6 +299,15 @@ class Engine:
         async with contextlib.aclosing(self._drain(req, stream, timeout)) as chunks:
             async for chunk in chunks:
                 yield chunk
+
+    async def _constrain(self, req: Req, spec: StructuredOutputs) -> None:
+        """Compile the request's grammar off the schedule path; it is queued once ready."""
+        assert self.core.grammars is not None
+        req.grammar = await self.core.grammars.matcher(spec, spec.source)
+        if not self.accepting:
+            raise EngineClosedError("engine is shutting down")
+        if req.rid in self._reqs:  # taken while this one compiled
+            raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
 
     def _timeout(self, timeout: float | None) -> float | None:
         if timeout is None:

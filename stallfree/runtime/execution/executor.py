@@ -11,6 +11,7 @@ import torch
 from stallfree.overlap.faults import Fault, FaultInjector
 from stallfree.overlap.stream import Event
 from stallfree.runtime.execution.context import BatchContext
+from stallfree.runtime.execution.grammar import GrammarState
 from stallfree.runtime.execution.logits import (
     LogitsPlan,
     LogprobBuffers,
@@ -56,6 +57,7 @@ class LocalExecutor:
         self.spec = spec  # speculative decoding's stream side (None: off)
         # NOTE: created on the stream by the first step that needs it; the host never reads it
         self.penalties: PenaltyState | None = None
+        self.grammar: GrammarState | None = None  # the same, for structured output
 
     def dispatch(self, args: StepArgs) -> Event:
         """Enqueue the step on the stream; its event fires when the token ids are on the host."""
@@ -76,10 +78,21 @@ class LocalExecutor:
         extra = None
         if plan.prompt is not None:
             logits, extra = logits[:batch_size], logits[batch_size:]
+        grammar = plan.grammar
+        if grammar is not None:
+            if self.grammar is None:
+                slots = self.ctx.req_to_token_pool.req_to_token.shape[0]
+                self.grammar = GrammarState(slots, logits.shape[1])
+            self.grammar.start(grammar)
         processed = (
-            process_logits(logits, plan, self.penalties) if plan.processes_logits else logits
+            process_logits(logits, plan, self.penalties, self.grammar)
+            if plan.processes_logits
+            else logits
         )
         next_ids = self.sampler.sample(processed, sb)
+        if grammar is not None:
+            assert self.grammar is not None
+            self.grammar.advance(grammar, next_ids)
         if logprobs is not None:
             logprobs.fill_outputs(logits, next_ids)
             if extra is not None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from stallfree.runtime.execution.grammar import GrammarPlan, GrammarState
 from stallfree.runtime.request.outputs import TokenLogprobs
 from stallfree.runtime.request.req import Req
 
@@ -70,10 +71,16 @@ class LogitsPlan:
     # output logprobs: top alternatives per row (max over the rows that asked); None: none
     logprob_k: int | None = None
     prompt: PromptLogprobPlan | None = None
+    grammar: GrammarPlan | None = None  # structured output (execution/grammar.py)
 
     @property
     def processes_logits(self) -> bool:
-        return self.bias is not None or self.allowed is not None or self.pen_rows is not None
+        return (
+            self.bias is not None
+            or self.allowed is not None
+            or self.pen_rows is not None
+            or self.grammar is not None
+        )
 
     @property
     def needs_state(self) -> bool:
@@ -198,6 +205,7 @@ def build_logits_plan(
     if not any(r.needs_logits_plan for r in reqs):
         return None
     bias, penalties = _BiasRows(), _PenaltyRows()
+    grammar: list[int] = []
     logprob_k = -1
     for row, req in enumerate(reqs):
         if not req.needs_logits_plan:
@@ -208,15 +216,38 @@ def build_logits_plan(
             logprob_k = max(logprob_k, params.logprobs)
         if params.has_penalties:
             penalties.add(row, req, output_rows[row])
+        if req.grammar is not None:
+            grammar.append(row)
     plan = LogitsPlan()
     up = _Uploads(upload)
     bias.apply(plan, up)
     penalties.apply(plan, up)
+    if grammar:
+        plan.grammar = _grammar_plan(reqs, grammar, output_rows, up)
     if logprob_k >= 0:
         plan.logprob_k = logprob_k
     if extend is not None:
         plan.prompt = _prompt_plan(reqs, extend, upload)
     return plan
+
+
+def _grammar_plan(
+    reqs: list[Req], rows: list[int], output_rows: list[bool], up: _Uploads
+) -> GrammarPlan:
+    """Constrained rows; a request's matcher (re)starts on its first batch after an admission
+    or a retraction, at the outputs the host knows then (as its penalty row is rebuilt)."""
+    slots: list[int] = []
+    starts: list[tuple[int, object, list[int]]] = []
+    for row in rows:
+        req = reqs[row]
+        slot = req.req_pool_idx
+        assert slot is not None, "a batch row without a request slot"
+        slots.append(slot)
+        if req.grammar_epoch != req.num_retractions:
+            req.grammar_epoch = req.num_retractions
+            starts.append((slot, req.grammar, list(req.output_ids)))
+    consume = [output_rows[r] for r in rows]
+    return GrammarPlan(rows, slots, consume, starts, up.ints(rows))
 
 
 def _prompt_plan(
@@ -304,10 +335,14 @@ class PenaltyState:
 
 
 def process_logits(
-    logits: torch.Tensor, plan: LogitsPlan, state: PenaltyState | None
+    logits: torch.Tensor,
+    plan: LogitsPlan,
+    state: PenaltyState | None,
+    grammar: GrammarState | None = None,
 ) -> torch.Tensor:
-    """Stream side: bias and min_tokens masks, the allowed tokens, then penalties. Out of place: the raw logits
-    stay as they were for logprobs."""
+    """Stream side: bias and min_tokens masks, the allowed tokens, penalties, then the grammar's
+    mask. Out of place: the raw logits stay as they were for logprobs."""
+    raw = logits
     if plan.bias is not None:
         rows, toks, values = plan.bias
         logits = logits.index_put((rows, toks), values, accumulate=True)
@@ -322,6 +357,8 @@ def process_logits(
     if plan.pen_rows is not None:
         assert state is not None
         logits = state.apply(logits, plan)
+    if plan.grammar is not None and grammar is not None:
+        logits = grammar.apply(logits, plan.grammar, raw)
     return logits
 
 

@@ -6,8 +6,9 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from stallfree.runtime.request.errors import InvalidRequestError
 from stallfree.runtime.request.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -75,6 +76,10 @@ class Req:
     # logits processing (runtime/execution/logits.py): the retraction count the device penalty row was
     # last built for (-1: never), and the prompt tokens scored so far (token j at index j - 1)
     penalty_epoch: int = -1
+    # structured output: the request's llguidance matcher (the stream's once queued; None:
+    # unconstrained) and the retraction count it was last started for (execution/grammar.py)
+    grammar: Any = None
+    grammar_epoch: int = -1
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # read per row per step, so taken once from the (immutable) params
     needs_logits_plan: bool = field(init=False, default=False)
@@ -115,6 +120,16 @@ class Req:
         by_params = self.sampling_params.max_new_tokens - self.num_scheduled_outputs
         by_context = self.max_context_len - len(self.origin_input_ids) - self.num_scheduled_outputs
         return max(0, min(by_params, by_context))
+
+    def check_grammar(self) -> None:
+        """A constrained request carries its compiled matcher: only `Engine.generate` and
+        `Engine.complete` compile one, so the prebuilt and disaggregated paths refuse it."""
+        if self.grammar is None and self.sampling_params.structured_outputs is not None:
+            raise InvalidRequestError(
+                "structured outputs are not available for disaggregated or prebuilt requests",
+                param="structured_outputs",
+                code="unsupported",
+            )
 
     def finish(self, reason: FinishReason, message: str | None = None) -> None:
         if self.finished_reason is None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from stallfree.runtime.request.structured import StructuredOutputs
+
 INT64_MAX = (1 << 63) - 1
 MAX_NEW_TOKENS = (1 << 31) - 1  # far beyond any context; the engine caps to the context anyway
 MAX_TEMPERATURE = 100.0
@@ -136,6 +138,11 @@ class SamplingParams(BaseModel):
         le=MAX_LOGPROBS,
         description="The same for every prompt token after the first",
     )
+    structured_outputs: StructuredOutputs | None = Field(
+        None,
+        description="Constrain the output to a JSON schema, a regex, a choice or a grammar "
+        "(llguidance; docs/structured.md)",
+    )
 
     @field_validator("temperature")
     @classmethod
@@ -224,6 +231,7 @@ class SamplingParams(BaseModel):
             or self.has_penalties
             or self.logprobs is not None
             or self.prompt_logprobs is not None
+            or self.structured_outputs is not None
         )
 
     @property

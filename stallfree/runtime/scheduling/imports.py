@@ -62,6 +62,7 @@ class Imports:
         """Join a request whose prompt KV was computed elsewhere, its first token with it, all
         at once (`Engine.generate_prebuilt`). `kv` is checked already (`check_prebuilt`).
         Raises with nothing left behind if it cannot join."""
+        req.check_grammar()
         import_prebuilt_kv(self.ctx, req, kv, first_token_id)
         self.importing[req.rid] = req
         self.join_prebuilt(req, first_token_id, stash=False)

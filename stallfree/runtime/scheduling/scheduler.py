@@ -96,6 +96,7 @@ class Scheduler(Failures, Imports):
     # ------------------------------------------------------------------ intake
 
     def add_request(self, req: Req) -> None:
+        req.check_grammar()
         self.waiting.append(req)
 
     def abort(
@@ -412,6 +413,10 @@ class Scheduler(Failures, Imports):
         logprobs = out.logprobs
         if logprobs is not None and out.plan is not None:
             logprobs.take_prompt(out.reqs, out.plan)
+        grammar = out.plan.grammar if out.plan is not None else None
+        if grammar is not None:
+            self.stats.grammar_seconds += grammar.seconds
+            self.stats.grammar_tokens += sum(grammar.consume)
         for row, (req, real, tok) in enumerate(
             zip(out.reqs, out.output_rows, out.token_ids, strict=True)
         ):
@@ -424,9 +429,19 @@ class Scheduler(Failures, Imports):
                 if logprobs is not None and (k := req.sampling_params.logprobs) is not None:
                     lp = logprobs.outputs(row, tok, k)
                 self._accept(req, tok, now, lp)
+                if grammar is not None and not req.finished and row in grammar.ended:
+                    self._grammar_ended(req, *grammar.ended[row])
             except Exception as exc:  # one request's output failed; the others go on
                 logger.error("request %s failed processing token %d", req.rid, tok, exc_info=exc)
                 self._fail_one(req, f"output processing failed: {exc!r}")
+
+    def _grammar_ended(self, req: Req, how: str, message: str) -> None:
+        """The stream found the request's grammar complete (nothing but EOS may follow: it is
+        done) or at a dead end (it ends with an error saying so)."""
+        if how == "complete":
+            self._finish(req, FinishReason.STOP)
+        else:
+            self._fail_one(req, f"structured output reached a dead end: {message}")
 
     def _apply_verify(self, out: StepOutput) -> None:
         assert self.spec is not None and self.running_batch is not None

@@ -54,6 +54,10 @@ class EngineCounters:
     prefix_cache_hits: int = 0
     prefix_cache_evicted_tokens: int = 0
     schedule_seconds: float = 0.0  # host time to build and launch batches
+    # structured output: stream time spent on grammars (masks and advances) and the
+    # constrained tokens it covered (execution/grammar.py)
+    grammar_seconds: float = 0.0
+    grammar_tokens: int = 0
     max_iteration_gap: float = 0.0  # longest loop iteration while work was pending
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
     # speculative decoding, counted on the host from each step's one device-to-host copy:

@@ -1,0 +1,122 @@
+"""Structured output on the stream: grammar state, next-token masks, and their advance.
+
+Overlap-safe by construction, the same way the penalty counts are (`execution/logits.py`):
+
+- The host plans a batch from host facts only: which rows are constrained, their request
+  slots, whose token is a kept output, and which rows (re)start their matcher (the first batch
+  after an admission or a retraction, with the outputs the host knows then). It never reads a
+  mask or a grammar state.
+- The stream owns every matcher and a `[slots, ceil(vocab / 32)]` bitmask. A step applies its
+  rows' masks to the logits, samples, then advances each row's matcher by the token it sampled
+  and computes that row's mask for the next step, all in FIFO order. With overlap, batch N+1 is
+  launched before the host has seen batch N's tokens, and the stream has N's masks in place
+  before N+1's sampling reads them.
+- What the host must learn (a grammar that completed, or one that reached a dead end) is
+  written into the plan's `ended` map on the stream and read after the step's event, like the
+  token ids themselves.
+
+The mask work runs on the stream's thread (the CPU stream's worker), so on the CPU it overlaps
+the scheduler's Python like the forward does; llguidance computes masks without the GIL.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_I32 = torch.int32
+
+
+@dataclass(slots=True)
+class GrammarPlan:
+    """A batch's constrained rows, from host facts."""
+
+    rows: list[int]
+    slots: list[int]
+    consume: list[bool]  # the row's token is an output its request keeps
+    # (slot, matcher, outputs the host knows): matchers to (re)start before this step
+    starts: list[tuple[int, Any, list[int]]]
+    rows_t: torch.Tensor  # rows, uploaded
+    # stream -> host, valid after the step's event: row -> ("complete" | "error", message)
+    ended: dict[int, tuple[str, str]] = field(default_factory=dict)
+    seconds: float = 0.0  # stream time spent on the grammar this step (masks, advances)
+
+
+class GrammarState:
+    """Per-slot matchers and their next-token bitmasks (host memory the stream owns)."""
+
+    def __init__(self, num_slots: int, vocab: int) -> None:
+        import llguidance
+
+        self.vocab = vocab
+        self.width = (vocab + 31) // 32
+        self.bitmask = torch.full((num_slots, self.width), -1, dtype=_I32)
+        self.matchers: dict[int, Any] = {}
+        self._shifts = torch.arange(32, dtype=_I32)
+        self._executor = llguidance.LLExecutor(num_threads=max(1, min(4, torch.get_num_threads())))
+
+    def start(self, plan: GrammarPlan) -> None:
+        """Stream side: (re)start matchers at the outputs the host knows, and their masks."""
+        if not plan.starts:
+            return
+        begin = time.perf_counter()
+        for slot, matcher, outputs in plan.starts:
+            matcher.reset()
+            if outputs:
+                matcher.consume_tokens(outputs)
+            self.matchers[slot] = matcher
+        self._fill([(m, slot) for slot, m, _ in plan.starts])
+        plan.seconds += time.perf_counter() - begin
+
+    def apply(self, logits: torch.Tensor, plan: GrammarPlan, raw: torch.Tensor) -> torch.Tensor:
+        """Stream side: tokens a row's grammar does not allow next get -inf.
+
+        Where the other processing left none of the allowed tokens finite (min_tokens banning
+        the EOS a complete grammar needs, an `allowed_token_ids` outside the grammar), the row
+        samples from the grammar's tokens by their raw logits instead: the grammar wins, and
+        the sampler never sees a row with nothing to sample."""
+        bits = self.bitmask[plan.slots].to(logits.device)
+        allowed = ((bits.unsqueeze(-1) >> self._shifts.to(logits.device)) & 1).bool()
+        allowed = allowed.reshape(bits.shape[0], -1)[:, : logits.shape[1]]
+        rows = logits.index_select(0, plan.rows_t).masked_fill(~allowed, float("-inf"))
+        fallback = raw.index_select(0, plan.rows_t).masked_fill(~allowed, float("-inf"))
+        rows = torch.where(torch.isneginf(rows).all(dim=1, keepdim=True), fallback, rows)
+        return logits.index_copy(0, plan.rows_t, rows)
+
+    def advance(self, plan: GrammarPlan, next_ids: torch.Tensor) -> None:
+        """Stream side: each kept token advances its matcher; then the next step's masks."""
+        begin = time.perf_counter()
+        tokens = next_ids.index_select(0, plan.rows_t).tolist()
+        moved: list[tuple[Any, int]] = []
+        for row, slot, keep, tok in zip(plan.rows, plan.slots, plan.consume, tokens, strict=True):
+            if not keep:
+                continue
+            matcher = self.matchers[slot]
+            if not matcher.is_stopped():
+                matcher.consume_token(tok)
+                moved.append((matcher, slot))
+            if matcher.is_error():
+                plan.ended[row] = ("error", matcher.get_error().strip().split("\n")[0][:300])
+            elif matcher.is_stopped():
+                plan.ended[row] = ("complete", "")
+        self._fill(moved)
+        plan.seconds += time.perf_counter() - begin
+
+    def _fill(self, matchers: list[tuple[Any, int]]) -> None:
+        """The next-token masks of `matchers` (with their slots). A completed or dead grammar's
+        mask allows only EOS (llguidance's), so the step already in flight samples a defined
+        token and the request ends."""
+        if not matchers:
+            return
+        out = self.bitmask
+        row_bytes = self.width * 4
+        if len(matchers) == 1:
+            matcher, slot = matchers[0]
+            matcher.unsafe_compute_mask_ptr(out[slot].data_ptr(), row_bytes)
+        else:
+            self._executor.unsafe_compute_mask_ptr(
+                matchers, out.data_ptr(), row_bytes, out.shape[0]
+            )

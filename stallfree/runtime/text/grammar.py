@@ -1,0 +1,189 @@
+"""Compiling structured-output specs into llguidance matchers, off the schedule path.
+
+`GrammarCompiler.matcher(spec)` is awaited by `Engine` before the request is queued: the spec
+becomes an llguidance grammar, which is validated and compiled in a worker thread (llguidance
+drops the GIL while it compiles), so neither the event loop nor the scheduler waits for it. A
+compiled matcher is kept per grammar text (LRU) and each request gets a `deep_copy` of it, so a
+schema that every request repeats compiles once.
+
+A grammar the backend refuses is an `InvalidRequestError` naming the client's field. The
+matcher the request gets is the stream's from then on (`execution/grammar.py` advances it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from stallfree.config import StallfreeConfig
+from stallfree.runtime.request.errors import InvalidRequestError
+from stallfree.runtime.request.structured import StructuredOutputs
+from stallfree.runtime.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+CACHE_ENTRIES = 256
+# JSON without free whitespace between tokens (the schema's own "x-guidance" may ask for it):
+# a model cannot pad its answer with whitespace until max_tokens
+_JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+class _ByteVocab:
+    """`ByteTokenizer` as llguidance's `TokenizerWrapper` wants it: each id's bytes."""
+
+    def __init__(self, tok: ByteTokenizer, vocab_size: int) -> None:
+        self.eos_token_id = tok.EOS
+        self.bos_token_id = tok.BOS
+        self.tokens = [bytes([i]) for i in range(256)] + [b"<s>", b"</s>"]
+        self.tokens += [b""] * (vocab_size - len(self.tokens))
+        self.special_token_ids = list(range(256, vocab_size))
+
+    def __call__(self, data: bytes) -> list[int]:
+        return list(data)
+
+
+def build_lltokenizer(tokenizer: Tokenizer, vocab_size: int) -> Any:
+    """The llguidance tokenizer for `tokenizer`, its masks `vocab_size` (the logits') wide."""
+    import llguidance
+
+    eos = list(tokenizer.eos_token_ids)
+    if isinstance(tokenizer, ByteTokenizer):
+        wrapper = llguidance.TokenizerWrapper(_ByteVocab(tokenizer, vocab_size))
+        return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos)
+    if isinstance(tokenizer, HFTokenizer):
+        raw = copy.copy(tokenizer.raw)
+        raw.no_padding()
+        raw.no_truncation()
+        return llguidance.LLTokenizer(raw.to_str(), n_vocab=vocab_size, eos_token=eos)
+    raise TypeError(f"structured outputs do not support a {type(tokenizer).__name__}")
+
+
+def grammar_text(spec: StructuredOutputs) -> str:
+    """The llguidance grammar for `spec` (not yet checked)."""
+    from llguidance import LLMatcher, grammar_from
+
+    kind = spec.kind
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema('{"type": "object"}', _JSON_DEFAULTS)
+    if kind == "json":
+        return LLMatcher.grammar_from_json_schema(spec.schema_text, _JSON_DEFAULTS)
+    if kind == "regex":
+        assert spec.regex is not None
+        return LLMatcher.grammar_from_regex(spec.regex)
+    if kind == "choice":
+        assert spec.choice is not None
+        return grammar_from("choice", spec.choice)  # type: ignore[arg-type]
+    assert spec.grammar is not None
+    return grammar_from("grammar", spec.grammar)
+
+
+def unsupported_reason(config: StallfreeConfig, device: str, in_process: bool) -> str | None:
+    """Why an engine laid out like this cannot constrain its output, or None.
+
+    The matchers live with the stream in this process and the masks are computed on the CPU
+    stream's thread; worker processes, the CUDA stream and speculative verification do not
+    run them yet (docs/structured.md)."""
+    if not in_process:
+        return "structured outputs need the model in this process (tp_size 1, worker inprocess)"
+    if device != "cpu":
+        return f"structured outputs are not available on the {device} stream yet"
+    if config.speculative.enabled:
+        return "structured outputs are not available with speculative decoding yet"
+    return None
+
+
+class GrammarCompiler:
+    """Compiles specs in worker threads and hands each request its own matcher."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        unsupported: str | None = None,
+        workers: int = 2,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        # why this engine cannot constrain output (its layout), or None
+        self.unsupported = unsupported
+        self._pool: ThreadPoolExecutor | None = None
+        self._workers = workers
+        self._lltok: Any = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        # figures for the benchmark and the logs: compilations, cache hits, seconds compiling
+        self.compiled = 0
+        self.hits = 0
+        self.compile_seconds = 0.0
+
+    def lltokenizer(self) -> Any:
+        """Built once, on first use (about a second for a large vocabulary)."""
+        with self._lock:
+            if self._lltok is None:
+                self._lltok = build_lltokenizer(self.tokenizer, self.vocab_size)
+            return self._lltok
+
+    async def matcher(self, spec: StructuredOutputs, param: str = "structured_outputs") -> Any:
+        """A fresh matcher for `spec`, compiled in a worker (or copied from the cache)."""
+        if self.unsupported is not None:
+            raise InvalidRequestError(self.unsupported, param=param, code="unsupported")
+        key = f"{spec.kind}\0{self._key(spec)}"
+        template = self._cache.get(key)
+        if template is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="stallfree-grammar")
+            loop = asyncio.get_running_loop()
+            template = await loop.run_in_executor(self._pool, self._compile, spec, param)
+            self._cache[key] = template
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        else:
+            self.hits += 1
+            self._cache.move_to_end(key)
+        return template.deep_copy()
+
+    @staticmethod
+    def _key(spec: StructuredOutputs) -> str:
+        kind = spec.kind
+        if kind == "json":
+            return spec.schema_text
+        if kind == "choice":
+            return "\0".join(spec.choice or ())
+        return spec.regex if kind == "regex" else (spec.grammar or "")
+
+    def _compile(self, spec: StructuredOutputs, param: str) -> Any:
+        """Worker thread: the grammar, checked and compiled."""
+        from llguidance import LLMatcher
+
+        start = time.perf_counter()
+        tok = self.lltokenizer()
+        try:
+            grammar = grammar_text(spec)
+        except ValueError as e:
+            raise InvalidRequestError(f"{param}: {_one_line(str(e))}", param=param) from e
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, tok)
+        if failed:
+            what = "JSON schema" if spec.kind == "json" else spec.kind
+            raise InvalidRequestError(
+                f"{param}: the {what} cannot be compiled: {_one_line(messages[0])}", param=param
+            )
+        matcher = LLMatcher(tok, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(
+                f"{param}: {_one_line(matcher.get_error())}", param=param
+            )
+        self.compiled += 1
+        self.compile_seconds += time.perf_counter() - start
+        return matcher
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _one_line(message: str, limit: int = 300) -> str:
+    line = " ".join(message.split()) or "invalid grammar"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
