@@ -182,16 +182,17 @@ class _SamplingFields(_Body):
     bootstrap_host: str | None = Field(None, min_length=1, max_length=253)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, le=2**63 - 1)
+    # structured outputs, in OpenAI's and vLLM's spellings (server/structured.py maps them)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # extras that would change the output and are not supported
     use_beam_search: Any = None
     bad_words: Any = None
     prompt_logprobs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
-    response_format: Any = None
 
 
 class CompletionRequest(_SamplingFields):

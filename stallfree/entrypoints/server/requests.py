@@ -44,6 +44,7 @@ from stallfree.entrypoints.server.screening import (
     validate_body,
 )
 from stallfree.entrypoints.server.state import server_state
+from stallfree.entrypoints.server.structured import native_structured, openai_structured
 from stallfree.runtime.engine import Engine
 from stallfree.runtime.request.sampling_params import INT64_MAX, SamplingParams
 from stallfree.runtime.text.tokenizer import ChatTemplateError
@@ -152,6 +153,7 @@ def sampling_params(
         "logit_bias": _logit_bias(body.logit_bias),
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
+        "structured_outputs": openai_structured(body),
     }
     try:
         first = SamplingParams(**fields, seed=body.seed)
@@ -180,6 +182,7 @@ def truncated(ids: list[int], keep: int | None, max_context_len: int) -> list[in
 def native_sampling_params(fields: dict[str, Any]) -> SamplingParams:
     """`/generate`'s `sampling_params`, validated; errors name `sampling_params.<field>`.
     SGLang's `no_stop_trim` is `include_stop_str_in_output`."""
+    fields = native_structured(fields)
     if "no_stop_trim" in fields:
         fields = dict(fields)
         fields.setdefault("include_stop_str_in_output", fields.pop("no_stop_trim"))

@@ -102,10 +102,6 @@ def _given(value: Any) -> bool:
     return value is not None and value is not False and value != "" and value != [] and value != {}
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type", "text") == "text")
-
-
 # fields that would change the output, and the values of them this server can honour
 # (their defaults); any other value is a 400 naming the field. Fields not declared at all are
 # ignored (see `protocol._Request`).
@@ -113,12 +109,6 @@ _SHARED_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": lambda v: v is None or v is False,
     "bad_words": lambda v: not _given(v),
     "prompt_logprobs": lambda v: v is None,
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
-    "structured_outputs": lambda v: v is None,
-    "response_format": _text_format,
 }
 _COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: v is None or v == "",

@@ -28,7 +28,7 @@ from stallfree.runtime.text.tokenizer import ByteTokenizer, HFTokenizer, Tokeniz
 CACHE_ENTRIES = 256
 # JSON without free whitespace between tokens (the schema's own "x-guidance" may ask for it):
 # a model cannot pad its answer with whitespace until max_tokens
-_JSON_DEFAULTS = {"whitespace_flexible": False}
+_JSON_DEFAULTS: Any = {"whitespace_flexible": False}
 
 
 class _ByteVocab:
@@ -114,6 +114,7 @@ class GrammarCompiler:
         self._lltok: Any = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._pending: dict[str, asyncio.Future[Any]] = {}
         # figures for the benchmark and the logs: compilations, cache hits, seconds compiling
         self.compiled = 0
         self.hits = 0
@@ -131,12 +132,22 @@ class GrammarCompiler:
         if self.unsupported is not None:
             raise InvalidRequestError(self.unsupported, param=param, code="unsupported")
         key = f"{spec.kind}\0{self._key(spec)}"
-        template = self._cache.get(key)
+        template: Any = self._cache.get(key)
         if template is None:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="stallfree-grammar")
-            loop = asyncio.get_running_loop()
-            template = await loop.run_in_executor(self._pool, self._compile, spec, param)
+                self._pool = ThreadPoolExecutor(
+                    self._workers, thread_name_prefix="stallfree-grammar"
+                )
+            pending = self._pending.get(key)
+            if pending is None:
+                # a burst of one schema compiles it once: the others wait for the same future
+                loop = asyncio.get_running_loop()
+                pending = loop.run_in_executor(self._pool, self._compile, spec, param)
+                self._pending[key] = pending
+                pending.add_done_callback(lambda _: self._pending.pop(key, None))
+            else:
+                self.hits += 1
+            template = await asyncio.shield(pending)
             self._cache[key] = template
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
@@ -152,7 +163,7 @@ class GrammarCompiler:
             return spec.schema_text
         if kind == "choice":
             return "\0".join(spec.choice or ())
-        return spec.regex if kind == "regex" else (spec.grammar or "")
+        return (spec.regex if kind == "regex" else spec.grammar) or ""
 
     def _compile(self, spec: StructuredOutputs, param: str) -> Any:
         """Worker thread: the grammar, checked and compiled."""
@@ -163,7 +174,8 @@ class GrammarCompiler:
         try:
             grammar = grammar_text(spec)
         except ValueError as e:
-            raise InvalidRequestError(f"{param}: {_one_line(str(e))}", param=param) from e
+            what = "the JSON schema is not valid JSON: " if spec.kind == "json" else ""
+            raise InvalidRequestError(f"{param}: {what}{_one_line(str(e))}", param=param) from e
         failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, tok)
         if failed:
             what = "JSON schema" if spec.kind == "json" else spec.kind
@@ -172,9 +184,7 @@ class GrammarCompiler:
             )
         matcher = LLMatcher(tok, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(
-                f"{param}: {_one_line(matcher.get_error())}", param=param
-            )
+            raise InvalidRequestError(f"{param}: {_one_line(matcher.get_error())}", param=param)
         self.compiled += 1
         self.compile_seconds += time.perf_counter() - start
         return matcher
