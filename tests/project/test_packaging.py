@@ -25,6 +25,7 @@ BASE = {
     "prometheus-client",
     "safetensors",
     "tokenizers",
+    "llguidance",  # structured outputs in the embedded API (SamplingParams.structured_outputs)
     "uvloop",
     "tomli",
 }

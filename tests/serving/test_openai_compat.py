@@ -152,20 +152,15 @@ CHAT_UNSUPPORTED = [
     ("tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
-    ("response_format", {"type": "json_object"}),
-    ("response_format", "junk"),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
     ("chat_template_kwargs", {"enable_thinking": False}),
     ("continue_final_message", True),
-    ("guided_json", {"type": "object"}),
     ("use_beam_search", True),
 ]
 COMPLETION_UNSUPPORTED = [
     ("suffix", "the end"),
-    ("guided_regex", "[a-z]+"),
     ("prompt_logprobs", 1),
-    ("response_format", {"type": "json_schema", "json_schema": {}}),
 ]
 
 

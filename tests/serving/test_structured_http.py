@@ -1,0 +1,104 @@
+"""Structured outputs over HTTP with the official client and httpx: OpenAI's response_format,
+vLLM's structured_outputs and guided_* fields, SGLang's /generate fields, and the 400s."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from tests.server_util import module_loop
+
+USER = [{"role": "user", "content": "Describe a person."}]
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 5}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+    "additionalProperties": False,
+}
+
+
+@module_loop
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_response_format_json_schema_replies_validate(live, stream):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    texts = []
+    for seed in range(5):
+        kwargs = dict(model="test-model", messages=USER, max_tokens=60, temperature=1.0, seed=seed)
+        if stream:
+            chunks = await live.client.chat.completions.create(
+                **kwargs, response_format=fmt, stream=True
+            )
+            texts.append(
+                "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+            )
+        else:
+            r = await live.client.chat.completions.create(**kwargs, response_format=fmt)
+            assert r.choices[0].finish_reason == "stop"
+            texts.append(r.choices[0].message.content)
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@module_loop
+async def test_json_object_guided_fields_and_n(live):
+    r = await live.client.chat.completions.create(
+        model="test-model", messages=USER, max_tokens=40, temperature=1.0, seed=1, n=3,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert len(r.choices) == 3
+    for choice in r.choices:  # an object, complete unless max_tokens cut it
+        assert choice.message.content.startswith("{")
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.message.content), dict)
+    c = await live.client.completions.create(
+        model="test-model", prompt="code:", max_tokens=20, temperature=1.0,
+        extra_body={"guided_regex": "[a-c]{3}[0-9]"},
+    )  # fmt: skip
+    assert re.fullmatch("[a-c]{3}[0-9]", c.choices[0].text)
+    c = await live.client.completions.create(
+        model="test-model", prompt="pick:", max_tokens=20, temperature=1.0,
+        extra_body={"structured_outputs": {"choice": ["red", "blue"]}},
+    )  # fmt: skip
+    assert c.choices[0].text in ("red", "blue")
+    g = await live.http.post(
+        "/generate",
+        json={
+            "text": "x",
+            "sampling_params": {"max_new_tokens": 30, "json_schema": json.dumps(SCHEMA)},
+        },
+    )
+    assert g.status_code == 200, g.text
+    jsonschema.validate(json.loads(g.json()["text"]), SCHEMA)
+    g = await live.http.post(
+        "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 9, "regex": "ab+c"}}
+    )
+    assert re.fullmatch("ab+c", g.json()["text"])
+
+
+@module_loop
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format.json_schema",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"guided_regex": "a(b"}, "guided_regex"),
+        ({"guided_json": {"type": "nonsense"}}, "guided_json"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ],
+    ids=["no-schema", "bad-type", "bad-regex", "bad-schema", "two-fields"],
+)
+async def test_bad_structured_requests_are_400s_naming_the_field(live, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        await live.client.chat.completions.create(
+            model="test-model", messages=USER, max_tokens=4, extra_body=extra
+        )
+    assert info.value.body["param"] == param, info.value.body  # type: ignore[index]
+    ok = await live.client.chat.completions.create(model="test-model", messages=USER, max_tokens=2)
+    assert ok.choices[0].message is not None
