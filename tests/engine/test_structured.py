@@ -80,40 +80,26 @@ async def test_structured_batch_under_overlap_reads_nothing_on_the_schedule_path
         assert stats.grammar_seconds > 0
 
 
+async def _sampled(engine: Engine, prompt: str, spec: dict, n: int = 10) -> list:
+    """`n` seeded temperature-1.0 replies constrained by `spec`."""
+    return await asyncio.gather(
+        *(
+            engine.complete(
+                prompt,
+                SamplingParams(max_new_tokens=20, temperature=1.0, seed=s, structured_outputs=spec),
+            )
+            for s in range(n)
+        )
+    )
+
+
 async def test_regex_and_choice_hold_for_sampled_replies(llama):
     async with Engine(engine_config(llama)) as engine:
         regex = r"[a-c]{2,4}-[0-9]{3}"
-        got = await asyncio.gather(
-            *(
-                engine.complete(
-                    "code:",
-                    SamplingParams(
-                        max_new_tokens=20,
-                        temperature=1.0,
-                        seed=s,
-                        structured_outputs={"regex": regex},
-                    ),
-                )
-                for s in range(10)
-            )
-        )
-        for r in got:
+        for r in await _sampled(engine, "code:", {"regex": regex}):
             assert re.fullmatch(regex, r.text) and r.finish_reason == "stop", r.text
         choices = ["yes", "no", "maybe later"]
-        picked = await asyncio.gather(
-            *(
-                engine.complete(
-                    "answer:",
-                    SamplingParams(
-                        max_new_tokens=20,
-                        temperature=1.0,
-                        seed=s,
-                        structured_outputs={"choice": choices},
-                    ),
-                )
-                for s in range(10)
-            )
-        )
+        picked = await _sampled(engine, "answer:", {"choice": choices})
         assert all(r.text in choices for r in picked)
         assert len({r.text for r in picked}) > 1
         lark = await engine.complete(
