@@ -10,6 +10,7 @@ import torch
 
 from stallfree.overlap.faults import Fault, FaultInjector
 from stallfree.overlap.stream import Event
+from stallfree.runtime.execution.bad_words import BadWordsState
 from stallfree.runtime.execution.context import BatchContext
 from stallfree.runtime.execution.grammar import GrammarState
 from stallfree.runtime.execution.logits import (
@@ -58,6 +59,7 @@ class LocalExecutor:
         # NOTE: created on the stream by the first step that needs it; the host never reads it
         self.penalties: PenaltyState | None = None
         self.grammar: GrammarState | None = None  # the same, for structured output
+        self.bad_words: BadWordsState | None = None  # the same, for bad words
 
     def dispatch(self, args: StepArgs) -> Event:
         """Enqueue the step on the stream; its event fires when the token ids are on the host."""
@@ -85,7 +87,7 @@ class LocalExecutor:
                 self.grammar = GrammarState(slots, logits.shape[1])
             self.grammar.start(grammar)
         processed = (
-            process_logits(logits, plan, self.penalties, self.grammar)
+            process_logits(logits, plan, self.penalties, self.grammar, self.bad_words)
             if plan.processes_logits
             else logits
         )
@@ -100,6 +102,8 @@ class LocalExecutor:
                 logprobs.fill_prompt(extra, plan.prompt.targets)
         if self.penalties is not None:
             self.penalties.record(plan, next_ids)
+        if plan.bad_words is not None and self.bad_words is not None:
+            self.bad_words.record(plan.bad_words, next_ids)
         return next_ids
 
     def _verify(self, fb: ForwardBatch, logits: torch.Tensor, args: StepArgs) -> torch.Tensor:
@@ -111,7 +115,7 @@ class LocalExecutor:
             assert self.penalties is not None
         processed = logits
         if plan is not None and plan.processes_logits:
-            processed = process_logits(logits, plan, self.penalties)
+            processed = process_logits(logits, plan, self.penalties, bad_words=self.bad_words)
         tokens, accepted, offered = self.spec.verify(fb, processed, args.spec)
         if plan is not None:
             assert fb.verify is not None
@@ -121,6 +125,8 @@ class LocalExecutor:
                 args.logprobs.fill_outputs(logits, flat)
             if self.penalties is not None:
                 self.penalties.record(plan, flat)
+            if plan.bad_words is not None and self.bad_words is not None:
+                self.bad_words.record(plan.bad_words, flat)
         return torch.cat([tokens, accepted[:, None], offered[:, None]], dim=1)
 
     def run_step(self, args: StepArgs) -> None:
@@ -149,6 +155,11 @@ class LocalExecutor:
                     slots = self.ctx.req_to_token_pool.req_to_token.shape[0]
                     self.penalties = PenaltyState(slots, logits.shape[1], logits.device)
                 self.penalties.rebuild(plan)
+            if plan is not None and plan.bad_words is not None:
+                if self.bad_words is None:
+                    slots = self.ctx.req_to_token_pool.req_to_token.shape[0]
+                    self.bad_words = BadWordsState(slots, logits.device)
+                self.bad_words.rebuild(plan.bad_words)
             if fb.mode is ForwardMode.VERIFY:
                 # the verify step stashes its own last tokens (by slot), and its drafts
                 host_out = self._verify(fb, logits, args)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from stallfree.runtime.execution.bad_words import BadWordsPlan, BadWordsRows, BadWordsState
 from stallfree.runtime.execution.grammar import GrammarPlan, GrammarState
 from stallfree.runtime.request.outputs import TokenLogprobs
 from stallfree.runtime.request.req import Req
@@ -72,6 +73,7 @@ class LogitsPlan:
     logprob_k: int | None = None
     prompt: PromptLogprobPlan | None = None
     grammar: GrammarPlan | None = None  # structured output (execution/grammar.py)
+    bad_words: BadWordsPlan | None = None  # words of 2+ tokens (execution/bad_words.py)
 
     @property
     def processes_logits(self) -> bool:
@@ -80,6 +82,7 @@ class LogitsPlan:
             or self.allowed is not None
             or self.pen_rows is not None
             or self.grammar is not None
+            or self.bad_words is not None
         )
 
     @property
@@ -117,6 +120,9 @@ class _BiasRows:
             self.allowed_tokens.extend(params.allowed_token_ids)
         for tok, value in params.logit_bias.items():
             self._put(row, tok, value)
+        for word in params.bad_words_ids:
+            if len(word) == 1:  # banned at every step
+                self._put(row, word[0], float("-inf"))
         if output_step < params.min_tokens:
             stops = set(params.stop_token_ids)
             if not params.ignore_eos:
@@ -204,7 +210,7 @@ def build_logits_plan(
     extend batch, None in decode."""
     if not any(r.needs_logits_plan for r in reqs):
         return None
-    bias, penalties = _BiasRows(), _PenaltyRows()
+    bias, penalties, bad_words = _BiasRows(), _PenaltyRows(), BadWordsRows()
     grammar: list[int] = []
     logprob_k = -1
     for row, req in enumerate(reqs):
@@ -218,10 +224,13 @@ def build_logits_plan(
             penalties.add(row, req, output_rows[row])
         if req.grammar is not None:
             grammar.append(row)
+        if params.bad_words:
+            bad_words.add(row, req, output_rows[row])
     plan = LogitsPlan()
     up = _Uploads(upload)
     bias.apply(plan, up)
     penalties.apply(plan, up)
+    plan.bad_words = bad_words.plan(upload)
     if grammar:
         plan.grammar = _grammar_plan(reqs, grammar, output_rows, up)
     if logprob_k >= 0:
@@ -339,9 +348,11 @@ def process_logits(
     plan: LogitsPlan,
     state: PenaltyState | None,
     grammar: GrammarState | None = None,
+    bad_words: BadWordsState | None = None,
 ) -> torch.Tensor:
-    """Stream side: bias and min_tokens masks, the allowed tokens, penalties, then the grammar's
-    mask. Out of place: the raw logits stay as they were for logprobs."""
+    """Stream side: bias and min_tokens masks (single-token bad words too), the allowed tokens,
+    the longer bad words, penalties, then the grammar's mask. Out of place: the raw logits stay
+    as they were for logprobs."""
     raw = logits
     if plan.bias is not None:
         rows, toks, values = plan.bias
@@ -354,6 +365,9 @@ def process_logits(
         limited = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
         limited.index_fill_(0, rows, True)
         logits = logits.masked_fill(limited.unsqueeze(1) & ~keep, float("-inf"))
+    if plan.bad_words is not None:
+        assert bad_words is not None
+        logits = bad_words.apply(logits, plan.bad_words)
     if plan.pen_rows is not None:
         assert state is not None
         logits = state.apply(logits, plan)

@@ -8,7 +8,7 @@ max_new_tokens against the context and the KV cache) are checked by `RequestVali
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from stallfree.runtime.request.structured import StructuredOutputs
 
@@ -26,6 +26,12 @@ MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM bounds them by default
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
+# each tokenized bad word (execution/bad_words.py keeps this many output tokens per slot), and
+# all of a request's tokenized bad words together (text/validation.py checks both)
+MAX_BAD_WORD_TOKENS = 32
+MAX_BAD_WORDS_TOTAL_TOKENS = 2048
 
 
 def is_valid_unicode(text: str) -> bool:
@@ -143,6 +149,20 @@ class SamplingParams(BaseModel):
         description="Constrain the output to a JSON schema, a regex, a choice or a grammar "
         "(llguidance; docs/structured.md)",
     )
+    bad_words: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_BAD_WORDS,
+        description="vLLM's: words never generated (each tokenized as is and with a leading "
+        "space); a word's last token is banned wherever the output ends with its other tokens",
+    )
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text")
+    spaces_between_special_tokens: bool = Field(
+        True,
+        description="With skip_special_tokens false: whether adjacent special tokens are "
+        "separated by a space in the text (vLLM's and transformers' option)",
+    )
+    # the bad words' token ids, set once the engine has tokenized them (text/validation.py)
+    _bad_words_ids: tuple[tuple[int, ...], ...] = PrivateAttr(default=())
 
     @field_validator("temperature")
     @classmethod
@@ -169,6 +189,21 @@ class SamplingParams(BaseModel):
                 )
             if not is_valid_unicode(s):
                 raise ValueError("stop strings must be valid Unicode (no lone surrogates)")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v: list[str]) -> list[str]:
+        for word in v:
+            if not word.strip():
+                raise ValueError("bad_words must be non-empty words (not only whitespace)")
+            if len(word) > MAX_BAD_WORD_CHARS:
+                raise ValueError(
+                    f"bad_words must be at most {MAX_BAD_WORD_CHARS} characters each "
+                    f"(got one of {len(word)})"
+                )
+            if not is_valid_unicode(word):
+                raise ValueError("bad_words must be valid Unicode (no lone surrogates)")
         return v
 
     @field_validator("stop_token_ids")
@@ -222,6 +257,17 @@ class SamplingParams(BaseModel):
         )
 
     @property
+    def bad_words_ids(self) -> tuple[tuple[int, ...], ...]:
+        """The bad words' token ids (empty until the engine tokenized them)."""
+        return self._bad_words_ids
+
+    def with_bad_words_ids(self, ids: tuple[tuple[int, ...], ...]) -> SamplingParams:
+        """A copy holding the tokenized bad words."""
+        out = self.model_copy()
+        out._bad_words_ids = ids
+        return out
+
+    @property
     def needs_logits_plan(self) -> bool:
         """Something between the forward and the sampler: bias, masks, penalties, logprobs."""
         return (
@@ -232,6 +278,7 @@ class SamplingParams(BaseModel):
             or self.logprobs is not None
             or self.prompt_logprobs is not None
             or self.structured_outputs is not None
+            or bool(self.bad_words)
         )
 
     @property

@@ -59,10 +59,16 @@ PRIOR_WEIGHT = 0.1
 
 
 def speculates(req: Req) -> bool:
-    """Whether a request's logits processing allows drafts: penalties count outputs, and
-    `min_tokens` and logprobs read each output's exact index, which a draft window blurs."""
+    """Whether a request's logits processing allows drafts: penalties count outputs, bad words
+    compare the latest outputs, and `min_tokens` and logprobs read each output's exact index,
+    which a draft window blurs."""
     params = req.sampling_params
-    return not (params.has_penalties or params.min_tokens > 0 or params.logprobs is not None)
+    return not (
+        params.has_penalties
+        or params.min_tokens > 0
+        or params.logprobs is not None
+        or bool(params.bad_words)
+    )
 
 
 class StepCosts:

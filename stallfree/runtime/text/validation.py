@@ -14,7 +14,12 @@ import torch
 
 from stallfree.runtime.memory.pool import KVCacheShape
 from stallfree.runtime.request.errors import InvalidRequestError
-from stallfree.runtime.request.sampling_params import SamplingParams, is_valid_unicode
+from stallfree.runtime.request.sampling_params import (
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS_TOTAL_TOKENS,
+    SamplingParams,
+    is_valid_unicode,
+)
 from stallfree.runtime.text.tokenizer import Tokenizer
 
 
@@ -271,6 +276,8 @@ class RequestValidator:
         happen. A smaller value that the KV cache cannot hold is refused.
         """
         self.check_params(params)
+        if params.bad_words:
+            params = params.with_bad_words_ids(self.bad_words_ids(params.bad_words))
         requested = params.max_new_tokens
         if len(ids) + requested >= self.max_context_len:
             capped = self.max_new_tokens_limit(len(ids))
@@ -278,3 +285,49 @@ class RequestValidator:
             return params.model_copy(update=update)
         self._check_max_new_tokens(len(ids), requested, "prompt")
         return params
+
+    def bad_words_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of `bad_words`: each word (leading spaces stripped) as is, and
+        with one leading space where that gives as many tokens, starting differently (a word in
+        mid-text); no special tokens added. Bounded per word and in all."""
+        out: list[tuple[int, ...]] = []
+        total = 0
+        for word in words:
+            plain: tuple[int, ...] = ()
+            for prefix in ("", " "):
+                try:
+                    ids = tuple(
+                        self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+                    )
+                except (ValueError, TypeError) as exc:
+                    raise InvalidRequestError(
+                        f"bad_words could not be tokenized: {exc}", param="bad_words"
+                    ) from exc
+                if not prefix:
+                    plain = ids
+                    if not ids:
+                        raise InvalidRequestError(
+                            f"bad_words: {show(word)} has no tokens", param="bad_words"
+                        )
+                elif not (ids and ids[0] != plain[0] and len(ids) == len(plain)):
+                    continue
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise InvalidRequestError(
+                        f"bad_words: {show(word)} is {len(ids)} tokens; a bad word may be at "
+                        f"most {MAX_BAD_WORD_TOKENS}",
+                        param="bad_words",
+                    )
+                total += len(ids)
+                if total > MAX_BAD_WORDS_TOTAL_TOKENS:
+                    raise InvalidRequestError(
+                        f"bad_words: the words are more than {MAX_BAD_WORDS_TOTAL_TOKENS} "
+                        "tokens in all",
+                        param="bad_words",
+                    )
+                if max(ids) >= self.vocab_size or min(ids) < 0:
+                    raise InvalidRequestError(
+                        f"bad_words: {show(word)} has token ids outside the model's vocabulary",
+                        param="bad_words",
+                    )
+                out.append(ids)
+        return tuple(out)
