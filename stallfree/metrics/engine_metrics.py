@@ -398,6 +398,19 @@ def _runtime_metrics(m: EngineMetrics, snap: EngineSnapshot, labels: list[str]) 
         labels,
         snap.counters.overlap_steps,
     )
+    # structured outputs: the stream's grammar work, 0 until a constrained request runs
+    yield _counter(
+        "grammar_seconds",
+        "Stream time spent advancing grammars and filling token masks.",
+        labels,
+        snap.counters.grammar_seconds,
+    )
+    yield _counter(
+        "grammar_tokens",
+        "Sampled tokens consumed by grammars.",
+        labels,
+        snap.counters.grammar_tokens,
+    )
 
 
 def _worker_metrics(snap: EngineSnapshot, labels: list[str]) -> Iterator[Metric]:
