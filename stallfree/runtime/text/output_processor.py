@@ -130,10 +130,16 @@ class OutputProcessor:
 
     def add(self, req: Req, wake_per_step: bool = True) -> RequestStream:
         """Start collecting `req`'s output. `wake_per_step=False` wakes only at the end."""
-        stops = list(req.sampling_params.stop)
+        params = req.sampling_params
+        stops = list(params.stop)
+        detok = self.tokenizer.detokenizer(
+            req.origin_input_ids,
+            params.skip_special_tokens,
+            params.spaces_between_special_tokens,
+        )
         stream = RequestStream(
             req=req,
-            detok=self.tokenizer.detokenizer(req.origin_input_ids),
+            detok=detok,
             stops=stops,
             longest_stop=max((len(s) for s in stops), default=0),
             wake_per_step=wake_per_step,

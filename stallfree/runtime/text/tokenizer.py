@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import codecs
 import datetime
+import functools
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -47,28 +48,45 @@ class Tokenizer(ABC):
         Llama-style tokenizers)."""
 
     @abstractmethod
-    def decode(self, ids: list[int]) -> str:
-        """Decodes, dropping special tokens; incomplete UTF-8 becomes U+FFFD."""
+    def decode(
+        self,
+        ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        """Decodes, dropping special tokens unless told to keep them; incomplete UTF-8 becomes
+        U+FFFD."""
 
     @property
     @abstractmethod
     def special_ids(self) -> frozenset[int]: ...
 
-    def detokenizer(self, prompt_ids: list[int]) -> Detokenizer:
-        """A per-request streaming decoder."""
-        return IncrementalDetokenizer(self, prompt_ids)
+    def detokenizer(
+        self,
+        prompt_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> Detokenizer:
+        """A per-request streaming decoder (its deltas add up to `decode` of the outputs with
+        the same options)."""
+        return IncrementalDetokenizer(
+            self, prompt_ids, skip_special_tokens, spaces_between_special_tokens
+        )
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Render the chat template and tokenize it. The template writes its own special
         tokens (BOS included), so none are added: one BOS, as transformers gives."""
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], **extra: Any) -> str:
+        """The chat template rendered for `messages`; `extra` are the template's other
+        variables (`tools`, `documents`, a request's `chat_template_kwargs`)."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         template = _compile_template(self.chat_template)
         try:
             return template.render(
+                **extra,
                 messages=messages,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -134,15 +152,34 @@ class ByteTokenizer(Tokenizer):
         # like a tokenizer.json with no post-processor: no special tokens are added
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+    def decode(
+        self,
+        ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        if skip_special_tokens:
+            return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        detok = ByteDetokenizer(self, skip_special_tokens=False)
+        return detok.step(ids) + detok.flush()
+
+    def special_text(self, token_id: int) -> str:
+        """What a special token reads as when kept: `<s>` and `</s>`; the unused padding ids
+        read as nothing."""
+        return {self.BOS: self.bos_token, self.EOS: self.eos_token}.get(token_id, "")
 
     @property
     def special_ids(self) -> frozenset[int]:
         return frozenset(range(256, self.vocab_size))
 
-    def detokenizer(self, prompt_ids: list[int]) -> Detokenizer:
-        return ByteDetokenizer()
+    def detokenizer(
+        self,
+        prompt_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> Detokenizer:
+        # byte tokens decode to no spaces of their own: the option changes nothing here
+        return ByteDetokenizer(self, skip_special_tokens)
 
 
 def _token_content(tok: Any) -> str | None:
@@ -205,11 +242,32 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def detokenizer(self, prompt_ids: list[int]) -> Detokenizer:
-        return StreamDetokenizer(self._tok, self, prompt_ids)
+    def detokenizer(
+        self,
+        prompt_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> Detokenizer:
+        return StreamDetokenizer(
+            self._tok, self, prompt_ids, skip_special_tokens, spaces_between_special_tokens
+        )
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(
+        self,
+        ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        if skip_special_tokens or spaces_between_special_tokens:
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        # the streaming rule (StreamDetokenizer) over the whole sequence, so both agree
+        detok = StreamDetokenizer(self._tok, self, [], False, False)
+        return detok.step(ids) + detok.flush()
+
+    @functools.cached_property
+    def added_tokens(self) -> dict[int, str]:
+        """Every added token's id and content (special or not), as vLLM's detokenizer keeps."""
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
 
     @property
     def special_ids(self) -> frozenset[int]:
@@ -258,18 +316,37 @@ class Detokenizer(ABC):
 
 
 class ByteDetokenizer(Detokenizer):
-    """For byte-level ids: an incremental UTF-8 decoder, O(1) per token and no windows."""
+    """For byte-level ids: an incremental UTF-8 decoder, O(1) per token and no windows.
 
-    def __init__(self) -> None:
+    A kept special token (`skip_special_tokens=False`) ends the bytes before it, as a decode of
+    each run of bytes would (an unfinished character there becomes U+FFFD), then adds its
+    name."""
+
+    def __init__(self, tokenizer: ByteTokenizer | None = None, skip_special_tokens: bool = True):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._text: list[str] = []
+        self._names = None if skip_special_tokens or tokenizer is None else tokenizer
 
     @property
     def text(self) -> str:
         return "".join(self._text)
 
     def step(self, new_ids: list[int]) -> str:
-        delta = self._decoder.decode(bytes(i for i in new_ids if 0 <= i < 256))
+        names = self._names
+        if names is None or all(0 <= i < 256 for i in new_ids):
+            delta = self._decoder.decode(bytes(i for i in new_ids if 0 <= i < 256))
+        else:
+            parts: list[str] = []
+            run = bytearray()
+            for i in new_ids:
+                if 0 <= i < 256:
+                    run.append(i)
+                    continue
+                parts.append(self._decoder.decode(bytes(run), final=True))
+                run.clear()
+                parts.append(names.special_text(i))
+            parts.append(self._decoder.decode(bytes(run)))
+            delta = "".join(parts)
         self._text.append(delta)
         return delta
 
@@ -287,10 +364,19 @@ class IncrementalDetokenizer(Detokenizer):
     spaces, byte fallback) consistent with a full decode.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
         self._tok = tokenizer
-        self._special = tokenizer.special_ids
-        self._ids = [i for i in prompt_ids[-_PREFIX_WINDOW:] if i not in self._special]
+        # kept special tokens stay in the window (decoded with the same options)
+        self._special = tokenizer.special_ids if skip_special_tokens else frozenset()
+        self._options = (skip_special_tokens, spaces_between_special_tokens)
+        special = tokenizer.special_ids
+        self._ids = [i for i in prompt_ids[-_PREFIX_WINDOW:] if i not in special]
         self._read = len(self._ids)
         self._prefix = 0
         self._text: list[str] = []
@@ -315,7 +401,8 @@ class IncrementalDetokenizer(Detokenizer):
 
     def _decode_window(self) -> tuple[str, str]:
         window = self._ids[self._prefix :]
-        return self._tok.decode(window[: self._read - self._prefix]), self._tok.decode(window)
+        head = window[: self._read - self._prefix]
+        return self._tok.decode(head, *self._options), self._tok.decode(window, *self._options)
 
     def _emit(self, delta: str) -> str:
         self._prefix = self._read
@@ -333,14 +420,32 @@ class StreamDetokenizer(Detokenizer):
 
     A few prompt tokens are fed first (their text discarded), so context-dependent decoders
     (a leading space, byte fallback) start the output as a full decode would.
+
+    Kept special tokens (`skip_special_tokens=False`) read as `tokenizers` writes them, as
+    transformers' `decode(..., skip_special_tokens=False)` does. `tokenizers` has no
+    `spaces_between_special_tokens`; off, an added token right after another is written as its
+    bare content, without the space a decoder may put before it (vLLM's fast detokenizer).
     """
 
-    def __init__(self, raw: Any, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+    def __init__(
+        self,
+        raw: Any,
+        tokenizer: HFTokenizer,
+        prompt_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._raw = raw
         self._tok = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # added tokens, when their spaces are suppressed; None: as the library writes them
+        self._added = (
+            None if skip_special_tokens or spaces_between_special_tokens else tokenizer.added_tokens
+        )
+        self._last_added = False
         special = tokenizer.special_ids
         context = [i for i in prompt_ids[-_PREFIX_WINDOW:] if i not in special]
         if context:
@@ -353,6 +458,8 @@ class StreamDetokenizer(Detokenizer):
         return "".join(self._text)
 
     def step(self, new_ids: list[int]) -> str:
+        if self._added is not None:
+            return "".join(self._step_one(i) for i in new_ids)
         self._pending.extend(new_ids)
         delta = self._stream.step(self._raw, list(new_ids)) if new_ids else None
         if delta is None:
@@ -361,9 +468,23 @@ class StreamDetokenizer(Detokenizer):
         self._text.append(delta)
         return delta
 
+    def _step_one(self, token_id: int) -> str:
+        assert self._added is not None
+        self._pending.append(token_id)
+        delta = self._stream.step(self._raw, token_id)
+        content = self._added.get(token_id)
+        if content is not None and self._last_added:
+            delta = content
+        self._last_added = content is not None
+        if delta is None:
+            return ""
+        self._pending = []
+        self._text.append(delta)
+        return delta
+
     def flush(self) -> str:
         # ids still held are an incomplete character: decode them as replacements
-        delta = self._tok.decode(self._pending) if self._pending else ""
+        delta = self._tok.decode(self._pending, self._skip) if self._pending else ""
         self._pending = []
         self._text.append(delta)
         return delta
