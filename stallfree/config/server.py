@@ -141,6 +141,21 @@ class ServerConfig(_Section):
         description="Sampling defaults for fields a request leaves unset: auto reads the model "
         "directory's generation_config.json, vllm ignores it, or a directory holding one",
     )
+    enable_auto_tool_choice: bool = Field(
+        False,
+        description="Let the model decide when to call a tool (tool_choice auto, the default "
+        "when a request sends tools); needs tool_call_parser",
+    )
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = Field(
+        None,
+        description="How the model writes tool calls, parsed into message.tool_calls; default: "
+        "none (tool_choice required and named functions still work)",
+    )
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None,
+        description="Split the model's thinking (<think>...</think>) into "
+        "message.reasoning_content; default: none, all of it is content",
+    )
     otlp_traces_endpoint: str | None = Field(
         None,
         description="OpenTelemetry collector (OTLP/HTTP) that gets one span tree per request, "
@@ -178,6 +193,8 @@ class ServerConfig(_Section):
             raise ValueError("checking client certificates (ssl_cert_reqs) needs ssl_ca_certs")
         if self.root_path and not self.root_path.startswith("/"):
             raise ValueError(f"root_path must start with '/': {self.root_path!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (which format to parse)")
         return self
 
     @property

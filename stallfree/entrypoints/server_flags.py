@@ -71,6 +71,36 @@ def _add_api_flags(g: argparse._ArgumentGroup) -> None:
         ),
     )
     g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_const",
+        const=True,
+        help=flag_help(
+            "let the model decide when to call a tool (tool_choice auto); needs --tool-call-parser",
+            "server",
+            "enable_auto_tool_choice",
+        ),
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json", "mistral", "pythonic"],
+        help=flag_help(
+            "how the model writes tool calls, parsed into message.tool_calls",
+            "server",
+            "tool_call_parser",
+            "none",
+        ),
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek_r1", "qwen3"],
+        help=flag_help(
+            "split the model's <think>...</think> into message.reasoning_content",
+            "server",
+            "reasoning_parser",
+            "none",
+        ),
+    )
+    g.add_argument(
         "--seed",
         dest="model_seed",
         type=int,

@@ -53,7 +53,7 @@ async def test_harmless_openai_fields_are_accepted_and_logged(live, caplog):
     assert chat.usage is not None and chat.usage.completion_tokens == 3
     lines = _ignored_lines(caplog)
     assert lines, "no debug line named the ignored fields"
-    for name in ("store", "metadata", "parallel_tool_calls", "service_tier", "reasoning_effort"):
+    for name in ("store", "metadata", "service_tier", "reasoning_effort"):
         assert any(repr(name) in line for line in lines), (name, lines)
     # `user` is a known field: it is read (and unused), not reported as ignored
     assert not any("'user'" in line for line in lines)
@@ -147,14 +147,10 @@ async def test_malformed_tool_call_history_is_a_400_naming_it(live):
 
 
 CHAT_UNSUPPORTED = [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "required"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
-    ("chat_template_kwargs", {"enable_thinking": False}),
     ("continue_final_message", True),
     ("use_beam_search", True),
 ]

@@ -17,7 +17,7 @@ import asyncio
 import collections
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -26,14 +26,11 @@ from stallfree.entrypoints.server.budget import RequestCost, check_fanout
 from stallfree.entrypoints.server.logprobs import (
     LegacyLists,
     TokenPieces,
-    chat_logprobs,
-    chat_logprobs_dump,
     legacy_lists,
     token_pieces,
 )
 from stallfree.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
 from stallfree.entrypoints.server.requests import (
-    chat_prompt_ids_async,
     converting,
     prompt_ids_async,
     read_body,
@@ -41,18 +38,14 @@ from stallfree.entrypoints.server.requests import (
     truncated,
 )
 from stallfree.entrypoints.server.responses import (
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    ChatStreamChoice,
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
-    DeltaMessage,
     PiecesResponse,
     UsageInfo,
     json_pieces,
 )
-from stallfree.entrypoints.server.screening import check_chat_size, check_model, reject_unsupported
+from stallfree.entrypoints.server.screening import check_model, reject_unsupported
 from stallfree.entrypoints.server.state import ServerState, server_state
 from stallfree.entrypoints.server.streaming import DONE, Context, Generation, Result, respond, sse
 from stallfree.runtime.request.outputs import GenerationChunk, TokenLogprobs
@@ -94,6 +87,14 @@ class Usage:
 # ---------------------------------------------------------------- answers
 
 
+class Answer(Protocol):
+    """A route's answer: its SSE events, or its whole body's JSON in pieces."""
+
+    def events(self, generation: Generation) -> AsyncIterator[str]: ...
+
+    def body(self, results: list[Result]) -> list[bytes]: ...
+
+
 def _open(body: CompletionRequest | ChatCompletionRequest, request: Request) -> ServerState:
     """What both OpenAI routes check first: the model name and the unsupported fields."""
     state = server_state(request)
@@ -110,7 +111,7 @@ async def _respond(
     request: Request,
     generation: Generation,
     stream: bool,
-    answer: _CompletionAnswer | _ChatAnswer,
+    answer: Answer,
 ) -> Response:
     """`respond`, with a whole body written off the event loop, in a worker thread, a choice
     at a time: the loop (and `/health`) keeps answering while a large one is written, sharing
@@ -325,121 +326,3 @@ def _prompt_texts(
         p if isinstance(p, str) else tokenizer.decode(tokens)
         for p, tokens in zip(prompt, ids, strict=True)
     ]
-
-
-@dataclass(slots=True)
-class _ChatAnswer:
-    """One /v1/chat/completions answer: `n` choices of one prompt, as SSE events (a role
-    delta, content deltas, a finish delta per choice) or as one body."""
-
-    rid: str
-    model: str
-    n: int
-    pieces: TokenPieces | None
-    top_k: int
-    include_usage: bool
-
-    def chunk_of(
-        self,
-        index: int,
-        delta: DeltaMessage,
-        finish: str | None = None,
-        entries: list[TokenLogprobs] | None = None,
-    ) -> str:
-        # only deltas that carry tokens carry logprobs (not the role or finish deltas)
-        logprobs = (
-            None
-            if self.pieces is None or entries is None
-            else chat_logprobs(self.pieces, entries, self.top_k)
-        )
-        choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
-        return sse(ChatCompletionChunk(id=self.rid, model=self.model, choices=[choice]))
-
-    async def events(self, generation: Generation) -> AsyncIterator[str]:
-        for index in range(self.n):
-            yield self.chunk_of(index, DeltaMessage(role="assistant", content=""))
-        usage = Usage(self.n)
-        async for index, chunk in generation.stream():
-            if (end := generation.ending_event(chunk)) is not None:
-                yield end
-                break
-            if chunk.text or (self.pieces is not None and chunk.logprobs):
-                entries = chunk.logprobs if self.pieces is not None else None
-                yield self.chunk_of(index, DeltaMessage(content=chunk.text), entries=entries or [])
-            if chunk.finished:
-                usage.add(index, chunk)
-                finish = openai_finish_reason(chunk.finish_reason)
-                yield self.chunk_of(index, DeltaMessage(), finish)
-        else:
-            if self.include_usage:
-                last = ChatCompletionChunk(
-                    id=self.rid, model=self.model, choices=[], usage=usage.info()
-                )
-                yield sse(last)
-        yield DONE
-
-    def _choices(self, results: list[Result]) -> Iterator[dict[str, Any]]:
-        """Each choice as `ChatChoice.model_dump()` gives it."""
-        for i, r in _taken(results):
-            logprobs = (
-                None
-                if self.pieces is None
-                else chat_logprobs_dump(self.pieces, r.logprobs or [], self.top_k)
-            )
-            yield {
-                "index": i,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": logprobs,
-                "finish_reason": openai_finish_reason(r.last.finish_reason),
-            }
-
-    def body(self, results: list[Result]) -> list[bytes]:
-        """The whole body's JSON, one choice at a time (each result let go once written)."""
-        usage = Usage(self.n)
-        for i, r in enumerate(results):
-            usage.add(i, r.last)
-        envelope = ChatCompletionResponse(
-            id=self.rid, model=self.model, choices=[], usage=usage.info()
-        )
-        return json_pieces(envelope, "choices", self._choices(results))
-
-
-async def chat(request: Request) -> Response:
-    body = await read_body(request, ChatCompletionRequest)
-    state = _open(body, request)
-    engine, n, limits = state.engine, body.n, state.limits
-    check_chat_size(body, limits)
-    with converting():
-        check_fanout(1, n, limits.max_prompts_per_request)
-        ids = await chat_prompt_ids_async(engine, body)
-        ids = truncated(ids, body.truncate_prompt_tokens, engine.max_context_len)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        engine.check_prompt(ids, max_tokens, param="messages")
-        # no max_tokens: as many as fit (the engine caps it to the context and KV cache)
-        most = max_tokens or engine.max_context_len
-        cost = RequestCost(
-            1,
-            len(ids),
-            n,
-            min(most, max(engine.max_context_len - len(ids), 0)),
-            (body.top_logprobs or 0) if body.logprobs else None,
-            logprobs_field="top_logprobs" if body.top_logprobs else "logprobs",
-            max_tokens_field="max_tokens"
-            if body.max_completion_tokens is None
-            else "max_completion_tokens",
-            max_tokens_unset=max_tokens is None,
-        )
-        cost.check(limits.max_request_cost)
-        params = sampling_params(body, most, state.defaults)
-    pieces = token_pieces(engine.tokenizer) if body.logprobs else None
-    ctx = Context.of(request)
-    if state.disagg is not None:
-        ctx.source = state.disagg.source(body)
-    rid = f"chatcmpl-{ctx.request_id}"
-    answer = _ChatAnswer(
-        rid, state.model_name, n, pieces, body.top_logprobs or 0, _include_usage(body)
-    )
-    rids = [f"{rid}-{i}" for i in range(n)]
-    generation = await Generation.admit(ctx, [ids] * n, params, rids)
-    state.observe_params(n, most)
-    return await _respond(request, generation, body.stream, answer)

@@ -16,6 +16,9 @@ logger = logging.getLogger("stallfree.server")
 # bounded by `server.max_prompts_per_request`
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+# the most tools and documents one chat request may pass to the template
+MAX_TOOLS = 128
+MAX_DOCUMENTS = 256
 # the most ignored field names one debug line lists
 _MAX_LOGGED_FIELDS = 20
 
@@ -189,10 +192,14 @@ class _SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: words never generated (SamplingParams bounds them), special tokens in the text,
+    # and each prompt token's logprobs (not with stream)
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # extras that would change the output and are not supported
     use_beam_search: Any = None
-    bad_words: Any = None
-    prompt_logprobs: Any = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -230,21 +237,46 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None
 
 
+class FunctionDefinition(_Request):
+    # OpenAI's rule for a function's name (dots too, as tool libraries write namespaces)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # passed to the chat template as transformers' apply_chat_template passes them
+    documents: list[dict[str, Any]] | None = Field(None, max_length=MAX_DOCUMENTS)
+    chat_template_kwargs: dict[str, Any] | None = None
     # not supported beyond their defaults
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
     modalities: Any = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
     add_generation_prompt: Any = None
     continue_final_message: Any = None
 

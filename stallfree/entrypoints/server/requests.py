@@ -122,18 +122,21 @@ def sampling_params(
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int,
     defaults: GenerationDefaults | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> list[SamplingParams]:
     """One `SamplingParams` per choice (`n`): they differ only in the seed. Fields the body
     leaves unset take the model's `defaults` (its generation_config.json), then the built-in
-    ones."""
+    ones; `overrides` (a chat's tool plan) replace the body's."""
     model = defaults or GenerationDefaults()
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    prompt_logprobs = body.prompt_logprobs
     if isinstance(body, CompletionRequest):
         logprobs = body.logprobs
-        prompt_logprobs = logprobs if body.echo else None
+        if body.echo and logprobs is not None:
+            # the echoed prompt's logprobs: the engine computes the larger of the two asks
+            prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     else:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        prompt_logprobs = None
     fields: dict[str, Any] = {
         "max_new_tokens": max_tokens,
         "temperature": model.value("temperature", body.temperature, 1.0),
@@ -154,7 +157,11 @@ def sampling_params(
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
         "structured_outputs": openai_structured(body),
+        "bad_words": list(body.bad_words or []),
+        "skip_special_tokens": body.skip_special_tokens,
+        "spaces_between_special_tokens": body.spaces_between_special_tokens,
     }
+    fields |= overrides or {}
     try:
         first = SamplingParams(**fields, seed=body.seed)
         return [first] + [
@@ -278,11 +285,16 @@ def _arguments(arguments: str | dict[str, Any]) -> Any:
 
 
 def chat_prompt_ids(
-    engine: Engine, body: ChatCompletionRequest, add_special_tokens: bool = False
+    engine: Engine,
+    body: ChatCompletionRequest,
+    add_special_tokens: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
+    """The chat's prompt: its messages, and `template_kwargs` (tools, documents, the request's
+    chat_template_kwargs: `tools.plan_chat`), rendered by the chat template and tokenized."""
     messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
     try:
-        text = engine.tokenizer.apply_chat_template(messages)
+        text = engine.tokenizer.apply_chat_template(messages, **(template_kwargs or {}))
     except ChatTemplateError as exc:
         raise ApiError(
             400, f"chat is unavailable: {exc}", param="messages", code="no_chat_template"
@@ -295,6 +307,9 @@ def chat_prompt_ids(
 def _chat_weight(body: ChatCompletionRequest) -> int:
     """The request's weight, counted until it reaches `OFF_LOOP_WEIGHT`."""
     weight = 0
+    for tool in body.tools or ():  # each tool's schema is rendered into the prompt
+        weight += _ITEM_WEIGHT + 4 * len(tool.function.parameters or ())
+    weight += _ITEM_WEIGHT * len(body.documents or ())
     for message in body.messages:
         content = message.content
         weight += _ITEM_WEIGHT
@@ -311,7 +326,12 @@ def _chat_weight(body: ChatCompletionRequest) -> int:
 
 
 async def chat_prompt_ids_async(
-    engine: Engine, body: ChatCompletionRequest, add_special_tokens: bool = False
+    engine: Engine,
+    body: ChatCompletionRequest,
+    add_special_tokens: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """`chat_prompt_ids`, rendering and tokenizing off the event loop for a heavy request."""
-    return await _run(_chat_weight(body), chat_prompt_ids, engine, body, add_special_tokens)
+    return await _run(
+        _chat_weight(body), chat_prompt_ids, engine, body, add_special_tokens, template_kwargs
+    )

@@ -67,7 +67,11 @@ class CompletionResponse(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    # with a reasoning parser: the thinking (`chat_output.ChoiceText.message`)
+    reasoning_content: str | None = None
+    # OpenAI's tool calls: {"id", "type": "function", "function": {"name", "arguments"}}
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -103,6 +107,9 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    # entries {"index", and "id", "type", "function": {"name", "arguments"}} as far as known
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatStreamChoice(BaseModel):

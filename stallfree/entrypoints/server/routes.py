@@ -12,9 +12,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from stallfree.entrypoints.server.chat_api import chat
 from stallfree.entrypoints.server.errors import ApiError
 from stallfree.entrypoints.server.logprobs import native_logprobs
-from stallfree.entrypoints.server.openai_api import chat, completions
+from stallfree.entrypoints.server.openai_api import completions
 from stallfree.entrypoints.server.protocol import GenerateRequest
 from stallfree.entrypoints.server.requests import (
     converting,

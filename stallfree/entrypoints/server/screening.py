@@ -107,21 +107,16 @@ def _given(value: Any) -> bool:
 # ignored (see `protocol._Request`).
 _SHARED_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": lambda v: v is None or v is False,
-    "bad_words": lambda v: not _given(v),
-    "prompt_logprobs": lambda v: v is None,
 }
 _COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: v is None or v == "",
 }
 _CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: not _given(v),
-    "tool_choice": lambda v: v is None or v == "none",
     "functions": lambda v: not _given(v),
     "function_call": lambda v: v is None or v == "none",
     "audio": lambda v: v is None,
     "modalities": lambda v: v is None or v == ["text"],
     "chat_template": lambda v: v is None,
-    "chat_template_kwargs": lambda v: not _given(v),
     "add_generation_prompt": lambda v: v is None or v is True,
     "continue_final_message": lambda v: v is None or v is False,
 }
@@ -140,6 +135,10 @@ def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
                 param=field,
                 code="unsupported_parameter",
             )
+    if body.stream and body.prompt_logprobs is not None:
+        raise ApiError(
+            400, "prompt_logprobs: not available when stream is true", param="prompt_logprobs"
+        )
     if isinstance(body, CompletionRequest):
         if body.best_of is not None and body.best_of != body.n:
             raise ApiError(

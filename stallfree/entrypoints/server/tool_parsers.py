@@ -1,0 +1,320 @@
+"""Tool calls out of a model's text, in the formats models are trained to write them.
+
+Each parser reads the whole text generated so far and returns what of it is plain content
+and the calls it holds (`Parsed`); called again as the text grows (streaming) it returns more
+of each. A call's name appears once it is whole; its arguments are the object parsed so far
+(`partial_json_parser`, with only containers left open: a string, number or literal that may
+still grow is left out), so `streamed_arguments` can send a prefix that never changes.
+
+- `hermes` (Hermes 2/3, Qwen2.5/3): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
+  one block per call, after any content;
+- `llama3_json` (Llama 3.1/3.2): the whole reply is `{"name": ..., "parameters": {...}}`, calls
+  separated by `;`;
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after any content (the
+  marker is a special token: such a request keeps special tokens in its text);
+- `pythonic` (Llama 3.2/4 pythonic, ToolACE): `[get_weather(city="Paris"), ...]`, whose call
+  appears once the list is whole;
+- `json_array`: vLLM's form for a forced call (`tool_choice` required or named) with a parser
+  whose own format cannot be written as a grammar: `[{"name": ..., "parameters": {...}}]`.
+
+A reply whose calls do not parse at the end is all content, as vLLM gives it.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from partial_json_parser import Allow
+from partial_json_parser import loads as partial_loads
+
+from stallfree.entrypoints.server.reasoning import holdback
+
+_OPEN_CONTAINERS = Allow.ARR | Allow.OBJ
+
+
+@dataclass(slots=True)
+class CallDraft:
+    """One call as far as it is known: `name` once whole, `arguments` as parsed so far."""
+
+    name: str | None
+    arguments: Any = None
+    done: bool = False
+
+
+@dataclass(slots=True)
+class Parsed:
+    """What a text holds: its plain content (the part of it that is sure to stay content) and
+    its calls."""
+
+    content: str
+    calls: list[CallDraft] = field(default_factory=list)
+
+
+def arguments_text(arguments: Any) -> str:
+    """A call's `arguments` as the OpenAI API carries them: JSON text."""
+    return json.dumps({} if arguments is None else arguments, ensure_ascii=False)
+
+
+def streamed_arguments(call: CallDraft) -> str:
+    """The part of the call's arguments text that is final: all of it once the call is done;
+    before, the JSON of the object so far without its closing brackets and quotes (what is
+    left out is still to come, so each such prefix extends the last)."""
+    if call.arguments is None:
+        return ""
+    text = arguments_text(call.arguments)
+    return text if call.done else text.rstrip('"]} ')
+
+
+def _partial(text: str) -> Any:
+    try:
+        return partial_loads(text, _OPEN_CONTAINERS)
+    except Exception:  # partial_json_parser raises its own errors, and ValueError
+        return None
+
+
+def _call_of(obj: Any, keys: tuple[str, ...], done: bool) -> CallDraft | None:
+    """A call from a (partial) `{"name": ..., <keys[0]>: {...}}` object; None when it is not one."""
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    if name is not None and not isinstance(name, str):
+        return None
+    arguments = next((obj[k] for k in keys if k in obj), None)
+    if done and (name is None or not isinstance(arguments, dict | None)):
+        return None
+    if isinstance(arguments, str) and done:  # some models write the arguments as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return CallDraft(name, arguments if isinstance(arguments, dict) else None, done)
+
+
+class ToolParser(ABC):
+    """Reads calls out of a text (`parse`); `format_call` writes one the way the model would,
+    with its arguments left to a grammar (None: the format cannot be written as a grammar)."""
+
+    name: ClassVar[str]
+    # the request keeps special tokens in its text (its marker is one)
+    keeps_special_tokens: ClassVar[bool] = False
+
+    @abstractmethod
+    def parse(self, text: str, final: bool) -> Parsed:
+        """The content and calls of `text`; `final` once the text is whole."""
+
+    def forced_grammar(self, calls: list[tuple[str, dict[str, Any]]], many: bool) -> str | None:
+        """A Lark grammar (llguidance's) whose every text is one call (`many`: one or more) of
+        one of `calls` (name, parameters schema), written in this format; None if none."""
+        return None
+
+
+def _call_rule(name: str, schema: dict[str, Any], args_key: str) -> str:
+    """A Lark `%json` rule for `{"name": <name>, <args_key>: <schema>}`, written compactly."""
+    whole = {
+        "type": "object",
+        "properties": {"name": {"const": name}, args_key: schema or {"type": "object"}},
+        "required": ["name", args_key],
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "},
+    }
+    return "%json " + json.dumps(whole, ensure_ascii=False)
+
+
+def _lark(calls: list[tuple[str, dict[str, Any]]], args_key: str, before: str, after: str) -> str:
+    rules = [f"call_{i}: {_call_rule(n, s, args_key)}" for i, (n, s) in enumerate(calls)]
+    alternatives = " | ".join(f"call_{i}" for i in range(len(calls)))
+    parts = [
+        json.dumps(before) if before else "",
+        f"({alternatives})",
+        json.dumps(after) if after else "",
+    ]
+    lines = ["one: " + " ".join(p for p in parts if p), *rules]
+    return "\n".join(lines)
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        start = text.find(self.START)
+        if start < 0:
+            if final:
+                return Parsed(text)
+            return Parsed(text[: len(text) - holdback(text, self.START)])
+        calls: list[CallDraft] = []
+        for match in self._BLOCK.finditer(text, start):
+            body, closed = match.group(1), bool(match.group(2))
+            if not closed:
+                body = body[: len(body) - holdback(body, self.END)]  # a closing tag to come
+            body = body.strip()
+            if closed or final:
+                try:
+                    call = _call_of(json.loads(body), ("arguments", "parameters"), True)
+                except ValueError:
+                    call = None
+                if call is None:
+                    if final:
+                        return Parsed(text)  # not calls after all
+                    break
+            else:
+                call = _call_of(_partial(body), ("arguments", "parameters"), False)
+                if call is None:
+                    break
+            calls.append(call)
+        return Parsed(text[:start].rstrip(), calls)
+
+    def forced_grammar(self, calls: list[tuple[str, dict[str, Any]]], many: bool) -> str | None:
+        grammar = _lark(calls, "arguments", self.START + "\n", "\n" + self.END)
+        return ('start: one ("\\n" one)*\n' if many else "start: one\n") + grammar
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        body = text.lstrip()
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG) :].lstrip()
+        if not body:
+            return Parsed(text if final else "")
+        if not body.startswith("{"):
+            return Parsed(text)
+        decoder = json.JSONDecoder()
+        calls: list[CallDraft] = []
+        at = 0
+        while at < len(body):
+            try:
+                obj, end = decoder.raw_decode(body, at)
+            except ValueError:
+                if final:
+                    return Parsed(text)
+                call = _call_of(_partial(body[at:]), ("parameters", "arguments"), False)
+                if call is not None:
+                    calls.append(call)
+                break
+            call = _call_of(obj, ("parameters", "arguments"), True)
+            if call is None:
+                return Parsed(text) if final else Parsed("", calls)
+            calls.append(call)
+            at = end
+            while at < len(body) and body[at] in " \t\r\n;":
+                at += 1
+        return Parsed("", calls)
+
+    def forced_grammar(self, calls: list[tuple[str, dict[str, Any]]], many: bool) -> str | None:
+        grammar = _lark(calls, "parameters", "", "")
+        return ('start: one ("; " one)*\n' if many else "start: one\n") + grammar
+
+
+class _ArrayParser(ToolParser):
+    """A JSON array of call objects after `marker` (none: the whole reply)."""
+
+    marker: ClassVar[str] = ""
+    keys: ClassVar[tuple[str, ...]] = ("arguments", "parameters")
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        if self.marker:
+            start = text.find(self.marker)
+            if start < 0:
+                return Parsed(text if final else text[: len(text) - holdback(text, self.marker)])
+            content, body = text[:start].rstrip(), text[start + len(self.marker) :].strip()
+        else:
+            content, body = "", text.strip()
+            if not body.startswith("["):
+                return Parsed(text if final or body else "")
+        try:
+            items, complete = json.loads(body), True
+        except ValueError:
+            if final:
+                return Parsed(text)
+            items, complete = _partial(body), False
+        if isinstance(items, dict):
+            items = [items]
+        if not isinstance(items, list):
+            return Parsed(text) if final else Parsed(content)
+        calls: list[CallDraft] = []
+        for i, item in enumerate(items):
+            done = complete or i < len(items) - 1
+            call = _call_of(item, self.keys, done)
+            if call is None:
+                if final:
+                    return Parsed(text)
+                break
+            calls.append(call)
+        return Parsed(content, calls)
+
+
+class MistralParser(_ArrayParser):
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+    keeps_special_tokens = True
+
+
+class JsonArrayParser(_ArrayParser):
+    name = "json_array"
+    keys = ("parameters", "arguments")
+
+
+class PythonicParser(ToolParser):
+    name = "pythonic"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        body = text.strip()
+        if not body.startswith("["):
+            return Parsed(text if final or body else "")
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return Parsed(text) if final else Parsed("")  # a list that may still close
+        calls = self._calls(tree)
+        if calls is None:
+            return Parsed(text) if final else Parsed("")
+        return Parsed("", calls)
+
+    @staticmethod
+    def _calls(tree: ast.expr) -> list[CallDraft] | None:
+        if not isinstance(tree, ast.List):
+            return None
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or node.args:
+                return None
+            name = ast.unparse(node.func)
+            try:
+                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
+                json.dumps(args)
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                return None
+            calls.append(CallDraft(name, args, True))
+        return calls
+
+
+PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p
+    for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, JsonArrayParser)
+}
+
+
+def json_array_schema(calls: list[tuple[str, dict[str, Any]]], many: bool) -> dict[str, Any]:
+    """The JSON schema of `JsonArrayParser`'s forced form: one call (`many`: one or more)."""
+    items = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "parameters": schema or {"type": "object"}},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for name, schema in calls
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not many:
+        schema["maxItems"] = 1
+    return schema

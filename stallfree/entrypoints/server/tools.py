@@ -1,0 +1,147 @@
+"""A chat request's tools: what its template gets, and how its reply is read and constrained.
+
+- `tools` (and `documents`, and `chat_template_kwargs` such as `enable_thinking`) reach the
+  chat template as transformers' `apply_chat_template` passes them.
+- `tool_choice` `auto` (OpenAI's default once tools are sent) lets the model decide, and needs
+  `server.enable_auto_tool_choice` with a `server.tool_call_parser`, as in vLLM.
+- `required` and a named function are enforced: the reply is constrained (structured outputs)
+  to one or more calls of the given tools, each call's arguments to its function's
+  `parameters` schema, so the call always parses and validates. With a parser whose format a
+  grammar can write (`hermes`, `llama3_json`) the reply is a call in the model's own format;
+  otherwise it is vLLM's JSON array (`[{"name": ..., "parameters": {...}}]`).
+- `none` passes the tools to the template but parses nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from stallfree.config.settings import ServerConfig
+from stallfree.entrypoints.server.chat_output import ChatOutput
+from stallfree.entrypoints.server.errors import ApiError
+from stallfree.entrypoints.server.protocol import ChatCompletionRequest, NamedToolChoice
+from stallfree.entrypoints.server.reasoning import REASONING_PARSERS
+from stallfree.entrypoints.server.tool_parsers import PARSERS, JsonArrayParser, json_array_schema
+
+# what the template's own arguments are called: chat_template_kwargs may not replace them
+_TEMPLATE_NAMES = frozenset(
+    {"messages", "tools", "documents", "bos_token", "eos_token", "add_generation_prompt"}
+)
+MAX_TEMPLATE_KWARGS = 64
+
+
+@dataclass(slots=True)
+class ChatPlan:
+    """What `plan_chat` decided for one request."""
+
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    output: ChatOutput = field(default_factory=ChatOutput)
+    # the structured-output spec that forces the calls (None: not forced)
+    forced: dict[str, Any] | None = None
+    # the reply's text keeps special tokens (the parser's marker is one)
+    keep_special_tokens: bool = False
+
+    def overrides(self) -> dict[str, Any]:
+        """The `SamplingParams` fields this plan sets over the body's."""
+        out: dict[str, Any] = {}
+        if self.forced is not None:
+            out["structured_outputs"] = self.forced
+        if self.keep_special_tokens:
+            out["skip_special_tokens"] = False
+        return out
+
+
+def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    kwargs = dict(body.chat_template_kwargs or {})
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ApiError(
+            400,
+            f"chat_template_kwargs: at most {MAX_TEMPLATE_KWARGS} entries, not {len(kwargs)}",
+            param="chat_template_kwargs",
+        )
+    for key in kwargs:
+        if key in _TEMPLATE_NAMES:
+            raise ApiError(
+                400,
+                f"chat_template_kwargs.{key}: set by the request itself, not here",
+                param=f"chat_template_kwargs.{key}",
+            )
+    out: dict[str, Any] = {}
+    if body.tools:
+        out["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+    if body.documents:
+        out["documents"] = body.documents
+    return out | kwargs
+
+
+def _choice(body: ChatCompletionRequest) -> str:
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        return "named"
+    if choice is None:
+        return "auto" if body.tools else "none"
+    return choice
+
+
+def plan_chat(body: ChatCompletionRequest, server: ServerConfig) -> ChatPlan:
+    """The template's arguments, the reply's parsers, and the spec forcing calls (if any)."""
+    plan = ChatPlan(_template_kwargs(body))
+    if server.reasoning_parser is not None:
+        plan.output.reasoning = REASONING_PARSERS[server.reasoning_parser]()
+    choice = _choice(body)
+    tools = body.tools or []
+    if choice != "none" and not tools:
+        raise ApiError(400, f"tool_choice: {choice!r} needs tools", param="tool_choice")
+    configured = PARSERS[server.tool_call_parser]() if server.tool_call_parser else None
+    if choice == "none":
+        return plan
+    if choice == "auto":
+        if not server.enable_auto_tool_choice or configured is None:
+            raise ApiError(
+                400,
+                'tool_choice: "auto" (the default when tools are sent) needs a server started '
+                "with --enable-auto-tool-choice and --tool-call-parser; send tool_choice "
+                '"required", a named function or "none" instead',
+                param="tool_choice",
+            )
+        plan.output.tools = configured
+        plan.keep_special_tokens = configured.keeps_special_tokens
+        return plan
+    if _structured(body):
+        raise ApiError(
+            400,
+            "tool_choice: a forced tool call and a structured output (response_format or "
+            "structured_outputs) cannot both constrain one reply",
+            param="tool_choice",
+        )
+    functions = [(t.function.name, t.function.parameters or {}) for t in tools]
+    if choice == "named":
+        assert isinstance(body.tool_choice, NamedToolChoice)
+        name = body.tool_choice.function.name
+        functions = [f for f in functions if f[0] == name][:1]
+        if not functions:
+            raise ApiError(
+                400,
+                f"tool_choice.function.name: no tool named {name[:64]!r} in tools",
+                param="tool_choice.function.name",
+            )
+        plan.output.named = name
+    many = choice == "required" and body.parallel_tool_calls is not False
+    grammar = None if configured is None else configured.forced_grammar(functions, many)
+    if grammar is not None:
+        assert configured is not None
+        plan.output.tools = configured
+        plan.forced = {"grammar": grammar, "source": "tools"}
+    else:
+        plan.output.tools = JsonArrayParser()
+        plan.forced = {"json": json_array_schema(functions, many), "source": "tools"}
+    return plan
+
+
+def _structured(body: ChatCompletionRequest) -> bool:
+    fields = ("structured_outputs", "guided_json", "guided_regex", "guided_choice")
+    if any(getattr(body, f) is not None for f in (*fields, "guided_grammar")):
+        return True
+    fmt = body.response_format
+    return isinstance(fmt, dict) and fmt.get("type", "text") != "text"

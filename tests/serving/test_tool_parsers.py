@@ -1,0 +1,217 @@
+"""The tool-call and reasoning parsers, whole and streamed: what a stream sends concatenates to
+what a whole reply holds, whatever the pieces the text arrives in."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from stallfree.entrypoints.server.chat_output import ChatOutput
+from stallfree.entrypoints.server.reasoning import REASONING_PARSERS
+from stallfree.entrypoints.server.tool_parsers import (
+    PARSERS,
+    CallDraft,
+    json_array_schema,
+    streamed_arguments,
+)
+
+ARGS = {"city": 'Par"is}', "days": [1, 22, -3.5], "deep": {"a": {"b": []}}, "ok": True, "x": None}
+WANT = json.dumps(ARGS, ensure_ascii=False)
+
+# each parser, a reply holding content and two calls in its format, and the content
+REPLIES = {
+    "hermes": (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": '
+        + WANT
+        + '}\n</tool_call>\n<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>',
+        "Let me look.",
+    ),
+    "llama3_json": (
+        '{"name": "get_weather", "parameters": ' + WANT + '}; {"name": "noop", "parameters": {}}',
+        None,
+    ),
+    "mistral": (
+        'Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": '
+        + WANT
+        + '}, {"name": "noop", "arguments": {}}]',
+        "Let me look.",
+    ),
+    "pythonic": (
+        '[get_weather(city="Par\\"is}", days=[1, 22, -3.5], deep={"a": {"b": []}}, ok=True, '
+        "x=None), noop()]",
+        None,
+    ),
+    "json_array": (
+        '[{"name": "get_weather", "parameters": ' + WANT + '}, {"name": "noop", "parameters": {}}]',
+        None,
+    ),
+}
+
+
+def _pieces(text: str, rng: random.Random) -> list[str]:
+    out, at = [], 0
+    while at < len(text):
+        step = rng.randint(1, 4)
+        out.append(text[at : at + step])
+        at += step
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(REPLIES))
+def test_a_whole_reply_gives_its_content_and_calls(name):
+    text, content = REPLIES[name]
+    choice = ChatOutput(tools=PARSERS[name]()).choice()
+    choice.feed(text, final=True)
+    message = choice.message()
+    assert message["content"] == content
+    calls = [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in message["tool_calls"]
+    ]
+    assert calls == [("get_weather", ARGS), ("noop", {})]
+    assert all(
+        c["id"].startswith("call_") and c["type"] == "function" for c in message["tool_calls"]
+    )
+    assert choice.finish_reason("stop") == "tool_calls"
+    assert choice.finish_reason("length") == "length"
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("name", sorted(REPLIES))
+def test_streamed_deltas_concatenate_to_the_whole_reply(name, seed):
+    text, content = REPLIES[name]
+    whole = ChatOutput(tools=PARSERS[name]()).choice()
+    whole.feed(text, final=True)
+    want = whole.message()
+    stream = ChatOutput(tools=PARSERS[name]()).choice()
+    pieces = _pieces(text, random.Random(seed))
+    got_content, calls = "", {}
+    for i, piece in enumerate(pieces):
+        out = stream.feed(piece, final=i == len(pieces) - 1)
+        got_content += out.content
+        for delta in out.calls:
+            entry = calls.setdefault(delta["index"], {"name": "", "arguments": ""})
+            if "id" in delta:
+                assert delta["type"] == "function" and not entry["name"]  # the name comes once
+                entry["name"] = delta["function"]["name"]
+            entry["arguments"] += delta["function"]["arguments"]
+    assert got_content == (content or "")
+    assert [calls[i] for i in sorted(calls)] == [c["function"] for c in want["tool_calls"]]
+    if name != "pythonic":  # a pythonic call appears whole, once its list closes
+        first_args = [d for d in calls.values()][0]["arguments"]
+        assert first_args == WANT
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "json_array"])
+def test_arguments_stream_before_the_call_is_whole(name):
+    text, _ = REPLIES[name]
+    cut = text.index('"days"') + 12  # inside the days list
+    parsed = PARSERS[name]().parse(text[:cut], final=False)
+    assert parsed.calls and parsed.calls[0].name == "get_weather"
+    sent = streamed_arguments(parsed.calls[0])
+    assert sent and WANT.startswith(sent)
+
+
+@pytest.mark.parametrize(
+    "partial",
+    [{"a": "x"}, {"a": 1, "b": [1, 2]}, {"a": {"b": {}}}, {"s": 'en"d]}'}, {"e": ""}],
+)
+def test_a_streamed_prefix_is_a_prefix_of_any_longer_object(partial):
+    sent = streamed_arguments(CallDraft("f", partial))
+    longer = partial | {"zz": [{"more": 1}]}
+    assert json.dumps(longer, ensure_ascii=False).startswith(sent)
+    assert not sent.endswith(("}", "]", '"'))
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("hermes", "Hi <tool_call>\n{not json}\n</tool_call>"),
+        ("hermes", 'Hi <tool_call>\n{"name": "f", "arguments": {"a": 1'),
+        ("llama3_json", '{"name": "f", "parameters": {"a": 1}'),
+        ("llama3_json", '{"title": "not a call"}'),
+        ("mistral", "x[TOOL_CALLS][1, 2]"),
+        ("pythonic", "[print(1)] is code"),
+        ("pythonic", "[f(*a)]"),
+    ],
+)
+def test_calls_that_do_not_parse_are_content(name, text):
+    choice = ChatOutput(tools=PARSERS[name]()).choice()
+    choice.feed(text, final=True)
+    assert choice.message() == {"role": "assistant", "content": text}
+    assert choice.finish_reason("stop") == "stop"
+
+
+@pytest.mark.parametrize("name", sorted(REPLIES))
+def test_plain_text_is_content_whole_and_streamed(name):
+    text = "The answer is 42.\n  "
+    stream = ChatOutput(tools=PARSERS[name]()).choice()
+    sent = "".join(stream.feed(p, final=i == len(text) - 1).content for i, p in enumerate(text))
+    assert sent == text and stream.message() == {"role": "assistant", "content": text}
+
+
+def test_a_possible_marker_waits_then_goes_out_as_content():
+    choice = ChatOutput(tools=PARSERS["hermes"]()).choice()
+    assert choice.feed("a <tool_").content == "a"
+    assert choice.feed("ca").content == ""
+    assert choice.feed("t", final=True).content == " <tool_cat"
+
+
+def test_a_named_call_keeps_the_name_and_ends_as_stop():
+    choice = ChatOutput(tools=PARSERS["json_array"](), named="get_weather").choice()
+    choice.feed('[{"name": "get_weather", "parameters": {}}]', final=True)
+    assert choice.message()["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert choice.finish_reason("stop") == "stop"
+
+
+def test_the_json_array_schema_bounds_parallel_calls():
+    one = json_array_schema([("f", {"type": "object"})], many=False)
+    assert one["minItems"] == 1 and one["maxItems"] == 1
+    assert "maxItems" not in json_array_schema([("f", {})], many=True)
+
+
+# ---------------------------------------------------------------- reasoning
+
+REASONED = [
+    (
+        "deepseek_r1",
+        "<think>Paris is in France.</think>\n\nParis.",
+        "Paris is in France.",
+        "\n\nParis.",
+    ),
+    ("deepseek_r1", "Paris is in France.</think>Paris.", "Paris is in France.", "Paris."),
+    ("deepseek_r1", "still thinking <", "still thinking <", ""),
+    ("qwen3", "<think>\nhmm\n</think>\n\nParis.", "\nhmm\n", "\n\nParis."),
+    ("qwen3", "Paris, no thinking.", None, "Paris, no thinking."),
+    ("qwen3", "<think>cut off", "cut off", ""),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "reasoning", "content"), REASONED)
+def test_reasoning_splits_whole_and_streamed(name, text, reasoning, content):
+    output = ChatOutput(reasoning=REASONING_PARSERS[name]())
+    whole = output.choice()
+    whole.feed(text, final=True)
+    assert whole.message() == {
+        "role": "assistant",
+        "content": content,
+        "reasoning_content": reasoning,
+    }
+    stream = output.choice()
+    got = [stream.feed(c, final=i == len(text) - 1) for i, c in enumerate(text)]
+    assert "".join(p.reasoning for p in got) == (reasoning or "")
+    assert "".join(p.content for p in got) == content
+
+
+def test_reasoning_then_a_tool_call():
+    output = ChatOutput(reasoning=REASONING_PARSERS["qwen3"](), tools=PARSERS["hermes"]())
+    choice = output.choice()
+    text = '<think>need weather</think>\n<tool_call>\n{"name": "w", "arguments": {"c": 1}}\n</tool_call>'
+    pieces = [choice.feed(c, final=i == len(text) - 1) for i, c in enumerate(text)]
+    message = choice.message()
+    assert message["reasoning_content"] == "need weather" and message["content"] is None
+    assert message["tool_calls"][0]["function"] == {"name": "w", "arguments": '{"c": 1}'}
+    assert "".join(p.reasoning for p in pieces) == "need weather"
+    assert "".join(p.content for p in pieces) == ""
