@@ -156,7 +156,6 @@ CHAT_UNSUPPORTED = [
 ]
 COMPLETION_UNSUPPORTED = [
     ("suffix", "the end"),
-    ("prompt_logprobs", 1),
 ]
 
 

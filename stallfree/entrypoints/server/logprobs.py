@@ -229,3 +229,36 @@ def native_logprobs(entries: Sequence[TokenLogprobs | None]) -> list[dict[str, A
         }
         for e in entries
     ]
+
+
+def prompt_logprobs_dump(
+    pieces: TokenPieces,
+    entries: Sequence[TokenLogprobs | None] | None,
+    prompt_ids: Sequence[int],
+    top_k: int,
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` of a choice: None for the first prompt token (nothing predicts
+    it), then for each later token a dict keyed by token id (as a string) holding the token
+    itself and its `top_k` top alternatives, each `{"logprob", "rank", "decoded_token"}`.
+
+    `entries` are the engine's (one per prompt token, the first None). A rank is the token's
+    place among the top alternatives (1 the likeliest); the prompt's own token, when outside
+    them, has rank None. A token with no entry (a prompt cut before it was scored) is None."""
+    given = list(entries or [])[: len(prompt_ids)]
+    given += [None] * (len(prompt_ids) - len(given))
+    out: list[dict[str, dict[str, Any]] | None] = [None] if prompt_ids else []
+    for token_id, entry in zip(prompt_ids[1:], given[1:], strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        top = {
+            str(tid): {"logprob": _finite(lp), "rank": rank, "decoded_token": pieces.text(tid)}
+            for rank, (tid, lp) in enumerate(entry.top[:top_k], start=1)
+        }
+        own = top.pop(str(token_id), None) or {
+            "logprob": _finite(entry.logprob),
+            "rank": None,
+            "decoded_token": pieces.text(token_id),
+        }
+        out.append({str(token_id): own, **top})
+    return out

@@ -27,6 +27,7 @@ from stallfree.entrypoints.server.logprobs import (
     LegacyLists,
     TokenPieces,
     legacy_lists,
+    prompt_logprobs_dump,
     token_pieces,
 )
 from stallfree.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -144,9 +145,10 @@ class _CompletionAnswer:
     """One /v1/completions answer: choice `index` of prompt `index // n`, as SSE events or as
     one body; with `echoed`, each prompt's first chunk starts with the prompt.
 
-    With echo and logprobs, only a prompt's first choice brings the prompt's logprobs (the
-    others do not compute them): its part of the logprobs is made once (`echo_parts`), and a
-    stream holds back the other choices' chunks until it is known.
+    With echo and logprobs, or `prompt_logprobs`, only a prompt's first choice brings the
+    prompt's logprobs (the others do not compute them): its part of the logprobs is made once
+    (`echo_parts`, `prompt_parts`), and a stream holds back the other choices' chunks until it
+    is known (`prompt_logprobs` is not streamed: `screening.reject_unsupported`).
 
     The events are response models; the whole body is written from plain values, the same
     JSON that `CompletionResponse.model_dump()` would give."""
@@ -160,6 +162,11 @@ class _CompletionAnswer:
     include_usage: bool
     # prompt -> its echoed tokens' logprobs and the text offset after them
     echo_parts: dict[int, tuple[LegacyLists, int]] = field(default_factory=dict)
+    # vLLM's prompt_logprobs: top alternatives asked for (None: not asked), each prompt's list
+    prompt_k: int | None = None
+    prompt_pieces: TokenPieces | None = None
+    prompt_parts: dict[int, list[Any]] = field(default_factory=dict)
+    echo_k: int = 0  # the echoed prompt's top alternatives (`logprobs`)
 
     @property
     def echoes_logprobs(self) -> bool:
@@ -175,9 +182,23 @@ class _CompletionAnswer:
         if part is None:
             assert self.pieces is not None
             ids = self.prompts[prompt]
-            given = list(entries or [])[: len(ids)]
+            given = [
+                None if e is None else TokenLogprobs(e.token_id, e.logprob, e.top[: self.echo_k])
+                for e in list(entries or [])[: len(ids)]
+            ]
             given += [None] * (len(ids) - len(given))
             part = self.echo_parts[prompt] = legacy_lists(self.pieces, given, ids, 0)
+        return part
+
+    def prompt_part(self, prompt: int, entries: Sequence[TokenLogprobs | None] | None) -> Any:
+        """`prompt`'s `prompt_logprobs`, from its first choice's `entries`, made once."""
+        part = self.prompt_parts.get(prompt)
+        if part is None:
+            assert self.prompt_k is not None and self.prompt_pieces is not None
+            ids = self.prompts[prompt]
+            part = self.prompt_parts[prompt] = prompt_logprobs_dump(
+                self.prompt_pieces, entries, ids, self.prompt_k
+            )
         return part
 
     def logprobs_of(
@@ -257,12 +278,16 @@ class _CompletionAnswer:
             if self.echoes_logprobs and i % self.n == 0:
                 self.echo_part(i // self.n, r.prompt_logprobs)
             lists, _ = self.logprobs_of(i, r.logprobs, r.token_ids, self.echoes_logprobs, 0)
-            yield {
+            choice = {
                 "index": i,
                 "text": text,
                 "logprobs": None if lists is None else lists.dump(),
                 "finish_reason": openai_finish_reason(r.last.finish_reason),
             }
+            if self.prompt_k is not None:
+                first = r.prompt_logprobs if i % self.n == 0 else None
+                choice["prompt_logprobs"] = self.prompt_part(i // self.n, first)
+            yield choice
 
     def body(self, results: list[Result]) -> list[bytes]:
         """The whole body's JSON, one choice at a time (each result let go once written)."""
@@ -290,7 +315,7 @@ async def completions(request: Request) -> Response:
         )
         cost.check(limits.max_request_cost)
         params = sampling_params(body, max_tokens, state.defaults)
-    if body.echo and body.logprobs is not None:
+    if params[0].prompt_logprobs is not None:
         # the prompt's logprobs come from its first choice alone (`_CompletionAnswer`)
         params[1:] = [p.model_copy(update={"prompt_logprobs": None}) for p in params[1:]]
     # echo repeats what the model saw: a truncated prompt decoded from its kept tokens
@@ -304,6 +329,9 @@ async def completions(request: Request) -> Response:
     answer = _CompletionAnswer(
         rid, state.model_name, prompts, n, echoed, pieces, _include_usage(body)
     )
+    answer.prompt_k, answer.echo_k = body.prompt_logprobs, body.logprobs or 0
+    if body.prompt_logprobs is not None:
+        answer.prompt_pieces = token_pieces(engine.tokenizer)
     fanned = [prompts[i // n] for i in range(len(prompts) * n)]
     each = [params[i % n] for i in range(len(fanned))]
     rids = [f"{rid}-{i}" for i in range(len(fanned))]
