@@ -201,3 +201,20 @@ async def test_bad_prompt_logprobs_are_400_naming_the_field(live, extra, param):
     r = await live.http.post("/v1/chat/completions", json=chat)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+async def test_prompt_logprobs_count_toward_the_request_cost(llama):
+    """n choices each holding every prompt token and its top k: over the budget, a 400 naming
+    prompt_logprobs; the same request without them is served."""
+    from tests.server_util import serving
+
+    prompt = "x" * 50
+    body = {"model": "test-model", "prompt": prompt, "max_tokens": 1, "n": 4}
+    async with serving(llama, server={"max_request_cost": 1000}) as live:
+        ok = await live.http.post("/v1/completions", json=body)
+        assert ok.status_code == 200, ok.text
+        r = await live.http.post("/v1/completions", json=body | {"prompt_logprobs": 5})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "prompt_logprobs" and error["code"] == "request_too_costly"
+        assert "prompt_logprobs 5" in error["message"]

@@ -37,6 +37,14 @@ class RequestCost:
     logprobs_field: str = "logprobs"  # the field that asked for them (chat: top_logprobs)
     max_tokens_field: str = "max_tokens"
     max_tokens_unset: bool = False  # chat: as many as fit, the rest of the context
+    # vLLM's prompt_logprobs: every choice's answer holds each prompt token and its top k
+    prompt_logprobs: int | None = None
+
+    @property
+    def prompt_entries(self) -> int:
+        if self.prompt_logprobs is None:
+            return 0
+        return self.n * self.prompt_tokens * (1 + self.prompt_logprobs)
 
     @property
     def weight(self) -> int:
@@ -47,8 +55,8 @@ class RequestCost:
     def total(self) -> int:
         outputs = self.prompts * self.max_tokens
         if self.echo:
-            return self.n * (self.prompt_tokens + outputs) * self.weight
-        return self.prompt_tokens + self.n * outputs * self.weight
+            return self.n * (self.prompt_tokens + outputs) * self.weight + self.prompt_entries
+        return self.prompt_tokens + self.n * outputs * self.weight + self.prompt_entries
 
     def formula(self) -> str:
         outputs = f"{self.max_tokens} {self.max_tokens_field}"
@@ -61,12 +69,22 @@ class RequestCost:
             if self.top_logprobs is None
             else f" x ({self.logprobs_field} {self.top_logprobs} + 1)"
         )
+        extra = ""
+        if self.prompt_logprobs is not None:
+            extra = (
+                f" + n {self.n} x {self.prompt_tokens} prompt tokens x (prompt_logprobs "
+                f"{self.prompt_logprobs} + 1)"
+            )
         if self.echo:
-            return f"n {self.n} x ({self.prompt_tokens} prompt tokens echoed + {outputs}){weight}"
-        return f"{self.prompt_tokens} prompt tokens + n {self.n} x {outputs}{weight}"
+            echoed = f"{self.prompt_tokens} prompt tokens echoed + {outputs}"
+            return f"n {self.n} x ({echoed}){weight}{extra}"
+        return f"{self.prompt_tokens} prompt tokens + n {self.n} x {outputs}{weight}{extra}"
 
     def param(self) -> str:
-        """The field that does most to make the cost: the logprobs, else n, else max_tokens."""
+        """The field that does most to make the cost: the prompt logprobs when they are most of
+        it, the logprobs, else n, else max_tokens."""
+        if 2 * self.prompt_entries > self.total:
+            return "prompt_logprobs"
         if self.weight > 1:
             return self.logprobs_field
         return "n" if self.n > 1 else self.max_tokens_field

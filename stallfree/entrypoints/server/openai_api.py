@@ -311,7 +311,13 @@ async def completions(request: Request) -> Response:
         for ids in prompts:
             engine.check_prompt(ids, body.max_tokens, param="prompt")
         cost = RequestCost(
-            len(prompts), sum(map(len, prompts)), n, max_tokens, body.logprobs, body.echo
+            len(prompts),
+            sum(map(len, prompts)),
+            n,
+            max_tokens,
+            body.logprobs,
+            body.echo,
+            prompt_logprobs=body.prompt_logprobs,
         )
         cost.check(limits.max_request_cost)
         params = sampling_params(body, max_tokens, state.defaults)
