@@ -30,7 +30,17 @@ BASE = {
     "tomli",
 }
 # what only the extras bring; an embedding user has none of them
-EXTRA_ONLY = ["fastapi", "uvicorn", "httpx", "starlette", "rich", "matplotlib", "jinja2", "gguf"]
+EXTRA_ONLY = [
+    "fastapi",
+    "uvicorn",
+    "httpx",
+    "starlette",
+    "rich",
+    "matplotlib",
+    "jinja2",
+    "gguf",
+    "partial_json_parser",
+]
 
 
 def _name(requirement: str) -> str:

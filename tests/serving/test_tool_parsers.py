@@ -100,7 +100,7 @@ def test_streamed_deltas_concatenate_to_the_whole_reply(name, seed):
     assert got_content == (content or "")
     assert [calls[i] for i in sorted(calls)] == [c["function"] for c in want["tool_calls"]]
     if name != "pythonic":  # a pythonic call appears whole, once its list closes
-        first_args = [d for d in calls.values()][0]["arguments"]
+        first_args = next(iter(calls.values()))["arguments"]
         assert first_args == WANT
 
 
