@@ -194,7 +194,9 @@ class ServerConfig(_Section):
         if self.root_path and not self.root_path.startswith("/"):
             raise ValueError(f"root_path must start with '/': {self.root_path!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice needs tool_call_parser (which format to parse)")
+            raise ValueError(
+                "enable_auto_tool_choice needs tool_call_parser (which format to parse)"
+            )
         return self
 
     @property

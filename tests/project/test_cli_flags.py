@@ -78,6 +78,23 @@ def test_vllm_serve_flags_map_to_the_config(tmp_path) -> None:
     assert config("serve", "--disable-log-requests").runtime.log_requests is False
 
 
+def test_tool_and_reasoning_parser_flags() -> None:
+    cfg = config(
+        "serve",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "deepseek_r1",
+    )
+    assert cfg.server.enable_auto_tool_choice is True
+    assert (cfg.server.tool_call_parser, cfg.server.reasoning_parser) == ("hermes", "deepseek_r1")
+    plain = config("serve")
+    assert (plain.server.enable_auto_tool_choice, plain.server.tool_call_parser) == (False, None)
+    with pytest.raises(Exception, match="needs tool_call_parser"):
+        config("serve", "--enable-auto-tool-choice")
+
+
 def test_vllm_and_stallfree_spellings_give_the_same_config() -> None:
     vllm = config(
         "serve",
