@@ -157,3 +157,17 @@ def test_the_device_compare_bans_only_after_the_prefix():
     out = process_logits(logits, LogitsPlan(bad_words=plan), None, bad_words=state)
     assert torch.isinf(out[0, 7]) and torch.isinf(out).sum() == 1
     assert torch.equal(logits, torch.zeros(1, 10))  # out of place
+
+
+@pytest.mark.slow
+async def test_worker_processes_ban_as_in_process(llama):
+    """The plan and the history cross the process boundary: the same replies as in process."""
+    outs = []
+    for worker in ("inprocess", "process"):
+        cfg = engine_config(llama, runtime={"overlap": True, "worker": worker})
+        async with Engine(cfg) as engine:
+            results = await asyncio.gather(*(engine.complete(p, _params(w)) for p, w in CASES))
+            outs.append([r.token_ids for r in results])
+    assert outs[0] == outs[1]
+    ids = list(CASES[1][0].encode())
+    assert outs[1][1] == _hf_banned(llama, tuple(ids), ((72, 75), (125, 125, 125)))
