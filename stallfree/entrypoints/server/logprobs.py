@@ -262,3 +262,31 @@ def prompt_logprobs_dump(
         }
         out.append({str(token_id): own, **top})
     return out
+
+
+@dataclass(slots=True)
+class SharedPromptLogprobs:
+    """The `prompt_logprobs` of a request's prompts, each made once from its first choice's
+    entries (the only choice that computes them) and given to all of its choices."""
+
+    pieces: TokenPieces
+    prompts: list[list[int]]
+    top_k: int
+    _made: dict[int, list[dict[str, dict[str, Any]] | None]] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls, tokenizer: Tokenizer, top_k: int | None, prompts: list[list[int]]
+    ) -> SharedPromptLogprobs | None:
+        """None when the request did not ask for them."""
+        return None if top_k is None else cls(token_pieces(tokenizer), prompts, top_k)
+
+    def get(
+        self, prompt: int, entries: Sequence[TokenLogprobs | None] | None
+    ) -> list[dict[str, dict[str, Any]] | None]:
+        """Prompt `prompt`'s list; its first choice passes its `entries`, the others None."""
+        made = self._made.get(prompt)
+        if made is None:
+            made = prompt_logprobs_dump(self.pieces, entries, self.prompts[prompt], self.top_k)
+            self._made[prompt] = made
+        return made

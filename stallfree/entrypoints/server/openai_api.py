@@ -25,9 +25,9 @@ from fastapi.responses import Response
 from stallfree.entrypoints.server.budget import RequestCost, check_fanout
 from stallfree.entrypoints.server.logprobs import (
     LegacyLists,
+    SharedPromptLogprobs,
     TokenPieces,
     legacy_lists,
-    prompt_logprobs_dump,
     token_pieces,
 )
 from stallfree.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -147,7 +147,7 @@ class _CompletionAnswer:
 
     With echo and logprobs, or `prompt_logprobs`, only a prompt's first choice brings the
     prompt's logprobs (the others do not compute them): its part of the logprobs is made once
-    (`echo_parts`, `prompt_parts`), and a stream holds back the other choices' chunks until it
+    (`echo_parts`, `prompt_logprobs`), and a stream holds back the other choices' chunks until it
     is known (`prompt_logprobs` is not streamed: `screening.reject_unsupported`).
 
     The events are response models; the whole body is written from plain values, the same
@@ -162,10 +162,7 @@ class _CompletionAnswer:
     include_usage: bool
     # prompt -> its echoed tokens' logprobs and the text offset after them
     echo_parts: dict[int, tuple[LegacyLists, int]] = field(default_factory=dict)
-    # vLLM's prompt_logprobs: top alternatives asked for (None: not asked), each prompt's list
-    prompt_k: int | None = None
-    prompt_pieces: TokenPieces | None = None
-    prompt_parts: dict[int, list[Any]] = field(default_factory=dict)
+    prompt_logprobs: SharedPromptLogprobs | None = None  # vLLM's (None: not asked for)
     echo_k: int = 0  # the echoed prompt's top alternatives (`logprobs`)
 
     @property
@@ -188,17 +185,6 @@ class _CompletionAnswer:
             ]
             given += [None] * (len(ids) - len(given))
             part = self.echo_parts[prompt] = legacy_lists(self.pieces, given, ids, 0)
-        return part
-
-    def prompt_part(self, prompt: int, entries: Sequence[TokenLogprobs | None] | None) -> Any:
-        """`prompt`'s `prompt_logprobs`, from its first choice's `entries`, made once."""
-        part = self.prompt_parts.get(prompt)
-        if part is None:
-            assert self.prompt_k is not None and self.prompt_pieces is not None
-            ids = self.prompts[prompt]
-            part = self.prompt_parts[prompt] = prompt_logprobs_dump(
-                self.prompt_pieces, entries, ids, self.prompt_k
-            )
         return part
 
     def logprobs_of(
@@ -284,9 +270,9 @@ class _CompletionAnswer:
                 "logprobs": None if lists is None else lists.dump(),
                 "finish_reason": openai_finish_reason(r.last.finish_reason),
             }
-            if self.prompt_k is not None:
+            if self.prompt_logprobs is not None:
                 first = r.prompt_logprobs if i % self.n == 0 else None
-                choice["prompt_logprobs"] = self.prompt_part(i // self.n, first)
+                choice["prompt_logprobs"] = self.prompt_logprobs.get(i // self.n, first)
             yield choice
 
     def body(self, results: list[Result]) -> list[bytes]:
@@ -335,9 +321,10 @@ async def completions(request: Request) -> Response:
     answer = _CompletionAnswer(
         rid, state.model_name, prompts, n, echoed, pieces, _include_usage(body)
     )
-    answer.prompt_k, answer.echo_k = body.prompt_logprobs, body.logprobs or 0
-    if body.prompt_logprobs is not None:
-        answer.prompt_pieces = token_pieces(engine.tokenizer)
+    answer.echo_k = body.logprobs or 0
+    answer.prompt_logprobs = SharedPromptLogprobs.of(
+        engine.tokenizer, body.prompt_logprobs, prompts
+    )
     fanned = [prompts[i // n] for i in range(len(prompts) * n)]
     each = [params[i % n] for i in range(len(fanned))]
     rids = [f"{rid}-{i}" for i in range(len(fanned))]
