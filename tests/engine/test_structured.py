@@ -93,6 +93,23 @@ async def _sampled(engine: Engine, prompt: str, spec: dict, n: int = 10) -> list
     )
 
 
+async def test_a_reply_writes_the_properties_in_the_schemas_order(llama):
+    # a schema given as an object keeps its order (it once compiled with sorted keys)
+    schema = {
+        "type": "object",
+        "properties": {
+            "zeta": {"type": "integer", "minimum": 0, "maximum": 9},
+            "alpha": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    async with Engine(engine_config(llama)) as engine:
+        for spec in ({"json": schema}, {"json": json.dumps(schema)}):
+            for r in await _sampled(engine, "numbers:", spec, n=4):
+                assert list(json.loads(r.text)) == ["zeta", "alpha"], r.text
+
+
 async def test_regex_and_choice_hold_for_sampled_replies(llama):
     async with Engine(engine_config(llama)) as engine:
         regex = r"[a-c]{2,4}-[0-9]{3}"

@@ -71,8 +71,10 @@ class StructuredOutputs(BaseModel):
 
     @property
     def schema_text(self) -> str:
-        """The JSON schema as canonical text (the compiled-grammar cache's key)."""
+        """The JSON schema as compact text, its keys in the order written (the order of
+        `properties` is the order a reply writes them, as OpenAI's and vLLM's are); the
+        compiled-grammar cache's key."""
         schema = self.json_schema
         if isinstance(schema, str):
             return schema
-        return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
