@@ -233,7 +233,9 @@ def test_a_dead_end_is_reported_to_the_host_and_masks_only_eos(llama):
     plan = GrammarPlan([0], [2], [True], [(2, matcher, [])], torch.tensor([0]))
     state.start(plan)
     logits = torch.zeros(1, vocab)
+    started = plan.seconds
     masked = state.apply(logits, plan, logits)
+    assert plan.seconds > started  # applying the mask is grammar time too
     assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [ord("a")]
     state.advance(plan, torch.tensor([ord("z")]))
     how, message = plan.ended[0]

@@ -42,7 +42,7 @@ class GrammarPlan:
     rows_t: torch.Tensor  # rows, uploaded
     # stream -> host, valid after the step's event: row -> ("complete" | "error", message)
     ended: dict[int, tuple[str, str]] = field(default_factory=dict)
-    seconds: float = 0.0  # stream time spent on the grammar this step (masks, advances)
+    seconds: float = 0.0  # stream time spent on the grammar this step (masks, applying, advances)
 
 
 class GrammarState:
@@ -78,13 +78,16 @@ class GrammarState:
         the EOS a complete grammar needs, an `allowed_token_ids` outside the grammar), the row
         samples from the grammar's tokens by their raw logits instead: the grammar wins, and
         the sampler never sees a row with nothing to sample."""
+        begin = time.perf_counter()
         bits = self.bitmask[plan.slots].to(logits.device)
         allowed = ((bits.unsqueeze(-1) >> self._shifts.to(logits.device)) & 1).bool()
         allowed = allowed.reshape(bits.shape[0], -1)[:, : logits.shape[1]]
         rows = logits.index_select(0, plan.rows_t).masked_fill(~allowed, float("-inf"))
         fallback = raw.index_select(0, plan.rows_t).masked_fill(~allowed, float("-inf"))
         rows = torch.where(torch.isneginf(rows).all(dim=1, keepdim=True), fallback, rows)
-        return logits.index_copy(0, plan.rows_t, rows)
+        out = logits.index_copy(0, plan.rows_t, rows)
+        plan.seconds += time.perf_counter() - begin  # the stream is the CPU's: timed as it runs
+        return out
 
     def advance(self, plan: GrammarPlan, next_ids: torch.Tensor) -> None:
         """Stream side: each kept token advances its matcher; then the next step's masks."""
