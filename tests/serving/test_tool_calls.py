@@ -212,6 +212,15 @@ async def test_tools_documents_and_template_kwargs_reach_the_template(hermes):
     with_tools = await prompt_tokens(tools=TOOLS, tool_choice="none")
     rendered = "<|system|>\nTools: " + json.dumps(TOOLS, ensure_ascii=False) + "\n"
     assert with_tools - bare == len(rendered.encode())
+    # /tokenize renders the same prompt from the same fields
+    extra = {"tools": TOOLS, "chat_template_kwargs": {"greeting": "hello there"}}
+    r = await hermes.http.post("/tokenize", json={"messages": USER} | extra)
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == with_tools + len("hello there\n")
+    bad = await hermes.http.post(
+        "/tokenize", json={"messages": USER, "chat_template_kwargs": {"tools": 1}}
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs.tools"
 
 
 @module_loop

@@ -52,7 +52,9 @@ class ChatPlan:
         return out
 
 
-def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The chat template's variables besides the messages: tools, documents, and the
+    request's `chat_template_kwargs` (which may not replace the request's own)."""
     kwargs = dict(body.chat_template_kwargs or {})
     if len(kwargs) > MAX_TEMPLATE_KWARGS:
         raise ApiError(
@@ -86,7 +88,7 @@ def _choice(body: ChatCompletionRequest) -> str:
 
 def plan_chat(body: ChatCompletionRequest, server: ServerConfig) -> ChatPlan:
     """The template's arguments, the reply's parsers, and the spec forcing calls (if any)."""
-    plan = ChatPlan(_template_kwargs(body))
+    plan = ChatPlan(template_kwargs(body))
     if server.reasoning_parser is not None:
         plan.output.reasoning = REASONING_PARSERS[server.reasoning_parser]()
     choice = _choice(body)

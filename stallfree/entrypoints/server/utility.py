@@ -1,6 +1,7 @@
 """The routes beside generation, behind the API key like the rest:
 
-- vLLM's `POST /tokenize` (`prompt`, or chat `messages`; `add_special_tokens`) and
+- vLLM's `POST /tokenize` (`prompt`, or chat `messages` with the chat's `tools`, `documents`
+  and `chat_template_kwargs`; `add_special_tokens`) and
   `POST /detokenize` (`tokens`);
 - `GET /version`, and `GET /server_info`: the configuration, without its secrets;
 - SGLang's `POST /abort_request` (`rid`, or `abort_all`) and vLLM's `POST /abort_requests`
@@ -19,8 +20,11 @@ from pydantic import Field, model_validator
 from stallfree import __version__
 from stallfree.entrypoints.server.errors import ApiError
 from stallfree.entrypoints.server.protocol import (
+    MAX_DOCUMENTS,
+    MAX_TOOLS,
     ChatCompletionRequest,
     ChatMessage,
+    ChatTool,
     _Body,
     _StrictRequest,
 )
@@ -32,6 +36,7 @@ from stallfree.entrypoints.server.requests import (
 )
 from stallfree.entrypoints.server.screening import check_model
 from stallfree.entrypoints.server.state import server_state
+from stallfree.entrypoints.server.tools import template_kwargs
 
 # the settings `/server_info` never shows
 SECRETS = {"server": ("api_key",)}
@@ -42,6 +47,10 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    # a chat's other template variables, as /v1/chat/completions passes them
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    documents: list[dict[str, Any]] | None = Field(None, max_length=MAX_DOCUMENTS)
+    chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's defaults: special tokens for a prompt; none for a chat (its template writes them)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
@@ -102,8 +111,16 @@ def utility_routes() -> APIRouter:
                         "ends with the assistant's turn, as /v1/chat/completions sends it",
                         param="add_generation_prompt",
                     )
-                chat = ChatCompletionRequest(model=state.model_name, messages=body.messages)
-                ids = await chat_prompt_ids_async(engine, chat, bool(body.add_special_tokens))
+                chat = ChatCompletionRequest(
+                    model=state.model_name,
+                    messages=body.messages,
+                    tools=body.tools,
+                    documents=body.documents,
+                    chat_template_kwargs=body.chat_template_kwargs,
+                )
+                ids = await chat_prompt_ids_async(
+                    engine, chat, bool(body.add_special_tokens), template_kwargs(chat)
+                )
         answer: dict[str, Any] = {
             "count": len(ids),
             "max_model_len": engine.max_context_len,
