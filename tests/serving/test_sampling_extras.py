@@ -184,6 +184,22 @@ async def test_prompt_logprobs_equal_transformers_and_are_shared_by_n_choices(li
 
 
 @module_loop
+async def test_chat_prompt_logprobs_cover_the_rendered_prompt_for_every_choice(live, llama):
+    messages = [{"role": "user", "content": "Hi there"}]
+    ids = (await _post(live, "/tokenize", {"messages": messages}))["tokens"]
+    want = _log_softmax(llama, ids)
+    body = {"model": "test-model", "messages": messages, "max_tokens": 2, "n": 2,
+            "prompt_logprobs": 2, "temperature": 0.8, "seed": 1}  # fmt: skip
+    choices = (await _post(live, "/v1/chat/completions", body))["choices"]
+    assert len(choices) == 2
+    for c in choices:
+        _check_prompt_logprobs(c["prompt_logprobs"], ids, 2, want)
+    assert choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"]
+    plain = await _post(live, "/v1/chat/completions", body | {"prompt_logprobs": None})
+    assert "prompt_logprobs" not in plain["choices"][0]
+
+
+@module_loop
 @pytest.mark.parametrize(
     ("extra", "param"),
     [

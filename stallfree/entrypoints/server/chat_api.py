@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from stallfree.entrypoints.server.budget import RequestCost, check_fanout
 from stallfree.entrypoints.server.chat_output import ChatOutput, ChoiceText, Piece
 from stallfree.entrypoints.server.logprobs import (
+    SharedPromptLogprobs,
     TokenPieces,
     chat_logprobs,
     chat_logprobs_dump,
@@ -73,6 +74,8 @@ class _ChatAnswer:
     top_k: int
     include_usage: bool
     output: ChatOutput
+    # vLLM's prompt_logprobs: computed by the first choice, carried by all (not with stream)
+    prompt_logprobs: SharedPromptLogprobs | None = None
 
     def chunk_of(
         self,
@@ -130,12 +133,16 @@ class _ChatAnswer:
             )
             text: ChoiceText = self.output.choice()
             text.feed(r.text, final=True)
-            yield {
+            item = {
                 "index": i,
                 "message": text.message(),
                 "logprobs": logprobs,
                 "finish_reason": text.finish_reason(openai_finish_reason(r.last.finish_reason)),
             }
+            if self.prompt_logprobs is not None:
+                first = r.prompt_logprobs if i == 0 else None
+                item["prompt_logprobs"] = self.prompt_logprobs.get(0, first)
+            yield item
 
     def body(self, results: list[Result]) -> list[bytes]:
         """The whole body's JSON, one choice at a time (each result let go once written)."""
@@ -173,9 +180,12 @@ async def chat(request: Request) -> Response:
             if body.max_completion_tokens is None
             else "max_completion_tokens",
             max_tokens_unset=max_tokens is None,
+            prompt_logprobs=body.prompt_logprobs,
         )
         cost.check(limits.max_request_cost)
         params = sampling_params(body, most, state.defaults, plan.overrides())
+        if body.prompt_logprobs is not None:  # the first choice computes them; all n carry them
+            params[1:] = [p.model_copy(update={"prompt_logprobs": None}) for p in params[1:]]
     pieces = token_pieces(engine.tokenizer) if body.logprobs else None
     ctx = Context.of(request)
     if state.disagg is not None:
@@ -189,6 +199,7 @@ async def chat(request: Request) -> Response:
         body.top_logprobs or 0,
         _include_usage(body),
         plan.output,
+        SharedPromptLogprobs.of(engine.tokenizer, body.prompt_logprobs, [ids]),
     )
     rids = [f"{rid}-{i}" for i in range(n)]
     generation = await Generation.admit(ctx, [ids] * n, params, rids)
