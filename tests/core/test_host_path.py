@@ -128,7 +128,7 @@ async def test_a_deadline_is_one_timer_and_still_aborts():
 
 
 def test_stream_threads_auto_follows_model_width(monkeypatch):
-    from stallfree.runtime.core import auto_stream_threads
+    from stallfree.runtime.scheduling.sizing import auto_stream_threads
     from stallfree.runtime.model.loader import PRESETS
 
     monkeypatch.setattr("os.cpu_count", lambda: 8)
