@@ -5,13 +5,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "mistral": "MistralForCausalLM",
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One natively implemented architecture: its Hugging Face name, the `model_type`s that
+    name it, llama.cpp's `general.architecture` names for its GGUF files, and what it runs
+    with (the README's supported-models table is written from these)."""
+
+    architecture: str
+    model_types: tuple[str, ...]
+    gguf: tuple[str, ...] = ()
+    tensor_parallel: bool = True
+    hisparse: bool = True
+
+
+FAMILIES: dict[str, Family] = {
+    f.architecture: f
+    for f in (
+        Family("LlamaForCausalLM", ("llama",), ("llama",)),
+        Family("Qwen2ForCausalLM", ("qwen2",)),
+        Family("MistralForCausalLM", ("mistral",)),
+    )
 }
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_MODEL_TYPES = {t: f.architecture for f in FAMILIES.values() for t in f.model_types}
 
 
 class ModelLoadError(ValueError):
