@@ -51,6 +51,98 @@ def make_mistral(tmp_path: Path, **overrides: Any) -> Path:
     return _save(tmp_path / "mistral", MistralConfig, MistralForCausalLM, overrides)
 
 
+def make_qwen3(tmp_path: Path, **overrides: Any) -> Path:
+    """Qwen3: per-head q/k norms; head_dim 32 with hidden 64 (wider heads than hidden/heads)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    overrides = {"head_dim": 32, **overrides}
+    return _save(tmp_path / "qwen3", Qwen3Config, Qwen3ForCausalLM, overrides)
+
+
+def make_phi3(tmp_path: Path, **overrides: Any) -> Path:
+    """Phi-3: fused qkv_proj and gate_up_proj in the checkpoint."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    overrides = {"pad_token_id": EOS_ID, **overrides}
+    return _save(tmp_path / "phi3", Phi3Config, Phi3ForCausalLM, overrides)
+
+
+# mixture of experts: 4 experts, top 2, narrow experts
+_MOE: dict[str, Any] = {"num_experts_per_tok": 2, "num_hidden_layers": 3}
+
+
+def make_mixtral(tmp_path: Path, **overrides: Any) -> Path:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = {**_MOE, "num_local_experts": 4, "intermediate_size": 48, **overrides}
+    return _save(tmp_path / "mixtral", MixtralConfig, MixtralForCausalLM, cfg)
+
+
+def make_qwen2_moe(tmp_path: Path, **overrides: Any) -> Path:
+    """Layer 1 dense (`mlp_only_layers`), the others routed, each with a shared expert."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = {
+        **_MOE,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 96,
+        "mlp_only_layers": [1],
+        **overrides,
+    }
+    return _save(tmp_path / "qwen2_moe", Qwen2MoeConfig, Qwen2MoeForCausalLM, cfg)
+
+
+def make_qwen3_moe(tmp_path: Path, **overrides: Any) -> Path:
+    """Per-head q/k norms; experts renormalised over the top k, as Qwen3-MoE checkpoints set."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = {
+        **_MOE,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "head_dim": 16,
+        **overrides,
+    }
+    return _save(tmp_path / "qwen3_moe", Qwen3MoeConfig, Qwen3MoeForCausalLM, cfg)
+
+
+# Gemma: 4 layers so sliding and full layers alternate, a window of 4 that prompts outgrow,
+# a query scale unlike head_dim's, tied embeddings (Gemma's default)
+_GEMMA: dict[str, Any] = {
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "sliding_window": 4,
+    "query_pre_attn_scalar": 24,
+    "tie_word_embeddings": True,
+    "pad_token_id": EOS_ID,
+}
+
+
+def make_gemma2(tmp_path: Path, **overrides: Any) -> Path:
+    """Gemma 2 with soft-capping small enough to bite (scores and logits of this size)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = {**_GEMMA, "attn_logit_softcapping": 1.0, "final_logit_softcapping": 2.0, **overrides}
+    return _save(tmp_path / "gemma2", Gemma2Config, Gemma2ForCausalLM, cfg)
+
+
+def make_gemma3(tmp_path: Path, **overrides: Any) -> Path:
+    """Gemma 3 text: q/k norms, every other layer sliding with its own RoPE base (the full
+    layers' linearly scaled)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = {
+        **_GEMMA,
+        "sliding_window_pattern": 2,
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        "rope_theta": 100_000.0,
+        **overrides,
+    }
+    return _save(tmp_path / "gemma3", Gemma3TextConfig, Gemma3ForCausalLM, cfg)
+
+
 def _save(out: Path, config_cls: Any, model_cls: Any, overrides: dict[str, Any]) -> Path:
     seed = overrides.pop("seed", 0)
     config = config_cls(**{**_COMMON, **overrides})

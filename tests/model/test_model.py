@@ -145,8 +145,8 @@ def test_from_hf_v4_style_rope_and_eos_list() -> None:
 
 
 def test_from_hf_unsupported_rope_type_is_named() -> None:
-    with pytest.raises(ValueError, match="'yarn'"):
-        ModelArchConfig.from_hf(_hf_config(rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+    with pytest.raises(ValueError, match="'mrope'"):
+        ModelArchConfig.from_hf(_hf_config(rope_scaling={"rope_type": "mrope", "factor": 2.0}))
 
 
 def test_from_hf_qwen2_sliding_window_only_when_enabled() -> None:

@@ -23,12 +23,18 @@ FAMILIES: dict[str, Family] = {
     f.architecture: f
     for f in (
         Family("LlamaForCausalLM", ("llama",), ("llama",)),
-        Family("Qwen2ForCausalLM", ("qwen2",)),
+        Family("Qwen2ForCausalLM", ("qwen2",), ("qwen2",)),
         Family("MistralForCausalLM", ("mistral",)),
+        Family("Qwen3ForCausalLM", ("qwen3",), ("qwen3",)),
+        Family("Phi3ForCausalLM", ("phi3",), ("phi3",)),
     )
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+# older configs' spellings of a RoPE type
+_ROPE_ALIASES = {"su": "longrope"}
+# the types whose parameters carry the pretraining context (transformers' standardize_rope_params)
+_ORIGINAL_CONTEXT_TYPES = ("llama3", "yarn", "longrope")
 _MODEL_TYPES = {t: f.architecture for f in FAMILIES.values() for t in f.model_types}
 
 
@@ -57,6 +63,8 @@ class ModelArchConfig:
     architecture: str = "LlamaForCausalLM"
     # Llama's `attention_bias` also puts a bias on o_proj; Qwen2 biases only q/k/v.
     o_bias: bool = False
+    # Qwen3: an RMSNorm over each head of q and of k (weight [head_dim]) before RoPE
+    qk_norm: bool = False
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelArchConfig:
@@ -66,8 +74,16 @@ class ModelArchConfig:
         if cfg.get("mlp_bias"):
             raise ModelLoadError("unsupported mlp_bias=true")
         heads = int(cfg["num_attention_heads"])
-        theta, scaling = parse_rope(cfg)
+        params = cfg.get("rope_parameters")
+        partial = cfg.get("partial_rotary_factor") or (
+            params.get("partial_rotary_factor") if isinstance(params, dict) else None
+        )
+        if float(partial or 1.0) != 1.0:
+            raise ModelLoadError(f"unsupported partial_rotary_factor={partial}; expected 1.0")
+        theta, scaling = parse_rope(cfg, arch)
+        max_positions = _context_length(cfg, scaling)
         is_qwen2 = arch == "Qwen2ForCausalLM"
+        windowed_by_flag = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
         attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             vocab_size=int(cfg["vocab_size"]),
@@ -80,14 +96,15 @@ class ModelArchConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=True if is_qwen2 else attention_bias,
-            sliding_window=_sliding_window(cfg, is_qwen2),
+            sliding_window=_sliding_window(cfg, windowed_by_flag),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_id_list(cfg.get("eos_token_id")),
             architecture=arch,
             o_bias=False if is_qwen2 else attention_bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
         )
 
 
@@ -101,16 +118,26 @@ def _architecture(cfg: dict[str, Any]) -> str:
     return str(arch)
 
 
-def parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from a v5 `rope_parameters` or a v4 `rope_theta`/`rope_scaling`."""
+def parse_rope(
+    cfg: dict[str, Any], arch: str = "LlamaForCausalLM"
+) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from a v5 `rope_parameters` or a v4 `rope_theta`/`rope_scaling`,
+    completed as transformers' `standardize_rope_params` does: the pretraining context
+    (`original_max_position_embeddings`, a top-level value first) and, for yarn and longrope,
+    a missing `factor` as the ratio of the two contexts."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict):
         theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        scaling = {
+            k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")
+        }
     else:
         theta = cfg.get("rope_theta", 10000.0)
         scaling = dict(cfg.get("rope_scaling") or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
+    if arch == "Phi3ForCausalLM" and rope_type == "yarn":
+        rope_type = "longrope"  # Phi3Config reads its yarn as longrope (short/long factors)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
             f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -118,11 +145,37 @@ def parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_type == "default":
         return float(theta), None
     scaling["rope_type"] = rope_type
+    max_positions = int(cfg.get("max_position_embeddings", 2048))
+    if rope_type in _ORIGINAL_CONTEXT_TYPES:
+        top = cfg.get("original_max_position_embeddings")
+        if top is None and arch == "Phi3ForCausalLM":
+            top = 4096  # Phi3Config's default, which outranks the scaling's own
+        if top is not None:
+            scaling["original_max_position_embeddings"] = int(top)
+        scaling.setdefault("original_max_position_embeddings", max_positions)
+    if rope_type in ("yarn", "longrope") and scaling.get("factor") is None:
+        scaling["factor"] = max_positions / scaling["original_max_position_embeddings"]
     return float(theta), scaling
 
 
-def _sliding_window(cfg: dict[str, Any], is_qwen2: bool) -> int | None:
-    if is_qwen2 and not cfg.get("use_sliding_window", False):
+def _context_length(cfg: dict[str, Any], scaling: dict[str, Any] | None) -> int:
+    """`max_position_embeddings`, but no longer than the pretraining context under longrope.
+
+    transformers switches a longrope model from its short factors to its long ones once a
+    forward's sequence outgrows `original_max_position_embeddings`, keeping the keys cached
+    before the switch as they were; a paged, chunked, retracting batch cannot reproduce that
+    history, so the context stops where the short factors (exactly transformers') end, and a
+    longer request is refused by the context-length check. Dynamic NTK needs no cap: it
+    equals the default frequencies up to `max_position_embeddings`, the engine's limit.
+    """
+    positions = int(cfg.get("max_position_embeddings", 2048))
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        return min(positions, int(scaling["original_max_position_embeddings"]))
+    return positions
+
+
+def _sliding_window(cfg: dict[str, Any], by_flag: bool) -> int | None:
+    if by_flag and not cfg.get("use_sliding_window", False):
         return None
     window = cfg.get("sliding_window")
     return int(window) if window else None

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral) in plain torch, with HF parameter names.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Phi-3) in plain torch, with HF
+parameter names.
 
 With a `TPGroup` of size > 1 each rank holds its shard of every split weight (same names, local
 shapes; see parallel.py): q/k/v and gate/up are column-parallel (output slice), o and down are
@@ -89,6 +90,13 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_out, bias=arch.qkv_bias, **factory)
         self.v_proj = nn.Linear(hidden, kv_out, bias=arch.qkv_bias, **factory)
         self.o_proj = nn.Linear(q_out, hidden, bias=arch.o_bias, **factory)
+        # Qwen3's per-head norms of q and k (replicated on every tensor-parallel rank); any
+        # module over the last dimension (a subclass may put its own norm here)
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, **factory)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, **factory)
         # q, k and v as one matmul (fuse_projections); None: three
         self.qkv_proj: nn.Module | None = None
         self.qkv_split = (q_out, kv_out, kv_out)
@@ -105,6 +113,8 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin), v
 
     def forward(

@@ -14,6 +14,7 @@ import torch
 
 from stallfree.runtime.memory.pool import KVCacheShape
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
+from stallfree.runtime.model.fused_weights import is_fused, split_fused
 from stallfree.runtime.model.llama import LlamaForCausalLM
 from stallfree.runtime.model.parallel import (
     TPGroup,
@@ -382,6 +383,11 @@ def _read_safetensors(
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if key == "lm_head.weight" and model.arch.tie_word_embeddings:
                     continue  # some tied checkpoints still store the duplicate
+                if is_fused(key, model.arch):  # Phi-3's qkv_proj / gate_up_proj
+                    for name, part in split_fused(key, f.get_tensor(key), model.arch):
+                        _check_shape(name, tuple(part.shape), expected)
+                        state[name] = part.to(dtype)
+                    continue
                 _check_shape(key, tuple(f.get_slice(key).get_shape()), expected)
                 state[key] = f.get_tensor(key).to(dtype)
     _check_complete(set(state), set(expected))
@@ -408,6 +414,12 @@ def _read_safetensors_shards(
                 if key == "lm_head.weight" and arch.tie_word_embeddings:
                     continue
                 view = f.get_slice(key)
+                if is_fused(key, arch):  # read whole, then each part's slice
+                    for name, part in split_fused(key, view[:], arch):
+                        _check_shape(name, tuple(part.shape), expected)
+                        part = apply_shard(part, shard_spec(name, arch, tp.rank, tp.size))
+                        state[name] = part.to(device=device, dtype=dtype)
+                    continue
                 _check_shape(key, tuple(view.get_shape()), expected)
                 spec = shard_spec(key, arch, tp.rank, tp.size)
                 if spec is None:
