@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from stallfree.runtime.model.moe_config import MoEConfig, parse_moe
+
 
 @dataclass(frozen=True, slots=True)
 class Family:
@@ -25,6 +27,10 @@ FAMILIES: dict[str, Family] = {
         Family("LlamaForCausalLM", ("llama",), ("llama",)),
         Family("Qwen2ForCausalLM", ("qwen2",), ("qwen2",)),
         Family("MistralForCausalLM", ("mistral",)),
+        # mixture of experts (moe.py); llama.cpp writes Mixtral as `llama` with expert tensors
+        Family("MixtralForCausalLM", ("mixtral",), ("llama",), tensor_parallel=False),
+        Family("Qwen2MoeForCausalLM", ("qwen2_moe",), ("qwen2moe",), tensor_parallel=False),
+        Family("Qwen3MoeForCausalLM", ("qwen3_moe",), ("qwen3moe",), tensor_parallel=False),
         Family("Qwen3ForCausalLM", ("qwen3",), ("qwen3",)),
         Family("Phi3ForCausalLM", ("phi3",), ("phi3",)),
     )
@@ -65,6 +71,8 @@ class ModelArchConfig:
     o_bias: bool = False
     # Qwen3: an RMSNorm over each head of q and of k (weight [head_dim]) before RoPE
     qk_norm: bool = False
+    # a mixture-of-experts model's routing and experts (moe_config.py); None: dense
+    moe: MoEConfig | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelArchConfig:
@@ -82,8 +90,13 @@ class ModelArchConfig:
             raise ModelLoadError(f"unsupported partial_rotary_factor={partial}; expected 1.0")
         theta, scaling = parse_rope(cfg, arch)
         max_positions = _context_length(cfg, scaling)
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        windowed_by_flag = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        windowed_by_flag = arch in (
+            "Qwen2ForCausalLM",
+            "Qwen3ForCausalLM",
+            "Qwen2MoeForCausalLM",
+            "Qwen3MoeForCausalLM",
+        )
         attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             vocab_size=int(cfg["vocab_size"]),
@@ -98,13 +111,14 @@ class ModelArchConfig:
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=True if is_qwen2 else attention_bias,
+            qkv_bias=bool(cfg.get("qkv_bias", True)) if is_qwen2 else attention_bias,
             sliding_window=_sliding_window(cfg, windowed_by_flag),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_id_list(cfg.get("eos_token_id")),
             architecture=arch,
             o_bias=False if is_qwen2 else attention_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            moe=parse_moe(cfg, arch),
         )
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from stallfree.runtime.model.attention import PagedAttention
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.model.moe import add_mlp
 from stallfree.runtime.model.parallel import (
     TPGroup,
     local_heads,
@@ -179,10 +180,12 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class LlamaDecoderLayer(nn.Module):
+    mlp: nn.Module  # LlamaMLP, or moe.py's block on an MoE model's routed layers
+
     def __init__(self, arch: ModelArchConfig, layer_id: int, tp: TPGroup, **factory: Any) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(arch, layer_id, tp, **factory)
-        self.mlp = LlamaMLP(arch, tp, **factory)
+        add_mlp(self, arch, layer_id, tp, LlamaMLP, **factory)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **factory)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **factory)
 
@@ -333,6 +336,8 @@ class LlamaForCausalLM(nn.Module):
                 attn.qkv_proj = qkv
                 del attn.q_proj, attn.k_proj, attn.v_proj
                 fused += 1
+            if not isinstance(mlp, LlamaMLP):
+                continue  # an MoE block's experts stay unfused (moe.py)
             gate_up = fused_linear(
                 [mlp.gate_proj, mlp.up_proj], base + "mlp.", "gate_up_proj", packed
             )

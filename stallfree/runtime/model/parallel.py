@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stallfree.runtime.model.arch import ModelLoadError
+from stallfree.runtime.model.arch import FAMILIES, ModelLoadError
 
 if TYPE_CHECKING:
     from stallfree.runtime.model.arch import ModelArchConfig
@@ -138,6 +138,12 @@ def validate_tp(arch: ModelArchConfig, tp_size: int) -> None:
     heads, kv_heads = arch.num_heads, arch.num_kv_heads
     if tp_size < 1:
         raise ModelLoadError(f"tensor-parallel size must be >= 1, got {tp_size}")
+    family = FAMILIES.get(arch.architecture)
+    if tp_size > 1 and family is not None and not family.tensor_parallel:
+        raise ModelLoadError(
+            f"{arch.architecture} does not support tensor parallelism yet (tp_size={tp_size}); "
+            "use tp_size=1"
+        )
     if heads % tp_size:
         raise ModelLoadError(
             f"tensor-parallel size {tp_size} must divide the number of attention heads "
