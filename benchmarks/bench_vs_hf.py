@@ -62,6 +62,18 @@ MODELS: dict[str, dict[str, Any]] = {
         "head_dim": 64,
         "initializer_range": 0.08,
     },
+    "moe-small": {  # a Mixtral: 8 experts of "small"'s width / 2, top 2 (moe.py)
+        "model_type": "mixtral",
+        "hidden_size": 256,
+        "intermediate_size": 344,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "initializer_range": 0.15,
+    },
 }
 VOCAB_SIZE = 1024
 
@@ -83,22 +95,25 @@ STATIC_CHUNK = 32
 
 
 def write_checkpoint(out: Path, name: str, seed: int) -> Path:
-    """A random Llama in Hugging Face format (fp32 safetensors) with a word-level tokenizer."""
+    """A random model (a Llama unless its entry names another `model_type`) in Hugging Face
+    format (fp32 safetensors) with a word-level tokenizer."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    config = LlamaConfig(
+    spec = dict(MODELS[name])
+    config = AutoConfig.for_model(
+        spec.pop("model_type", "llama"),
         vocab_size=VOCAB_SIZE,
         max_position_embeddings=2048,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         tie_word_embeddings=False,
-        **MODELS[name],
+        **spec,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     _write_tokenizer(out)
