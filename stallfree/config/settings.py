@@ -39,6 +39,13 @@ class ModelConfig(_Section):
         "or int4 (groups of 32) from any checkpoint, gguf keeps a GGUF file's Q4_0/Q4_1/Q4_K "
         "(int4) and Q8_0 (int8) blocks; auto = gguf for a GGUF file on a CPU, else none",
     )
+    model_impl: Literal["auto", "native", "transformers"] = Field(
+        "auto",
+        description="Which modelling code runs the model: native (stallfree's own families) "
+        "or transformers (any causal LM transformers can build, through its modelling code "
+        "with stallfree's paged attention; slower; one rank, dense weights, no HiSparse); "
+        "auto = native for a supported architecture, else transformers if it can build it",
+    )
     seed: int = Field(0, description="Seed for preset weights and unseeded sampling")
     max_context_len: int | None = Field(
         None, gt=1, description="Cap on prompt + output tokens; default: the model's own"
@@ -313,6 +320,13 @@ class StallfreeConfig(BaseSettings):
             raise ValueError(
                 "hisparse.enabled does not compose with worker processes yet (its coordinator "
                 "shares host memory with the model); use runtime.worker=inprocess and tp_size 1"
+            )
+        if self.model.model_impl == "transformers" and (
+            self.uses_worker_processes or self.hisparse.enabled
+        ):
+            raise ValueError(
+                "model.model_impl=transformers runs in-process on one rank without HiSparse; "
+                "use runtime.worker=inprocess, tp_size 1 and hisparse.enabled=false"
             )
         spec = self.speculative
         if spec.enabled and self.hisparse.enabled:

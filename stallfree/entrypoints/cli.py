@@ -84,6 +84,7 @@ def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
     pairs = {
         "dtype": ("model", "dtype"),
         "quantization": ("model", "quantization"),
+        "model_impl": ("model", "model_impl"),
         "enable_torch_compile": ("runtime", "torch_compile"),
         "max_model_len": ("model", "max_context_len"),
         "model_seed": ("model", "seed"),
@@ -212,9 +213,9 @@ def _router(args: argparse.Namespace) -> int:
 def serve_worker_node(config: StallfreeConfig) -> int:
     """`serve` on a node other than 0: no HTTP server, no scheduler; run this node's worker
     ranks, sized as node 0 sizes its pools, until node 0 stops them (or they fail)."""
-    from stallfree.runtime.scheduling.sizing import auto_stream_threads, pool_sizes
     from stallfree.runtime.execution.worker import WorkerStartError, run_worker_node
     from stallfree.runtime.model.loader import check_tensor_parallel, read_arch
+    from stallfree.runtime.scheduling.sizing import auto_stream_threads, pool_sizes
 
     check_tensor_parallel(config.model.path, config.parallel.tp_size)
     arch = read_arch(config.model.path)

@@ -270,6 +270,17 @@ def _add_model_flags(g: argparse._ArgumentGroup) -> None:
         ),
     )
     g.add_argument(
+        "--model-impl",
+        choices=["auto", "native", "transformers"],
+        help=flag_help(
+            "modelling code: native, or transformers (any causal LM it can build, with "
+            "stallfree's paged attention; slower); auto: native for a supported architecture, "
+            "else transformers",
+            "model",
+            "model_impl",
+        ),
+    )
+    g.add_argument(
         "--max-model-len",
         type=token_count,
         metavar="TOKENS",

@@ -38,11 +38,13 @@ from stallfree.runtime.memory.pool import (
 )
 from stallfree.runtime.memory.radix_cache import RadixCache
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
+from stallfree.runtime.model.hf_fallback import TransformersForCausalLM
 from stallfree.runtime.model.loader import (
     LoadedModel,
     check_tensor_parallel,
     load_model,
     load_tokenizer,
+    model_impl_for,
     read_arch,
     weights_dtype,
 )
@@ -171,10 +173,19 @@ class _Model:
     host: torch.device
 
 
+_FALLBACK_IN_PROCESS = (
+    "the transformers fallback (model.model_impl=transformers, or auto for an architecture "
+    "with no native family) runs in-process on one rank without HiSparse: use "
+    "runtime.worker=inprocess, parallel.tp_size=1 and hisparse.enabled=false"
+)
+
+
 def _load(config: StallfreeConfig, device: torch.device) -> _Model:
     if config.uses_worker_processes:
         if config.runtime.torch_compile:
             raise ValueError("runtime.torch_compile applies to the in-process model only")
+        if model_impl_for(config.model.path, config.model.model_impl) == "transformers":
+            raise ModelLoadError(_FALLBACK_IN_PROCESS)
         # the workers load the weights; the scheduler only needs the architecture
         check_tensor_parallel(config.model.path, config.parallel.tp_size)
         arch = read_arch(config.model.path)
@@ -182,8 +193,15 @@ def _load(config: StallfreeConfig, device: torch.device) -> _Model:
         return _Model(None, arch, dtype, torch.device("cpu"))
     model = config.model
     loaded = load_model(
-        model.path, model.dtype, device, model.seed, quantization=model.quantization
+        model.path,
+        model.dtype,
+        device,
+        model.seed,
+        quantization=model.quantization,
+        model_impl=model.model_impl,
     )
+    if config.hisparse.enabled and isinstance(loaded.model, TransformersForCausalLM):
+        raise ModelLoadError(_FALLBACK_IN_PROCESS)
     if config.runtime.torch_compile:
         from stallfree.runtime.model.compile import warm_up
 

@@ -127,7 +127,10 @@ def _architecture(cfg: dict[str, Any]) -> str:
     arch = archs[0] if archs else _MODEL_TYPES.get(cfg.get("model_type", ""), cfg.get("model_type"))
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
-            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported architecture {arch!r} for the native implementation; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}. `--model-impl transformers` "
+            "(model.model_impl) runs other causal LMs through transformers' own modelling "
+            "code, slower (pip install transformers)"
         )
     return str(arch)
 

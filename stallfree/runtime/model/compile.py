@@ -27,7 +27,7 @@ def throwaway_batch(
     """`len(lens)` requests whose lengths after the step are `lens`, `new` tokens each (token
     id 1), over a KV cache of their own (zeros) with each row's slots contiguous: a batch to
     run the model on with no scheduler (the warm-up here, benchmarks/bench_decode_step.py)."""
-    device = loaded.model.model.norm.weight.device
+    device = next(loaded.model.parameters()).device
     width = max(lens)
     kv = KVCache(loaded.kv_cache_shape(), len(lens) * width + 1, loaded.dtype, device)
     req_to_token = torch.zeros((len(lens), width), dtype=torch.int64, device=device)
@@ -81,7 +81,7 @@ def warm_up(loaded: LoadedModel, threads: int) -> float:
     logger.info(
         "torch.compile: %d decoder layers in 2 graphs (before and after attention), dynamic "
         "token count, warmed up on %d batches in %.1f s",
-        len(model.model.layers),
+        loaded.arch.num_layers,
         len(batches),
         seconds,
     )

@@ -15,6 +15,7 @@ import torch
 from stallfree.runtime.memory.pool import KVCacheShape
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
 from stallfree.runtime.model.fused_weights import is_fused, split_fused
+from stallfree.runtime.model.hf_fallback import TransformersForCausalLM, hidden_size, resolve_impl
 from stallfree.runtime.model.llama import LlamaForCausalLM
 from stallfree.runtime.model.parallel import (
     TPGroup,
@@ -80,7 +81,7 @@ PRESETS: dict[str, ModelArchConfig] = {
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | TransformersForCausalLM
     arch: ModelArchConfig  # the full model's shape (every rank sees the same)
     dtype: torch.dtype
     path: str | None
@@ -110,9 +111,11 @@ def load_model(
     seed: int,
     tp: TPGroup | None = None,
     quantization: str = "none",
+    model_impl: str = "auto",
 ) -> LoadedModel:
     """Load a Hugging Face model directory or a .gguf file, or build a preset with seeded
-    random weights.
+    random weights. `model_impl` (hf_fallback.py): `transformers` runs a directory through
+    transformers' modelling code, `auto` does for an architecture with no native family.
 
     With `tp` of size > 1 the model is this rank's shard: a directory's safetensors are read
     slice by slice (only this rank's part), and a preset's full seeded weights are built and
@@ -123,6 +126,8 @@ def load_model(
     device = torch.device(device)
     tp = tp if tp is not None else TPGroup()
     method = resolve_quantization(quantization, path_or_preset, device)
+    if model_impl_for(path_or_preset, model_impl) == "transformers":
+        return _load_fallback(Path(path_or_preset), dtype, device, tp, method)
     if path_or_preset in PRESETS:
         loaded = _load_preset(path_or_preset, dtype, device, seed, tp)
     else:
@@ -142,6 +147,22 @@ def load_model(
     if method in ("int8", "int4"):
         _quantize(loaded, method)
     return loaded
+
+
+def model_impl_for(path_or_preset: str, model_impl: str = "auto") -> str:
+    """`native` or `transformers`: what `load_model` builds (presets and GGUF: native only)."""
+    path = Path(path_or_preset)
+    is_dir = path_or_preset not in PRESETS and not is_gguf_path(path) and path.is_dir()
+    return resolve_impl(_read_config(path) if is_dir else None, model_impl, path_or_preset)
+
+
+def _load_fallback(
+    path: Path, dtype: str, device: torch.device, tp: TPGroup, method: str
+) -> LoadedModel:
+    cfg = _read_config(path)
+    torch_dtype = _resolve_dtype(dtype, _config_dtype(cfg), device, hidden_size(cfg))
+    model = TransformersForCausalLM.load(path, torch_dtype, device, tp.size, method)
+    return LoadedModel(model, model.arch, torch_dtype, str(path), path.name)
 
 
 def fuses(dtype: torch.dtype, method: str) -> bool:
