@@ -62,7 +62,15 @@ def resolve_sparse_layers(config: HisparseConfig, arch: ModelArchConfig) -> list
             "attend densely over the device buffer, so they must fit in it"
         )
     if arch.sliding_window is not None:
-        raise HisparseConfigError("hisparse does not support sliding-window attention models")
+        raise HisparseConfigError(
+            f"hisparse does not support sliding-window attention models ({arch.architecture} "
+            f"has sliding_window={arch.sliding_window})"
+        )
+    if arch.attn_logit_softcapping is not None or arch.query_pre_attn_scalar is not None:
+        raise HisparseConfigError(
+            f"hisparse does not support {arch.architecture}: its attention scores are "
+            "soft-capped or scaled by query_pre_attn_scalar, which sparse attention does not apply"
+        )
     return sorted(layers)
 
 

@@ -27,6 +27,9 @@ FAMILIES: dict[str, Family] = {
         Family("LlamaForCausalLM", ("llama",), ("llama",)),
         Family("Qwen2ForCausalLM", ("qwen2",), ("qwen2",)),
         Family("MistralForCausalLM", ("mistral",)),
+        # HiSparse: refused (sliding-window layers, Gemma 2's soft-capping, Gemma's scale)
+        Family("Gemma2ForCausalLM", ("gemma2",), hisparse=False),
+        Family("Gemma3ForCausalLM", ("gemma3_text",), hisparse=False),
         # mixture of experts (moe.py); llama.cpp writes Mixtral as `llama` with expert tensors
         Family("MixtralForCausalLM", ("mixtral",), ("llama",), tensor_parallel=False),
         Family("Qwen2MoeForCausalLM", ("qwen2_moe",), ("qwen2moe",), tensor_parallel=False),
@@ -74,9 +77,29 @@ class ModelArchConfig:
     # a mixture-of-experts model's routing and experts (moe_config.py); None: dense
     moe: MoEConfig | None = None
 
+    # Gemma 2/3 (gemma.py): the MLP's activation; attention scaled by
+    # `query_pre_attn_scalar ** -0.5` (None: head_dim ** -0.5); tanh soft-capping of the
+    # attention scores and of the logits (None: off); each layer's kind ("sliding_attention"
+    # or "full_attention"; None: every layer as `sliding_window` says) and the sliding
+    # layers' own RoPE base, unscaled (None: every layer uses `rope_theta`, `rope_scaling`)
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None
+
+    def layer_windows(self) -> list[int | None] | None:
+        """Each layer's sliding window (None: full attention); None when all share one."""
+        if self.layer_types is None:
+            return None
+        return [self.sliding_window if t == "sliding_attention" else None for t in self.layer_types]
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelArchConfig:
         arch = _architecture(cfg)
+        if arch in GEMMA_ARCHITECTURES:
+            return _gemma_from_hf(cls, cfg, arch)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r}; expected 'silu'")
         if cfg.get("mlp_bias"):
@@ -204,3 +227,87 @@ def _as_id_list(value: int | list[int] | None) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
+
+
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)
+
+
+def _gemma_from_hf(cls: type[ModelArchConfig], cfg: dict[str, Any], arch: str) -> ModelArchConfig:
+    """Gemma 2 / Gemma 3 (text): transformers' config defaults where a key is missing."""
+    gemma3 = arch == "Gemma3ForCausalLM"
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GEMMA_ACTIVATIONS:
+        raise ModelLoadError(f"unsupported hidden_activation {act!r}; expected 'gelu_pytorch_tanh'")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError("unsupported use_bidirectional_attention=true (an encoder Gemma)")
+    heads = int(cfg["num_attention_heads"])
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        # Gemma 2: every other layer slides; Gemma 3: all but every `sliding_window_pattern`-th
+        pattern = int(cfg.get("sliding_window_pattern", 6)) if gemma3 else 2
+        types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"unsupported layer_types {types!r}")
+    window = cfg.get("sliding_window", 4096)
+    if gemma3:
+        theta, scaling, local = _gemma3_rope(cfg)
+    else:
+        (theta, scaling), local = parse_rope(cfg), None
+    if not window and "sliding_attention" in types:
+        raise ModelLoadError("sliding_attention layers need a sliding_window")
+    soft = (None, None) if gemma3 else (50.0, 30.0)
+    return cls(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or 256),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        o_bias=bool(cfg.get("attention_bias", False)),
+        sliding_window=int(window) if window else None,
+        bos_token_id=cfg.get("bos_token_id", 2),
+        eos_token_ids=_as_id_list(cfg.get("eos_token_id", 1)),
+        architecture=arch,
+        hidden_act=act,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        attn_logit_softcapping=_optional_float(cfg.get("attn_logit_softcapping", soft[0])),
+        final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping", soft[1])),
+        layer_types=list(types),
+        rope_local_theta=local,
+        qk_norm=gemma3,
+    )
+
+
+def _gemma3_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """(global theta, global scaling, local theta): v5 nests `rope_parameters` per layer
+    type; v4 has `rope_theta` / `rope_scaling` (global) and `rope_local_base_freq`."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        sliding = dict(params.get("sliding_attention") or {})
+        full.setdefault("rope_theta", 1_000_000.0)
+        local = float(sliding.get("rope_theta", 10_000.0))
+        if sliding.get("rope_type", sliding.get("type", "default")) != "default":
+            raise ModelLoadError(
+                f"unsupported rope scaling {sliding!r} on sliding_attention layers; expected default"
+            )
+        theta, scaling = parse_rope({"rope_parameters": full})
+        return theta, scaling, local
+    v4 = {"rope_theta": cfg.get("rope_theta", 1_000_000.0), "rope_scaling": cfg.get("rope_scaling")}
+    theta, scaling = parse_rope(v4)
+    return theta, scaling, float(cfg.get("rope_local_base_freq", 10_000.0))
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)

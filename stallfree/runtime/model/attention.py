@@ -43,19 +43,56 @@ def _sdpa(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     is_causal: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [B, H, n, D], k/v [B, KVH, L, D] (any strides), H a multiple of KVH -> [B, H, n, D]."""
+    """q [B, H, n, D], k/v [B, KVH, L, D] (any strides), H a multiple of KVH -> [B, H, n, D].
+
+    `scale` replaces SDPA's `D ** -0.5`; `softcap` caps the scores (`tanh(s / cap) * cap`)
+    before the mask and the softmax, which SDPA cannot do: `_softcapped` computes it."""
     heads, kv_heads = q.shape[-3], k.shape[-3]
     k, v = k.to(q.dtype), v.to(q.dtype)
+    if softcap is not None:
+        return _softcapped(q, k, v, mask, is_causal, scale, softcap)
     if heads == kv_heads:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale
+        )
     if _HAS_ENABLE_GQA:
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
         )
     groups = heads // kv_heads  # old torch: each KV head repeated for its query group
     k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+
+
+def _softcapped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    cap: float,
+) -> torch.Tensor:
+    """Attention with the scores soft-capped (Gemma 2), in transformers' eager order: scale,
+    cap, mask, float32 softmax, values."""
+    heads, kv_heads = q.shape[-3], k.shape[-3]
+    if heads != kv_heads:
+        groups = heads // kv_heads
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (
+        q.shape[-1] ** -0.5 if scale is None else scale
+    )
+    scores = torch.tanh(scores / cap) * cap
+    if is_causal:
+        n, width = scores.shape[-2], scores.shape[-1]
+        mask = causal_mask(width - n, width, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 @dataclass(slots=True)
@@ -140,14 +177,30 @@ def _to_device(host: list[int], device: torch.device) -> torch.Tensor:
 class PagedAttention:
     """Default attention backend. q [T, H, D], k/v [T, KVH, D] -> out [T, H, D]."""
 
-    def __init__(self, sliding_window: int | None = None) -> None:
+    def __init__(
+        self,
+        sliding_window: int | None = None,
+        layer_windows: list[int | None] | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> None:
+        """`layer_windows`: each layer's own window (None: full attention), in place of
+        `sliding_window` for every layer; `scale` and `softcap` as in `_sdpa`, for all layers."""
         self.sliding_window = sliding_window
+        self.layer_windows = layer_windows
+        self.scale, self.softcap = scale, softcap
         # Decode buckets depend only on the batch, not the layer: built at the first layer of a
         # forward and reused by the next ones (a layer id not above the last one is a new pass).
+        # (one plan per distinct window: alternating sliding layers keep two)
         self._plan_fb: ForwardBatch | None = None
         self._plan_layer = -1
-        self._plan: list[_Bucket] = []
+        self._plans: dict[int | None, list[_Bucket]] = {}
         self._k_ws, self._v_ws = _GatherWorkspace(), _GatherWorkspace()
+
+    def _window(self, layer_id: int) -> int | None:
+        if self.layer_windows is None:
+            return self.sliding_window
+        return self.layer_windows[layer_id]
 
     def _gather_kv(
         self, layer_id: int, fb: ForwardBatch, slots: torch.Tensor
@@ -183,9 +236,12 @@ class PagedAttention:
         q_pad = q[layout.pad_index]  # [B, n_pos, H, D]
         q_pos = fb.positions[layout.pad_index]  # [B, n_pos]
         mask = pos[None, None, :] <= q_pos[:, :, None]
-        if self.sliding_window is not None:
-            mask &= pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
-        out = attend_batched(q_pad.transpose(1, 2), k, v, mask[:, None])  # [B, H, n_pos, D]
+        window = self._window(layer_id)
+        if window is not None:
+            mask &= pos[None, None, :] > q_pos[:, :, None] - window
+        out = attend_batched(
+            q_pad.transpose(1, 2), k, v, mask[:, None], self.scale, self.softcap
+        )  # [B, H, n_pos, D]
         flat = out.transpose(1, 2).reshape(bsz * n_pos, *q.shape[1:])
         return flat[layout.flat_pos]
 
@@ -195,7 +251,7 @@ class PagedAttention:
         for i in range(fb.batch_size):
             n, prefix = fb.extend_lens_cpu[i], fb.prefix_lens_cpu[i]
             seq = prefix + n
-            window = self.sliding_window
+            window = self._window(layer_id)
             if window is not None and seq <= window:
                 window = None  # no query reaches past its window
             # keys before the first query's window are never seen
@@ -205,10 +261,10 @@ class PagedAttention:
             chunk = q[start : start + n]
             k, v = self._gather_kv(layer_id, fb, slots)
             if prefix == 0 and window is None:
-                outs.append(attend(chunk, k, v, None))
+                outs.append(attend(chunk, k, v, None, self.scale, self.softcap))
             else:
                 mask = causal_mask(prefix, seq, q.device, window, first)
-                outs.append(attend(chunk, k, v, mask))
+                outs.append(attend(chunk, k, v, mask, self.scale, self.softcap))
             start += n
         if len(outs) == 1:
             return outs[0]
@@ -216,25 +272,35 @@ class PagedAttention:
 
     def _decode(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
         if fb is not self._plan_fb or layer_id <= self._plan_layer:
-            self._plan = self._decode_plan(fb, q.device)
+            self._plans = {}
             self._plan_fb = fb
         self._plan_layer = layer_id
+        window = self._window(layer_id)
+        plan = self._plans.get(window)
+        if plan is None:
+            plan = self._plans[window] = self._decode_plan(fb, q.device, window)
+        scale, cap = self.scale, self.softcap
         # Each bucket: B independent single-query problems, [n, H, 1, D] against [n, KVH, L, D].
-        if len(self._plan) == 1 and self._plan[0].index is None:
-            b = self._plan[0]
+        if len(plan) == 1 and plan[0].index is None:
+            b = plan[0]
             k, v = self._gather_kv(layer_id, fb, b.slots)
-            return _sdpa(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), b.mask)[:, :, 0, :]
+            out1 = _sdpa(
+                q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), b.mask, False, scale, cap
+            )
+            return out1[:, :, 0, :]
         out = torch.empty_like(q)
-        for b in self._plan:
+        for b in plan:
             assert b.index is not None
             k, v = self._gather_kv(layer_id, fb, b.slots)
-            part = _sdpa(q[b.index][:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), b.mask)
+            qb = q[b.index][:, :, None, :]
+            part = _sdpa(qb, k.transpose(1, 2), v.transpose(1, 2), b.mask, False, scale, cap)
             out.index_copy_(0, b.index, part[:, :, 0, :])
         return out
 
-    def _decode_plan(self, fb: ForwardBatch, device: torch.device) -> list[_Bucket]:
+    def _decode_plan(
+        self, fb: ForwardBatch, device: torch.device, window: int | None
+    ) -> list[_Bucket]:
         """Length buckets from host lengths; slots and masks by device ops on the batch rows."""
-        window = self.sliding_window
         lens = fb.seq_lens_cpu.tolist()  # host copy: the length after this step
         if window is not None and max(lens, default=0) <= window:
             window = None  # every row sees all its keys
@@ -290,7 +356,12 @@ def causal_mask(
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One request: q [n, H, D], k/v [seq, KVH, D], mask [n, seq] -> [n, H, D].
 
@@ -298,12 +369,17 @@ def attend(
     """
     # a batch dim of 1 lets SDPA take its fused kernel (3-D inputs take the slow path)
     q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    out = _sdpa(q4, k4, v4, mask, is_causal=mask is None)
+    out = _sdpa(q4, k4, v4, mask, mask is None, scale, softcap)
     return out[0].transpose(0, 1)
 
 
 def attend_batched(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [B, H, n, D], k/v [B, L, KVH, D], mask broadcastable to [B, H, n, L] -> [B, H, n, D]."""
-    return _sdpa(q, k.transpose(-3, -2), v.transpose(-3, -2), mask)
+    return _sdpa(q, k.transpose(-3, -2), v.transpose(-3, -2), mask, False, scale, softcap)

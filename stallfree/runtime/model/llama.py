@@ -241,6 +241,8 @@ class LlamaForCausalLM(nn.Module):
     holds its shard); every rank returns the same full logits.
     """
 
+    model_cls: type[LlamaModel] = LlamaModel  # a family's own layers (gemma.py)
+
     def __init__(
         self,
         arch: ModelArchConfig,
@@ -252,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch  # the full model's shape; the rank's head counts are on its layers
         self.tp = tp = tp if tp is not None else TPGroup()
         factory = {"device": device, "dtype": dtype}
-        self.model = LlamaModel(arch, tp, **factory)
+        self.model = self.model_cls(arch, tp, **factory)
         if not arch.tie_word_embeddings:
             vocab = padded_shard_len(arch.vocab_size, tp.size)
             self.lm_head = nn.Linear(arch.hidden_size, vocab, bias=False, **factory)
@@ -274,10 +276,7 @@ class LlamaForCausalLM(nn.Module):
         if fb.mode is ForwardMode.IDLE or fb.batch_size == 0:
             device = self.model.norm.weight.device
             return torch.empty((0, self.arch.vocab_size), dtype=torch.float32, device=device)
-        if self.tied_head is not None:
-            h = self.tied_head.embed(fb.input_ids)
-        else:
-            h = self.model.embed_tokens(fb.input_ids)
+        h = self.embed(fb.input_ids)
         rope = self.model.rotary_emb(fb.positions, h.dtype)
         backend = self.attn_backend
         if self.compiled is not None:
@@ -297,6 +296,12 @@ class LlamaForCausalLM(nn.Module):
             # each rank's vocab slice (the last one zero-padded), in rank order
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.arch.vocab_size]
         return logits.float()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tied_head is not None:
+            return self.tied_head.embed(ids)
+        out: torch.Tensor = self.model.embed_tokens(ids)
+        return out
 
     def compile_layers(self) -> None:
         """torch.compile the decoder layers' work around attention (inductor on the CPU), in

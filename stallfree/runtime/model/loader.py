@@ -16,6 +16,7 @@ from stallfree.runtime.memory.pool import KVCacheShape
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
 from stallfree.runtime.model.fused_weights import is_fused, split_fused
 from stallfree.runtime.model.hf_fallback import TransformersForCausalLM, hidden_size, resolve_impl
+from stallfree.runtime.model.gemma import GEMMA_MODELS
 from stallfree.runtime.model.llama import LlamaForCausalLM
 from stallfree.runtime.model.parallel import (
     TPGroup,
@@ -339,13 +340,18 @@ def _read_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
+def causal_lm(arch: ModelArchConfig) -> type[LlamaForCausalLM]:
+    """The native model class of `arch`'s architecture (Gemma's, else the Llama family's)."""
+    return GEMMA_MODELS.get(arch.architecture, LlamaForCausalLM)
+
+
 def _load_directory(path: Path, dtype: str, device: torch.device, tp: TPGroup) -> LoadedModel:
     cfg = _read_config(path)
     arch = ModelArchConfig.from_hf(cfg)
     validate_tp(arch, tp.size)
     torch_dtype = _resolve_dtype(dtype, _config_dtype(cfg), device, arch.hidden_size)
     # Meta construction skips a throwaway random init of every weight.
-    model = LlamaForCausalLM(arch, device=torch.device("meta"), dtype=torch_dtype, tp=tp)
+    model = causal_lm(arch)(arch, device=torch.device("meta"), dtype=torch_dtype, tp=tp)
     if tp.size == 1:
         state = _read_safetensors(path, model, device, torch_dtype)
     else:
@@ -363,7 +369,7 @@ def _load_gguf(path: Path, dtype: str, device: torch.device, method: str) -> Loa
     ckpt = read_gguf_checkpoint(path, keep_quantized=method == "gguf")
     # dequantised weights are float32
     torch_dtype = _resolve_dtype(dtype, "float32", device, ckpt.arch.hidden_size)
-    model = LlamaForCausalLM(ckpt.arch, device=torch.device("meta"), dtype=torch_dtype)
+    model = causal_lm(ckpt.arch)(ckpt.arch, device=torch.device("meta"), dtype=torch_dtype)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     for key, tensor in ckpt.tensors.items():
         _check_shape(key, tuple(tensor.shape), expected)
@@ -426,7 +432,7 @@ def _read_safetensors_shards(
         raise ModelLoadError(f"model directory {str(path)!r} has no *.safetensors files")
     arch = model.arch
     # checkpoint shapes are the full model's (a meta model costs no memory)
-    full = LlamaForCausalLM(arch, device=torch.device("meta"), dtype=dtype)
+    full = causal_lm(arch)(arch, device=torch.device("meta"), dtype=dtype)
     expected = {name: tuple(p.shape) for name, p in full.named_parameters()}
     state: dict[str, torch.Tensor] = {}
     for file in files:
