@@ -13,6 +13,9 @@ format to a temporary directory) and generate exactly `new_tokens` tokens for ev
   hf-static      transformers `generate`, every request in one left-padded batch
   hf-static-b32  the same, in left-padded batches of 32 requests (arrival order)
   hf-cb          transformers `generate_batch` (continuous batching), when the version has it
+  sf-hf          sf-overlap with model.model_impl=transformers: the same checkpoint through the
+                 transformers fallback (transformers' modules, stallfree's paged attention);
+                 not in the default set: `--systems sf-overlap sf-hf` compares it with native
 
 Every measurement runs in a fresh subprocess (this script with `--worker`), with
 `torch.set_num_threads(--threads)`, after one small warm-up generate; systems run round-robin,
@@ -88,6 +91,7 @@ QUICK_WORKLOADS: dict[str, tuple[int, tuple[int, int], int]] = {
 }
 
 SYSTEMS = ["sf-overlap", "sf-plain", "hf-static", "hf-static-b32", "hf-cb"]
+ALL_SYSTEMS = [*SYSTEMS, "sf-hf"]
 STATIC_CHUNK = 32
 
 
@@ -171,7 +175,12 @@ def _figures(outputs: list[list[int]], wall: float, cpu: float) -> dict[str, Any
 
 
 def worker_stallfree(
-    model_dir: str, prompts: list[list[int]], new_tokens: int, overlap: bool, threads: int
+    model_dir: str,
+    prompts: list[list[int]],
+    new_tokens: int,
+    overlap: bool,
+    threads: int,
+    model_impl: str = "auto",
 ) -> dict[str, Any]:
     import asyncio
 
@@ -180,7 +189,7 @@ def worker_stallfree(
     n = len(prompts)
     prompt_tokens = sum(len(p) for p in prompts)
     cfg = load_config(
-        model={"path": model_dir, "dtype": "float32"},
+        model={"path": model_dir, "dtype": "float32", "model_impl": model_impl},
         runtime={
             "device": "cpu",
             "overlap": overlap,
@@ -347,6 +356,8 @@ def run_worker(args: argparse.Namespace) -> None:
         res = worker_stallfree(model_dir, prompts, new_tokens, True, args.threads)
     elif system == "sf-plain":
         res = worker_stallfree(model_dir, prompts, new_tokens, False, args.threads)
+    elif system == "sf-hf":
+        res = worker_stallfree(model_dir, prompts, new_tokens, True, args.threads, "transformers")
     elif system == "hf-static":
         res = worker_hf_static(model_dir, prompts, new_tokens, None)
     elif system == "hf-static-b32":
@@ -490,7 +501,7 @@ def main() -> None:
     )
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=ALL_SYSTEMS)
     p.add_argument("--repeats", type=int, default=3, help="round-robin rounds; medians shown")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every system")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the prompts")

@@ -22,9 +22,9 @@ from tests.hf_models import BOS_ID, EOS_ID, VOCAB_SIZE, _perturb, hf_greedy, wri
 
 NEW_TOKENS = 16
 SHARED = random_prompts(1, seed=7, lo=40, hi=40)[0]
-# concurrent prompts of varied length, then one sharing the first one's 40-token prefix
+# concurrent prompts of varied length with SHARED among them, then one that extends SHARED
 PROMPTS = random_prompts(5, seed=3, lo=3, hi=50)
-FOLLOW_UP = SHARED + [5, 6, 7]
+FOLLOW_UP = [*SHARED, 5, 6, 7]
 
 
 def _tiny(kind: str) -> tuple[object, object]:
@@ -110,6 +110,18 @@ async def test_llama_through_transformers_equals_native(llama):
             assert isinstance(model, TransformersForCausalLM) == (impl == "transformers")
             results[impl] = await run_greedy(engine, prompts, NEW_TOKENS)
     assert results["transformers"] == results["native"] == reference
+
+
+async def test_ngram_speculation_through_the_fallback_equals_transformers(gpt2):
+    """Verify steps (each request's drafts at device-decided positions) through transformers."""
+    prompt = [*SHARED[:12], *SHARED[:12], *SHARED[:12]]  # repeats: the n-gram proposer drafts
+    reference = hf_greedy(Path(gpt2), prompt, NEW_TOKENS)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    async with Engine(engine_config(gpt2, speculative=spec, runtime={"strict": True})) as engine:
+        (out,) = await run_greedy(engine, [prompt], NEW_TOKENS)
+        proposed = engine.snapshot().counters.spec_num_draft_tokens
+    assert out == reference
+    assert proposed > 0
 
 
 def test_auto_picks_native_for_a_family_and_transformers_for_the_rest(llama, gpt2):
