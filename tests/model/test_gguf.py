@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +66,13 @@ def write_gguf(
     add_bos: bool = False,
     layer_type: str = "F32",
     embed_type: str = "F32",
+    arch: str = "llama",
 ) -> Path:
     """A GGUF of the HF model in `model_dir`, as llama.cpp would write it: the layers' linear
     weights in `layer_type`, the embedding and output matrices in `embed_type` (quantized with
-    the gguf library), norms in F32."""
+    the gguf library), norms in F32. `arch` is llama.cpp's family name (`llama`, `qwen2`,
+    `qwen3`, `phi3`): other families' tensors are named by the gguf package's own map, and
+    only llama's Q/K rows are permuted, as llama.cpp's converter does."""
     cfg = json.loads((model_dir / "config.json").read_text())
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     tok_cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
@@ -80,8 +84,11 @@ def write_gguf(
     tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])]
     specials = {a["content"] for a in tok["added_tokens"] if a["special"]}
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg["num_hidden_layers"])
 
-    writer = gguf.GGUFWriter(str(out), "llama")
+    writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name("tiny-llama")
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -89,8 +96,12 @@ def write_gguf(
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(cfg["hidden_size"] // heads)
-    writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != cfg["hidden_size"] // heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(rope.get("rope_theta") or cfg.get("rope_theta", 10000.0))
+    _write_rope_scaling(writer, cfg, rope)
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -109,24 +120,49 @@ def write_gguf(
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
         w = tensor.float().numpy()
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             w = _llama_cpp_permute(w, heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             w = _llama_cpp_permute(w, kv_heads)
+        gguf_name = (
+            _gguf_name(name) if arch == "llama" else names.get_name(name, (".weight", ".bias"))
+        )
         kind = layer_type if name.endswith("_proj.weight") else "F32"
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             kind = embed_type
         if kind == "F32":
-            writer.add_tensor(_gguf_name(name), np.ascontiguousarray(w))
+            writer.add_tensor(gguf_name, np.ascontiguousarray(w))
         else:
             qtype = gguf.GGMLQuantizationType[kind]
             raw = gguf.quants.quantize(np.ascontiguousarray(w), qtype)
-            writer.add_tensor(_gguf_name(name), raw, raw_dtype=qtype)
+            writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
+    if rope.get("rope_type") == "longrope":  # Phi-3's factors, as tensors
+        for which in ("long", "short"):
+            factors = np.asarray(rope[f"{which}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{which}.weight", factors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _write_rope_scaling(writer: Any, cfg: dict[str, Any], rope: dict[str, Any]) -> None:
+    """The rope metadata llama.cpp's converters write for yarn and (Phi-3) longrope."""
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif kind == "longrope":
+        original = cfg["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        )
+    if cfg.get("model_type") == "phi3":
+        writer.add_sliding_window(cfg.get("sliding_window") or 0)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])

@@ -1,9 +1,11 @@
-"""GGUF checkpoints of the Llama family: config, dequantised weights and tokenizer from one file.
+"""GGUF checkpoints (llama, qwen2, qwen3, phi3): config, dequantised weights and tokenizer from
+one file.
 
 Weights are dequantised to float32 through the `gguf` library (`pip install 'stallfree[gguf]'`)
-and renamed to the Hugging Face names `LlamaForCausalLM` uses. llama.cpp's converter reorders
-the rows of each Q and K head for its interleaved RoPE; `_unpermute` restores the Hugging Face
-order, so the loaded model computes what transformers computes.
+and renamed to the Hugging Face names `LlamaForCausalLM` uses (each family's names are in
+gguf_families.py; Phi-3's fused tensors are split by fused_weights.py). llama.cpp's converter
+reorders the rows of each Q and K head of a Llama file for its interleaved RoPE; `_unpermute`
+restores the Hugging Face order, so the loaded model computes what transformers computes.
 
 The tokenizer is rebuilt from the `tokenizer.ggml.*` metadata as a `tokenizers.Tokenizer`
 (GPT-2 style byte-level BPE, as SmolLM2, Llama 3 and Qwen2 files describe it; or sentencepiece
@@ -21,6 +23,15 @@ import numpy as np
 import torch
 
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
+from stallfree.runtime.model.fused_weights import is_fused, split_fused
+from stallfree.runtime.model.gguf_families import (
+    GGUF_FAMILIES,
+    GLOBAL_TENSORS,
+    ROPE_FACTOR_TENSORS,
+    GGUFFamily,
+    rope_scaling,
+    with_longrope,
+)
 
 if TYPE_CHECKING:
     from stallfree.runtime.model.quant import QuantizedWeight
@@ -31,24 +42,6 @@ _INSTALL_HINT = "pip install 'stallfree[gguf]'"
 # llama.cpp's token types (tokenizer.ggml.token_type)
 _CONTROL = 3
 _USER_DEFINED = 4
-
-# GGUF tensor name (after "blk.N.") -> Hugging Face parameter name (after "model.layers.N.")
-_LAYER_TENSORS = {
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 
 # pre-tokenizer splits for the `tokenizer.ggml.pre` values whose merges were not learned on
 # GPT-2's own split (which ByteLevel applies when none is given)
@@ -130,7 +123,7 @@ def _cached_reader(gguf: Any, path: str, mtime_ns: int, size: int) -> Any:
 
 
 def read_gguf_checkpoint(path: str | Path, keep_quantized: bool = False) -> GGUFCheckpoint:
-    """The architecture and the tensors (HF names) of a Llama GGUF, dequantised to float32.
+    """The architecture and the tensors (HF names) of a GGUF, dequantised to float32.
 
     With `keep_quantized`, the linear weights (and a tied embedding, which is the output
     matrix) of the types gguf_blocks.py reads come as their codes and scales instead.
@@ -142,22 +135,30 @@ def read_gguf_checkpoint(path: str | Path, keep_quantized: bool = False) -> GGUF
     arch = gguf_arch_config(
         meta, path, has_output=_find_tensor(reader, "output.weight") is not None
     )
+    family = GGUF_FAMILIES[str(meta.require("general.architecture"))]
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
+    rope_factors: dict[str, list[float]] = {}
     for tensor in reader.tensors:
-        hf_name = _hf_name(tensor.name, arch)
-        if hf_name is None:
+        if tensor.name in ROPE_FACTOR_TENSORS:
+            rope_factors[ROPE_FACTOR_TENSORS[tensor.name]] = _dequantize(tensor).flatten().tolist()
             continue
+        hf_name = _hf_name(tensor.name, family)
         linear = hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight"
         linear = linear or (hf_name == "model.embed_tokens.weight" and arch.tie_word_embeddings)
         packed = packed_weight(tensor) if keep_quantized and linear else None
         weight: torch.Tensor | QuantizedWeight = (
             packed if packed is not None else _dequantize(tensor)
         )
-        if tensor.name.endswith("attn_q.weight"):
+        if family.permute_qk and tensor.name.endswith("attn_q.weight"):
             weight = _unpermute_rows(weight, arch.num_heads)
-        elif tensor.name.endswith("attn_k.weight"):
+        elif family.permute_qk and tensor.name.endswith("attn_k.weight"):
             weight = _unpermute_rows(weight, arch.num_kv_heads)
-        tensors[hf_name] = weight
+        if is_fused(hf_name, arch):
+            tensors.update(split_fused(hf_name, weight, arch))
+        else:
+            tensors[hf_name] = weight
+    if rope_factors:
+        arch = with_longrope(arch, meta, rope_factors, path)
     name = str(meta.get("general.name") or path.stem)
     return GGUFCheckpoint(arch=arch, tensors=tensors, name=name)
 
@@ -168,8 +169,12 @@ def _find_tensor(reader: Any, name: str) -> Any:
 
 def gguf_arch_config(meta: _Metadata, path: Path, *, has_output: bool) -> ModelArchConfig:
     family = meta.require("general.architecture")
-    if family != "llama":
-        raise ModelLoadError(f"{path}: unsupported GGUF architecture {family!r}; supported: llama")
+    if family not in GGUF_FAMILIES:
+        raise ModelLoadError(
+            f"{path}: unsupported GGUF architecture {family!r}; "
+            f"supported: {', '.join(GGUF_FAMILIES)}"
+        )
+    spec = GGUF_FAMILIES[family]
 
     def key(name: str) -> Any:
         return meta.require(f"{family}.{name}")
@@ -187,6 +192,7 @@ def gguf_arch_config(meta: _Metadata, path: Path, *, has_output: bool) -> ModelA
         for i in (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
         if i is not None
     ]
+    window = int(meta.get(f"{family}.attention.sliding_window") or 0) if spec.sliding_window else 0
     return ModelArchConfig(
         # the token list is padded to the embedding's rows ([PAD<i>] entries)
         vocab_size=int(meta.get(f"{family}.vocab_size") or len(tokens)),
@@ -198,36 +204,27 @@ def gguf_arch_config(meta: _Metadata, path: Path, *, has_output: bool) -> ModelA
         head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(meta.get(f"{family}.rope.freq_base") or 10000.0),
-        rope_scaling=_rope_scaling(meta, family, path),
+        rope_scaling=rope_scaling(meta, family, path),
         max_position_embeddings=int(meta.get(f"{family}.context_length") or 2048),
         tie_word_embeddings=not has_output,
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=list(dict.fromkeys(eos_ids)),
-        architecture="LlamaForCausalLM",
+        architecture=spec.architecture,
+        qkv_bias=spec.qkv_bias,
+        qk_norm=spec.qk_norm,
+        sliding_window=window or None,
     )
 
 
-def _rope_scaling(meta: _Metadata, family: str, path: Path) -> dict[str, Any] | None:
-    kind = meta.get(f"{family}.rope.scaling.type")
-    if kind in (None, "none"):
-        return None
-    if kind == "linear":
-        return {
-            "rope_type": "linear",
-            "factor": float(meta.require(f"{family}.rope.scaling.factor")),
-        }
-    raise ModelLoadError(f"{path}: unsupported GGUF rope scaling {kind!r}; supported: linear")
-
-
-def _hf_name(gguf_name: str, arch: ModelArchConfig) -> str | None:
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
+def _hf_name(gguf_name: str, family: GGUFFamily) -> str:
+    if gguf_name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[gguf_name]
     if gguf_name == "rope_freqs.weight":
         # Llama 3.1+ frequency factors: ModelArchConfig cannot express them yet
         raise ModelLoadError("GGUF rope_freqs (Llama 3.1 rope scaling) is not supported yet")
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{int(parts[1])}.{_LAYER_TENSORS[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in family.layer_tensors:
+        return f"model.layers.{int(parts[1])}.{family.layer_tensors[parts[2]]}"
     raise ModelLoadError(f"unexpected tensor in GGUF checkpoint: {gguf_name}")
 
 
