@@ -77,6 +77,32 @@ MODELS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
         "initializer_range": 0.15,
     },
+    # Gemma 2 / 3 (gemma.py) at "small"'s shape; a window of 128 that the mixed prompts outgrow
+    "gemma2-small": {  # soft-capping at Gemma 2's defaults (50 / 30), every other layer sliding
+        "model_type": "gemma2",
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+        "sliding_window": 128,
+        "query_pre_attn_scalar": 32,
+        "initializer_range": 0.15,
+    },
+    "gemma3-small": {  # q/k norms, sliding and full layers alternating with their own RoPE
+        "model_type": "gemma3_text",
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+        "sliding_window": 128,
+        "sliding_window_pattern": 2,
+        "query_pre_attn_scalar": 32,
+        "initializer_range": 0.15,
+    },
 }
 VOCAB_SIZE = 1024
 
