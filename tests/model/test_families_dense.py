@@ -16,7 +16,7 @@ from stallfree.runtime.model import ModelArchConfig, load_model
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.model.parallel import TPGroup
 from stallfree.runtime.model.rope import rope_attention_factor, rope_inv_freq
-from tests.engine_util import engine_config, run_greedy
+from tests.engine_util import MODES, engine_config, guarded, random_prompts, run_greedy
 from tests.hf_models import hf_greedy, hf_logits, make_llama, make_phi3, make_qwen2, make_qwen3
 from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness
 
@@ -341,3 +341,45 @@ def test_transformers_reads_the_written_qwen2_gguf_alike(
     with torch.no_grad():
         got = hf(torch.tensor([PROMPT_A])).logits[0, -1].float()
     torch.testing.assert_close(got, hf_logits(model_dir, PROMPT_A)[-1], atol=ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------- through the engine
+
+NEW_TOKENS = 16
+PROMPTS = random_prompts(6, seed=5, lo=3, hi=40)
+# page_size 4, prefill chunks of 7 tokens and a pool small enough to force retraction
+STRESSED = {
+    "cache": {"page_size": 4, "max_total_tokens": 160, "max_running_requests": 6},
+    "scheduler": {"chunked_prefill_size": 7, "max_prefill_tokens": 16},
+}
+ENGINE_CASES = [
+    # every mode on the two that carry the new pieces (Qwen3's norms with yarn; Phi-3's split
+    # tensors with longrope), one mode on the others
+    *[
+        pytest.param(name, *mode.values, id=f"{name}-{mode.id}")
+        for name in ("qwen3-yarn", "phi3-longrope")
+        for mode in MODES
+    ],
+    pytest.param("qwen3", True, True, id="qwen3-overlap-mirrors"),
+    pytest.param("llama-dynamic", False, False, id="llama-dynamic-plain-legacy"),
+]
+
+
+@pytest.mark.parametrize(("name", "overlap", "mirrors"), ENGINE_CASES)
+async def test_engine_greedy_equals_transformers(
+    dirs: dict[str, Path], name: str, overlap: bool, mirrors: bool
+) -> None:
+    reference = [hf_greedy(dirs[name], p, NEW_TOKENS) for p in PROMPTS]
+    cfg = engine_config(
+        str(dirs[name]),
+        runtime={"overlap": overlap, "cpu_mirrors": mirrors, "strict": mirrors},
+        **STRESSED,
+    )
+    async with guarded(Engine(cfg)) as engine:
+        outputs = await run_greedy(engine, PROMPTS, NEW_TOKENS)
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free
+        stats = engine.snapshot().counters
+    assert stats.retractions > 0
+    for i, (got, want) in enumerate(zip(outputs, reference, strict=True)):
+        assert got == want, f"prompt {i} (len {len(PROMPTS[i])}) diverged"
