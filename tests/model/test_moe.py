@@ -4,6 +4,7 @@ greedy output in every mode."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from stallfree import Engine
 from stallfree.runtime.model import ModelArchConfig, ModelLoadError, load_model, quant
+from stallfree.runtime.model import arch as arch_module
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.model.loader import check_tensor_parallel
 from stallfree.runtime.model.moe import Expert, Router, SparseMoeBlock, route
@@ -180,10 +182,18 @@ def test_chunked_prefill_then_decode_matches_hf(hf_dirs: dict[str, Path], name: 
         torch.testing.assert_close(out[1], ref_b[9 + step], atol=ATOL, rtol=0)
 
 
-def test_tensor_parallel_is_refused_clearly(hf_dirs: dict[str, Path]) -> None:
-    for name in NAMES:
-        with pytest.raises(ModelLoadError, match="does not support tensor parallelism"):
-            check_tensor_parallel(str(hf_dirs[name]), 2)
+def test_tensor_parallel_is_checked_before_loading(
+    hf_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MoE runs split (tests/parallel/test_tensor_parallel_moe.py); a family marked
+    `tensor_parallel=False` is refused by name before any weight is read."""
+    check_tensor_parallel(str(hf_dirs["mixtral"]), 2)
+    family = arch_module.FAMILIES["MixtralForCausalLM"]
+    monkeypatch.setitem(
+        arch_module.FAMILIES, family.architecture, replace(family, tensor_parallel=False)
+    )
+    with pytest.raises(ModelLoadError, match="MixtralForCausalLM does not support tensor"):
+        check_tensor_parallel(str(hf_dirs["mixtral"]), 2)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

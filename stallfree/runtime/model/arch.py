@@ -31,9 +31,9 @@ FAMILIES: dict[str, Family] = {
         Family("Gemma2ForCausalLM", ("gemma2",), hisparse=False),
         Family("Gemma3ForCausalLM", ("gemma3_text",), hisparse=False),
         # mixture of experts (moe.py); llama.cpp writes Mixtral as `llama` with expert tensors
-        Family("MixtralForCausalLM", ("mixtral",), ("llama",), tensor_parallel=False),
-        Family("Qwen2MoeForCausalLM", ("qwen2_moe",), ("qwen2moe",), tensor_parallel=False),
-        Family("Qwen3MoeForCausalLM", ("qwen3_moe",), ("qwen3moe",), tensor_parallel=False),
+        Family("MixtralForCausalLM", ("mixtral",), ("llama",)),
+        Family("Qwen2MoeForCausalLM", ("qwen2_moe",), ("qwen2moe",)),
+        Family("Qwen3MoeForCausalLM", ("qwen3_moe",), ("qwen3moe",)),
         Family("Qwen3ForCausalLM", ("qwen3",), ("qwen3",)),
         Family("Phi3ForCausalLM", ("phi3",), ("phi3",)),
     )

@@ -15,7 +15,11 @@ token there with a zero weight where it was not chosen: no device read, more ari
 Each expert is its own pair of `nn.Linear`s (the checkpoint's `experts.N.*` names), so weight
 quantization (`LlamaForCausalLM.quantize`) swaps them like any other linear layer; the routers
 are not `nn.Linear` and stay dense (routing is the most sensitive product). `fuse_projections`
-leaves the experts unfused. Tensor parallelism is refused for these families (arch.FAMILIES).
+leaves the experts unfused.
+
+Tensor parallelism shards every expert as LlamaMLP is sharded (gate and up by output rows, down
+by input columns, each expert's intermediate size split in padded ranges; parallel.mlp_width)
+with the routers replicated, so every rank routes alike and one all-reduce sums the block.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from stallfree.runtime.model.parallel import padded_shard_len
 
 if TYPE_CHECKING:
     from stallfree.runtime.model.arch import ModelArchConfig
@@ -49,6 +55,7 @@ class Expert(nn.Module):
     """One SwiGLU expert whose three projections carry the checkpoint's names (gate, up, down)."""
 
     def __init__(self, hidden: int, inter: int, names: tuple[str, str, str], **factory: Any):
+        """`inter`: this rank's shard of the expert's intermediate size (all of it at tp 1)."""
         super().__init__()
         self.names = names
         gate, up, down = names
@@ -88,14 +95,13 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         moe = arch.moe
         assert moe is not None
-        if tp.size > 1:
-            raise ValueError(f"{arch.architecture} does not support tensor parallelism")
         self.moe = moe
+        self.tp = tp
         hidden = arch.hidden_size
         self.gate = Router(moe.num_experts, hidden, **factory)
+        inter = padded_shard_len(moe.expert_intermediate_size, tp.size)
         self.experts = nn.ModuleList(
-            Expert(hidden, moe.expert_intermediate_size, moe.expert_names, **factory)
-            for _ in range(moe.num_experts)
+            Expert(hidden, inter, moe.expert_names, **factory) for _ in range(moe.num_experts)
         )
         self.shared_expert: nn.Module | None = None
         self.shared_expert_gate: Router | None = None
@@ -112,6 +118,9 @@ class SparseMoeBlock(nn.Module):
             out = self._grouped(x, weights, ids)
         else:
             out = self._every_expert(x, weights, ids)
+        # each rank routes the same (replicated router, same input) and holds a slice of every
+        # expert's intermediate dimension: its sum is partial until the all-reduce
+        out = self.tp.all_reduce(out)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

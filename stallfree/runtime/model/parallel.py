@@ -221,11 +221,28 @@ def shard_spec(name: str, arch: ModelArchConfig, rank: int, size: int) -> ShardS
             return None  # added once, after the all-reduce
         h0, h1 = head_range(arch, rank, size)
         return ShardSpec(1, h0 * d, h1 * d, (h1 - h0) * d)
-    if module in ("gate_proj", "up_proj", "down_proj"):
-        start, end = shard_range(arch.intermediate_size, rank, size)
-        length = padded_shard_len(arch.intermediate_size, size)
-        return ShardSpec(1 if module == "down_proj" else 0, start, end, length)
+    if module in _COLUMN_MLP or module in _ROW_MLP:
+        width = mlp_width(name, arch)
+        start, end = shard_range(width, rank, size)
+        length = padded_shard_len(width, size)
+        return ShardSpec(1 if module in _ROW_MLP else 0, start, end, length)
     return None
+
+
+# an MLP's projections by their HF names (Mixtral's experts: w1 gate, w3 up, w2 down)
+_COLUMN_MLP = ("gate_proj", "up_proj", "w1", "w3")
+_ROW_MLP = ("down_proj", "w2")
+
+
+def mlp_width(name: str, arch: ModelArchConfig) -> int:
+    """The intermediate size of the MLP that parameter `name` belongs to: a routed expert's,
+    an MoE shared expert's (moe.py), or the dense `intermediate_size`."""
+    if arch.moe is not None:
+        if ".experts." in name:
+            return arch.moe.expert_intermediate_size
+        if ".shared_expert." in name:
+            return arch.moe.shared_expert_intermediate_size
+    return arch.intermediate_size
 
 
 def apply_shard(full: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
