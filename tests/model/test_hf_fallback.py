@@ -167,11 +167,11 @@ def test_refusals(tmp_path, gpt2):
 
     cpu = torch.device("cpu")
     t5 = _config_only(tmp_path / "t5", T5Config(num_layers=1, d_model=16))
-    with pytest.raises(ModelLoadError, match="encoder-decoder"):
+    with pytest.raises(ModelLoadError, match=r"encoder-decoder.*LlamaForCausalLM"):
         load_model(t5, "float32", cpu, 0, model_impl="transformers")
     assert resolve_impl(json.loads(Path(t5, "config.json").read_text()), "auto") == "native"
     bloom = _config_only(tmp_path / "bloom", BloomConfig(n_layer=1, hidden_size=16, n_head=2))
-    with pytest.raises(ModelLoadError, match="attention interface"):
+    with pytest.raises(ModelLoadError, match=r"attention interface.*LlamaForCausalLM"):
         load_model(bloom, "float32", cpu, 0)
     with pytest.raises(ModelLoadError, match="quantization=int8"):
         load_model(gpt2, "float32", cpu, 0, quantization="int8")

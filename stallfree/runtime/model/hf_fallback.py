@@ -46,8 +46,8 @@ class _Probe:
 
 @dataclass(slots=True)
 class _Step:
-    model: TransformersForCausalLM
-    fb: ForwardBatch | None  # None: the probe
+    model: TransformersForCausalLM | None  # None: the probe
+    fb: ForwardBatch | None
     probe: _Probe | None = None
 
 
@@ -106,7 +106,9 @@ def hidden_size(cfg: dict[str, Any]) -> int:
 
 
 def refuse(what: str) -> ModelLoadError:
-    return ModelLoadError(f"the transformers fallback (model_impl=transformers) {what}")
+    """The fallback's error; one that cannot run the model at all also lists the native ones."""
+    native = f"; native architectures: {', '.join(FAMILIES)}" if what.startswith("cannot") else ""
+    return ModelLoadError(f"the transformers fallback (model_impl=transformers) {what}{native}")
 
 
 def _attention(
@@ -140,7 +142,7 @@ def _attention(
         if kwargs.get("is_causal") is False:
             probe.refusals.append("has non-causal attention")
         return query.new_zeros(query.transpose(1, 2).shape), None
-    assert step.fb is not None and layer is not None
+    assert step.model is not None and step.fb is not None and layer is not None
     return step.model.attend(query, key, value, int(layer), step.fb, scaling, sliding_window), None
 
 
@@ -182,7 +184,7 @@ class TransformersForCausalLM(nn.Module):
             raise refuse(f"cannot read {str(path)!r}'s config: {exc}") from exc
         name = (getattr(config, "architectures", None) or [config.model_type])[0]
         if getattr(config, "is_encoder_decoder", False):
-            raise refuse(f"runs decoder-only causal LMs; {name} is an encoder-decoder model")
+            raise refuse(f"cannot run {name}, an encoder-decoder model: decoder-only LMs only")
         try:
             model_cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         except KeyError:
@@ -306,7 +308,7 @@ def _probe_arch(hf: nn.Module, config: Any) -> ModelArchConfig:
     probe = _Probe()
     device = next(hf.parameters()).device
     ids = torch.zeros((1, 3), dtype=torch.int64, device=device)
-    token = _STEP.set(_Step(None, None, probe))  # type: ignore[arg-type]
+    token = _STEP.set(_Step(None, None, probe))
     try:
         with torch.inference_mode():
             hf(input_ids=ids, position_ids=torch.arange(3, device=device)[None], use_cache=False)
