@@ -103,6 +103,35 @@ MODELS: dict[str, dict[str, Any]] = {
         "query_pre_attn_scalar": 32,
         "initializer_range": 0.15,
     },
+    # Qwen3 and Phi-3 (llama.py) at "small"'s shape
+    "qwen3-small": {  # per-head q/k RMSNorms, no qkv bias
+        "model_type": "qwen3",
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+        "initializer_range": 0.15,
+    },
+    # fused qkv_proj / gate_up_proj in the checkpoint (split at load); longrope with a
+    # pretraining context of 512 (the engine's context stops there; the mixed prompts fit)
+    "phi3-small": {
+        "model_type": "phi3",
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "original_max_position_embeddings": 512,
+        "rope_scaling": {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.02 * i for i in range(16)],
+            "long_factor": [1.0 + 0.5 * i for i in range(16)],
+        },
+        "pad_token_id": PAD_ID,
+        "initializer_range": 0.15,
+    },
 }
 VOCAB_SIZE = 1024
 
