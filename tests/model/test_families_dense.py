@@ -385,6 +385,18 @@ async def test_engine_greedy_equals_transformers(
         assert got == want, f"prompt {i} (len {len(PROMPTS[i])}) diverged"
 
 
+async def test_longrope_request_past_the_pretraining_length_is_refused(
+    dirs: dict[str, Path],
+) -> None:
+    from stallfree.runtime.request.errors import InvalidRequestError
+
+    async with Engine(engine_config(str(dirs["phi3-longrope"]))) as engine:
+        with pytest.raises(InvalidRequestError, match="maximum context length is 128"):
+            await engine.complete([65] * 130, {"max_new_tokens": 4})
+        ok = await engine.complete([65] * 100, {"max_new_tokens": 4, "ignore_eos": True})
+        assert len(ok.token_ids) == 4
+
+
 @pytest.mark.slow  # inductor compiles C++ on first use: tens of seconds
 async def test_compiled_qwen3_layers_equal_transformers(dirs: dict[str, Path]) -> None:
     """The compiled half before attention runs `project`, per-head norms included."""
