@@ -1,7 +1,7 @@
 """The transformers fallback (`model.model_impl`, `--model-impl`): architectures with no native
 family run through transformers' own modelling code with stallfree's paged KV cache and
 attention; greedy outputs equal transformers' `generate` through the Engine in every overlap x
-mirrors mode, with the prefix cache hitting; a Llama run through it equals the native run; what
+mirrors mode, with the prefix cache hitting (GPT-2, GPT-NeoX, Granite); a Llama run through it equals the native run; what
 it cannot run is refused, and an unsupported architecture's error names the supported ones."""
 
 from __future__ import annotations
@@ -28,16 +28,32 @@ FOLLOW_UP = [*SHARED, 5, 6, 7]
 
 
 def _tiny(kind: str) -> tuple[object, object]:
-    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+    import transformers as hf
 
     common = {"vocab_size": VOCAB_SIZE, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
     if kind == "gpt2":  # learned positions, no RoPE, fused c_attn, LayerNorm, GELU
-        config = GPT2Config(
+        config = hf.GPT2Config(
             n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.15, **common
         )
-        return config, GPT2LMHeadModel
+        return config, hf.GPT2LMHeadModel
+    if kind == "granite":  # attention scaled by attention_multiplier, not head_dim ** -0.5; GQA
+        config = hf.GraniteConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            attention_multiplier=0.3,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            logits_scaling=2.0,
+            initializer_range=0.15,
+            **common,
+        )
+        return config, hf.GraniteForCausalLM
     # partial rotary (half of each head), parallel residual, untied output
-    config = GPTNeoXConfig(
+    config = hf.GPTNeoXConfig(
         hidden_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -48,7 +64,7 @@ def _tiny(kind: str) -> tuple[object, object]:
         tie_word_embeddings=False,
         **common,
     )
-    return config, GPTNeoXForCausalLM
+    return config, hf.GPTNeoXForCausalLM
 
 
 def make_fallback_model(out: Path, kind: str) -> Path:
@@ -61,7 +77,7 @@ def make_fallback_model(out: Path, kind: str) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=["gpt2", "gpt_neox"])
+@pytest.fixture(scope="module", params=["gpt2", "gpt_neox", "granite"])
 def fallback_model(request, tmp_path_factory):
     path = make_fallback_model(tmp_path_factory.mktemp(request.param), request.param)
     reference = [hf_greedy(path, p, NEW_TOKENS) for p in [*PROMPTS, SHARED, FOLLOW_UP]]
