@@ -32,6 +32,13 @@ from stallfree.runtime.model.gguf_families import (
     rope_scaling,
     with_longrope,
 )
+from stallfree.runtime.model.gguf_moe import (
+    gguf_moe_config,
+    is_moe_tensor,
+    moe_architecture,
+    moe_tensors,
+    routed_layers,
+)
 
 if TYPE_CHECKING:
     from stallfree.runtime.model.quant import QuantizedWeight
@@ -133,7 +140,10 @@ def read_gguf_checkpoint(path: str | Path, keep_quantized: bool = False) -> GGUF
     path = Path(path)
     reader, meta = _open(path, ModelLoadError)
     arch = gguf_arch_config(
-        meta, path, has_output=_find_tensor(reader, "output.weight") is not None
+        meta,
+        path,
+        has_output=_find_tensor(reader, "output.weight") is not None,
+        routed=routed_layers([t.name for t in reader.tensors]),
     )
     family = GGUF_FAMILIES[str(meta.require("general.architecture"))]
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
@@ -141,6 +151,9 @@ def read_gguf_checkpoint(path: str | Path, keep_quantized: bool = False) -> GGUF
     for tensor in reader.tensors:
         if tensor.name in ROPE_FACTOR_TENSORS:
             rope_factors[ROPE_FACTOR_TENSORS[tensor.name]] = _dequantize(tensor).flatten().tolist()
+            continue
+        if is_moe_tensor(tensor.name):  # experts, routers (gguf_moe.py): always dense
+            tensors.update(moe_tensors(tensor.name, _dequantize(tensor), arch))
             continue
         hf_name = _hf_name(tensor.name, family)
         linear = hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight"
@@ -167,7 +180,10 @@ def _find_tensor(reader: Any, name: str) -> Any:
     return next((t for t in reader.tensors if t.name == name), None)
 
 
-def gguf_arch_config(meta: _Metadata, path: Path, *, has_output: bool) -> ModelArchConfig:
+def gguf_arch_config(
+    meta: _Metadata, path: Path, *, has_output: bool, routed: set[int] | None = None
+) -> ModelArchConfig:
+    """The file's architecture; `routed`: the layers with an MoE router (gguf_moe.py)."""
     family = meta.require("general.architecture")
     if family not in GGUF_FAMILIES:
         raise ModelLoadError(
@@ -193,6 +209,8 @@ def gguf_arch_config(meta: _Metadata, path: Path, *, has_output: bool) -> ModelA
         if i is not None
     ]
     window = int(meta.get(f"{family}.attention.sliding_window") or 0) if spec.sliding_window else 0
+    layers = int(key("block_count"))
+    moe = gguf_moe_config(meta, family, routed or set(), layers)
     return ModelArchConfig(
         # the token list is padded to the embedding's rows ([PAD<i>] entries)
         vocab_size=int(meta.get(f"{family}.vocab_size") or len(tokens)),
@@ -209,10 +227,11 @@ def gguf_arch_config(meta: _Metadata, path: Path, *, has_output: bool) -> ModelA
         tie_word_embeddings=not has_output,
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=list(dict.fromkeys(eos_ids)),
-        architecture=spec.architecture,
+        architecture=moe_architecture(moe, spec.architecture),
         qkv_bias=spec.qkv_bias,
         qk_norm=spec.qk_norm,
         sliding_window=window or None,
+        moe=moe,
     )
 
 
