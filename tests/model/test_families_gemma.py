@@ -17,7 +17,7 @@ from stallfree.runtime.model import ModelArchConfig, load_model
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.model.gemma import GemmaForCausalLM
 from tests.engine_util import MODES, engine_config, guarded, random_prompts, run_greedy
-from tests.hf_models import hf_greedy, hf_logits, make_gemma2, make_gemma3
+from tests.hf_models import BOS_ID, EOS_ID, hf_greedy, hf_logits, make_gemma2, make_gemma3
 from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness
 
 ATOL = 1e-4
@@ -178,3 +178,118 @@ def test_hisparse_is_refused_with_the_reason(gemma_dirs: dict[str, Path]) -> Non
     arch.sliding_window = None
     with pytest.raises(HisparseConfigError, match="soft-capped"):
         resolve_sparse_layers(HisparseConfig(enabled=True), arch)
+
+
+# ---------------------------------------------------------------------------- GGUF
+
+
+def write_gemma_gguf(model_dir: Path, out: Path, family: str) -> Path:
+    """A GGUF of the Gemma in `model_dir` as llama.cpp's converter writes one: its metadata
+    keys, the gguf package's tensor names, every norm stored as `1 + w`, no output matrix (tied),
+    no query scale key (llama.cpp derives it: head_dim at these sizes)."""
+    gguf = pytest.importorskip("gguf", reason="pip install 'stallfree[gguf]'")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab: dict[str, int] = dict(tok["model"]["vocab"])
+    for added in tok["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper()], cfg["num_hidden_layers"])
+    writer = gguf.GGUFWriter(str(out), family)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_sliding_window(cfg["sliding_window"])
+    if family == "gemma2":
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    else:
+        rope = cfg["rope_parameters"]
+        writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+        writer.add_sliding_window_pattern(cfg["sliding_window_pattern"])
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_add_bos_token(False)
+    for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
+        if name == "lm_head.weight":
+            continue
+        w = tensor.float()
+        if name.endswith("norm.weight"):
+            w = w + 1  # llama.cpp's Gemma converters
+        writer.add_tensor(names.get_name(name, (".weight",)), w.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+_GEMMA_FIELDS = (
+    "architecture",
+    "hidden_act",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "layer_types",
+    "sliding_window",
+    "rope_theta",
+    "rope_scaling",
+    "rope_local_theta",
+    "qk_norm",
+    "tie_word_embeddings",
+    "head_dim",
+    "num_kv_heads",
+)
+
+
+@pytest.fixture(scope="module")
+def gemma_ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """query_pre_attn_scalar = head_dim, which a llama.cpp file implies at these sizes."""
+    root = tmp_path_factory.mktemp("gemma-gguf")
+    made = {
+        "gemma2": make_gemma2(root / "g2", query_pre_attn_scalar=16),
+        "gemma3": make_gemma3(root / "g3", query_pre_attn_scalar=16),
+    }
+    return {n: (d, write_gemma_gguf(d, root / f"{n}.gguf", n)) for n, d in made.items()}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gguf_loads_the_checkpoint(gemma_ggufs: dict[str, tuple[Path, Path]], name: str) -> None:
+    model_dir, path = gemma_ggufs[name]
+    loaded, from_dir = (
+        load_model(str(path), "float32", CPU, 0),
+        load_model(str(model_dir), "float32", CPU, 0),
+    )
+    for field in _GEMMA_FIELDS:
+        assert getattr(loaded.arch, field) == getattr(from_dir.arch, field), field
+    want = from_dir.model.state_dict()
+    for key, param in loaded.model.state_dict().items():
+        torch.testing.assert_close(param, want[key], atol=1e-6, rtol=0)  # the +1 undone
+    logits = Harness(loaded.model).run(ForwardMode.EXTEND, [(0, PROMPT_A)])
+    torch.testing.assert_close(logits[0], hf_logits(model_dir, PROMPT_A)[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+async def test_gguf_engine_greedy_matches_hf(
+    gemma_ggufs: dict[str, tuple[Path, Path]], name: str
+) -> None:
+    model_dir, path = gemma_ggufs[name]
+    cfg = engine_config(str(path), scheduler={"chunked_prefill_size": 5, "max_prefill_tokens": 8})
+    async with guarded(Engine(cfg)) as engine:
+        got = await run_greedy(engine, PROMPTS, NEW_TOKENS)
+    assert got == [hf_greedy(model_dir, p, NEW_TOKENS) for p in PROMPTS]

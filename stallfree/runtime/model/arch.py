@@ -28,8 +28,8 @@ FAMILIES: dict[str, Family] = {
         Family("Qwen2ForCausalLM", ("qwen2",), ("qwen2",)),
         Family("MistralForCausalLM", ("mistral",)),
         # HiSparse: refused (sliding-window layers, Gemma 2's soft-capping, Gemma's scale)
-        Family("Gemma2ForCausalLM", ("gemma2",), hisparse=False),
-        Family("Gemma3ForCausalLM", ("gemma3_text",), hisparse=False),
+        Family("Gemma2ForCausalLM", ("gemma2",), ("gemma2",), hisparse=False),
+        Family("Gemma3ForCausalLM", ("gemma3_text",), ("gemma3",), hisparse=False),
         # mixture of experts (moe.py); llama.cpp writes Mixtral as `llama` with expert tensors
         Family("MixtralForCausalLM", ("mixtral",), ("llama",)),
         Family("Qwen2MoeForCausalLM", ("qwen2_moe",), ("qwen2moe",)),

@@ -8,7 +8,7 @@ Face order (their llama.cpp graphs use the NeoX rotation, which is transformers'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,6 +33,9 @@ class GGUFFamily:
     qk_norm: bool = False
     # `{arch}.attention.sliding_window` is the model's window (0: none)
     sliding_window: bool = False
+    # norm weights stored as `1 + w` (llama.cpp's Gemma converters add the one that Gemma's
+    # RMSNorm adds at run time): the loader takes it off again
+    norm_shift: bool = False
 
 
 GLOBAL_TENSORS = {
@@ -80,11 +83,28 @@ _PHI3 = {
     **_NORMS,
 }
 
+# Gemma 2/3: four norms per layer (the attention's and the MLP's outputs normed too)
+_GEMMA = {
+    **{k: v for k, v in _LLAMA.items() if k not in _NORMS},
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+
 GGUF_FAMILIES: dict[str, GGUFFamily] = {
     "llama": GGUFFamily("LlamaForCausalLM", _LLAMA, permute_qk=True),
     "qwen2": GGUFFamily("Qwen2ForCausalLM", {**_LLAMA, **_QKV_BIAS}, qkv_bias=True),
     "qwen3": GGUFFamily("Qwen3ForCausalLM", {**_LLAMA, **_QK_NORM}, qk_norm=True),
     "phi3": GGUFFamily("Phi3ForCausalLM", _PHI3, sliding_window=True),
+    "gemma2": GGUFFamily("Gemma2ForCausalLM", _GEMMA, sliding_window=True, norm_shift=True),
+    "gemma3": GGUFFamily(
+        "Gemma3ForCausalLM",
+        {**_GEMMA, **_QK_NORM},
+        qk_norm=True,
+        sliding_window=True,
+        norm_shift=True,
+    ),
     # mixture of experts: the experts' and routers' tensors are gguf_moe.py's (`llama` files
     # with experts are Mixtral's)
     "qwen2moe": GGUFFamily("Qwen2MoeForCausalLM", {**_LLAMA, **_QKV_BIAS}, qkv_bias=True),
@@ -138,3 +158,50 @@ def with_longrope(
     arch.rope_scaling = scaling
     arch.max_position_embeddings = min(arch.max_position_embeddings, original)
     return arch
+
+
+# llama.cpp's Gemma 27B sizes (by layer count), whose query scale is hidden / heads
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def with_gemma(arch: ModelArchConfig, meta: Metadata, family: str) -> ModelArchConfig:
+    """Gemma's fields from a gemma2/gemma3 file, as llama.cpp reads them: soft-capping from
+    `{arch}.attn_logit_softcapping` / `final_logit_softcapping`; sliding layers every other
+    one (Gemma 2) or by `attention.sliding_window_pattern` (Gemma 3: a period, or a flag per
+    layer; 6 by default); the query scale from `attention.scale`, else llama.cpp's rule
+    (hidden / heads on the 27B sizes, head_dim otherwise); Gemma 3's sliding layers' RoPE base
+    from `rope.freq_base_swa` (10000 by default)."""
+    n = arch.num_layers
+    pattern = meta.get(f"{family}.attention.sliding_window_pattern") if family == "gemma3" else 2
+    if pattern is None:
+        pattern = 6
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+        if len(sliding) != n:
+            raise ModelLoadError(
+                f"{family}.attention.sliding_window_pattern has {len(sliding)} flags for {n} layers"
+            )
+    else:
+        sliding = [bool((i + 1) % int(pattern)) for i in range(n)]
+    scale = meta.get(f"{family}.attention.scale")
+    if scale is not None:
+        scalar = float(scale) ** -2
+    elif n == _GEMMA_27B_LAYERS[family]:
+        scalar = arch.hidden_size / arch.num_heads
+    else:
+        scalar = float(arch.head_dim)
+
+    def cap(key: str) -> float | None:
+        value = meta.get(f"{family}.{key}")
+        return float(value) if value else None
+
+    local = meta.get(f"{family}.rope.freq_base_swa") if family == "gemma3" else None
+    return replace(
+        arch,
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=scalar,
+        attn_logit_softcapping=cap("attn_logit_softcapping"),
+        final_logit_softcapping=cap("final_logit_softcapping"),
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        rope_local_theta=(float(local) if local else 10_000.0) if family == "gemma3" else None,
+    )
