@@ -257,3 +257,36 @@ async def test_engine_greedy_equals_transformers(
         stats = engine.snapshot().counters
     assert outputs == reference
     assert stats.retractions > 0
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+async def test_hisparse_runs_moe_models(hf_dirs: dict[str, Path], name: str) -> None:
+    """HiSparse swaps attention only: with a top k covering every context it equals dense."""
+    path = hf_dirs[name]
+    cfg = engine_config(
+        str(path),
+        runtime={"strict": True},
+        hisparse={"enabled": True, "top_k": 512, "device_buffer_size": 512},
+        **STRESSED,
+    )
+    async with guarded(Engine(cfg)) as engine:
+        outputs = await run_greedy(engine, PROMPTS, NEW_TOKENS)
+        await engine.wait_idle()
+        assert engine.core.monitor.schedule_path_reads == 0
+    assert outputs == [hf_greedy(path, p, NEW_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.slow
+def test_torch_compile_runs_the_moe_block_eagerly_between_graphs(hf_dirs: dict[str, Path]) -> None:
+    """runtime.torch_compile: the expert counts read back break the after-attention graph
+    there (dynamo's graph break); the output is unchanged."""
+    model_dir = hf_dirs["mixtral"]
+    model = _ours(model_dir)
+    model.compile_layers()
+    h = Harness(model)
+    out = h.run(ForwardMode.EXTEND, [(0, PROMPT_A)])
+    torch.testing.assert_close(out[0], hf_logits(model_dir, PROMPT_A)[-1], atol=ATOL, rtol=0)
+    gen = hf_greedy(model_dir, PROMPT_A, 2)
+    out = h.run(ForwardMode.DECODE, [(0, [gen[0]])])
+    ref = hf_logits(model_dir, PROMPT_A + gen)
+    torch.testing.assert_close(out[0], ref[len(PROMPT_A)], atol=ATOL, rtol=0)
