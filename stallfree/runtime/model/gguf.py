@@ -1,5 +1,5 @@
-"""GGUF checkpoints (llama, qwen2, qwen3, phi3): config, dequantised weights and tokenizer from
-one file.
+"""GGUF checkpoints (llama, qwen2, qwen3, phi3, gemma2, gemma3): config, dequantised weights
+and tokenizer from one file.
 
 Weights are dequantised to float32 through the `gguf` library (`pip install 'stallfree[gguf]'`)
 and renamed to the Hugging Face names `LlamaForCausalLM` uses (each family's names are in
@@ -17,12 +17,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
-from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
+from stallfree.runtime.model.arch import GEMMA_ARCHITECTURES, ModelArchConfig, ModelLoadError
 from stallfree.runtime.model.fused_weights import is_fused, split_fused
 from stallfree.runtime.model.gguf_families import (
     GGUF_FAMILIES,
@@ -30,6 +30,7 @@ from stallfree.runtime.model.gguf_families import (
     ROPE_FACTOR_TENSORS,
     GGUFFamily,
     rope_scaling,
+    with_gemma,
     with_longrope,
 )
 from stallfree.runtime.model.gguf_moe import (
@@ -166,6 +167,8 @@ def read_gguf_checkpoint(path: str | Path, keep_quantized: bool = False) -> GGUF
             weight = _unpermute_rows(weight, arch.num_heads)
         elif family.permute_qk and tensor.name.endswith("attn_k.weight"):
             weight = _unpermute_rows(weight, arch.num_kv_heads)
+        if family.norm_shift and hf_name.endswith("norm.weight"):
+            weight = cast(torch.Tensor, weight) - 1.0  # llama.cpp stored Gemma's 1 + w
         if is_fused(hf_name, arch):
             tensors.update(split_fused(hf_name, weight, arch))
         else:
@@ -211,7 +214,7 @@ def gguf_arch_config(
     window = int(meta.get(f"{family}.attention.sliding_window") or 0) if spec.sliding_window else 0
     layers = int(key("block_count"))
     moe = gguf_moe_config(meta, family, routed or set(), layers)
-    return ModelArchConfig(
+    arch = ModelArchConfig(
         # the token list is padded to the embedding's rows ([PAD<i>] entries)
         vocab_size=int(meta.get(f"{family}.vocab_size") or len(tokens)),
         hidden_size=hidden,
@@ -233,6 +236,7 @@ def gguf_arch_config(
         sliding_window=window or None,
         moe=moe,
     )
+    return with_gemma(arch, meta, family) if spec.architecture in GEMMA_ARCHITECTURES else arch
 
 
 def _hf_name(gguf_name: str, family: GGUFFamily) -> str:
