@@ -153,3 +153,31 @@ def test_shard_specs_use_each_mlps_width(model_dirs: dict[str, Path]) -> None:
     mixtral = load_model(str(model_dirs["mixtral"]), "float32", CPU, 0).arch
     spec = shard_spec("model.layers.0.block_sparse_moe.experts.0.w2.weight", mixtral, 0, TP)
     assert spec is not None and (spec.dim, spec.start, spec.end) == (1, 0, 24)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+async def test_engine_tp2_greedy_equals_transformers(
+    model_dirs: dict[str, Path], overlap: bool
+) -> None:
+    """Two worker processes (gloo) under chunked prefill and retraction, with the read guard."""
+    from stallfree import Engine
+    from tests.engine_util import engine_config, guarded, random_prompts, run_greedy
+    from tests.hf_models import hf_greedy
+    from tests.parallel.test_tensor_parallel_engine import STRESSED
+
+    path = model_dirs["qwen3_moe_kv1"]
+    prompts = random_prompts(4, seed=21, lo=4, hi=28)
+    cfg = engine_config(
+        str(path),
+        runtime={"overlap": overlap, "cpu_mirrors": True, "strict": True},
+        parallel={"tp_size": TP},
+        **STRESSED,
+    )
+    async with guarded(Engine(cfg)) as engine:
+        outputs = await run_greedy(engine, prompts, 10)
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free
+        stats = engine.snapshot().counters
+    assert outputs == [hf_greedy(path, p, 10) for p in prompts]
+    assert stats.retractions > 0
