@@ -158,6 +158,14 @@ def test_sparse_layers_follow_the_config(hf_dirs: dict[str, Path], tmp_path: Pat
     assert arch.moe.shared_expert_intermediate_size == 0
 
 
+def test_mixtral_sliding_window_matches_hf(tmp_path: Path) -> None:
+    model_dir = make_mixtral(tmp_path, sliding_window=4)
+    model = _ours(model_dir)
+    assert model.arch.sliding_window == 4
+    logits = Harness(model).run(ForwardMode.EXTEND, [(0, PROMPT_A)])
+    torch.testing.assert_close(logits[0], hf_logits(model_dir, PROMPT_A)[-1], atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_single_extend_matches_hf(hf_dirs: dict[str, Path], name: str) -> None:
     logits = Harness(_ours(hf_dirs[name])).run(ForwardMode.EXTEND, [(0, PROMPT_A), (1, PROMPT_B)])
