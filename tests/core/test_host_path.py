@@ -128,8 +128,8 @@ async def test_a_deadline_is_one_timer_and_still_aborts():
 
 
 def test_stream_threads_auto_follows_model_width(monkeypatch):
-    from stallfree.runtime.scheduling.sizing import auto_stream_threads
     from stallfree.runtime.model.loader import PRESETS
+    from stallfree.runtime.scheduling.sizing import auto_stream_threads
 
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     assert auto_stream_threads(PRESETS["tiny"]) == 1

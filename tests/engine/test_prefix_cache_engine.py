@@ -9,8 +9,8 @@ import random
 import pytest
 
 from stallfree import Engine, SamplingParams
-from stallfree.runtime.scheduling.sizing import prefix_caching_enabled
 from stallfree.runtime.memory.radix_cache import PrefixCacheConfigError
+from stallfree.runtime.scheduling.sizing import prefix_caching_enabled
 from tests.engine_util import engine_config, run_greedy
 from tests.hf_models import hf_greedy
 

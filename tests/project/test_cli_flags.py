@@ -467,9 +467,9 @@ def test_a_worker_node_with_a_missing_model_is_one_line(tmp_path) -> None:
 
 async def test_pool_sizes_are_the_engines_own() -> None:
     """A worker node sizes its pools with `pool_sizes`; they must be the scheduler node's."""
-    from stallfree.runtime.scheduling.sizing import pool_sizes
     from stallfree.runtime.engine import Engine
     from stallfree.runtime.model.loader import PRESETS
+    from stallfree.runtime.scheduling.sizing import pool_sizes
 
     cfg = load_config(
         model={"path": "tiny", "max_context_len": 100},
