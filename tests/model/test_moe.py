@@ -131,6 +131,8 @@ def test_decode_runs_only_the_chosen_experts(hf_dirs: dict[str, Path]) -> None:
     finally:
         Expert.forward = forward  # type: ignore[method-assign]
     assert len(calls) <= 4 and sum(calls) == 9 * 2  # one call per expert that got rows
+    with torch.no_grad():
+        assert block(torch.empty(0, 64)).shape == (0, 64)
 
 
 # ---------------------------------------------------------------------------- the model

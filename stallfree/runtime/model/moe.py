@@ -141,6 +141,8 @@ class SparseMoeBlock(nn.Module):
                 end = start + n
                 parts.append(expert(xs[start:end]) * w[start:end, None])
                 start = end
+        if not parts:  # no tokens
+            return torch.zeros_like(x)
         y = torch.cat(parts) if len(parts) > 1 else parts[0]
         return torch.zeros_like(x).index_add_(0, rows, y.to(x.dtype))
 
