@@ -360,3 +360,18 @@ async def test_torch_compile_serves_gemma(gemma_dirs: dict[str, Path]) -> None:
     want = [hf_greedy(model_dir, p, NEW_TOKENS) for p in PROMPTS]
     # inductor may sum in another order than eager: all but one prompt agree token for token
     assert sum(a == b for a, b in zip(got, want, strict=True)) >= len(PROMPTS) - 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+async def test_prefix_cache_hits_equal_transformers(gemma_dirs: dict[str, Path], name: str) -> None:
+    """Later prompts extend a cached prefix longer than the window: the sliding layers read
+    the cached keys that are still inside it."""
+    model_dir = gemma_dirs[name]
+    base = random_prompts(1, seed=9, lo=20, hi=20)[0]
+    prompts = [base, [*base, 65, 66, 67], [*base[:14], 70, 71, 72, 73, 74]]
+    cfg = engine_config(str(model_dir), cache={"page_size": 2})
+    async with guarded(Engine(cfg)) as engine:
+        got = [(await run_greedy(engine, [p], NEW_TOKENS))[0] for p in prompts]
+        hits = engine.snapshot().counters.prefix_cache_hits
+    assert hits >= 20
+    assert got == [hf_greedy(model_dir, p, NEW_TOKENS) for p in prompts]
