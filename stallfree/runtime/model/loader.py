@@ -15,8 +15,8 @@ import torch
 from stallfree.runtime.memory.pool import KVCacheShape
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
 from stallfree.runtime.model.fused_weights import is_fused, split_fused
-from stallfree.runtime.model.hf_fallback import TransformersForCausalLM, hidden_size, resolve_impl
 from stallfree.runtime.model.gemma import GEMMA_MODELS
+from stallfree.runtime.model.hf_fallback import TransformersForCausalLM, hidden_size, resolve_impl
 from stallfree.runtime.model.llama import LlamaForCausalLM
 from stallfree.runtime.model.parallel import (
     TPGroup,
