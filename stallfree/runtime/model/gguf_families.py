@@ -97,6 +97,10 @@ GGUF_FAMILIES: dict[str, GGUFFamily] = {
     "qwen2": GGUFFamily("Qwen2ForCausalLM", {**_LLAMA, **_QKV_BIAS}, qkv_bias=True),
     "qwen3": GGUFFamily("Qwen3ForCausalLM", {**_LLAMA, **_QK_NORM}, qk_norm=True),
     "phi3": GGUFFamily("Phi3ForCausalLM", _PHI3, sliding_window=True),
+    # mixture of experts: the experts' and routers' tensors are gguf_moe.py's (`llama` files
+    # with experts are Mixtral's)
+    "qwen2moe": GGUFFamily("Qwen2MoeForCausalLM", {**_LLAMA, **_QKV_BIAS}, qkv_bias=True),
+    "qwen3moe": GGUFFamily("Qwen3MoeForCausalLM", {**_LLAMA, **_QK_NORM}, qk_norm=True),
     "gemma2": GGUFFamily("Gemma2ForCausalLM", _GEMMA, sliding_window=True, norm_shift=True),
     "gemma3": GGUFFamily(
         "Gemma3ForCausalLM",
@@ -105,10 +109,6 @@ GGUF_FAMILIES: dict[str, GGUFFamily] = {
         sliding_window=True,
         norm_shift=True,
     ),
-    # mixture of experts: the experts' and routers' tensors are gguf_moe.py's (`llama` files
-    # with experts are Mixtral's)
-    "qwen2moe": GGUFFamily("Qwen2MoeForCausalLM", {**_LLAMA, **_QKV_BIAS}, qkv_bias=True),
-    "qwen3moe": GGUFFamily("Qwen3MoeForCausalLM", {**_LLAMA, **_QK_NORM}, qk_norm=True),
 }
 
 
