@@ -21,13 +21,13 @@ import torch
 from stallfree.hisparse.indexer import index_keys, query_proxy, select_topk, uses_selection
 from stallfree.hisparse.memory import DeviceBuffers, HostKVPool
 from stallfree.hisparse.transfer import KVTransfer
+from stallfree.runtime.model.arch import FAMILIES, ModelArchConfig
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.telemetry.stats import SparseStats
 
 if TYPE_CHECKING:
     from stallfree.config import HisparseConfig
     from stallfree.runtime.execution.context import BatchContext
-    from stallfree.runtime.model.arch import ModelArchConfig
     from stallfree.runtime.request.req import Req
 
 _I64 = torch.int64
@@ -71,6 +71,9 @@ def resolve_sparse_layers(config: HisparseConfig, arch: ModelArchConfig) -> list
             f"hisparse does not support {arch.architecture}: its attention scores are "
             "soft-capped or scaled by query_pre_attn_scalar, which sparse attention does not apply"
         )
+    family = FAMILIES.get(arch.architecture)
+    if family is not None and not family.hisparse:  # what arch.py's FAMILIES says
+        raise HisparseConfigError(f"hisparse does not support {arch.architecture}")
     return sorted(layers)
 
 

@@ -186,6 +186,9 @@ def test_hisparse_is_refused_with_the_reason(gemma_dirs: dict[str, Path]) -> Non
     arch.sliding_window = None
     with pytest.raises(HisparseConfigError, match="soft-capped"):
         resolve_sparse_layers(HisparseConfig(enabled=True), arch)
+    arch.attn_logit_softcapping = arch.query_pre_attn_scalar = None
+    with pytest.raises(HisparseConfigError, match=r"not support Gemma2ForCausalLM$"):
+        resolve_sparse_layers(HisparseConfig(enabled=True), arch)  # its Family says hisparse=False
 
 
 # ---------------------------------------------------------------------------- GGUF
