@@ -22,6 +22,7 @@ import logging
 import os
 import pickle
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -322,12 +323,20 @@ def worker_main(spec: WorkerSpec, rank: int, conn: Connection | None, stats: tor
         conn.send(("ready", 0, {"pid": os.getpid()}))
     try:
         _serve(worker, rank, conn)
-    finally:
+    except BaseException:
         if spec.tp_size > 1:
             import torch.distributed as dist
 
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        raise
+    # A clean stop leaves without tearing the process group down: the other ranks (the
+    # store's host among them) may already be gone, and gloo aborts a process whose teardown
+    # finds a peer closed (exit -6, which a worker node reported as its own exit code 250).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _serve(worker: _Worker, rank: int, conn: Connection | None) -> None:
