@@ -65,9 +65,18 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def hermes(llama: str) -> AsyncIterator[Live]:
-    """A server that parses hermes tool calls (auto allowed) and qwen3 thinking."""
+    """A server that parses hermes tool calls (auto allowed)."""
     server = {"tool_call_parser": "hermes", "enable_auto_tool_choice": True}
-    async with serving(llama, server=server | {"reasoning_parser": "qwen3"}) as live:
+    async with serving(llama, server=server) as live:
+        live.engine.tokenizer.chat_template = HERMES_TEMPLATE
+        yield live
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def thinker(llama: str) -> AsyncIterator[Live]:
+    """A server that splits deepseek_r1 thinking and parses hermes tool calls."""
+    server = {"tool_call_parser": "hermes", "reasoning_parser": "deepseek_r1"}
+    async with serving(llama, server=server) as live:
         live.engine.tokenizer.chat_template = HERMES_TEMPLATE
         yield live
 
@@ -305,16 +314,17 @@ async def test_langchain_bind_tools_gets_valid_calls(hermes):
 
 
 @module_loop
-async def test_qwen3_thinking_goes_to_reasoning_content(hermes):
-    grammar = {"regex": "<think>[a-z]{3,8}</think>[A-Z][a-z]{2,6}"}
+async def test_thinking_goes_to_reasoning_content_whole_and_streamed(thinker):
+    # a GBNF grammar is left as it is (not wrapped to think first): it writes the thinking
+    grammar = {"grammar": 'root ::= "<think>" [a-z]{3,8} "</think>" [A-Z] [a-z]{2,6}'}
     kwargs = dict(model="test-model", messages=USER, max_tokens=40, temperature=1.0, seed=2,
                   extra_body={"structured_outputs": grammar})  # fmt: skip
-    r = await hermes.client.chat.completions.create(**kwargs)
+    r = await thinker.client.chat.completions.create(**kwargs)
     message = r.choices[0].message
     thinking = message.model_extra["reasoning_content"]  # type: ignore[index]
     assert thinking.isalpha() and thinking.islower() and 3 <= len(thinking) <= 8
     assert message.content[0].isupper() and "<think>" not in message.content
-    stream = await hermes.client.chat.completions.create(**kwargs, stream=True)
+    stream = await thinker.client.chat.completions.create(**kwargs, stream=True)
     reasoning, content = "", ""
     async for chunk in stream:
         for choice in chunk.choices:
@@ -322,3 +332,19 @@ async def test_qwen3_thinking_goes_to_reasoning_content(hermes):
             reasoning += extra.get("reasoning_content") or ""
             content += choice.delta.content or ""
     assert (reasoning, content) == (thinking, message.content)
+
+
+@module_loop
+async def test_a_constrained_reply_thinks_freely_first(thinker):
+    """With a reasoning parser, a JSON-schema reply (and a forced call) is constrained only
+    after `</think>`: a random model's thinking runs free until max_tokens, never JSON."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
+    for extra in ({"response_format": fmt}, {"tools": TOOLS, "tool_choice": "required"}):
+        r = await thinker.client.chat.completions.create(
+            model="test-model", messages=USER, max_tokens=24, temperature=1.0, seed=4, **extra
+        )
+        choice = r.choices[0]
+        thinking = choice.message.model_extra["reasoning_content"]  # type: ignore[index]
+        assert choice.finish_reason == "length" and choice.message.content is None
+        assert thinking and not choice.message.tool_calls
+        assert not thinking.startswith(("{", "<tool_call>")), thinking  # not the constraint's

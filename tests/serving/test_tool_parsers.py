@@ -182,10 +182,10 @@ REASONED = [
         "\n\nParis.",
     ),
     ("deepseek_r1", "Paris is in France.</think>Paris.", "Paris is in France.", "Paris."),
-    ("deepseek_r1", "still thinking <", "still thinking <", ""),
+    ("deepseek_r1", "still thinking <", "still thinking <", None),
     ("qwen3", "<think>\nhmm\n</think>\n\nParis.", "\nhmm\n", "\n\nParis."),
     ("qwen3", "Paris, no thinking.", None, "Paris, no thinking."),
-    ("qwen3", "<think>cut off", "cut off", ""),
+    ("qwen3", "<think>cut off", "cut off", None),
 ]
 
 
@@ -202,7 +202,7 @@ def test_reasoning_splits_whole_and_streamed(name, text, reasoning, content):
     stream = output.choice()
     got = [stream.feed(c, final=i == len(text) - 1) for i, c in enumerate(text)]
     assert "".join(p.reasoning for p in got) == (reasoning or "")
-    assert "".join(p.content for p in got) == content
+    assert "".join(p.content for p in got) == (content or "")
 
 
 def test_reasoning_then_a_tool_call():
@@ -215,3 +215,46 @@ def test_reasoning_then_a_tool_call():
     assert message["tool_calls"][0]["function"] == {"name": "w", "arguments": '{"c": 1}'}
     assert "".join(p.reasoning for p in pieces) == "need weather"
     assert "".join(p.content for p in pieces) == ""
+
+
+# ---------------------------------------------------------------- constrained after thinking
+
+AFTER = [
+    ("deepseek_r1", {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+     ['<think>x {"q" </think>\n\n{"a":1}', 'free text</think>{"a":22}'],
+     ['{"a":1}', '<think>x</think>not json', '<think>x</think>{"a": 1}']),
+    ("qwen3", {"choice": ['y"es', "no"]},
+     ["<think>hm</think> no", 'y"es', "no"],
+     ["maybe", "<think>hm</think>maybe"]),
+    ("qwen3", {"regex": "[a-c]{2}/[0-9]"}, ["ab/3", "<think>?</think>\ncc/0"], ["ab3", "ab/"]),
+    ("deepseek_r1", {"grammar": 'start: "x" "}"+'}, ["t</think>x}}"], ["t</think>y"]),
+    ("deepseek_r1", {"json_object": True}, ["</think>{}"], ["</think>[]"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "spec", "good", "bad"), AFTER, ids=lambda v: str(v)[:20])
+def test_a_wrapped_grammar_constrains_only_what_follows_the_thinking(name, spec, good, bad):
+    from llguidance import LLMatcher, grammar_from
+
+    from stallfree.entrypoints.server.reasoning import after_thinking
+    from stallfree.runtime.text.grammar import build_lltokenizer
+    from stallfree.runtime.text.tokenizer import ByteTokenizer
+
+    wrapped = after_thinking({**spec, "source": "response_format"}, REASONING_PARSERS[name]())
+    assert wrapped["source"] == "response_format" and "grammar" in wrapped
+    tok = build_lltokenizer(ByteTokenizer(), 260)
+
+    def accepts(text: str) -> bool:
+        matcher = LLMatcher(tok, grammar_from("lark", wrapped["grammar"]), log_level=0)
+        return all(matcher.consume_token(b) for b in text.encode()) and matcher.is_accepting()
+
+    assert all(accepts(t) for t in good), [t for t in good if not accepts(t)]
+    assert not any(accepts(t) for t in bad), [t for t in bad if accepts(t)]
+
+
+def test_what_cannot_be_wrapped_is_left_as_it_is():
+    from stallfree.entrypoints.server.reasoning import after_thinking
+
+    parser = REASONING_PARSERS["deepseek_r1"]()
+    for spec in ({"grammar": 'root ::= "a"'}, {"json": "{not json"}):
+        assert after_thinking(spec, parser) is spec

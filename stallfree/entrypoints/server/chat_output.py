@@ -131,6 +131,7 @@ class ChoiceText:
         out: dict[str, Any] = {"role": "assistant", "content": self.content}
         if self.output.reasoning is not None:
             out["reasoning_content"] = self.reasoning or None
+            out["content"] = self.content or None  # a reply that only thought has no answer
         if self.calls:
             out["content"] = self.content or None
             out["tool_calls"] = [

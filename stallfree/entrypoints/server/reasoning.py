@@ -9,11 +9,16 @@
 
 `split` reads the whole text so far and returns the reasoning that is sure to stay reasoning
 and the answer so far, so a stream can send what each call adds.
+
+A constrained reply (a structured output, or a forced tool call) thinks first: `after_thinking`
+wraps its spec in a grammar that lets the model write its thinking freely up to `</think>`
+(whitespace after it too) and constrains only the answer, so a reasoning model keeps reasoning.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+import json
+from typing import Any, ClassVar
 
 START, END = "<think>", "</think>"
 
@@ -57,3 +62,48 @@ class Qwen3ReasoningParser(ReasoningParser):
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     p.name: p for p in (ReasoningParser, Qwen3ReasoningParser)
 }
+
+
+# the thinking: anything up to and including `</think>` (llguidance's lazy stop), then blanks
+_THINK = f'think[stop="{END}"]: /(.|\\n)*/\nBLANK: /[ \\t\\r\\n]*/\n'
+_NO_FREE_WHITESPACE = {"whitespace_flexible": False}
+
+
+def _answer(spec: dict[str, Any]) -> str | None:
+    """The Lark rule body for a structured-output spec, or None when it cannot be embedded
+    (a GBNF grammar, a schema that is not JSON: left as they are, to fail or pass alone)."""
+    if spec.get("json_object"):
+        return "%json " + json.dumps({"type": "object", "x-guidance": _NO_FREE_WHITESPACE})
+    if spec.get("json") is not None:
+        schema = spec["json"]
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                return None
+        if not isinstance(schema, dict):
+            return None
+        schema = {"x-guidance": _NO_FREE_WHITESPACE} | schema
+        return "%json " + json.dumps(schema, ensure_ascii=False)
+    if spec.get("choice"):
+        return " | ".join(json.dumps(c, ensure_ascii=False) for c in spec["choice"])
+    if spec.get("regex") is not None:
+        return "/" + str(spec["regex"]).replace("/", "\\/") + "/"
+    grammar = spec.get("grammar")
+    if isinstance(grammar, str) and "::=" not in grammar:
+        return "%lark {\n" + grammar + "\n}"
+    return None
+
+
+def after_thinking(spec: dict[str, Any], parser: ReasoningParser) -> dict[str, Any]:
+    """`spec` (a `structured_outputs` value) as a Lark grammar whose reply thinks freely first
+    and is constrained after `</think>`; `spec` itself when it cannot be wrapped."""
+    answer = _answer(spec)
+    if answer is None:
+        return spec
+    if parser.needs_start:  # qwen3: thinking is optional, and opens with its tag
+        start = f"start: ({json.dumps(START)} think BLANK)? answer\n"
+    else:  # deepseek_r1: the reply thinks first, its opening tag perhaps in the prompt
+        start = f"start: {json.dumps(START)}? think BLANK answer\n"
+    grammar = start + _THINK + "answer: " + answer
+    return {"grammar": grammar, "source": spec.get("source", "structured_outputs")}

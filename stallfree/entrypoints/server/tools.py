@@ -21,7 +21,8 @@ from stallfree.config.settings import ServerConfig
 from stallfree.entrypoints.server.chat_output import ChatOutput
 from stallfree.entrypoints.server.errors import ApiError
 from stallfree.entrypoints.server.protocol import ChatCompletionRequest, NamedToolChoice
-from stallfree.entrypoints.server.reasoning import REASONING_PARSERS
+from stallfree.entrypoints.server.reasoning import REASONING_PARSERS, after_thinking
+from stallfree.entrypoints.server.structured import openai_structured
 from stallfree.entrypoints.server.tool_parsers import PARSERS, JsonArrayParser, json_array_schema
 
 # what the template's own arguments are called: chat_template_kwargs may not replace them
@@ -37,7 +38,8 @@ class ChatPlan:
 
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     output: ChatOutput = field(default_factory=ChatOutput)
-    # the structured-output spec that forces the calls (None: not forced)
+    # the structured-output spec that replaces the body's: the one forcing the calls, or the
+    # body's own wrapped to think first (None: the body's as it is)
     forced: dict[str, Any] | None = None
     # the reply's text keeps special tokens (the parser's marker is one)
     keep_special_tokens: bool = False
@@ -87,17 +89,28 @@ def _choice(body: ChatCompletionRequest) -> str:
 
 
 def plan_chat(body: ChatCompletionRequest, server: ServerConfig) -> ChatPlan:
-    """The template's arguments, the reply's parsers, and the spec forcing calls (if any)."""
+    """The template's arguments, the reply's parsers, and the spec forcing calls (if any).
+    With a reasoning parser, a constrained reply (forced calls, or the body's structured
+    output) thinks freely first: only what follows `</think>` is constrained."""
     plan = ChatPlan(template_kwargs(body))
+    _plan_tools(body, server, plan)
+    reasoning = None
     if server.reasoning_parser is not None:
-        plan.output.reasoning = REASONING_PARSERS[server.reasoning_parser]()
+        reasoning = plan.output.reasoning = REASONING_PARSERS[server.reasoning_parser]()
+    spec = plan.forced if plan.forced is not None else openai_structured(body)
+    if reasoning is not None and spec is not None:
+        plan.forced = after_thinking(spec, reasoning)
+    return plan
+
+
+def _plan_tools(body: ChatCompletionRequest, server: ServerConfig, plan: ChatPlan) -> None:
     choice = _choice(body)
     tools = body.tools or []
     if choice != "none" and not tools:
         raise ApiError(400, f"tool_choice: {choice!r} needs tools", param="tool_choice")
     configured = PARSERS[server.tool_call_parser]() if server.tool_call_parser else None
     if choice == "none":
-        return plan
+        return
     if choice == "auto":
         if not server.enable_auto_tool_choice or configured is None:
             raise ApiError(
@@ -109,7 +122,7 @@ def plan_chat(body: ChatCompletionRequest, server: ServerConfig) -> ChatPlan:
             )
         plan.output.tools = configured
         plan.keep_special_tokens = configured.keeps_special_tokens
-        return plan
+        return
     if _structured(body):
         raise ApiError(
             400,
@@ -138,7 +151,6 @@ def plan_chat(body: ChatCompletionRequest, server: ServerConfig) -> ChatPlan:
     else:
         plan.output.tools = JsonArrayParser()
         plan.forced = {"json": json_array_schema(functions, many), "source": "tools"}
-    return plan
 
 
 def _structured(body: ChatCompletionRequest) -> bool:
