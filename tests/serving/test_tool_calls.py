@@ -244,6 +244,12 @@ async def test_a_tool_calling_history_renders(hermes):
     assert r.choices[0].message.tool_calls is None and r.usage.prompt_tokens > 0
 
 
+# schemas whose forced-call grammar is over the 64 KiB a structured output may take
+BIG_TOOLS = [
+    {"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(100)}}}}
+    for i in range(40)
+]  # fmt: skip
 REFUSED = [
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -254,6 +260,7 @@ REFUSED = [
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name",
      "pattern"),
     ({"tools": [WEATHER] * 129}, "tools", "at most 128"),
+    ({"tools": BIG_TOOLS, "tool_choice": "required"}, "tools", "over the 65536"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
       "tool_choice": "required"}, "tools", ""),
 ]  # fmt: skip

@@ -308,7 +308,9 @@ def _chat_weight(body: ChatCompletionRequest) -> int:
     """The request's weight, counted until it reaches `OFF_LOOP_WEIGHT`."""
     weight = 0
     for tool in body.tools or ():  # each tool's schema is rendered into the prompt
-        weight += _ITEM_WEIGHT + 4 * len(tool.function.parameters or ())
+        weight += _ITEM_WEIGHT + len(json.dumps(tool.function.parameters or {}))
+        if weight >= OFF_LOOP_WEIGHT:
+            return weight
     weight += _ITEM_WEIGHT * len(body.documents or ())
     for message in body.messages:
         content = message.content

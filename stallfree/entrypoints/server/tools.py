@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from stallfree.entrypoints.server.protocol import ChatCompletionRequest, NamedTo
 from stallfree.entrypoints.server.reasoning import REASONING_PARSERS, after_thinking
 from stallfree.entrypoints.server.structured import openai_structured
 from stallfree.entrypoints.server.tool_parsers import PARSERS, JsonArrayParser, json_array_schema
+from stallfree.runtime.request.structured import MAX_GRAMMAR_CHARS
 
 # what the template's own arguments are called: chat_template_kwargs may not replace them
 _TEMPLATE_NAMES = frozenset(
@@ -100,6 +102,16 @@ def plan_chat(body: ChatCompletionRequest, server: ServerConfig) -> ChatPlan:
     spec = plan.forced if plan.forced is not None else openai_structured(body)
     if reasoning is not None and spec is not None:
         plan.forced = after_thinking(spec, reasoning)
+    if plan.forced is not None:  # before anything is rendered: a 400 naming the client's field
+        size = len(json.dumps(plan.forced, ensure_ascii=False))
+        if size > MAX_GRAMMAR_CHARS:
+            source = str(plan.forced.get("source", "structured_outputs"))
+            raise ApiError(
+                400,
+                f"{source}: the constraint it makes is {size} characters, over the "
+                f"{MAX_GRAMMAR_CHARS} one structured output may take",
+                param=source,
+            )
     return plan
 
 
