@@ -38,6 +38,10 @@ REPLIES = {
         + '}, {"name": "noop", "arguments": {}}]',
         "Let me look.",
     ),
+    "mistral-v11": (
+        "Let me look.[TOOL_CALLS]get_weather[ARGS]" + WANT + "[TOOL_CALLS]noop[ARGS]{}",
+        "Let me look.",
+    ),
     "pythonic": (
         '[get_weather(city="Par\\"is}", days=[1, 22, -3.5], deep={"a": {"b": []}}, ok=True, '
         "x=None), noop()]",
@@ -62,7 +66,7 @@ def _pieces(text: str, rng: random.Random) -> list[str]:
 @pytest.mark.parametrize("name", sorted(REPLIES))
 def test_a_whole_reply_gives_its_content_and_calls(name):
     text, content = REPLIES[name]
-    choice = ChatOutput(tools=PARSERS[name]()).choice()
+    choice = ChatOutput(tools=PARSERS[name.split("-")[0]]()).choice()
     choice.feed(text, final=True)
     message = choice.message()
     assert message["content"] == content
@@ -82,10 +86,11 @@ def test_a_whole_reply_gives_its_content_and_calls(name):
 @pytest.mark.parametrize("name", sorted(REPLIES))
 def test_streamed_deltas_concatenate_to_the_whole_reply(name, seed):
     text, content = REPLIES[name]
-    whole = ChatOutput(tools=PARSERS[name]()).choice()
+    parser = PARSERS[name.split("-")[0]]
+    whole = ChatOutput(tools=parser()).choice()
     whole.feed(text, final=True)
     want = whole.message()
-    stream = ChatOutput(tools=PARSERS[name]()).choice()
+    stream = ChatOutput(tools=parser()).choice()
     pieces = _pieces(text, random.Random(seed))
     got_content, calls = "", {}
     for i, piece in enumerate(pieces):
@@ -104,11 +109,11 @@ def test_streamed_deltas_concatenate_to_the_whole_reply(name, seed):
         assert first_args == WANT
 
 
-@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "json_array"])
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "mistral-v11", "json_array"])
 def test_arguments_stream_before_the_call_is_whole(name):
     text, _ = REPLIES[name]
     cut = text.index('"days"') + 12  # inside the days list
-    parsed = PARSERS[name]().parse(text[:cut], final=False)
+    parsed = PARSERS[name.split("-")[0]]().parse(text[:cut], final=False)
     assert parsed.calls and parsed.calls[0].name == "get_weather"
     sent = streamed_arguments(parsed.calls[0])
     assert sent and WANT.startswith(sent)
@@ -133,6 +138,8 @@ def test_a_streamed_prefix_is_a_prefix_of_any_longer_object(partial):
         ("llama3_json", '{"name": "f", "parameters": {"a": 1}'),
         ("llama3_json", '{"title": "not a call"}'),
         ("mistral", "x[TOOL_CALLS][1, 2]"),
+        ("mistral", "x[TOOL_CALLS]f[ARGS]{broken"),
+        ("mistral", "x[TOOL_CALLS]f no args"),
         ("pythonic", "[print(1)] is code"),
         ("pythonic", "[f(*a)]"),
     ],
@@ -147,7 +154,7 @@ def test_calls_that_do_not_parse_are_content(name, text):
 @pytest.mark.parametrize("name", sorted(REPLIES))
 def test_plain_text_is_content_whole_and_streamed(name):
     text = "The answer is 42.\n  "
-    stream = ChatOutput(tools=PARSERS[name]()).choice()
+    stream = ChatOutput(tools=PARSERS[name.split("-")[0]]()).choice()
     sent = "".join(stream.feed(p, final=i == len(text) - 1).content for i, p in enumerate(text))
     assert sent == text and stream.message() == {"role": "assistant", "content": text}
 

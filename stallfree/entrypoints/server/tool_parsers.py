@@ -10,8 +10,9 @@ still grow is left out), so `streamed_arguments` can send a prefix that never ch
   one block per call, after any content;
 - `llama3_json` (Llama 3.1/3.2): the whole reply is `{"name": ..., "parameters": {...}}`, calls
   separated by `;`;
-- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after any content (the
-  marker is a special token: such a request keeps special tokens in its text);
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after any content, or the
+  v11 form `[TOOL_CALLS]name[ARGS]{...}` per call (the markers are special tokens: such a
+  request keeps special tokens in its text);
 - `pythonic` (Llama 3.2/4 pythonic, ToolACE): `[get_weather(city="Paris"), ...]`, whose call
   appears once the list is whole;
 - `json_array`: vLLM's form for a forced call (`tool_choice` required or named) with a parser
@@ -253,9 +254,36 @@ class _ArrayParser(ToolParser):
 
 
 class MistralParser(_ArrayParser):
+    """Both of Mistral's forms: `[TOOL_CALLS][{...}, ...]` (tokenizers before v11) and
+    `[TOOL_CALLS]name[ARGS]{...}`, one marker per call (v11 on: Mistral Small 3.2, Magistral)."""
+
     name = "mistral"
     marker = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
     keeps_special_tokens = True
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        start = text.find(self.marker)
+        if start < 0 or text[start + len(self.marker) :].lstrip().startswith("["):
+            return super().parse(text, final)
+        parts = text[start + len(self.marker) :].split(self.marker)
+        calls: list[CallDraft] = []
+        for i, part in enumerate(parts):
+            name, sep, args = part.partition(self.ARGS)
+            if not sep:  # the name may still grow, or the [ARGS] marker be on its way
+                if final:
+                    return Parsed(text)
+                break
+            try:
+                arguments, done = json.loads(args), True
+            except ValueError:
+                if final or i < len(parts) - 1:
+                    return Parsed(text)
+                arguments, done = _partial(args.strip()), False
+            if not isinstance(arguments, dict | None):
+                return Parsed(text) if final else Parsed(text[:start].rstrip(), calls)
+            calls.append(CallDraft(name.strip(), arguments, done))
+        return Parsed(text[:start].rstrip(), calls)
 
 
 class JsonArrayParser(_ArrayParser):
