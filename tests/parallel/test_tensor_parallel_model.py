@@ -6,19 +6,15 @@ and collective figures to a file that the test process compares.
 
 from __future__ import annotations
 
-import datetime
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from stallfree.runtime.model import LoadedModel, ModelLoadError, load_model
+from stallfree.runtime.model import ModelLoadError, load_model
 from stallfree.runtime.model.arch import ModelArchConfig
-from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.model.loader import check_tensor_parallel, read_arch
 from stallfree.runtime.model.parallel import (
     CommStats,
@@ -30,14 +26,17 @@ from stallfree.runtime.model.parallel import (
     validate_tp,
 )
 from tests.hf_models import hf_logits, make_llama, make_qwen2
-from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness
-from tests.process_util import leave_group
-
-ATOL = 1e-4
-TP = 2
-DECODE_STEPS = 3
-LOGIT_POSITIONS = [2, 15]  # extra prompt rows (prompt logprobs): A[2] and B[3]
-SPAWN_TIMEOUT_S = 120.0
+from tests.model_harness import CPU, PROMPT_A, PROMPT_B
+from tests.parallel.tp_harness import (
+    ATOL,
+    DECODE_STEPS,
+    LOGIT_POSITIONS,
+    TP,
+    param_shapes,
+    run_greedy,
+    spawn_ranks,
+)
+from tests.parallel.tp_harness import model_dirs as build_dirs
 
 # name -> (builder, overrides); 4 query heads everywhere
 CASES: dict[str, tuple[Any, dict[str, Any]]] = {
@@ -68,96 +67,41 @@ QUANTIZED_CASES = ("llama_kv2_obias", "llama_kv1_tied_odd")
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tp_models")
-    return {name: make(root / name, **dict(kw)) for name, (make, kw) in CASES.items()}
+    return build_dirs(CASES, tmp_path_factory.mktemp("tp_models"))
 
 
 # ---------------------------------------------------------------------------- the run
 
 
-def run_greedy(loaded: LoadedModel) -> dict[str, Any]:
-    """A batched prefill of A and B (with extra prompt rows), then greedy decode steps."""
-    h = Harness(loaded.model, num_slots=256, max_context=128, kv_shape=loaded.kv_cache_shape())
-    steps = [h.run(ForwardMode.EXTEND, [(0, PROMPT_A), (1, PROMPT_B)], LOGIT_POSITIONS)]
-    tokens: list[list[int]] = [[], []]
-    for _ in range(DECODE_STEPS):
-        nxt = steps[-1][:2].argmax(-1).tolist()
-        for row, t in enumerate(nxt):
-            tokens[row].append(t)
-        steps.append(h.run(ForwardMode.DECODE, [(0, [nxt[0]]), (1, [nxt[1]])]))
-    for row, t in enumerate(steps[-1].argmax(-1).tolist()):
-        tokens[row].append(t)
-    return {"logits": steps, "tokens": tokens}
-
-
-def param_shapes(loaded: LoadedModel) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(p.shape) for name, p in loaded.model.named_parameters()}
-
-
-def _rank_main(rank: int, port: int, dirs: dict[str, str], out: str) -> None:
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=TP,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        tp = TPGroup.from_distributed()
-        results: dict[str, Any] = {}
-        for name, path in dirs.items():
-            before = tp.stats.snapshot()
-            loaded = load_model(path, "float32", CPU, 0, tp=tp)
-            run = run_greedy(loaded)
-            run["shapes"] = param_shapes(loaded)
-            run["comm"] = tp.stats.delta(before).as_dict()
-            run["kv_heads"] = loaded.local_num_kv_heads
-            results[name] = run
-        for name in QUANTIZED_CASES:
-            # fused q/k/v and gate/up, then int8, on this rank's shards
-            loaded = load_model(dirs[name], "float32", CPU, 0, tp=tp, quantization="int8")
-            run = run_greedy(loaded)
-            layer = loaded.model.model.layers[0]
-            run["kinds"] = [
-                type(m).__name__
-                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj)
-            ]
-            results[f"{name}:int8"] = run
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_group()  # saved: exit 0 without a teardown that can abort
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _work(tp: TPGroup, dirs: dict[str, str]) -> dict[str, Any]:
+    """On each rank: every case's greedy run, shard shapes, collective figures and local KV
+    heads; the quantized cases fused and int8 on this rank's shards."""
+    results: dict[str, Any] = {}
+    for name, path in dirs.items():
+        before = tp.stats.snapshot()
+        loaded = load_model(path, "float32", CPU, 0, tp=tp)
+        run = run_greedy(loaded)
+        run["shapes"] = param_shapes(loaded)
+        run["comm"] = tp.stats.delta(before).as_dict()
+        run["kv_heads"] = loaded.local_num_kv_heads
+        results[name] = run
+    for name in QUANTIZED_CASES:
+        loaded = load_model(dirs[name], "float32", CPU, 0, tp=tp, quantization="int8")
+        run = run_greedy(loaded)
+        layer = loaded.model.model.layers[0]
+        run["kinds"] = [
+            type(m).__name__
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj)
+        ]
+        results[f"{name}:int8"] = run
+    return results
 
 
 @pytest.fixture(scope="module")
 def tp_runs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     """Each rank's results for every case (and the tiny preset), from one spawn."""
-    out = tmp_path_factory.mktemp("tp_out")
     dirs = {name: str(path) for name, path in model_dirs.items()} | {"tiny": "tiny"}
-    ctx = mp.spawn(_rank_main, args=(_free_port(), dirs, str(out)), nprocs=TP, join=False)
-    try:
-        import time
-
-        deadline = time.monotonic() + SPAWN_TIMEOUT_S
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"tensor-parallel ranks did not finish within {SPAWN_TIMEOUT_S} s")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return [torch.load(out / f"rank{r}.pt") for r in range(TP)]
+    return spawn_ranks(_work, dirs, tmp_path_factory.mktemp("tp_out"))
 
 
 # ---------------------------------------------------------------------------- tests

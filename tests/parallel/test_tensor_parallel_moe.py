@@ -4,25 +4,25 @@ against tp_size=1 and transformers; each expert's intermediate size split like t
 
 from __future__ import annotations
 
-import datetime
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from stallfree.runtime.model import load_model
 from stallfree.runtime.model.parallel import TPGroup, shard_spec
-from tests.hf_models import hf_logits, make_mixtral, make_qwen2_moe, make_qwen3_moe
-from tests.model_harness import CPU, PROMPT_A, PROMPT_B
-from tests.parallel.test_tensor_parallel_model import _free_port, run_greedy
-from tests.process_util import leave_group
+from tests.hf_models import make_mixtral, make_qwen2_moe, make_qwen3_moe
+from tests.model_harness import CPU
+from tests.parallel.tp_harness import (
+    TP,
+    assert_matches_tp1,
+    greedy_and_shapes,
+    model_dirs,
+    run_greedy,
+    spawn_ranks,
+)
 
-TP = 2
-ATOL = 1e-4
-SPAWN_TIMEOUT_S = 120.0
 CASES: dict[str, tuple[Any, dict[str, Any]]] = {
     "mixtral": (make_mixtral, {}),
     # odd expert and shared-expert sizes: the last rank's shards are zero-padded
@@ -36,87 +36,34 @@ QUANTIZED = "qwen2_moe_odd"
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tp_moe")
-    return {name: make(root / name, **dict(kw)) for name, (make, kw) in CASES.items()}
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return model_dirs(CASES, tmp_path_factory.mktemp("tp_moe"))
 
 
-def _rank_main(rank: int, port: int, dirs: dict[str, str], out: str) -> None:
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=TP,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        tp = TPGroup.from_distributed()
-        results: dict[str, Any] = {}
-        for name, path in dirs.items():
-            loaded = load_model(path, "float32", CPU, 0, tp=tp)
-            results[name] = run_greedy(loaded)
-            results[name]["shapes"] = {
-                n: tuple(p.shape) for n, p in loaded.model.named_parameters()
-            }
-        loaded = load_model(dirs[QUANTIZED], "float32", CPU, 0, tp=tp, quantization="int8")
-        results[f"{QUANTIZED}:int8"] = run_greedy(loaded)
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_group()  # saved: exit 0 without a teardown that can abort
+def _work(tp: TPGroup, paths: dict[str, str]) -> dict[str, Any]:
+    """Every case's greedy run and shard shapes, and the quantized case's int8 run."""
+    loaded = load_model(paths[QUANTIZED], "float32", CPU, 0, tp=tp, quantization="int8")
+    return greedy_and_shapes(tp, paths) | {f"{QUANTIZED}:int8": run_greedy(loaded)}
 
 
 @pytest.fixture(scope="module")
-def tp_runs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
-    out = tmp_path_factory.mktemp("tp_moe_out")
-    dirs = {name: str(path) for name, path in model_dirs.items()}
-    ctx = mp.spawn(_rank_main, args=(_free_port(), dirs, str(out)), nprocs=TP, join=False)
-    try:
-        deadline = time.monotonic() + SPAWN_TIMEOUT_S
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"tensor-parallel ranks did not finish within {SPAWN_TIMEOUT_S} s")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return [torch.load(out / f"rank{r}.pt") for r in range(TP)]
+def tp_runs(dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    paths = {name: str(path) for name, path in dirs.items()}
+    return spawn_ranks(_work, paths, tmp_path_factory.mktemp("tp_moe_out"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp2_matches_tp1_and_transformers(
-    name: str, tp_runs: list[Any], model_dirs: dict[str, Path]
+    name: str, tp_runs: list[Any], dirs: dict[str, Path]
 ) -> None:
-    single = run_greedy(load_model(str(model_dirs[name]), "float32", CPU, 0))
-    for rank in range(TP):
-        run = tp_runs[rank][name]
-        assert run["tokens"] == single["tokens"]
-        for got, want in zip(run["logits"], single["logits"], strict=True):
-            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-    if name == "qwen2_moe_odd":
-        return  # transformers' grouped experts refuse a 33-wide expert (16-byte strides)
-    prefill = tp_runs[0][name]["logits"][0]
-    torch.testing.assert_close(
-        prefill[0], hf_logits(model_dirs[name], PROMPT_A)[-1], atol=ATOL, rtol=0
-    )
-    torch.testing.assert_close(
-        prefill[1], hf_logits(model_dirs[name], PROMPT_B)[-1], atol=ATOL, rtol=0
-    )
+    # transformers' grouped experts refuse a 33-wide expert (16-byte strides): tp 1 only
+    assert_matches_tp1(tp_runs, name, dirs[name], hf=name != "qwen2_moe_odd")
 
 
 @pytest.mark.slow
-def test_tp2_quantized_experts_are_close_to_tp1(
-    tp_runs: list[Any], model_dirs: dict[str, Path]
-) -> None:
-    single = run_greedy(
-        load_model(str(model_dirs[QUANTIZED]), "float32", CPU, 0, quantization="int8")
-    )
+def test_tp2_quantized_experts_are_close_to_tp1(tp_runs: list[Any], dirs: dict[str, Path]) -> None:
+    single = run_greedy(load_model(str(dirs[QUANTIZED]), "float32", CPU, 0, quantization="int8"))
     # each rank quantizes its shard: the experts' down projections with a scale per half row
     # (of 17 and 16 columns), so the sizes agree to quantization noise, not bit for bit
     got = tp_runs[0][f"{QUANTIZED}:int8"]["logits"][0]
@@ -145,31 +92,29 @@ def test_rank_shards_are_expert_slices(tp_runs: list[Any]) -> None:
     assert shapes["model.layers.1.mlp.gate_proj.weight"] == (64, 64)  # dense layer: 128 / 2
 
 
-def test_shard_specs_use_each_mlps_width(model_dirs: dict[str, Path]) -> None:
-    arch = load_model(str(model_dirs["qwen2_moe_odd"]), "float32", CPU, 0).arch
+def test_shard_specs_use_each_mlps_width(dirs: dict[str, Path]) -> None:
+    arch = load_model(str(dirs["qwen2_moe_odd"]), "float32", CPU, 0).arch
     spec = shard_spec("model.layers.0.mlp.experts.1.up_proj.weight", arch, 1, TP)
     assert spec is not None and (spec.dim, spec.start, spec.end, spec.length) == (0, 17, 33, 17)
     spec = shard_spec("model.layers.0.mlp.shared_expert.down_proj.weight", arch, 1, TP)
     assert spec is not None and (spec.dim, spec.start, spec.end, spec.length) == (1, 48, 95, 48)
     assert shard_spec("model.layers.0.mlp.shared_expert_gate.weight", arch, 1, TP) is None
     assert shard_spec("model.layers.0.mlp.gate.weight", arch, 1, TP) is None
-    mixtral = load_model(str(model_dirs["mixtral"]), "float32", CPU, 0).arch
+    mixtral = load_model(str(dirs["mixtral"]), "float32", CPU, 0).arch
     spec = shard_spec("model.layers.0.block_sparse_moe.experts.0.w2.weight", mixtral, 0, TP)
     assert spec is not None and (spec.dim, spec.start, spec.end) == (1, 0, 24)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
-async def test_engine_tp2_greedy_equals_transformers(
-    model_dirs: dict[str, Path], overlap: bool
-) -> None:
+async def test_engine_tp2_greedy_equals_transformers(dirs: dict[str, Path], overlap: bool) -> None:
     """Two worker processes (gloo) under chunked prefill and retraction, with the read guard."""
     from stallfree import Engine
     from tests.engine_util import engine_config, guarded, random_prompts, run_greedy
     from tests.hf_models import hf_greedy
     from tests.parallel.test_tensor_parallel_engine import STRESSED
 
-    path = model_dirs["qwen3_moe_kv1"]
+    path = dirs["qwen3_moe_kv1"]
     prompts = random_prompts(4, seed=21, lo=4, hi=28)
     cfg = engine_config(
         str(path),

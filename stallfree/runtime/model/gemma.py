@@ -32,7 +32,6 @@ from stallfree.runtime.model.llama import (
     LlamaMLP,
     LlamaModel,
     RMSNorm,
-    VocabParallelEmbedding,
     _row_parallel,
 )
 from stallfree.runtime.model.parallel import TPGroup
@@ -139,22 +138,12 @@ class GemmaRotary(RotaryEmbedding):
 
 
 class GemmaModel(LlamaModel):
-    def __init__(self, arch: ModelArchConfig, tp: TPGroup, **factory: Any) -> None:
-        nn.Module.__init__(self)
-        self.embed_tokens: nn.Embedding
-        if tp.size == 1:
-            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, **factory)
-        else:
-            self.embed_tokens = VocabParallelEmbedding(
-                arch.vocab_size, arch.hidden_size, tp, **factory
-            )
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(arch, i, tp, **factory) for i in range(arch.num_layers)
-        )
-        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, **factory)
-        self.rotary_emb = (
-            GemmaRotary(arch) if arch.rope_local_theta is not None else RotaryEmbedding(arch)
-        )
+    layer_cls = GemmaDecoderLayer
+    norm_cls = GemmaRMSNorm
+
+    @staticmethod
+    def rotary(arch: ModelArchConfig) -> RotaryEmbedding:
+        return GemmaRotary(arch) if arch.rope_local_theta is not None else RotaryEmbedding(arch)
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

@@ -217,6 +217,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # a family's own layers and final norm (gemma.py)
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    norm_cls: type[RMSNorm] = RMSNorm
+
     def __init__(self, arch: ModelArchConfig, tp: TPGroup, **factory: Any) -> None:
         super().__init__()
         self.embed_tokens: nn.Embedding
@@ -227,10 +231,14 @@ class LlamaModel(nn.Module):
                 arch.vocab_size, arch.hidden_size, tp, **factory
             )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, i, tp, **factory) for i in range(arch.num_layers)
+            self.layer_cls(arch, i, tp, **factory) for i in range(arch.num_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **factory)
-        self.rotary_emb = RotaryEmbedding(arch)
+        self.norm = self.norm_cls(arch.hidden_size, arch.rms_norm_eps, **factory)
+        self.rotary_emb = self.rotary(arch)
+
+    @staticmethod
+    def rotary(arch: ModelArchConfig) -> RotaryEmbedding:
+        return RotaryEmbedding(arch)
 
 
 class LlamaForCausalLM(nn.Module):
