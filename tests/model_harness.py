@@ -4,6 +4,7 @@ no scheduler. Used by the model, GGUF and tensor-parallel tests."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import torch
 
@@ -82,3 +83,26 @@ class Harness:
         logit_positions: list[int] | None = None,
     ) -> torch.Tensor:
         return self.model(self.batch(mode, reqs, logit_positions))
+
+
+def check_chunked_prefill_then_decode(
+    model: torch.nn.Module, model_dir: Path, steps: int = 3, atol: float = 1e-4
+) -> None:
+    """`model` against transformers on the checkpoint `model_dir`: A's prompt in two chunks
+    (slots 2 and 0: request slots need not be in order) beside B's whole prompt, then `steps`
+    greedy decode steps of both; every row's logits within `atol`, and the greedy tokens."""
+    from tests.hf_models import hf_greedy, hf_logits
+
+    h = Harness(model)
+    gen_a, gen_b = hf_greedy(model_dir, PROMPT_A, steps), hf_greedy(model_dir, PROMPT_B, steps)
+    ref_a, ref_b = hf_logits(model_dir, PROMPT_A + gen_a), hf_logits(model_dir, PROMPT_B + gen_b)
+    first = h.run(ForwardMode.EXTEND, [(2, PROMPT_A[:7]), (0, PROMPT_B)])
+    torch.testing.assert_close(first[0], ref_a[6], atol=atol, rtol=0)
+    torch.testing.assert_close(first[1], ref_b[8], atol=atol, rtol=0)
+    second = h.run(ForwardMode.EXTEND, [(2, PROMPT_A[7:])])
+    torch.testing.assert_close(second[0], ref_a[11], atol=atol, rtol=0)
+    assert int(second[0].argmax()) == gen_a[0] and int(first[1].argmax()) == gen_b[0]
+    for step in range(steps):
+        out = h.run(ForwardMode.DECODE, [(2, [gen_a[step]]), (0, [gen_b[step]])])
+        torch.testing.assert_close(out[0], ref_a[12 + step], atol=atol, rtol=0)
+        torch.testing.assert_close(out[1], ref_b[9 + step], atol=atol, rtol=0)

@@ -30,11 +30,16 @@ def config_table() -> str:
 START, END = "<!-- config-table:start -->", "<!-- config-table:end -->"
 
 
-def update_readme(path: Path) -> None:
+def write_between(path: Path, start: str, end: str, body: str) -> None:
+    """Replace what `path` holds between the marker lines `start` and `end` with `body`."""
     text = path.read_text()
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{START}\n{config_table()}\n{END}{tail}")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{start}\n{body}\n{end}{tail}")
+
+
+def update_readme(path: Path) -> None:
+    write_between(path, START, END, config_table())
 
 
 if __name__ == "__main__":

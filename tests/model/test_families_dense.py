@@ -18,7 +18,7 @@ from stallfree.runtime.model.parallel import TPGroup
 from stallfree.runtime.model.rope import rope_attention_factor, rope_inv_freq
 from tests.engine_util import MODES, engine_config, guarded, random_prompts, run_greedy
 from tests.hf_models import hf_greedy, hf_logits, make_llama, make_phi3, make_qwen2, make_qwen3
-from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness
+from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness, check_chunked_prefill_then_decode
 
 ATOL = 1e-4
 HEAD_DIM = 16  # Phi-3's and Llama's tiny heads (Qwen3's are 32)
@@ -183,18 +183,7 @@ def test_single_extend_matches_hf(dirs: dict[str, Path], name: str) -> None:
 @pytest.mark.parametrize("name", ["qwen3", "phi3-longrope", "qwen3-yarn", "llama-dynamic"])
 def test_chunked_prefill_then_decode_matches_hf(dirs: dict[str, Path], name: str) -> None:
     model_dir = dirs[name]
-    h = Harness(_ours(model_dir))
-    gen_a, gen_b = hf_greedy(model_dir, PROMPT_A, 3), hf_greedy(model_dir, PROMPT_B, 3)
-    ref_a, ref_b = hf_logits(model_dir, PROMPT_A + gen_a), hf_logits(model_dir, PROMPT_B + gen_b)
-    first = h.run(ForwardMode.EXTEND, [(2, PROMPT_A[:7]), (0, PROMPT_B)])
-    torch.testing.assert_close(first[0], ref_a[6], atol=ATOL, rtol=0)
-    torch.testing.assert_close(first[1], ref_b[8], atol=ATOL, rtol=0)
-    second = h.run(ForwardMode.EXTEND, [(2, PROMPT_A[7:])])
-    torch.testing.assert_close(second[0], ref_a[11], atol=ATOL, rtol=0)
-    for step in range(3):
-        out = h.run(ForwardMode.DECODE, [(2, [gen_a[step]]), (0, [gen_b[step]])])
-        torch.testing.assert_close(out[0], ref_a[12 + step], atol=ATOL, rtol=0)
-        torch.testing.assert_close(out[1], ref_b[9 + step], atol=ATOL, rtol=0)
+    check_chunked_prefill_then_decode(_ours(model_dir), model_dir, steps=3)
 
 
 def test_fused_and_quantized_match_hf(dirs: dict[str, Path]) -> None:

@@ -26,7 +26,7 @@ from tests.hf_models import (
     make_gemma2,
     make_gemma3,
 )
-from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness
+from tests.model_harness import CPU, PROMPT_A, Harness, check_chunked_prefill_then_decode
 
 ATOL = 1e-4
 NAMES = ["gemma2", "gemma3"]
@@ -55,19 +55,7 @@ def test_single_extend_matches_hf(gemma_dirs: dict[str, Path], name: str) -> Non
 def test_chunked_prefill_then_decode_matches_hf(gemma_dirs: dict[str, Path], name: str) -> None:
     """Chunks and decode steps past the window of 4, sliding and full layers alternating."""
     model_dir = gemma_dirs[name]
-    h = Harness(_ours(model_dir))
-    gen_a, gen_b = hf_greedy(model_dir, PROMPT_A, 4), hf_greedy(model_dir, PROMPT_B, 4)
-    ref_a, ref_b = hf_logits(model_dir, PROMPT_A + gen_a), hf_logits(model_dir, PROMPT_B + gen_b)
-    first = h.run(ForwardMode.EXTEND, [(2, PROMPT_A[:7]), (0, PROMPT_B)])
-    torch.testing.assert_close(first[0], ref_a[6], atol=ATOL, rtol=0)
-    torch.testing.assert_close(first[1], ref_b[8], atol=ATOL, rtol=0)
-    second = h.run(ForwardMode.EXTEND, [(2, PROMPT_A[7:])])
-    torch.testing.assert_close(second[0], ref_a[11], atol=ATOL, rtol=0)
-    assert int(second[0].argmax()) == gen_a[0] and int(first[1].argmax()) == gen_b[0]
-    for step in range(4):
-        out = h.run(ForwardMode.DECODE, [(2, [gen_a[step]]), (0, [gen_b[step]])])
-        torch.testing.assert_close(out[0], ref_a[12 + step], atol=ATOL, rtol=0)
-        torch.testing.assert_close(out[1], ref_b[9 + step], atol=ATOL, rtol=0)
+    check_chunked_prefill_then_decode(_ours(model_dir), model_dir, steps=4)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -20,7 +20,7 @@ from stallfree.runtime.model import (
 )
 from stallfree.runtime.model.forward_batch import ForwardMode
 from tests.hf_models import hf_greedy, hf_logits, make_llama, make_mistral, make_qwen2
-from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness
+from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness, check_chunked_prefill_then_decode
 
 ATOL = 1e-4
 
@@ -70,20 +70,7 @@ def test_single_extend_matches_hf(hf_dirs: dict[str, Path], name: str) -> None:
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
 def test_chunked_prefill_then_decode_matches_hf(hf_dirs: dict[str, Path], name: str) -> None:
     model_dir = hf_dirs[name]
-    h = Harness(_ours(model_dir))
-    gen_a, gen_b = hf_greedy(model_dir, PROMPT_A, 3), hf_greedy(model_dir, PROMPT_B, 3)
-    ref_a, ref_b = hf_logits(model_dir, PROMPT_A + gen_a), hf_logits(model_dir, PROMPT_B + gen_b)
-    # Row 2 and row 0: request slots need not be in order.
-    first = h.run(ForwardMode.EXTEND, [(2, PROMPT_A[:7]), (0, PROMPT_B)])
-    torch.testing.assert_close(first[0], ref_a[6], atol=ATOL, rtol=0)
-    torch.testing.assert_close(first[1], ref_b[8], atol=ATOL, rtol=0)
-    second = h.run(ForwardMode.EXTEND, [(2, PROMPT_A[7:])])
-    torch.testing.assert_close(second[0], ref_a[11], atol=ATOL, rtol=0)
-    assert int(second[0].argmax()) == gen_a[0] and int(first[1].argmax()) == gen_b[0]
-    for step in range(3):
-        out = h.run(ForwardMode.DECODE, [(2, [gen_a[step]]), (0, [gen_b[step]])])
-        torch.testing.assert_close(out[0], ref_a[12 + step], atol=ATOL, rtol=0)
-        torch.testing.assert_close(out[1], ref_b[9 + step], atol=ATOL, rtol=0)
+    check_chunked_prefill_then_decode(_ours(model_dir), model_dir, steps=3)
 
 
 def test_hf_greedy_is_exact_length(hf_dirs: dict[str, Path]) -> None:

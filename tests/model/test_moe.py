@@ -27,7 +27,7 @@ from tests.hf_models import (
     make_qwen2_moe,
     make_qwen3_moe,
 )
-from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness
+from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness, check_chunked_prefill_then_decode
 
 ATOL = 1e-4
 NAMES = ["mixtral", "qwen2_moe", "qwen3_moe"]
@@ -178,18 +178,7 @@ def test_single_extend_matches_hf(hf_dirs: dict[str, Path], name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_chunked_prefill_then_decode_matches_hf(hf_dirs: dict[str, Path], name: str) -> None:
     model_dir = hf_dirs[name]
-    h = Harness(_ours(model_dir))
-    gen_a, gen_b = hf_greedy(model_dir, PROMPT_A, 3), hf_greedy(model_dir, PROMPT_B, 3)
-    ref_a, ref_b = hf_logits(model_dir, PROMPT_A + gen_a), hf_logits(model_dir, PROMPT_B + gen_b)
-    first = h.run(ForwardMode.EXTEND, [(2, PROMPT_A[:7]), (0, PROMPT_B)])
-    torch.testing.assert_close(first[0], ref_a[6], atol=ATOL, rtol=0)
-    torch.testing.assert_close(first[1], ref_b[8], atol=ATOL, rtol=0)
-    second = h.run(ForwardMode.EXTEND, [(2, PROMPT_A[7:])])
-    torch.testing.assert_close(second[0], ref_a[11], atol=ATOL, rtol=0)
-    for step in range(3):
-        out = h.run(ForwardMode.DECODE, [(2, [gen_a[step]]), (0, [gen_b[step]])])
-        torch.testing.assert_close(out[0], ref_a[12 + step], atol=ATOL, rtol=0)
-        torch.testing.assert_close(out[1], ref_b[9 + step], atol=ATOL, rtol=0)
+    check_chunked_prefill_then_decode(_ours(model_dir), model_dir, steps=3)
 
 
 def test_tensor_parallel_is_checked_before_loading(

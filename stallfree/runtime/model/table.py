@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from stallfree.config.doc import write_between
 from stallfree.runtime.model.arch import FAMILIES
 
 START, END = "<!-- models-table:start -->", "<!-- models-table:end -->"
@@ -37,10 +38,7 @@ def models_table() -> str:
 
 
 def update_readme(path: Path) -> None:
-    text = path.read_text()
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{START}\n{models_table()}\n{END}{tail}")
+    write_between(path, START, END, models_table())
 
 
 if __name__ == "__main__":
