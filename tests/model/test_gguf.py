@@ -41,7 +41,7 @@ _LAYER_NAMES = {
 }
 
 
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """What llama.cpp's converter does to Q and K: each head's two halves interleaved."""
     head_dim = w.shape[0] // n_head
     return w.reshape(n_head, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -57,6 +57,27 @@ def _gguf_name(hf_name: str) -> str:
         return top[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     return f"blk.{layer}.{_LAYER_NAMES[rest]}"
+
+
+def add_byte_level_tokenizer(writer: Any, tok: dict[str, Any], vocab_size: int) -> dict[str, int]:
+    """The `tokenizer.json` `tok` (byte-level BPE) as llama.cpp's metadata; its vocabulary."""
+    vocab: dict[str, int] = dict(tok["model"]["vocab"])
+    for added in tok["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    # llama.cpp pads the list to the model's vocab_size with unused placeholders
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
+    specials = {a["content"] for a in tok["added_tokens"] if a["special"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [3 if t in specials else 5 if t.startswith("[PAD") else 1 for t in tokens]
+    )
+    writer.add_token_merges(
+        [" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]]
+    )
+    return vocab
 
 
 def write_gguf(
@@ -76,13 +97,6 @@ def write_gguf(
     cfg = json.loads((model_dir / "config.json").read_text())
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     tok_cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
-    vocab: dict[str, int] = dict(tok["model"]["vocab"])
-    for added in tok["added_tokens"]:
-        vocab[added["content"]] = added["id"]
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    # llama.cpp pads the list to the model's vocab_size with unused placeholders
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])]
-    specials = {a["content"] for a in tok["added_tokens"] if a["special"]}
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -103,15 +117,7 @@ def write_gguf(
     writer.add_rope_freq_base(rope.get("rope_theta") or cfg.get("rope_theta", 10000.0))
     _write_rope_scaling(writer, cfg, rope)
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(
-        [3 if t in specials else 5 if t.startswith("[PAD") else 1 for t in tokens]
-    )
-    writer.add_token_merges(
-        [" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]]
-    )
+    vocab = add_byte_level_tokenizer(writer, tok, cfg["vocab_size"])
     writer.add_bos_token_id(vocab[tok_cfg["bos_token"]])
     writer.add_eos_token_id(vocab[tok_cfg["eos_token"]])
     writer.add_add_bos_token(add_bos)
@@ -121,9 +127,9 @@ def write_gguf(
             continue
         w = tensor.float().numpy()
         if arch == "llama" and name.endswith("q_proj.weight"):
-            w = _llama_cpp_permute(w, heads)
+            w = llama_cpp_permute(w, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
-            w = _llama_cpp_permute(w, kv_heads)
+            w = llama_cpp_permute(w, kv_heads)
         gguf_name = (
             _gguf_name(name) if arch == "llama" else names.get_name(name, (".weight", ".bias"))
         )
@@ -300,9 +306,9 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
         load_model(str(path), "auto", CPU, 0)
 
 
-def test_unpermute_inverts_llama_cpp_permute() -> None:
+def test_unpermute_invertsllama_cpp_permute() -> None:
     w = np.arange(6 * 16 * 3, dtype=np.float32).reshape(6 * 16, 3)
-    back = gguf_module._unpermute(torch.from_numpy(_llama_cpp_permute(w, 6)), 6)
+    back = gguf_module._unpermute(torch.from_numpy(llama_cpp_permute(w, 6)), 6)
     assert torch.equal(back, torch.from_numpy(w))
 
 

@@ -24,6 +24,8 @@ from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness
 
 gguf = pytest.importorskip("gguf", reason="pip install 'stallfree[gguf]'")
 
+from tests.model.test_gguf import add_byte_level_tokenizer, llama_cpp_permute  # noqa: E402
+
 # HF expert projection -> the gguf package's stacked-expert tensor
 _STACKED = {
     "w1": "FFN_GATE_EXP",
@@ -35,22 +37,10 @@ _STACKED = {
 }
 
 
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's Q/K row order for `llama` files (each head's halves interleaved)."""
-    head_dim = w.shape[0] // n_head
-    return w.reshape(n_head, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def write_moe_gguf(model_dir: Path, out: Path, arch: str, layer_type: str = "F32") -> Path:
     """A GGUF of the HF MoE model in `model_dir`; `layer_type` for the attention projections."""
     cfg = json.loads((model_dir / "config.json").read_text())
     tok = json.loads((model_dir / "tokenizer.json").read_text())
-    vocab: dict[str, int] = dict(tok["model"]["vocab"])
-    for added in tok["added_tokens"]:
-        vocab[added["content"]] = added["id"]
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])]
-    specials = {a["content"] for a in tok["added_tokens"] if a["special"]}
     heads, kv_heads, layers = (
         cfg["num_attention_heads"],
         cfg["num_key_value_heads"],
@@ -81,15 +71,7 @@ def write_moe_gguf(model_dir: Path, out: Path, arch: str, layer_type: str = "F32
         writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if cfg.get("shared_expert_intermediate_size"):
         writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(
-        [3 if t in specials else 5 if t.startswith("[PAD") else 1 for t in tokens]
-    )
-    writer.add_token_merges(
-        [" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]]
-    )
+    vocab = add_byte_level_tokenizer(writer, tok, cfg["vocab_size"])
     writer.add_bos_token_id(vocab["<s>"])
     writer.add_eos_token_id(vocab["</s>"])
     writer.add_add_bos_token(False)
@@ -101,9 +83,9 @@ def write_moe_gguf(model_dir: Path, out: Path, arch: str, layer_type: str = "F32
             stacked.setdefault((int(parts[2]), parts[6]), {})[int(parts[5])] = w
             continue
         if arch == "llama" and name.endswith("q_proj.weight"):
-            w = _permute(w, heads)
+            w = llama_cpp_permute(w, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
-            w = _permute(w, kv_heads)
+            w = llama_cpp_permute(w, kv_heads)
         gguf_name = names.get_name(name, (".weight", ".bias"))
         assert gguf_name is not None, name
         if name.endswith("shared_expert_gate.weight"):
