@@ -27,11 +27,11 @@ from stallfree.entrypoints.server.logprobs import (
 )
 from stallfree.entrypoints.server.openai_api import (
     Usage,
-    _include_usage,
-    _open,
-    _respond,
-    _taken,
+    open_request,
     openai_finish_reason,
+    respond_answer,
+    taken,
+    wants_usage,
 )
 from stallfree.entrypoints.server.protocol import ChatCompletionRequest
 from stallfree.entrypoints.server.requests import (
@@ -125,7 +125,7 @@ class _ChatAnswer:
 
     def _choices(self, results: list[Result]) -> Iterator[dict[str, Any]]:
         """Each choice as `ChatChoice.model_dump()` gives it."""
-        for i, r in _taken(results):
+        for i, r in taken(results):
             logprobs = (
                 None
                 if self.pieces is None
@@ -157,7 +157,7 @@ class _ChatAnswer:
 
 async def chat(request: Request) -> Response:
     body = await read_body(request, ChatCompletionRequest)
-    state = _open(body, request)
+    state = open_request(body, request)
     engine, n, limits = state.engine, body.n, state.limits
     check_chat_size(body, limits)
     plan = plan_chat(body, limits)
@@ -197,11 +197,11 @@ async def chat(request: Request) -> Response:
         n,
         pieces,
         body.top_logprobs or 0,
-        _include_usage(body),
+        wants_usage(body),
         plan.output,
         SharedPromptLogprobs.of(engine.tokenizer, body.prompt_logprobs, [ids]),
     )
     rids = [f"{rid}-{i}" for i in range(n)]
     generation = await Generation.admit(ctx, [ids] * n, params, rids)
     state.observe_params(n, most)
-    return await _respond(request, generation, body.stream, answer)
+    return await respond_answer(request, generation, body.stream, answer)

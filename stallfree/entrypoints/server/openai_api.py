@@ -96,7 +96,7 @@ class Answer(Protocol):
     def body(self, results: list[Result]) -> list[bytes]: ...
 
 
-def _open(body: CompletionRequest | ChatCompletionRequest, request: Request) -> ServerState:
+def open_request(body: CompletionRequest | ChatCompletionRequest, request: Request) -> ServerState:
     """What both OpenAI routes check first: the model name and the unsupported fields."""
     state = server_state(request)
     check_model(state.model_name, body.model)
@@ -104,11 +104,11 @@ def _open(body: CompletionRequest | ChatCompletionRequest, request: Request) -> 
     return state
 
 
-def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
+def wants_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
-async def _respond(
+async def respond_answer(
     request: Request,
     generation: Generation,
     stream: bool,
@@ -130,7 +130,7 @@ async def _respond(
     return PiecesResponse(pieces)
 
 
-def _taken(results: list[Result]) -> Iterator[tuple[int, Result]]:
+def taken(results: list[Result]) -> Iterator[tuple[int, Result]]:
     """`results` with their indexes, each let go (the list emptied) as it is taken."""
     left = collections.deque(results)
     results.clear()
@@ -259,7 +259,7 @@ class _CompletionAnswer:
 
     def _choices(self, results: list[Result]) -> Iterator[dict[str, Any]]:
         """Each choice as `CompletionChoice.model_dump()` gives it."""
-        for i, r in _taken(results):
+        for i, r in taken(results):
             text = r.text if self.echoed is None else self.echoed[i // self.n] + r.text
             if self.echoes_logprobs and i % self.n == 0:
                 self.echo_part(i // self.n, r.prompt_logprobs)
@@ -286,7 +286,7 @@ class _CompletionAnswer:
 
 async def completions(request: Request) -> Response:
     body = await read_body(request, CompletionRequest)
-    state = _open(body, request)
+    state = open_request(body, request)
     engine, n, limits = state.engine, body.n, state.limits
     max_tokens = body.max_tokens or 16
     with converting():
@@ -318,9 +318,7 @@ async def completions(request: Request) -> Response:
     if state.disagg is not None:
         ctx.source = state.disagg.source(body)
     rid = f"cmpl-{ctx.request_id}"
-    answer = _CompletionAnswer(
-        rid, state.model_name, prompts, n, echoed, pieces, _include_usage(body)
-    )
+    answer = _CompletionAnswer(rid, state.model_name, prompts, n, echoed, pieces, wants_usage(body))
     answer.echo_k = body.logprobs or 0
     answer.prompt_logprobs = SharedPromptLogprobs.of(
         engine.tokenizer, body.prompt_logprobs, prompts
@@ -330,7 +328,7 @@ async def completions(request: Request) -> Response:
     rids = [f"{rid}-{i}" for i in range(len(fanned))]
     generation = await Generation.admit(ctx, fanned, each, rids)
     state.observe_params(n, max_tokens)
-    return await _respond(request, generation, body.stream, answer)
+    return await respond_answer(request, generation, body.stream, answer)
 
 
 def _prompt_texts(

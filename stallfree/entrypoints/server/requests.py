@@ -156,12 +156,13 @@ def sampling_params(
         "logit_bias": _logit_bias(body.logit_bias),
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
-        "structured_outputs": openai_structured(body),
         "bad_words": list(body.bad_words or []),
         "skip_special_tokens": body.skip_special_tokens,
         "spaces_between_special_tokens": body.spaces_between_special_tokens,
     }
     fields |= overrides or {}
+    if "structured_outputs" not in fields:  # a chat's plan may have put its own
+        fields["structured_outputs"] = openai_structured(body)
     try:
         first = SamplingParams(**fields, seed=body.seed)
         return [first] + [
