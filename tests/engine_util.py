@@ -6,6 +6,7 @@ import asyncio
 import random
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -56,6 +57,32 @@ async def run_greedy(
     for r in results:
         assert r.error is None, r.error
     return [r.token_ids for r in results]
+
+
+@dataclass
+class GreedyRun:
+    outputs: list[list[int]]
+    counters: Any  # EngineCounters
+    monitor: Any  # the engine's SyncMonitor
+
+
+async def greedy_in_mode(
+    model_path: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    overlap: bool,
+    mirrors: bool,
+    **sections: dict[str, Any],
+) -> GreedyRun:
+    """Greedy outputs of `prompts` on an engine in one overlap x mirrors mode (strict with
+    mirrors), every mode under the read guard; every pool is back to full once it drains."""
+    runtime = {"overlap": overlap, "cpu_mirrors": mirrors, "strict": mirrors}
+    cfg = engine_config(model_path, runtime=runtime | sections.pop("runtime", {}), **sections)
+    async with guarded(Engine(cfg)) as engine:
+        outputs = await run_greedy(engine, prompts, max_new_tokens)
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free
+        return GreedyRun(outputs, engine.snapshot().counters, engine.core.monitor)
 
 
 async def settle(engine: Engine, timeout: float = 10) -> None:

@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 
 from stallfree import Engine
-from tests.engine_util import MODES, engine_config, guarded, random_prompts, run_greedy
+from tests.engine_util import (
+    MODES,
+    engine_config,
+    greedy_in_mode,
+    random_prompts,
+    run_greedy,
+)
 from tests.hf_models import hf_greedy, make_qwen2
 
 NEW_TOKENS = 32
@@ -38,18 +44,9 @@ WORKLOADS = {
 @pytest.mark.parametrize(("overlap", "mirrors"), MODES)
 async def test_greedy_equals_transformers(model_and_reference, workload, overlap, mirrors):
     path, reference = model_and_reference
-    cfg = engine_config(
-        path,
-        runtime={"overlap": overlap, "cpu_mirrors": mirrors, "strict": mirrors},
-        **WORKLOADS[workload],
-    )
     # every mode under the read guard: legacy reads the device only through host_read
-    async with guarded(Engine(cfg)) as engine:
-        outputs = await run_greedy(engine, PROMPTS, NEW_TOKENS)
-        await engine.wait_idle()
-        assert engine.pool_usage().all_free
-        stats = engine.snapshot().counters
-        monitor = engine.core.monitor
+    run = await greedy_in_mode(path, PROMPTS, NEW_TOKENS, overlap, mirrors, **WORKLOADS[workload])
+    outputs, stats, monitor = run.outputs, run.counters, run.monitor
     for i, (got, want) in enumerate(zip(outputs, reference, strict=True)):
         assert got == want, f"prompt {i} (len {len(PROMPTS[i])}) diverged"
     if workload == "stressed":

@@ -16,7 +16,13 @@ from stallfree.runtime.model import ModelArchConfig, load_model
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.model.parallel import TPGroup
 from stallfree.runtime.model.rope import rope_attention_factor, rope_inv_freq
-from tests.engine_util import MODES, engine_config, guarded, random_prompts, run_greedy
+from tests.engine_util import (
+    MODES,
+    engine_config,
+    greedy_in_mode,
+    random_prompts,
+    run_greedy,
+)
 from tests.hf_models import hf_greedy, hf_logits, make_llama, make_phi3, make_qwen2, make_qwen3
 from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness, check_chunked_prefill_then_decode
 
@@ -359,17 +365,9 @@ async def test_engine_greedy_equals_transformers(
     dirs: dict[str, Path], name: str, overlap: bool, mirrors: bool
 ) -> None:
     reference = [hf_greedy(dirs[name], p, NEW_TOKENS) for p in PROMPTS]
-    cfg = engine_config(
-        str(dirs[name]),
-        runtime={"overlap": overlap, "cpu_mirrors": mirrors, "strict": mirrors},
-        **STRESSED,
-    )
-    async with guarded(Engine(cfg)) as engine:
-        outputs = await run_greedy(engine, PROMPTS, NEW_TOKENS)
-        await engine.wait_idle()
-        assert engine.pool_usage().all_free
-        stats = engine.snapshot().counters
-    assert stats.retractions > 0
+    run = await greedy_in_mode(str(dirs[name]), PROMPTS, NEW_TOKENS, overlap, mirrors, **STRESSED)
+    outputs = run.outputs
+    assert run.counters.retractions > 0
     for i, (got, want) in enumerate(zip(outputs, reference, strict=True)):
         assert got == want, f"prompt {i} (len {len(PROMPTS[i])}) diverged"
 

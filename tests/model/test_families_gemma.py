@@ -16,7 +16,14 @@ from stallfree.hisparse.coordinator import resolve_sparse_layers
 from stallfree.runtime.model import ModelArchConfig, load_model
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.model.gemma import GemmaForCausalLM
-from tests.engine_util import MODES, engine_config, guarded, random_prompts, run_greedy
+from tests.engine_util import (
+    MODES,
+    engine_config,
+    greedy_in_mode,
+    guarded,
+    random_prompts,
+    run_greedy,
+)
 from tests.hf_models import (
     BOS_ID,
     EOS_ID,
@@ -149,17 +156,11 @@ async def test_engine_greedy_equals_transformers(
     overlap: bool,
     mirrors: bool,
 ) -> None:
-    cfg = engine_config(
-        str(gemma_dirs[name]),
-        runtime={"overlap": overlap, "cpu_mirrors": mirrors, "strict": mirrors},
-        **STRESSED,
+    run = await greedy_in_mode(
+        str(gemma_dirs[name]), PROMPTS, NEW_TOKENS, overlap, mirrors, **STRESSED
     )
-    async with guarded(Engine(cfg)) as engine:
-        outputs = await run_greedy(engine, PROMPTS, NEW_TOKENS)
-        await engine.wait_idle()
-        assert engine.pool_usage().all_free
-        stats = engine.snapshot().counters
-    assert stats.retractions > 0
+    outputs = run.outputs
+    assert run.counters.retractions > 0
     for i, (got, want) in enumerate(zip(outputs, gemma_reference[name], strict=True)):
         assert got == want, f"prompt {i} (len {len(PROMPTS[i])}) diverged"
 

@@ -18,7 +18,14 @@ from stallfree.runtime.model import arch as arch_module
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.model.loader import check_tensor_parallel
 from stallfree.runtime.model.moe import Expert, Router, SparseMoeBlock, route
-from tests.engine_util import MODES, engine_config, guarded, random_prompts, run_greedy
+from tests.engine_util import (
+    MODES,
+    engine_config,
+    greedy_in_mode,
+    guarded,
+    random_prompts,
+    run_greedy,
+)
 from tests.hf_models import (
     _load_hf,
     hf_greedy,
@@ -245,17 +252,9 @@ async def test_engine_greedy_equals_transformers(
     """Chunked prefill and a pool small enough to retract, in every overlap x mirrors mode."""
     path = hf_dirs[name]
     reference = [hf_greedy(path, p, NEW_TOKENS) for p in PROMPTS]
-    cfg = engine_config(
-        str(path),
-        runtime={"overlap": overlap, "cpu_mirrors": mirrors, "strict": mirrors},
-        **STRESSED,
-    )
-    async with guarded(Engine(cfg)) as engine:
-        outputs = await run_greedy(engine, PROMPTS, NEW_TOKENS)
-        await engine.wait_idle()
-        stats = engine.snapshot().counters
-    assert outputs == reference
-    assert stats.retractions > 0
+    run = await greedy_in_mode(str(path), PROMPTS, NEW_TOKENS, overlap, mirrors, **STRESSED)
+    assert run.outputs == reference
+    assert run.counters.retractions > 0
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
