@@ -1,0 +1,184 @@
+"""stallfree's own CPU kernels (`csrc/`), built on first use and called as `torch.ops.stallfree.*`.
+
+The kernels are the fast path of the CPU forward: matrix-vector products for every weight
+format at a few rows (int8 and int4 on integer dot products over activations quantised to
+blocks of 32, bfloat16 and float32 dense), RMSNorm (with the residual add fused in) and
+SiLU * up. Each one has a torch reference, today's code, which runs wherever the kernels do not.
+
+Building: the C++ sources are compiled once per (sources, torch version) into torch's extension
+cache (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), under torch's own file lock,
+so worker processes and tensor-parallel ranks that start together build it once. No
+`-march=native`: each instruction-set variant is a translation unit with its own target
+attributes, and the one this CPU supports is picked when the library loads.
+
+Environment:
+- `STALLFREE_CPU_KERNELS=0` keeps every op on the torch path;
+- `STALLFREE_CPU_ISA=auto|avx512|avx2` forces a variant (`auto`, the default, takes the best
+  this CPU has: AVX-512 with VNNI and BF16, else AVX2 with FMA). A forced variant the CPU lacks,
+  a missing compiler or a failed build leave the torch path on, with one log line saying why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ISAS = ("auto", "avx512", "avx2")
+_SOURCES = ("ops.cpp", "isa_avx512.cpp", "isa_avx2.cpp")
+_HEADERS = ("kernels.h",)
+_CSRC = Path(__file__).with_name("csrc")
+
+_lock = threading.Lock()
+_state: dict[str, str | None] = {}  # "isa": the variant in use, None when off
+
+
+def _wanted() -> str | None:
+    """The variant the environment asks for, or None when the kernels are switched off."""
+    if os.environ.get("STALLFREE_CPU_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    want = os.environ.get("STALLFREE_CPU_ISA", "auto").strip().lower() or "auto"
+    if want == "off":
+        return None
+    if want not in ISAS:
+        raise ValueError(f"STALLFREE_CPU_ISA={want!r}: expected one of {', '.join(ISAS)} or off")
+    return want
+
+
+def _library_name() -> str:
+    """The extension's name: the sources' hash and torch's version, so an edit or another torch
+    builds anew beside the old one instead of loading a stale library."""
+    digest = hashlib.sha256()
+    for name in (*_SOURCES, *_HEADERS):
+        digest.update((_CSRC / name).read_bytes())
+    digest.update(torch.__version__.encode())
+    return f"stallfree_cpu_{digest.hexdigest()[:16]}"
+
+
+def _ensure_ninja() -> None:
+    """torch's extension builder runs `ninja`; the `ninja` wheel puts it beside the package
+    rather than always on PATH."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    _ensure_ninja()
+    cpp_extension.load(
+        name=_library_name(),
+        sources=[str(_CSRC / s) for s in _SOURCES],
+        extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def _load() -> str | None:
+    want = _wanted()
+    if want is None:
+        return None
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        logger.info(
+            "native CPU kernels: not built for %s; using the torch path", os.uname().machine
+        )
+        return None
+    try:
+        if not hasattr(torch.ops.stallfree, "set_isa"):
+            _build()
+        isa = str(torch.ops.stallfree.set_isa(want))
+    except Exception as exc:  # any build or load failure means the torch path
+        logger.warning("native CPU kernels unavailable (%s); using the torch path", exc)
+        return None
+    if not isa:
+        logger.warning(
+            "native CPU kernels: this CPU has no %s support; using the torch path",
+            "AVX2/AVX-512" if want == "auto" else want,
+        )
+        return None
+    _register_fakes()
+    logger.info("native CPU kernels: %s", isa)
+    return isa
+
+
+def isa() -> str | None:
+    """The variant in use ('avx512', 'avx2'), or None on the torch path. Builds and loads the
+    library on the first call."""
+    with _lock:
+        if "isa" not in _state:
+            _state["isa"] = _load()
+        return _state["isa"]
+
+
+def available() -> bool:
+    return isa() is not None
+
+
+def reset() -> None:
+    """Forget the choice so the next `isa()` reads the environment again (tests switch
+    variants this way; the library itself stays loaded)."""
+    with _lock:
+        _state.pop("isa", None)
+
+
+_fakes_registered = False
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile: the ops are traced as calls, never into."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+    _fakes_registered = True
+    lib = "stallfree::"
+
+    def _rows_out(x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], n))
+
+    @torch.library.register_fake(lib + "linear")
+    def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return _rows_out(x, weight.shape[0])
+
+    @torch.library.register_fake(lib + "linear_q8")
+    def _linear_q8(
+        x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return _rows_out(x, qweight.shape[0])
+
+    @torch.library.register_fake(lib + "linear_q4")
+    def _linear_q4(
+        x: torch.Tensor,
+        codes: torch.Tensor,
+        gscale: torch.Tensor,
+        goffset: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return _rows_out(x, codes.shape[0])
+
+    @torch.library.register_fake(lib + "rms_norm")
+    def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    @torch.library.register_fake(lib + "add_rms_norm")
+    def _add_rms_norm(
+        x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty_like(x), torch.empty_like(x)
+
+    @torch.library.register_fake(lib + "silu_mul")
+    def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        return _rows_out(gate_up, gate_up.shape[-1] // 2)

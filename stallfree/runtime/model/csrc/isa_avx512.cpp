@@ -1,0 +1,462 @@
+// The AVX-512 variant (F, BW, VL, DQ, VNNI, BF16): Zen 4, Ice Lake server and newer.
+//
+// Matrix-vector products stream each weight row once for every activation row of the call:
+// a tile of 4 weight rows is loaded per 64 bytes and multiplied into up to 4 activation rows
+// (more rows re-read the tile from L1). Integer products use VNNI's u8 x s8 dot
+// (`vpdpbusd`) on activations quantised to blocks of 32; bfloat16 uses `vdpbf16ps`.
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,fma,f16c")
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels.h"
+
+namespace sf {
+namespace avx512 {
+namespace {
+
+constexpr int kTileN = 4;
+constexpr int kTileM = 4;
+
+inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// the four sums of a tile row's accumulators, in one register
+inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// outputs n .. n + nb - 1 of row m: v (times `scale`, plus `bias`, where given)
+inline void store4(Out out, int64_t m, int64_t n, int nb, __m128 v, const float* scale,
+                   const float* bias) {
+  const __mmask8 lm = static_cast<__mmask8>((1u << nb) - 1);
+  if (scale) v = _mm_mul_ps(v, _mm_maskz_loadu_ps(lm, scale + n));
+  if (bias) v = _mm_add_ps(v, _mm_maskz_loadu_ps(lm, bias + n));
+  if (out.bf16) {
+    const __m128i b = (__m128i)_mm_cvtneps_pbh(v);
+    _mm_mask_storeu_epi16(static_cast<uint16_t*>(out.ptr) + m * out.ldo + n, lm, b);
+  } else {
+    _mm_mask_storeu_ps(static_cast<float*>(out.ptr) + m * out.ldo + n, lm, v);
+  }
+}
+
+inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
+  __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+inline void store(Out out, int64_t m, int64_t n, float v) {
+  if (out.bf16) {
+    static_cast<uint16_t*>(out.ptr)[m * out.ldo + n] = f32_to_bf16(v);
+  } else {
+    static_cast<float*>(out.ptr)[m * out.ldo + n] = v;
+  }
+}
+
+// exp(x) for the SiLU: 2^n * p(r), |r| <= ln2 / 2, a degree-6 polynomial (relative error
+// about 1e-7, below float32's rounding of the result)
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
+                    _mm512_set1_ps(-87.3365478515625f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+void quantize(const void* x, bool x_bf16, int64_t row, Q8Act& a) {
+  const int64_t k = a.k, kp = a.kp;
+  int8_t* q = a.q + row * kp;
+  uint8_t* absq = a.absq + row * kp;
+  float* d = a.d + row * (kp / 32);
+  float* bsum = a.bsum + row * (kp / 32);
+  for (int64_t b = 0; b < kp / 32; ++b) {
+    const int64_t k0 = b * 32;
+    if (k0 >= k) {
+      std::fill(q + k0, q + k0 + 32, 0);
+      std::fill(absq + k0, absq + k0 + 32, 0);
+      d[b] = 0.f;
+      bsum[b] = 0.f;
+      continue;
+    }
+    __m512 v0, v1;
+    if (x_bf16) {
+      const uint16_t* xp = static_cast<const uint16_t*>(x) + row * k + k0;
+      v0 = load_bf16(xp, 0xffff);
+      v1 = load_bf16(xp + 16, 0xffff);
+    } else {
+      const float* xp = static_cast<const float*>(x) + row * k + k0;
+      v0 = _mm512_loadu_ps(xp);
+      v1 = _mm512_loadu_ps(xp + 16);
+    }
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    float scale = amax / 127.f;
+    float inv = amax > 0.f ? 127.f / amax : 0.f;
+    __m512 iv = _mm512_set1_ps(inv);
+    __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, iv));  // round to nearest even
+    __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, iv));
+    __m128i c0 = _mm512_cvtsepi32_epi8(i0), c1 = _mm512_cvtsepi32_epi8(i1);
+    __m256i c = _mm256_set_m128i(c1, c0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0), c);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(absq + k0), _mm256_abs_epi8(c));
+    d[b] = scale;
+    bsum[b] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
+  }
+  uint64_t* neg = a.neg + row * (kp / 64);
+  float* dvec = a.dvec + row * (kp / 64) * 16;
+  for (int64_t c = 0; c < kp / 64; ++c) {
+    __m512i v = _mm512_loadu_si512(q + c * 64);
+    neg[c] = _mm512_movepi8_mask(v);
+    __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(d[2 * c]), _mm256_set1_ps(d[2 * c + 1]), 1);
+    _mm512_storeu_ps(dvec + c * 16, dv);
+  }
+}
+
+// Epilogue of a tile: row i's four sums (times `scale`, plus `bias`) stored.
+struct TileOut {
+  Out out;
+  int64_t m0, n;
+  int nb;
+  const float* scale;
+  const float* bias;
+};
+
+// The loop bodies are macros, written once for the whole chunks and once for the masked
+// tail: a lambda or a helper taking the accumulators by reference made GCC keep them in
+// memory (16 stores per iteration).
+#define SF_Q8_STEP(c, lm)                                                        \
+  {                                                                              \
+    __m512i wv[kTileN];                                                          \
+    _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) wv[j] =              \
+        _mm512_maskz_loadu_epi8(lm, w[j] + (c) * 64);                            \
+    _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {                        \
+      const __m512i ax = _mm512_loadu_si512(absq[i] + (c) * 64);                 \
+      const __mmask64 ng = neg[i][c];                                            \
+      const __m512 dv = _mm512_loadu_ps(dvec[i] + (c) * 16);                     \
+      _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) {                  \
+        const __m512i ws = _mm512_mask_sub_epi8(wv[j], ng, zero, wv[j]);         \
+        const __m512i dot = _mm512_dpbusd_epi32(zero, ax, ws);                   \
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dv, acc[i][j]);     \
+      }                                                                          \
+    }                                                                            \
+  }
+
+template <int MB>
+void q8_tile(const Q8Act& a, const int8_t* const* w, const TileOut& t) {
+  const int64_t stride = a.kp / 64, full = a.k / 64;  // a last chunk may hold 32 values
+  const __m512i zero = _mm512_setzero_si512();
+  const uint8_t* absq[MB];
+  const uint64_t* neg[MB];
+  const float* dvec[MB];
+  for (int i = 0; i < MB; ++i) {
+    absq[i] = a.absq + (t.m0 + i) * a.kp;
+    neg[i] = a.neg + (t.m0 + i) * stride;
+    dvec[i] = a.dvec + (t.m0 + i) * stride * 16;
+  }
+  __m512 acc[MB][kTileN];
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < kTileN; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < full; ++c) SF_Q8_STEP(c, ~0ull)
+  if (a.k % 64) SF_Q8_STEP(full, 0xffffffffull)
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i) store4(t.out, t.m0 + i, t.n, t.nb, hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), t.scale, t.bias);
+}
+#undef SF_Q8_STEP
+
+void gemv_q8(const Q8Act& a, const int8_t* w, const float* scale, const float* bias, int64_t n0,
+             int64_t n1, Out out) {
+  const int64_t k = a.k;
+  for (int64_t n = n0; n < n1; n += kTileN) {
+    const int nb = static_cast<int>(std::min<int64_t>(kTileN, n1 - n));
+    const int8_t* rows[kTileN];
+    for (int j = 0; j < kTileN; ++j) rows[j] = w + (n + std::min(j, nb - 1)) * k;
+    for (int64_t m0 = 0; m0 < a.m; m0 += kTileM) {
+      const TileOut t{out, m0, n, nb, scale, bias};
+      switch (std::min<int64_t>(kTileM, a.m - m0)) {
+        case 1: q8_tile<1>(a, rows, t); break;
+        case 2: q8_tile<2>(a, rows, t); break;
+        case 3: q8_tile<3>(a, rows, t); break;
+        default: q8_tile<4>(a, rows, t); break;
+      }
+    }
+  }
+}
+
+// 4 groups of int4 codes (64 bytes) against the activation's matching 128 values
+template <int MB>
+void q4_tile(const Q8Act& a, int64_t m0, const uint8_t* const* codes, const float* const* gs,
+             __m512 (&acc)[kTileM][kTileN]) {
+  const int64_t groups = a.k / 32;
+  const int64_t chunks = (groups + 3) / 4;
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i expand = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int g_here = static_cast<int>(std::min<int64_t>(4, groups - c * 4));
+    const __mmask64 lm = g_here == 4 ? ~0ull : ((1ull << (16 * g_here)) - 1);
+    const __mmask16 sm = static_cast<__mmask16>((1u << g_here) - 1);
+    __m512i lo[kTileN], hi[kTileN];
+    __m512 sc[kTileN];
+    for (int j = 0; j < kTileN; ++j) {
+      const __m512i cv = _mm512_maskz_loadu_epi8(lm, codes[j] + c * 64);
+      lo[j] = _mm512_and_si512(cv, low);
+      hi[j] = _mm512_and_si512(_mm512_srli_epi16(cv, 4), low);
+      sc[j] = _mm512_permutexvar_ps(expand, _mm512_maskz_loadu_ps(sm, gs[j] + c * 4));
+    }
+    for (int i = 0; i < MB; ++i) {
+      const int64_t m = m0 + i;
+      // the activation's 4 groups, first and second halves gathered into two registers
+      const int8_t* xp = a.q + m * a.kp + c * 128;
+      const __m512i xa = _mm512_loadu_si512(xp);
+      const __m512i xb = _mm512_loadu_si512(xp + 64);
+      const __m512i xlo = _mm512_shuffle_i64x2(xa, xb, 0x88);
+      const __m512i xhi = _mm512_shuffle_i64x2(xa, xb, 0xdd);
+      const __m512 dx = _mm512_permutexvar_ps(
+          expand, _mm512_maskz_loadu_ps(sm, a.d + m * (a.kp / 32) + c * 4));
+      for (int j = 0; j < kTileN; ++j) {
+        __m512i dot = _mm512_dpbusd_epi32(zero, lo[j], xlo);
+        dot = _mm512_dpbusd_epi32(dot, hi[j], xhi);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), sc[j]), dx, acc[i][j]);
+      }
+    }
+  }
+}
+
+void gemv_q4(const Q8Act& a, const uint8_t* codes, const float* gscale, const float* goffset,
+             const float* bias, int64_t n0, int64_t n1, Out out) {
+  const int64_t groups = a.k / 32;
+  for (int64_t n = n0; n < n1; n += kTileN) {
+    const int nb = static_cast<int>(std::min<int64_t>(kTileN, n1 - n));
+    const uint8_t* rows[kTileN];
+    const float* gs[kTileN];
+    for (int j = 0; j < kTileN; ++j) {
+      const int64_t r = n + std::min(j, nb - 1);
+      rows[j] = codes + r * groups * 16;
+      gs[j] = gscale + r * groups;
+    }
+    for (int64_t m0 = 0; m0 < a.m; m0 += kTileM) {
+      const int mb = static_cast<int>(std::min<int64_t>(kTileM, a.m - m0));
+      __m512 acc[kTileM][kTileN];
+      for (auto& r : acc)
+        for (auto& v : r) v = _mm512_setzero_ps();
+      switch (mb) {
+        case 1: q4_tile<1>(a, m0, rows, gs, acc); break;
+        case 2: q4_tile<2>(a, m0, rows, gs, acc); break;
+        case 3: q4_tile<3>(a, m0, rows, gs, acc); break;
+        default: q4_tile<4>(a, m0, rows, gs, acc); break;
+      }
+      for (int i = 0; i < mb; ++i) {
+        const float* bs = a.bsum + (m0 + i) * (a.kp / 32);
+        for (int j = 0; j < nb; ++j) {
+          // the offsets' term: sum_g offset[n, g] * d[g] * sum(codes of x in g)
+          const float* go = goffset + (n + j) * groups;
+          __m512 o = _mm512_setzero_ps();
+          for (int64_t g = 0; g < groups; g += 16) {
+            const __mmask16 gm = groups - g >= 16 ? 0xffff : ((1u << (groups - g)) - 1);
+            o = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(gm, go + g), _mm512_maskz_loadu_ps(gm, bs + g), o);
+          }
+          float v = hsum(acc[i][j]) + hsum(o);
+          if (bias) v += bias[n + j];
+          store(out, m0 + i, n + j, v);
+        }
+      }
+    }
+  }
+}
+
+#define SF_DENSE_STEP(k0, lm, LOADW, LOADX, FMA, WT)                         \
+  {                                                                            \
+    WT wv[kTileN];                                                             \
+    _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) wv[j] =            \
+        LOADW(lm, ws[j] + (k0));                                               \
+    _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {                      \
+      const WT xv = LOADX(lm, xs[i] + (k0));                                   \
+      _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) acc[i][j] =      \
+          FMA(acc[i][j], xv, wv[j]);                                           \
+    }                                                                          \
+  }
+
+inline __m512 dot_bf16(__m512 acc, __m512i x, __m512i w) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+}
+inline __m512 dot_f32(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
+
+template <int MB, bool BF16>
+void dense_tile(const void* x, int64_t k, const void* const* w, const TileOut& t) {
+  __m512 acc[MB][kTileN];
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < kTileN; ++j) acc[i][j] = _mm512_setzero_ps();
+  if constexpr (BF16) {
+    const uint16_t* ws[kTileN];
+    const uint16_t* xs[MB];
+    for (int j = 0; j < kTileN; ++j) ws[j] = static_cast<const uint16_t*>(w[j]);
+    for (int i = 0; i < MB; ++i) xs[i] = static_cast<const uint16_t*>(x) + (t.m0 + i) * k;
+    int64_t k0 = 0;
+    for (; k0 + 32 <= k; k0 += 32)
+      SF_DENSE_STEP(k0, 0xffffffffu, _mm512_maskz_loadu_epi16, _mm512_maskz_loadu_epi16, dot_bf16, __m512i)
+    if (k0 < k) {
+      const __mmask32 lm = (1u << (k - k0)) - 1;
+      SF_DENSE_STEP(k0, lm, _mm512_maskz_loadu_epi16, _mm512_maskz_loadu_epi16, dot_bf16, __m512i)
+    }
+  } else {
+    const float* ws[kTileN];
+    const float* xs[MB];
+    for (int j = 0; j < kTileN; ++j) ws[j] = static_cast<const float*>(w[j]);
+    for (int i = 0; i < MB; ++i) xs[i] = static_cast<const float*>(x) + (t.m0 + i) * k;
+    int64_t k0 = 0;
+    for (; k0 + 16 <= k; k0 += 16)
+      SF_DENSE_STEP(k0, 0xffff, _mm512_maskz_loadu_ps, _mm512_maskz_loadu_ps, dot_f32, __m512)
+    if (k0 < k) {
+      const __mmask16 lm = static_cast<__mmask16>((1u << (k - k0)) - 1);
+      SF_DENSE_STEP(k0, lm, _mm512_maskz_loadu_ps, _mm512_maskz_loadu_ps, dot_f32, __m512)
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i) store4(t.out, t.m0 + i, t.n, t.nb, hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), nullptr, t.bias);
+}
+#undef SF_DENSE_STEP
+
+template <bool BF16>
+void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, const float* bias,
+                  int64_t n0, int64_t n1, Out out) {
+  const int64_t esize = BF16 ? 2 : 4;
+  for (int64_t n = n0; n < n1; n += kTileN) {
+    const int nb = static_cast<int>(std::min<int64_t>(kTileN, n1 - n));
+    const void* rows[kTileN];
+    for (int j = 0; j < kTileN; ++j)
+      rows[j] = static_cast<const char*>(w) + (n + std::min(j, nb - 1)) * k * esize;
+    for (int64_t m0 = 0; m0 < m; m0 += kTileM) {
+      const TileOut t{out, m0, n, nb, nullptr, bias};
+      switch (std::min<int64_t>(kTileM, m - m0)) {
+        case 1: dense_tile<1, BF16>(x, k, rows, t); break;
+        case 2: dense_tile<2, BF16>(x, k, rows, t); break;
+        case 3: dense_tile<3, BF16>(x, k, rows, t); break;
+        default: dense_tile<4, BF16>(x, k, rows, t); break;
+      }
+    }
+  }
+}
+
+void gemv_dense_bf16(const void* x, int64_t m, int64_t k, const void* w, const float* bias,
+                     int64_t n0, int64_t n1, Out out) {
+  gemv_dense_t<true>(x, m, k, w, bias, n0, n1, out);
+}
+
+void gemv_dense_f32(const void* x, int64_t m, int64_t k, const void* w, const float* bias,
+                    int64_t n0, int64_t n1, Out out) {
+  gemv_dense_t<false>(x, m, k, w, bias, n0, n1, out);
+}
+
+// float32: torch.rms_norm's arithmetic, x * rsqrt(mean(x^2) + eps) * w.
+// bfloat16: transformers' order, w * bf16(float(x) * rsqrt(mean + eps)), the sum x + delta
+// rounded to bfloat16 before its statistics.
+void rms_norm(const void* x, const void* delta, void* sum, const void* w, void* out, int64_t r0,
+              int64_t r1, int64_t dim, float eps, bool bf16) {
+  for (int64_t r = r0; r < r1; ++r) {
+    __m512 ss = _mm512_setzero_ps();
+    if (bf16) {
+      const uint16_t* xr = static_cast<const uint16_t*>(x) + r * dim;
+      const uint16_t* dr = delta ? static_cast<const uint16_t*>(delta) + r * dim : nullptr;
+      uint16_t* sr = dr ? static_cast<uint16_t*>(sum) + r * dim : nullptr;
+      for (int64_t k0 = 0; k0 < dim; k0 += 16) {
+        const __mmask16 lm = dim - k0 >= 16 ? 0xffff : ((1u << (dim - k0)) - 1);
+        __m512 v = load_bf16(xr + k0, lm);
+        if (dr) {
+          const __m256i s = to_bf16(_mm512_add_ps(v, load_bf16(dr + k0, lm)));
+          _mm256_mask_storeu_epi16(sr + k0, lm, s);
+          v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16));
+        }
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      const float inv = 1.f / std::sqrt(hsum(ss) / static_cast<float>(dim) + eps);
+      const __m512 iv = _mm512_set1_ps(inv);
+      const uint16_t* src = sr ? sr : xr;
+      const uint16_t* wr = static_cast<const uint16_t*>(w);
+      uint16_t* o = static_cast<uint16_t*>(out) + r * dim;
+      for (int64_t k0 = 0; k0 < dim; k0 += 16) {
+        const __mmask16 lm = dim - k0 >= 16 ? 0xffff : ((1u << (dim - k0)) - 1);
+        const __m256i h = to_bf16(_mm512_mul_ps(load_bf16(src + k0, lm), iv));
+        const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        _mm256_mask_storeu_epi16(o + k0, lm, to_bf16(_mm512_mul_ps(load_bf16(wr + k0, lm), hv)));
+      }
+    } else {
+      const float* xr = static_cast<const float*>(x) + r * dim;
+      const float* dr = delta ? static_cast<const float*>(delta) + r * dim : nullptr;
+      float* sr = dr ? static_cast<float*>(sum) + r * dim : nullptr;
+      for (int64_t k0 = 0; k0 < dim; k0 += 16) {
+        const __mmask16 lm = dim - k0 >= 16 ? 0xffff : ((1u << (dim - k0)) - 1);
+        __m512 v = _mm512_maskz_loadu_ps(lm, xr + k0);
+        if (dr) {
+          v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(lm, dr + k0));
+          _mm512_mask_storeu_ps(sr + k0, lm, v);
+        }
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      const float inv = 1.f / std::sqrt(hsum(ss) / static_cast<float>(dim) + eps);
+      const __m512 iv = _mm512_set1_ps(inv);
+      const float* src = sr ? sr : xr;
+      const float* wr = static_cast<const float*>(w);
+      float* o = static_cast<float*>(out) + r * dim;
+      for (int64_t k0 = 0; k0 < dim; k0 += 16) {
+        const __mmask16 lm = dim - k0 >= 16 ? 0xffff : ((1u << (dim - k0)) - 1);
+        const __m512 h = _mm512_mul_ps(_mm512_maskz_loadu_ps(lm, src + k0), iv);
+        _mm512_mask_storeu_ps(o + k0, lm, _mm512_mul_ps(h, _mm512_maskz_loadu_ps(lm, wr + k0)));
+      }
+    }
+  }
+}
+
+void silu_mul(const void* gu, void* out, int64_t r0, int64_t r1, int64_t inter, bool bf16) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t k0 = 0; k0 < inter; k0 += 16) {
+      const __mmask16 lm = inter - k0 >= 16 ? 0xffff : ((1u << (inter - k0)) - 1);
+      if (bf16) {
+        const uint16_t* g = static_cast<const uint16_t*>(gu) + r * 2 * inter + k0;
+        const __m512 gv = load_bf16(g, lm);
+        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        const __m256i sb = to_bf16(s);
+        const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
+        const __m512 p = _mm512_mul_ps(sv, load_bf16(g + inter, lm));
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + r * inter + k0, lm, to_bf16(p));
+      } else {
+        const float* g = static_cast<const float*>(gu) + r * 2 * inter + k0;
+        const __m512 gv = _mm512_maskz_loadu_ps(lm, g);
+        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        const __m512 p = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(lm, g + inter));
+        _mm512_mask_storeu_ps(static_cast<float*>(out) + r * inter + k0, lm, p);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+const Kernels& kernels() {
+  static const Kernels k{"avx512", quantize,        gemv_q8,  gemv_q4,
+                         gemv_dense_bf16, gemv_dense_f32, rms_norm, silu_mul};
+  return k;
+}
+
+}  // namespace avx512
+}  // namespace sf

@@ -1,0 +1,89 @@
+// stallfree's CPU kernels: the raw-pointer interface every instruction-set variant implements.
+//
+// Nothing here includes torch: the variants (isa_avx512.cpp, isa_avx2.cpp) are compiled with
+// their own target attributes and chosen at run time by ops.cpp, the one file that binds them
+// to torch operators. Each function works on a slice of output rows [n0, n1) so that ops.cpp
+// can split the rows over torch's threads.
+#pragma once
+
+#include <cstdint>
+
+namespace sf {
+
+// Activations quantised once per call, llama.cpp's Q8_0 way: blocks of 32 values, one float
+// scale each, codes in [-127, 127]. Rows are padded with zeros to `kp` (a multiple of 64).
+struct Q8Act {
+  int64_t m = 0;          // rows
+  int64_t k = 0;          // values per row (a multiple of 32)
+  int64_t kp = 0;         // padded row length (a multiple of 128)
+  int8_t* q = nullptr;    // [m, kp] signed codes
+  uint8_t* absq = nullptr;  // [m, kp] |codes|
+  uint64_t* neg = nullptr;  // [m, kp / 64] one bit per value: code < 0
+  float* d = nullptr;     // [m, kp / 32] block scales
+  float* dvec = nullptr;  // [m, kp / 64, 16] the two block scales of each 64 values, 8 lanes each
+  float* bsum = nullptr;  // [m, kp / 32] d * sum(codes) per block (the int4 offsets' term)
+};
+
+// Output rows are float32 or bfloat16 (round to nearest even); `ldo` is the row stride.
+struct Out {
+  void* ptr = nullptr;
+  int64_t ldo = 0;
+  bool bf16 = false;
+};
+
+using QuantizeFn = void (*)(const void* x, bool x_bf16, int64_t row, Q8Act& a);
+// y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]) for n in [n0, n1)
+using GemvQ8Fn = void (*)(const Q8Act& a, const int8_t* w, const float* scale,
+                          const float* bias, int64_t n0, int64_t n1, Out out);
+// int4 codes, groups of 32: byte j of a group holds value j (low nibble) and j + 16 (high);
+// w = code * gscale[n, g] + goffset[n, g]
+using GemvQ4Fn = void (*)(const Q8Act& a, const uint8_t* codes, const float* gscale,
+                          const float* goffset, const float* bias, int64_t n0, int64_t n1,
+                          Out out);
+// dense weights: w bf16 (x bf16) or float32 (x float32), [n, k] row-major
+using GemvDenseFn = void (*)(const void* x, int64_t m, int64_t k, const void* w,
+                             const float* bias, int64_t n0, int64_t n1, Out out);
+// rows [r0, r1) of x [rows, dim]: out = norm(x) * w; with `delta`, x + delta is written to
+// `sum` first and normalised (transformers' order: the sum rounded to the dtype first)
+using RmsNormFn = void (*)(const void* x, const void* delta, void* sum, const void* w,
+                           void* out, int64_t r0, int64_t r1, int64_t dim, float eps,
+                           bool bf16);
+// rows [r0, r1) of gu [rows, 2 * inter]: out = silu(gate) * up, each rounded to the dtype
+using SiluMulFn = void (*)(const void* gu, void* out, int64_t r0, int64_t r1, int64_t inter,
+                           bool bf16);
+
+struct Kernels {
+  const char* name;
+  QuantizeFn quantize;
+  GemvQ8Fn gemv_q8;
+  GemvQ4Fn gemv_q4;
+  GemvDenseFn gemv_bf16;
+  GemvDenseFn gemv_f32;
+  RmsNormFn rms_norm;
+  SiluMulFn silu_mul;
+};
+
+namespace avx512 {
+const Kernels& kernels();
+}
+namespace avx2 {
+const Kernels& kernels();
+}
+
+// bfloat16 <-> float32, round to nearest even (NaN kept quiet)
+inline float bf16_to_f32(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+}  // namespace sf

@@ -1,0 +1,257 @@
+// torch operators over the kernels (torch.ops.stallfree.*), one instruction-set variant chosen
+// at run time.
+//
+// The only file that includes torch: it checks shapes and dtypes, allocates outputs, quantises
+// activations once per call and splits output rows over torch's own OpenMP threads
+// (at::parallel_for), so the kernels honour torch.set_num_threads and add no thread pool.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels.h"
+
+namespace sf {
+namespace {
+
+const Kernels* g_kernels = nullptr;
+
+bool cpu_has(const char* level) {
+  __builtin_cpu_init();
+  if (std::string(level) == "avx512") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }
+  if (std::string(level) == "avx2") {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
+  return false;
+}
+
+// The variant to use: `want` ("auto", "avx512", "avx2"); returns the name chosen, or "" when
+// this CPU has none of them (or not the one asked for).
+std::string select_isa(const std::string& want) {
+  g_kernels = nullptr;
+  if ((want == "auto" || want == "avx512") && cpu_has("avx512")) {
+    g_kernels = &avx512::kernels();
+  } else if ((want == "auto" || want == "avx2") && cpu_has("avx2")) {
+    g_kernels = &avx2::kernels();
+  }
+  return g_kernels ? g_kernels->name : "";
+}
+
+const Kernels& K() {
+  TORCH_CHECK(g_kernels != nullptr, "stallfree kernels: no instruction set selected");
+  return *g_kernels;
+}
+
+// rows of `x` as [rows, k] (x contiguous), and the output shape with the last dim `n`
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
+  auto shape = x.sizes().vec();
+  shape.back() = n;
+  return shape;
+}
+
+void check_act(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.device().is_cpu(), what, ": expected a CPU tensor");
+  TORCH_CHECK(x.is_contiguous(), what, ": expected a contiguous tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, what,
+              ": expected float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, what, ": expected at least one dimension");
+}
+
+const float* opt_bias(const std::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+              "bias: expected a contiguous float32 tensor of ", n, " values");
+  return bias->data_ptr<float>();
+}
+
+// rows of work per thread chunk: enough to stream (and a multiple of the 4-row tile)
+constexpr int64_t kGrain = 64;
+
+struct Q8Buffers {
+  std::vector<int8_t> q;
+  std::vector<uint8_t> absq;
+  std::vector<uint64_t> neg;
+  std::vector<float> d, dvec, bsum;
+};
+
+Q8Act quantize_act(const at::Tensor& x, int64_t k) {
+  thread_local Q8Buffers buf;
+  Q8Act a;
+  a.m = x.numel() / k;
+  a.k = k;
+  a.kp = (k + 127) / 128 * 128;
+  buf.q.resize(a.m * a.kp);
+  buf.absq.resize(a.m * a.kp);
+  buf.neg.resize(a.m * a.kp / 64);
+  buf.d.resize(a.m * a.kp / 32);
+  buf.bsum.resize(a.m * a.kp / 32);
+  buf.dvec.resize(a.m * a.kp / 64 * 16);
+  a.q = buf.q.data();
+  a.absq = buf.absq.data();
+  a.neg = buf.neg.data();
+  a.d = buf.d.data();
+  a.bsum = buf.bsum.data();
+  a.dvec = buf.dvec.data();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const void* xp = x.data_ptr();
+  const Kernels& kern = K();
+  for (int64_t r = 0; r < a.m; ++r) kern.quantize(xp, bf16, r, a);
+  return a;
+}
+
+Out out_of(at::Tensor& out, int64_t n) {
+  return Out{out.data_ptr(), n, out.scalar_type() == at::kBFloat16};
+}
+
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& bias) {
+  check_act(x, "linear_q8");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous(),
+              "linear_q8: qweight must be a contiguous int8 [out, in] tensor");
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  TORCH_CHECK(x.size(-1) == k, "linear_q8: input has ", x.size(-1), " features, weight ", k);
+  TORCH_CHECK(k % 32 == 0, "linear_q8: in_features must be a multiple of 32, got ", k);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n && scale.is_contiguous(),
+              "linear_q8: scale must be float32 [out]");
+  at::Tensor out = at::empty(out_shape(x, n), x.options());
+  if (x.numel() == 0) return out;
+  const Q8Act a = quantize_act(x, k);
+  const int8_t* w = qweight.data_ptr<int8_t>();
+  const float* s = scale.data_ptr<float>();
+  const float* b = opt_bias(bias, n);
+  const Out o = out_of(out, n);
+  const auto fn = K().gemv_q8;
+  at::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) { fn(a, w, s, b, n0, n1, o); });
+  return out;
+}
+
+at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& gscale,
+                     const at::Tensor& goffset, const std::optional<at::Tensor>& bias) {
+  check_act(x, "linear_q4");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 16 &&
+                  codes.is_contiguous(),
+              "linear_q4: codes must be a contiguous uint8 [out, in / 32, 16] tensor");
+  const int64_t n = codes.size(0), groups = codes.size(1), k = groups * 32;
+  TORCH_CHECK(x.size(-1) == k, "linear_q4: input has ", x.size(-1), " features, weight ", k);
+  for (const at::Tensor* t : {&gscale, &goffset})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == n * groups && t->is_contiguous(),
+                "linear_q4: group scales and offsets must be float32 [out, in / 32]");
+  at::Tensor out = at::empty(out_shape(x, n), x.options());
+  if (x.numel() == 0) return out;
+  const Q8Act a = quantize_act(x, k);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* gs = gscale.data_ptr<float>();
+  const float* go = goffset.data_ptr<float>();
+  const float* b = opt_bias(bias, n);
+  const Out o = out_of(out, n);
+  const auto fn = K().gemv_q4;
+  at::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) { fn(a, c, gs, go, b, n0, n1, o); });
+  return out;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias) {
+  check_act(x, "linear");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 2 &&
+                  weight.is_contiguous(),
+              "linear: weight must be a contiguous [out, in] tensor of the input's dtype");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(x.size(-1) == k, "linear: input has ", x.size(-1), " features, weight ", k);
+  at::Tensor out = at::empty(out_shape(x, n), x.options());
+  if (x.numel() == 0) return out;
+  const int64_t m = x.numel() / k;
+  const void* xp = x.data_ptr();
+  const void* w = weight.data_ptr();
+  const float* b = opt_bias(bias, n);
+  const Out o = out_of(out, n);
+  const auto fn = x.scalar_type() == at::kBFloat16 ? K().gemv_bf16 : K().gemv_f32;
+  at::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) { fn(xp, m, k, w, b, n0, n1, o); });
+  return out;
+}
+
+void check_norm(const at::Tensor& x, const at::Tensor& w) {
+  check_act(x, "rms_norm");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.dim() == 1 &&
+                  w.size(0) == x.size(-1),
+              "rms_norm: weight must be [", x.size(-1), "] in the input's dtype");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_norm(x, w);
+  at::Tensor out = at::empty_like(x);
+  const int64_t dim = x.size(-1), rows = dim ? x.numel() / dim : 0;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const auto fn = K().rms_norm;
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    fn(x.data_ptr(), nullptr, nullptr, w.data_ptr(), out.data_ptr(), r0, r1, dim,
+       static_cast<float>(eps), bf16);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta,
+                                                const at::Tensor& w, double eps) {
+  check_norm(x, w);
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type() &&
+                  delta.is_contiguous(),
+              "add_rms_norm: delta must match the input's shape and dtype");
+  at::Tensor sum = at::empty_like(x);
+  at::Tensor out = at::empty_like(x);
+  const int64_t dim = x.size(-1), rows = dim ? x.numel() / dim : 0;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const auto fn = K().rms_norm;
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    fn(x.data_ptr(), delta.data_ptr(), sum.data_ptr(), w.data_ptr(), out.data_ptr(), r0, r1,
+       dim, static_cast<float>(eps), bf16);
+  });
+  return {sum, out};
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_act(gu, "silu_mul");
+  TORCH_CHECK(gu.size(-1) % 2 == 0, "silu_mul: the last dimension must be even");
+  const int64_t inter = gu.size(-1) / 2;
+  at::Tensor out = at::empty(out_shape(gu, inter), gu.options());
+  const int64_t rows = inter ? gu.numel() / (2 * inter) : 0;
+  const bool bf16 = gu.scalar_type() == at::kBFloat16;
+  const auto fn = K().silu_mul;
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    fn(gu.data_ptr(), out.data_ptr(), r0, r1, inter, bf16);
+  });
+  return out;
+}
+
+std::string set_isa(std::string want) { return select_isa(want); }
+
+}  // namespace
+}  // namespace sf
+
+TORCH_LIBRARY(stallfree, m) {
+  m.def("set_isa(str want) -> str");
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_q8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("linear_q4(Tensor x, Tensor codes, Tensor gscale, Tensor goffset, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.impl("set_isa", &sf::set_isa);
+}
+
+TORCH_LIBRARY_IMPL(stallfree, CPU, m) {
+  m.impl("linear", &sf::linear);
+  m.impl("linear_q8", &sf::linear_q8);
+  m.impl("linear_q4", &sf::linear_q4);
+  m.impl("rms_norm", &sf::rms_norm);
+  m.impl("add_rms_norm", &sf::add_rms_norm);
+  m.impl("silu_mul", &sf::silu_mul);
+}
