@@ -70,6 +70,9 @@ def linear_bytes(module: torch.nn.Module) -> int:
 
     if isinstance(module, torch.nn.Linear):
         return module.weight.numel() * module.weight.element_size()
+    if getattr(module, "native", False):  # what the native kernel reads
+        names = ("qweight", "scale_f32", "codes", "q4_scale", "q4_offset")
+        return sum(b.numel() * b.element_size() for n, b in module.named_buffers() if n in names)
     return weight_bytes(module) - sum(
         b.numel() * b.element_size() for n, b in module.named_buffers() if n == "codes"
     )
@@ -86,14 +89,14 @@ class LinearTimer:
         kinds = (torch.nn.Linear, Int8Linear, Int4Linear)
         for module in model.modules():
             if isinstance(module, kinds):
-                if enabled:
-                    self._wrap(module, "matmul" if hasattr(module, "matmul") else "forward")
+                if enabled and module is not model.tied_head:
+                    self._wrap(module, "forward")
                 self.bytes += linear_bytes(module)
         if model.tied_head is None and model.arch.tie_word_embeddings:
             weight = model.model.embed_tokens.weight
             self.bytes += weight.numel() * weight.element_size()
-            if enabled:
-                self._wrap_output(model)
+        if enabled and model.arch.tie_word_embeddings:
+            self._wrap_output(model)
 
     def _wrap(self, module: torch.nn.Module, attr: str) -> None:
         inner = getattr(module, attr)

@@ -89,12 +89,12 @@ class GemmaAttention(LlamaAttention):
             )
             self.rope_index = 0 if sliding else 1
 
-    def project(
-        self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def layer_rope(
+        self, cos: torch.Tensor, signed_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.rope_index is not None:
-            cos, signed_sin = cos[self.rope_index], signed_sin[self.rope_index]
-        return super().project(h, cos, signed_sin)
+            return cos[self.rope_index], signed_sin[self.rope_index]
+        return cos, signed_sin
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stallfree.runtime.model import native_layers
 from stallfree.runtime.model.attention import PagedAttention
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.moe import add_mlp
@@ -56,7 +57,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # transformers' arithmetic (float32 statistics, the weight applied in the input's
-        # dtype) in one call where torch has it: equal bit for bit in float32
+        # dtype) in one call: the native kernel, else torch's (equal bit for bit in float32)
+        if native_layers.applies(x):
+            return native_layers.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and _HAS_RMS_NORM:
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
@@ -103,9 +106,10 @@ class LlamaAttention(nn.Module):
         self.qkv_split = (q_out, kv_out, kv_out)
 
     def project(
-        self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+        self, h: torch.Tensor, cos: torch.Tensor | None, signed_sin: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, H, D] and k [T, KVH, D] with RoPE applied, and v [T, KVH, D]."""
+        """q [T, H, D] and k [T, KVH, D] with RoPE applied (not applied when `cos` is None: the
+        attention backend applies it), and v [T, KVH, D]."""
         t = h.shape[0]
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(h).split(self.qkv_split, dim=-1)
@@ -116,7 +120,17 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if cos is None or signed_sin is None:
+            return q, k, v
+        cos, signed_sin = self.layer_rope(cos, signed_sin)
         return apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin), v
+
+    def layer_rope(
+        self, cos: torch.Tensor, signed_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's (cos, signed sin) out of the step's tables (a family with a table per
+        layer kind picks its own)."""
+        return cos, signed_sin
 
     def forward(
         self,
@@ -126,8 +140,14 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = h.shape[0]
-        q, k, v = self.project(h, *rope)
-        out = backend.forward(q, k, v, self.layer_id, fb)
+        if getattr(backend, "takes_rope", False):
+            # the backend rotates q and k itself (fused into its decode kernel)
+            q, k, v = self.project(h, None, None)
+            layer_rope = self.layer_rope(*rope)
+            out = backend.forward(q, k, v, self.layer_id, fb, rope=layer_rope)  # type: ignore[call-arg]
+        else:
+            q, k, v = self.project(h, *rope)
+            out = backend.forward(q, k, v, self.layer_id, fb)
         out = out.reshape(t, self.num_heads * self.head_dim)
         if self.tp.size == 1:
             return self.o_proj(out)
@@ -147,8 +167,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).split((self.inter, self.inter), dim=-1)
-            x = F.silu(gate) * up
+            x = native_layers.silu_mul(self.gate_up_proj(x))
         else:
             x = F.silu(self.gate_proj(x)) * self.up_proj(x)
         if self.tp.size == 1:
@@ -198,6 +217,26 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), rope, fb, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def fused_forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        fb: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the residual stream carried apart (vLLM's layout): `h` is the last
+        block's output, not yet added; each add is fused into the RMSNorm that follows it.
+        Returns (this layer's MLP output, the residual stream before it)."""
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, x = h, norm_in(h)
+        else:
+            residual, x = native_layers.add_rms_norm(residual, h, norm_in.weight, norm_in.eps)
+        a = self.self_attn(x, rope, fb, backend)
+        residual, x = native_layers.add_rms_norm(residual, a, norm_post.weight, norm_post.eps)
+        return self.mlp(x), residual
 
     def split_forward(
         self,
@@ -270,6 +309,8 @@ class LlamaForCausalLM(nn.Module):
         # the int8 output matrix of a quantized model whose embedding is tied to it: it also
         # serves the embedding lookup (see quantize)
         self.tied_head: Int8Linear | None = None
+        # whether every layer is a plain LlamaDecoderLayer (`_fuses_residual`); None: not asked
+        self._plain_layers: bool | None = None
         # compile_layers' two compiled halves of a decoder layer; None: eager
         self.compiled: tuple[Callable[..., Any], Callable[..., Any]] | None = None
 
@@ -293,6 +334,14 @@ class LlamaForCausalLM(nn.Module):
                 h = cast(LlamaDecoderLayer, layer).split_forward(
                     h, rope, fb, backend, before, after
                 )
+        elif self._fuses_residual(h):
+            residual: torch.Tensor | None = None
+            for layer in self.model.layers:
+                h, residual = cast(LlamaDecoderLayer, layer).fused_forward(
+                    h, residual, rope, fb, backend
+                )
+            if residual is not None:
+                h = residual + h
         else:
             for layer in self.model.layers:
                 h = layer(h, rope, fb, backend)
@@ -304,6 +353,20 @@ class LlamaForCausalLM(nn.Module):
             # each rank's vocab slice (the last one zero-padded), in rank order
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.arch.vocab_size]
         return logits.float()
+
+    def _fuses_residual(self, h: torch.Tensor) -> bool:
+        """Whether the layers run `fused_forward`: plain Llama-family layers (their norms
+        `RMSNorm` itself, not a family's own) with the native kernels on for `h`."""
+        if not native_layers.applies(h):
+            return False
+        if self._plain_layers is None:
+            self._plain_layers = all(
+                type(layer) is LlamaDecoderLayer
+                and type(layer.input_layernorm) is RMSNorm
+                and type(layer.post_attention_layernorm) is RMSNorm
+                for layer in self.model.layers
+            )
+        return self._plain_layers
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tied_head is not None:
@@ -407,7 +470,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tied_head is not None:
             return self.tied_head.matmul(x)
         if self.arch.tie_word_embeddings:
-            return F.linear(x, self.model.embed_tokens.weight)
+            return native_layers.linear(x, self.model.embed_tokens.weight)
         out: torch.Tensor = self.lm_head(x)
         return out
 

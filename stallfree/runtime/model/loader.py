@@ -18,6 +18,7 @@ from stallfree.runtime.model.fused_weights import is_fused, split_fused
 from stallfree.runtime.model.gemma import GEMMA_MODELS
 from stallfree.runtime.model.hf_fallback import TransformersForCausalLM, hidden_size, resolve_impl
 from stallfree.runtime.model.llama import LlamaForCausalLM
+from stallfree.runtime.model.native_layers import use_native_linears
 from stallfree.runtime.model.parallel import (
     TPGroup,
     apply_shard,
@@ -113,6 +114,23 @@ def load_model(
     tp: TPGroup | None = None,
     quantization: str = "none",
     model_impl: str = "auto",
+) -> LoadedModel:
+    """`_load`, then a native family's dense bfloat16 linears switched to the native kernels
+    (native_layers.py) where the CPU has them."""
+    loaded = _load(path_or_preset, dtype, device, seed, tp, quantization, model_impl)
+    if isinstance(loaded.model, LlamaForCausalLM):
+        use_native_linears(loaded.model)
+    return loaded
+
+
+def _load(
+    path_or_preset: str,
+    dtype: str,
+    device: torch.device,
+    seed: int,
+    tp: TPGroup | None,
+    quantization: str,
+    model_impl: str,
 ) -> LoadedModel:
     """Load a Hugging Face model directory or a .gguf file, or build a preset with seeded
     random weights. `model_impl` (hf_fallback.py): `transformers` runs a directory through

@@ -23,11 +23,14 @@ An int4 layer the kernel cannot take (output rows in multiples of 16, inputs in 
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from stallfree.runtime.model import cpu_kernels
 
 QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf")
 GROUP_SIZE = 32
@@ -160,6 +163,21 @@ def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+# Up to this many rows an int8 / int4 layer runs on the native kernels (cpu_kernels.py), which
+# quantise the activations to blocks of 32 and stream the weights once for all rows; above it,
+# the dense path.
+NATIVE_MAX_ROWS = 16
+
+
+def native_quantized(dtype: torch.dtype) -> bool:
+    """Whether quantized layers in `dtype` run on the native kernels: the library is loaded and
+    `STALLFREE_QUANT_ACTIVATIONS` is not `0` (which keeps torch's weight-only kernels, whose
+    activations stay in the model's dtype)."""
+    if os.environ.get("STALLFREE_QUANT_ACTIVATIONS", "1").strip() in ("0", "off", "false", "no"):
+        return False
+    return dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
+
+
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX tiles)."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
@@ -177,19 +195,43 @@ class _QuantLinearBase(nn.Module, abc.ABC):
         self.dtype = dtype
         self.kernel_dtype = kernel_dtype(dtype)
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.bias_f32: torch.Tensor | None
+        f32 = None if bias is None else bias.detach().float().contiguous()
+        self.register_buffer("bias_f32", f32, persistent=False)
+        # set by a subclass whose weight the native kernels take
+        self.native = False
+
+    def _on_native(self, x: torch.Tensor) -> bool:
+        return (
+            self.native
+            and x.dtype == self.dtype
+            and x.numel() <= NATIVE_MAX_ROWS * self.in_features
+            and x.device.type == "cpu"
+        )
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T` without the bias, in `x`'s shape with the last dimension `out_features`."""
+        """`x @ W.T` without the bias, in `x`'s shape with the last dimension `out_features`.
+
+        A few rows go to the native kernel where the layer has it, else to torch's integer
+        kernel; more rows (a prefill) to the dense matmul."""
+        if self._on_native(x):
+            return self._native(x.contiguous(), None)
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= self.kernel_max_rows:
+        if not self.native and flat.shape[0] <= self.kernel_max_rows:
             out = self._kernel(flat.to(self.kernel_dtype).contiguous()).to(self.dtype)
         else:
             out = torch.nn.functional.linear(flat, self.dequantize())
         return out.view(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._on_native(x):
+            return self._native(x.contiguous(), self.bias_f32)
         out = self.matmul(x)
         return out if self.bias is None else out + self.bias
+
+    def _native(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x @ W.T (+ bias)` on the native kernel, in `x`'s shape and dtype."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
@@ -218,6 +260,13 @@ class Int8Linear(_QuantLinearBase):
             # SIGSEGV, 40 gave wrong sums (a tensor-parallel shard of an odd MLP hit it)
             self.kernel_max_rows = 0
         self.register_buffer("row_scale", weight.scale.to(dtype)[:, None].contiguous())
+        self.scale_f32: torch.Tensor
+        self.register_buffer("scale_f32", weight.scale.float().contiguous(), persistent=False)
+        self.native = self.in_features % GROUP_SIZE == 0 and native_quantized(dtype)
+
+    def _native(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.stallfree.linear_q8(x, self.qweight, self.scale_f32, bias)
+        return out
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
@@ -252,19 +301,38 @@ class Int4Linear(_QuantLinearBase):
         self.group_scale: torch.Tensor
         self.group_offset: torch.Tensor
         q = weight.q.to(torch.uint8)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q.to(torch.int32).contiguous(), _INNER_K_TILES
-        )
-        self.register_buffer("qweight", packed)
-        # the kernel's layout: [in // group, out, (scale, zero)]
-        pairs = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1)
-        self.register_buffer("scales_and_zeros", pairs.to(self.kernel_dtype).contiguous())
+        self.native = g == GROUP_SIZE and native_quantized(dtype)
+        if self.native:
+            # the native kernel reads `codes` with float32 scales and offsets per group;
+            # torch's repacked copy is not built
+            self.register_buffer("qweight", None)
+            self.register_buffer("scales_and_zeros", None)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                q.to(torch.int32).contiguous(), _INNER_K_TILES
+            )
+            self.register_buffer("qweight", packed)
+            # the kernel's layout: [in // group, out, (scale, zero)]
+            pairs = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1)
+            self.register_buffer("scales_and_zeros", pairs.to(self.kernel_dtype).contiguous())
         halves = q.view(rows, cols // g, 2, g // 2)
         self.register_buffer("codes", (halves[:, :, 0] | (halves[:, :, 1] << 4)).contiguous())
         self.register_buffer("group_scale", weight.scale.to(dtype)[..., None].contiguous())
         # the dense path computes codes * scale + (zero - 8 * scale)
         offset = weight.zero - 8 * weight.scale
         self.register_buffer("group_offset", offset.to(dtype)[..., None].contiguous())
+        self.q4_scale: torch.Tensor | None
+        self.q4_offset: torch.Tensor | None
+        native_scale = weight.scale.float().contiguous() if self.native else None
+        native_offset = offset.float().contiguous() if self.native else None
+        self.register_buffer("q4_scale", native_scale, persistent=False)
+        self.register_buffer("q4_offset", native_offset, persistent=False)
+
+    def _native(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.stallfree.linear_q4(
+            x, self.codes, self.q4_scale, self.q4_offset, bias
+        )
+        return out
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(

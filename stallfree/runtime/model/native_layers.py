@@ -1,0 +1,133 @@
+"""The model's small ops on the native CPU kernels (`cpu_kernels.py`), each beside its torch
+reference: RMSNorm with the residual add fused in, SiLU * up, and dense bfloat16 linears at
+a few rows. Every function here takes the native path only where it applies (a CPU tensor in
+float32 or bfloat16, contiguous, the library loaded) and otherwise computes the torch way, so
+callers never branch on it.
+
+Dense float32 linears stay on torch: its packed MKL matrix-vector product already reads float32
+weights as fast as the native one, and a float32 model keeps transformers' sums bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stallfree.runtime.model import cpu_kernels
+
+# Up to this many rows (tokens) a dense bfloat16 linear runs on the native matrix-vector
+# kernel, which streams the weights once for all rows; a larger call (a prefill chunk) is a
+# matrix product, where torch's oneDNN path is faster.
+DENSE_MAX_ROWS = 16
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether `x` can go to a native op."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in _DTYPES
+        and x.is_contiguous()
+        and cpu_kernels.available()
+    )
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: float32 statistics, the weight applied in the input's dtype."""
+    if x.dtype == torch.float32:
+        return torch.rms_norm(x, weight.shape, weight, eps)
+    h = torch.rms_norm(x.float(), x.shape[-1:], None, eps)
+    return weight * h.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if applies(x) and weight.dtype == x.dtype and weight.is_contiguous():
+        out: torch.Tensor = torch.ops.stallfree.rms_norm(x, weight, eps)
+        return out
+    return rms_norm_reference(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta)): the residual stream and the next block's input, the sum
+    rounded to the dtype before its statistics (transformers' order)."""
+    if (
+        applies(x)
+        and delta.dtype == x.dtype
+        and delta.shape == x.shape
+        and delta.is_contiguous()
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+    ):
+        total, normed = torch.ops.stallfree.add_rms_norm(x, delta, weight, eps)
+        return total, normed
+    total = x + delta
+    return total, rms_norm_reference(total, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for `gate_up` = [..., gate | up], each product rounded to the dtype."""
+    if applies(gate_up):
+        out: torch.Tensor = torch.ops.stallfree.silu_mul(gate_up)
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias_f32: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, on the native kernel for a few bfloat16 rows (`bias_f32`:
+    the bias in float32, or None)."""
+    if (
+        x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.numel() <= DENSE_MAX_ROWS * weight.shape[-1]
+        and applies(x)
+        and weight.is_contiguous()
+    ):
+        out: torch.Tensor = torch.ops.stallfree.linear(x, weight, bias_f32)
+        return out
+    return F.linear(x, weight, None if bias_f32 is None else bias_f32.to(x.dtype))
+
+
+class NativeLinear(nn.Linear):
+    """nn.Linear whose calls of up to `DENSE_MAX_ROWS` bfloat16 rows run on the native
+    matrix-vector kernel (bias added in its epilogue); anything else is F.linear."""
+
+    bias_f32: torch.Tensor | None
+
+    @classmethod
+    def adopt(cls, layer: nn.Linear) -> NativeLinear:
+        """`layer` itself, its class switched (its parameters are kept, not copied)."""
+        layer.__class__ = cls
+        native = layer if isinstance(layer, NativeLinear) else None
+        assert native is not None
+        bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
+        native.register_buffer("bias_f32", bias, persistent=False)
+        return native
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= DENSE_MAX_ROWS * self.in_features:
+            return linear(x, self.weight, self.bias_f32)
+        return F.linear(x, self.weight, self.bias)
+
+
+def use_native_linears(model: nn.Module) -> int:
+    """Switch every dense bfloat16 CPU nn.Linear of `model` to `NativeLinear`, in place;
+    returns how many (none when the library is not available)."""
+    if not cpu_kernels.available():
+        return 0
+    count = 0
+    for module in model.modules():
+        if (
+            type(module) is nn.Linear
+            and module.weight.device.type == "cpu"
+            and module.weight.dtype == torch.bfloat16
+        ):
+            NativeLinear.adopt(module)
+            count += 1
+    return count

@@ -1,0 +1,225 @@
+"""The native CPU kernels (runtime/model/csrc) against their torch references, on every
+instruction-set variant this CPU has: dense and integer matrix-vector products over row
+counts 1-16 and widths that are not multiples of the vector length, the integer ones against
+an exact emulation (activations quantised to blocks of 32 in torch, integer dots in float64),
+RMSNorm (alone and with the residual add) and SiLU * up in transformers' rounding order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stallfree.runtime.model import cpu_kernels, native_layers
+from stallfree.runtime.model.quant import quantize_int4, quantize_int8
+
+
+def _variants() -> list[str]:
+    found = []
+    for isa in ("avx512", "avx2"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("STALLFREE_CPU_ISA", isa)
+            cpu_kernels.reset()
+            if cpu_kernels.isa() == isa:
+                found.append(isa)
+    cpu_kernels.reset()
+    return found
+
+
+VARIANTS = _variants()
+pytestmark = pytest.mark.skipif(not VARIANTS, reason="native CPU kernels unavailable here")
+
+
+each_isa = pytest.mark.parametrize("isa", VARIANTS)
+
+
+@pytest.fixture(autouse=True)
+def _restore_variant() -> Iterator[None]:
+    """A test that switches the variant (`_set_isa`) leaves the process on the usual one."""
+    yield
+    usual = cpu_kernels.isa()
+    if usual is not None:
+        torch.ops.stallfree.set_isa(usual)
+
+
+def _set_isa(isa: str) -> None:
+    assert torch.ops.stallfree.set_isa(isa) == isa
+
+
+def q8_emulation(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The int8 kernel's arithmetic exactly: x in blocks of 32 to codes round(x * 127 / amax),
+    integer dots, block scales amax / 127, the row scale last."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inv).clamp(-127, 127).double()
+    dots = torch.einsum("mbk,nbk->mnb", codes, q.double().reshape(q.shape[0], k // 32, 32))
+    return (dots * (amax[:, None, :, 0] / 127).double()).sum(-1) * scale.double()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+@each_isa
+@settings(max_examples=25, deadline=None)
+@given(
+    m=st.integers(1, 16),
+    n=st.integers(1, 70),
+    blocks=st.integers(1, 9),
+    bf16=st.booleans(),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_q8_equals_its_emulation(
+    isa: str, m: int, n: int, blocks: int, bf16: bool, bias: bool, seed: int
+) -> None:
+    _set_isa(isa)
+    g = torch.Generator().manual_seed(seed)
+    k = 32 * blocks
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = quantize_int8(torch.randn(n, k, generator=g))
+    b = torch.randn(n, generator=g) if bias else None
+    out = torch.ops.stallfree.linear_q8(x, w.q, w.scale, b)
+    ref = q8_emulation(x, w.q, w.scale) + (0 if b is None else b.double())
+    assert out.dtype == dtype and out.shape == (m, n)
+    # float32 sums in another order; bfloat16 adds the output's rounding
+    assert _rel(out, ref) < (8e-3 if bf16 else 1e-5)
+
+
+@each_isa
+@settings(max_examples=25, deadline=None)
+@given(
+    m=st.integers(1, 16),
+    n=st.integers(1, 40),
+    groups=st.integers(1, 11),
+    bf16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_q4_equals_its_emulation(
+    isa: str, m: int, n: int, groups: int, bf16: bool, seed: int
+) -> None:
+    _set_isa(isa)
+    g = torch.Generator().manual_seed(seed)
+    k = 32 * groups
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = quantize_int4(torch.randn(n, k, generator=g))
+    q = w.q.view(n, groups, 2, 16)
+    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
+    offset = (w.zero - 8 * w.scale).contiguous()
+    out = torch.ops.stallfree.linear_q4(x, codes, w.scale.contiguous(), offset, None)
+    # the emulation: the int4 weight is exactly q * scale + offset, so the int8 emulation of
+    # its dequantised rows (one scale per row of 1) is the same sum
+    dense = w.q.double() * w.scale.double().repeat_interleave(
+        32, 1
+    ) + offset.double().repeat_interleave(32, 1)
+    blocks = x.float().reshape(m, groups, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    xq = (torch.round(blocks * inv).clamp(-127, 127) * (amax / 127)).double().reshape(m, k)
+    ref = xq @ dense.T
+    assert _rel(out, ref) < (8e-3 if bf16 else 1e-5)
+
+
+@each_isa
+@settings(max_examples=20, deadline=None)
+@given(
+    m=st.integers(1, 16),
+    n=st.integers(1, 70),
+    k=st.integers(1, 300),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_dense_linear_equals_torch(isa: str, m: int, n: int, k: int, bias: bool, seed: int) -> None:
+    _set_isa(isa)
+    g = torch.Generator().manual_seed(seed)
+    for dtype, tol in ((torch.bfloat16, 8e-3), (torch.float32, 1e-5)):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        w = torch.randn(n, k, generator=g).to(dtype)
+        b = torch.randn(n, generator=g) if bias else None
+        out = torch.ops.stallfree.linear(x, w, b)
+        ref = x.double() @ w.double().T + (0 if b is None else b.double())
+        assert out.dtype == dtype
+        assert _rel(out, ref) < tol
+
+
+@each_isa
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 20), dim=st.integers(1, 300), seed=st.integers(0, 2**16))
+def test_rms_norm_and_fused_add_equal_transformers_order(
+    isa: str, rows: int, dim: int, seed: int
+) -> None:
+    _set_isa(isa)
+    g = torch.Generator().manual_seed(seed)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(rows, dim, generator=g).to(dtype)
+        d = torch.randn(rows, dim, generator=g).to(dtype)
+        w = (torch.rand(dim, generator=g) + 0.5).to(dtype)
+        ref = native_layers.rms_norm_reference(x, w, 1e-6)
+        out = torch.ops.stallfree.rms_norm(x, w, 1e-6)
+        total, normed = torch.ops.stallfree.add_rms_norm(x, d, w, 1e-6)
+        ref_total = x + d
+        assert torch.equal(total, ref_total)  # the sum is rounded once, as torch rounds it
+        ref_normed = native_layers.rms_norm_reference(ref_total, w, 1e-6)
+        if dtype == torch.bfloat16:
+            # statistics in another order may move a value by one bfloat16 step
+            for a, b in ((out, ref), (normed, ref_normed)):
+                ulp = b.float().abs() * 2**-7 + 1e-6
+                assert bool(((a.float() - b.float()).abs() <= 2 * ulp).all())
+                assert (a != b).float().mean() < 0.05
+        else:
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(normed, ref_normed, rtol=1e-5, atol=1e-6)
+
+
+@each_isa
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 16), inter=st.integers(1, 200), seed=st.integers(0, 2**16))
+def test_silu_mul_equals_torch(isa: str, rows: int, inter: int, seed: int) -> None:
+    _set_isa(isa)
+    g = torch.Generator().manual_seed(seed)
+    for dtype in (torch.bfloat16, torch.float32):
+        gu = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+        gate, up = gu.chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+        out = torch.ops.stallfree.silu_mul(gu)
+        if dtype == torch.bfloat16:
+            ulp = ref.float().abs() * 2**-7 + 1e-6
+            assert bool(((out.float() - ref.float()).abs() <= 2 * ulp).all())
+        else:
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@each_isa
+def test_bad_shapes_are_errors_not_crashes(isa: str) -> None:
+    _set_isa(isa)
+    x = torch.randn(2, 64)
+    q = torch.zeros(8, 40, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match=r"multiple of 32|features"):
+        torch.ops.stallfree.linear_q8(x, q, torch.ones(8), None)
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.stallfree.linear(x, torch.randn(8, 63), None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.stallfree.rms_norm(x.double(), torch.ones(64).double(), 1e-6)
+
+
+def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STALLFREE_CPU_KERNELS", "0")
+    cpu_kernels.reset()
+    try:
+        assert cpu_kernels.isa() is None
+        x = torch.randn(3, 48)
+        w = torch.rand(48) + 0.5
+        # the wrappers take the torch path
+        torch.testing.assert_close(
+            native_layers.rms_norm(x, w, 1e-6), native_layers.rms_norm_reference(x, w, 1e-6)
+        )
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.reset()
