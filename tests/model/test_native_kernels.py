@@ -61,8 +61,11 @@ def q8_emulation(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
     return (dots * (amax[:, None, :, 0] / 127).double()).sum(-1) * scale.double()
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+def _rel(a: torch.Tensor, b: torch.Tensor, bound: torch.Tensor | None = None) -> float:
+    """The largest error relative to `bound` (the sum of the absolute terms, which bounds a
+    float sum's rounding error whatever the order), else to the largest |b|."""
+    scale = b.double().abs().max() if bound is None else bound.double()
+    return float(((a.double() - b.double()).abs() / scale.clamp_min(1e-30)).max())
 
 
 @each_isa
@@ -128,7 +131,7 @@ def test_linear_q4_equals_its_emulation(
 
 
 @each_isa
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     m=st.integers(1, 16),
     n=st.integers(1, 70),
@@ -145,12 +148,13 @@ def test_dense_linear_equals_torch(isa: str, m: int, n: int, k: int, bias: bool,
         b = torch.randn(n, generator=g) if bias else None
         out = torch.ops.stallfree.linear(x, w, b)
         ref = x.double() @ w.double().T + (0 if b is None else b.double())
+        bound = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
         assert out.dtype == dtype
-        assert _rel(out, ref) < tol
+        assert _rel(out, ref, bound if dtype == torch.float32 else None) < tol
 
 
 @each_isa
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 20), dim=st.integers(1, 300), seed=st.integers(0, 2**16))
 def test_rms_norm_and_fused_add_equal_transformers_order(
     isa: str, rows: int, dim: int, seed: int
@@ -179,7 +183,7 @@ def test_rms_norm_and_fused_add_equal_transformers_order(
 
 
 @each_isa
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 16), inter=st.integers(1, 200), seed=st.integers(0, 2**16))
 def test_silu_mul_equals_torch(isa: str, rows: int, inter: int, seed: int) -> None:
     _set_isa(isa)

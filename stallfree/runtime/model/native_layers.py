@@ -19,7 +19,7 @@ from stallfree.runtime.model import cpu_kernels
 # Up to this many rows (tokens) a dense bfloat16 linear runs on the native matrix-vector
 # kernel, which streams the weights once for all rows; a larger call (a prefill chunk) is a
 # matrix product, where torch's oneDNN path is faster.
-DENSE_MAX_ROWS = 16
+DENSE_MAX_ROWS = 8
 
 _DTYPES = (torch.float32, torch.bfloat16)
 

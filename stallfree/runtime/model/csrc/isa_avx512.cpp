@@ -143,8 +143,10 @@ struct TileOut {
 #define SF_Q8_STEP(c, lm)                                                        \
   {                                                                              \
     __m512i wv[kTileN];                                                          \
-    _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) wv[j] =              \
-        _mm512_maskz_loadu_epi8(lm, w[j] + (c) * 64);                            \
+    _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) {                    \
+      wv[j] = _mm512_maskz_loadu_epi8(lm, w[j] + (c) * 64);                      \
+      _mm_prefetch(reinterpret_cast<const char*>(w[j] + (c) * 64 + ahead), _MM_HINT_T0); \
+    }                                                                            \
     _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {                        \
       const __m512i ax = _mm512_loadu_si512(absq[i] + (c) * 64);                 \
       const __mmask64 ng = neg[i][c];                                            \
@@ -160,6 +162,7 @@ struct TileOut {
 template <int MB>
 void q8_tile(const Q8Act& a, const int8_t* const* w, const TileOut& t) {
   const int64_t stride = a.kp / 64, full = a.k / 64;  // a last chunk may hold 32 values
+  const int64_t ahead = kTileN * a.k;  // the next tile's rows, at the same column
   const __m512i zero = _mm512_setzero_si512();
   const uint8_t* absq[MB];
   const uint64_t* neg[MB];
@@ -206,6 +209,7 @@ void q4_tile(const Q8Act& a, int64_t m0, const uint8_t* const* codes, const floa
              __m512 (&acc)[kTileM][kTileN]) {
   const int64_t groups = a.k / 32;
   const int64_t chunks = (groups + 3) / 4;
+  const int64_t ahead = kTileN * groups * 16;  // the next tile's rows, at the same column
   const __m512i low = _mm512_set1_epi8(0x0f);
   const __m512i zero = _mm512_setzero_si512();
   const __m512i expand = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -217,6 +221,7 @@ void q4_tile(const Q8Act& a, int64_t m0, const uint8_t* const* codes, const floa
     __m512 sc[kTileN];
     for (int j = 0; j < kTileN; ++j) {
       const __m512i cv = _mm512_maskz_loadu_epi8(lm, codes[j] + c * 64);
+      _mm_prefetch(reinterpret_cast<const char*>(codes[j] + c * 64 + ahead), _MM_HINT_T0);
       lo[j] = _mm512_and_si512(cv, low);
       hi[j] = _mm512_and_si512(_mm512_srli_epi16(cv, 4), low);
       sc[j] = _mm512_permutexvar_ps(expand, _mm512_maskz_loadu_ps(sm, gs[j] + c * 4));
@@ -285,8 +290,10 @@ void gemv_q4(const Q8Act& a, const uint8_t* codes, const float* gscale, const fl
 #define SF_DENSE_STEP(k0, lm, LOADW, LOADX, FMA, WT)                         \
   {                                                                            \
     WT wv[kTileN];                                                             \
-    _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) wv[j] =            \
-        LOADW(lm, ws[j] + (k0));                                               \
+    _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) {                  \
+      wv[j] = LOADW(lm, ws[j] + (k0));                                         \
+      _mm_prefetch(reinterpret_cast<const char*>(ws[j] + (k0) + ahead), _MM_HINT_T0); \
+    }                                                                          \
     _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {                      \
       const WT xv = LOADX(lm, xs[i] + (k0));                                   \
       _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) acc[i][j] =      \
@@ -306,6 +313,7 @@ void dense_tile(const void* x, int64_t k, const void* const* w, const TileOut& t
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < kTileN; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t ahead = kTileN * k;  // the next tile's rows, at the same column
   if constexpr (BF16) {
     const uint16_t* ws[kTileN];
     const uint16_t* xs[MB];
