@@ -323,8 +323,10 @@ class Int4Linear(_QuantLinearBase):
         self.register_buffer("group_offset", offset.to(dtype)[..., None].contiguous())
         self.q4_scale: torch.Tensor | None
         self.q4_offset: torch.Tensor | None
-        native_scale = weight.scale.float().contiguous() if self.native else None
-        native_offset = offset.float().contiguous() if self.native else None
+        # in float16, as GGUF's Q4_0 / Q4_1 blocks hold them (exact there; Q4_K's products of
+        # two scales round at 2^-11, far inside the 4-bit step)
+        native_scale = weight.scale.half().contiguous() if self.native else None
+        native_offset = offset.half().contiguous() if self.native else None
         self.register_buffer("q4_scale", native_scale, persistent=False)
         self.register_buffer("q4_offset", native_offset, persistent=False)
 

@@ -115,8 +115,8 @@ void gemv_q8(const Q8Act& a, const int8_t* w, const float* scale, const float* b
   }
 }
 
-void gemv_q4(const Q8Act& a, const uint8_t* codes, const float* gscale, const float* goffset,
-             const float* bias, int64_t n0, int64_t n1, Out out) {
+void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
+             const uint16_t* goffset, const float* bias, int64_t n0, int64_t n1, Out out) {
   const int64_t groups = a.k / 32;
   const __m128i low = _mm_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -132,8 +132,9 @@ void gemv_q4(const Q8Act& a, const uint8_t* codes, const float* gscale, const fl
         const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), low), _mm_and_si128(c, low));
         const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * 32));
         const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xs), ones);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(d[g] * gscale[n * groups + g]), acc);
-        off += goffset[n * groups + g] * bs[g];
+        const float sc = _cvtsh_ss(gscale[n * groups + g]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(d[g] * sc), acc);
+        off += _cvtsh_ss(goffset[n * groups + g]) * bs[g];
       }
       float v = hsum(acc) + off;
       if (bias) v += bias[n];

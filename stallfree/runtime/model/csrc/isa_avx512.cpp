@@ -203,85 +203,96 @@ void gemv_q8(const Q8Act& a, const int8_t* w, const float* scale, const float* b
   }
 }
 
-// 4 groups of int4 codes (64 bytes) against the activation's matching 128 values
+// Four groups of int4 codes (64 bytes) against the activation's matching 128 values. Per
+// group g: d_x[g] * (scale[g] * dot(codes, x codes) + offset[g] * sum(x codes)); the sums of
+// x's codes come from the same lanes as the dots (a dot with ones), so every term is a lane
+// operation and the tile's row sums are the only reduction.
+#define SF_Q4_STEP(c, g_here)                                                            \
+  {                                                                                      \
+    const __mmask64 lm = (g_here) == 4 ? ~0ull : ((1ull << (16 * (g_here))) - 1);       \
+    const __mmask8 sm = static_cast<__mmask8>((1u << (g_here)) - 1);                    \
+    __m512i lo[kTileN], hi[kTileN];                                                      \
+    __m512 sc[kTileN], of[kTileN];                                                       \
+    _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) {                           \
+      const __m512i cv = _mm512_maskz_loadu_epi8(lm, codes[j] + (c) * 64);               \
+      _mm_prefetch(reinterpret_cast<const char*>(codes[j] + (c) * 64 + ahead), _MM_HINT_T0); \
+      lo[j] = _mm512_and_si512(cv, low);                                                 \
+      hi[j] = _mm512_and_si512(_mm512_srli_epi16(cv, 4), low);                           \
+      sc[j] = expand4(_mm_maskz_loadu_epi16(sm, gs[j] + (c) * 4));                       \
+      of[j] = expand4(_mm_maskz_loadu_epi16(sm, go[j] + (c) * 4));                       \
+    }                                                                                    \
+    _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {                               \
+      const int8_t* xp = xq[i] + (c) * 128;                                              \
+      const __m512i xa = _mm512_loadu_si512(xp);                                         \
+      const __m512i xb = _mm512_loadu_si512(xp + 64);                                    \
+      const __m512i xlo = _mm512_shuffle_i64x2(xa, xb, 0x88);                            \
+      const __m512i xhi = _mm512_shuffle_i64x2(xa, xb, 0xdd);                            \
+      const __m512 dx = _mm512_permutexvar_ps(                                           \
+          expand, _mm512_castps128_ps512(_mm_maskz_loadu_ps(sm, xd[i] + (c) * 4)));      \
+      const __m512i xs = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, ones, xlo), ones, xhi); \
+      const __m512 xsd = _mm512_mul_ps(_mm512_cvtepi32_ps(xs), dx);                      \
+      _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) {                         \
+        __m512i dot = _mm512_dpbusd_epi32(zero, lo[j], xlo);                             \
+        dot = _mm512_dpbusd_epi32(dot, hi[j], xhi);                                      \
+        acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), sc[j]), dx, acc[i][j]); \
+        acc[i][j] = _mm512_fmadd_ps(of[j], xsd, acc[i][j]);                              \
+      }                                                                                  \
+    }                                                                                    \
+  }
+
 template <int MB>
-void q4_tile(const Q8Act& a, int64_t m0, const uint8_t* const* codes, const float* const* gs,
-             __m512 (&acc)[kTileM][kTileN]) {
-  const int64_t groups = a.k / 32;
-  const int64_t chunks = (groups + 3) / 4;
+void q4_tile(const Q8Act& a, const uint8_t* const* codes, const uint16_t* const* gs,
+             const uint16_t* const* go, const TileOut& t) {
+  const int64_t groups = a.k / 32, full = groups / 4;
   const int64_t ahead = kTileN * groups * 16;  // the next tile's rows, at the same column
   const __m512i low = _mm512_set1_epi8(0x0f);
+  const __m512i ones = _mm512_set1_epi8(1);
   const __m512i zero = _mm512_setzero_si512();
   const __m512i expand = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int g_here = static_cast<int>(std::min<int64_t>(4, groups - c * 4));
-    const __mmask64 lm = g_here == 4 ? ~0ull : ((1ull << (16 * g_here)) - 1);
-    const __mmask16 sm = static_cast<__mmask16>((1u << g_here) - 1);
-    __m512i lo[kTileN], hi[kTileN];
-    __m512 sc[kTileN];
-    for (int j = 0; j < kTileN; ++j) {
-      const __m512i cv = _mm512_maskz_loadu_epi8(lm, codes[j] + c * 64);
-      _mm_prefetch(reinterpret_cast<const char*>(codes[j] + c * 64 + ahead), _MM_HINT_T0);
-      lo[j] = _mm512_and_si512(cv, low);
-      hi[j] = _mm512_and_si512(_mm512_srli_epi16(cv, 4), low);
-      sc[j] = _mm512_permutexvar_ps(expand, _mm512_maskz_loadu_ps(sm, gs[j] + c * 4));
-    }
-    for (int i = 0; i < MB; ++i) {
-      const int64_t m = m0 + i;
-      // the activation's 4 groups, first and second halves gathered into two registers
-      const int8_t* xp = a.q + m * a.kp + c * 128;
-      const __m512i xa = _mm512_loadu_si512(xp);
-      const __m512i xb = _mm512_loadu_si512(xp + 64);
-      const __m512i xlo = _mm512_shuffle_i64x2(xa, xb, 0x88);
-      const __m512i xhi = _mm512_shuffle_i64x2(xa, xb, 0xdd);
-      const __m512 dx = _mm512_permutexvar_ps(
-          expand, _mm512_maskz_loadu_ps(sm, a.d + m * (a.kp / 32) + c * 4));
-      for (int j = 0; j < kTileN; ++j) {
-        __m512i dot = _mm512_dpbusd_epi32(zero, lo[j], xlo);
-        dot = _mm512_dpbusd_epi32(dot, hi[j], xhi);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), sc[j]), dx, acc[i][j]);
-      }
-    }
+  auto expand4 = [&](__m128i h) __attribute__((always_inline)) {
+    return _mm512_permutexvar_ps(expand, _mm512_castps128_ps512(_mm_cvtph_ps(h)));
+  };
+  const int8_t* xq[MB];
+  const float* xd[MB];
+  for (int i = 0; i < MB; ++i) {
+    xq[i] = a.q + (t.m0 + i) * a.kp;
+    xd[i] = a.d + (t.m0 + i) * (a.kp / 32);
   }
+  __m512 acc[MB][kTileN];
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < kTileN; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < full; ++c) SF_Q4_STEP(c, 4)
+  if (groups % 4) SF_Q4_STEP(full, static_cast<int>(groups % 4))
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i)
+    store4(t.out, t.m0 + i, t.n, t.nb, hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), nullptr,
+           t.bias);
 }
+#undef SF_Q4_STEP
 
-void gemv_q4(const Q8Act& a, const uint8_t* codes, const float* gscale, const float* goffset,
-             const float* bias, int64_t n0, int64_t n1, Out out) {
+void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
+             const uint16_t* goffset, const float* bias, int64_t n0, int64_t n1, Out out) {
   const int64_t groups = a.k / 32;
   for (int64_t n = n0; n < n1; n += kTileN) {
     const int nb = static_cast<int>(std::min<int64_t>(kTileN, n1 - n));
     const uint8_t* rows[kTileN];
-    const float* gs[kTileN];
+    const uint16_t* gs[kTileN];
+    const uint16_t* go[kTileN];
     for (int j = 0; j < kTileN; ++j) {
       const int64_t r = n + std::min(j, nb - 1);
       rows[j] = codes + r * groups * 16;
       gs[j] = gscale + r * groups;
+      go[j] = goffset + r * groups;
     }
     for (int64_t m0 = 0; m0 < a.m; m0 += kTileM) {
-      const int mb = static_cast<int>(std::min<int64_t>(kTileM, a.m - m0));
-      __m512 acc[kTileM][kTileN];
-      for (auto& r : acc)
-        for (auto& v : r) v = _mm512_setzero_ps();
-      switch (mb) {
-        case 1: q4_tile<1>(a, m0, rows, gs, acc); break;
-        case 2: q4_tile<2>(a, m0, rows, gs, acc); break;
-        case 3: q4_tile<3>(a, m0, rows, gs, acc); break;
-        default: q4_tile<4>(a, m0, rows, gs, acc); break;
-      }
-      for (int i = 0; i < mb; ++i) {
-        const float* bs = a.bsum + (m0 + i) * (a.kp / 32);
-        for (int j = 0; j < nb; ++j) {
-          // the offsets' term: sum_g offset[n, g] * d[g] * sum(codes of x in g)
-          const float* go = goffset + (n + j) * groups;
-          __m512 o = _mm512_setzero_ps();
-          for (int64_t g = 0; g < groups; g += 16) {
-            const __mmask16 gm = groups - g >= 16 ? 0xffff : ((1u << (groups - g)) - 1);
-            o = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(gm, go + g), _mm512_maskz_loadu_ps(gm, bs + g), o);
-          }
-          float v = hsum(acc[i][j]) + hsum(o);
-          if (bias) v += bias[n + j];
-          store(out, m0 + i, n + j, v);
-        }
+      const TileOut t{out, m0, n, nb, nullptr, bias};
+      switch (std::min<int64_t>(kTileM, a.m - m0)) {
+        case 1: q4_tile<1>(a, rows, gs, go, t); break;
+        case 2: q4_tile<2>(a, rows, gs, go, t); break;
+        case 3: q4_tile<3>(a, rows, gs, go, t); break;
+        default: q4_tile<4>(a, rows, gs, go, t); break;
       }
     }
   }

@@ -36,9 +36,9 @@ using QuantizeFn = void (*)(const void* x, bool x_bf16, int64_t row, Q8Act& a);
 using GemvQ8Fn = void (*)(const Q8Act& a, const int8_t* w, const float* scale,
                           const float* bias, int64_t n0, int64_t n1, Out out);
 // int4 codes, groups of 32: byte j of a group holds value j (low nibble) and j + 16 (high);
-// w = code * gscale[n, g] + goffset[n, g]
-using GemvQ4Fn = void (*)(const Q8Act& a, const uint8_t* codes, const float* gscale,
-                          const float* goffset, const float* bias, int64_t n0, int64_t n1,
+// w = code * gscale[n, g] + goffset[n, g], the scales and offsets in float16
+using GemvQ4Fn = void (*)(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
+                          const uint16_t* goffset, const float* bias, int64_t n0, int64_t n1,
                           Out out);
 // dense weights: w bf16 (x bf16) or float32 (x float32), [n, k] row-major
 using GemvDenseFn = void (*)(const void* x, int64_t m, int64_t k, const void* w,

@@ -144,14 +144,14 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t n = codes.size(0), groups = codes.size(1), k = groups * 32;
   TORCH_CHECK(x.size(-1) == k, "linear_q4: input has ", x.size(-1), " features, weight ", k);
   for (const at::Tensor* t : {&gscale, &goffset})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == n * groups && t->is_contiguous(),
-                "linear_q4: group scales and offsets must be float32 [out, in / 32]");
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->numel() == n * groups && t->is_contiguous(),
+                "linear_q4: group scales and offsets must be float16 [out, in / 32]");
   at::Tensor out = at::empty(out_shape(x, n), x.options());
   if (x.numel() == 0) return out;
   const Q8Act a = quantize_act(x, k);
   const uint8_t* c = codes.data_ptr<uint8_t>();
-  const float* gs = gscale.data_ptr<float>();
-  const float* go = goffset.data_ptr<float>();
+  const auto* gs = static_cast<const uint16_t*>(gscale.data_ptr());
+  const auto* go = static_cast<const uint16_t*>(goffset.data_ptr());
   const float* b = opt_bias(bias, n);
   const Out o = out_of(out, n);
   const auto fn = K().gemv_q4;
