@@ -232,3 +232,25 @@ def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         monkeypatch.undo()
         cpu_kernels.reset()
+
+
+@each_isa
+@settings(max_examples=20, deadline=None)
+@given(
+    m=st.integers(1, 8),
+    parts=st.lists(st.integers(1, 70), min_size=1, max_size=3),
+    k=st.integers(1, 200),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_group_equals_each_linear(
+    isa: str, m: int, parts: list[int], k: int, seed: int
+) -> None:
+    _set_isa(isa)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    ws = [torch.randn(n, k, generator=g) for n in parts]
+    out = torch.ops.stallfree.linear_group(x, ws)
+    ref = torch.cat([x.double() @ w.double().T for w in ws], dim=-1)
+    bound = torch.cat([x.double().abs() @ w.double().abs().T for w in ws], dim=-1)
+    assert out.shape == (m, sum(parts))
+    assert _rel(out, ref, bound) < 1e-5

@@ -153,6 +153,10 @@ def _register_fakes() -> None:
     def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _rows_out(x, weight.shape[0])
 
+    @torch.library.register_fake(lib + "linear_group")
+    def _linear_group(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        return _rows_out(x, sum(w.shape[0] for w in weights))
+
     @torch.library.register_fake(lib + "linear_q8")
     def _linear_q8(
         x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None

@@ -113,6 +113,8 @@ class LlamaAttention(nn.Module):
         t = h.shape[0]
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(h).split(self.qkv_split, dim=-1)
+        elif (qkv := native_layers.grouped([self.q_proj, self.k_proj, self.v_proj], h)) is not None:
+            q, k, v = qkv.split(self.qkv_split, dim=-1)
         else:
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -168,6 +170,8 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             x = native_layers.silu_mul(self.gate_up_proj(x))
+        elif (gate_up := native_layers.grouped([self.gate_proj, self.up_proj], x)) is not None:
+            x = native_layers.silu_mul(gate_up)
         else:
             x = F.silu(self.gate_proj(x)) * self.up_proj(x)
         if self.tp.size == 1:

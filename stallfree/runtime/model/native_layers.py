@@ -94,6 +94,26 @@ def linear(
     return F.linear(x, weight, None if bias_f32 is None else bias_f32.to(x.dtype))
 
 
+def grouped(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor | None:
+    """The outputs of `layers` (plain linears without bias, one input width) side by side in
+    one tensor, as one native call, for a few rows of `x`; None where that does not apply
+    (the caller runs them one by one). A model whose projections are not stacked (dense
+    float32, which keeps transformers' sums) still makes one call for q/k/v and one for
+    gate/up."""
+    if x.numel() > DENSE_MAX_ROWS * x.shape[-1] or not applies(x):
+        return None
+    weights: list[torch.Tensor] = []
+    for layer in layers:
+        if not isinstance(layer, nn.Linear) or layer.bias is not None:
+            return None
+        w = layer.weight
+        if w.dtype != x.dtype or not w.is_contiguous() or w.device.type != "cpu":
+            return None
+        weights.append(w)
+    out: torch.Tensor = torch.ops.stallfree.linear_group(x, weights)
+    return out
+
+
 class NativeLinear(nn.Linear):
     """nn.Linear whose calls of up to `DENSE_MAX_ROWS` bfloat16 rows run on the native
     matrix-vector kernel (bias added in its epilogue); anything else is F.linear."""

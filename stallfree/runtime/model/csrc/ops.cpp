@@ -179,6 +179,43 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
+// Several weights of one input width, their outputs side by side in one [rows, sum N] tensor:
+// the q/k/v (or gate/up) projections of a model whose weights are not stacked, in one call.
+at::Tensor linear_group(const at::Tensor& x, const std::vector<at::Tensor>& weights) {
+  check_act(x, "linear_group");
+  TORCH_CHECK(!weights.empty(), "linear_group: expected at least one weight");
+  const int64_t k = x.size(-1);
+  int64_t total = 0;
+  for (const at::Tensor& w : weights) {
+    TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 2 && w.is_contiguous() &&
+                    w.size(1) == k,
+                "linear_group: each weight must be a contiguous [out, ", k,
+                "] tensor of the input's dtype");
+    total += w.size(0);
+  }
+  at::Tensor out = at::empty(out_shape(x, total), x.options());
+  if (x.numel() == 0) return out;
+  const int64_t m = x.numel() / k;
+  const void* xp = x.data_ptr();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const auto fn = bf16 ? K().gemv_bf16 : K().gemv_f32;
+  const int64_t esize = bf16 ? 2 : 4;
+  // the output columns [start, start + rows) of each weight
+  std::vector<int64_t> starts;
+  for (const at::Tensor& w : weights) starts.push_back(starts.empty() ? 0 : starts.back());
+  for (size_t i = 1; i < weights.size(); ++i) starts[i] = starts[i - 1] + weights[i - 1].size(0);
+  at::parallel_for(0, total, kGrain, [&](int64_t c0, int64_t c1) {
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const int64_t lo = std::max(c0, starts[i]);
+      const int64_t hi = std::min(c1, starts[i] + weights[i].size(0));
+      if (lo >= hi) continue;
+      const Out o{static_cast<char*>(out.data_ptr()) + starts[i] * esize, total, bf16};
+      fn(xp, m, k, weights[i].data_ptr(), nullptr, lo - starts[i], hi - starts[i], o);
+    }
+  });
+  return out;
+}
+
 void check_norm(const at::Tensor& x, const at::Tensor& w) {
   check_act(x, "rms_norm");
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.dim() == 1 &&
@@ -239,6 +276,7 @@ std::string set_isa(std::string want) { return select_isa(want); }
 TORCH_LIBRARY(stallfree, m) {
   m.def("set_isa(str want) -> str");
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_group(Tensor x, Tensor[] weights) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor codes, Tensor gscale, Tensor goffset, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -249,6 +287,7 @@ TORCH_LIBRARY(stallfree, m) {
 
 TORCH_LIBRARY_IMPL(stallfree, CPU, m) {
   m.impl("linear", &sf::linear);
+  m.impl("linear_group", &sf::linear_group);
   m.impl("linear_q8", &sf::linear_q8);
   m.impl("linear_q4", &sf::linear_q4);
   m.impl("rms_norm", &sf::rms_norm);
