@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from stallfree.overlap.omp_pool import release_caller_pool
 from stallfree.overlap.strict import StrictGuard
 
 _STREAM_FILE = __file__
@@ -174,6 +175,8 @@ class CpuStream(DeviceStream):
         self._error: BaseException | None = None
         self._num_threads = num_threads
         self._batch: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        # the thread handing work over gives up its OpenMP pool (omp_pool.py), once
+        self._feeder: int | None = None
         self._worker = threading.Thread(target=self._run, name="stallfree-cpu-stream", daemon=True)
         self._worker.start()
 
@@ -222,6 +225,10 @@ class CpuStream(DeviceStream):
         return event
 
     def _hand_over(self) -> None:
+        if self._feeder is None:
+            self._feeder = threading.get_ident()
+            if self._feeder != self._worker.ident:
+                release_caller_pool()
         batch, self._batch = self._batch, []
         self._queue.put((self._run_batch, (batch,)))
 
