@@ -32,10 +32,11 @@ from stallfree.runtime.request.outputs import GenerationChunk, GenerationResult,
 from stallfree.runtime.request.req import FinishReason, Req
 from stallfree.runtime.request.sampling_params import SamplingParams
 from stallfree.runtime.request.structured import StructuredOutputs
+from stallfree.runtime.request_table import RequestTable
 from stallfree.runtime.telemetry.observer import EngineObserver, MetricsExporter
 from stallfree.runtime.telemetry.request_log import RequestLogger
 from stallfree.runtime.telemetry.stats import EngineSnapshot, PoolUsage
-from stallfree.runtime.text.output_processor import RequestStream, check_caller
+from stallfree.runtime.text.output_processor import check_caller
 from stallfree.runtime.text.tokenizer import Tokenizer
 from stallfree.runtime.text.validation import RequestValidator, show
 
@@ -85,7 +86,8 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread_id: int | None = None
         self._rid_counter = itertools.count()
-        self._reqs: dict[str, Req] = {}
+        # every live request by id, and the steps of its life (runtime/request_table.py)
+        self.requests = RequestTable(self.core)
 
     def add_observer(self, observer: EngineObserver) -> None:
         """Subscribe to the engine's events (e.g. a metrics collector)."""
@@ -129,8 +131,7 @@ class Engine:
         self._check_caller()
         self._state = "closing"
         if not drain:
-            for req in list(self._reqs.values()):
-                core.scheduler.abort(req)
+            self.requests.abort_all()
         core.loop.stopping = True
         core.loop.notify()
         assert self._loop_task is not None
@@ -170,26 +171,6 @@ class Engine:
     def _check_caller(self) -> None:
         check_caller(self._loop, self._thread_id)
 
-    # ------------------------------------------------------------------ validation
-
-    def max_new_tokens_limit(self, prompt_len: int) -> int:
-        """The most new tokens a prompt of `prompt_len` tokens can get."""
-        return self.validator.max_new_tokens_limit(prompt_len)
-
-    def check_prompt(
-        self,
-        ids: Sequence[int],
-        max_new_tokens: int | None = None,
-        param: str = "prompt",
-        params: SamplingParams | None = None,
-    ) -> None:
-        """Raise `InvalidRequestError` unless `ids` (and `max_new_tokens` more) can be served."""
-        self.validator.check_prompt(ids, max_new_tokens, param, params)
-
-    def encode(self, text: str, param: str = "prompt") -> list[int]:
-        """Tokenize client text; text the tokenizer cannot take is an `InvalidRequestError`."""
-        return self.validator.encode(text, param)
-
     def _new_req(self, prompt: object, params: object, rid: object) -> Req:
         self._check_caller()
         if not self.accepting:
@@ -214,7 +195,7 @@ class Engine:
         validator.check_prompt(ids)
         sampling = validator.admit_params(ids, sampling)
         rid = rid or f"req-{next(self._rid_counter)}"
-        if rid in self._reqs:
+        if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
         return Req(
             rid=rid,
@@ -223,16 +204,6 @@ class Engine:
             eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
             max_context_len=self.max_context_len,
         )
-
-    def _register(self, req: Req, wake_per_step: bool = True) -> RequestStream:
-        stream = self.core.output.add(req, wake_per_step)
-        self._reqs[req.rid] = req
-        self.core.observers.on_request_added(req)
-        return stream
-
-    def _unregister(self, req: Req) -> None:
-        self._reqs.pop(req.rid, None)
-        self.core.output.discard(req)
 
     # ------------------------------------------------------------------ requests
 
@@ -269,14 +240,8 @@ class Engine:
         req = self._new_req(prompt, params, rid)
         if (spec := req.sampling_params.structured_outputs) is not None:
             await self._constrain(req, spec)
-        stream = self._register(req, wake_per_step)
-        try:
-            self.core.scheduler.add_request(req)
-        except BaseException:
-            self._unregister(req)
-            raise
-        self.core.loop.notify()
-        async with contextlib.aclosing(self._drain(req, stream, timeout)) as chunks:
+        stream = self.requests.submit(req, wake_per_step)
+        async with contextlib.aclosing(self.requests.drain(req, stream, timeout)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -286,7 +251,7 @@ class Engine:
         req.grammar = await self.core.grammars.matcher(spec, spec.source)
         if not self.accepting:
             raise EngineClosedError("engine is shutting down")
-        if req.rid in self._reqs:  # taken while this one compiled
+        if req.rid in self.requests:  # taken while this one compiled
             raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
 
     def _timeout(self, timeout: float | None) -> float | None:
@@ -323,14 +288,10 @@ class Engine:
         self.validator.check_prebuilt(
             len(req.origin_input_ids), kv, first_token_id, core.ctx.kv_cache.shape
         )
-        stream = self._register(req)
-        try:
-            core.scheduler.add_prebuilt(req, kv, first_token_id)
-        except BaseException:
-            self._unregister(req)
-            raise
-        core.loop.notify()
-        async with contextlib.aclosing(self._drain(req, stream)) as chunks:
+        stream = self.requests.submit(
+            req, enqueue=lambda r: core.scheduler.add_prebuilt(r, kv, first_token_id)
+        )
+        async with contextlib.aclosing(self.requests.drain(req, stream)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -342,7 +303,7 @@ class Engine:
     ) -> KVExport:
         """Prefill side of disaggregation (runtime/handoff.py): one output token, KV held."""
         params = self.validator.params(params).model_copy(update={"max_new_tokens": 1})
-        return KVExport(self, self._new_req(prompt_ids, params, rid))
+        return KVExport(self.requests, self._new_req(prompt_ids, params, rid))
 
     def open_import(
         self,
@@ -351,7 +312,7 @@ class Engine:
         rid: str | None = None,
     ) -> KVImport:
         """Decode side of disaggregation (runtime/handoff.py): the prompt's KV arrives later."""
-        return KVImport(self, self._new_req(prompt_ids, params, rid))
+        return KVImport(self.requests, self._new_req(prompt_ids, params, rid))
 
     async def complete(
         self,
@@ -394,45 +355,7 @@ class Engine:
     def abort(self, rid: str) -> bool:
         """Abort a request by id; False if it is unknown or already finished."""
         self._check_caller()
-        return self._abort(rid)
-
-    def _abort(self, rid: str) -> bool:
-        if not isinstance(rid, str):
-            return False  # no request has such an id (and a list would not even hash)
-        req = self._reqs.get(rid)
-        if req is None or req.finished:
-            return False
-        self.core.scheduler.abort(req)
-        self.core.loop.notify()
-        return True
-
-    async def _drain(
-        self, req: Req, stream: RequestStream, timeout: float | None = None
-    ) -> AsyncGenerator[GenerationChunk, None]:
-        # one timer per request, not a timed wait per chunk
-        deadline = (
-            None
-            if timeout is None
-            else asyncio.get_running_loop().call_later(timeout, self._expire, req, timeout)
-        )
-        try:
-            while True:
-                chunk = await stream.next_chunk()
-                yield chunk
-                if chunk.finished:
-                    return
-        finally:
-            if deadline is not None:
-                deadline.cancel()
-            if not req.finished:
-                self._abort(req.rid)
-            self._unregister(req)
-
-    def _expire(self, req: Req, timeout: float) -> None:
-        # the reason stays `abort` (front ends map it); the message says it was the deadline
-        if not req.finished:
-            self.core.scheduler.abort(req, FinishReason.ABORT, f"deadline of {timeout}s exceeded")
-            self.core.loop.notify()
+        return self.requests.abort(rid)
 
     def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
         """If the scheduler task dies, no consumer may wait forever: fail what is pending."""
@@ -444,13 +367,11 @@ class Engine:
             exc = task.exception()
             logger.error(
                 "scheduler loop died; failing %d requests and reporting unhealthy",
-                len(self._reqs),
+                len(self.requests),
                 exc_info=exc,
             )
             message = f"scheduler stopped: {exc!r}"
-        for req in list(self._reqs.values()):
-            if not req.finished:
-                self.core.scheduler.abort(req, FinishReason.ERROR, message)
+        self.requests.abort_all(FinishReason.ERROR, message)
 
     # ------------------------------------------------------------------ introspection
 

@@ -16,36 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Protocol
+from collections.abc import AsyncIterator, Sequence
 
 import torch
 
-from stallfree.runtime.core import EngineCore
 from stallfree.runtime.request.errors import EngineUnhealthyError, InvalidRequestError
 from stallfree.runtime.request.outputs import GenerationChunk
 from stallfree.runtime.request.req import FinishReason, Req
+from stallfree.runtime.request_table import RequestTable
 from stallfree.runtime.scheduling.prebuilt import PageRun, run_slots, write_prebuilt_layer
 from stallfree.runtime.text.output_processor import RequestStream
 
 # how long a finished prefill may take to reach its held state (the batches that may still
 # read it are processed first): a bound on a wait that normally lasts one step
 HOLD_WAIT_S = 60.0
-
-
-class EngineParts(Protocol):
-    """What the handoffs use of `Engine`."""
-
-    core: EngineCore
-    vocab_size: int
-
-    def _register(self, req: Req, wake_per_step: bool = True) -> RequestStream: ...
-
-    def _unregister(self, req: Req) -> None: ...
-
-    def _drain(
-        self, req: Req, stream: RequestStream, timeout: float | None = None
-    ) -> AsyncGenerator[GenerationChunk, None]: ...
 
 
 # (first page, pages) runs and the KV-head range [h0, h1) of each destination rank
@@ -55,8 +39,8 @@ HeadRange = tuple[int, int]
 class KVExport:
     """Prefill side: run the prompt for its first token and hold its KV for the transfer."""
 
-    def __init__(self, engine: EngineParts, req: Req) -> None:
-        self.engine, self.req = engine, req
+    def __init__(self, requests: RequestTable, req: Req) -> None:
+        self.requests, self.core, self.req = requests, requests.core, req
         self._held = asyncio.Event()
         req.hold_kv = True
         req.on_kv_held = self._held.set
@@ -78,17 +62,11 @@ class KVExport:
     async def run(self) -> GenerationChunk:
         """Prefill the prompt; returns the last chunk (its one token) once the KV is held.
         A request that fails or is aborted returns its failing chunk, and holds nothing."""
-        engine, req = self.engine, self.req
-        stream = engine._register(req, wake_per_step=False)
-        try:
-            engine.core.scheduler.add_request(req)
-        except BaseException:
-            engine._unregister(req)
-            raise
-        engine.core.loop.notify()
+        req = self.req
+        stream = self.requests.submit(req, wake_per_step=False)
         last: GenerationChunk | None = None
         try:
-            async with contextlib.aclosing(engine._drain(req, stream)) as chunks:
+            async with contextlib.aclosing(self.requests.drain(req, stream)) as chunks:
                 async for chunk in chunks:
                     self.token_ids.extend(chunk.token_ids)
                     last = chunk
@@ -114,7 +92,7 @@ class KVExport:
         and layer), awaited without blocking the loop."""
         if not self.held:
             raise RuntimeError(f"{self.rid}: its KV is not held")
-        ctx = self.engine.core.ctx
+        ctx = self.core.ctx
         stream, cache = ctx.stream, ctx.kv_cache
         slices = run_slots(runs, ctx.allocator.page_size)
         n = sum(s.stop - s.start for s in slices)
@@ -150,17 +128,16 @@ class KVExport:
         self._held.set()  # wakes a `run` still waiting for the hold
         req = self.req
         req.hold_kv = False
-        scheduler = self.engine.core.scheduler
-        if scheduler.release_held(req.rid):
-            self.engine.core.loop.notify()
+        if self.core.scheduler.release_held(req.rid):
+            self.core.loop.notify()
 
 
 class KVImport:
     """Decode side: a request whose prompt KV arrives from a prefill server."""
 
-    def __init__(self, engine: EngineParts, req: Req) -> None:
-        self.engine, self.req = engine, req
-        self._stream: RequestStream | None = engine._register(req)
+    def __init__(self, requests: RequestTable, req: Req) -> None:
+        self.requests, self.core, self.req = requests, requests.core, req
+        self._stream: RequestStream | None = requests.register(req)
         self.reserved = False
         self.joined = False
 
@@ -174,14 +151,14 @@ class KVImport:
 
     @property
     def page_size(self) -> int:
-        return self.engine.core.ctx.allocator.page_size
+        return self.core.ctx.allocator.page_size
 
     def reserve(self) -> bool:
         """The slot, the prompt's pages and the `req_to_token` row; False when there is no
         room now (try again later)."""
         if self.req.finished:
             raise EngineUnhealthyError(self.req.finish_message or "request finished")
-        self.reserved = self.engine.core.scheduler.reserve_import(self.req)
+        self.reserved = self.core.scheduler.reserve_import(self.req)
         return self.reserved
 
     def write_layer(
@@ -195,21 +172,21 @@ class KVImport:
         own = set(self.req.kv_pages)
         if not self.reserved or any(p + i not in own for p, n in runs for i in range(n)):
             raise InvalidRequestError(f"{self.rid}: KV for pages it does not hold")
-        write_prebuilt_layer(self.engine.core.ctx, layer, runs, k_shards, v_shards)
+        write_prebuilt_layer(self.core.ctx, layer, runs, k_shards, v_shards)
 
     async def join(self, first_token_id: int) -> AsyncIterator[GenerationChunk]:
         """Stash the first token, join the decode batch and stream the request's chunks
         (the first is the prefill's token). Cancelling the consumer aborts the request."""
-        engine, req, stream = self.engine, self.req, self._stream
-        if not 0 <= first_token_id < engine.vocab_size:
+        core, req, stream = self.core, self.req, self._stream
+        if not 0 <= first_token_id < core.arch.vocab_size:
             raise InvalidRequestError(f"first token {first_token_id} is not in the vocabulary")
         if req.finished or stream is None:
             raise EngineUnhealthyError(req.finish_message or "request finished before it joined")
-        engine.core.scheduler.join_prebuilt(req, first_token_id)
+        core.scheduler.join_prebuilt(req, first_token_id)
         self.joined = True
-        engine.core.loop.notify()
+        core.loop.notify()
         self._stream = None
-        async with contextlib.aclosing(engine._drain(req, stream)) as chunks:
+        async with contextlib.aclosing(self.requests.drain(req, stream)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -217,9 +194,8 @@ class KVImport:
         """Give back what it holds, if it never joined (idempotent)."""
         if self.joined:
             return
-        engine = self.engine
-        engine.core.scheduler.cancel_import(self.req)
+        self.core.scheduler.cancel_import(self.req)
         if self._stream is not None:
             self._stream = None
-            engine._unregister(self.req)
-        engine.core.loop.notify()
+            self.requests.unregister(self.req)
+        self.core.loop.notify()

@@ -40,7 +40,7 @@ async def test_a_reader_that_stops_pauses_its_request_and_resumes_it_unchanged(
         others = [engine.complete(p, LONG) for p in prompts[1:]]  # readers of the end only
         done = await asyncio.gather(*others)
         await _settle(engine)
-        req = next(r for r in engine._reqs.values() if r.origin_input_ids == prompts[0])
+        req = next(r for r in engine.requests if r.origin_input_ids == prompts[0])
         made = len(req.output_ids)
         assert req.paused and made <= len(first.token_ids) + BOUND + 2  # the lag of overlap
         snap = engine.snapshot()
@@ -72,7 +72,7 @@ async def test_aborting_a_paused_request_frees_it(llama):
         slow = engine.generate([1, 2, 3], LONG, rid="slow")
         await slow.__anext__()
         await _settle(engine)
-        assert engine._reqs["slow"].paused
+        assert engine.requests["slow"].paused
         assert engine.abort("slow")
         with contextlib.suppress(StopAsyncIteration):
             async for _ in slow:

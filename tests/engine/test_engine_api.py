@@ -227,8 +227,8 @@ async def test_closing_generate_early_aborts_the_request_at_once(llama):
     async with Engine(engine_config(llama)) as engine:
         stream = engine.generate([1, 2, 3], {"max_new_tokens": 500, "ignore_eos": True}, rid="r")
         first = await anext(stream)
-        assert first.token_ids and "r" in engine._reqs
+        assert first.token_ids and "r" in engine.requests
         await stream.aclose()
-        assert "r" not in engine._reqs  # unregistered and aborted inside aclose()
+        assert "r" not in engine.requests  # unregistered and aborted inside aclose()
         await engine.wait_idle()
         assert engine.pool_usage().all_free

@@ -112,8 +112,8 @@ async def test_model_dependent_bounds_are_checked_at_admission(llama, params, pa
             await engine.complete("hi", {"max_new_tokens": 2, **params})
         assert err.value.param == param
         with pytest.raises(InvalidRequestError):
-            engine.check_prompt([1, 2], 2, params=SamplingParams(**params))
-        engine.check_prompt([1, 2], 2, params=SamplingParams(top_k=VOCAB_SIZE))
+            engine.validator.check_prompt([1, 2], 2, params=SamplingParams(**params))
+        engine.validator.check_prompt([1, 2], 2, params=SamplingParams(top_k=VOCAB_SIZE))
         await still_serves(engine)
 
 
@@ -121,10 +121,10 @@ async def test_huge_max_new_tokens_is_capped_by_the_context(llama):
     cfg = engine_config(llama, model={"max_context_len": 48})
     prompt = list(b"ten tokens")
     async with Engine(cfg) as engine:
-        assert engine.max_new_tokens_limit(len(prompt)) == 38
+        assert engine.validator.max_new_tokens_limit(len(prompt)) == 38
         # the explicit check refuses it, as the OpenAI routes want
         with pytest.raises(InvalidRequestError, match="at most 38 new tokens") as err:
-            engine.check_prompt(prompt, 10**9)
+            engine.validator.check_prompt(prompt, 10**9)
         assert err.value.code == "context_length_exceeded"
         # generate reads it as "as many as fit"
         out = await engine.complete(prompt, {"max_new_tokens": 10**9, **NO_EOS})
@@ -141,7 +141,7 @@ async def test_one_huge_request_does_not_starve_admission(llama):
         while engine.core.scheduler.num_running == 0:
             await asyncio.sleep(0.001)
         # capped when the request was made: admission never sees 10**9
-        assert engine._reqs["huge"].sampling_params.max_new_tokens == 300 - 4
+        assert engine.requests["huge"].sampling_params.max_new_tokens == 300 - 4
         small = await asyncio.wait_for(
             asyncio.gather(
                 *(engine.complete(p, {"max_new_tokens": 4, **NO_EOS}) for p in random_prompts(4))
@@ -174,15 +174,15 @@ async def test_a_request_the_kv_cache_can_never_hold_is_refused_at_admission(lla
     cfg = engine_config(llama, cache={"max_total_tokens": 64})
     prompt = list(b"ten tokens")
     async with Engine(cfg) as engine:
-        assert engine.max_new_tokens_limit(len(prompt)) == 54
+        assert engine.validator.max_new_tokens_limit(len(prompt)) == 54
         with pytest.raises(InvalidRequestError, match="KV cache holds 64 tokens") as err:
-            engine.check_prompt(prompt, 100)
+            engine.validator.check_prompt(prompt, 100)
         assert (err.value.code, err.value.param) == ("kv_capacity_exceeded", "max_tokens")
         with pytest.raises(InvalidRequestError, match="KV cache holds 64 tokens") as err:
             await engine.complete(prompt, {"max_new_tokens": 100, **NO_EOS})
         assert (err.value.code, err.value.param) == ("kv_capacity_exceeded", "max_tokens")
         with pytest.raises(InvalidRequestError, match="KV cache") as err:
-            engine.check_prompt([1] * 70)
+            engine.validator.check_prompt([1] * 70)
         assert err.value.code == "kv_capacity_exceeded"
         # what fits runs to its end; more than the context asks for all that fits
         fits = await engine.complete(prompt, {"max_new_tokens": 54, **NO_EOS})
@@ -197,7 +197,7 @@ async def test_asking_for_the_whole_context_gets_what_the_kv_cache_holds(llama):
     cfg = engine_config(llama, model={"max_context_len": 100}, cache={"max_total_tokens": 64})
     prompt = list(b"ten tokens")
     async with Engine(cfg) as engine:
-        assert engine.max_new_tokens_limit(len(prompt)) == 54
+        assert engine.validator.max_new_tokens_limit(len(prompt)) == 54
         whole = await engine.complete(prompt, {"max_new_tokens": 90, **NO_EOS})
         assert whole.finish_reason == "length" and whole.completion_tokens == 54
         with pytest.raises(InvalidRequestError) as err:
@@ -478,7 +478,7 @@ async def test_a_refused_prebuilt_import_leaves_nothing_behind(llama):
             with pytest.raises(InvalidRequestError):
                 async for _ in engine.generate_prebuilt(prompt, layers, first, rid="pb"):
                     pass
-            assert not engine._reqs
+            assert not engine.requests
             assert engine.pool_usage().all_free
         ids = [
             t
@@ -530,10 +530,10 @@ async def test_a_bad_prompt_is_an_invalid_request(llama, prompt, match):
             await engine.complete(prompt, {"max_new_tokens": 2})
         if isinstance(prompt, list):
             with pytest.raises(InvalidRequestError, match=match):
-                engine.check_prompt(prompt)
+                engine.validator.check_prompt(prompt)
         if isinstance(prompt, str):
             with pytest.raises(InvalidRequestError, match=match) as err:
-                engine.encode(prompt)
+                engine.validator.encode(prompt)
             assert err.value.param == "prompt"
         await still_serves(engine)
 

@@ -147,7 +147,7 @@ async def test_compile_errors_name_the_field_and_the_engine_goes_on(llama):
         ok = await engine.complete("x", SamplingParams(structured_outputs={"choice": ["a"]}))
         assert ok.text == "a"
         await engine.wait_idle()
-        assert engine.pool_usage().all_free and not engine._reqs
+        assert engine.pool_usage().all_free and not engine.requests
 
 
 async def test_repeated_schemas_compile_once(llama):

@@ -166,7 +166,7 @@ async def chat(request: Request) -> Response:
         ids = await chat_prompt_ids_async(engine, body, template_kwargs=plan.template_kwargs)
         ids = truncated(ids, body.truncate_prompt_tokens, engine.max_context_len)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        engine.check_prompt(ids, max_tokens, param="messages")
+        engine.validator.check_prompt(ids, max_tokens, param="messages")
         # no max_tokens: as many as fit (the engine caps it to the context and KV cache)
         most = max_tokens or engine.max_context_len
         cost = RequestCost(

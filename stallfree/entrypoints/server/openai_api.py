@@ -295,7 +295,7 @@ async def completions(request: Request) -> Response:
         prompts = [truncated(p, keep, engine.max_context_len) for p in prompts]
         check_fanout(len(prompts), n, limits.max_prompts_per_request)
         for ids in prompts:
-            engine.check_prompt(ids, body.max_tokens, param="prompt")
+            engine.validator.check_prompt(ids, body.max_tokens, param="prompt")
         cost = RequestCost(
             len(prompts),
             sum(map(len, prompts)),

@@ -124,7 +124,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
             if body.text is not None
             else list(body.input_ids or [])
         )
-        engine.check_prompt(prompt, None, param="prompt")
+        engine.validator.check_prompt(prompt, None, param="prompt")
     ctx = Context.of(request)
     rid = body.rid or f"gen-{ctx.request_id}"
 

@@ -2,7 +2,7 @@
 
 Every check raises `InvalidRequestError` with the offending `param` and a machine-readable
 `code`, so a front end reports it without re-deriving anything. `Engine` calls these before a
-request exists; the HTTP server calls `Engine.check_prompt` for the lengths it knows first.
+request exists; the HTTP server calls `Engine.validator.check_prompt` for the lengths it knows first.
 """
 
 from __future__ import annotations
