@@ -279,7 +279,9 @@ async def test_bad_values_are_refused_with_the_field(llama):
 def test_frequency_and_presence_penalties_are_told_apart():
     """Token 5 three times and token 7 once in the output: a presence penalty takes p once from
     each, a frequency penalty f per occurrence. Swapped in the plan, the rows would differ."""
-    from stallfree.runtime.execution.logits import PenaltyState, build_logits_plan, process_logits
+    from stallfree.runtime.execution.logits import build_logits_plan
+    from stallfree.runtime.execution.logits_processor import StepRows
+    from stallfree.runtime.execution.processors import LogitsProcessors
     from stallfree.runtime.request.req import Req
 
     vocab = 12
@@ -299,11 +301,9 @@ def test_frequency_and_presence_penalties_are_told_apart():
         req.req_pool_idx = slot
         req.output_ids = [5, 5, 5, 7]
         reqs.append(req)
-    plan = build_logits_plan(reqs, [True] * 3, [4] * 3, None, lambda t: t)
+    plan = build_logits_plan(StepRows(reqs, [True] * 3, [4] * 3), None, lambda t: t)
     assert plan is not None
-    state = PenaltyState(3, vocab, torch.device("cpu"))
-    state.rebuild(plan)
-    out = process_logits(torch.zeros(3, vocab), plan, state)
+    out = LogitsProcessors(3).apply(torch.zeros(3, vocab), plan.parts)
     expected = torch.zeros(3, vocab)
     expected[0, 5], expected[0, 7] = -0.5, -0.5  # presence: once per token present
     expected[1, 5], expected[1, 7] = -1.5, -0.5  # frequency: per occurrence

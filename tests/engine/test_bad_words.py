@@ -14,7 +14,6 @@ import torch
 
 from stallfree import Engine, InvalidRequestError, SamplingParams
 from stallfree.runtime.execution.bad_words import HISTORY, BadWordsRows, BadWordsState
-from stallfree.runtime.execution.logits import LogitsPlan, process_logits
 from stallfree.runtime.request.req import Req
 from stallfree.runtime.request.sampling_params import MAX_BAD_WORD_TOKENS
 from tests.engine_util import MODES, engine_config, guarded
@@ -151,10 +150,10 @@ def test_the_device_compare_bans_only_after_the_prefix():
     state.rebuild(plan)
     assert state.history[3, -2:].tolist() == [9, 5] and state.history.shape[1] == HISTORY
     logits = torch.zeros(1, 10)
-    out = process_logits(logits, LogitsPlan(bad_words=plan), None, bad_words=state)
+    out = state.apply(logits, plan)
     assert not torch.isinf(out).any()  # history ends with 5, not 5 6
     state.record(plan, torch.tensor([6]))
-    out = process_logits(logits, LogitsPlan(bad_words=plan), None, bad_words=state)
+    out = state.apply(logits, plan)
     assert torch.isinf(out[0, 7]) and torch.isinf(out).sum() == 1
     assert torch.equal(logits, torch.zeros(1, 10))  # out of place
 

@@ -1,10 +1,10 @@
 """vLLM's `bad_words` on the stream, overlap-safe.
 
-A single-token word is a plain ban, put in the logit bias (`logits._BiasRows`). A word of more
+A single-token word is a plain ban, put in the logit bias (`execution/logit_bias.py`). A word of more
 tokens bans its last token at a step when the output so far ends with its other tokens. With
 overlap the host does not know the latest output tokens when it plans a step, so the comparison
 is made on the device, against `BadWordsState`: each request slot's last `HISTORY` output
-tokens, kept by the stream as `PenaltyState` keeps its counts.
+tokens, kept by the stream as `PenaltyState` keeps its counts (`execution/penalties.py`).
 - A request's row is (re)built by the first batch that carries it after an admission (its first
   prefill chunk, or its re-prefill after a retraction), from the outputs the host knows then.
 - Every later step shifts the token it sampled for the row in, right after sampling; the FIFO
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stallfree.runtime.execution.logits_processor import LogitsProcessor, StepRows, Uploads
 from stallfree.runtime.request.req import Req
 from stallfree.runtime.request.sampling_params import MAX_BAD_WORD_TOKENS
 
@@ -132,3 +133,31 @@ class BadWordsState:
         rows = self.history.index_select(0, plan.record_slots)
         shifted = torch.cat([rows[:, 1:], toks.unsqueeze(1)], dim=1)
         self.history.index_copy_(0, plan.record_slots, shifted)
+
+
+class BadWords(LogitsProcessor[BadWordsPlan]):
+    """Words of 2+ tokens, with their `BadWordsState` (created by the first step that needs it)."""
+
+    name = "bad_words"
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self.state: BadWordsState | None = None
+
+    @classmethod
+    def plan(cls, rows: StepRows, up: Uploads) -> BadWordsPlan | None:
+        words = BadWordsRows()
+        for row, req in enumerate(rows.reqs):
+            if req.needs_logits_plan and req.sampling_params.bad_words:
+                words.add(row, req, rows.output_rows[row])
+        return words.plan(up.upload)
+
+    def apply(self, logits: torch.Tensor, part: BadWordsPlan, raw: torch.Tensor) -> torch.Tensor:
+        if self.state is None:
+            self.state = BadWordsState(self.num_slots, logits.device)
+        self.state.rebuild(part)
+        return self.state.apply(logits, part)
+
+    def record(self, part: BadWordsPlan, next_ids: torch.Tensor) -> None:
+        assert self.state is not None
+        self.state.record(part, next_ids)

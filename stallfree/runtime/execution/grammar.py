@@ -1,6 +1,6 @@
 """Structured output on the stream: grammar state, next-token masks, and their advance.
 
-Overlap-safe by construction, the same way the penalty counts are (`execution/logits.py`):
+Overlap-safe by construction, the same way the penalty counts are (`execution/penalties.py`):
 
 - The host plans a batch from host facts only: which rows are constrained, their request
   slots, whose token is a kept output, and which rows (re)start their matcher (the first batch
@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from stallfree.runtime.execution.logits_processor import LogitsProcessor, StepRows, Uploads
 
 _I32 = torch.int32
 
@@ -123,3 +125,48 @@ class GrammarState:
             self._executor.unsafe_compute_mask_ptr(
                 matchers, out.data_ptr(), row_bytes, out.shape[0]
             )
+
+
+class Grammar(LogitsProcessor[GrammarPlan]):
+    """Structured output, with its `GrammarState` (created by the first step that needs it)."""
+
+    name = "grammar"
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self.state: GrammarState | None = None
+
+    @classmethod
+    def plan(cls, rows: StepRows, up: Uploads) -> GrammarPlan | None:
+        """Constrained rows; a request's matcher (re)starts on its first batch after an
+        admission or a retraction, at the outputs the host knows then (as its penalty row is
+        rebuilt)."""
+        constrained = [
+            r
+            for r, req in enumerate(rows.reqs)
+            if req.needs_logits_plan and req.grammar is not None
+        ]
+        if not constrained:
+            return None
+        slots: list[int] = []
+        starts: list[tuple[int, object, list[int]]] = []
+        for row in constrained:
+            req = rows.reqs[row]
+            slot = req.req_pool_idx
+            assert slot is not None, "a batch row without a request slot"
+            slots.append(slot)
+            if req.grammar_epoch != req.num_retractions:
+                req.grammar_epoch = req.num_retractions
+                starts.append((slot, req.grammar, list(req.output_ids)))
+        consume = [rows.output_rows[r] for r in constrained]
+        return GrammarPlan(constrained, slots, consume, starts, up.ints(constrained))
+
+    def apply(self, logits: torch.Tensor, part: GrammarPlan, raw: torch.Tensor) -> torch.Tensor:
+        if self.state is None:
+            self.state = GrammarState(self.num_slots, logits.shape[1])
+        self.state.start(part)
+        return self.state.apply(logits, part, raw)
+
+    def record(self, part: GrammarPlan, next_ids: torch.Tensor) -> None:
+        assert self.state is not None
+        self.state.advance(part, next_ids)

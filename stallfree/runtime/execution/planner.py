@@ -10,6 +10,7 @@ import torch
 from stallfree.overlap.faults import Fault, FaultInjector
 from stallfree.runtime.execution.context import BatchContext
 from stallfree.runtime.execution.logits import LogitsPlan, LogprobBuffers, build_logits_plan
+from stallfree.runtime.execution.logits_processor import StepRows
 from stallfree.runtime.execution.sampler import SamplingBatch
 from stallfree.runtime.execution.speculative import DraftPlan, SpecArgs
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
@@ -72,39 +73,18 @@ class StepPlanner:
             stash_rows = stream.upload(rows_cpu)
             slots_cpu = fb.req_pool_indices_cpu[rows_cpu]
             stash_slots = stream.upload(slots_cpu)
-            spec = None
+            spec: SpecArgs | None
             if fb.mode is ForwardMode.VERIFY:
                 spec = self._plan_verify(fb, params, step.output_steps)
-                # the flat token rows: one per scored position, each its own output index
-                ns = fb.extend_lens_cpu
-                reqs = [r for r, n in zip(step.reqs, ns, strict=True) for _ in range(n)]
-                plan_rows = (
-                    reqs,
-                    [True] * len(reqs),
-                    [s + j for s, n in zip(step.output_steps, ns, strict=True) for j in range(n)],
-                )
+                rows = _scored_positions(step)
                 assert fb.verify is not None
                 # one copy: each row's tokens, its accept count, the drafts it carried
-                shape = (len(step.reqs), fb.verify.max_k + 3)
-                token_ids_cpu = stream.host_buffer(shape, _I64)
+                token_ids_cpu = stream.host_buffer((len(step.reqs), fb.verify.max_k + 3), _I64)
             else:
-                if ctx.spec_k:
-                    width = int(fb.seq_lens_cpu.max()) + 1 if len(fb.seq_lens_cpu) else 1
-                    spec = SpecArgs(width=width)
-                    if ctx.spec_draft_model and fb.mode is ForwardMode.DECODE:
-                        spec.draft = DraftPlan.build([0] * fb.batch_size, stream.upload)
-                plan_rows = (step.reqs, step.output_rows, step.output_steps)
+                spec = self._plan_spec(fb)
+                rows = StepRows(step.reqs, step.output_rows, step.output_steps)
                 token_ids_cpu = stream.host_buffer((len(step.reqs),), _I64)
-            plan = build_logits_plan(
-                *plan_rows,
-                (fb.prefix_lens_cpu, fb.extend_lens_cpu) if fb.mode is ForwardMode.EXTEND else None,
-                stream.upload,
-            )
-            logprobs = None
-            if plan is not None:
-                logprobs = LogprobBuffers.allocate(plan, len(plan_rows[0]), stream.host_buffer)
-                if plan.prompt is not None:
-                    fb.logit_positions = plan.prompt.positions
+            plan, logprobs = self._plan_logits(fb, rows)
             expected, generation = self._plan_future_map(fb, slots_cpu)
         fault = self.faults.plan() if self.faults is not None else Fault.NONE
         return StepArgs(
@@ -120,6 +100,30 @@ class StepPlanner:
             logprobs,
             spec,
         )
+
+    def _plan_logits(
+        self, fb: ForwardBatch, rows: StepRows
+    ) -> tuple[LogitsPlan | None, LogprobBuffers | None]:
+        """The logits processors' plan of the step's token rows, and its logprob buffers."""
+        stream = self.ctx.stream
+        extend = (fb.prefix_lens_cpu, fb.extend_lens_cpu) if fb.mode is ForwardMode.EXTEND else None
+        plan = build_logits_plan(rows, extend, stream.upload)
+        if plan is None:
+            return None, None
+        logprobs = LogprobBuffers.allocate(plan, len(rows.reqs), stream.host_buffer)
+        if plan.prompt is not None:
+            fb.logit_positions = plan.prompt.positions
+        return plan, logprobs
+
+    def _plan_spec(self, fb: ForwardBatch) -> SpecArgs | None:
+        """A plain step's host facts for speculative decoding (None: off)."""
+        if not self.ctx.spec_k:
+            return None
+        width = int(fb.seq_lens_cpu.max()) + 1 if len(fb.seq_lens_cpu) else 1
+        spec = SpecArgs(width=width)
+        if self.ctx.spec_draft_model and fb.mode is ForwardMode.DECODE:
+            spec.draft = DraftPlan.build([0] * fb.batch_size, self.ctx.stream.upload)
+        return spec
 
     def _plan_verify(
         self, fb: ForwardBatch, params: list[SamplingParams], output_steps: list[int]
@@ -155,3 +159,12 @@ class StepPlanner:
         else:
             fmap.plan_prefill(rows)
         return expected, fmap.plan_stash(slots_cpu.tolist())
+
+
+def _scored_positions(step: StepInput) -> StepRows:
+    """A verify step's token rows, flattened: one per scored position, each its own output
+    index."""
+    ns = step.forward_batch.extend_lens_cpu
+    reqs = [r for r, n in zip(step.reqs, ns, strict=True) for _ in range(n)]
+    steps = [s + j for s, n in zip(step.output_steps, ns, strict=True) for j in range(n)]
+    return StepRows(reqs, [True] * len(reqs), steps)
