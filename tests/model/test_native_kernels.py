@@ -6,7 +6,10 @@ RMSNorm (alone and with the residual add) and SiLU * up in transformers' roundin
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -254,3 +257,22 @@ def test_linear_group_equals_each_linear(
     bound = torch.cat([x.double().abs() @ w.double().abs().T for w in ws], dim=-1)
     assert out.shape == (m, sum(parts))
     assert _rel(out, ref, bound) < 1e-5
+
+
+def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """torch's build lock is a plain file its waiters poll for ever: one left by a process
+    that died while building would hang every later start."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    old = time.time() - cpu_kernels.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    cpu_kernels._clear_stale_lock("any")
+    assert not lock.exists()
+    lock.write_text("")
+    cpu_kernels._clear_stale_lock("any")
+    assert lock.exists()  # a build in progress

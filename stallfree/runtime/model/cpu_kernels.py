@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -32,8 +33,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 ISAS = ("auto", "avx512", "avx2")
-_SOURCES = ("ops.cpp", "isa_avx512.cpp", "isa_avx2.cpp")
-_HEADERS = ("kernels.h",)
+_SOURCES = (
+    "ops.cpp",
+    "isa_avx512.cpp",
+    "isa_avx2.cpp",
+    "attention.cpp",
+    "attention_avx512.cpp",
+    "attention_avx2.cpp",
+)
+_HEADERS = ("kernels.h", "attention.h", "attention_impl.h")
 _CSRC = Path(__file__).with_name("csrc")
 
 _lock = threading.Lock()
@@ -74,12 +82,31 @@ def _ensure_ninja() -> None:
     os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
+# A build takes seconds to a minute; a lock file older than this was left by a process that
+# died while building (torch's lock is a plain file that its waiters poll for ever).
+STALE_LOCK_S = 600
+
+
+def _clear_stale_lock(name: str) -> None:
+    from torch.utils import cpp_extension
+
+    lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            logger.warning("native CPU kernels: removed a stale build lock %s", lock)
+    except FileNotFoundError:
+        pass
+
+
 def _build() -> None:
     from torch.utils import cpp_extension
 
     _ensure_ninja()
+    name = _library_name()
+    _clear_stale_lock(name)
     cpp_extension.load(
-        name=_library_name(),
+        name=name,
         sources=[str(_CSRC / s) for s in _SOURCES],
         extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
         extra_ldflags=["-fopenmp"],
@@ -186,3 +213,22 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "silu_mul")
     def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return _rows_out(gate_up, gate_up.shape[-1] // 2)
+
+    @torch.library.register_fake(lib + "decode_attention")
+    def _decode_attention(
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        cos: torch.Tensor | None,
+        signed_sin: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float | None = None,
+        softcap: float | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        return q.new_empty(q.shape)
