@@ -1,0 +1,189 @@
+"""The native matrix-vector kernels against the machine's read bandwidth and torch's kernels.
+
+    python benchmarks/bench_gemv.py [--formats bf16 int8 int4 f32] [--rows 1 2 4 8 16]
+        [--copies 30] [--repeats 3] [--threads 2]
+
+SmolLM2-135M's five projection shapes (q/k/v 960x576, o 576x576, gate/up 3072x576, down
+576x1536, the tied output 49152x576), each held in `--copies` distinct weights so that every
+call reads its weight from memory, not cache. For each format and row count: the time per
+step's worth of the five shapes (one call each), the bytes they read over that time, and that
+as a share of the machine's read bandwidth, measured in the same process by a plain streaming
+read over 1 GiB (AVX-512 or AVX2 loads, both threads, best of 5). torch's own kernel for the
+format is timed beside it (bf16: F.linear; int8: _weight_int8pack_mm; f32: F.linear; int4: the
+native kernel only: torch's int4 weight kernel needs its own packing). Each (format, repeat)
+runs in a fresh process; formats interleave; medians are printed with the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+
+_PROBE = r"""
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <omp.h>
+__attribute__((target("avx2"))) static long long read_avx2(const char* p, long long n) {
+  __m256i acc = _mm256_setzero_si256();
+  for (long long i = 0; i + 128 <= n; i += 128) {
+    acc = _mm256_xor_si256(acc, _mm256_load_si256((const __m256i*)(p + i)));
+    acc = _mm256_xor_si256(acc, _mm256_load_si256((const __m256i*)(p + i + 32)));
+    acc = _mm256_xor_si256(acc, _mm256_load_si256((const __m256i*)(p + i + 64)));
+    acc = _mm256_xor_si256(acc, _mm256_load_si256((const __m256i*)(p + i + 96)));
+  }
+  return _mm256_extract_epi64(acc, 0);
+}
+double probe(torch::Tensor buf, int64_t repeats) {
+  const char* p = (const char*)buf.data_ptr();
+  const long long n = buf.numel();
+  double best = 1e30;
+  for (int r = 0; r < repeats; ++r) {
+    long long sink = 0;
+    double t0 = omp_get_wtime();
+#pragma omp parallel reduction(^ : sink)
+    {
+      int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      long long chunk = (n / nt) & ~127LL;
+      sink ^= read_avx2(p + t * chunk, chunk);
+    }
+    double dt = omp_get_wtime() - t0;
+    if (sink == 42) dt += 1e-9;
+    if (dt < best) best = dt;
+  }
+  return (double)n / best / 1e9;
+}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("probe", &probe); }
+"""
+
+
+def read_bandwidth() -> float:
+    """GB/s of a streaming read over 1 GiB on every thread (best of 5)."""
+    import torch
+    from torch.utils.cpp_extension import load_inline
+
+    mod = load_inline(
+        "stallfree_bench_read_probe",
+        cpp_sources=_PROBE,
+        extra_cflags=["-O3", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+    )
+    buf = torch.ones(1 << 30, dtype=torch.uint8)
+    return float(mod.probe(buf, 5))
+
+
+def child(fmt: str, rows: list[int], copies: int, threads: int) -> None:
+    import torch
+
+    from stallfree.runtime.model import cpu_kernels
+
+    torch.set_num_threads(threads)
+    isa = cpu_kernels.isa()
+    ops = torch.ops.stallfree
+    bandwidth = read_bandwidth()
+    result: dict[str, object] = {"format": fmt, "isa": isa, "bandwidth": bandwidth}
+    for m in rows:
+        native_s = torch_s = 0.0
+        nbytes = 0
+        for n, k in SHAPES:
+            count = copies if n < 10000 else max(4, copies // 6)
+            gen = torch.Generator().manual_seed(n)
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            if fmt in ("bf16", "f32"):
+                dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+                x = x.to(dtype)
+                ws = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(count)]
+                native = [lambda w=w, x=x: ops.linear(x, w, None) for w in ws]
+                ref = [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in ws]
+                nbytes += n * k * ws[0].element_size()
+            elif fmt == "int8":
+                qs = [
+                    torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+                    for _ in range(count)
+                ]
+                scale = torch.rand(n, generator=gen) / 100
+                sb = scale.bfloat16()
+                native = [lambda q=q, x=x, s=scale: ops.linear_q8(x, q, s, None) for q in qs]
+                ref = [
+                    lambda q=q, x=x, s=sb: torch.ops.aten._weight_int8pack_mm(x, q, s) for q in qs
+                ]
+                nbytes += n * k + n * 4
+            else:  # int4: codes plus float16 scale and offset per group of 32
+                g = k // 32
+                cs = [
+                    torch.randint(0, 256, (n, g, 16), dtype=torch.uint8, generator=gen)
+                    for _ in range(count)
+                ]
+                sc = torch.rand(n, g, generator=gen).half()
+                of = torch.rand(n, g, generator=gen).half()
+                native = [lambda c=c, x=x, s=sc, o=of: ops.linear_q4(x, c, s, o, None) for c in cs]
+                ref = []
+                nbytes += n * k // 2 + n * g * 4
+            native_s += _per_call(native)
+            torch_s += _per_call(ref) if ref else 0.0
+        result[f"m{m}"] = {"native_s": native_s, "torch_s": torch_s or None, "bytes": nbytes}
+    print(json.dumps(result))
+
+
+def _per_call(calls: list) -> float:  # type: ignore[type-arg]
+    for c in calls[:2]:
+        c()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for c in calls:
+            c()
+        best = min(best, (time.perf_counter() - t0) / len(calls))
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--formats", nargs="+", default=["bf16", "int8", "int4", "f32"])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    parser.add_argument("--copies", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.rows, args.copies, args.threads)
+        return
+    print(f"threads {args.threads}; load average at start: {os.getloadavg()[0]:.2f}")
+    runs: dict[str, list[dict]] = {f: [] for f in args.formats}
+    for _ in range(args.repeats):
+        for fmt in args.formats:
+            cmd = [sys.executable, __file__, "--child", fmt, "--copies", str(args.copies)]
+            cmd += ["--threads", str(args.threads), "--rows", *map(str, args.rows)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            runs[fmt].append(json.loads(out.strip().splitlines()[-1]))
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+    print(
+        "\n| format | rows | native: us per step of 5 shapes | GB/s | % of read bandwidth | torch: us | native / torch speed |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for fmt, rs in runs.items():
+        bw = statistics.median(r["bandwidth"] for r in rs)
+        for m in args.rows:
+            key = f"m{m}"
+            nat = statistics.median(r[key]["native_s"] for r in rs)
+            nbytes = rs[0][key]["bytes"]
+            tor = [r[key]["torch_s"] for r in rs if r[key]["torch_s"]]
+            tor_s = statistics.median(tor) if tor else None
+            gbs = nbytes / nat / 1e9
+            tcol = f"{tor_s * 1e6:.0f}" if tor_s else "–"
+            ratio = f"{tor_s / nat:.2f}x" if tor_s else "–"
+            print(
+                f"| {fmt} | {m} | {nat * 1e6:.0f} | {gbs:.1f} | {100 * gbs / bw:.0f}% of {bw:.1f} | {tcol} | {ratio} |"
+            )
+    print(f"\nISA: {runs[args.formats[0]][0]['isa']}")
+
+
+if __name__ == "__main__":
+    main()
