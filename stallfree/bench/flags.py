@@ -1,5 +1,5 @@
-"""`stallfree bench`'s flags: the target, the modes, the workload and the output (the engine's
-own flags come from `stallfree.entrypoints.flags`), and their value types."""
+"""`stallfree bench`'s rows of the flag table: the target, the modes, the workload and the output
+(the engine's own rows come from `stallfree.entrypoints.flags`), and their value types."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from stallfree.bench.slo import (
     metric_percentiles,
     percentile_metrics,
 )
-from stallfree.entrypoints.flags import add_engine_flags
-from stallfree.entrypoints.spec_flags import add_speculative_flags
+from stallfree.entrypoints.flags import ENGINE_FLAGS, Table, add_flags, flag
+from stallfree.entrypoints.spec_flags import SPECULATIVE_FLAGS
 
 DESCRIPTION = """Load-test a stallfree engine (in process or over HTTP) or any OpenAI-compatible
 server. With --compare, run the same seeded workload in each overlap mode and print one table
@@ -89,124 +89,102 @@ def _tp_sizes(text: str) -> list[int]:
     return sizes
 
 
-def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    """`stallfree bench`'s flags; `vllm bench serve`'s spellings work beside its own."""
-    target = _add_target_flags(p)
-    add_engine_flags(p)  # engine flags: the base config of every mode
-    add_speculative_flags(p)
-    _add_engine_target_flags(target)
-    _add_mode_flags(p)
-    w = p.add_argument_group("workload")
-    _add_dataset_flags(w)
-    _add_length_flags(w)
-    _add_arrival_flags(w)
-    _add_output_flags(p)
-
-
-def _add_target_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """What is measured: an engine this command starts, or a server at a URL."""
-    target = p.add_argument_group("target")
-    target.add_argument(
+# what is measured: an engine this command starts, or a server at a URL
+_TARGET = [
+    flag(
         "--target",
         choices=["inprocess", "http"],
         help="default: http with --base-url or --backend, else inprocess",
-    )
-    target.add_argument(
+    ),
+    flag(
         "--base-url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (default: none)"
-    )
-    target.add_argument(
+    ),
+    flag(
         "--host",
         help="the server at http://HOST:PORT, another way to give --base-url (default: "
         "127.0.0.1 when --port is given, else none)",
-    )
-    target.add_argument(
+    ),
+    flag(
         "--port",
         type=int,
         help="the server's port, with --host (default: 8000 when --host is given, else none)",
-    )
-    target.add_argument(
+    ),
+    flag(
         "--backend",
         choices=BACKENDS,
         help="the API driven over HTTP: openai (and vllm) stream /v1/completions, openai-chat "
         "streams /v1/chat/completions, sglang streams SGLang's native /generate (stallfree "
         "serves it too) (default: openai; without --base-url it picks --target http)",
-    )
-    target.add_argument(
+    ),
+    flag(
         "--endpoint",
         choices=list(ENDPOINTS),
         help="the API path, another way to choose --backend (default: the backend's)",
-    )
-    target.add_argument(
-        "--served-model-name", help="model id sent over HTTP (default: the server's first)"
-    )
-    target.add_argument("--api-key", help="bearer token for --base-url (default: none)")
-    target.add_argument(
+    ),
+    flag("--served-model-name", help="model id sent over HTTP (default: the server's first)"),
+    flag("--api-key", help="bearer token for --base-url (default: none)"),
+    flag(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for a launched server"
-    )
-    return target
-
-
-def _add_engine_target_flags(target: argparse._ArgumentGroup) -> None:
-    """The target flags that follow the engine's: settings of the engine this command starts."""
-    target.add_argument(
+    ),
+]
+# the target flags that follow the engine's: settings of the engine this command starts
+_ENGINE_TARGET = [
+    flag(
         "--stream-threads",
         type=int,
         help="torch threads of the CPU stream worker (runtime.stream_threads); on a 2-core "
         "machine 1 leaves the scheduler a core to overlap with (default: as configured)",
-    )
-    target.add_argument(
+    ),
+    flag(
         "--hisparse",
         choices=["off", "on", "both"],
         help="HiSparse off or on in every mode (default: as configured); "
         "both doubles the modes under --compare",
-    )
-    target.add_argument(
+    ),
+    flag(
         "--compare-prefix-caching",
         action="store_true",
         help="under --compare, run every mode with the prefix cache off and on (doubles the "
         "modes); the table shows the hit rate",
-    )
-
-
-def _add_mode_flags(p: argparse.ArgumentParser) -> None:
-    """Which engine modes run, and how many times each."""
-    modes = p.add_argument_group("modes")
-    modes.add_argument(
+    ),
+]
+# which engine modes run, and how many times each
+_MODES = [
+    flag(
         "--compare",
         action="store_true",
         help="run every mode: overlap off; overlap with mirrors off; overlap with mirrors on",
-    )
-    modes.add_argument(
+    ),
+    flag(
         "--modes",
         help=f"comma list of modes for --compare, from: {', '.join(MODE_KEYS)} (default: all)",
-    )
-    modes.add_argument(
+    ),
+    flag(
         "--compare-workers",
         action="store_true",
         help="run every mode with the model in process (runtime.worker=inprocess) and then in "
         "a worker process (runtime.worker=process), the same workload interleaved; the table "
         "adds per-rank step time, the all-reduce share and the bytes sent per step",
-    )
-    modes.add_argument(
+    ),
+    flag(
         "--compare-tp",
         type=_tp_sizes,
         metavar="N,M[,...]",
         help="run every mode at each tensor-parallel size (parallel.tp_size), in worker "
         "processes at every size unless --worker says otherwise (default: none)",
-    )
-    modes.add_argument(
+    ),
+    flag(
         "--repeats",
         type=int,
         default=None,
         help="run the whole workload N times per mode, the modes interleaved (A B C, A B C, "
         "...), and report each figure's median over a mode's runs and the spread of output "
         "throughput (default: 3 with --compare, --compare-workers or --compare-tp, else 1)",
-    )
-
-
-def _add_dataset_flags(w: argparse._ArgumentGroup) -> None:
-    """Where the requests come from, and how many."""
-    w.add_argument(
+    ),
+]
+# where the requests come from, and how many
+_DATASET = [
+    flag(
         "--workload",
         "--dataset-name",
         type=_workload_name,
@@ -214,50 +192,49 @@ def _add_dataset_flags(w: argparse._ArgumentGroup) -> None:
         metavar="{random,sharegpt,shared-prefix,custom,sonnet}",
         help="the requests (default: random); vLLM's --dataset-name prefix and "
         "prefix_repetition mean shared-prefix",
-    )
-    w.add_argument(
+    ),
+    flag(
         "--dataset-path",
         help="ShareGPT JSON file for sharegpt, JSON lines file for custom, poem text for sonnet "
         "(default: none; sonnet: the Shakespeare sonnets built in)",
-    )
-    w.add_argument(
+    ),
+    flag(
         "--custom-output-len",
         type=int,
         help='custom: output tokens of a line without "output_tokens" (default: --output-len)',
-    )
-    w.add_argument(
+    ),
+    flag(
         "--sonnet-input-len",
         type=int,
         default=550,
         help="sonnet: most prompt tokens per request (default: 550)",
-    )
-    w.add_argument(
+    ),
+    flag(
         "--sonnet-output-len",
         type=int,
         default=150,
         help="sonnet: output tokens per request (default: 150)",
-    )
-    w.add_argument(
+    ),
+    flag(
         "--sonnet-prefix-len",
         type=int,
         default=200,
         help="sonnet: tokens of the prefix every prompt shares (default: 200)",
-    )
-    w.add_argument(
+    ),
+    flag(
         "--tokenizer",
         help="tokenizer (HF directory or preset) that measures ShareGPT prompts; default: --model",
-    )
-    w.add_argument(
+    ),
+    flag(
         "--sharegpt-output-len",
         type=int,
         help="fixed output length instead of each reply's (default: the reply's)",
-    )
-    w.add_argument("--num-prompts", type=int, default=200, help="requests in the workload")
-
-
-def _add_length_flags(w: argparse._ArgumentGroup) -> None:
-    """The prompt, output and shared-prefix lengths."""
-    w.add_argument(
+    ),
+    flag("--num-prompts", type=int, default=200, help="requests in the workload"),
+]
+# the prompt, output and shared-prefix lengths
+_LENGTHS = [
+    flag(
         "--input-len",
         "--random-input-len",
         "--prefix-repetition-suffix-len",
@@ -265,8 +242,8 @@ def _add_length_flags(w: argparse._ArgumentGroup) -> None:
         type=int,
         default=256,
         help="random prompt tokens (upper bound); shared-prefix: the tokens after the prefix",
-    )
-    w.add_argument(
+    ),
+    flag(
         "--output-len",
         "--random-output-len",
         "--prefix-repetition-output-len",
@@ -274,152 +251,162 @@ def _add_length_flags(w: argparse._ArgumentGroup) -> None:
         type=int,
         default=128,
         help="output tokens (upper bound)",
-    )
-    w.add_argument(
+    ),
+    flag(
         "--random-range-ratio",
         type=float,
         default=0.5,
         help="lengths are uniform in [len*ratio, len] (not vLLM's [len*(1-ratio), len*(1+ratio)])",
-    )
-    w.add_argument(
+    ),
+    flag(
         "--prefix-groups",
         "--prefix-repetition-num-prefixes",
         dest="prefix_groups",
         type=int,
         default=4,
         help="shared-prefix: number of distinct prefixes",
-    )
-    w.add_argument(
+    ),
+    flag(
         "--prefix-len",
         "--prefix-repetition-prefix-len",
         dest="prefix_len",
         type=int,
         default=256,
         help="shared-prefix: tokens in each prefix",
-    )
-
-
-def _add_arrival_flags(w: argparse._ArgumentGroup) -> None:
-    """When the requests arrive, and how they sample."""
-    w.add_argument(
+    ),
+]
+# when the requests arrive, and how they sample
+_ARRIVAL = [
+    flag(
         "--request-rate",
         type=float,
         default=math.inf,
         help="arrivals per second, Poisson unless --burstiness says otherwise (default: inf, "
         "all at once)",
-    )
-    w.add_argument(
+    ),
+    flag(
         "--burstiness",
         type=float,
         default=1.0,
         help="with a finite --request-rate or a ramp-up: gaps between arrivals are gamma "
         "distributed with this shape, scale 1/(rate*burstiness); 1 is Poisson, lower is "
         "burstier, higher steadier (default: 1.0)",
-    )
-    w.add_argument(
+    ),
+    flag(
         "--ramp-up-strategy",
         choices=["linear", "exponential"],
         help="raise the request rate over the run from --ramp-up-start-rps to "
         "--ramp-up-end-rps, instead of --request-rate (default: none, a fixed rate)",
-    )
-    w.add_argument(
+    ),
+    flag(
         "--ramp-up-start-rps",
         type=float,
         help="the rate at the first request, with --ramp-up-strategy (default: none)",
-    )
-    w.add_argument(
+    ),
+    flag(
         "--ramp-up-end-rps",
         type=float,
         help="the rate at the last request, with --ramp-up-strategy (default: none)",
-    )
-    w.add_argument(
-        "--max-concurrency", type=int, help="most requests in flight at once (default: no cap)"
-    )
-    w.add_argument(
+    ),
+    flag("--max-concurrency", type=int, help="most requests in flight at once (default: no cap)"),
+    flag(
         "--warmup-requests",
         "--num-warmups",
         dest="warmup_requests",
         type=int,
         default=2,
         help="short requests sent before measuring",
-    )
-    w.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals")
-    w.add_argument(
-        "--ignore-eos", action="store_true", help="always generate the full output length"
-    )
-    w.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-
-
-def _add_output_flags(p: argparse.ArgumentParser) -> None:
-    """Where the figures go besides the table."""
-    out = p.add_argument_group("output")
-    out.add_argument(
+    ),
+    flag("--seed", type=int, default=0, help="seed of the workload and the arrivals"),
+    flag("--ignore-eos", action="store_true", help="always generate the full output length"),
+    flag("--temperature", type=float, default=0.0, help="0 is greedy"),
+]
+# where the figures go besides the table
+_OUTPUT = [
+    flag(
         "--output-json", help="write every figure and the full configuration here (default: none)"
-    )
-    out.add_argument(
+    ),
+    flag(
         "--save-result",
         action="store_true",
         help="write the same JSON to --result-dir/--result-filename, as vLLM names it",
-    )
-    out.add_argument(
+    ),
+    flag(
         "--result-dir",
         help="directory for --save-result, created if missing (default: the current one)",
-    )
-    out.add_argument(
+    ),
+    flag(
         "--result-filename",
         help="file name for --save-result (default: "
         "BACKEND-RATEqps[-concurrencyN]-MODEL-YYYYmmdd-HHMMSS.json)",
-    )
-    out.add_argument(
+    ),
+    flag(
         "--goodput",
         nargs="+",
         type=goodput_item,
         metavar="KEY:MS",
         help="service level objectives, from ttft:MS tpot:MS e2el:MS: request_goodput counts "
         "the requests per second meeting all given (default: none, no goodput)",
-    )
-    out.add_argument(
+    ),
+    flag(
         "--percentile-metrics",
         type=percentile_metrics,
         default=percentile_metrics(DEFAULT_PERCENTILE_METRICS),
         metavar="METRICS",
         help="comma list from ttft, tpot, itl, e2el whose --metric-percentiles are reported "
         f"(default: {DEFAULT_PERCENTILE_METRICS})",
-    )
-    out.add_argument(
+    ),
+    flag(
         "--metric-percentiles",
         type=metric_percentiles,
         default=metric_percentiles(DEFAULT_METRIC_PERCENTILES),
         metavar="PERCENTILES",
         help="comma list of percentiles, e.g. 50,90,99.9, written as p50_ttft_ms, ... "
         f"(default: {DEFAULT_METRIC_PERCENTILES})",
-    )
-    out.add_argument(
+    ),
+    flag(
         "--save-detailed",
         action="store_true",
         help="add vLLM's per-request lists to the result: ttfts, itls, input_lens, output_lens, "
         "errors, generated_texts (default: off)",
-    )
-    out.add_argument(
+    ),
+    flag(
         "--metadata",
         nargs="+",
         type=metadata_item,
         metavar="KEY=VALUE",
         help="pairs written into the result file as they are (default: none)",
-    )
-    out.add_argument(
+    ),
+    flag(
         "--label",
         help="a name stored as label in the result, and the first part of the --save-result "
         "file name (default: the backend)",
-    )
-    out.add_argument(
+    ),
+    flag(
         "--plot",
         help="write a PNG: latency distributions, stall time and idle per mode (default: none)",
-    )
-    out.add_argument(
+    ),
+    flag(
         "--no-progress",
         "--disable-tqdm",
         dest="no_progress",
         action="store_true",
         help="no progress bar",
-    )
+    ),
+]
+# `vllm bench serve`'s spellings work beside bench's own; the engine's rows are the base config
+# of every mode
+BENCH_FLAGS: Table = (
+    ("target", _TARGET),
+    *ENGINE_FLAGS,
+    *SPECULATIVE_FLAGS,
+    ("target", _ENGINE_TARGET),
+    ("modes", _MODES),
+    ("workload", _DATASET + _LENGTHS + _ARRIVAL),
+    ("output", _OUTPUT),
+)
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """`stallfree bench`'s flags."""
+    add_flags(p, BENCH_FLAGS)

@@ -15,8 +15,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from stallfree.config import StallfreeConfig, load_config
-from stallfree.entrypoints.disagg_flags import add_disaggregation_flags, disaggregation_settings
-from stallfree.entrypoints.flags import HelpFormatter, add_engine_flags, add_sampling_flags
+from stallfree.entrypoints.disagg_flags import DISAGGREGATION_FLAGS, disaggregation_settings
+from stallfree.entrypoints.flags import (
+    ENGINE_FLAGS,
+    SAMPLING_FLAGS,
+    HelpFormatter,
+    add_flags,
+    settings_from_args,
+)
 
 # the tests import the token-count type from here, where it was defined
 from stallfree.entrypoints.flags import token_count as token_count
@@ -25,9 +31,9 @@ from stallfree.entrypoints.router.flags import (
     add_router_flags,
     router_settings,
 )
-from stallfree.entrypoints.server_flags import add_server_flags
+from stallfree.entrypoints.server_flags import SERVER_FLAGS
 from stallfree.entrypoints.spec_flags import (
-    add_speculative_flags,
+    SPECULATIVE_FLAGS,
     check_speculative_flags,
     speculative_settings,
 )
@@ -70,86 +76,18 @@ def _model(args: argparse.Namespace) -> str | None:
 
 
 def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
-    overrides: dict[str, dict[str, Any]] = {
-        "model": {},
-        "runtime": {},
-        "parallel": {},
-        "cache": {},
-        "scheduler": {},
-        "server": {},
-        "metrics": {},
-        "speculative": {},
-        "disaggregation": {},
-    }
-    pairs = {
-        "dtype": ("model", "dtype"),
-        "quantization": ("model", "quantization"),
-        "model_impl": ("model", "model_impl"),
-        "enable_torch_compile": ("runtime", "torch_compile"),
-        "max_model_len": ("model", "max_context_len"),
-        "model_seed": ("model", "seed"),
-        "device": ("runtime", "device"),
-        "overlap": ("runtime", "overlap"),
-        "cpu_mirrors": ("runtime", "cpu_mirrors"),
-        "log_requests": ("runtime", "log_requests"),
-        "worker": ("runtime", "worker"),
-        "step_timeout_s": ("runtime", "step_timeout_s"),
-        "tp_size": ("parallel", "tp_size"),
-        "nnodes": ("parallel", "nnodes"),
-        "node_rank": ("parallel", "node_rank"),
-        "dist_init_addr": ("parallel", "dist_init_addr"),
-        "dist_timeout_s": ("parallel", "dist_timeout_s"),
-        "page_size": ("cache", "page_size"),
-        "max_total_tokens": ("cache", "max_total_tokens"),
-        "max_running_requests": ("cache", "max_running_requests"),
-        "chunked_prefill_size": ("scheduler", "chunked_prefill_size"),
-        "max_prefill_tokens": ("scheduler", "max_prefill_tokens"),
-        "max_unread_tokens": ("scheduler", "max_unread_tokens"),
-        "prefix_caching": ("cache", "prefix_caching"),
-        "schedule_policy": ("scheduler", "policy"),
-        "host": ("server", "host"),
-        "port": ("server", "port"),
-        "api_key": ("server", "api_key"),
-        "served_model_name": ("server", "served_model_name"),
-        "chat_template": ("server", "chat_template"),
-        "generation_config": ("server", "generation_config"),
-        "enable_auto_tool_choice": ("server", "enable_auto_tool_choice"),
-        "tool_call_parser": ("server", "tool_call_parser"),
-        "reasoning_parser": ("server", "reasoning_parser"),
-        "max_request_cost": ("server", "max_request_cost"),
-        "max_chat_messages": ("server", "max_chat_messages"),
-        "max_content_parts": ("server", "max_content_parts"),
-        "write_timeout_s": ("server", "write_timeout_s"),
-        "root_path": ("server", "root_path"),
-        "uds": ("server", "uds"),
-        "ssl_keyfile": ("server", "ssl_keyfile"),
-        "ssl_certfile": ("server", "ssl_certfile"),
-        "ssl_ca_certs": ("server", "ssl_ca_certs"),
-        "ssl_cert_reqs": ("server", "ssl_cert_reqs"),
-        "allowed_origins": ("server", "allowed_origins"),
-        "allowed_methods": ("server", "allowed_methods"),
-        "allowed_headers": ("server", "allowed_headers"),
-        "allow_credentials": ("server", "allow_credentials"),
-        "otlp_traces_endpoint": ("server", "otlp_traces_endpoint"),
-        "log_level": ("server", "log_level"),
-        "uvicorn_log_level": ("server", "uvicorn_log_level"),
-        "access_log": ("server", "access_log"),
-        "metrics": ("metrics", "enabled"),
-        "speculative_adaptive": ("speculative", "adaptive"),
-        "speculative_min_acceptance_rate": ("speculative", "min_acceptance_rate"),
-    }
+    overrides = settings_from_args(args, ENGINE_FLAGS, SERVER_FLAGS, SPECULATIVE_FLAGS)
     model = _model(args)
     if model is not None:
-        overrides["model"]["path"] = model
-    for flag, (section, key) in pairs.items():
-        value = getattr(args, flag, None)
-        if value is not None:
-            overrides[section][key] = value
-    keys = overrides["server"].get("api_key")
+        overrides.setdefault("model", {})["path"] = model
+    keys = overrides.get("server", {}).get("api_key")
     if isinstance(keys, list) and len(keys) == 1:
         overrides["server"]["api_key"] = keys[0]  # `--api-key K` once: one key, as before
-    overrides["speculative"].update(speculative_settings(args))
-    overrides["disaggregation"].update(disaggregation_settings(args))
+    for section, settings in (
+        ("speculative", speculative_settings(args)),
+        ("disaggregation", disaggregation_settings(args)),
+    ):
+        overrides.setdefault(section, {}).update(settings)
     config = load_config(args.config, **{k: v for k, v in overrides.items() if v})
     check_speculative_flags(args, config)
     return config
@@ -285,9 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream one completion", formatter_class=HelpFormatter)
-    add_engine_flags(gen)
-    add_speculative_flags(gen)
-    add_sampling_flags(gen)
+    for table in (ENGINE_FLAGS, SPECULATIVE_FLAGS, SAMPLING_FLAGS):
+        add_flags(gen, table)
     srv = sub.add_parser(
         "serve",
         help="run the HTTP server (OpenAI-compatible API, /metrics)",
@@ -295,10 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
         "and /metrics. vLLM's flag spellings work beside stallfree's own.",
         formatter_class=HelpFormatter,
     )
-    add_server_flags(srv)
-    add_engine_flags(srv)
-    add_speculative_flags(srv)
-    add_disaggregation_flags(srv)
+    for table in (SERVER_FLAGS, ENGINE_FLAGS, SPECULATIVE_FLAGS, DISAGGREGATION_FLAGS):
+        add_flags(srv, table)
     rtr = sub.add_parser(
         "router",
         help="route requests to prefill and decode servers (disaggregated serving)",

@@ -1,7 +1,7 @@
-"""Disaggregation's flags on `serve`, in SGLang's spelling (`--disaggregation-mode prefill`,
+"""Disaggregation's rows of the flag table on `serve`, in SGLang's spelling (`--disaggregation-mode prefill`,
 `--disaggregation-bootstrap-port`, `--disaggregation-transfer-backend`) and vLLM's
 (`--kv-transfer-config '{"kv_connector": ..., "kv_role": "kv_producer"}'`), all filling the one
-`disaggregation` section. Two flags that set one setting to different values are refused as a
+`disaggregation` section through `SectionFlag`. Two flags that set one setting to different values are refused as a
 usage error."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import json
 from typing import Any
 
-from stallfree.entrypoints.flags import flag_help
+from stallfree.entrypoints.flags import SectionFlag, Table, flag
 
 DISAGG_DEST = "disaggregation_settings"
 
@@ -29,23 +29,17 @@ _EXTRA_KEYS = {
 }
 
 
-def _record(namespace: argparse.Namespace, flag: str, settings: dict[str, Any]) -> None:
-    """Keep what `flag` sets; a setting another flag set to a different value is an error."""
-    have: dict[str, tuple[str, Any]] = getattr(namespace, DISAGG_DEST, None) or {}
-    for key, value in settings.items():
+def _check(given: dict[str, Any], flag_name: str, entry: dict[str, Any]) -> None:
+    """A setting another flag (or this one, given before) set to a different value is an
+    error."""
+    have = {key: (name, value) for name, e in given.items() for key, value in e["sets"].items()}
+    for key, value in entry["sets"].items():
         if key in have and have[key][1] != value:
             other, was = have[key]
             raise argparse.ArgumentError(
-                None, f"{flag} sets disaggregation.{key}={value!r} but {other} set it to {was!r}"
+                None,
+                f"{flag_name} sets disaggregation.{key}={value!r} but {other} set it to {was!r}",
             )
-        have[key] = (flag, value)
-    setattr(namespace, DISAGG_DEST, have)
-
-
-class _Setting(argparse.Action):
-    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
-        key = self.dest.removeprefix("disagg_")
-        _record(namespace, option_string or self.dest, {key: values})
 
 
 def kv_transfer_settings(text: str) -> dict[str, Any]:
@@ -112,73 +106,76 @@ def kv_transfer_settings(text: str) -> dict[str, Any]:
     return out
 
 
-class _KVTransfer(argparse.Action):
-    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
-        _record(namespace, option_string or "--kv-transfer-config", values)
+def _setting(name: str, key: str, **kw: Any) -> Any:
+    return flag(
+        name, action=SectionFlag, dest=DISAGG_DEST, check=_check, to=lambda v: {key: v}, **kw
+    )
 
 
-def add_disaggregation_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
-    group.add_argument(
-        "--disaggregation-mode",
-        dest="disagg_mode",
-        action=_Setting,
-        choices=["null", "prefill", "decode"],
-        help=flag_help("this server's role", "disaggregation", "mode"),
-    )
-    group.add_argument(
-        "--disaggregation-transfer-backend",
-        dest="disagg_transfer_backend",
-        action=_Setting,
-        choices=["auto", "gloo", "nccl"],
-        help=flag_help(
-            "how KV moves: torch.distributed over gloo or NCCL",
-            "disaggregation",
-            "transfer_backend",
-        ),
-    )
-    group.add_argument(
-        "--disaggregation-bootstrap-port",
-        dest="disagg_bootstrap_port",
-        action=_Setting,
-        type=int,
-        metavar="PORT",
-        help=flag_help(
-            "prefill: the bootstrap endpoint's port", "disaggregation", "bootstrap_port"
-        ),
-    )
-    group.add_argument(
-        "--disaggregation-bootstrap-host",
-        dest="disagg_bootstrap_host",
-        action=_Setting,
-        metavar="HOST",
-        help=flag_help(
-            "prefill: the address the bootstrap endpoint binds", "disaggregation", "bootstrap_host"
-        ),
-    )
-    for flag, key, what in (
-        ("--disaggregation-bootstrap-timeout", "bootstrap_timeout_s", "pairing deadline"),
-        ("--disaggregation-transfer-timeout", "transfer_timeout_s", "transfer deadline"),
-    ):
-        group.add_argument(
-            flag,
-            dest=f"disagg_{key}",
-            action=_Setting,
-            type=float,
-            metavar="SECONDS",
-            help=flag_help(f"a room's {what}", "disaggregation", key),
-        )
-    group.add_argument(
-        "--kv-transfer-config",
-        action=_KVTransfer,
-        type=kv_transfer_settings,
-        metavar="JSON",
-        help="vLLM's spelling: kv_role kv_producer (prefill) or kv_consumer (decode), "
-        "kv_connector, kv_ip and kv_port (the bootstrap endpoint) (default: none; sets "
-        "disaggregation.mode and the settings it names)",
-    )
+DISAGGREGATION_FLAGS: Table = (
+    (
+        "prefill/decode disaggregation (docs/disaggregation.md)",
+        [
+            _setting(
+                "--disaggregation-mode",
+                "mode",
+                choices=["null", "prefill", "decode"],
+                help="this server's role",
+                sets="disaggregation.mode",
+            ),
+            _setting(
+                "--disaggregation-transfer-backend",
+                "transfer_backend",
+                choices=["auto", "gloo", "nccl"],
+                help="how KV moves: torch.distributed over gloo or NCCL",
+                sets="disaggregation.transfer_backend",
+            ),
+            _setting(
+                "--disaggregation-bootstrap-port",
+                "bootstrap_port",
+                type=int,
+                metavar="PORT",
+                help="prefill: the bootstrap endpoint's port",
+                sets="disaggregation.bootstrap_port",
+            ),
+            _setting(
+                "--disaggregation-bootstrap-host",
+                "bootstrap_host",
+                metavar="HOST",
+                help="prefill: the address the bootstrap endpoint binds",
+                sets="disaggregation.bootstrap_host",
+            ),
+            *(
+                _setting(
+                    f"--disaggregation-{key.split('_')[0]}-timeout",
+                    key,
+                    type=float,
+                    metavar="SECONDS",
+                    help=f"a room's {what}",
+                    sets=f"disaggregation.{key}",
+                )
+                for key, what in (
+                    ("bootstrap_timeout_s", "pairing deadline"),
+                    ("transfer_timeout_s", "transfer deadline"),
+                )
+            ),
+            flag(
+                "--kv-transfer-config",
+                action=SectionFlag,
+                dest=DISAGG_DEST,
+                check=_check,
+                to=lambda settings: settings,
+                type=kv_transfer_settings,
+                metavar="JSON",
+                help="vLLM's spelling: kv_role kv_producer (prefill) or kv_consumer (decode), "
+                "kv_connector, kv_ip and kv_port (the bootstrap endpoint) (default: none; sets "
+                "disaggregation.mode and the settings it names)",
+            ),
+        ],
+    ),
+)
 
 
 def disaggregation_settings(args: argparse.Namespace) -> dict[str, Any]:
-    have: dict[str, tuple[str, Any]] = getattr(args, DISAGG_DEST, None) or {}
-    return {key: value for key, (_, value) in have.items()}
+    given = getattr(args, DISAGG_DEST, None) or {}
+    return {key: value for entry in given.values() for key, value in entry["sets"].items()}

@@ -1,11 +1,16 @@
-"""The engine's and the server's flags: the argparse groups, their value types, and help that
-names each flag's default and the setting it fills."""
+"""One table of flags: each row is a flag (stallfree's spelling first, vLLM's and SGLang's
+beside it), its help, and the setting it fills. The argparse flags, the help's defaults and the
+flag -> setting mapping are all generated from the rows; this module holds the machinery, the
+engine's and `generate`'s rows, and the value types."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
@@ -37,6 +42,104 @@ LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 # vLLM's --dtype spellings that name the same type as one of ours
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DTYPES = ["auto", "float32", "float16", "bfloat16", "float64"]
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """One row: argparse's names and keywords, the help text, and `sets` ("section.key"), the
+    setting the flag fills; its help then names that setting and its default (`unset` where
+    the config's is None)."""
+
+    names: tuple[str, ...]
+    help: str
+    sets: str = ""
+    unset: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dest(self) -> str:
+        return str(self.kwargs.get("dest") or self.names[0].lstrip("-").replace("-", "_"))
+
+    @property
+    def help_text(self) -> str:
+        if not self.sets:
+            return self.help
+        section, key = self.sets.split(".")
+        return flag_help(self.help, section, key, self.unset)
+
+
+def flag(*names: str, help: str, sets: str = "", unset: str | None = None, **kwargs: Any) -> Flag:
+    return Flag(names, help, sets, unset, kwargs)
+
+
+# the rows of a command, in order, under their group titles (None: the parser's own)
+Table = Sequence[tuple[str | None, Sequence[Flag]]]
+
+
+def add_flags(parser: argparse.ArgumentParser, table: Table) -> None:
+    """The table's flags on `parser`; a group title met again adds to the group it names."""
+    for title, rows in table:
+        group: Any = parser if title is None else _group(parser, title)
+        for row in rows:
+            group.add_argument(*row.names, help=row.help_text or None, **row.kwargs)
+
+
+def _group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
+
+
+def settings_from_args(args: argparse.Namespace, *tables: Table) -> dict[str, dict[str, Any]]:
+    """The settings the given flags fill, by section (a flag left out fills nothing). Flags of
+    a section that takes two spellings fill it through their `SectionFlag` instead."""
+    out: dict[str, dict[str, Any]] = {}
+    for _, rows in (entry for table in tables for entry in table):
+        for row in rows:
+            value = getattr(args, row.dest, None)
+            if row.sets and "to" not in row.kwargs and value is not None:
+                section, key = row.sets.split(".")
+                out.setdefault(section, {})[key] = value
+    return out
+
+
+class SectionFlag(argparse.Action):
+    """A flag that fills part of a section two projects spell differently (speculative decoding,
+    disaggregation). What each such flag said is kept under `dest` as {flag: {"value": shown,
+    "sets": settings}}, in command-line order (a flag given again moves to the end); `to`
+    turns the parsed value into the section's settings, and `check` refuses a flag that
+    contradicts those given before it, as a usage error, while the flags are parsed."""
+
+    def __init__(
+        self,
+        option_strings: Sequence[str],
+        dest: str,
+        to: Callable[[Any], dict[str, Any]],
+        check: Callable[[dict[str, Any], str, dict[str, Any]], None],
+        shown: Callable[[Any], Any] = lambda value: value,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.to, self.check, self.shown = to, check, shown
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given = dict(getattr(namespace, self.dest, None) or {})
+        name = self.option_strings[0]
+        entry = {"value": self.shown(values), "sets": self.to(values)}
+        try:
+            self.check(given, name, entry)
+        except ValueError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
+        given.pop(name, None)
+        given[name] = entry
+        setattr(namespace, self.dest, given)
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -109,307 +212,243 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-def add_parallel_flags(p: argparse.ArgumentParser) -> None:
-    """Worker processes, tensor parallelism and the multi-node launch (vLLM's and SGLang's
-    spellings beside stallfree's)."""
-    g = p.add_argument_group("parallel")
-    _add_worker_flags(g)
-    _add_multinode_flags(g)
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
+    return value
 
 
-def _add_worker_flags(g: argparse._ArgumentGroup) -> None:
-    """How many tensor-parallel ranks, and where the model runs."""
-    g.add_argument(
-        "--tp-size",
-        "--tensor-parallel-size",
-        "-tp",
-        dest="tp_size",
-        type=int,
-        metavar="N",
-        help=flag_help(
-            "tensor-parallel ranks the model is sharded over, each in its own worker process "
-            "(SGLang's and vLLM's spellings)",
-            "parallel",
-            "tp_size",
-        ),
-    )
-    g.add_argument(
-        "--worker",
-        choices=["auto", "inprocess", "process"],
-        help=flag_help(
-            "where the model runs: inprocess (the scheduler's process) or process (worker "
-            "processes); auto: process when --tp-size > 1",
-            "runtime",
-            "worker",
-        ),
-    )
-    g.add_argument(
-        "--step-timeout",
-        dest="step_timeout_s",
-        type=positive_seconds,
-        metavar="SECONDS",
-        help=flag_help(
-            "worker processes: steps pending and none answered for this long means a hung "
-            "worker; the engine fails closed",
-            "runtime",
-            "step_timeout_s",
-            "--dist-timeout",
-        ),
-    )
+def name_list(text: str) -> list[str]:
+    """vLLM's JSON list (`'["https://a.example"]'`), or names separated by commas."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {text!r} ({exc.msg})") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+        return value
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def _add_multinode_flags(g: argparse._ArgumentGroup) -> None:
-    """A tensor-parallel group that spans machines: which one this is and where they meet."""
-    g.add_argument(
-        "--nnodes",
-        type=int,
-        metavar="N",
-        help=flag_help(
-            "machines the tensor-parallel group spans; --tp-size counts the ranks of all",
-            "parallel",
-            "nnodes",
-        ),
-    )
-    g.add_argument(
-        "--node-rank",
-        type=int,
-        metavar="I",
-        help=flag_help(
-            "this machine's index; node 0 serves HTTP and runs the scheduler, every other node "
-            "only runs its worker ranks and exits when node 0 stops them",
-            "parallel",
-            "node_rank",
-        ),
-    )
-    g.add_argument(
-        "--dist-init-addr",
-        metavar="HOST:PORT",
-        help=flag_help(
-            "where the ranks of every node meet (tcp://HOST:PORT works too); needed with "
-            "--nnodes > 1",
-            "parallel",
-            "dist_init_addr",
-            "a free local port",
-        ),
-    )
-    g.add_argument(
-        "--dist-timeout",
-        dest="dist_timeout_s",
-        type=positive_seconds,
-        metavar="SECONDS",
-        help=flag_help(
-            "how long the ranks' meeting or one collective may take before it fails",
-            "parallel",
-            "dist_timeout_s",
-        ),
-    )
-
-
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """The flags that choose and size the engine (shared by `generate`, `serve` and `bench`).
-    Where vLLM and SGLang spell one differently, both spellings work."""
-    g = p.add_argument_group("engine")
-    _add_model_flags(g)
-    _add_overlap_flags(g)
-    _add_pool_flags(g)
-    _add_prefill_flags(g)
-    _add_prefix_cache_flags(g)
-    add_parallel_flags(p)
-
-
-def _add_model_flags(g: argparse._ArgumentGroup) -> None:
-    """The model, the config file, the device and the dtype, and the context cap."""
-    g.add_argument(
+_MODEL = [
+    flag(
         "--model",
         help="a Hugging Face model directory, a .gguf file (weights, tokenizer and chat template "
         "all read from it), or a preset with random weights: tiny, bench-cpu (default: tiny; "
         "sets model.path)",
-    )
-    g.add_argument(
+    ),
+    flag(
         "--config",
         help="a TOML config file; flags win over STALLFREE_* variables, which win over it "
         "(default: none)",
-    )
-    g.add_argument(
+    ),
+    flag(
         "--device",
         choices=["auto", "cpu", "cuda"],
-        help=flag_help(
-            "auto: CUDA when available, else the CPU-emulated stream", "runtime", "device"
-        ),
-    )
-    g.add_argument(
+        help="auto: CUDA when available, else the CPU-emulated stream",
+        sets="runtime.device",
+    ),
+    flag(
         "--dtype",
         type=_dtype,
         metavar="{" + ",".join([*DTYPES, *_DTYPE_ALIASES]) + "}",
-        help=flag_help(
-            "weights and KV dtype; auto: the checkpoint's on CUDA, bfloat16 on a CPU that "
-            "has it for models 512 or more wide, else float32 (half = float16, float = float32)",
-            "model",
-            "dtype",
-        ),
-    )
-    g.add_argument(
+        help="weights and KV dtype; auto: the checkpoint's on CUDA, bfloat16 on a CPU that "
+        "has it for models 512 or more wide, else float32 (half = float16, float = float32)",
+        sets="model.dtype",
+    ),
+    flag(
         "--enable-torch-compile",
         action="store_true",
         default=None,
-        help=flag_help(
-            "torch.compile the decoder layers around attention at start-up (SGLang's flag)",
-            "runtime",
-            "torch_compile",
-        ),
-    )
-    g.add_argument(
+        help="torch.compile the decoder layers around attention at start-up (SGLang's flag)",
+        sets="runtime.torch_compile",
+    ),
+    flag(
         "--quantization",
         "-q",
         choices=["auto", "none", "int8", "int4", "gguf"],
-        help=flag_help(
-            "linear weights kept packed: int8, int4, gguf (a GGUF file's own blocks); "
-            "auto: gguf for a GGUF file on a CPU",
-            "model",
-            "quantization",
-        ),
-    )
-    g.add_argument(
+        help="linear weights kept packed: int8, int4, gguf (a GGUF file's own blocks); "
+        "auto: gguf for a GGUF file on a CPU",
+        sets="model.quantization",
+    ),
+    flag(
         "--model-impl",
         choices=["auto", "native", "transformers"],
-        help=flag_help(
-            "modelling code: native, or transformers (any causal LM it can build, with "
-            "stallfree's paged attention; slower); auto: native for a supported architecture, "
-            "else transformers",
-            "model",
-            "model_impl",
-        ),
-    )
-    g.add_argument(
+        help="modelling code: native, or transformers (any causal LM it can build, with "
+        "stallfree's paged attention; slower); auto: native for a supported architecture, "
+        "else transformers",
+        sets="model.model_impl",
+    ),
+    flag(
         "--max-model-len",
         type=token_count,
         metavar="TOKENS",
-        help=flag_help(
-            "cap on prompt + output tokens per request; 32k = 32000, 32K = 32768",
-            "model",
-            "max_context_len",
-            "the model's own",
-        ),
-    )
-
-
-def _add_overlap_flags(g: argparse._ArgumentGroup) -> None:
-    """The two switches `bench --compare` sets per mode."""
-    g.add_argument(
+        help="cap on prompt + output tokens per request; 32k = 32000, 32K = 32768",
+        sets="model.max_context_len",
+        unset="the model's own",
+    ),
+]
+_SCHEDULE = [
+    flag(
         "--overlap",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=flag_help("launch batch N+1 before processing batch N", "runtime", "overlap"),
-    )
-    g.add_argument(
+        help="launch batch N+1 before processing batch N",
+        sets="runtime.overlap",
+    ),
+    flag(
         "--cpu-mirrors",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=flag_help(
-            "schedule from host mirrors; off is the legacy mode that syncs",
-            "runtime",
-            "cpu_mirrors",
-        ),
-    )
-
-
-def _add_pool_flags(g: argparse._ArgumentGroup) -> None:
-    """The KV pool's size and how many requests share it."""
-    g.add_argument(
-        "--page-size", type=int, help=flag_help("tokens per KV page", "cache", "page_size")
-    )
-    g.add_argument(
+        help="schedule from host mirrors; off is the legacy mode that syncs",
+        sets="runtime.cpu_mirrors",
+    ),
+    flag("--page-size", type=int, help="tokens per KV page", sets="cache.page_size"),
+    flag(
         "--max-total-tokens",
         type=int,
-        help=flag_help("KV slots in the device pool", "cache", "max_total_tokens"),
-    )
-    g.add_argument(
+        help="KV slots in the device pool",
+        sets="cache.max_total_tokens",
+    ),
+    flag(
         "--max-num-seqs",
         "--max-running-requests",
         dest="max_running_requests",
         type=int,
         metavar="N",
-        help=flag_help(
-            "most requests running at once (vLLM's and SGLang's spellings)",
-            "cache",
-            "max_running_requests",
-        ),
-    )
-
-
-def _add_prefill_flags(g: argparse._ArgumentGroup) -> None:
-    """How many prompt tokens a step prefills."""
-    g.add_argument(
+        help="most requests running at once (vLLM's and SGLang's spellings)",
+        sets="cache.max_running_requests",
+    ),
+    flag(
         "--max-num-batched-tokens",
         "--max-prefill-tokens",
         dest="max_prefill_tokens",
         type=int,
         metavar="TOKENS",
-        help=flag_help(
-            "prompt tokens one step may prefill, over all requests; it bounds each chunk too "
-            "(vLLM's and SGLang's spellings)",
-            "scheduler",
-            "max_prefill_tokens",
-        ),
-    )
-    g.add_argument(
+        help="prompt tokens one step may prefill, over all requests; it bounds each chunk too "
+        "(vLLM's and SGLang's spellings)",
+        sets="scheduler.max_prefill_tokens",
+    ),
+    flag(
         "--chunked-prefill-size",
         type=int,
-        help=flag_help(
-            "longest prompt chunk one request prefills in a step",
-            "scheduler",
-            "chunked_prefill_size",
-        ),
-    )
-    g.add_argument(
+        help="longest prompt chunk one request prefills in a step",
+        sets="scheduler.chunked_prefill_size",
+    ),
+    flag(
         "--max-unread-tokens",
         type=int,
         metavar="TOKENS",
-        help=flag_help(
-            "a streaming request whose reader is this far behind stops being decoded (it keeps "
-            "its KV) until the reader catches up to half of it",
-            "scheduler",
-            "max_unread_tokens",
-        ),
-    )
-
-
-def _add_prefix_cache_flags(g: argparse._ArgumentGroup) -> None:
-    """The prefix cache, and the admission order that can follow it."""
-    g.add_argument(
+        help="a streaming request whose reader is this far behind stops being decoded (it keeps "
+        "its KV) until the reader catches up to half of it",
+        sets="scheduler.max_unread_tokens",
+    ),
+    flag(
         "--enable-prefix-caching",
         dest="prefix_caching",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=flag_help(
-            "share the KV of common prefixes", "cache", "prefix_caching", "on, off with HiSparse"
-        ),
-    )
-    g.add_argument(
+        help="share the KV of common prefixes",
+        sets="cache.prefix_caching",
+        unset="on, off with HiSparse",
+    ),
+    flag(
         "--disable-radix-cache",
         dest="prefix_caching",
         action="store_const",
         const=False,
         help="turn the prefix cache off, as --no-enable-prefix-caching does (SGLang's "
         "spelling; default: on, off with HiSparse)",
-    )
-    g.add_argument(
+    ),
+    flag(
         "--schedule-policy",
         choices=["fcfs", "lpm"],
-        help=flag_help(
-            "admission order: fcfs (arrival) or lpm (longest cached prefix first)",
-            "scheduler",
-            "policy",
-        ),
-    )
+        help="admission order: fcfs (arrival) or lpm (longest cached prefix first)",
+        sets="scheduler.policy",
+    ),
+]
+# worker processes, tensor parallelism and the multi-node launch
+_PARALLEL = [
+    flag(
+        "--tp-size",
+        "--tensor-parallel-size",
+        "-tp",
+        dest="tp_size",
+        type=int,
+        metavar="N",
+        help="tensor-parallel ranks the model is sharded over, each in its own worker process "
+        "(SGLang's and vLLM's spellings)",
+        sets="parallel.tp_size",
+    ),
+    flag(
+        "--worker",
+        choices=["auto", "inprocess", "process"],
+        help="where the model runs: inprocess (the scheduler's process) or process (worker "
+        "processes); auto: process when --tp-size > 1",
+        sets="runtime.worker",
+    ),
+    flag(
+        "--step-timeout",
+        dest="step_timeout_s",
+        type=positive_seconds,
+        metavar="SECONDS",
+        help="worker processes: steps pending and none answered for this long means a hung "
+        "worker; the engine fails closed",
+        sets="runtime.step_timeout_s",
+        unset="--dist-timeout",
+    ),
+    flag(
+        "--nnodes",
+        type=int,
+        metavar="N",
+        help="machines the tensor-parallel group spans; --tp-size counts the ranks of all",
+        sets="parallel.nnodes",
+    ),
+    flag(
+        "--node-rank",
+        type=int,
+        metavar="I",
+        help="this machine's index; node 0 serves HTTP and runs the scheduler, every other node "
+        "only runs its worker ranks and exits when node 0 stops them",
+        sets="parallel.node_rank",
+    ),
+    flag(
+        "--dist-init-addr",
+        metavar="HOST:PORT",
+        help="where the ranks of every node meet (tcp://HOST:PORT works too); needed with "
+        "--nnodes > 1",
+        sets="parallel.dist_init_addr",
+        unset="a free local port",
+    ),
+    flag(
+        "--dist-timeout",
+        dest="dist_timeout_s",
+        type=positive_seconds,
+        metavar="SECONDS",
+        help="how long the ranks' meeting or one collective may take before it fails",
+        sets="parallel.dist_timeout_s",
+    ),
+]
+# the flags that choose and size the engine (`generate`, `serve` and `bench`)
+ENGINE_FLAGS: Table = (("engine", _MODEL + _SCHEDULE), ("parallel", _PARALLEL))
 
-
-def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    """`generate`'s prompt and its sampling."""
-    p.add_argument("prompt")
-    s = p.add_argument_group("sampling")
-    s.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    s.add_argument("--seed", type=int, help="seed of this request's sampling (default: none)")
-    s.add_argument("--ignore-eos", action="store_true", help="generate past the EOS token")
+# `generate`'s prompt and its sampling
+SAMPLING_FLAGS: Table = (
+    (None, [flag("prompt", help="")]),
+    (
+        "sampling",
+        [
+            flag("--max-new-tokens", type=int, default=64, help="tokens to generate at most"),
+            flag("--temperature", type=float, default=0.0, help="0 is greedy"),
+            flag("--top-p", type=float, default=1.0, help="nucleus sampling mass"),
+            flag("--seed", type=int, help="seed of this request's sampling (default: none)"),
+            flag("--ignore-eos", action="store_true", help="generate past the EOS token"),
+        ],
+    ),
+)

@@ -1,293 +1,251 @@
-"""`serve`'s own flags beside the engine's: `serve MODEL`, where the server listens and who may
-call it, what one request may ask of it, and its logs."""
+"""`serve`'s own rows of the flag table beside the engine's: `serve MODEL`, where the server
+listens and who may call it, what one request may ask of it, and its logs."""
 
 from __future__ import annotations
 
 import argparse
-import json
 
-from stallfree.entrypoints.flags import LOG_LEVELS, flag_help, positive_seconds
+from stallfree.entrypoints.flags import (
+    LOG_LEVELS,
+    Table,
+    flag,
+    name_list,
+    positive_int,
+    positive_seconds,
+)
 
-
-def add_server_flags(p: argparse.ArgumentParser) -> None:
-    """`serve`'s flags beside the engine's: `serve MODEL`, the API and the logs."""
-    p.add_argument(
-        "model_tag",
-        nargs="?",
-        metavar="MODEL",
-        help="the model, as with --model (vLLM's `serve MODEL`)",
-    )
-    g = p.add_argument_group("server")
-    _add_api_flags(g)
-    _add_transport_flags(p.add_argument_group("transport (TLS, CORS, proxy, Unix socket)"))
-    _add_limit_flags(g)
-    _add_log_flags(g)
-
-
-def _add_api_flags(g: argparse._ArgumentGroup) -> None:
-    """Where the server listens, who may call it, and what it answers with."""
-    g.add_argument("--host", help=flag_help("bind address", "server", "host"))
-    g.add_argument(
-        "--port", type=int, help=flag_help("TCP port; 0 picks a free one", "server", "port")
-    )
-    g.add_argument(
+_API = [
+    flag("--host", help="bind address", sets="server.host"),
+    flag("--port", type=int, help="TCP port; 0 picks a free one", sets="server.port"),
+    flag(
         "--api-key",
         metavar="KEY",
         action="append",
-        help=flag_help(
-            "require 'Authorization: Bearer KEY' on the API routes (an empty key is refused); "
-            "repeat it to accept any of several keys",
-            "server",
-            "api_key",
-            "none: the API is open",
-        ),
-    )
-    g.add_argument(
+        help="require 'Authorization: Bearer KEY' on the API routes (an empty key is refused); "
+        "repeat it to accept any of several keys",
+        sets="server.api_key",
+        unset="none: the API is open",
+    ),
+    flag(
         "--served-model-name",
         metavar="NAME",
-        help=flag_help(
-            "model id in the API and the metrics", "server", "served_model_name", "the model path"
-        ),
-    )
-    g.add_argument(
+        help="model id in the API and the metrics",
+        sets="server.served_model_name",
+        unset="the model path",
+    ),
+    flag(
         "--generation-config",
         metavar="auto|vllm|DIR",
-        help=flag_help(
-            "sampling defaults for fields a request leaves unset: auto reads the model's "
-            "generation_config.json, vllm ignores it, or a directory holding one",
-            "server",
-            "generation_config",
-        ),
-    )
-    g.add_argument(
+        help="sampling defaults for fields a request leaves unset: auto reads the model's "
+        "generation_config.json, vllm ignores it, or a directory holding one",
+        sets="server.generation_config",
+    ),
+    flag(
         "--chat-template",
         metavar="TEMPLATE",
-        help=flag_help(
-            "chat template of /v1/chat/completions instead of the model's own: a Jinja file, or "
-            "the template text itself",
-            "server",
-            "chat_template",
-            "the model's",
-        ),
-    )
-    g.add_argument(
+        help="chat template of /v1/chat/completions instead of the model's own: a Jinja file, or "
+        "the template text itself",
+        sets="server.chat_template",
+        unset="the model's",
+    ),
+    flag(
         "--enable-auto-tool-choice",
         action="store_const",
         const=True,
-        help=flag_help(
-            "let the model decide when to call a tool (tool_choice auto); needs --tool-call-parser",
-            "server",
-            "enable_auto_tool_choice",
-        ),
-    )
-    g.add_argument(
+        help="let the model decide when to call a tool (tool_choice auto); needs --tool-call-parser",
+        sets="server.enable_auto_tool_choice",
+    ),
+    flag(
         "--tool-call-parser",
         choices=["hermes", "llama3_json", "mistral", "pythonic"],
-        help=flag_help(
-            "how the model writes tool calls, parsed into message.tool_calls",
-            "server",
-            "tool_call_parser",
-            "none",
-        ),
-    )
-    g.add_argument(
+        help="how the model writes tool calls, parsed into message.tool_calls",
+        sets="server.tool_call_parser",
+        unset="none",
+    ),
+    flag(
         "--reasoning-parser",
         choices=["deepseek_r1", "qwen3"],
-        help=flag_help(
-            "split the model's <think>...</think> into message.reasoning_content",
-            "server",
-            "reasoning_parser",
-            "none",
-        ),
-    )
-    g.add_argument(
+        help="split the model's <think>...</think> into message.reasoning_content",
+        sets="server.reasoning_parser",
+        unset="none",
+    ),
+    flag(
         "--seed",
         dest="model_seed",
         type=int,
         metavar="SEED",
-        help=flag_help("seed of preset weights and of unseeded sampling", "model", "seed"),
-    )
-    g.add_argument(
+        help="seed of preset weights and of unseeded sampling",
+        sets="model.seed",
+    ),
+    flag(
         "--metrics",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=flag_help("Prometheus metrics at /metrics", "metrics", "enabled"),
-    )
-
-
-def _add_transport_flags(g: argparse._ArgumentGroup) -> None:
-    """TLS, CORS, a proxy's path prefix, a Unix socket and tracing (vLLM's spellings)."""
-    for flag, key, text in (
-        ("--ssl-keyfile", "ssl_keyfile", "TLS private key file (PEM)"),
-        ("--ssl-certfile", "ssl_certfile", "TLS certificate chain file (PEM)"),
-        ("--ssl-ca-certs", "ssl_ca_certs", "CA certificates client certificates are checked with"),
-    ):
-        g.add_argument(flag, metavar="FILE", help=flag_help(text, "server", key, "none"))
-    g.add_argument(
+        help="Prometheus metrics at /metrics",
+        sets="metrics.enabled",
+    ),
+]
+# TLS, CORS, a proxy's path prefix, a Unix socket and tracing (vLLM's spellings)
+_TRANSPORT = [
+    *(
+        flag(
+            name,
+            metavar="FILE",
+            help=text,
+            sets=f"server.{name[2:].replace('-', '_')}",
+            unset="none",
+        )
+        for name, text in (
+            ("--ssl-keyfile", "TLS private key file (PEM)"),
+            ("--ssl-certfile", "TLS certificate chain file (PEM)"),
+            ("--ssl-ca-certs", "CA certificates client certificates are checked with"),
+        )
+    ),
+    flag(
         "--ssl-cert-reqs",
         type=int,
         choices=(0, 1, 2),
-        help=flag_help(
-            "client certificates: 0 not asked for, 1 optional, 2 required",
-            "server",
-            "ssl_cert_reqs",
-        ),
-    )
-    for flag, key, text in (
-        ("--allowed-origins", "allowed_origins", "CORS origins allowed ('*': any)"),
-        ("--allowed-methods", "allowed_methods", "CORS methods an allowed origin may use"),
-        ("--allowed-headers", "allowed_headers", "CORS headers an allowed origin may send"),
-    ):
-        g.add_argument(
-            flag,
-            type=_name_list,
+        help="client certificates: 0 not asked for, 1 optional, 2 required",
+        sets="server.ssl_cert_reqs",
+    ),
+    *(
+        flag(
+            name,
+            type=name_list,
             metavar="LIST",
-            help=flag_help(f"{text}: a JSON list or comma-separated names", "server", key),
+            help=f"{text}: a JSON list or comma-separated names",
+            sets=f"server.{name[2:].replace('-', '_')}",
         )
-    g.add_argument(
+        for name, text in (
+            ("--allowed-origins", "CORS origins allowed ('*': any)"),
+            ("--allowed-methods", "CORS methods an allowed origin may use"),
+            ("--allowed-headers", "CORS headers an allowed origin may send"),
+        )
+    ),
+    flag(
         "--allow-credentials",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=flag_help("CORS: allowed origins may send credentials", "server", "allow_credentials"),
-    )
-    g.add_argument(
+        help="CORS: allowed origins may send credentials",
+        sets="server.allow_credentials",
+    ),
+    flag(
         "--root-path",
         metavar="PATH",
-        help=flag_help("path prefix a proxy strips (e.g. /llm)", "server", "root_path", "none"),
-    )
-    g.add_argument(
+        help="path prefix a proxy strips (e.g. /llm)",
+        sets="server.root_path",
+        unset="none",
+    ),
+    flag(
         "--uds",
         metavar="PATH",
-        help=flag_help(
-            "serve on this Unix domain socket instead of host and port", "server", "uds", "none"
-        ),
-    )
-    g.add_argument(
+        help="serve on this Unix domain socket instead of host and port",
+        sets="server.uds",
+        unset="none",
+    ),
+    flag(
         "--otlp-traces-endpoint",
         metavar="URL",
-        help=flag_help(
-            "export a span tree per request to this OpenTelemetry collector (OTLP/HTTP)",
-            "server",
-            "otlp_traces_endpoint",
-            "none: no tracing",
-        ),
-    )
-
-
-def _name_list(text: str) -> list[str]:
-    """vLLM's JSON list (`'["https://a.example"]'`), or names separated by commas."""
-    text = text.strip()
-    if text.startswith("["):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise argparse.ArgumentTypeError(f"not a JSON list: {text!r} ({exc.msg})") from None
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
-        return value
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
-    return value
-
-
-def _add_limit_flags(g: argparse._ArgumentGroup) -> None:
-    """What one request may ask of the server, and how long a client may leave a response
-    unread (the other limits are settings only)."""
-    g.add_argument(
+        help="export a span tree per request to this OpenTelemetry collector (OTLP/HTTP)",
+        sets="server.otlp_traces_endpoint",
+        unset="none: no tracing",
+    ),
+]
+# what one request may ask of the server, and how long a client may leave a response unread
+# (the other limits are settings only)
+_LIMITS = [
+    flag(
         "--max-request-cost",
-        type=_positive_int,
+        type=positive_int,
         metavar="ENTRIES",
-        help=flag_help(
-            "token entries one /v1 request's answer may hold (a token with k top logprobs is "
-            "k + 1): per prompt n x max_tokens x (k + 1), plus its tokens once, or n x (k + 1) "
-            "times when echoed; more is a 400 before any generation",
-            "server",
-            "max_request_cost",
-        ),
-    )
-    g.add_argument(
+        help="token entries one /v1 request's answer may hold (a token with k top logprobs is "
+        "k + 1): per prompt n x max_tokens x (k + 1), plus its tokens once, or n x (k + 1) "
+        "times when echoed; more is a 400 before any generation",
+        sets="server.max_request_cost",
+    ),
+    flag(
         "--max-chat-messages",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
-        help=flag_help(
-            "messages one /v1/chat/completions request may hold", "server", "max_chat_messages"
-        ),
-    )
-    g.add_argument(
+        help="messages one /v1/chat/completions request may hold",
+        sets="server.max_chat_messages",
+    ),
+    flag(
         "--max-content-parts",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
-        help=flag_help(
-            "content parts one /v1/chat/completions request may hold, over all its messages",
-            "server",
-            "max_content_parts",
-        ),
-    )
-    g.add_argument(
+        help="content parts one /v1/chat/completions request may hold, over all its messages",
+        sets="server.max_content_parts",
+    ),
+    flag(
         "--write-timeout",
         dest="write_timeout_s",
         type=positive_seconds,
         metavar="SECONDS",
-        help=flag_help(
-            "a connection whose client accepts no byte of a response for this long is reset "
-            "and its requests aborted",
-            "server",
-            "write_timeout_s",
-        ),
-    )
-
-
-def _add_log_flags(g: argparse._ArgumentGroup) -> None:
-    """The server's, uvicorn's, the access and the request logs."""
-    g.add_argument(
+        help="a connection whose client accepts no byte of a response for this long is reset "
+        "and its requests aborted",
+        sets="server.write_timeout_s",
+    ),
+]
+# the server's, uvicorn's, the access and the request logs
+_LOGS = [
+    flag(
         "--log-level",
         choices=LOG_LEVELS,
-        help=flag_help("level of the server's and the engine's logs", "server", "log_level"),
-    )
-    g.add_argument(
+        help="level of the server's and the engine's logs",
+        sets="server.log_level",
+    ),
+    flag(
         "--uvicorn-log-level",
         choices=LOG_LEVELS,
-        help=flag_help(
-            "level of uvicorn's own logs only", "server", "uvicorn_log_level", "--log-level's"
-        ),
-    )
-    g.add_argument(
+        help="level of uvicorn's own logs only",
+        sets="server.uvicorn_log_level",
+        unset="--log-level's",
+    ),
+    flag(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=flag_help(
-            "one log line per HTTP request (/health and /metrics never, unless "
-            "server.access_log_probes)",
-            "server",
-            "access_log",
-        ),
-    )
-    g.add_argument(
+        help="one log line per HTTP request (/health and /metrics never, unless "
+        "server.access_log_probes)",
+        sets="server.access_log",
+    ),
+    flag(
         "--disable-uvicorn-access-log",
         dest="access_log",
         action="store_const",
         const=False,
         help="turn the access log off, as --no-access-log does (vLLM's spelling; default: on)",
-    )
-    g.add_argument(
+    ),
+    flag(
         "--enable-log-requests",
         dest="log_requests",
         action="store_const",
         const=True,
-        help=flag_help("log each request's arrival and finish at INFO", "runtime", "log_requests"),
-    )
-    g.add_argument(
+        help="log each request's arrival and finish at INFO",
+        sets="runtime.log_requests",
+    ),
+    flag(
         "--disable-log-requests",
         dest="log_requests",
         action="store_const",
         const=False,
         help="do not log each request (the default; vLLM's spelling)",
-    )
+    ),
+]
+SERVER_FLAGS: Table = (
+    (
+        None,
+        [
+            flag(
+                "model_tag",
+                nargs="?",
+                metavar="MODEL",
+                help="the model, as with --model (vLLM's `serve MODEL`)",
+            )
+        ],
+    ),
+    ("server", _API),
+    ("transport (TLS, CORS, proxy, Unix socket)", _TRANSPORT),
+    ("server", _LIMITS + _LOGS),
+)

@@ -1,20 +1,21 @@
-"""Speculative decoding's flags, in vLLM's spelling (`--speculative-config JSON`) and SGLang's
-(`--speculative-algorithm`, `--speculative-num-steps`, ...), all filling the one `speculative`
-section. Each flag's values are checked as it is parsed; two flags that set one setting to
-different values are refused there, as a usage error, rather than one of them silently winning.
+"""Speculative decoding's rows of the flag table, in vLLM's spelling (`--speculative-config
+JSON`) and SGLang's (`--speculative-algorithm`, `--speculative-num-steps`, ...), all filling the
+one `speculative` section through `SectionFlag`. Each flag's values are checked as it is
+parsed; two flags that set one setting to different values are refused there, as a usage
+error, rather than one of them silently winning.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from pydantic import TypeAdapter, ValidationError
 
 from stallfree.config import SpeculativeConfig, StallfreeConfig
-from stallfree.entrypoints.flags import config_default, flag_help
+from stallfree.entrypoints.flags import SectionFlag, Table, config_default, flag
 
 # the namespace attribute that collects what the flags below say: {flag: {"value", "sets"}}
 SPEC_DEST = "speculative"
@@ -175,8 +176,8 @@ def merged_settings(given: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The settings of every speculative flag given, or ValueError where two disagree."""
     settings: dict[str, Any] = {}
     source: dict[str, str] = {}
-    for flag, entry in given.items():
-        label = _label(flag, entry["value"])
+    for flag_name, entry in given.items():
+        label = _label(flag_name, entry["value"])
         for key, value in entry["sets"].items():
             if key in settings and settings[key] != value:
                 raise ValueError(
@@ -200,174 +201,135 @@ def merged_settings(given: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return settings
 
 
-def _keeping_text(convert: Callable[[str], Any]) -> Callable[[str], tuple[str, Any]]:
-    """An argparse type that keeps the text as given beside its value, for the messages."""
+def _check(given: dict[str, Any], flag_name: str, entry: dict[str, Any]) -> None:
+    """The flag given again: its last value counts, and the order is the command line's."""
+    given = {k: v for k, v in given.items() if k != flag_name}
+    merged_settings({**given, flag_name: entry})
+
+
+def _one(key: str) -> Callable[[Any], dict[str, Any]]:
+    return lambda value: {key: value}
+
+
+def _spec(
+    name: str, convert: Callable[[str], Any], to: Callable[[Any], dict[str, Any]], **kw: Any
+) -> Any:
+    """A row of the section: its value is kept as (text, value), the text for the messages."""
 
     def parse(text: str) -> tuple[str, Any]:
         return text, convert(text)
 
-    parse.__name__ = getattr(convert, "__name__", "value")
-    return parse
-
-
-class _SpeculativeFlag(argparse.Action):
-    """Collects what one flag sets in `speculative` under the flag's name (given again, the
-    last one wins) and refuses it where it contradicts another flag."""
-
-    def __init__(
-        self,
-        option_strings: Sequence[str],
-        dest: str,
-        sets: Callable[[Any], dict[str, Any]],
-        **kwargs: Any,
-    ) -> None:
-        kwargs["type"] = _keeping_text(kwargs["type"])
-        super().__init__(option_strings, SPEC_DEST, **kwargs)
-        self.sets = sets
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        text, value = values  # from `_keeping_text`
-        given = dict(getattr(namespace, SPEC_DEST, None) or {})
-        flag = self.option_strings[0]
-        given.pop(flag, None)  # so that the order of the flags is the command line's
-        given[flag] = {"value": text, "sets": self.sets(value)}
-        try:
-            merged_settings(given)
-        except ValueError as exc:
-            raise argparse.ArgumentError(self, str(exc)) from None
-        setattr(namespace, SPEC_DEST, given)
-
-
-def add_speculative_flags(p: argparse.ArgumentParser) -> None:
-    """Speculative decoding (shared by `generate`, `serve` and `bench`): vLLM's and SGLang's
-    spellings, and stallfree's own for the settings neither has."""
-    g = p.add_argument_group("speculative decoding")
-    _add_vllm_flags(g)
-    _add_sglang_flags(g)
-    _add_own_flags(g)
-
-
-def _add_vllm_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument(
-        "--speculative-config",
-        action=_SpeculativeFlag,
-        sets=lambda settings: settings,
-        type=vllm_speculative_config,
-        metavar="JSON",
-        help="vLLM's spelling: a JSON object with method (ngram or draft_model; ngram_gpu "
-        "means ngram), num_speculative_tokens, prompt_lookup_min and prompt_lookup_max "
-        "(ngram; one given alone sets the other too, as in vLLM), and model (the draft "
-        "model's path; an omitted method is then draft_model); other keys are refused "
-        "(default: none, speculative decoding off; sets speculative.*)",
+    parse.__name__ = getattr(convert, "__name__", "value")  # argparse names it in messages
+    return flag(
+        name,
+        action=SectionFlag,
+        dest=SPEC_DEST,
+        type=parse,
+        check=_check,
+        shown=lambda value: value[0],
+        to=lambda value: to(value[1]),
+        **kw,
     )
 
 
-def _add_sglang_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument(
-        "--speculative-algorithm",
-        action=_SpeculativeFlag,
-        sets=lambda method: {"method": method},
-        type=_sglang_algorithm,
-        metavar="{NGRAM,STANDALONE}",
-        help=flag_help(
-            "SGLang's spelling: NGRAM (prompt lookup) or STANDALONE (a draft model, "
-            "--speculative-draft-model-path); EAGLE, EAGLE3 and NEXTN are not supported",
-            "speculative",
-            "method",
-        ),
-    )
-    g.add_argument(
-        "--speculative-num-steps",
-        action=_SpeculativeFlag,
-        sets=lambda k: {"num_speculative_tokens": k},
-        type=_setting("num_speculative_tokens"),
-        metavar="N",
-        help=flag_help(
-            "SGLang's spelling: k, the draft tokens proposed per request and step",
-            "speculative",
-            "num_speculative_tokens",
-        ),
-    )
-    k = config_default("speculative", "num_speculative_tokens")
-    g.add_argument(
-        "--speculative-num-draft-tokens",
-        action=_SpeculativeFlag,
-        sets=lambda n: {"num_speculative_tokens": n - 1},
-        type=_draft_tokens,
-        metavar="N",
-        help="SGLang's spelling: the tokens verified per request and step, the last verified "
-        "one included, so k + 1 (top-k 1); it must agree with --speculative-num-steps "
-        f"(default: {k + 1}; sets speculative.num_speculative_tokens to N - 1)",
-    )
-    g.add_argument(
-        "--speculative-eagle-topk",
-        action=_SpeculativeFlag,
-        sets=lambda topk: {},
-        type=_eagle_topk,
-        metavar="1",
-        help="SGLang's spelling: drafts per step; only 1 (a chain, no tree) is supported "
-        "(default: 1)",
-    )
-    g.add_argument(
-        "--speculative-draft-model-path",
-        action=_SpeculativeFlag,
-        sets=lambda path: {"draft_model": path},
-        type=_setting("draft_model", str),
-        metavar="PATH",
-        help=flag_help(
-            "SGLang's spelling: the draft model of STANDALONE (a Hugging Face directory or a "
-            ".gguf file with the target's tokenizer)",
-            "speculative",
-            "draft_model",
-            "none",
-        ),
-    )
-    for bound, key in (("min", "prompt_lookup_min"), ("max", "prompt_lookup_max")):
-        g.add_argument(
-            f"--speculative-ngram-{bound}-match-window-size",
-            action=_SpeculativeFlag,
-            sets=lambda n, key=key: {key: n},
-            type=_setting(key),
-            metavar="TOKENS",
-            help=flag_help(
-                f"SGLang's spelling: NGRAM's {'shortest' if bound == 'min' else 'longest'} "
-                "suffix of the tokens that is looked up",
-                "speculative",
-                key,
+_K = config_default("speculative", "num_speculative_tokens")
+# vLLM's and SGLang's spellings, and stallfree's own for the settings neither has
+SPECULATIVE_FLAGS: Table = (
+    (
+        "speculative decoding",
+        [
+            _spec(
+                "--speculative-config",
+                vllm_speculative_config,
+                lambda settings: settings,
+                metavar="JSON",
+                help="vLLM's spelling: a JSON object with method (ngram or draft_model; ngram_gpu "
+                "means ngram), num_speculative_tokens, prompt_lookup_min and prompt_lookup_max "
+                "(ngram; one given alone sets the other too, as in vLLM), and model (the draft "
+                "model's path; an omitted method is then draft_model); other keys are refused "
+                "(default: none, speculative decoding off; sets speculative.*)",
             ),
-        )
-
-
-def _add_own_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument(
-        "--speculative-adaptive",
-        dest="speculative_adaptive",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help=flag_help(
-            "per request, stop proposing while its drafts are mostly rejected, and resume "
-            "once its text repeats again",
-            "speculative",
-            "adaptive",
-        ),
-    )
-    g.add_argument(
-        "--speculative-min-acceptance-rate",
-        dest="speculative_min_acceptance_rate",
-        type=_setting("min_acceptance_rate", _rate),
-        metavar="RATE",
-        help=flag_help(
-            "adaptive: a request whose recent drafts are accepted below this rate stops proposing",
-            "speculative",
-            "min_acceptance_rate",
-        ),
-    )
+            _spec(
+                "--speculative-algorithm",
+                _sglang_algorithm,
+                _one("method"),
+                metavar="{NGRAM,STANDALONE}",
+                help="SGLang's spelling: NGRAM (prompt lookup) or STANDALONE (a draft model, "
+                "--speculative-draft-model-path); EAGLE, EAGLE3 and NEXTN are not supported",
+                sets="speculative.method",
+            ),
+            _spec(
+                "--speculative-num-steps",
+                _setting("num_speculative_tokens"),
+                _one("num_speculative_tokens"),
+                metavar="N",
+                help="SGLang's spelling: k, the draft tokens proposed per request and step",
+                sets="speculative.num_speculative_tokens",
+            ),
+            _spec(
+                "--speculative-num-draft-tokens",
+                _draft_tokens,
+                lambda n: {"num_speculative_tokens": n - 1},
+                metavar="N",
+                help="SGLang's spelling: the tokens verified per request and step, the last "
+                "verified one included, so k + 1 (top-k 1); it must agree with "
+                f"--speculative-num-steps (default: {_K + 1}; sets "
+                "speculative.num_speculative_tokens to N - 1)",
+            ),
+            _spec(
+                "--speculative-eagle-topk",
+                _eagle_topk,
+                lambda topk: {},
+                metavar="1",
+                help="SGLang's spelling: drafts per step; only 1 (a chain, no tree) is supported "
+                "(default: 1)",
+            ),
+            _spec(
+                "--speculative-draft-model-path",
+                _setting("draft_model", str),
+                _one("draft_model"),
+                metavar="PATH",
+                help="SGLang's spelling: the draft model of STANDALONE (a Hugging Face directory "
+                "or a .gguf file with the target's tokenizer)",
+                sets="speculative.draft_model",
+                unset="none",
+            ),
+            *(
+                _spec(
+                    f"--speculative-ngram-{bound}-match-window-size",
+                    _setting(key),
+                    _one(key),
+                    metavar="TOKENS",
+                    help=f"SGLang's spelling: NGRAM's {which} suffix of the tokens that is "
+                    "looked up",
+                    sets=f"speculative.{key}",
+                )
+                for bound, which, key in (
+                    ("min", "shortest", "prompt_lookup_min"),
+                    ("max", "longest", "prompt_lookup_max"),
+                )
+            ),
+            flag(
+                "--speculative-adaptive",
+                dest="speculative_adaptive",
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help="per request, stop proposing while its drafts are mostly rejected, and "
+                "resume once its text repeats again",
+                sets="speculative.adaptive",
+            ),
+            flag(
+                "--speculative-min-acceptance-rate",
+                dest="speculative_min_acceptance_rate",
+                type=_setting("min_acceptance_rate", _rate),
+                metavar="RATE",
+                help="adaptive: a request whose recent drafts are accepted below this rate "
+                "stops proposing",
+                sets="speculative.min_acceptance_rate",
+            ),
+        ],
+    ),
+)
 
 
 def speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
