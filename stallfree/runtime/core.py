@@ -137,8 +137,8 @@ class EngineCore:
         sparse = self.ctx.sparse
         monitor = self.monitor
         return EngineSnapshot(
-            running=self.scheduler.num_running,
-            waiting=self.scheduler.num_waiting,
+            running=self.scheduler.queues.num_running,
+            waiting=self.scheduler.queues.num_waiting,
             pools=self.pool_usage(),
             counters=self.scheduler.stats.copy(),
             stalls=dict(monitor.stall_counts),

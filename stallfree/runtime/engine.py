@@ -182,7 +182,7 @@ class Engine:
                 f"engine failed closed after {why}; it takes no new requests"
             )
         limit = self.max_waiting_requests
-        if self.core.scheduler.num_waiting >= limit:
+        if self.core.scheduler.queues.num_waiting >= limit:
             raise EngineOverloadedError(f"waiting queue is full ({limit} requests)")
         if rid is not None and (not isinstance(rid, str) or not 0 < len(rid) <= MAX_RID_CHARS):
             raise InvalidRequestError(
@@ -289,7 +289,7 @@ class Engine:
             len(req.origin_input_ids), kv, first_token_id, core.ctx.kv_cache.shape
         )
         stream = self.requests.submit(
-            req, enqueue=lambda r: core.scheduler.add_prebuilt(r, kv, first_token_id)
+            req, enqueue=lambda r: core.scheduler.add_imported(r, kv, first_token_id)
         )
         async with contextlib.aclosing(self.requests.drain(req, stream)) as chunks:
             async for chunk in chunks:
@@ -399,7 +399,7 @@ class Engine:
         running (never started, shut down, or dead) while work remains.
         """
         scheduler = self.core.scheduler
-        while scheduler.has_work() or scheduler.deferred:
+        while scheduler.queues.has_work() or scheduler.deferred:
             self._raise_if_loop_dead()
             await asyncio.sleep(0.005)
 

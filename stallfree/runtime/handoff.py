@@ -24,7 +24,7 @@ from stallfree.runtime.request.errors import EngineUnhealthyError, InvalidReques
 from stallfree.runtime.request.outputs import GenerationChunk
 from stallfree.runtime.request.req import FinishReason, Req
 from stallfree.runtime.request_table import RequestTable
-from stallfree.runtime.scheduling.prebuilt import PageRun, run_slots, write_prebuilt_layer
+from stallfree.runtime.scheduling.kv_import import PageRun, run_slots, write_import_layer
 from stallfree.runtime.text.output_processor import RequestStream
 
 # how long a finished prefill may take to reach its held state (the batches that may still
@@ -172,7 +172,7 @@ class KVImport:
         own = set(self.req.kv_pages)
         if not self.reserved or any(p + i not in own for p, n in runs for i in range(n)):
             raise InvalidRequestError(f"{self.rid}: KV for pages it does not hold")
-        write_prebuilt_layer(self.core.ctx, layer, runs, k_shards, v_shards)
+        write_import_layer(self.core.ctx, layer, runs, k_shards, v_shards)
 
     async def join(self, first_token_id: int) -> AsyncIterator[GenerationChunk]:
         """Stash the first token, join the decode batch and stream the request's chunks
@@ -182,7 +182,7 @@ class KVImport:
             raise InvalidRequestError(f"first token {first_token_id} is not in the vocabulary")
         if req.finished or stream is None:
             raise EngineUnhealthyError(req.finish_message or "request finished before it joined")
-        core.scheduler.join_prebuilt(req, first_token_id)
+        core.scheduler.join_import(req, first_token_id)
         self.joined = True
         core.loop.notify()
         self._stream = None

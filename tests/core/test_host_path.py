@@ -51,10 +51,14 @@ def test_aborting_waiting_requests_is_constant_time_and_they_are_skipped(make_sc
     for r in reqs[:-3]:
         sched.abort(r)
     # NOTE: aborted requests stay queued until they reach the head; they are not counted
-    assert len(sched.waiting) == 2000 and sched.num_waiting == 3 and sched.has_work()
+    assert (
+        len(sched.queues.waiting) == 2000
+        and sched.queues.num_waiting == 3
+        and sched.queues.has_work()
+    )
     batch = sched.get_next_batch()
     assert batch is not None and [r.rid for r in batch.reqs] == ["r1997", "r1998", "r1999"]
-    assert sched.num_waiting == 0 and len(sched.waiting) == 0
+    assert sched.queues.num_waiting == 0 and len(sched.queues.waiting) == 0
     assert all(r.finished_reason is FinishReason.ABORT for r in reqs[:-3])
     assert sched.stats.finished == {"abort": 1997}
 
@@ -71,14 +75,14 @@ class _NoScan(deque):
 
 def test_abort_and_fail_batch_never_scan_the_queue(make_scheduler):
     sched = make_scheduler(num_tokens=4096)
-    sched.waiting = _NoScan()
+    sched.queues.waiting = _NoScan()
     reqs = [make_req(f"r{i}", 4, 2) for i in range(50)]
     for r in reqs:
         sched.add_request(r)
     for r in reqs[:25]:
         sched.abort(r)
     sched.fail_batch(reqs[25:40], "step failed")
-    assert sched.num_waiting == 10 and sched.stats.finished == {"abort": 25, "error": 15}
+    assert sched.queues.num_waiting == 10 and sched.stats.finished == {"abort": 25, "error": 15}
 
 
 def test_cpu_stream_hands_small_ops_over_with_the_next_submit():

@@ -132,7 +132,7 @@ class World:
 
     def op_settle(self, arg: int) -> None:
         """The oldest verify step is processed: the host takes its rejected drafts off the
-        bounds (as `apply_verify` does) and every batch settles."""
+        bounds (as `SpecPolicy.settle` does) and every batch settles."""
         if not self.in_flight:
             return
         reqs, ks, accepted = self.in_flight.pop(0)
@@ -345,7 +345,7 @@ def test_parity_checker_catches_an_op_that_forgets_the_speculative_state(batch_c
 
 def test_parity_checker_catches_a_settle_that_forgets_the_committed_lengths(batch_ctx) -> None:
     batch, accepted = _verified(batch_ctx)
-    for req, k, a in zip(batch.reqs, [2, 3], accepted, strict=True):  # processed, as apply_verify
+    for req, k, a in zip(batch.reqs, [2, 3], accepted, strict=True):  # as `settle` does
         req.spec_window -= k + 1
         req.spec_drafts -= k
         req.num_computed_tokens -= k - a

@@ -59,7 +59,7 @@ def _drain(sched: Scheduler, in_flight: list[Launched] | None = None) -> None:
             in_flight.append(nxt)
         if in_flight and (nxt is None or len(in_flight) > 1):
             _process(sched, in_flight.pop(0))
-        if not in_flight and not sched.has_work():
+        if not in_flight and not sched.queues.has_work():
             return
     raise AssertionError("did not drain")
 

@@ -35,7 +35,7 @@ async def all_free(pair: Pair) -> None:
     await settle(pair.prefill)
     await settle(pair.decode)
     assert not pair.prefill.core.scheduler.deferred.held
-    assert not pair.decode.core.scheduler.importing
+    assert not pair.decode.core.scheduler.queues.imports
 
 
 async def still_serves(pair: Pair, room: int) -> None:
@@ -133,9 +133,9 @@ async def test_decode_client_leaves_while_transferring(llama: str) -> None:
         assert pair.decode.pool_usage().req_slots_free < pair.decode.pool_usage().req_slots_total
         # admission counts it as running, with its outputs reserved; no batch holds it
         scheduler = pair.decode.core.scheduler
-        assert scheduler._new_adder().running == 1
-        assert scheduler._reserved_tokens() > 0  # its outputs, scaled by new_token_ratio
-        assert scheduler.running_batch is not None and not scheduler.running_batch.reqs
+        assert scheduler.prefill.new_adder().running == 1
+        assert scheduler.prefill.reserved_tokens() > 0  # its outputs, scaled by new_token_ratio
+        assert not scheduler.queues.running_batch.reqs
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

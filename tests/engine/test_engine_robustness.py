@@ -138,7 +138,7 @@ async def test_one_huge_request_does_not_starve_admission(llama):
         huge = asyncio.create_task(
             engine.complete("huge", {"max_new_tokens": 10**9, **NO_EOS}, rid="huge")
         )
-        while engine.core.scheduler.num_running == 0:
+        while engine.core.scheduler.queues.num_running == 0:
             await asyncio.sleep(0.001)
         # capped when the request was made: admission never sees 10**9
         assert engine.requests["huge"].sampling_params.max_new_tokens == 300 - 4
@@ -333,13 +333,13 @@ async def test_the_waiting_queue_is_bounded_by_default(llama):
             asyncio.create_task(engine.complete(f"hog {i}", {"max_new_tokens": 900, **NO_EOS}))
             for i in range(2)
         ]
-        while engine.core.scheduler.num_running < 2:
+        while engine.core.scheduler.queues.num_running < 2:
             await asyncio.sleep(0.001)
         queued = [
             asyncio.create_task(engine.complete(p, {"max_new_tokens": 3, **NO_EOS}))
             for p in random_prompts(8)
         ]
-        while engine.core.scheduler.num_waiting < 8:
+        while engine.core.scheduler.queues.num_waiting < 8:
             await asyncio.sleep(0.001)
         with pytest.raises(EngineOverloadedError, match=r"waiting queue is full \(8 requests\)"):
             await engine.complete("one too many", {"max_new_tokens": 3})
@@ -381,22 +381,25 @@ async def test_health_and_snapshot_stay_cheap_with_thousands_queued(llama):
     async with Engine(cfg) as engine:
         scheduler = engine.core.scheduler
         hog = asyncio.create_task(engine.complete("hog", {"max_new_tokens": 900, **NO_EOS}))
-        while scheduler.num_running == 0:
+        while scheduler.queues.num_running == 0:
             await asyncio.sleep(0.001)
         idle = min(calls_made(probe) for _ in range(5))
         queued = [
             asyncio.create_task(engine.complete([1, 2, 3], {"max_new_tokens": 1})) for _ in range(n)
         ]
         try:
-            while scheduler.num_waiting < n:
+            while scheduler.queues.num_waiting < n:
                 await asyncio.sleep(0.01)
             # no await from here to the restore: the scheduler cannot touch the swapped queue
-            waiting, scheduler.waiting = scheduler.waiting, _NoScan(scheduler.waiting)
+            waiting, scheduler.queues.waiting = (
+                scheduler.queues.waiting,
+                _NoScan(scheduler.queues.waiting),
+            )
             try:
                 busy = [calls_made(probe) for _ in range(200)]
                 assert engine.snapshot().waiting == n
             finally:
-                scheduler.waiting = waiting
+                scheduler.queues.waiting = waiting
             # a walk over the queue would cost thousands of calls; the margin is for the hog's
             # state (prefill or decode) differing between the two counts
             assert max(busy) <= idle + 16, (idle, max(busy))

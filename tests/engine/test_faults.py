@@ -90,10 +90,10 @@ async def test_waiting_queue_is_bounded(llama):
         long = asyncio.create_task(
             engine.complete("hog", {"max_new_tokens": 400, "ignore_eos": True})
         )
-        while engine.core.scheduler.num_running == 0:
+        while engine.core.scheduler.queues.num_running == 0:
             await asyncio.sleep(0.001)
         queued = [asyncio.create_task(engine.complete(p, PARAMS)) for p in random_prompts(2)]
-        while len(engine.core.scheduler.waiting) < 2:
+        while len(engine.core.scheduler.queues.waiting) < 2:
             await asyncio.sleep(0.001)
         with pytest.raises(EngineOverloadedError, match="waiting queue is full"):
             await engine.complete("one too many", PARAMS)

@@ -362,7 +362,7 @@ async def test_two_schedules_before_any_result_under_the_strict_guard(llama):
         for lb in launched:
             sched.process(await lb.result())
         assert req.spec_window == 0
-        assert sched.running_batch.committed_lens_cpu.tolist() == [req.num_computed_tokens]
+        assert sched.queues.running_batch.committed_lens_cpu.tolist() == [req.num_computed_tokens]
         assert sum(core.monitor.stall_counts.values()) == 0
         assert len(req.output_ids) >= 4
     finally:

@@ -51,7 +51,7 @@ async def test_flush_cache_endpoint(llama):
         long = {"text": "x", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
         task = asyncio.create_task(live.http.post("/generate", json=long))
         for _ in range(200):
-            if live.engine.core.scheduler.num_running:
+            if live.engine.core.scheduler.queues.num_running:
                 break
             await asyncio.sleep(0.01)
         busy = await live.http.post("/flush_cache")

@@ -30,6 +30,6 @@ class BatchContext:
     # worker processes: the `req_to_token` writes (rows, cols, locs) made on the host replica
     # since the last step, which the next step message carries to the workers; None in process
     table_journal: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
-    # worker processes: imported KV and first tokens (disaggregation, scheduling/prebuilt.py)
+    # worker processes: imported KV and first tokens (disaggregation, scheduling/kv_import.py)
     # for the next step message, in order; None in process
     import_journal: list[tuple[Any, ...]] | None = None

@@ -67,7 +67,7 @@ class Req:
     spec_probe_wait: int = 16
     paused: bool = False  # out of the decode batch until its reader catches up
     # disaggregation, prefill side: keep the slot and pages once finished, until released
-    # (scheduling/imports.py); `on_kv_held` is called when they are held and readable
+    # (scheduling/deferred.py); `on_kv_held` is called when they are held and readable
     hold_kv: bool = False
     on_kv_held: Callable[[], None] | None = None
     # host bookkeeping for the consumer side, opaque to the scheduler

@@ -66,7 +66,7 @@ class SchedulerLoop:
                 launched = self.runner.launch(batch.step_input(), scheduler.launch_seq + 1)
                 scheduler.on_launched()
                 self.stats.steps += 1
-            scheduler.building = None
+            scheduler.queues.building = None
         except Exception as exc:
             self._launch_failed(exc)
             return None
@@ -140,9 +140,9 @@ class SchedulerLoop:
             elif launched is not None:
                 await self._process(launched)
             if in_flight is None and launched is None:
-                if self.stopping and not self.scheduler.has_work():
+                if self.stopping and not self.scheduler.queues.has_work():
                     return
-                if self.scheduler.has_schedulable_work():
+                if self.scheduler.queues.has_schedulable_work():
                     await asyncio.sleep(0.001)  # nothing fit this round; never spin hot
                 else:
                     self.wake.clear()

@@ -24,20 +24,14 @@ text turned repetitive again), and each failed probe doubles the wait, up to `MA
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from stallfree.config import SpeculativeConfig
 from stallfree.runtime.execution.model_runner import StepOutput
 from stallfree.runtime.model.forward_batch import ForwardMode
-from stallfree.runtime.request.outputs import TokenLogprobs
 from stallfree.runtime.request.req import Req
 from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
 from stallfree.runtime.telemetry.stats import EngineCounters
-
-logger = logging.getLogger(__name__)
 
 # steps a request that stopped proposing decodes normally before its first probe, and the
 # longest wait between probes (each failed probe doubles it)
@@ -195,6 +189,18 @@ class SpecPolicy:
             if req.spec_off and k == 0:
                 req.spec_idle += 1
 
+    def settle(self, req: Req, k: int, accepted: int, stats: EngineCounters) -> None:
+        """A processed verify row that carried `k` drafts and accepted `accepted`, its tokens
+        applied: the drafts it rejected come off the request's upper bounds, and its
+        acceptance rate learns from it."""
+        rejected = k - accepted
+        req.num_scheduled_outputs -= rejected
+        if req.spec_window >= k + 1:  # not retracted since: its bounds are this life's
+            req.spec_window -= k + 1
+            req.spec_drafts -= k
+            req.num_computed_tokens -= rejected
+        self.observe(req, k, accepted, stats)
+
     def observe(self, req: Req, k: int, accepted: int, stats: EngineCounters) -> None:
         """A processed verify row that carried `k` drafts and accepted `accepted`."""
         if k == 0 or not self.config.adaptive:
@@ -261,43 +267,3 @@ def count_verify_row(stats: EngineCounters, offered: int, accepted: int) -> None
         per_pos.extend([0] * (accepted - len(per_pos)))
     for j in range(accepted):
         per_pos[j] += 1
-
-
-def apply_verify(
-    out: StepOutput,
-    policy: SpecPolicy,
-    stats: EngineCounters,
-    accept: Callable[[Req, int, float, TokenLogprobs | None], None],
-    fail: Callable[[Req, str], None],
-) -> None:
-    """A processed verify step: each row's accepted drafts and its own token, in order,
-    through the scheduler's `accept` like any token (a stop inside the window ends the request
-    there); then the drafts it rejected come off the request's upper bounds. The caller
-    settles the running batch's mirrors afterwards."""
-    verify, logprobs = out.verify, out.logprobs
-    assert verify is not None
-    now = time.perf_counter()
-    flat_row = 0
-    for row, req in enumerate(out.reqs):
-        k, accepted = verify.ks[row], verify.accepted(row)
-        count_verify_row(stats, verify.offered(row), accepted)
-        if not req.finished and req.in_flight_outputs > 0:
-            try:
-                for tok in verify.tokens(row):
-                    lp = None
-                    if logprobs is not None and (n := req.sampling_params.logprobs) is not None:
-                        lp = logprobs.outputs(flat_row, tok, n)  # k is 0 for these rows
-                    accept(req, tok, now, lp)
-                    if req.finished:
-                        break
-            except Exception as exc:  # one request's output failed; the others go on
-                logger.error("request %s failed processing its tokens", req.rid, exc_info=exc)
-                fail(req, f"output processing failed: {exc!r}")
-        flat_row += k + 1
-        rejected = k - accepted
-        req.num_scheduled_outputs -= rejected
-        if req.spec_window >= k + 1:  # not retracted since: its bounds are this life's
-            req.spec_window -= k + 1
-            req.spec_drafts -= k
-            req.num_computed_tokens -= rejected
-        policy.observe(req, k, accepted, stats)
