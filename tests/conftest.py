@@ -26,6 +26,20 @@ def pytest_asyncio_loop_factories(config, item):
     return {"uvloop": uvloop.new_event_loop}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def gguf_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """GGUF start-up cache entries (gguf_cache.py) go to the run's own directory, not the
+    user's ~/.cache: a run parses each file once, then hits, as a server's restarts do."""
+    directory = str(tmp_path_factory.mktemp("gguf-cache"))
+    before = os.environ.get("STALLFREE_CACHE_DIR")
+    os.environ["STALLFREE_CACHE_DIR"] = directory
+    yield directory
+    if before is None:
+        os.environ.pop("STALLFREE_CACHE_DIR", None)
+    else:
+        os.environ["STALLFREE_CACHE_DIR"] = before
+
+
 @pytest.fixture(scope="session")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The tiny random Llama (`hf_models.make_llama` defaults, seed 0), written once per run.

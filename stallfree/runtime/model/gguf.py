@@ -10,20 +10,26 @@ restores the Hugging Face order, so the loaded model computes what transformers 
 The tokenizer is rebuilt from the `tokenizer.ggml.*` metadata as a `tokenizers.Tokenizer`
 (GPT-2 style byte-level BPE, as SmolLM2, Llama 3 and Qwen2 files describe it; or sentencepiece
 BPE with byte fallback, as Llama 2, TinyLlama and Mistral files do).
+
+The file is parsed by `gguf.GGUFReader` once; what loading derives from it (metadata, tokenizer
+JSON, tensor table) is cached on disk by gguf_cache.py, and the tensors are read from a memory
+map of the file at the table's offsets, so a later start builds no reader.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
+from stallfree.runtime.model import gguf_cache
 from stallfree.runtime.model.arch import GEMMA_ARCHITECTURES, ModelArchConfig, ModelLoadError
 from stallfree.runtime.model.fused_weights import is_fused, split_fused
+from stallfree.runtime.model.gguf_cache import GGUFIndex, GGUFTensor, TokenizerEntry
 from stallfree.runtime.model.gguf_families import (
     GGUF_FAMILIES,
     GLOBAL_TENSORS,
@@ -88,18 +94,23 @@ class GGUFCheckpoint:
 
 
 class _Metadata:
-    """The key/value fields of one GGUF file, read lazily."""
+    """The key/value fields of one GGUF file (gguf_cache.py's index: a large array, which only
+    the tokenizer reads, is there as its length)."""
 
-    def __init__(self, reader: Any, path: Path, error: type[Exception]) -> None:
-        self._reader = reader
+    def __init__(
+        self, fields: dict[str, Any], lengths: dict[str, int], path: Path, error: type[Exception]
+    ) -> None:
+        self._fields = fields
+        self._lengths = lengths
         self._path = path
         self._error = error
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self._reader.fields.get(key)
-        if field is None:
-            return default
-        return field.contents()
+        if key in self._fields:
+            return self._fields[key]
+        if key in self._lengths:
+            raise self._error(f"{self._path}: GGUF array {key!r} is not kept in the index")
+        return default
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -107,24 +118,59 @@ class _Metadata:
             raise self._error(f"{self._path}: GGUF metadata has no {key!r}")
         return value
 
+    def length(self, key: str) -> int:
+        """The number of elements of an array field."""
+        if key in self._lengths:
+            return self._lengths[key]
+        return len(self.require(key))
 
-def _open(path: Path, error: type[Exception]) -> tuple[Any, _Metadata]:
-    gguf = _gguf_module(error)
+
+def _open(path: Path, error: type[Exception]) -> tuple[GGUFIndex, _Metadata]:
+    _gguf_module(error)
     if not path.is_file():
         raise error(f"GGUF file {str(path)!r} does not exist")
     stat = path.stat()
     try:
-        reader = _cached_reader(gguf, str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+        index = _cached_index(
+            str(path.resolve()), stat.st_mtime_ns, stat.st_size, str(gguf_cache.cache_dir())
+        )
     except Exception as e:
         raise error(f"cannot read GGUF file {str(path)!r}: {e}") from e
-    return reader, _Metadata(reader, path, error)
+    return index, _Metadata(index.fields, index.array_lengths, path, error)
 
 
 @functools.lru_cache(maxsize=1)
-def _cached_reader(gguf: Any, path: str, mtime_ns: int, size: int) -> Any:
-    """Parsing the metadata takes seconds for a large vocabulary; the model and the tokenizer
-    are loaded one after the other from the same file, so the last reader is kept."""
-    return gguf.GGUFReader(path)
+def _cached_index(path: str, mtime_ns: int, size: int, cache_dir: str) -> GGUFIndex:
+    """The file's index from the cache, or parsed and cached. The model and the tokenizer are
+    loaded one after the other from the same file, so the last index is also kept here."""
+    file = Path(path)
+    key = gguf_cache.file_key(file)
+    index = gguf_cache.load_index(key)
+    if index is None:
+        index = _parse(file)
+        gguf_cache.store_index(key, index)
+    return index
+
+
+def _parse(path: Path) -> GGUFIndex:
+    """The index of a file, from `GGUFReader` (seconds for a large vocabulary)."""
+    from gguf import GGUFReader
+
+    from stallfree.runtime.text.tokenizer import TokenizerLoadError
+
+    reader = GGUFReader(str(path))
+    fields = gguf_cache.reader_fields(reader)
+    try:
+        tokenizer = _tokenizer_entry(_Metadata(fields, {}, path, TokenizerLoadError), path)
+    except Exception:  # loading the tokenizer parses the file again and raises the reason
+        tokenizer = None
+    return gguf_cache.index_from_reader(reader, fields, tokenizer)
+
+
+def _parsed_metadata(path: Path, error: type[Exception]) -> _Metadata:
+    from gguf import GGUFReader
+
+    return _Metadata(gguf_cache.reader_fields(GGUFReader(str(path))), {}, path, error)
 
 
 # ---------------------------------------------------------------------------- model
@@ -139,48 +185,56 @@ def read_gguf_checkpoint(path: str | Path, keep_quantized: bool = False) -> GGUF
     from stallfree.runtime.model.gguf_blocks import packed_weight
 
     path = Path(path)
-    reader, meta = _open(path, ModelLoadError)
-    arch = gguf_arch_config(
-        meta,
-        path,
-        has_output=_find_tensor(reader, "output.weight") is not None,
-        routed=routed_layers([t.name for t in reader.tensors]),
-    )
+    index, meta = _open(path, ModelLoadError)
+    file_tensors = gguf_cache.map_tensors(path, index)
+    arch = _arch(path, meta, file_tensors)
     family = GGUF_FAMILIES[str(meta.require("general.architecture"))]
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
-    rope_factors: dict[str, list[float]] = {}
-    for tensor in reader.tensors:
-        if tensor.name in ROPE_FACTOR_TENSORS:
-            rope_factors[ROPE_FACTOR_TENSORS[tensor.name]] = _dequantize(tensor).flatten().tolist()
+    for tensor in file_tensors:
+        if tensor.name in ROPE_FACTOR_TENSORS:  # in the config (_arch)
             continue
         if is_moe_tensor(tensor.name):  # experts, routers (gguf_moe.py): always dense
             tensors.update(moe_tensors(tensor.name, _dequantize(tensor), arch))
             continue
         hf_name = _hf_name(tensor.name, family)
+        if family.permute_qk and tensor.name.endswith("attn_q.weight"):
+            tensor = _unpermute_tensor(tensor, arch.num_heads)
+        elif family.permute_qk and tensor.name.endswith("attn_k.weight"):
+            tensor = _unpermute_tensor(tensor, arch.num_kv_heads)
         linear = hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight"
         linear = linear or (hf_name == "model.embed_tokens.weight" and arch.tie_word_embeddings)
         packed = packed_weight(tensor) if keep_quantized and linear else None
         weight: torch.Tensor | QuantizedWeight = (
             packed if packed is not None else _dequantize(tensor)
         )
-        if family.permute_qk and tensor.name.endswith("attn_q.weight"):
-            weight = _unpermute_rows(weight, arch.num_heads)
-        elif family.permute_qk and tensor.name.endswith("attn_k.weight"):
-            weight = _unpermute_rows(weight, arch.num_kv_heads)
         if family.norm_shift and hf_name.endswith("norm.weight"):
             weight = cast(torch.Tensor, weight) - 1.0  # llama.cpp stored Gemma's 1 + w
         if is_fused(hf_name, arch):
             tensors.update(split_fused(hf_name, weight, arch))
         else:
             tensors[hf_name] = weight
-    if rope_factors:
-        arch = with_longrope(arch, meta, rope_factors, path)
     name = str(meta.get("general.name") or path.stem)
     return GGUFCheckpoint(arch=arch, tensors=tensors, name=name)
 
 
-def _find_tensor(reader: Any, name: str) -> Any:
-    return next((t for t in reader.tensors if t.name == name), None)
+def read_gguf_arch(path: str | Path) -> ModelArchConfig:
+    """The architecture alone: the metadata and tensor names (and longrope's factors)."""
+    path = Path(path)
+    index, meta = _open(path, ModelLoadError)
+    return _arch(path, meta, gguf_cache.map_tensors(path, index))
+
+
+def _arch(path: Path, meta: _Metadata, tensors: list[GGUFTensor]) -> ModelArchConfig:
+    names = [t.name for t in tensors]
+    arch = gguf_arch_config(
+        meta, path, has_output="output.weight" in names, routed=routed_layers(names)
+    )
+    factors = {
+        ROPE_FACTOR_TENSORS[t.name]: _dequantize(t).flatten().tolist()
+        for t in tensors
+        if t.name in ROPE_FACTOR_TENSORS
+    }
+    return with_longrope(arch, meta, factors, path) if factors else arch
 
 
 def gguf_arch_config(
@@ -204,7 +258,7 @@ def gguf_arch_config(
     rope_dim = meta.get(f"{family}.rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != head_dim:
         raise ModelLoadError(f"{path}: partial rotary embeddings ({rope_dim} of {head_dim})")
-    tokens = meta.require("tokenizer.ggml.tokens")
+    n_tokens = meta.length("tokenizer.ggml.tokens")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos_ids = [
         int(i)
@@ -216,7 +270,7 @@ def gguf_arch_config(
     moe = gguf_moe_config(meta, family, routed or set(), layers)
     arch = ModelArchConfig(
         # the token list is padded to the embedding's rows ([PAD<i>] entries)
-        vocab_size=int(meta.get(f"{family}.vocab_size") or len(tokens)),
+        vocab_size=int(meta.get(f"{family}.vocab_size") or n_tokens),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
         num_layers=int(key("block_count")),
@@ -267,12 +321,13 @@ def _dequantize(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _unpermute_rows(weight: torch.Tensor | QuantizedWeight, n_head: int) -> Any:
-    """`_unpermute` of a dense weight, or the same row order applied to a quantized one."""
-    if isinstance(weight, torch.Tensor):
-        return _unpermute(weight, n_head)
-    order = _unpermute(torch.arange(weight.shape[0])[:, None], n_head)[:, 0]
-    return weight.rows(order)
+def _unpermute_tensor(tensor: GGUFTensor, n_head: int) -> GGUFTensor:
+    """`_unpermute` on the file's rows, before they are decoded: every format here decodes a
+    row from that row's bytes alone, so the result is the same, without a copy of the
+    decoded weight."""
+    rows = tensor.data.shape[0]
+    order = _unpermute(torch.arange(rows)[:, None], n_head)[:, 0].numpy()
+    return replace(tensor, data=np.take(tensor.data, order, axis=0))
 
 
 def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -297,10 +352,28 @@ def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def load_gguf_tokenizer(path: str | Path, eos_token_ids: list[int] | None = None) -> HFTokenizer:
     """The GGUF's tokenizer as an `HFTokenizer`, tokenising as transformers does from the file."""
+    from tokenizers import Tokenizer
+
     from stallfree.runtime.text.tokenizer import HFTokenizer, TokenizerLoadError
 
     path = Path(path)
-    _, meta = _open(path, TokenizerLoadError)
+    index, _ = _open(path, TokenizerLoadError)
+    entry = index.tokenizer
+    if entry is None:  # the index has none: building it again raises why
+        entry = _tokenizer_entry(_parsed_metadata(path, TokenizerLoadError), path)
+    return HFTokenizer.from_raw(
+        Tokenizer.from_str(entry.json),
+        bos_token=entry.bos_token,
+        eos_token=entry.eos_token,
+        chat_template=entry.chat_template,
+        eos_token_ids=eos_token_ids,
+    )
+
+
+def _tokenizer_entry(meta: _Metadata, path: Path) -> TokenizerEntry:
+    """The tokenizer the `tokenizer.ggml.*` fields describe, as the index keeps it."""
+    from stallfree.runtime.text.tokenizer import TokenizerLoadError
+
     kind = meta.require("tokenizer.ggml.model")
     tokens = [str(t) for t in meta.require("tokenizer.ggml.tokens")]
     if kind == "gpt2":
@@ -332,12 +405,11 @@ def load_gguf_tokenizer(path: str | Path, eos_token_ids: list[int] | None = None
             single=f"{pre}$A{post}", pair=f"{pre}$A{post} {pre}$B{post}", special_tokens=specials
         )
     template = meta.get("tokenizer.chat_template")
-    return HFTokenizer.from_raw(
-        raw,
+    return TokenizerEntry(
+        json=raw.to_str(),
         bos_token=bos,
         eos_token=eos,
         chat_template=str(template) if template else None,
-        eos_token_ids=eos_token_ids,
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from stallfree.runtime.memory.pool import KVCacheShape
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
@@ -49,6 +50,25 @@ _DTYPES = {
 def is_gguf_path(path: str | Path) -> bool:
     """A single-file GGUF checkpoint, by its suffix (any case)."""
     return str(path).lower().endswith(".gguf")
+
+
+class _MetaInitSkipped(TorchFunctionMode):
+    """Builds a model on the meta device without running its init functions.
+
+    NOTE: meta tensors hold no values, yet `normal_` on one (nn.Embedding's init) runs torch's
+    Python reference, whose first call imports torch._dynamo: about a second of start-up that
+    serving never needs otherwise."""
+
+    _SKIPPED = frozenset({torch.nn.init.normal_, torch.Tensor.normal_})
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")  # nn.init passes it by name
+        if func in self._SKIPPED and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------- presets
@@ -305,9 +325,9 @@ def read_arch(path_or_preset: str) -> ModelArchConfig:
         return replace(preset, eos_token_ids=list(preset.eos_token_ids))
     path = Path(path_or_preset)
     if is_gguf_path(path) and path.is_file():
-        from stallfree.runtime.model.gguf import read_gguf_checkpoint
+        from stallfree.runtime.model.gguf import read_gguf_arch
 
-        return read_gguf_checkpoint(path).arch
+        return read_gguf_arch(path)
     if not path.is_dir():
         raise ModelLoadError(
             f"model path {path_or_preset!r} does not exist; expected a Hugging Face directory, "
@@ -369,7 +389,8 @@ def _load_directory(path: Path, dtype: str, device: torch.device, tp: TPGroup) -
     validate_tp(arch, tp.size)
     torch_dtype = _resolve_dtype(dtype, _config_dtype(cfg), device, arch.hidden_size)
     # Meta construction skips a throwaway random init of every weight.
-    model = causal_lm(arch)(arch, device=torch.device("meta"), dtype=torch_dtype, tp=tp)
+    with _MetaInitSkipped():
+        model = causal_lm(arch)(arch, device=torch.device("meta"), dtype=torch_dtype, tp=tp)
     if tp.size == 1:
         state = _read_safetensors(path, model, device, torch_dtype)
     else:
@@ -387,7 +408,8 @@ def _load_gguf(path: Path, dtype: str, device: torch.device, method: str) -> Loa
     ckpt = read_gguf_checkpoint(path, keep_quantized=method == "gguf")
     # dequantised weights are float32
     torch_dtype = _resolve_dtype(dtype, "float32", device, ckpt.arch.hidden_size)
-    model = causal_lm(ckpt.arch)(ckpt.arch, device=torch.device("meta"), dtype=torch_dtype)
+    with _MetaInitSkipped():
+        model = causal_lm(ckpt.arch)(ckpt.arch, device=torch.device("meta"), dtype=torch_dtype)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     for key, tensor in ckpt.tensors.items():
         _check_shape(key, tuple(tensor.shape), expected)
@@ -450,7 +472,8 @@ def _read_safetensors_shards(
         raise ModelLoadError(f"model directory {str(path)!r} has no *.safetensors files")
     arch = model.arch
     # checkpoint shapes are the full model's (a meta model costs no memory)
-    full = causal_lm(arch)(arch, device=torch.device("meta"), dtype=dtype)
+    with _MetaInitSkipped():
+        full = causal_lm(arch)(arch, device=torch.device("meta"), dtype=dtype)
     expected = {name: tuple(p.shape) for name, p in full.named_parameters()}
     state: dict[str, torch.Tensor] = {}
     for file in files:
