@@ -12,14 +12,15 @@ from dataclasses import dataclass, field
 
 from stallfree.runtime.request.req import Req, ReqStatus
 from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
+from stallfree.runtime.text.output_processor import OutputProcessor
 
 
 @dataclass(slots=True)
 class PausedRequests:
     bound: int  # unread tokens that pause a request; it resumes at half
-    unread: Callable[[Req], int]  # tokens its reader has not read (0: it reads only the end)
-    # requests that reached `bound` since they were last looked at (the output processor's)
-    behind: set[Req] = field(default_factory=set)
+    # what each request's reader has not read yet (`unread`: 0 when it reads only the end), and
+    # the requests that reached `bound` since they were last looked at (`behind`)
+    output: OutputProcessor
     reqs: list[Req] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -28,10 +29,11 @@ class PausedRequests:
     def pause_behind(self, running: ScheduleBatch) -> int:
         """Take out of `running` every request `bound` tokens ahead of its reader. Only the
         candidates the output processor noted are checked: nothing per running request."""
-        if not self.behind:
+        behind_set = self.output.behind
+        if not behind_set:
             return 0
-        candidates = {r for r in self.behind if self.unread(r) >= self.bound}
-        self.behind.clear()  # the rest caught up; a request that falls behind again is re-noted
+        candidates = {r for r in behind_set if self.output.unread(r) >= self.bound}
+        behind_set.clear()  # the rest caught up; a request that falls behind again is re-noted
         behind = [i for i, r in enumerate(running.reqs) if r in candidates] if candidates else []
         if not behind:
             return 0
@@ -66,7 +68,7 @@ class PausedRequests:
         return evicted
 
     def _caught_up(self, req: Req) -> bool:
-        return self.unread(req) <= self.bound // 2
+        return self.output.unread(req) <= self.bound // 2
 
     def resumable(self) -> bool:
         return any(r.finished or self._caught_up(r) for r in self.reqs)

@@ -63,9 +63,7 @@ class Scheduler:
     def __post_init__(self) -> None:
         self.deferred = DeferredFrees(self.ctx, self.cache)
         self.output.unread_bound = self.config.max_unread_tokens
-        paused = PausedRequests(
-            self.config.max_unread_tokens, self.output.unread, self.output.behind
-        )
+        paused = PausedRequests(self.config.max_unread_tokens, self.output)
         self.queues = RequestQueues(self.ctx, paused)
         self.prefill = PrefillManager(
             self.config,
