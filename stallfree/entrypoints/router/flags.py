@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from stallfree.entrypoints.flags import HelpFormatter
+from stallfree.entrypoints.flags import HelpFormatter, Table, add_flags, flag
 
 # SGLang's default bootstrap port: where a prefill server's KV sender listens for decode servers
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -144,73 +144,85 @@ def _bytes(text: str) -> int:
     return value
 
 
+_DEFAULT = RouterSettings((), ())
+ROUTER_FLAGS: Table = (
+    (
+        "servers (SGLang's spellings)",
+        [
+            flag(
+                "--prefill",
+                action=_PrefillAction,
+                nargs="+",
+                help="a prefill server and its bootstrap port (default port: "
+                f"{DEFAULT_BOOTSTRAP_PORT}); repeat for more servers; at least one is required",
+            ),
+            flag(
+                "--decode",
+                action=_DecodeAction,
+                metavar="URL",
+                help="a decode server; repeat for more servers (default: none; at least one is required)",
+            ),
+            flag(
+                "--pd-disaggregation",
+                action="store_true",
+                help="accepted for SGLang's command lines; this router is always prefill/decode",
+            ),
+        ],
+    ),
+    (
+        "routing and listening",
+        [
+            flag("--host", default=_DEFAULT.host, help="address to listen on"),
+            flag(
+                "--port",
+                type=_listen_port,
+                default=_DEFAULT.port,
+                metavar="PORT",
+                help="port to listen on; 0 picks a free one",
+            ),
+            flag(
+                "--policy",
+                choices=POLICIES,
+                default=_DEFAULT.policy,
+                help="how a prefill and a decode server are picked for each request: in turn "
+                "(a counter for each kind), or the one with the fewest requests in flight through "
+                "this router (ties go to the first listed)",
+            ),
+            flag(
+                "--api-key",
+                metavar="KEY",
+                help="require 'Authorization: Bearer KEY' on /v1/* (default: none); the header is "
+                "passed on to the servers unchanged",
+            ),
+            flag(
+                "--startup-timeout-s",
+                type=_seconds,
+                default=_DEFAULT.startup_timeout_s,
+                metavar="S",
+                help="how long to wait at start for every server to answer GET /health",
+            ),
+            flag(
+                "--request-timeout-s",
+                type=_seconds,
+                default=_DEFAULT.request_timeout_s,
+                metavar="S",
+                help="longest wait for a server's next byte (its answer's head, or the next chunk of "
+                "its body)",
+            ),
+            flag(
+                "--max-body-bytes",
+                type=_bytes,
+                default=_DEFAULT.max_body_bytes,
+                metavar="N",
+                help="largest request body accepted (413 above it)",
+            ),
+        ],
+    ),
+)
+
+
 def add_router_flags(parser: argparse.ArgumentParser) -> None:
-    default = RouterSettings((), ())
-    ups = parser.add_argument_group("servers (SGLang's spellings)")
-    ups.add_argument(
-        "--prefill",
-        action=_PrefillAction,
-        nargs="+",
-        help="a prefill server and its bootstrap port (default port: "
-        f"{DEFAULT_BOOTSTRAP_PORT}); repeat for more servers; at least one is required",
-    )
-    ups.add_argument(
-        "--decode",
-        action=_DecodeAction,
-        metavar="URL",
-        help="a decode server; repeat for more servers (default: none; at least one is required)",
-    )
-    ups.add_argument(
-        "--pd-disaggregation",
-        action="store_true",
-        help="accepted for SGLang's command lines; this router is always prefill/decode",
-    )
-    run = parser.add_argument_group("routing and listening")
-    run.add_argument("--host", default=default.host, help="address to listen on")
-    run.add_argument(
-        "--port",
-        type=_listen_port,
-        default=default.port,
-        metavar="PORT",
-        help="port to listen on; 0 picks a free one",
-    )
-    run.add_argument(
-        "--policy",
-        choices=POLICIES,
-        default=default.policy,
-        help="how a prefill and a decode server are picked for each request: in turn "
-        "(a counter for each kind), or the one with the fewest requests in flight through "
-        "this router (ties go to the first listed)",
-    )
-    run.add_argument(
-        "--api-key",
-        default=None,
-        metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: none); the header is "
-        "passed on to the servers unchanged",
-    )
-    run.add_argument(
-        "--startup-timeout-s",
-        type=_seconds,
-        default=default.startup_timeout_s,
-        metavar="S",
-        help="how long to wait at start for every server to answer GET /health",
-    )
-    run.add_argument(
-        "--request-timeout-s",
-        type=_seconds,
-        default=default.request_timeout_s,
-        metavar="S",
-        help="longest wait for a server's next byte (its answer's head, or the next chunk of "
-        "its body)",
-    )
-    run.add_argument(
-        "--max-body-bytes",
-        type=_bytes,
-        default=default.max_body_bytes,
-        metavar="N",
-        help="largest request body accepted (413 above it)",
-    )
+    add_flags(parser, ROUTER_FLAGS)
 
 
 def router_settings(args: argparse.Namespace) -> RouterSettings:
