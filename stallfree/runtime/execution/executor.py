@@ -12,9 +12,9 @@ from stallfree.overlap.faults import Fault, FaultInjector
 from stallfree.overlap.stream import Event
 from stallfree.runtime.execution.context import BatchContext
 from stallfree.runtime.execution.planner import StepArgs
-from stallfree.runtime.execution.processors import LogitsProcessors
 from stallfree.runtime.execution.sampler import Sampler
 from stallfree.runtime.execution.speculative import SpecDecoder
+from stallfree.runtime.execution.step_sampler import StepSampler
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -34,7 +34,8 @@ def adopt_device_state(ctx: BatchContext) -> None:
 
 
 class LocalExecutor:
-    """The model on this process's stream: forward, logits processing, sampling, stash, copy."""
+    """The model on this process's stream: forward, logits to token ids (`StepSampler`), stash,
+    copy."""
 
     def __init__(
         self,
@@ -46,12 +47,9 @@ class LocalExecutor:
     ) -> None:
         self.model = model
         self.ctx = ctx
-        self.sampler = sampler
+        self.sampler = StepSampler(sampler, ctx.req_to_token_pool.req_to_token.shape[0])
         self.faults = faults
         self.spec = spec  # speculative decoding's stream side (None: off)
-        # NOTE: each processor's state is created on the stream by the first step that needs it;
-        # the host never reads it
-        self.processors = LogitsProcessors(ctx.req_to_token_pool.req_to_token.shape[0])
 
     def dispatch(self, args: StepArgs) -> Event:
         """Enqueue the step on the stream; its event fires when the token ids are on the host."""
@@ -73,7 +71,9 @@ class LocalExecutor:
                 fmap.mark(args.stash_slots, args.generation)
                 stashed = True
             else:
-                host_out = self._sample(logits, args)
+                host_out = self.sampler.sample(
+                    logits, args.sb, args.plan, args.logprobs, fb.batch_size
+                )
                 fmap.stash(args.stash_slots, args.stash_rows, host_out, args.generation)
                 stashed = True
                 self._propose(fb, host_out, args)
@@ -102,39 +102,19 @@ class LocalExecutor:
                 fb.req_pool_indices, fb.verify.rows, fb.verify.offsets
             )
 
-    def _sample(self, logits: torch.Tensor, args: StepArgs) -> torch.Tensor:
-        """Stream side: the logits processors, then sampling, then the logprobs (of the raw
-        logits) and what the processors record of the sampled ids."""
-        plan, logprobs = args.plan, args.logprobs
-        if plan is None:
-            return self.sampler.sample(logits, args.sb)
-        extra = None
-        if plan.prompt is not None:
-            logits, extra = logits[: args.fb.batch_size], logits[args.fb.batch_size :]
-        next_ids = self.sampler.sample(self.processors.apply(logits, plan.parts), args.sb)
-        if logprobs is not None:
-            logprobs.fill_outputs(logits, next_ids)
-            if extra is not None:
-                assert plan.prompt is not None
-                logprobs.fill_prompt(extra, plan.prompt.targets)
-        self.processors.record(plan.parts, next_ids)
-        return next_ids
-
     def _verify(self, fb: ForwardBatch, logits: torch.Tensor, args: StepArgs) -> torch.Tensor:
         """A verify step after its forward: the logits processors on every scored position,
         then acceptance; returns the one buffer the host copies (tokens, accept counts,
         drafts)."""
         assert self.spec is not None and args.spec is not None
         plan = args.plan
-        processed = logits if plan is None else self.processors.apply(logits, plan.parts)
+        processed = self.sampler.process(logits, plan)
         tokens, accepted, offered = self.spec.verify(fb, processed, args.spec)
         if plan is not None:
             assert fb.verify is not None
             # each scored position's own token: the draft it accepted, or the step's token
             flat = tokens.reshape(-1)[fb.verify.flat_pos].clamp(min=0)
-            if args.logprobs is not None:
-                args.logprobs.fill_outputs(logits, flat)
-            self.processors.record(plan.parts, flat)
+            self.sampler.record(logits, flat, plan, args.logprobs)
         return torch.cat([tokens, accepted[:, None], offered[:, None]], dim=1)
 
     def _propose(self, fb: ForwardBatch, next_ids: torch.Tensor, args: StepArgs) -> None:
