@@ -60,7 +60,7 @@ __all__ = ["ASSIGNED_FIELDS", "KEEP", "ScheduleBatch", "retract_order"]
 
 
 @dataclass(slots=True, eq=False)
-class ScheduleBatch(HostReads):
+class ScheduleBatch:
     reqs: list[Req]
     ctx: BatchContext
     forward_mode: ForwardMode = ForwardMode.IDLE
@@ -79,15 +79,25 @@ class ScheduleBatch(HostReads):
     output_rows: list[bool] = field(default_factory=list)
     # output index each row's token will have (seeded sampling)
     output_steps: list[int] = field(default_factory=list)
-    # legacy mode: (device tensor, its values as read through host_read or allocated on the
-    # host); valid while the device tensor is the same object
-    _legacy_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # how host code reads the slots and lengths (the mirrors, or legacy device reads)
+    reads: HostReads = field(init=False)
     # the layout of the verify step the batch was last prepared for (speculative decoding)
     _verify: VerifyLayout | None = None
+
+    def __post_init__(self) -> None:
+        self.reads = HostReads(self.ctx)
 
     @classmethod
     def init_new(cls, reqs: list[Req], ctx: BatchContext) -> ScheduleBatch:
         return cls(reqs=list(reqs), ctx=ctx)
+
+    def host_seq_lens(self, site: str) -> torch.Tensor:
+        """Sequence lengths on the host: the mirror, or (legacy) a device read at `site`."""
+        return self.reads.seq_lens(self.seq_lens_cpu, self.req_pool_indices, self.seq_lens, site)
+
+    def host_req_pool_indices(self, site: str) -> torch.Tensor:
+        """Request slots on the host: the mirror, or (legacy) the device's values."""
+        return self.reads.req_pool_indices(self.req_pool_indices_cpu, self.req_pool_indices, site)
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -185,7 +195,7 @@ class ScheduleBatch(HostReads):
             ),
         )
         # the slots of an extend batch are the host's allocation, as in any baseline
-        self._legacy_rows = (rpi, rpi_cpu)
+        self.reads.known(rpi, rpi_cpu)
 
     def prepare_for_decode(self, seq_lens_cpu: torch.Tensor | None = None) -> None:
         """`seq_lens_cpu`: lengths the caller already read for this batch, if any."""
@@ -336,7 +346,7 @@ class ScheduleBatch(HostReads):
             rows=RowLists(seq_lens_cpu.tolist(), [0] * n, [False] * n, [0] * n),
             step=StepTensors(stream.upload(_empty()), None, None),
         )
-        self._legacy_rows = (rpi, rpi_cpu)  # the host's allocation
+        self.reads.known(rpi, rpi_cpu)  # the host's allocation
         fmap = self.ctx.future_map
         if imported and fmap.debug:  # the import stashed each first token (its debug stamp)
             slots = rpi_cpu.tolist()
