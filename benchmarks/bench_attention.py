@@ -1,6 +1,12 @@
 """One attention layer, old formulation against `PagedAttention`, on `bench-cpu` dims.
 
     python benchmarks/bench_attention.py [--repeats 5] [--threads 1] [--seed 0]
+    python benchmarks/bench_attention.py --native [--threads 2]
+
+`--native`: one decode layer on the torch path (`apply_rope` on q and k, `KVCache.write`,
+bucketed `PagedAttention._decode` with the plan already built) against the native op
+(`torch.ops.stallfree.decode_attention` through `PagedAttention.forward(..., rope=)`), in
+microseconds per layer at batch 1, 4 and 16 and contexts 256 and 2048, float32 and bfloat16.
 
 Old (reimplemented here as the baseline): decode gathers every row's K/V padded to the longest
 row and repeats K/V once per query head; prefill repeats K/V too and runs 3-D SDPA with a mask.
@@ -21,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from stallfree.runtime.memory.pool import KVCache, KVCacheShape
+from stallfree.runtime.model import cpu_kernels
 from stallfree.runtime.model.attention import (
     BUCKET_MERGE_ELEMS,
     BUCKET_PAD_RATIO,
@@ -29,6 +36,7 @@ from stallfree.runtime.model.attention import (
     plan_buckets,
 )
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.model.rope import apply_rope
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 16, 4, 64, 2
 MAX_LEN = 320
@@ -78,13 +86,15 @@ def old_extend(q: torch.Tensor, layer: int, fb: ForwardBatch) -> torch.Tensor:
 
 
 def make_batch(
-    mode: ForwardMode, seq_lens: list[int], extend_lens: list[int], gen: torch.Generator
+    mode: ForwardMode,
+    seq_lens: list[int],
+    extend_lens: list[int],
+    gen: torch.Generator,
+    dtype: torch.dtype = torch.float32,
 ) -> ForwardBatch:
     """Rows with K/V already in scattered cache slots (a random slot per token)."""
     total, width = sum(seq_lens), max(seq_lens)
-    cache = KVCache(
-        KVCacheShape(LAYERS, KV_HEADS, HEAD_DIM), total, torch.float32, torch.device("cpu")
-    )
+    cache = KVCache(KVCacheShape(LAYERS, KV_HEADS, HEAD_DIM), total, dtype, torch.device("cpu"))
     for buf in cache.k_buffers + cache.v_buffers:
         buf.normal_(generator=gen)
     perm = torch.randperm(total, generator=gen)
@@ -172,13 +182,81 @@ def bench_prefill(prompt: int, prefix: int, repeats: int, gen: torch.Generator) 
     )
 
 
+def interleaved_us(
+    a: Callable[[], object], b: Callable[[], object], repeats: int
+) -> tuple[float, float]:
+    """Medians (us) of `a` and `b` timed in turn, so that load from other processes falls on
+    both alike."""
+    a(), b()  # warm-up
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for fn, out in ((a, times[0]), (b, times[1])):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return statistics.median(times[0]) * 1e6, statistics.median(times[1]) * 1e6
+
+
+def bench_native(
+    batch: int, context: int, dtype: torch.dtype, repeats: int, gen: torch.Generator
+) -> None:
+    fb = make_batch(ForwardMode.DECODE, [context] * batch, [1] * batch, gen, dtype)
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    freqs = torch.randn(batch, HEAD_DIM // 2, generator=gen)
+    sin = freqs.sin().to(dtype)
+    rope = (
+        torch.cat((freqs, freqs), -1).cos().to(dtype)[:, None],
+        torch.cat((-sin, sin), -1)[:, None],
+    )
+    torch_backend, native_backend = PagedAttention(), PagedAttention()
+    torch_backend._decode(q, 0, fb)  # the plan, built once per step, reused by later layers
+
+    def torch_layer() -> torch.Tensor:
+        qr, kr = apply_rope(q, *rope), apply_rope(k, *rope)
+        fb.kv_cache.write(1, fb.out_cache_loc, kr, v)
+        return torch_backend._decode(qr, 1, fb)
+
+    def native_layer() -> torch.Tensor:
+        return native_backend.forward(q, k, v, 1, fb, rope=rope)
+
+    t_torch, t_native = interleaved_us(torch_layer, native_layer, repeats)
+    diff = (torch_layer().float() - native_layer().float()).abs().max().item()
+    label = f"B={batch:<3d} ctx={context:<5d} {str(dtype).removeprefix('torch.'):8s}"
+    print(f"{label:28s} {t_torch:10.1f} {t_native:10.1f} {t_torch / t_native:7.2f}x  {diff:.1e}")
+
+
+def main_native(repeats: int) -> None:
+    isa = cpu_kernels.isa()
+    if isa is None:
+        print("native CPU kernels unavailable here: nothing to compare")
+        return
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), native {isa}, "
+        f"H={HEADS} KVH={KV_HEADS} D={HEAD_DIM}, one decode layer, median of {repeats} (us)"
+    )
+    print(f"{'case':28s} {'torch':>10s} {'native':>10s} {'ratio':>8s}  maxdiff")
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            for context in (256, 2048):
+                for batch in (1, 4, 16):
+                    bench_native(batch, context, dtype, repeats, gen)
+    print("torch: apply_rope on q and k, KVCache.write, bucketed decode (plan reused)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--native", action="store_true", help="native decode op against torch")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.native:
+        main_native(max(args.repeats, 50))
+        return
     gen = torch.Generator().manual_seed(args.seed)
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), H={HEADS} KVH={KV_HEADS} "

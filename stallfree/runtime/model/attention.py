@@ -6,6 +6,11 @@ masks are built by device-side comparisons, so nothing waits for the device.
 Grouped-query attention never repeats K/V per query head: `scaled_dot_product_attention` takes
 the KV heads as they are (`enable_gqa`, torch >= 2.5; older torch falls back to repeating).
 Decode groups rows into length buckets so that no row is padded far past its own length.
+
+On CPU, a decode step given its RoPE tables (`rope=`) is one native call instead
+(`torch.ops.stallfree.decode_attention`, runtime/model/csrc/attention.cpp): RoPE, the K/V
+write and split-KV attention read straight through `req_to_token`; the torch path stays as
+its reference and as the fallback for everything it does not take.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from stallfree.runtime.model import cpu_kernels
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.model.rope import apply_rope
 
 
 def _probe_enable_gqa() -> bool:
@@ -174,8 +181,46 @@ def _to_device(host: list[int], device: torch.device) -> torch.Tensor:
     return cpu.to(device)
 
 
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def native_decode_supported(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    k_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+) -> bool:
+    """Whether `torch.ops.stallfree.decode_attention` takes this step: CPU tensors, float32 or
+    bfloat16 (one dtype for q, k, v and the tables; the cache's may differ), head dims in
+    multiples of 16, no autograd, and the kernels built for this machine."""
+    cos, signed_sin = rope
+    dim = q.shape[-1]
+    return (
+        q.device.type == "cpu"
+        and q.dim() == 3
+        and dim % 16 == 0
+        and q.dtype in _NATIVE_DTYPES
+        and k.dtype == v.dtype == cos.dtype == signed_sin.dtype == q.dtype
+        and k_cache.dtype in _NATIVE_DTYPES
+        and req_to_token.dtype in (torch.int32, torch.int64)
+        and cos.dim() == 3
+        and cos.shape[1:] == (1, dim)
+        and q.shape[1] % k.shape[1] == 0
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+        and cpu_kernels.available()
+    )
+
+
 class PagedAttention:
-    """Default attention backend. q [T, H, D], k/v [T, KVH, D] -> out [T, H, D]."""
+    """Default attention backend. q [T, H, D], k/v [T, KVH, D] -> out [T, H, D].
+
+    `takes_rope`: the model hands q and k unrotated with the step's RoPE tables, so that a
+    decode step can rotate, write and attend in one native call."""
+
+    takes_rope = True
 
     def __init__(
         self,
@@ -210,14 +255,57 @@ class PagedAttention:
         return self._k_ws.gather(k_buf, slots), self._v_ws.gather(v_buf, slots)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        fb: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`rope`: (cos, signed sin) as `RotaryEmbedding.forward` returns them, when q and k
+        arrive unrotated; None when they arrive rotated."""
+        if rope is not None:
+            if fb.mode is ForwardMode.DECODE and native_decode_supported(
+                q, k, v, rope, fb.kv_cache.k_buffers[layer_id], fb.req_to_token
+            ):
+                return self._native_decode(q, k, v, layer_id, fb, rope)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         fb.kv_cache.write(layer_id, fb.out_cache_loc, k, v)
         if fb.mode is ForwardMode.DECODE:
             return self._decode(q, layer_id, fb)
         if fb.mode is ForwardMode.VERIFY:
             return self._verify(q, layer_id, fb)
         return self._extend(q, layer_id, fb)
+
+    def _native_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        fb: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """RoPE, the K/V write at `out_cache_loc` and attention over every row's keys (or its
+        window), in one call: no bucket plan, no gather copy."""
+        cos, signed_sin = rope
+        return torch.ops.stallfree.decode_attention(
+            q,
+            k,
+            v,
+            cos,
+            signed_sin,
+            fb.kv_cache.k_buffers[layer_id],
+            fb.kv_cache.v_buffers[layer_id],
+            fb.out_cache_loc,
+            fb.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            self.scale,
+            self.softcap,
+            self._window(layer_id),
+        )
 
     def _verify(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
         """Every row's `k + 1` queries at once, padded to the longest row and to the widest

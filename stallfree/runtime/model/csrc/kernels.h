@@ -69,6 +69,8 @@ const Kernels& kernels();
 namespace avx2 {
 const Kernels& kernels();
 }
+// the variant set_isa selected ("avx512", "avx2"), or nullptr when none is (ops.cpp)
+const char* selected_isa();
 
 // bfloat16 <-> float32, round to nearest even (NaN kept quiet)
 inline float bf16_to_f32(uint16_t v) {

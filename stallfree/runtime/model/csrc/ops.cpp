@@ -271,6 +271,8 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 std::string set_isa(std::string want) { return select_isa(want); }
 
 }  // namespace
+
+const char* selected_isa() { return g_kernels ? g_kernels->name : nullptr; }
 }  // namespace sf
 
 TORCH_LIBRARY(stallfree, m) {

@@ -1,0 +1,302 @@
+// torch.ops.stallfree.decode_attention: RoPE on q and the new k, the K/V write at
+// out_cache_loc, then paged split-KV attention over each request's req_to_token row
+// (attention.h), in the variant ops.cpp selected.
+//
+// RoPE and the cache write follow torch's rounding exactly (apply_rope in rope.py, then
+// KVCache.write's conversion to the cache dtype), so the cache holds the same bits as on the
+// torch path; this file has no target pragma, so no multiply-add is fused there.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+
+#include "attention.h"
+#include "kernels.h"
+
+namespace sf {
+namespace {
+
+// shortest context per split, and work items wanted per thread (so batch 1 fills every thread)
+constexpr int64_t kMinSplitKeys = 64;
+constexpr int64_t kItemsPerThread = 2;
+
+template <typename T>
+float to_f32(T v);
+template <>
+float to_f32<float>(float v) {
+  return v;
+}
+template <>
+float to_f32<uint16_t>(uint16_t v) {
+  return bf16_to_f32(v);
+}
+
+template <typename T>
+T from_f32(float v);
+template <>
+float from_f32<float>(float v) {
+  return v;
+}
+template <>
+uint16_t from_f32<uint16_t>(float v) {
+  return f32_to_bf16(v);
+}
+
+// rounded to T as torch rounds each elementwise result
+template <typename T>
+float round_to(float v) {
+  return to_f32(from_f32<T>(v));
+}
+
+// x [dim] -> y [dim] in float32: apply_rope's x * cos + roll(x, dim / 2) * signed_sin, each
+// product and the sum rounded to T; without cos, x as it is
+template <typename T>
+void rope_row(const T* x, const T* cos, const T* sin, int64_t dim, float* y) {
+  if (cos == nullptr) {
+    for (int64_t i = 0; i < dim; ++i) y[i] = to_f32(x[i]);
+    return;
+  }
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < dim; ++i) {
+    const int64_t j = i < half ? i + half : i - half;  // roll(x, half)[i] = x[j]
+    const float a = round_to<T>(to_f32(x[i]) * to_f32(cos[i]));
+    const float b = round_to<T>(to_f32(x[j]) * to_f32(sin[i]));
+    y[i] = round_to<T>(a + b);
+  }
+}
+
+template <typename C>
+void store_row(const float* y, int64_t dim, C* out) {
+  for (int64_t i = 0; i < dim; ++i) out[i] = from_f32<C>(y[i]);
+}
+
+struct RopeWrite {
+  const at::Tensor *q, *k, *v, *cos, *sin;  // cos/sin null without RoPE
+  const int64_t* loc;
+  void *k_cache, *v_cache;
+  float scale;
+  float* qbuf;
+};
+
+// rows [b0, b1): rotated, scaled q into qbuf; rotated k and v into the cache at loc[b]
+template <typename T, typename C>
+void rope_write_rows(const RopeWrite& w, int64_t b0, int64_t b1) {
+  const int64_t H = w.q->size(1), KVH = w.k->size(1), D = w.q->size(2);
+  const T* q = static_cast<const T*>(w.q->data_ptr());
+  const T* k = static_cast<const T*>(w.k->data_ptr());
+  const T* v = static_cast<const T*>(w.v->data_ptr());
+  std::vector<float> y(D);
+  for (int64_t b = b0; b < b1; ++b) {
+    const T* cos = nullptr;
+    const T* sin = nullptr;
+    if (w.cos) {
+      cos = static_cast<const T*>(w.cos->data_ptr()) + b * w.cos->stride(0);
+      sin = static_cast<const T*>(w.sin->data_ptr()) + b * w.sin->stride(0);
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      float* out = w.qbuf + (b * H + h) * D;
+      rope_row(q + b * w.q->stride(0) + h * w.q->stride(1), cos, sin, D, out);
+      for (int64_t i = 0; i < D; ++i) out[i] *= w.scale;
+    }
+    const int64_t slot = w.loc[b];
+    for (int64_t h = 0; h < KVH; ++h) {
+      rope_row(k + b * w.k->stride(0) + h * w.k->stride(1), cos, sin, D, y.data());
+      store_row(y.data(), D, static_cast<C*>(w.k_cache) + (slot * KVH + h) * D);
+      rope_row<T>(v + b * w.v->stride(0) + h * w.v->stride(1), nullptr, nullptr, D, y.data());
+      store_row(y.data(), D, static_cast<C*>(w.v_cache) + (slot * KVH + h) * D);
+    }
+  }
+}
+
+void rope_write(const RopeWrite& w, bool bf16, bool cache_bf16, int64_t b0, int64_t b1) {
+  if (bf16) {
+    if (cache_bf16) return rope_write_rows<uint16_t, uint16_t>(w, b0, b1);
+    return rope_write_rows<uint16_t, float>(w, b0, b1);
+  }
+  if (cache_bf16) return rope_write_rows<float, uint16_t>(w, b0, b1);
+  return rope_write_rows<float, float>(w, b0, b1);
+}
+
+// rows [r0, r1) of [batch * heads]: the splits' partial states merged into the output
+void reduce_splits(const DecodeAttn& a, int64_t r0, int64_t r1) {
+  const int64_t D = a.dim, S = a.splits;
+  std::vector<float> y(D);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* p = a.partial + r * S * (D + 2);
+    float m = -INFINITY;
+    for (int64_t s = 0; s < S; ++s) m = std::max(m, p[s * (D + 2) + D]);
+    std::fill(y.begin(), y.end(), 0.0f);
+    float l = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      const float* ps = p + s * (D + 2);
+      if (ps[D + 1] == 0) continue;  // an empty split
+      const float w = std::exp(ps[D] - m);
+      l += w * ps[D + 1];
+      for (int64_t i = 0; i < D; ++i) y[i] += w * ps[i];
+    }
+    const float inv = l > 0 ? 1.0f / l : 0.0f;
+    if (a.out_bf16) {
+      uint16_t* o = static_cast<uint16_t*>(a.out) + r * D;
+      for (int64_t i = 0; i < D; ++i) o[i] = f32_to_bf16(y[i] * inv);
+    } else {
+      float* o = static_cast<float*>(a.out) + r * D;
+      for (int64_t i = 0; i < D; ++i) o[i] = y[i] * inv;
+    }
+  }
+}
+
+DecodeAttnFn selected_kernel() {
+  const char* isa = selected_isa();
+  TORCH_CHECK(isa != nullptr, "decode_attention: no instruction set selected");
+  return std::strcmp(isa, "avx512") == 0 ? avx512::decode_attention : avx2::decode_attention;
+}
+
+void check_rows(const at::Tensor& t, const char* what, int64_t b, int64_t heads, int64_t d) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 3 && t.size(0) == b && t.size(1) == heads &&
+                  t.size(2) == d && t.stride(2) == 1,
+              "decode_attention: ", what, " must be a CPU [", b, ", ", heads, ", ", d,
+              "] tensor with a contiguous last dimension");
+}
+
+void check_index(const at::Tensor& t, const char* what, int64_t b) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous() &&
+                  t.dim() == 1 && t.size(0) == b,
+              "decode_attention: ", what, " must be a contiguous int64 CPU tensor of ", b,
+              " values");
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                            const std::optional<at::Tensor>& cos,
+                            const std::optional<at::Tensor>& signed_sin,
+                            const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
+                            const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                            std::optional<double> scale, std::optional<double> softcap,
+                            std::optional<int64_t> window) {
+  TORCH_CHECK(q.dim() == 3, "decode_attention: q must be [batch, heads, dim]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(k_cache.dim() == 3, "decode_attention: k_cache must be [slots, kv_heads, dim]");
+  const int64_t KVH = k_cache.size(1);
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "decode_attention: q must be float32 or bfloat16, got ", dtype);
+  TORCH_CHECK(D % 16 == 0, "decode_attention: head dim must be a multiple of 16, got ", D);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0 && H / KVH <= 64,
+              "decode_attention: heads must be a multiple of kv_heads (at most 64 per group)");
+  check_rows(q, "q", B, H, D);
+  check_rows(k_new, "k_new", B, KVH, D);
+  check_rows(v_new, "v_new", B, KVH, D);
+  TORCH_CHECK(k_new.scalar_type() == dtype && v_new.scalar_type() == dtype,
+              "decode_attention: k_new and v_new must have q's dtype");
+  TORCH_CHECK(cos.has_value() == signed_sin.has_value(),
+              "decode_attention: give both cos and signed_sin, or neither");
+  if (cos.has_value()) {
+    for (const at::Tensor* t : {&*cos, &*signed_sin}) {
+      check_rows(*t, "cos/signed_sin", B, 1, D);
+      TORCH_CHECK(t->scalar_type() == dtype, "decode_attention: cos/signed_sin need q's dtype");
+    }
+  }
+  const auto cache_dtype = k_cache.scalar_type();
+  for (const at::Tensor* t : {&k_cache, &v_cache}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->sizes() == k_cache.sizes() &&
+                    t->size(2) == D && t->scalar_type() == cache_dtype,
+                "decode_attention: k_cache and v_cache must be contiguous CPU [slots, ", KVH,
+                ", ", D, "] tensors of one dtype");
+  }
+  TORCH_CHECK(cache_dtype == at::kFloat || cache_dtype == at::kBFloat16,
+              "decode_attention: the cache must be float32 or bfloat16, got ", cache_dtype);
+  check_index(out_cache_loc, "out_cache_loc", B);
+  check_index(req_pool_indices, "req_pool_indices", B);
+  check_index(seq_lens, "seq_lens", B);
+  TORCH_CHECK(req_to_token.device().is_cpu() && req_to_token.dim() == 2 &&
+                  req_to_token.stride(1) == 1 &&
+                  (req_to_token.scalar_type() == at::kLong ||
+                   req_to_token.scalar_type() == at::kInt),
+              "decode_attention: req_to_token must be an int32 or int64 CPU [rows, max_len] "
+              "tensor with contiguous rows");
+  TORCH_CHECK(!window.has_value() || *window > 0, "decode_attention: window must be positive");
+  TORCH_CHECK(!softcap.has_value() || *softcap > 0, "decode_attention: softcap must be positive");
+  const auto options = q.options().dtype(dtype);
+  at::Tensor out = at::empty({B, H, D}, options);
+  if (B == 0) return out;
+  const bool bf16 = dtype == at::kBFloat16;
+  const bool cache_bf16 = cache_dtype == at::kBFloat16;
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t rows = req_to_token.size(0), max_len = req_to_token.size(1);
+  const int64_t* pool = req_pool_indices.data_ptr<int64_t>();
+  const int64_t* loc = out_cache_loc.data_ptr<int64_t>();
+  const int64_t slots = k_cache.size(0);
+  int64_t longest = 0, keys = 0;  // keys attended, per KV head
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_len && pool[b] >= 0 && pool[b] < rows &&
+                    loc[b] >= 0 && loc[b] < slots,
+                "decode_attention: request ", b, " is out of range (seq_len ", lens[b],
+                ", req_pool_index ", pool[b], ", out_cache_loc ", loc[b], ")");
+    const int64_t n = window.has_value() ? std::min(lens[b], *window) : lens[b];
+    longest = std::max(longest, n);
+    keys += n;
+  }
+
+  at::Tensor qbuf = at::empty({B, H, D}, q.options().dtype(at::kFloat));
+  RopeWrite w{&q, &k_new, &v_new, cos ? &*cos : nullptr, signed_sin ? &*signed_sin : nullptr,
+              loc, k_cache.data_ptr(), v_cache.data_ptr(),
+              static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(double(D))),
+              qbuf.data_ptr<float>()};
+  at::parallel_for(0, B, 4,
+                   [&](int64_t b0, int64_t b1) { rope_write(w, bf16, cache_bf16, b0, b1); });
+
+  DecodeAttn a;
+  a.batch = B;
+  a.heads = H;
+  a.kv_heads = KVH;
+  a.dim = D;
+  // splits: the longest request cut so that no work item is much above an even share of
+  // kItemsPerThread items per thread (batch 1 fills every thread; one long request among
+  // short ones is cut too), but never below kMinSplitKeys keys
+  const int64_t items = B * KVH;
+  const int64_t wanted = kItemsPerThread * at::get_num_threads();
+  a.splits = std::max<int64_t>(
+      1, std::min((longest * wanted + keys * KVH - 1) / (keys * KVH), longest / kMinSplitKeys));
+  a.q = qbuf.data_ptr<float>();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.cache_bf16 = cache_bf16;
+  a.req_to_token = req_to_token.data_ptr();
+  a.rtt_stride = req_to_token.stride(0);
+  a.rtt_i32 = req_to_token.scalar_type() == at::kInt;
+  a.req_pool_indices = pool;
+  a.seq_lens = lens;
+  a.softcap = softcap.has_value() ? static_cast<float>(*softcap) : 0.0f;
+  a.window = window.has_value() ? *window : 0;
+  a.out = out.data_ptr();
+  a.out_bf16 = bf16;
+  at::Tensor partial;
+  if (a.splits > 1) {
+    partial = at::empty({B, H, a.splits, D + 2}, q.options().dtype(at::kFloat));
+    a.partial = partial.data_ptr<float>();
+  }
+  const DecodeAttnFn fn = selected_kernel();
+  at::parallel_for(0, items * a.splits, 1, [&](int64_t i0, int64_t i1) { fn(a, i0, i1); });
+  if (a.splits > 1) {
+    at::parallel_for(0, B * H, 16, [&](int64_t r0, int64_t r1) { reduce_splits(a, r0, r1); });
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace sf
+
+TORCH_LIBRARY_FRAGMENT(stallfree, m) {
+  m.def(
+      "decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor? cos, Tensor? signed_sin, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_cache_loc, Tensor req_to_token, "
+      "Tensor req_pool_indices, Tensor seq_lens, float? scale=None, float? softcap=None, "
+      "int? window=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(stallfree, CPU, m) { m.impl("decode_attention", &sf::decode_attention); }

@@ -1,0 +1,197 @@
+// The decode-attention kernel over a vector type `V` (V::W float lanes): included by each
+// variant's translation unit, after its target pragma and inside its own namespace, so every
+// instantiation is compiled for that variant alone. Includes nothing itself.
+//
+// Per work item (request, KV head, split): blocks of kBlock keys; for each key its slot is read
+// from req_to_token, its K row is dotted with the group's queries, the scores are soft-capped,
+// an online softmax rescales the group's float32 accumulators, and its V row is added into all
+// of them. Head dims are multiples of 16 (a whole number of vectors in both variants).
+
+constexpr int64_t kBlock = 32;
+
+inline V::T load_row(const float* p) { return V::load(p); }
+inline V::T load_row(const uint16_t* p) { return V::load_bf16(p); }
+
+// heads per register tile: each K or V vector loaded once serves this many query heads
+constexpr int64_t kHeadTile = 4;
+
+template <int NG, typename Cache>
+void score_tile(const float* q, int64_t D, const Cache* kc, const int64_t* slots, int64_t nb,
+                float* scores) {
+  for (int64_t j = 0; j < nb; ++j) {
+    const Cache* kp = kc + slots[j];
+    typename V::T s[NG];
+    for (int i = 0; i < NG; ++i) s[i] = V::zero();
+    for (int64_t c = 0; c < D; c += V::W) {
+      const typename V::T k = load_row(kp + c);
+      for (int i = 0; i < NG; ++i) s[i] = V::fma(V::load(q + i * D + c), k, s[i]);
+    }
+    for (int i = 0; i < NG; ++i) scores[i * kBlock + j] = V::sum(s[i]);
+  }
+}
+
+// scores[g, j] = q_g . k_j for the heads g0 .. g0 + kHeadTile - 1 (those below G)
+template <typename Cache>
+void score_heads(const float* q, int64_t G, int64_t D, const Cache* kc, const int64_t* slots,
+                 int64_t nb, int64_t g0, float* scores) {
+  q += g0 * D;
+  scores += g0 * kBlock;
+  switch (std::min(kHeadTile, G - g0)) {
+    case 1: return score_tile<1>(q, D, kc, slots, nb, scores);
+    case 2: return score_tile<2>(q, D, kc, slots, nb, scores);
+    case 3: return score_tile<3>(q, D, kc, slots, nb, scores);
+    default: return score_tile<4>(q, D, kc, slots, nb, scores);
+  }
+}
+
+template <int NG, typename Cache>
+void value_tile(int64_t D, const Cache* vc, const int64_t* slots, int64_t nb, const float* p,
+                float* acc) {
+  for (int64_t c = 0; c < D; c += V::W) {
+    typename V::T a[NG];
+    for (int i = 0; i < NG; ++i) a[i] = V::load(acc + i * D + c);
+    for (int64_t j = 0; j < nb; ++j) {
+      const typename V::T v = load_row(vc + slots[j] + c);
+      for (int i = 0; i < NG; ++i) a[i] = V::fma(V::set1(p[i * kBlock + j]), v, a[i]);
+    }
+    for (int i = 0; i < NG; ++i) V::store(acc + i * D + c, a[i]);
+  }
+}
+
+// acc[g] += p[g, j] * v_j for the heads g0 .. g0 + kHeadTile - 1 (those below G)
+template <typename Cache>
+void add_values(int64_t G, int64_t D, const Cache* vc, const int64_t* slots, int64_t nb,
+                int64_t g0, const float* p, float* acc) {
+  p += g0 * kBlock;
+  acc += g0 * D;
+  switch (std::min(kHeadTile, G - g0)) {
+    case 1: return value_tile<1>(D, vc, slots, nb, p, acc);
+    case 2: return value_tile<2>(D, vc, slots, nb, p, acc);
+    case 3: return value_tile<3>(D, vc, slots, nb, p, acc);
+    default: return value_tile<4>(D, vc, slots, nb, p, acc);
+  }
+}
+
+template <typename Slot, typename Cache>
+void attend_item(const DecodeAttn& a, int64_t item, float* acc, float* scores) {
+  const int64_t D = a.dim, KVH = a.kv_heads, G = a.heads / a.kv_heads;
+  const int64_t split = item % a.splits;
+  const int64_t kvh = (item / a.splits) % KVH;
+  const int64_t b = item / (a.splits * KVH);
+  const int64_t len = a.seq_lens[b];
+  const int64_t first = a.window > 0 && len > a.window ? len - a.window : 0;
+  const int64_t chunk = (len - first + a.splits - 1) / a.splits;
+  const int64_t t0 = std::min(len, first + split * chunk);
+  const int64_t t1 = std::min(len, t0 + chunk);
+  const Slot* row = static_cast<const Slot*>(a.req_to_token) + a.req_pool_indices[b] * a.rtt_stride;
+  const Cache* kc = static_cast<const Cache*>(a.k_cache);
+  const Cache* vc = static_cast<const Cache*>(a.v_cache);
+  const float* q = a.q + (b * a.heads + kvh * G) * D;
+
+  float m[64], l[64];  // G <= 64 (checked by the binding)
+  for (int64_t g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0;
+  }
+  for (int64_t i = 0; i < G * D; i += V::W) V::store(acc + i, V::zero());
+
+  // slot offsets of this block and the next: the next block's K rows and this block's V rows
+  // are prefetched a block ahead (the keys of a request sit anywhere in the cache)
+  int64_t slot_buf[2][kBlock];
+  auto load_slots = [&](int64_t tb, int64_t* out) {
+    const int64_t nb = std::min(kBlock, t1 - tb);
+    for (int64_t j = 0; j < nb; ++j) out[j] = (static_cast<int64_t>(row[tb + j]) * KVH + kvh) * D;
+  };
+  auto prefetch_rows = [&](const Cache* base, const int64_t* offs, int64_t nb) {
+    for (int64_t j = 0; j < nb; ++j)
+      for (int64_t c = 0; c < D; c += 64 / static_cast<int64_t>(sizeof(Cache)))
+        __builtin_prefetch(base + offs[j] + c);
+  };
+  if (t0 < t1) {
+    load_slots(t0, slot_buf[0]);
+    prefetch_rows(kc, slot_buf[0], std::min(kBlock, t1 - t0));
+  }
+  for (int64_t tb = t0, blk = 0; tb < t1; tb += kBlock, ++blk) {
+    const int64_t nb = std::min(kBlock, t1 - tb);
+    const int64_t* slots = slot_buf[blk & 1];
+    prefetch_rows(vc, slots, nb);
+    if (tb + kBlock < t1) {
+      int64_t* next = slot_buf[(blk + 1) & 1];
+      load_slots(tb + kBlock, next);
+      prefetch_rows(kc, next, std::min(kBlock, t1 - tb - kBlock));
+    }
+    for (int64_t g = 0; g < G; g += kHeadTile) score_heads(q, G, D, kc, slots, nb, g, scores);
+    if (a.softcap > 0) {
+      const float inv = 1.0f / a.softcap;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t j = 0; j < nb; ++j) {
+          float& s = scores[g * kBlock + j];
+          s = std::tanh(s * inv) * a.softcap;
+        }
+    }
+    // online softmax: scores become probabilities relative to the running max
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = scores + g * kBlock;
+      float bm = -INFINITY;
+      for (int64_t j = 0; j < nb; ++j) bm = std::max(bm, s[j]);
+      const float mnew = std::max(m[g], bm);
+      if (mnew > m[g] && l[g] > 0) {
+        const typename V::T alpha = V::set1(std::exp(m[g] - mnew));
+        float* ag = acc + g * D;
+        for (int64_t c = 0; c < D; c += V::W) V::store(ag + c, V::mul(V::load(ag + c), alpha));
+        l[g] *= std::exp(m[g] - mnew);
+      }
+      m[g] = mnew;
+      const typename V::T mv = V::set1(mnew);
+      typename V::T sum = V::zero();
+      for (int64_t j = 0; j < kBlock; j += V::W) {
+        typename V::T p = V::exp(V::sub(V::load(s + j), mv));
+        if (j + V::W > nb) p = V::keep_first(p, std::max<int64_t>(0, nb - j));
+        V::store(s + j, p);
+        sum = V::add(sum, p);
+      }
+      l[g] += V::sum(sum);
+    }
+    for (int64_t g = 0; g < G; g += kHeadTile) add_values(G, D, vc, slots, nb, g, scores, acc);
+  }
+
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t h = kvh * G + g;
+    const float* ag = acc + g * D;
+    if (a.splits > 1) {
+      float* p = a.partial + ((b * a.heads + h) * a.splits + split) * (D + 2);
+      for (int64_t c = 0; c < D; c += V::W) V::store(p + c, V::load(ag + c));
+      p[D] = m[g];
+      p[D + 1] = l[g];
+      continue;
+    }
+    const typename V::T inv = V::set1(l[g] > 0 ? 1.0f / l[g] : 0.0f);
+    const int64_t o = (b * a.heads + h) * D;
+    for (int64_t c = 0; c < D; c += V::W) {
+      const typename V::T y = V::mul(V::load(ag + c), inv);
+      if (a.out_bf16) {
+        V::store_bf16(static_cast<uint16_t*>(a.out) + o + c, y);
+      } else {
+        V::store(static_cast<float*>(a.out) + o + c, y);
+      }
+    }
+  }
+}
+
+template <typename Slot, typename Cache>
+void attend_items(const DecodeAttn& a, int64_t i0, int64_t i1) {
+  const int64_t G = a.heads / a.kv_heads;
+  thread_local std::vector<float> acc, scores;
+  acc.resize(G * a.dim);
+  scores.resize(G * kBlock);
+  for (int64_t i = i0; i < i1; ++i) attend_item<Slot, Cache>(a, i, acc.data(), scores.data());
+}
+
+void decode_attention_impl(const DecodeAttn& a, int64_t i0, int64_t i1) {
+  if (a.rtt_i32) {
+    if (a.cache_bf16) return attend_items<int32_t, uint16_t>(a, i0, i1);
+    return attend_items<int32_t, float>(a, i0, i1);
+  }
+  if (a.cache_bf16) return attend_items<int64_t, uint16_t>(a, i0, i1);
+  return attend_items<int64_t, float>(a, i0, i1);
+}
