@@ -28,6 +28,7 @@ BASE = {
     "llguidance",  # structured outputs in the embedded API (SamplingParams.structured_outputs)
     "uvloop",
     "tomli",
+    "ninja",  # builds the native CPU kernels on first use (runtime/model/cpu_kernels.py)
 }
 # what only the extras bring; an embedding user has none of them
 EXTRA_ONLY = [
