@@ -18,7 +18,10 @@ map of the file at the table's offsets, so a later start builds no reader.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -158,19 +161,36 @@ def _parse(path: Path) -> GGUFIndex:
 
     from stallfree.runtime.text.tokenizer import TokenizerLoadError
 
-    reader = GGUFReader(str(path))
-    fields = gguf_cache.reader_fields(reader)
-    try:
-        tokenizer = _tokenizer_entry(_Metadata(fields, {}, path, TokenizerLoadError), path)
-    except Exception:  # loading the tokenizer parses the file again and raises the reason
-        tokenizer = None
-    return gguf_cache.index_from_reader(reader, fields, tokenizer)
+    with _gc_paused():
+        reader = GGUFReader(str(path))
+        fields = gguf_cache.reader_fields(reader)
+        try:
+            tokenizer = _tokenizer_entry(_Metadata(fields, {}, path, TokenizerLoadError), path)
+        except Exception:  # loading the tokenizer parses the file again and raises the reason
+            tokenizer = None
+        return gguf_cache.index_from_reader(reader, fields, tokenizer)
 
 
 def _parsed_metadata(path: Path, error: type[Exception]) -> _Metadata:
     from gguf import GGUFReader
 
-    return _Metadata(gguf_cache.reader_fields(GGUFReader(str(path))), {}, path, error)
+    with _gc_paused():
+        fields = gguf_cache.reader_fields(GGUFReader(str(path)))
+    return _Metadata(fields, {}, path, error)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """NOTE: the reader allocates a numpy view per token and merge (about a million objects,
+    none in a cycle); the cyclic collector's passes over them were a third of SmolLM2's parse,
+    more in a server process that holds more objects."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # ---------------------------------------------------------------------------- model
