@@ -34,6 +34,15 @@ struct V {
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
   static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
   static float sum(T v) { return _mm512_reduce_add_ps(v); }
+  // the sums of four vectors, into out[0..3]
+  static void sum4(T a0, T a1, T a2, T a3, float* out) {
+    const T t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const T t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const T u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
   // lanes [0, n) of v, zeros after
   static T keep_first(T v, int64_t n) {
     return _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << n) - 1), v);

@@ -26,7 +26,10 @@ void score_tile(const float* q, int64_t D, const Cache* kc, const int64_t* slots
       const typename V::T k = load_row(kp + c);
       for (int i = 0; i < NG; ++i) s[i] = V::fma(V::load(q + i * D + c), k, s[i]);
     }
-    for (int i = 0; i < NG; ++i) scores[i * kBlock + j] = V::sum(s[i]);
+    float r[4];
+    const typename V::T z = V::zero();
+    V::sum4(s[0], NG > 1 ? s[1 % NG] : z, NG > 2 ? s[2 % NG] : z, NG > 3 ? s[3 % NG] : z, r);
+    for (int i = 0; i < NG; ++i) scores[i * kBlock + j] = r[i];
   }
 }
 
