@@ -547,7 +547,7 @@ async def test_an_overflow_while_converting_a_request_is_a_400(monkeypatch):
         raise OverflowError("int too large to convert to float")
 
     async with serving() as live:
-        monkeypatch.setattr(live.engine, "check_prompt", overflow)
+        monkeypatch.setattr(live.engine.validator, "check_prompt", overflow)
         for route, body in [
             ("/v1/completions", completion()),
             (
