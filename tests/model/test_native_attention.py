@@ -315,3 +315,23 @@ def test_fake_registration_and_schema() -> None:
         args,
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+@each_isa
+@settings(max_examples=15, deadline=None)
+@given(case=cases(max_batch=8, max_ctx=300), seed=st.integers(0, 2**16))
+def test_the_joint_qkv_entry_equals_the_split_one(isa: str, case: Case, seed: int) -> None:
+    """`decode_attention_qkv` on a fused projection's output [B, (H + 2 KVH) * D] is the split
+    call bit for bit, the cache writes included; `PagedAttention.forward_qkv` takes it."""
+    _set_isa(isa)
+    step = make_step(case, seed)
+    joint = torch.cat([t.flatten(1) for t in (step.q, step.k, step.v)], dim=1)
+    heads, kv_heads = step.q.shape[1], step.k.shape[1]
+    backend = PagedAttention(case.window, scale=case.scale, softcap=case.softcap)
+    other = clone_step(step)
+    out = backend.forward_qkv(joint, heads, kv_heads, 0, step.fb, step.rope)
+    want = backend.forward(other.q, other.k, other.v, 0, other.fb, rope=other.rope)
+    assert out is not None and out.shape == (len(case.lens), heads * case.dim)
+    assert torch.equal(out, want.reshape(out.shape))
+    assert torch.equal(step.fb.kv_cache.k_buffers[0], other.fb.kv_cache.k_buffers[0])
+    assert torch.equal(step.fb.kv_cache.v_buffers[0], other.fb.kv_cache.v_buffers[0])

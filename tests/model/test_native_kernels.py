@@ -53,12 +53,14 @@ def _set_isa(isa: str) -> None:
 
 
 def q8_emulation(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The int8 kernel's arithmetic exactly: x in blocks of 32 to codes round(x * 127 / amax),
-    integer dots, block scales amax / 127, the row scale last."""
+    """The int8 kernel's arithmetic exactly: x in blocks of 32 to codes round(x * (127 /
+    amax)), integer dots, block scales amax / 127, the row scale last. (`127 / tensor` in torch
+    is a reciprocal times 127, one rounding off the kernel's division: a tie like -55.5 then
+    rounds the other way.)"""
     m, k = x.shape
     blocks = x.float().reshape(m, k // 32, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     codes = torch.round(blocks * inv).clamp(-127, 127).double()
     dots = torch.einsum("mbk,nbk->mnb", codes, q.double().reshape(q.shape[0], k // 32, 32))
     return (dots * (amax[:, None, :, 0] / 127).double()).sum(-1) * scale.double()
@@ -131,7 +133,7 @@ def test_linear_q4_equals_its_emulation(
     ) + offset.double().repeat_interleave(32, 1)
     blocks = x.float().reshape(m, groups, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = (torch.round(blocks * inv).clamp(-127, 127) * (amax / 127)).double().reshape(m, k)
     ref = xq @ dense.T
     bound = xq.abs() @ dense.abs().T

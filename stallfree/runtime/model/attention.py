@@ -278,6 +278,58 @@ class PagedAttention:
             return self._verify(q, layer_id, fb)
         return self._extend(q, layer_id, fb)
 
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        layer_id: int,
+        fb: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor | None:
+        """A decode step's attention on the q/k/v projection's joint output [T, (H + 2 KVH)
+        * D] (q and k unrotated), as [T, H * D]: one native call, the split and the reshapes
+        taken as views inside it. None when the native op does not take this step; the caller
+        then splits and calls `forward`."""
+        cos, signed_sin = rope
+        width = num_heads + 2 * num_kv_heads
+        dim = qkv.shape[-1] // width
+        if not (
+            fb.mode is ForwardMode.DECODE
+            and qkv.device.type == "cpu"
+            and qkv.dim() == 2
+            and qkv.shape[1] == width * dim
+            and dim % 16 == 0
+            and qkv.stride(1) == 1
+            and num_heads % num_kv_heads == 0
+            and qkv.dtype in _NATIVE_DTYPES
+            and cos.dtype == signed_sin.dtype == qkv.dtype
+            and cos.dim() == 3
+            and cos.shape[1:] == (1, dim)
+            and fb.kv_cache.k_buffers[layer_id].dtype in _NATIVE_DTYPES
+            and fb.req_to_token.dtype in (torch.int32, torch.int64)
+            and not (torch.is_grad_enabled() and qkv.requires_grad)
+            and cpu_kernels.available()
+        ):
+            return None
+        out: torch.Tensor = torch.ops.stallfree.decode_attention_qkv(
+            qkv,
+            num_heads,
+            num_kv_heads,
+            cos,
+            signed_sin,
+            fb.kv_cache.k_buffers[layer_id],
+            fb.kv_cache.v_buffers[layer_id],
+            fb.out_cache_loc,
+            fb.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            self.scale,
+            self.softcap,
+            self._window(layer_id),
+        )
+        return out
+
     def _native_decode(
         self,
         q: torch.Tensor,

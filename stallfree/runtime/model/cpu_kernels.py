@@ -232,3 +232,23 @@ def _register_fakes() -> None:
         window: int | None = None,
     ) -> torch.Tensor:
         return q.new_empty(q.shape)
+
+    @torch.library.register_fake(lib + "decode_attention_qkv")
+    def _decode_attention_qkv(
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        cos: torch.Tensor | None,
+        signed_sin: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float | None = None,
+        softcap: float | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+        return qkv.new_empty((qkv.shape[0], num_heads * dim))

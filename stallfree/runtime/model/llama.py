@@ -105,15 +105,27 @@ class LlamaAttention(nn.Module):
         self.qkv_proj: nn.Module | None = None
         self.qkv_split = (q_out, kv_out, kv_out)
 
+    def joint_qkv(self, h: torch.Tensor) -> torch.Tensor | None:
+        """q, k and v side by side [T, (H + 2 KVH) * D] as one call makes them (a fused
+        projection, or a grouped native call), or None when they are three calls."""
+        if self.qkv_proj is not None:
+            out: torch.Tensor = self.qkv_proj(h)
+            return out
+        return native_layers.grouped([self.q_proj, self.k_proj, self.v_proj], h)
+
     def project(
-        self, h: torch.Tensor, cos: torch.Tensor | None, signed_sin: torch.Tensor | None
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor | None,
+        signed_sin: torch.Tensor | None,
+        qkv: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D] and k [T, KVH, D] with RoPE applied (not applied when `cos` is None: the
-        attention backend applies it), and v [T, KVH, D]."""
+        attention backend applies it), and v [T, KVH, D]; `qkv`: `joint_qkv(h)` if made."""
         t = h.shape[0]
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(h).split(self.qkv_split, dim=-1)
-        elif (qkv := native_layers.grouped([self.q_proj, self.k_proj, self.v_proj], h)) is not None:
+        if qkv is None:
+            qkv = self.joint_qkv(h)
+        if qkv is not None:
             q, k, v = qkv.split(self.qkv_split, dim=-1)
         else:
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
@@ -144,15 +156,27 @@ class LlamaAttention(nn.Module):
         t = h.shape[0]
         if getattr(backend, "takes_rope", False):
             # the backend rotates q and k itself (fused into its decode kernel)
-            q, k, v = self.project(h, None, None)
             layer_rope = self.layer_rope(*rope)
+            qkv = self.joint_qkv(h) if self.q_norm is None else None
+            if qkv is not None and hasattr(backend, "forward_qkv"):
+                # a decode step: q/k/v straight from the projection, out ready for o_proj
+                joint = backend.forward_qkv(
+                    qkv, self.num_heads, self.num_kv_heads, self.layer_id, fb, layer_rope
+                )
+                if joint is not None:
+                    return self._output(joint)
+            q, k, v = self.project(h, None, None, qkv)
             out = backend.forward(q, k, v, self.layer_id, fb, rope=layer_rope)  # type: ignore[call-arg]
         else:
             q, k, v = self.project(h, *rope)
             out = backend.forward(q, k, v, self.layer_id, fb)
-        out = out.reshape(t, self.num_heads * self.head_dim)
+        return self._output(out.reshape(t, self.num_heads * self.head_dim))
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """The output projection of the heads' outputs [T, H * D]."""
         if self.tp.size == 1:
-            return self.o_proj(out)
+            projected: torch.Tensor = self.o_proj(out)
+            return projected
         return _row_parallel(self.o_proj, out, self.tp)
 
 

@@ -288,6 +288,36 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   return out;
 }
 
+// `decode_attention` on the q/k/v projection's joint output [B, (H + 2 KVH) * D] (q, then k,
+// then v in each row, as a fused projection writes them), returning [B, H * D] for the output
+// projection: the model's split and reshapes are views taken here, not ops of its own.
+at::Tensor decode_attention_qkv(const at::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads,
+                                const std::optional<at::Tensor>& cos,
+                                const std::optional<at::Tensor>& signed_sin,
+                                const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
+                                const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                                std::optional<double> scale, std::optional<double> softcap,
+                                std::optional<int64_t> window) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1,
+              "decode_attention_qkv: qkv must be [batch, (heads + 2 * kv_heads) * dim] with a "
+              "contiguous last dimension");
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0, "decode_attention_qkv: head counts must be > 0");
+  const int64_t width = num_heads + 2 * num_kv_heads;
+  TORCH_CHECK(qkv.size(1) % width == 0, "decode_attention_qkv: ", qkv.size(1),
+              " columns do not split into ", width, " heads");
+  const int64_t B = qkv.size(0), D = qkv.size(1) / width, row = qkv.stride(0);
+  const at::Tensor q = qkv.as_strided({B, num_heads, D}, {row, D, 1}, qkv.storage_offset());
+  const at::Tensor k = qkv.as_strided({B, num_kv_heads, D}, {row, D, 1},
+                                      qkv.storage_offset() + num_heads * D);
+  const at::Tensor v = qkv.as_strided({B, num_kv_heads, D}, {row, D, 1},
+                                      qkv.storage_offset() + (num_heads + num_kv_heads) * D);
+  at::Tensor out = decode_attention(q, k, v, cos, signed_sin, k_cache, v_cache, out_cache_loc,
+                                    req_to_token, req_pool_indices, seq_lens, scale, softcap,
+                                    window);
+  return out.view({B, num_heads * D});
+}
+
 }  // namespace
 }  // namespace sf
 
@@ -299,4 +329,15 @@ TORCH_LIBRARY_FRAGMENT(stallfree, m) {
       "int? window=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(stallfree, CPU, m) { m.impl("decode_attention", &sf::decode_attention); }
+TORCH_LIBRARY_FRAGMENT(stallfree, m) {
+  m.def(
+      "decode_attention_qkv(Tensor qkv, int num_heads, int num_kv_heads, Tensor? cos, "
+      "Tensor? signed_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_cache_loc, "
+      "Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, float? scale=None, "
+      "float? softcap=None, int? window=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(stallfree, CPU, m) {
+  m.impl("decode_attention", &sf::decode_attention);
+  m.impl("decode_attention_qkv", &sf::decode_attention_qkv);
+}
