@@ -108,7 +108,12 @@ async def test_tp2_in_process_and_process_workers_agree_on_sampling(model_and_re
 
     one = await run(engine_config(path, runtime={"worker": "inprocess"}))
     two = await run(engine_config(path, parallel={"tp_size": 2}))
-    assert one == two
+    # the same tokens, and logprobs equal to float32's summation noise (tp=2 sums each
+    # projection in two halves; a value near a 4th-decimal boundary may round either way)
+    assert [tokens for tokens, _ in one] == [tokens for tokens, _ in two]
+    for (_, a), (_, b) in zip(one, two, strict=True):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert all(abs(x - y) <= 2e-4 for (_, x), (_, y) in zip(a, b, strict=True)), (a, b)
 
 
 async def test_killing_one_rank_fails_closed_and_leaves_no_process(llama):

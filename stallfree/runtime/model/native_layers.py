@@ -25,9 +25,12 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Whether `x` can go to a native op."""
+    """Whether `x` can go to a native op. Not while torch.compile traces (`runtime.
+    torch_compile`): inductor fuses these ops itself, and a branch on the row count would
+    guard and recompile per batch size."""
     return (
-        x.device.type == "cpu"
+        not torch.compiler.is_compiling()
+        and x.device.type == "cpu"
         and x.dtype in _DTYPES
         and x.is_contiguous()
         and cpu_kernels.available()
@@ -83,10 +86,10 @@ def linear(
     """`F.linear(x, weight, bias)`, on the native kernel for a few bfloat16 rows (`bias_f32`:
     the bias in float32, or None)."""
     if (
-        x.dtype == torch.bfloat16
+        applies(x)
+        and x.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
         and x.numel() <= DENSE_MAX_ROWS * weight.shape[-1]
-        and applies(x)
         and weight.is_contiguous()
     ):
         out: torch.Tensor = torch.ops.stallfree.linear(x, weight, bias_f32)
@@ -100,7 +103,7 @@ def grouped(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor | None:
     (the caller runs them one by one). A model whose projections are not stacked (dense
     float32, which keeps transformers' sums) still makes one call for q/k/v and one for
     gate/up."""
-    if x.numel() > DENSE_MAX_ROWS * x.shape[-1] or not applies(x):
+    if not applies(x) or x.numel() > DENSE_MAX_ROWS * x.shape[-1]:
         return None
     weights: list[torch.Tensor] = []
     for layer in layers:
@@ -131,7 +134,7 @@ class NativeLinear(nn.Linear):
         return native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= DENSE_MAX_ROWS * self.in_features:
+        if applies(x) and x.numel() <= DENSE_MAX_ROWS * self.in_features:
             return linear(x, self.weight, self.bias_f32)
         return F.linear(x, self.weight, self.bias)
 
