@@ -294,8 +294,7 @@ class DecodeSide(RoomSide):
             )
             await done
             if room.state is not RoomState.DONE:
-                assert room.error is not None
-                raise room.error
+                raise room.error or RoomError(room.state.value, "room ended")
             first = room.data["first_token"]
             asyncio.get_running_loop().create_task(self._quiet(link.control.ack(room_id, True)))
             joined = True
@@ -329,20 +328,27 @@ class DecodeSide(RoomSide):
                     )
 
     async def _until(self, room: Room, done: asyncio.Future[None], aw: Any) -> Any:
-        """Await `aw` unless the room fails first (its deadline, a broken pair)."""
+        """Await `aw` unless the room ends first: raise its error if it failed (its deadline, a
+        broken pair); return None if its KV arrived, which only the registration's reply can
+        be overtaken by (the prefill sends once it has the registration)."""
         task = asyncio.ensure_future(aw)
         try:
             await asyncio.wait({task, done}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             task.cancel()
             raise
+        if room.state is RoomState.DONE:
+            # NOTE: the receiver thread's posts may run before the registration's reply
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            return None
         if task.done():
             return task.result()
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
-        assert room.error is not None
-        raise room.error
+        raise room.error or RoomError(room.state.value, "room ended")
 
     @staticmethod
     async def _quiet(aw: Any) -> None:
