@@ -3,11 +3,29 @@ transfer faults drive the disaggregation tests."""
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from stallfree.config.sections import Section
+
+
+def parse_endpoint(entry: str) -> tuple[str, int]:
+    """`host:port` (`[v6]:port` for an IPv6 address) as a normalised (host, port)."""
+    host, sep, port = entry.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"a prefill endpoint is host:port, not {entry!r}")
+    return normalise_host(host), int(port)
+
+
+def normalise_host(host: str) -> str:
+    """A host as compared: lower case, an IP address in its canonical form, no brackets."""
+    bare = host.strip().removeprefix("[").removesuffix("]").lower()
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        return bare
 
 
 class DisaggregationConfig(Section):
@@ -30,6 +48,11 @@ class DisaggregationConfig(Section):
     bootstrap_port: int = Field(
         8998, ge=0, le=65535, description="prefill: bootstrap endpoint port; 0 picks a free one"
     )
+    prefill_hosts: list[str] = Field(
+        default_factory=list,
+        description="decode: the prefill bootstrap endpoints (host:port) it may pair with; a "
+        "request naming any other is refused. Empty: prefill servers on loopback addresses only",
+    )
     bootstrap_timeout_s: float = Field(
         300.0,
         gt=0,
@@ -50,6 +73,13 @@ class DisaggregationConfig(Section):
     heartbeat_max_failures: int = Field(
         2, ge=1, description="decode: failed probes in a row that fail every room of a prefill"
     )
+
+    @field_validator("prefill_hosts")
+    @classmethod
+    def _endpoints(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            parse_endpoint(entry)
+        return entries
 
     @property
     def enabled(self) -> bool:

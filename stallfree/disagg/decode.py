@@ -29,6 +29,7 @@ from stallfree.disagg.rooms import Room, RoomError, RoomState
 from stallfree.disagg.side import RoomSide
 from stallfree.disagg.transport import (
     KVChannel,
+    KVLayout,
     RoomHeader,
     RoomTail,
     TransportError,
@@ -36,6 +37,7 @@ from stallfree.disagg.transport import (
     recv_layer,
     recv_tail,
 )
+from stallfree.disagg.trust import PrefillAllowList
 from stallfree.runtime.engine import Engine
 from stallfree.runtime.handoff import KVImport
 from stallfree.runtime.model.parallel import kv_head_range
@@ -73,6 +75,7 @@ class DecodeSide(RoomSide):
     ) -> None:
         super().__init__(engine, "decode")
         self.config = config
+        self.trusted = PrefillAllowList(config.prefill_hosts)
         self._links: dict[tuple[str, int], _Link] = {}
         self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
         device = engine.core.ctx.kv_cache.device
@@ -90,11 +93,25 @@ class DecodeSide(RoomSide):
         arch, tp = self.engine.core.arch, self.engine.config.parallel.tp_size
         return [list(kv_head_range(arch, r, tp)) for r in range(tp)]
 
+    def layout(self) -> KVLayout:
+        """What this server's receivers take (checked before each receive is posted)."""
+        core = self.engine.core
+        return KVLayout(
+            num_layers=core.arch.num_layers,
+            head_dim=core.arch.head_dim,
+            dtype=core.ctx.kv_cache.dtype,
+            page_size=core.ctx.allocator.page_size,
+            shard_heads=[b - a for a, b in self.shards()],
+            num_pages=core.ctx.allocator.num_pages,
+        )
+
     # ------------------------------------------------------------------ pairing
 
     async def connect(self, host: str, port: int) -> _Link:
         """Pair with the prefill at `host:port` (once; later calls reuse the pair). Raises
-        `HandshakeError` naming what differs when the two cannot work together."""
+        `UntrustedPrefillError` for a prefill not in `disaggregation.prefill_hosts` (nothing is
+        contacted), `HandshakeError` naming what differs when the two cannot work together."""
+        self.trusted.check(host, port)
         key = (host, port)
         link = self._links.get(key)
         if link is not None and link.alive:
@@ -174,9 +191,10 @@ class DecodeSide(RoomSide):
         """The pair's receiver thread: rooms, one after another, posted to the loop."""
         channel = link.channel
         assert channel is not None
+        layout = self.layout()
         try:
             while link.alive:
-                header = recv_header(channel)
+                header = recv_header(channel, layout)
                 self._post(self._on_header, link, header)
                 for layer in range(header.num_layers):
                     ks, vs = recv_layer(channel, header)
@@ -199,17 +217,10 @@ class DecodeSide(RoomSide):
         if room.state is not RoomState.TRANSFERRING:
             return  # failed or expired meanwhile: drop what arrives
         imp: KVImport = room.data["import"]
-        layers = self.engine.core.arch.num_layers
-        want_heads = [b - a for a, b in self.shards()]
+        # NOTE: the receiver checked the header's sizes against this server's layout already
         problem = (
             f"{h.num_tokens} tokens, not {len(imp.req.origin_input_ids)}"
             if h.num_tokens != len(imp.req.origin_input_ids)
-            else f"{h.num_layers} layers, not {layers}"
-            if h.num_layers != layers
-            else f"KV-head shards {h.shard_heads}, not {want_heads}"
-            if h.shard_heads != want_heads
-            else f"page size {h.page_size}, not {imp.page_size}"
-            if h.page_size != imp.page_size
             else None
         )
         if problem is None and sorted(p + i for p, n in h.dst_runs for i in range(n)) != sorted(
@@ -267,7 +278,9 @@ class DecodeSide(RoomSide):
         port: int,
     ) -> AsyncIterator[GenerationChunk]:
         """Decode one room's request: its chunks, the first being the prefill's token. Raises
-        `HandshakeError` or `RoomError` (with the stage) when it cannot."""
+        `UntrustedPrefillError`, `HandshakeError` or `RoomError` (with the stage) when it
+        cannot."""
+        self.trusted.check(host, port)
         imp = self.engine.open_import(prompt_ids, params, rid)  # checks the request first
         try:
             room = self.rooms.open(

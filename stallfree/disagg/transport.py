@@ -7,6 +7,12 @@ KV heads), then a tail (the room id again, the first token, the prompt tokens th
 cached). The header names the room, so the receiver can refuse KV for a room it does not expect
 (and drain it, keeping the channel in step); nothing is ever sent token by token.
 
+Every receive is posted with a size the receiver chose: the header's first message has a fixed
+size, and each size the header then announces is checked against the receiver's own
+`KVLayout` (the handshake's layers, head dim, dtype, page size and KV-head shards, and at most
+its pool's pages) before anything of that size is received. A header that disagrees breaks the
+pair (`TransportError`): its rooms fail, the server goes on.
+
 Backends: `LoopbackChannel` (two engines in one process), and torch.distributed point-to-point
 (`disagg/dist.py`: gloo on CPU, NCCL on GPU).
 """
@@ -108,6 +114,43 @@ class RoomHeader:
         return 2 * self.slots * sum(self.shard_heads) * self.head_dim * elem
 
 
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What the receiver takes: its own KV cache's facts, fixed at the handshake."""
+
+    num_layers: int
+    head_dim: int
+    dtype: torch.dtype
+    page_size: int
+    shard_heads: list[int]  # KV heads of each of its ranks
+    num_pages: int  # usable pages, numbered 1..num_pages
+
+    def check(self, head: list[int]) -> str | None:
+        """What in a header's first message disagrees with this layout (None: nothing)."""
+        dtype = DTYPES[head[5]] if 0 <= head[5] < len(DTYPES) else None
+        for label, theirs, mine in (
+            ("layers", head[3], self.num_layers),
+            ("head dim", head[4], self.head_dim),
+            ("dtype", dtype, self.dtype),
+            ("page size", head[6], self.page_size),
+            ("KV-head shards", head[8], len(self.shard_heads)),
+        ):
+            if theirs != mine:
+                return f"{label} {theirs}, not {mine}"
+        if not 1 <= head[7] <= self.num_pages:
+            return f"{head[7]} page runs (this server holds {self.num_pages} pages)"
+        if head[2] < 1:
+            return f"{head[2]} prompt tokens"
+        return None
+
+    def check_runs(self, runs: list[tuple[int, int]]) -> str | None:
+        if any(n < 1 or first < 1 or first + n - 1 > self.num_pages for first, n in runs):
+            return f"page runs outside pages 1..{self.num_pages}"
+        if sum(n for _, n in runs) > self.num_pages:
+            return f"more pages than this server's {self.num_pages}"
+        return None
+
+
 @dataclass(slots=True)
 class RoomTail:
     room: int
@@ -138,12 +181,25 @@ def send_header(channel: KVChannel, h: RoomHeader) -> None:
     channel.send(torch.tensor(h.shard_heads, dtype=torch.int64))
 
 
-def recv_header(channel: KVChannel) -> RoomHeader:
+def recv_header(channel: KVChannel, layout: KVLayout) -> RoomHeader:
+    """A room's header, each size it announces checked against `layout` before anything of
+    that size is received (`TransportError` names the first that disagrees)."""
     head = channel.recv((HEADER_LEN,), torch.int64).tolist()
-    if head[0] != MAGIC_HEADER or not 0 <= head[5] < len(DTYPES):
+    if head[0] != MAGIC_HEADER:
         raise TransportError("malformed transfer header: the channel is out of step")
-    runs = channel.recv((head[7], 2), torch.int64).tolist()
+    problem = layout.check(head)
+    if problem is not None:
+        raise TransportError(f"transfer header disagrees with this server's KV: {problem}")
+    runs = [(a, b) for a, b in channel.recv((head[7], 2), torch.int64).tolist()]
+    problem = layout.check_runs(runs)
+    if problem is not None:
+        raise TransportError(f"transfer header disagrees with this server's KV: {problem}")
     shard_heads = channel.recv((head[8],), torch.int64).tolist()
+    if shard_heads != layout.shard_heads:
+        raise TransportError(
+            f"transfer header disagrees with this server's KV: KV-head shards {shard_heads}, "
+            f"not {layout.shard_heads}"
+        )
     return RoomHeader(
         room=head[1],
         num_tokens=head[2],
@@ -151,7 +207,7 @@ def recv_header(channel: KVChannel) -> RoomHeader:
         head_dim=head[4],
         dtype=DTYPES[head[5]],
         page_size=head[6],
-        dst_runs=[(a, b) for a, b in runs],
+        dst_runs=runs,
         shard_heads=shard_heads,
     )
 

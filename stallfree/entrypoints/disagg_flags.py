@@ -10,6 +10,7 @@ import argparse
 import json
 from typing import Any
 
+from stallfree.config.disagg import parse_endpoint
 from stallfree.entrypoints.flags import SectionFlag, Table, flag
 
 DISAGG_DEST = "disaggregation_settings"
@@ -106,9 +107,26 @@ def kv_transfer_settings(text: str) -> dict[str, Any]:
     return out
 
 
-def _setting(name: str, key: str, **kw: Any) -> Any:
+def prefill_hosts(text: str) -> list[str]:
+    """`host:port,host:port` as the list `disaggregation.prefill_hosts` takes."""
+    entries = [e.strip() for e in text.split(",") if e.strip()]
+    for entry in entries:
+        try:
+            parse_endpoint(entry)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return entries
+
+
+def _setting(name: str, key: str, *aliases: str, **kw: Any) -> Any:
     return flag(
-        name, action=SectionFlag, dest=DISAGG_DEST, check=_check, to=lambda v: {key: v}, **kw
+        name,
+        *aliases,
+        action=SectionFlag,
+        dest=DISAGG_DEST,
+        check=_check,
+        to=lambda v: {key: v},
+        **kw,
     )
 
 
@@ -144,6 +162,16 @@ DISAGGREGATION_FLAGS: Table = (
                 metavar="HOST",
                 help="prefill: the address the bootstrap endpoint binds",
                 sets="disaggregation.bootstrap_host",
+            ),
+            _setting(
+                "--disagg-prefill-hosts",
+                "prefill_hosts",
+                "--disaggregation-prefill-hosts",
+                type=prefill_hosts,
+                metavar="HOST:PORT,...",
+                help="decode: the prefill bootstrap endpoints it may pair with (requests naming "
+                "any other are refused); unset, prefill servers on loopback addresses only",
+                sets="disaggregation.prefill_hosts",
             ),
             *(
                 _setting(

@@ -14,6 +14,8 @@ from stallfree.disagg.decode import DecodeSide
 from stallfree.disagg.prefill import PrefillSide
 from tests.engine_util import engine_config
 
+LOCAL = "local:0"
+
 
 @dataclass
 class Pair:
@@ -61,6 +63,9 @@ async def engine_pair(
         sections.setdefault("disaggregation", {}).update(mode=role, transfer_backend="loopback")
         return engine_config(model, **sections)
 
+    # the decode side trusts the in-process prefill, named "local" port 0
+    decode_sections = {**(decode_sections or {})}
+    decode_sections.setdefault("disaggregation", {}).setdefault("prefill_hosts", [LOCAL])
     pcfg, dcfg = config("prefill", prefill_sections), config("decode", decode_sections)
     async with Engine(pcfg) as prefill, Engine(dcfg) as decode:
         p = PrefillSide(prefill, pcfg.disaggregation, pcfg.faults, backend="loopback")

@@ -15,7 +15,7 @@ from stallfree import SamplingParams
 from stallfree.disagg.fingerprint import HandshakeError
 from stallfree.disagg.rooms import RoomError, RoomState
 from stallfree.overlap.faults import TransferFaults
-from tests.disagg.disagg_util import Pair, engine_pair
+from tests.disagg.disagg_util import LOCAL, Pair, engine_pair
 from tests.engine_util import settle
 
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
@@ -208,7 +208,7 @@ async def test_handshake_refuses_another_model(llama: str, tmp_path: Any) -> Non
         from stallfree.disagg.decode import DecodeSide
         from tests.engine_util import engine_config
 
-        cfg = engine_config(other, disaggregation={"mode": "decode"})
+        cfg = engine_config(other, disaggregation={"mode": "decode", "prefill_hosts": [LOCAL]})
         async with Engine(cfg) as engine:
             side = DecodeSide(engine, cfg.disaggregation, controls=lambda h, p: pair.control)
             await side.start()

@@ -8,7 +8,9 @@ Requests come through the router (`stallfree router`) and carry SGLang's bootstr
 - prefill: each engine request runs with one output token; its answer is that token, sent once
   the decode side has the KV. The bootstrap endpoint runs beside the API.
 - decode: each engine request waits for its KV, then decodes; `POST /disagg/connect` makes the
-  handshake with a prefill ahead of any request (the router calls it at startup).
+  handshake with a prefill ahead of any request (the router calls it at startup). Both name a
+  prefill only from `disaggregation.prefill_hosts` (unset: loopback addresses); any other is a
+  403 naming `bootstrap_host`, and nothing is contacted.
 
 A failed transfer ends the request with a 503 (or an SSE error event) that names the stage.
 """
@@ -28,6 +30,7 @@ from stallfree.disagg.decode import DecodeSide
 from stallfree.disagg.fingerprint import HandshakeError
 from stallfree.disagg.prefill import PrefillSide
 from stallfree.disagg.rooms import MAX_ROOM, RoomError
+from stallfree.disagg.trust import UntrustedPrefillError
 from stallfree.entrypoints.server.errors import ApiError
 from stallfree.runtime.engine import Engine
 from stallfree.runtime.request.errors import InvalidRequestError
@@ -105,6 +108,9 @@ class Disaggregated:
                 f"its router, which sets {need}",
                 param="bootstrap_room",
             )
+        if isinstance(side, DecodeSide):
+            assert host is not None and port is not None
+            _check_trusted(side, host, port)
 
         def each(
             ids: list[int], params: SamplingParams, rid: str, index: int
@@ -122,6 +128,14 @@ class Disaggregated:
             return _decode(side, ids, params, rid, sub, host, port)
 
         return each
+
+
+def _check_trusted(side: DecodeSide, host: str, port: int) -> None:
+    """A 403 naming `bootstrap_host` for a prefill this decode server does not trust."""
+    try:
+        side.trusted.check(host, port)
+    except UntrustedPrefillError as exc:
+        raise ApiError(403, str(exc), param="bootstrap_host", code="untrusted_prefill") from exc
 
 
 def failure_chunk(rid: str, message: str) -> GenerationChunk:
@@ -183,6 +197,7 @@ def disagg_routes() -> APIRouter:
         dis: Disaggregated | None = request.app.state.sf.disagg
         if dis is None or not isinstance(dis.side, DecodeSide):
             raise ApiError(404, "this server is not a decode server (disaggregation.mode)")
+        _check_trusted(dis.side, body.bootstrap_host, body.bootstrap_port)
         try:
             link = await dis.side.connect(body.bootstrap_host, body.bootstrap_port)
         except HandshakeError as exc:
