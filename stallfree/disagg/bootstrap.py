@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from typing import Any, Protocol
 
@@ -24,6 +25,8 @@ from stallfree.disagg.fingerprint import Fingerprint, HandshakeError
 from stallfree.disagg.prefill import PrefillSide, Registration
 from stallfree.disagg.rooms import MAX_ROOM
 from stallfree.disagg.transport import KVChannel
+
+logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 10.0
 
@@ -122,11 +125,12 @@ class HttpControl:
         except httpx.HTTPError as exc:
             raise ControlError(f"{self.label} unreachable: {exc!r}") from exc
         if r.status_code != 200:
-            try:
-                message = r.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = r.text[:200]
-            raise ControlError(message, r.status_code)
+            # NOTE: the peer's body never reaches a client (it would make this server a probe of
+            # whatever answers there); the operator finds it in the log
+            logger.warning(
+                "%s answered %d to %s %s: %r", self.label, r.status_code, method, path, r.text[:200]
+            )
+            raise ControlError(f"{self.label} answered HTTP {r.status_code}", r.status_code)
         return r.json()
 
     async def info(self) -> dict[str, Any]:

@@ -1,7 +1,8 @@
-"""Whom a decode server talks to, and what a peer can make it do (issue 42, finding 1): only
-the prefill servers it was told to trust, named by a request or not (403 naming
+"""Whom a decode server talks to, and what a peer can make it do (issue 42, findings 1 and 3):
+only the prefill servers it was told to trust, named by a request or not (403 naming
 `bootstrap_host`, nothing contacted); no receive is posted with a size the receiver did not
-check (a header that disagrees fails the pair, never the process)."""
+check (a header that disagrees fails the pair, never the process); a peer's answer never
+reaches the client."""
 
 from __future__ import annotations
 
@@ -235,3 +236,20 @@ async def test_decode_server_refuses_unlisted_prefills(
             assert unlisted.connections == 0
             assert (await client.get("/health")).status_code == 200  # still serving
             await settle(engine)
+
+
+async def test_a_listed_prefills_answer_never_reaches_the_client(llama: str) -> None:
+    listed = FakePrefill()
+    async with listed as port, decode_server(llama, [f"127.0.0.1:{port}"]) as (engine, client):
+        r = await client.post("/v1/completions", json=_body("127.0.0.1", port, 8))
+        assert listed.connections >= 1
+        # the client learns the status, never the body
+        assert r.status_code == 503 and "answered HTTP 500" in r.text, r.text
+        assert "SECRET" not in r.text
+        r = await client.post(
+            "/disagg/connect", json={"bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+        )
+        assert r.status_code == 502 and "answered HTTP 500" in r.text, r.text
+        assert "SECRET" not in r.text
+        assert (await client.get("/health")).status_code == 200  # still serving
+        await settle(engine)
