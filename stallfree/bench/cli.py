@@ -332,7 +332,7 @@ def result_path(args: argparse.Namespace, header: dict[str, Any]) -> Path:
     """Where `--save-result` writes: `--result-dir` / `--result-filename`, or vLLM's name
     `LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json` (LABEL: --label, else the backend; with a
     ramp-up, `LABEL-ramp-up-STRATEGY-STARTqps-ENDqps...`)."""
-    name = args.result_filename
+    name: str | None = args.result_filename
     if not name:
         concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
         model = str(header["model_id"] or "model").rstrip("/").split("/")[-1]

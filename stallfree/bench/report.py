@@ -398,14 +398,14 @@ def _latency_cdfs(axes: Any, results: list[RunResult]) -> None:
     import numpy as np
     from matplotlib.ticker import NullFormatter
 
-    panels = (
+    panels: tuple[tuple[str, Callable[[RunResult], list[float]]], ...] = (
         ("TTFT", lambda r: [x.ttft for x in r.requests if x.success and x.ttft is not None]),
         ("ITL", lambda r: [i for x in r.requests if x.success for i in x.itls]),
         ("E2E latency", lambda r: [x.e2e for x in r.requests if x.success and x.e2e is not None]),
     )
     for ax, (name, values) in zip(axes, panels, strict=True):
         for r in results:
-            data = np.sort(np.asarray(values(r), dtype=float)) * 1e3
+            data = np.sort(np.asarray(values(r), dtype=np.float64)) * 1e3
             if data.size:
                 ax.plot(data, np.arange(1, data.size + 1) / data.size, label=r.mode)
         pooled = max(len(r.runs) for r in results)

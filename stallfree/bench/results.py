@@ -89,7 +89,7 @@ class RunResult:
     the runs themselves in `repeats`."""
 
     mode: str
-    settings: dict
+    settings: dict[str, Any]
     summary: RunSummary
     stallfree: StallFigures | None
     requests: list[RequestRecord]
@@ -138,7 +138,8 @@ def median_number(values: list[Any]) -> float | int | None:
     if not present:
         return None
     if all(isinstance(v, int) for v in present):
-        return statistics.median_low(present)
+        low: int = statistics.median_low(present)
+        return low
     return float(statistics.median(present))
 
 

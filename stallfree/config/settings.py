@@ -12,9 +12,11 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from stallfree.config.disagg import DisaggregationConfig, FaultConfig
+from stallfree.config.disagg import DisaggregationConfig
+from stallfree.config.disagg import FaultConfig as FaultConfig
 from stallfree.config.sections import Section as _Section
-from stallfree.config.server import MetricsConfig, ServerConfig
+from stallfree.config.server import MetricsConfig as MetricsConfig
+from stallfree.config.server import ServerConfig as ServerConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

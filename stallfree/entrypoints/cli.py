@@ -129,7 +129,8 @@ def _serve(config: StallfreeConfig) -> int:
     from stallfree.entrypoints.server import serve
 
     # 0 after a drained shutdown (SIGTERM or SIGINT); 1 if the engine died
-    return serve(config)
+    status: int = serve(config)
+    return status
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -200,7 +201,9 @@ def run_async(coro: Any) -> int:
     return int(uvloop.run(coro))
 
 
-def subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+def subparsers(
+    parser: argparse.ArgumentParser,
+) -> argparse._SubParsersAction[argparse.ArgumentParser]:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             return action

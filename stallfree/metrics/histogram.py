@@ -67,5 +67,5 @@ class FastHistogram:
         running = 0
         for bound, count in zip((*self.bounds, float("inf")), counts, strict=True):
             running += count
-            out.append((floatToGoString(bound), running))
+            out.append((floatToGoString(bound), running))  # type: ignore[no-untyped-call]
         return out, total_sum

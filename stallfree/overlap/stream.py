@@ -270,18 +270,18 @@ class CudaEvent(Event):
     def __init__(self, stream: CudaStream, start: torch.cuda.Event | None) -> None:
         self._stream = stream
         self._start = start
-        self.event = torch.cuda.Event(enable_timing=start is not None)
+        self.event = torch.cuda.Event(enable_timing=start is not None)  # type: ignore[no-untyped-call]
         self.event.record(stream.stream)
 
     def query(self) -> bool:
-        return bool(self.event.query())
+        return bool(self.event.query())  # type: ignore[no-untyped-call]
 
     def synchronize(self) -> None:
         self.event.synchronize()
         self._settle()
 
     async def wait(self) -> None:
-        if not self.event.query():
+        if not self.event.query():  # type: ignore[no-untyped-call]
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._stream.waiter, self.event.synchronize)
         self._settle()
@@ -297,7 +297,7 @@ class CudaStream(DeviceStream):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self.waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stallfree-cuda-wait")
         self._busy = 0.0
         self._step_start: torch.cuda.Event | None = None
@@ -321,7 +321,7 @@ class CudaStream(DeviceStream):
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._step_start is None:
-            self._step_start = torch.cuda.Event(enable_timing=True)
+            self._step_start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             self._step_start.record(self.stream)
         with torch.cuda.stream(self.stream), torch.inference_mode():
             fn(*args)

@@ -210,7 +210,7 @@ class Engine:
     async def generate(
         self,
         prompt: str | Sequence[int],
-        params: SamplingParams | dict | None = None,
+        params: SamplingParams | dict[str, Any] | None = None,
         rid: str | None = None,
         timeout: float | None = None,
     ) -> AsyncIterator[GenerationChunk]:
@@ -231,7 +231,7 @@ class Engine:
     async def _submit(
         self,
         prompt: str | Sequence[int],
-        params: SamplingParams | dict | None,
+        params: SamplingParams | dict[str, Any] | None,
         rid: str | None,
         timeout: float | None,
         wake_per_step: bool,
@@ -274,7 +274,7 @@ class Engine:
         prompt_ids: Sequence[int],
         kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
         first_token_id: int,
-        params: SamplingParams | dict | None = None,
+        params: SamplingParams | dict[str, Any] | None = None,
         rid: str | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """Decode a request whose prompt was prefilled elsewhere (decode-side disaggregation).
@@ -298,7 +298,7 @@ class Engine:
     def open_export(
         self,
         prompt_ids: Sequence[int],
-        params: SamplingParams | dict | None = None,
+        params: SamplingParams | dict[str, Any] | None = None,
         rid: str | None = None,
     ) -> KVExport:
         """Prefill side of disaggregation (runtime/handoff.py): one output token, KV held."""
@@ -308,7 +308,7 @@ class Engine:
     def open_import(
         self,
         prompt_ids: Sequence[int],
-        params: SamplingParams | dict | None = None,
+        params: SamplingParams | dict[str, Any] | None = None,
         rid: str | None = None,
     ) -> KVImport:
         """Decode side of disaggregation (runtime/handoff.py): the prompt's KV arrives later."""
@@ -317,7 +317,7 @@ class Engine:
     async def complete(
         self,
         prompt: str | Sequence[int],
-        params: SamplingParams | dict | None = None,
+        params: SamplingParams | dict[str, Any] | None = None,
         rid: str | None = None,
         timeout: float | None = None,
     ) -> GenerationResult:

@@ -82,7 +82,8 @@ class ServerState:
 
 
 def server_state(request: Request) -> ServerState:
-    return request.app.state.sf
+    state: ServerState = request.app.state.sf
+    return state
 
 
 def request_id(request: Request) -> str:

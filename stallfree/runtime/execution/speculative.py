@@ -296,4 +296,5 @@ class DraftModelProposer:
             verify=layout,
             logit_rows=logit_rows,
         )
-        return self.model(draft_fb)
+        logits: torch.Tensor = self.model(draft_fb)
+        return logits

@@ -376,7 +376,7 @@ def start_workers(spec: WorkerSpec) -> tuple[Connection | None, list[Any], torch
 
     ctx = mp.get_context("spawn")
     ranks = spec.local_ranks()
-    stats = torch.zeros((len(ranks), len(STAT_FIELDS)), dtype=torch.float64).share_memory_()
+    stats = torch.zeros((len(ranks), len(STAT_FIELDS)), dtype=torch.float64).share_memory_()  # type: ignore[no-untyped-call]
     parent: Connection | None = None
     processes = []
     for rank in ranks:

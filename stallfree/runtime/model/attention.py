@@ -342,7 +342,7 @@ class PagedAttention:
         """RoPE, the K/V write at `out_cache_loc` and attention over every row's keys (or its
         window), in one call: no bucket plan, no gather copy."""
         cos, signed_sin = rope
-        return torch.ops.stallfree.decode_attention(
+        out: torch.Tensor = torch.ops.stallfree.decode_attention(
             q,
             k,
             v,
@@ -358,6 +358,7 @@ class PagedAttention:
             self.softcap,
             self._window(layer_id),
         )
+        return out
 
     def _verify(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
         """Every row's `k + 1` queries at once, padded to the longest row and to the widest

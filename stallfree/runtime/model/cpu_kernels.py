@@ -26,7 +26,9 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -172,25 +174,29 @@ def _register_fakes() -> None:
         return
     _fakes_registered = True
     lib = "stallfree::"
+    # torch.library.register_fake has no return annotation; as a decorator it registers the function.
+    register_fake = cast(
+        "Callable[[str], Callable[[Callable[..., Any]], object]]", torch.library.register_fake
+    )
 
     def _rows_out(x: torch.Tensor, n: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], n))
 
-    @torch.library.register_fake(lib + "linear")
+    @register_fake(lib + "linear")
     def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _rows_out(x, weight.shape[0])
 
-    @torch.library.register_fake(lib + "linear_group")
+    @register_fake(lib + "linear_group")
     def _linear_group(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         return _rows_out(x, sum(w.shape[0] for w in weights))
 
-    @torch.library.register_fake(lib + "linear_q8")
+    @register_fake(lib + "linear_q8")
     def _linear_q8(
         x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         return _rows_out(x, qweight.shape[0])
 
-    @torch.library.register_fake(lib + "linear_q4")
+    @register_fake(lib + "linear_q4")
     def _linear_q4(
         x: torch.Tensor,
         codes: torch.Tensor,
@@ -200,21 +206,21 @@ def _register_fakes() -> None:
     ) -> torch.Tensor:
         return _rows_out(x, codes.shape[0])
 
-    @torch.library.register_fake(lib + "rms_norm")
+    @register_fake(lib + "rms_norm")
     def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.empty_like(x)
 
-    @torch.library.register_fake(lib + "add_rms_norm")
+    @register_fake(lib + "add_rms_norm")
     def _add_rms_norm(
         x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.empty_like(x), torch.empty_like(x)
 
-    @torch.library.register_fake(lib + "silu_mul")
+    @register_fake(lib + "silu_mul")
     def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return _rows_out(gate_up, gate_up.shape[-1] // 2)
 
-    @torch.library.register_fake(lib + "decode_attention")
+    @register_fake(lib + "decode_attention")
     def _decode_attention(
         q: torch.Tensor,
         k_new: torch.Tensor,
@@ -233,7 +239,7 @@ def _register_fakes() -> None:
     ) -> torch.Tensor:
         return q.new_empty(q.shape)
 
-    @torch.library.register_fake(lib + "decode_attention_qkv")
+    @register_fake(lib + "decode_attention_qkv")
     def _decode_attention_qkv(
         qkv: torch.Tensor,
         num_heads: int,

@@ -69,7 +69,8 @@ class GemmaMLP(LlamaMLP):
         else:
             x = F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x)
         if self.tp.size == 1:
-            return self.down_proj(x)
+            out: torch.Tensor = self.down_proj(x)
+            return out
         return _row_parallel(self.down_proj, x, self.tp)
 
 
@@ -117,7 +118,10 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
     ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(h), rope, fb, backend)
         h = h + self.post_attention_layernorm(attn)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        out: torch.Tensor = h + self.post_feedforward_layernorm(
+            self.mlp(self.pre_feedforward_layernorm(h))
+        )
+        return out
 
 
 class GemmaRotary(RotaryEmbedding):
@@ -194,7 +198,8 @@ def _gemma_after_attention(
 ) -> torch.Tensor:
     h = h + layer.post_attention_layernorm(layer.self_attn.o_proj(out))
     mlp = layer.mlp(layer.pre_feedforward_layernorm(h))
-    return h + layer.post_feedforward_layernorm(mlp)
+    after: torch.Tensor = h + layer.post_feedforward_layernorm(mlp)
+    return after
 
 
 # the Hugging Face architectures this module builds

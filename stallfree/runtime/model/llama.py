@@ -126,7 +126,7 @@ class LlamaAttention(nn.Module):
         if qkv is None:
             qkv = self.joint_qkv(h)
         if qkv is not None:
-            q, k, v = qkv.split(self.qkv_split, dim=-1)
+            q, k, v = qkv.split(self.qkv_split, dim=-1)  # type: ignore[no-untyped-call]
         else:
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -199,7 +199,8 @@ class LlamaMLP(nn.Module):
         else:
             x = F.silu(self.gate_proj(x)) * self.up_proj(x)
         if self.tp.size == 1:
-            return self.down_proj(x)
+            out: torch.Tensor = self.down_proj(x)
+            return out
         return _row_parallel(self.down_proj, x, self.tp)
 
 
@@ -244,7 +245,8 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), rope, fb, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        out: torch.Tensor = h + self.mlp(self.post_attention_layernorm(h))
+        return out
 
     def fused_forward(
         self,
@@ -511,7 +513,8 @@ def _before_attention(
 
 def _after_attention(layer: LlamaDecoderLayer, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     h = h + layer.self_attn.o_proj(out)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    after: torch.Tensor = h + layer.mlp(layer.post_attention_layernorm(h))
+    return after
 
 
 def _last_tokens(h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

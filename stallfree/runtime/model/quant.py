@@ -270,7 +270,8 @@ class Int8Linear(_QuantLinearBase):
         return out
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        return out
 
     def dequantize(self) -> torch.Tensor:
         out = _workspace(self.out_features, self.in_features, self.dtype)
@@ -338,9 +339,10 @@ class Int4Linear(_QuantLinearBase):
         return out
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.qweight, self.group_size, self.scales_and_zeros
         )
+        return out
 
     def dequantize(self) -> torch.Tensor:
         rows, groups, g = self.out_features, self.in_features // self.group_size, self.group_size

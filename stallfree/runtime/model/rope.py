@@ -117,7 +117,7 @@ class RotaryEmbedding(nn.Module):
         self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
     ) -> RotaryEmbedding:
         # model.to(dtype) would round inv_freq; HF keeps it float32, so re-derive from the master.
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         self.inv_freq = self._inv_freq_f32.to(self.inv_freq.device)
         return self
 

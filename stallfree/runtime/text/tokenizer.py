@@ -85,13 +85,14 @@ class Tokenizer(ABC):
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         template = _compile_template(self.chat_template)
         try:
-            return template.render(
+            rendered: str = template.render(
                 **extra,
                 messages=messages,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
                 add_generation_prompt=True,
             )
+            return rendered
         except ChatTemplateError:
             raise
         except Exception as e:
