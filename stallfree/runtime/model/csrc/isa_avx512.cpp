@@ -162,7 +162,7 @@ struct TileOut {
 template <int MB>
 void q8_tile(const Q8Act& a, const int8_t* const* w, const TileOut& t) {
   const int64_t stride = a.kp / 64, full = a.k / 64;  // a last chunk may hold 32 values
-  const int64_t ahead = kTileN * a.k;  // the next tile's rows, at the same column
+  const int64_t ahead = 2 * kTileN * a.k;  // the tile after next, at the same column
   const __m512i zero = _mm512_setzero_si512();
   const uint8_t* absq[MB];
   const uint64_t* neg[MB];
@@ -324,7 +324,7 @@ void dense_tile(const void* x, int64_t k, const void* const* w, const TileOut& t
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < kTileN; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t ahead = kTileN * k;  // the next tile's rows, at the same column
+  const int64_t ahead = 2 * kTileN * k;  // the tile after next, at the same column
   if constexpr (BF16) {
     const uint16_t* ws[kTileN];
     const uint16_t* xs[MB];
