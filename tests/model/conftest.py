@@ -1,1 +1,20 @@
 """Fixtures shared by the tests in tests/model/ (the suite-wide ones are in tests/conftest.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from stallfree.runtime.model import cpu_kernels
+
+
+@pytest.fixture
+def restore_variant() -> Iterator[None]:
+    """A test that switches the native kernels' variant (native_util.set_isa) leaves the
+    process on the usual one."""
+    yield
+    usual = cpu_kernels.isa()
+    if usual is not None:
+        torch.ops.stallfree.set_isa(usual)

@@ -8,7 +8,6 @@ cache, int32 and int64 `req_to_token`, and slots scattered by random permutation
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -21,37 +20,9 @@ from stallfree.runtime.model import cpu_kernels
 from stallfree.runtime.model.attention import PagedAttention
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.rope import apply_rope
+from tests.model.native_util import each_isa, needs_kernels, set_isa
 
-
-def _variants() -> list[str]:
-    found = []
-    for isa in ("avx512", "avx2"):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("STALLFREE_CPU_ISA", isa)
-            cpu_kernels.reset()
-            if cpu_kernels.isa() == isa:
-                found.append(isa)
-    cpu_kernels.reset()
-    return found
-
-
-VARIANTS = _variants()
-pytestmark = pytest.mark.skipif(not VARIANTS, reason="native CPU kernels unavailable here")
-
-each_isa = pytest.mark.parametrize("isa", VARIANTS)
-
-
-@pytest.fixture(autouse=True)
-def _restore_variant() -> Iterator[None]:
-    """A test that switches the variant leaves the process on the usual one."""
-    yield
-    usual = cpu_kernels.isa()
-    if usual is not None:
-        torch.ops.stallfree.set_isa(usual)
-
-
-def _set_isa(isa: str) -> None:
-    assert torch.ops.stallfree.set_isa(isa) == isa
+pytestmark = [needs_kernels, pytest.mark.usefixtures("restore_variant")]
 
 
 @dataclass(slots=True)
@@ -227,7 +198,7 @@ def cases(draw: st.DrawFn, max_batch: int, max_ctx: int) -> Case:
 @settings(max_examples=20, deadline=None)
 @given(case=cases(max_batch=8, max_ctx=300), seed=st.integers(0, 2**16))
 def test_decode_attention_matches_torch(isa: str, case: Case, seed: int) -> None:
-    _set_isa(isa)
+    set_isa(isa)
     check(case, seed)
 
 
@@ -236,7 +207,7 @@ def test_decode_attention_matches_torch(isa: str, case: Case, seed: int) -> None
 @settings(max_examples=25, deadline=None)
 @given(case=cases(max_batch=16, max_ctx=2048), seed=st.integers(0, 2**16))
 def test_decode_attention_long_contexts(isa: str, case: Case, seed: int) -> None:
-    _set_isa(isa)
+    set_isa(isa)
     check(case, seed)
 
 
@@ -245,7 +216,7 @@ def test_decode_attention_long_contexts(isa: str, case: Case, seed: int) -> None
 def test_batch_one_splits_a_long_context(isa: str, threads: int) -> None:
     """Batch 1 at 2048 keys is cut into splits (so both threads work); the merged result is
     the same attention, with a window and without."""
-    _set_isa(isa)
+    set_isa(isa)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -258,7 +229,7 @@ def test_batch_one_splits_a_long_context(isa: str, threads: int) -> None:
 
 @each_isa
 def test_head_dim_multiple_of_16(isa: str) -> None:
-    _set_isa(isa)
+    set_isa(isa)
     for dim in (16, 48, 80, 256):
         check(Case([5, 70], 2, 4, dim, torch.bfloat16, torch.float32, None, None, None), seed=dim)
 
@@ -323,7 +294,7 @@ def test_fake_registration_and_schema() -> None:
 def test_the_joint_qkv_entry_equals_the_split_one(isa: str, case: Case, seed: int) -> None:
     """`decode_attention_qkv` on a fused projection's output [B, (H + 2 KVH) * D] is the split
     call bit for bit, the cache writes included; `PagedAttention.forward_qkv` takes it."""
-    _set_isa(isa)
+    set_isa(isa)
     step = make_step(case, seed)
     joint = torch.cat([t.flatten(1) for t in (step.q, step.k, step.v)], dim=1)
     heads, kv_heads = step.q.shape[1], step.k.shape[1]

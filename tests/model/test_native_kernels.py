@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,38 +17,9 @@ from hypothesis import strategies as st
 
 from stallfree.runtime.model import cpu_kernels, native_layers
 from stallfree.runtime.model.quant import quantize_int4, quantize_int8
+from tests.model.native_util import each_isa, needs_kernels, set_isa
 
-
-def _variants() -> list[str]:
-    found = []
-    for isa in ("avx512", "avx2"):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("STALLFREE_CPU_ISA", isa)
-            cpu_kernels.reset()
-            if cpu_kernels.isa() == isa:
-                found.append(isa)
-    cpu_kernels.reset()
-    return found
-
-
-VARIANTS = _variants()
-pytestmark = pytest.mark.skipif(not VARIANTS, reason="native CPU kernels unavailable here")
-
-
-each_isa = pytest.mark.parametrize("isa", VARIANTS)
-
-
-@pytest.fixture(autouse=True)
-def _restore_variant() -> Iterator[None]:
-    """A test that switches the variant (`_set_isa`) leaves the process on the usual one."""
-    yield
-    usual = cpu_kernels.isa()
-    if usual is not None:
-        torch.ops.stallfree.set_isa(usual)
-
-
-def _set_isa(isa: str) -> None:
-    assert torch.ops.stallfree.set_isa(isa) == isa
+pytestmark = [needs_kernels, pytest.mark.usefixtures("restore_variant")]
 
 
 def q8_emulation(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -86,7 +56,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor, bound: torch.Tensor | None = None) ->
 def test_linear_q8_equals_its_emulation(
     isa: str, m: int, n: int, blocks: int, bf16: bool, bias: bool, seed: int
 ) -> None:
-    _set_isa(isa)
+    set_isa(isa)
     g = torch.Generator().manual_seed(seed)
     k = 32 * blocks
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -113,7 +83,7 @@ def test_linear_q8_equals_its_emulation(
 def test_linear_q4_equals_its_emulation(
     isa: str, m: int, n: int, groups: int, bf16: bool, seed: int
 ) -> None:
-    _set_isa(isa)
+    set_isa(isa)
     g = torch.Generator().manual_seed(seed)
     k = 32 * groups
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -150,7 +120,7 @@ def test_linear_q4_equals_its_emulation(
     seed=st.integers(0, 2**16),
 )
 def test_dense_linear_equals_torch(isa: str, m: int, n: int, k: int, bias: bool, seed: int) -> None:
-    _set_isa(isa)
+    set_isa(isa)
     g = torch.Generator().manual_seed(seed)
     for dtype, tol in ((torch.bfloat16, 8e-3), (torch.float32, 1e-5)):
         x = torch.randn(m, k, generator=g).to(dtype)
@@ -169,7 +139,7 @@ def test_dense_linear_equals_torch(isa: str, m: int, n: int, k: int, bias: bool,
 def test_rms_norm_and_fused_add_equal_transformers_order(
     isa: str, rows: int, dim: int, seed: int
 ) -> None:
-    _set_isa(isa)
+    set_isa(isa)
     g = torch.Generator().manual_seed(seed)
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(rows, dim, generator=g).to(dtype)
@@ -196,7 +166,7 @@ def test_rms_norm_and_fused_add_equal_transformers_order(
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 16), inter=st.integers(1, 200), seed=st.integers(0, 2**16))
 def test_silu_mul_equals_torch(isa: str, rows: int, inter: int, seed: int) -> None:
-    _set_isa(isa)
+    set_isa(isa)
     g = torch.Generator().manual_seed(seed)
     for dtype in (torch.bfloat16, torch.float32):
         gu = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
@@ -212,7 +182,7 @@ def test_silu_mul_equals_torch(isa: str, rows: int, inter: int, seed: int) -> No
 
 @each_isa
 def test_bad_shapes_are_errors_not_crashes(isa: str) -> None:
-    _set_isa(isa)
+    set_isa(isa)
     x = torch.randn(2, 64)
     q = torch.zeros(8, 40, dtype=torch.int8)
     with pytest.raises(RuntimeError, match=r"multiple of 32|features"):
@@ -250,7 +220,7 @@ def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_linear_group_equals_each_linear(
     isa: str, m: int, parts: list[int], k: int, seed: int
 ) -> None:
-    _set_isa(isa)
+    set_isa(isa)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
     ws = [torch.randn(n, k, generator=g) for n in parts]

@@ -15,6 +15,7 @@ step runs the same list over its flattened positions, one row per scored positio
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
@@ -49,7 +50,7 @@ class Uploads:
         return self.upload(torch.tensor(values, dtype=torch.float32))
 
 
-class LogitsProcessor(Generic[PartT]):
+class LogitsProcessor(abc.ABC, Generic[PartT]):
     """One feature: `plan` on the host, `apply` and `record` on the stream (see the module)."""
 
     name: ClassVar[str]  # its plan part's key in `LogitsPlan.parts`
@@ -58,12 +59,13 @@ class LogitsProcessor(Generic[PartT]):
         self.num_slots = num_slots  # request slots: rows of any per-slot state
 
     @classmethod
+    @abc.abstractmethod
     def plan(cls, rows: StepRows, up: Uploads) -> PartT | None:
-        raise NotImplementedError
+        """This step's part for the rows that use the feature, or None when none does."""
 
+    @abc.abstractmethod
     def apply(self, logits: torch.Tensor, part: PartT, raw: torch.Tensor) -> torch.Tensor:
         """`raw`: the logits before any processor ran."""
-        raise NotImplementedError
 
     def record(self, part: PartT, next_ids: torch.Tensor) -> None:
         """Nothing to remember by default."""

@@ -313,20 +313,7 @@ class PagedAttention:
         ):
             return None
         out: torch.Tensor = torch.ops.stallfree.decode_attention_qkv(
-            qkv,
-            num_heads,
-            num_kv_heads,
-            cos,
-            signed_sin,
-            fb.kv_cache.k_buffers[layer_id],
-            fb.kv_cache.v_buffers[layer_id],
-            fb.out_cache_loc,
-            fb.req_to_token,
-            fb.req_pool_indices,
-            fb.seq_lens,
-            self.scale,
-            self.softcap,
-            self._window(layer_id),
+            qkv, num_heads, num_kv_heads, *self._native_args(layer_id, fb, rope)
         )
         return out
 
@@ -341,15 +328,21 @@ class PagedAttention:
     ) -> torch.Tensor:
         """RoPE, the K/V write at `out_cache_loc` and attention over every row's keys (or its
         window), in one call: no bucket plan, no gather copy."""
-        cos, signed_sin = rope
         out: torch.Tensor = torch.ops.stallfree.decode_attention(
-            q,
-            k,
-            v,
-            cos,
-            signed_sin,
-            fb.kv_cache.k_buffers[layer_id],
-            fb.kv_cache.v_buffers[layer_id],
+            q, k, v, *self._native_args(layer_id, fb, rope)
+        )
+        return out
+
+    def _native_args(
+        self, layer_id: int, fb: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[object, ...]:
+        """The native decode ops' arguments after q/k/v: the RoPE tables, the layer's cache,
+        the batch's slots and rows, and the layer's scale, soft-cap and window."""
+        kv = fb.kv_cache
+        return (
+            *rope,
+            kv.k_buffers[layer_id],
+            kv.v_buffers[layer_id],
             fb.out_cache_loc,
             fb.req_to_token,
             fb.req_pool_indices,
@@ -358,7 +351,6 @@ class PagedAttention:
             self.softcap,
             self._window(layer_id),
         )
-        return out
 
     def _verify(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
         """Every row's `k + 1` queries at once, padded to the longest row and to the widest

@@ -43,7 +43,7 @@ _SOURCES = (
     "attention_avx512.cpp",
     "attention_avx2.cpp",
 )
-_HEADERS = ("kernels.h", "attention.h", "attention_impl.h")
+_HEADERS = ("vec_exp.h", "kernels.h", "attention.h", "attention_impl.h")
 _CSRC = Path(__file__).with_name("csrc")
 
 _lock = threading.Lock()

@@ -230,9 +230,9 @@ class _QuantLinearBase(nn.Module, abc.ABC):
         out = self.matmul(x)
         return out if self.bias is None else out + self.bias
 
+    @abc.abstractmethod
     def _native(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ W.T (+ bias)` on the native kernel, in `x`'s shape and dtype."""
-        raise NotImplementedError
 
     @abc.abstractmethod
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@
 
 #include "attention.h"
 #include "kernels.h"
+#include "vec_exp.h"
 
 namespace sf {
 namespace avx2 {
@@ -53,25 +54,7 @@ struct V {
     return _mm256_and_ps(v, _mm256_castsi256_ps(keep));
   }
   // exp(x): 2^n * p(r), |r| <= ln2 / 2, degree-6 polynomial (relative error about 1e-7)
-  static T exp(T x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)),
-                      _mm256_set1_ps(-87.3365478515625f));
-    const T n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    T r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    T p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    // 2^n: n + 127 in the exponent field (n in [-126, 128] after the clamp above)
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-  }
+  static T exp(T x) { return exp_avx2(x); }
 };
 
 #include "attention_impl.h"

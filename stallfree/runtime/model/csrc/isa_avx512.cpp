@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "kernels.h"
+#include "vec_exp.h"
 
 namespace sf {
 namespace avx512 {
@@ -61,24 +62,7 @@ inline void store(Out out, int64_t m, int64_t n, float v) {
   }
 }
 
-// exp(x) for the SiLU: 2^n * p(r), |r| <= ln2 / 2, a degree-6 polynomial (relative error
-// about 1e-7, below float32's rounding of the result)
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
-                    _mm512_set1_ps(-87.3365478515625f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+inline __m512 exp_ps(__m512 x) { return exp_avx512(x); }
 
 void quantize(const void* x, bool x_bf16, int64_t row, Q8Act& a) {
   const int64_t k = a.k, kp = a.kp;
