@@ -1,9 +1,9 @@
 """Every setting of stallfree, as pydantic models."""
 
 from stallfree.config.disagg import DisaggregationConfig
+from stallfree.config.faults import FaultConfig
 from stallfree.config.settings import (
     CacheConfig,
-    FaultConfig,
     HisparseConfig,
     MetricsConfig,
     ModelConfig,

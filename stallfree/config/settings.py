@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from stallfree.config.disagg import DisaggregationConfig
-from stallfree.config.disagg import FaultConfig as FaultConfig
+from stallfree.config.faults import FaultConfig
 from stallfree.config.sections import Section as _Section
 from stallfree.config.server import MetricsConfig as MetricsConfig
 from stallfree.config.server import ServerConfig as ServerConfig
