@@ -36,7 +36,6 @@ from stallfree.runtime.request_table import RequestTable
 from stallfree.runtime.telemetry.observer import EngineObserver, MetricsExporter
 from stallfree.runtime.telemetry.request_log import RequestLogger
 from stallfree.runtime.telemetry.stats import EngineSnapshot, PoolUsage
-from stallfree.runtime.text.output_processor import check_caller
 from stallfree.runtime.text.tokenizer import Tokenizer
 from stallfree.runtime.text.validation import RequestValidator, show
 
@@ -169,7 +168,27 @@ class Engine:
         return self._loop_task is not None and not self._loop_task.done()
 
     def _check_caller(self) -> None:
-        check_caller(self._loop, self._thread_id)
+        """Raise unless called on the engine's event loop (or its thread, with no loop running).
+
+        The scheduler wakes a consumer by resolving a future on the engine's loop; a consumer
+        on another loop or thread would never be woken, so it is refused here instead.
+        """
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        if current is loop:
+            return
+        if current is None and threading.get_ident() == self._thread_id:
+            return
+        raise RuntimeError(
+            "this Engine runs on the event loop that started it and cannot be used from "
+            "another event loop or thread; submit work to that loop instead, e.g. with "
+            "asyncio.run_coroutine_threadsafe(engine.complete(...), engine.loop)"
+        )
 
     def _new_req(self, prompt: object, params: object, rid: object) -> Req:
         self._check_caller()

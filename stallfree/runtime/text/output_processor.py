@@ -13,7 +13,6 @@ Without stop strings the text is decoded when the consumer reads, not per token.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,29 +21,6 @@ from stallfree.runtime.request.outputs import GenerationChunk, TokenLogprobs
 from stallfree.runtime.request.req import Req
 from stallfree.runtime.telemetry.observer import EngineObserver
 from stallfree.runtime.text.tokenizer import Detokenizer, Tokenizer, find_stop
-
-
-def check_caller(loop: asyncio.AbstractEventLoop | None, thread_id: int | None) -> None:
-    """Raise unless called on `loop` (or on its thread `thread_id`, with no loop running).
-
-    A consumer is woken by a future resolved on the engine's loop; a consumer on another loop
-    or thread would never be woken, so it is refused here instead.
-    """
-    if loop is None:
-        return
-    try:
-        current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-    except RuntimeError:
-        current = None
-    if current is loop:
-        return
-    if current is None and threading.get_ident() == thread_id:
-        return
-    raise RuntimeError(
-        "this Engine runs on the event loop that started it and cannot be used from "
-        "another event loop or thread; submit work to that loop instead, e.g. with "
-        "asyncio.run_coroutine_threadsafe(engine.complete(...), engine.loop)"
-    )
 
 
 @dataclass(slots=True, eq=False)
