@@ -71,7 +71,8 @@ def resolve_sparse_layers(config: HisparseConfig, arch: ModelArchConfig) -> list
             f"hisparse does not support {arch.architecture}: its attention scores are "
             "soft-capped or scaled by query_pre_attn_scalar, which sparse attention does not apply"
         )
-    if not getattr(FAMILIES.get(arch.architecture), "hisparse", True):  # FAMILIES says no
+    family = FAMILIES.get(arch.architecture)
+    if family is not None and not family.hisparse:  # what arch.py's FAMILIES says
         raise HisparseConfigError(f"hisparse does not support {arch.architecture}")
     return sorted(layers)
 
