@@ -262,7 +262,7 @@ async def test_metrics_off_adds_no_http_families_and_no_middleware():
 
 
 def test_refusal_reasons_follow_status_and_code():
-    from stallfree.entrypoints.server.errors import overloaded, refusal_reason, shutting_down
+    from stallfree.entrypoints.server.base.errors import overloaded, refusal_reason, shutting_down
 
     engine_full = overloaded(1, "too many requests are waiting")
     assert refusal_reason(engine_full.status, engine_full.info.code) == "overloaded"

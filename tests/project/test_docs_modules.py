@@ -4,10 +4,10 @@ Which files count: every `.py` file under `stallfree/`, `__init__.py` and `__mai
 included (a package's `__init__` holds its public names and docstring, so it gets a line too).
 A module is listed when it is the first cell of a table row of docs/modules.md, written as its
 path in backticks (`| `stallfree/x/y.py` | what it holds |`). Each row must sit under the
-heading of its layer (the first package under `stallfree/`) or, inside `stallfree/runtime/`, of
-its room; the headings must follow the two import-linter layers contracts of pyproject.toml, top
-to bottom. The architecture page's room table must list the rooms of the "runtime rooms"
-contract in the contract's order.
+heading of its layer (the first package under `stallfree/`) or, inside `stallfree/runtime/` and
+`stallfree/entrypoints/server/`, of its room; the headings must follow the three import-linter
+layers contracts of pyproject.toml, top to bottom. The architecture page's two room tables must
+list the rooms of the "runtime rooms" and "server rooms" contracts in the contracts' order.
 
 Adding a module (or a room) means adding its line to docs/modules.md: this test says which.
 """
@@ -75,6 +75,11 @@ def group_of(path: str) -> str:
             name = parts[2].removesuffix(".py")
             return "runtime" if name == "__init__" else name
         return parts[2]
+    if parts[1:3] == ["entrypoints", "server"]:
+        if len(parts) == 4:
+            name = parts[3].removesuffix(".py")
+            return "server" if name == "__init__" else name
+        return parts[3]
     return parts[1]
 
 
@@ -147,18 +152,34 @@ def test_room_headings_follow_the_rooms_contract():
     _in_contract_order("runtime rooms")
 
 
-def test_architecture_room_table_follows_the_rooms_contract():
+def test_server_room_headings_follow_the_server_rooms_contract():
+    _in_contract_order("server rooms")
+
+
+def _architecture_room_tables() -> list[list[str]]:
+    """The rooms listed by each table of docs/architecture.md whose first column is `room`."""
     text = ARCHITECTURE_MD.read_text()
-    table = re.search(r"^\| room \|.*?\n((?:\|.*\n)+)", text, re.M)
-    assert table, "docs/architecture.md lost its room table (a table whose first column is room)"
-    rooms = []
-    for line in table.group(1).splitlines()[1:]:  # the first line is the |---| separator
-        first = line.split("|")[1]
-        rooms.extend(sorted(heading_keys(first)))
-    assert rooms == contract_layers("runtime rooms"), (
-        f"docs/architecture.md's room table lists {rooms}; the runtime rooms contract says "
-        f"{contract_layers('runtime rooms')}"
+    tables = []
+    for table in re.finditer(r"^\| room \|.*?\n((?:\|.*\n)+)", text, re.M):
+        rooms = []
+        for line in table.group(1).splitlines()[1:]:  # the first line is the |---| separator
+            first = line.split("|")[1]
+            rooms.extend(sorted(heading_keys(first)))
+        tables.append(rooms)
+    return tables
+
+
+def test_architecture_room_tables_follow_the_rooms_contracts():
+    tables = _architecture_room_tables()
+    assert len(tables) == 2, (
+        "docs/architecture.md should have two room tables (first column `room`): the runtime's "
+        f"and the server's; it has {len(tables)}"
     )
+    for rooms, contract in zip(tables, ("runtime rooms", "server rooms"), strict=True):
+        assert rooms == contract_layers(contract), (
+            f"docs/architecture.md's room table lists {rooms}; the {contract} contract says "
+            f"{contract_layers(contract)}"
+        )
 
 
 def test_the_docs_name_no_missing_stallfree_path():

@@ -124,39 +124,54 @@ def test_python_dash_m_and_version():
     assert out.stdout.strip() == f"stallfree {__version__}"
 
 
-def _runtime_rooms() -> list[str]:
-    """The rooms of `stallfree.runtime`, top to bottom, as pyproject.toml's contract lists them."""
+# The room contracts of pyproject.toml: (contract, its container, a low room whose probe module
+# imports a higher one when the probe is told to reach up, that higher room).
+ROOM_CONTRACTS = [
+    ("runtime rooms", "stallfree.runtime", "memory", "scheduling"),
+    ("server rooms", "stallfree.entrypoints.server", "base", "api"),
+]
+
+
+def _rooms(container: str) -> list[str]:
+    """The rooms of `container`, top to bottom, as pyproject.toml's contract lists them."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     contracts = config["tool"]["importlinter"]["contracts"]
-    (rooms,) = [c["layers"] for c in contracts if c.get("containers") == ["stallfree.runtime"]]
+    (rooms,) = [c["layers"] for c in contracts if c.get("containers") == [container]]
     return rooms
 
 
-def _lint_probe(tmp_path: Path, monkeypatch, upward: bool) -> int:
-    """Run import-linter with the rooms contract over a probe package laid out as the runtime,
-    whose memory room imports the scheduling room when `upward`."""
-    rooms = _runtime_rooms()
-    name = f"rooms_probe_{'up' if upward else 'down'}"
-    runtime = tmp_path / name / "runtime"
-    runtime.mkdir(parents=True)
-    (tmp_path / name / "__init__.py").write_text("")
-    (runtime / "__init__.py").write_text("")
+def _lint_probe(
+    tmp_path: Path, monkeypatch, contract: str, container: str, low: str, high: str, upward: bool
+) -> int:
+    """Run import-linter with a rooms contract over a probe package laid out as `container`,
+    whose `high` room imports the `low` room, and whose `low` room imports the `high` one
+    (under TYPE_CHECKING) when `upward`."""
+    rooms = _rooms(container)
+    assert rooms.index(high) < rooms.index(low), (high, low, rooms)
+    name = f"rooms_probe_{container.rsplit('.', 1)[-1]}_{'up' if upward else 'down'}"
+    inner = container.split(".")[1:]
+    box = tmp_path / name
+    box.mkdir(parents=True)
+    (box / "__init__.py").write_text("")
+    for part in inner:
+        box = box / part
+        box.mkdir()
+        (box / "__init__.py").write_text("")
+    dotted = ".".join([name, *inner])
     for room in rooms:
-        (runtime / room).mkdir()
-        (runtime / room / "__init__.py").write_text("")
-    (runtime / "scheduling" / "scheduler.py").write_text(
-        f"from {name}.runtime.memory import pool\n"
-    )
-    pool = "from typing import TYPE_CHECKING\n"
+        (box / room).mkdir()
+        (box / room / "__init__.py").write_text("")
+    (box / high / "upper.py").write_text(f"from {dotted}.{low} import lower\n")
+    lower = "from typing import TYPE_CHECKING\n"
     if upward:
-        pool += f"if TYPE_CHECKING:\n    from {name}.runtime.scheduling import scheduler\n"
-    (runtime / "memory" / "pool.py").write_text(pool)
+        lower += f"if TYPE_CHECKING:\n    from {dotted}.{high} import upper\n"
+    (box / low / "lower.py").write_text(lower)
     layers = "".join(f'    "{room}",\n' for room in rooms)
     (tmp_path / "pyproject.toml").write_text(
         f'[tool.importlinter]\nroot_package = "{name}"\n\n'
         "[[tool.importlinter.contracts]]\n"
-        'name = "runtime rooms"\ntype = "layers"\n'
-        f'containers = ["{name}.runtime"]\nlayers = [\n{layers}]\n'
+        f'name = "{contract}"\ntype = "layers"\n'
+        f'containers = ["{dotted}"]\nlayers = [\n{layers}]\n'
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -169,20 +184,35 @@ def _lint_probe(tmp_path: Path, monkeypatch, upward: bool) -> int:
     finally:
         for logger_name, disabled in before.items():
             logging.getLogger(logger_name).disabled = disabled
-        sys.modules.pop(name, None)
+        for module in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
+            sys.modules.pop(module)
 
 
-def test_the_rooms_contract_fails_on_an_upward_import_between_rooms(tmp_path, monkeypatch):
-    assert _lint_probe(tmp_path / "down", monkeypatch, upward=False) == 0
-    assert _lint_probe(tmp_path / "up", monkeypatch, upward=True) == 1
+@pytest.mark.parametrize(("contract", "container", "low", "high"), ROOM_CONTRACTS)
+def test_a_rooms_contract_fails_on_an_upward_import_between_rooms(
+    tmp_path, monkeypatch, contract, container, low, high
+):
+    args = (monkeypatch, contract, container, low, high)
+    assert _lint_probe(tmp_path / "down", *args, upward=False) == 0
+    assert _lint_probe(tmp_path / "up", *args, upward=True) == 1
 
 
-def test_the_rooms_contract_covers_every_room():
-    rooms = _runtime_rooms()
-    here = ROOT / "stallfree" / "runtime"
+@pytest.mark.parametrize("container", [c[1] for c in ROOM_CONTRACTS])
+def test_a_rooms_contract_covers_every_room(container):
+    rooms = _rooms(container)
+    here = ROOT.joinpath(*container.split("."))
     present = {p.name for p in here.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     present |= {p.stem for p in here.glob("*.py") if p.stem != "__init__"}
     assert set(rooms) == present
+
+
+def test_the_server_rooms_contract_is_exhaustive_like_the_runtime_one():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    by_name = {c["name"]: c for c in config["tool"]["importlinter"]["contracts"]}
+    for contract, container, _, _ in ROOM_CONTRACTS:
+        assert by_name[contract]["containers"] == [container]
+        assert by_name[contract]["type"] == "layers"
+        assert by_name[contract]["exhaustive"] is True, contract
 
 
 def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:

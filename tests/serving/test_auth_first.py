@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from stallfree.entrypoints.server.guard import _hostname
+from stallfree.entrypoints.server.transport.guard import _hostname
 from tests.server_util import serving
 
 KEY = "s3cret"

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from stallfree.config.settings import ServerConfig
-from stallfree.entrypoints.server import openai_api
-from stallfree.entrypoints.server.budget import RequestCost
+from stallfree.entrypoints.server.api import openai_api
+from stallfree.entrypoints.server.intake.budget import RequestCost
 from tests.http_util import MODEL, NO_EOS, serving
 
 DEFAULT_COST = ServerConfig().max_request_cost

@@ -22,8 +22,9 @@ import httpx
 import pytest
 
 from stallfree.config.settings import ServerConfig
-from stallfree.entrypoints.server import create_app, requests, screening, start_server
-from stallfree.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
+from stallfree.entrypoints.server import create_app, start_server
+from stallfree.entrypoints.server.base.protocol import ChatCompletionRequest, CompletionRequest
+from stallfree.entrypoints.server.intake import requests, screening
 from stallfree.runtime.model.loader import load_tokenizer
 from tests.engine_util import engine_config
 from tests.http_util import MODEL, NO_EOS, completion, serving, stallfree_serve

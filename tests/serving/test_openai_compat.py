@@ -10,8 +10,8 @@ from typing import Any
 import openai
 import pytest
 
-from stallfree.entrypoints.server.protocol import ChatMessage
-from stallfree.entrypoints.server.requests import _template_message
+from stallfree.entrypoints.server.base.protocol import ChatMessage
+from stallfree.entrypoints.server.intake.requests import _template_message
 from tests.server_util import module_loop
 
 NO_EOS = {"ignore_eos": True}

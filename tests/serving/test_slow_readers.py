@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from stallfree.entrypoints.server import RunningServer
-from stallfree.entrypoints.server.connections import ConnectionBudget
+from stallfree.entrypoints.server.transport.connections import ConnectionBudget
 from stallfree.runtime.telemetry.stats import EngineCounters
 from tests.engine_util import settle
 from tests.http_util import NO_EOS, completion, finished, read_to_end, serving

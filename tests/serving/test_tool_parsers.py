@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from stallfree.entrypoints.server.chat_output import ChatOutput
-from stallfree.entrypoints.server.reasoning import REASONING_PARSERS
-from stallfree.entrypoints.server.tool_parsers import (
+from stallfree.entrypoints.server.chat.chat_output import ChatOutput
+from stallfree.entrypoints.server.chat.reasoning import REASONING_PARSERS
+from stallfree.entrypoints.server.chat.tool_parsers import (
     PARSERS,
     CallDraft,
     json_array_schema,
@@ -243,7 +243,7 @@ AFTER = [
 def test_a_wrapped_grammar_constrains_only_what_follows_the_thinking(name, spec, good, bad):
     from llguidance import LLMatcher, grammar_from
 
-    from stallfree.entrypoints.server.reasoning import after_thinking
+    from stallfree.entrypoints.server.chat.reasoning import after_thinking
     from stallfree.runtime.text.grammar import build_lltokenizer
     from stallfree.runtime.text.tokenizer import ByteTokenizer
 
@@ -260,7 +260,7 @@ def test_a_wrapped_grammar_constrains_only_what_follows_the_thinking(name, spec,
 
 
 def test_what_cannot_be_wrapped_is_left_as_it_is():
-    from stallfree.entrypoints.server.reasoning import after_thinking
+    from stallfree.entrypoints.server.chat.reasoning import after_thinking
 
     parser = REASONING_PARSERS["deepseek_r1"]()
     for spec in ({"grammar": 'root ::= "a"'}, {"json": "{not json"}):

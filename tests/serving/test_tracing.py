@@ -12,7 +12,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from stallfree import Engine
 from stallfree.entrypoints.server import create_app, start_server
-from stallfree.entrypoints.server.tracing import RequestTracer
+from stallfree.entrypoints.server.output.tracing import RequestTracer
 from tests.engine_util import engine_config
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -145,7 +145,7 @@ async def test_tracing_off_adds_no_observer_and_reads_no_header():
 
 
 def test_the_endpoint_gets_the_otlp_traces_path():
-    from stallfree.entrypoints.server.tracing import _traces_url
+    from stallfree.entrypoints.server.output.tracing import _traces_url
 
     assert _traces_url("http://collector:4318") == "http://collector:4318/v1/traces"
     assert _traces_url("http://collector:4318/") == "http://collector:4318/v1/traces"

@@ -2,19 +2,19 @@
 
 Streaming is Server-Sent Events everywhere: `data: {json}` events, closed by `data: [DONE]`.
 
-| module | job |
+Its modules sit in rooms by job, top to bottom; a room imports only the rooms below it (the
+"server rooms" contract in `pyproject.toml`):
+
+| room | job |
 | --- | --- |
-| `app` | `create_app`: lifespan, app state, error handlers, API-key auth |
-| `guard` | the middleware in front: request ids, body limit, concurrency limit, drain refusals |
-| `connections` | the HTTP protocol: connection budget, request-head deadline |
-| `routes` | the route handlers |
-| `requests` | request bodies → prompt ids and `SamplingParams` |
-| `screening` | the checks before a body is used (model name, unsupported fields, chat size); dense bodies parsed and checked in a separate process |
-| `streaming` | admission, merged engine streams, SSE bodies, client-disconnect aborts |
-| `errors` | `ApiError` and the mapping of validation and engine errors to it |
-| `state` | what the app keeps for its routes: engine, limits, lifecycle (drain) |
-| `protocol` | pydantic request and response models |
 | `launch` | `serve`, `start_server`, uvicorn settings, signal handling and drain |
+| `app` | `create_app`: lifespan, app state, error handlers, API-key auth |
+| `transport/` | the middleware in front (request ids, body and concurrency limits, drain refusals) and the HTTP protocol (connection budget, request-head deadline) |
+| `api/` | the route handlers: completions, chat, `/generate`, utility routes, the disaggregated role |
+| `chat/` | a chat's tools, tool-call and reasoning parsers, a choice's text split as it grows |
+| `output/` | admission, merged engine streams, SSE bodies, response models, logprobs, tracing |
+| `intake/` | request bodies screened (dense ones in a separate process), costed and turned into prompt ids and `SamplingParams`; structured-output spellings |
+| `base/` | pydantic request models, `ApiError`, the app's state, the model's sampling defaults |
 """
 
 from __future__ import annotations

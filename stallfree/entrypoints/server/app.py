@@ -15,8 +15,10 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stallfree.config import StallfreeConfig
-from stallfree.entrypoints.server.disagg import Disaggregated, disagg_routes
-from stallfree.entrypoints.server.errors import (
+from stallfree.entrypoints.server.api.disagg import Disaggregated, disagg_routes
+from stallfree.entrypoints.server.api.routes import api_routes, open_routes
+from stallfree.entrypoints.server.api.utility import utility_routes
+from stallfree.entrypoints.server.base.errors import (
     ApiError,
     api_error_json,
     count_refusal,
@@ -24,14 +26,12 @@ from stallfree.entrypoints.server.errors import (
     error_json,
     from_invalid_request,
 )
-from stallfree.entrypoints.server.generation_defaults import load_generation_defaults
-from stallfree.entrypoints.server.guard import Guard
-from stallfree.entrypoints.server.protocol import ErrorInfo
-from stallfree.entrypoints.server.routes import api_routes, open_routes
-from stallfree.entrypoints.server.screening import close_screening
-from stallfree.entrypoints.server.state import Lifecycle, ServerState
-from stallfree.entrypoints.server.tracing import RequestTracer
-from stallfree.entrypoints.server.utility import utility_routes
+from stallfree.entrypoints.server.base.generation_defaults import load_generation_defaults
+from stallfree.entrypoints.server.base.protocol import ErrorInfo
+from stallfree.entrypoints.server.base.state import Lifecycle, ServerState
+from stallfree.entrypoints.server.intake.screening import close_screening
+from stallfree.entrypoints.server.output.tracing import RequestTracer
+from stallfree.entrypoints.server.transport.guard import Guard
 from stallfree.metrics.engine_metrics import EngineMetrics
 from stallfree.metrics.operator import ServerMetrics
 from stallfree.runtime.engine import Engine

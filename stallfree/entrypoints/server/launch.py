@@ -35,9 +35,9 @@ from uvicorn.logging import DefaultFormatter
 from stallfree.config import StallfreeConfig
 from stallfree.config.settings import ServerConfig
 from stallfree.entrypoints.server.app import create_app
-from stallfree.entrypoints.server.connections import ConnectionBudget, guarded_protocol
-from stallfree.entrypoints.server.guard import PROBES
-from stallfree.entrypoints.server.state import ServerState
+from stallfree.entrypoints.server.base.state import ServerState
+from stallfree.entrypoints.server.transport.connections import ConnectionBudget, guarded_protocol
+from stallfree.entrypoints.server.transport.guard import PROBES
 
 logger = logging.getLogger("stallfree.server")
 

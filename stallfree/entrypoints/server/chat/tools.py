@@ -19,12 +19,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stallfree.config.settings import ServerConfig
-from stallfree.entrypoints.server.chat_output import ChatOutput
-from stallfree.entrypoints.server.errors import ApiError
-from stallfree.entrypoints.server.protocol import ChatCompletionRequest, NamedToolChoice
-from stallfree.entrypoints.server.reasoning import REASONING_PARSERS, after_thinking
-from stallfree.entrypoints.server.structured import openai_structured
-from stallfree.entrypoints.server.tool_parsers import PARSERS, JsonArrayParser, json_array_schema
+from stallfree.entrypoints.server.base.errors import ApiError
+from stallfree.entrypoints.server.base.protocol import ChatCompletionRequest, NamedToolChoice
+from stallfree.entrypoints.server.chat.chat_output import ChatOutput
+from stallfree.entrypoints.server.chat.reasoning import REASONING_PARSERS, after_thinking
+from stallfree.entrypoints.server.chat.tool_parsers import (
+    PARSERS,
+    JsonArrayParser,
+    json_array_schema,
+)
+from stallfree.entrypoints.server.intake.structured import openai_structured
 from stallfree.runtime.request.structured import MAX_GRAMMAR_CHARS
 
 # what the template's own arguments are called: chat_template_kwargs may not replace them

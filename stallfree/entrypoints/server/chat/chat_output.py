@@ -13,8 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from stallfree.entrypoints.server.reasoning import ReasoningParser
-from stallfree.entrypoints.server.tool_parsers import (
+from stallfree.entrypoints.server.chat.reasoning import ReasoningParser
+from stallfree.entrypoints.server.chat.tool_parsers import (
     CallDraft,
     Parsed,
     ToolParser,

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 from partial_json_parser import Allow
 from partial_json_parser import loads as partial_loads
 
-from stallfree.entrypoints.server.reasoning import holdback
+from stallfree.entrypoints.server.chat.reasoning import holdback
 
 _OPEN_CONTAINERS = Allow.ARR | Allow.OBJ
 

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from fastapi import Request
 
 from stallfree.config.settings import ServerConfig
-from stallfree.entrypoints.server.generation_defaults import GenerationDefaults
+from stallfree.entrypoints.server.base.generation_defaults import GenerationDefaults
 from stallfree.metrics.operator import ServerMetrics
 from stallfree.runtime.engine import Engine
 
@@ -66,7 +66,7 @@ class ServerState:
     model_name: str
     limits: ServerConfig
     lifecycle: Lifecycle
-    # a disaggregated role (entrypoints/server/disagg.py `Disaggregated`), or None
+    # a disaggregated role (entrypoints/server/api/disagg.py `Disaggregated`), or None
     disagg: Any = None
     # the server's Prometheus families (refusals, request parameters); None with metrics off
     metrics: ServerMetrics | None = None

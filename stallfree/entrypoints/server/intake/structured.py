@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stallfree.entrypoints.server.errors import ApiError
+from stallfree.entrypoints.server.base.errors import ApiError
 
 _GUIDED = {
     "guided_json": "json",

@@ -33,8 +33,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from stallfree.config.settings import ServerConfig
-from stallfree.entrypoints.server.errors import ApiError
-from stallfree.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
+from stallfree.entrypoints.server.base.errors import ApiError
+from stallfree.entrypoints.server.base.protocol import ChatCompletionRequest, CompletionRequest
 
 BodyModel = TypeVar("BodyModel", bound=BaseModel)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stallfree.entrypoints.server.errors import ApiError
+from stallfree.entrypoints.server.base.errors import ApiError
 
 
 def check_fanout(prompts: int, n: int, limit: int) -> None:

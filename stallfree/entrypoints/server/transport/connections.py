@@ -36,8 +36,8 @@ from typing import Any, ClassVar
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from stallfree.entrypoints.server.errors import error_body
-from stallfree.entrypoints.server.protocol import ErrorInfo
+from stallfree.entrypoints.server.base.errors import error_body
+from stallfree.entrypoints.server.base.protocol import ErrorInfo
 
 logger = logging.getLogger("stallfree.server")
 

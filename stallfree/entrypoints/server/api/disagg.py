@@ -31,7 +31,7 @@ from stallfree.disagg.fingerprint import HandshakeError
 from stallfree.disagg.prefill import PrefillSide
 from stallfree.disagg.rooms import MAX_ROOM, RoomError
 from stallfree.disagg.trust import UntrustedPrefillError
-from stallfree.entrypoints.server.errors import ApiError
+from stallfree.entrypoints.server.base.errors import ApiError
 from stallfree.runtime.engine import Engine
 from stallfree.runtime.request.errors import InvalidRequestError
 from stallfree.runtime.request.outputs import GenerationChunk

@@ -23,19 +23,20 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import ValidationError
 
-from stallfree.entrypoints.server.errors import (
+from stallfree.entrypoints.server.base.errors import (
     CONVERSION_ERRORS,
     ApiError,
     from_conversion_error,
     from_validation,
 )
-from stallfree.entrypoints.server.generation_defaults import GenerationDefaults
-from stallfree.entrypoints.server.protocol import (
+from stallfree.entrypoints.server.base.generation_defaults import GenerationDefaults
+from stallfree.entrypoints.server.base.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
 )
-from stallfree.entrypoints.server.screening import (
+from stallfree.entrypoints.server.base.state import server_state
+from stallfree.entrypoints.server.intake.screening import (
     OFF_LOOP_BODY_BYTES,
     BodyModel,
     Screen,
@@ -43,8 +44,7 @@ from stallfree.entrypoints.server.screening import (
     screen_elsewhere,
     validate_body,
 )
-from stallfree.entrypoints.server.state import server_state
-from stallfree.entrypoints.server.structured import native_structured, openai_structured
+from stallfree.entrypoints.server.intake.structured import native_structured, openai_structured
 from stallfree.runtime.engine import Engine
 from stallfree.runtime.request.sampling_params import INT64_MAX, SamplingParams
 from stallfree.runtime.text.tokenizer import ChatTemplateError

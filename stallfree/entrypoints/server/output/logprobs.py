@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from stallfree.entrypoints.server.responses import (
+from stallfree.entrypoints.server.output.responses import (
     ChatLogprobs,
     ChatTokenLogprob,
     TopLogprob,

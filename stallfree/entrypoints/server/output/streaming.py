@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Message, Receive, Scope, Send
 
-from stallfree.entrypoints.server.errors import (
+from stallfree.entrypoints.server.base.errors import (
     CONVERSION_ERRORS,
     ENGINE_ERRORS,
     ApiError,
@@ -33,8 +33,8 @@ from stallfree.entrypoints.server.errors import (
     internal_error,
     shutting_down,
 )
-from stallfree.entrypoints.server.protocol import ErrorResponse
-from stallfree.entrypoints.server.state import Lifecycle, request_id, server_state
+from stallfree.entrypoints.server.base.protocol import ErrorResponse
+from stallfree.entrypoints.server.base.state import Lifecycle, request_id, server_state
 from stallfree.runtime.engine import Engine
 from stallfree.runtime.request.errors import EngineOverloadedError
 from stallfree.runtime.request.outputs import GenerationChunk, TokenLogprobs
@@ -54,7 +54,7 @@ class Context:
     request_id: str
     retry_after_s: int
     # where the engine requests come from: `Engine.generate`, or a disaggregated role's
-    # (prompt ids, params, rid, choice index) -> chunks (entrypoints/server/disagg.py)
+    # (prompt ids, params, rid, choice index) -> chunks (entrypoints/server/api/disagg.py)
     source: (
         Callable[[list[int], SamplingParams, str, int], AsyncIterator[GenerationChunk]] | None
     ) = None

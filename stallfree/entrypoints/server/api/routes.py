@@ -12,20 +12,27 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from stallfree.entrypoints.server.chat_api import chat
-from stallfree.entrypoints.server.errors import ApiError
-from stallfree.entrypoints.server.logprobs import native_logprobs
-from stallfree.entrypoints.server.openai_api import completions
-from stallfree.entrypoints.server.protocol import GenerateRequest
-from stallfree.entrypoints.server.requests import (
+from stallfree.entrypoints.server.api.chat_api import chat
+from stallfree.entrypoints.server.api.openai_api import completions
+from stallfree.entrypoints.server.base.errors import ApiError
+from stallfree.entrypoints.server.base.protocol import GenerateRequest
+from stallfree.entrypoints.server.base.state import server_state
+from stallfree.entrypoints.server.intake.requests import (
     converting,
     encode_async,
     native_sampling_params,
 )
-from stallfree.entrypoints.server.responses import ModelCard, ModelList
-from stallfree.entrypoints.server.screening import check_model
-from stallfree.entrypoints.server.state import server_state
-from stallfree.entrypoints.server.streaming import DONE, Context, Generation, Result, respond, sse
+from stallfree.entrypoints.server.intake.screening import check_model
+from stallfree.entrypoints.server.output.logprobs import native_logprobs
+from stallfree.entrypoints.server.output.responses import ModelCard, ModelList
+from stallfree.entrypoints.server.output.streaming import (
+    DONE,
+    Context,
+    Generation,
+    Result,
+    respond,
+    sse,
+)
 from stallfree.runtime.request.outputs import GenerationChunk
 from stallfree.runtime.request.sampling_params import SamplingParams
 

@@ -34,16 +34,16 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stallfree.config.settings import ServerConfig
-from stallfree.entrypoints.server.errors import (
+from stallfree.entrypoints.server.base.errors import (
     ApiError,
     count_refusal,
     error_body,
     internal_error,
     overloaded,
 )
-from stallfree.entrypoints.server.protocol import ErrorInfo
-from stallfree.entrypoints.server.state import Lifecycle
-from stallfree.entrypoints.server.streaming import CLIENT_CLOSED_REQUEST
+from stallfree.entrypoints.server.base.protocol import ErrorInfo
+from stallfree.entrypoints.server.base.state import Lifecycle
+from stallfree.entrypoints.server.output.streaming import CLIENT_CLOSED_REQUEST
 from stallfree.metrics.operator import ServerMetrics
 
 logger = logging.getLogger("stallfree.server")

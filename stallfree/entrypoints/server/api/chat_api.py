@@ -16,16 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from stallfree.entrypoints.server.budget import RequestCost, check_fanout
-from stallfree.entrypoints.server.chat_output import ChatOutput, ChoiceText, Piece
-from stallfree.entrypoints.server.logprobs import (
-    SharedPromptLogprobs,
-    TokenPieces,
-    chat_logprobs,
-    chat_logprobs_dump,
-    token_pieces,
-)
-from stallfree.entrypoints.server.openai_api import (
+from stallfree.entrypoints.server.api.openai_api import (
     Usage,
     open_request,
     openai_finish_reason,
@@ -33,24 +24,33 @@ from stallfree.entrypoints.server.openai_api import (
     taken,
     wants_usage,
 )
-from stallfree.entrypoints.server.protocol import ChatCompletionRequest
-from stallfree.entrypoints.server.requests import (
+from stallfree.entrypoints.server.base.protocol import ChatCompletionRequest
+from stallfree.entrypoints.server.chat.chat_output import ChatOutput, ChoiceText, Piece
+from stallfree.entrypoints.server.chat.tools import plan_chat
+from stallfree.entrypoints.server.intake.budget import RequestCost, check_fanout
+from stallfree.entrypoints.server.intake.requests import (
     chat_prompt_ids_async,
     converting,
     read_body,
     sampling_params,
     truncated,
 )
-from stallfree.entrypoints.server.responses import (
+from stallfree.entrypoints.server.intake.screening import check_chat_size
+from stallfree.entrypoints.server.output.logprobs import (
+    SharedPromptLogprobs,
+    TokenPieces,
+    chat_logprobs,
+    chat_logprobs_dump,
+    token_pieces,
+)
+from stallfree.entrypoints.server.output.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatStreamChoice,
     DeltaMessage,
     json_pieces,
 )
-from stallfree.entrypoints.server.screening import check_chat_size
-from stallfree.entrypoints.server.streaming import DONE, Context, Generation, Result, sse
-from stallfree.entrypoints.server.tools import plan_chat
+from stallfree.entrypoints.server.output.streaming import DONE, Context, Generation, Result, sse
 from stallfree.runtime.request.outputs import TokenLogprobs
 
 

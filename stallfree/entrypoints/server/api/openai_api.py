@@ -22,23 +22,25 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import Response
 
-from stallfree.entrypoints.server.budget import RequestCost, check_fanout
-from stallfree.entrypoints.server.logprobs import (
-    LegacyLists,
-    SharedPromptLogprobs,
-    TokenPieces,
-    legacy_lists,
-    token_pieces,
-)
-from stallfree.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
-from stallfree.entrypoints.server.requests import (
+from stallfree.entrypoints.server.base.protocol import ChatCompletionRequest, CompletionRequest
+from stallfree.entrypoints.server.base.state import ServerState, server_state
+from stallfree.entrypoints.server.intake.budget import RequestCost, check_fanout
+from stallfree.entrypoints.server.intake.requests import (
     converting,
     prompt_ids_async,
     read_body,
     sampling_params,
     truncated,
 )
-from stallfree.entrypoints.server.responses import (
+from stallfree.entrypoints.server.intake.screening import check_model, reject_unsupported
+from stallfree.entrypoints.server.output.logprobs import (
+    LegacyLists,
+    SharedPromptLogprobs,
+    TokenPieces,
+    legacy_lists,
+    token_pieces,
+)
+from stallfree.entrypoints.server.output.responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
@@ -46,9 +48,14 @@ from stallfree.entrypoints.server.responses import (
     UsageInfo,
     json_pieces,
 )
-from stallfree.entrypoints.server.screening import check_model, reject_unsupported
-from stallfree.entrypoints.server.state import ServerState, server_state
-from stallfree.entrypoints.server.streaming import DONE, Context, Generation, Result, respond, sse
+from stallfree.entrypoints.server.output.streaming import (
+    DONE,
+    Context,
+    Generation,
+    Result,
+    respond,
+    sse,
+)
 from stallfree.runtime.request.outputs import GenerationChunk, TokenLogprobs
 from stallfree.runtime.text.tokenizer import Tokenizer
 

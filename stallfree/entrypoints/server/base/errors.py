@@ -14,7 +14,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from stallfree.entrypoints.server.protocol import ErrorInfo, ErrorResponse
+from stallfree.entrypoints.server.base.protocol import ErrorInfo, ErrorResponse
 from stallfree.metrics.operator import ServerMetrics
 from stallfree.runtime.request.errors import (
     EngineOverloadedError,

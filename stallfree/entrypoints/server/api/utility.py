@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse
 from pydantic import Field, model_validator
 
 from stallfree import __version__
-from stallfree.entrypoints.server.errors import ApiError
-from stallfree.entrypoints.server.protocol import (
+from stallfree.entrypoints.server.base.errors import ApiError
+from stallfree.entrypoints.server.base.protocol import (
     MAX_DOCUMENTS,
     MAX_TOOLS,
     ChatCompletionRequest,
@@ -28,15 +28,15 @@ from stallfree.entrypoints.server.protocol import (
     _Body,
     _StrictRequest,
 )
-from stallfree.entrypoints.server.requests import (
+from stallfree.entrypoints.server.base.state import server_state
+from stallfree.entrypoints.server.chat.tools import template_kwargs
+from stallfree.entrypoints.server.intake.requests import (
     chat_prompt_ids_async,
     converting,
     encode_async,
     read_body,
 )
-from stallfree.entrypoints.server.screening import check_model
-from stallfree.entrypoints.server.state import server_state
-from stallfree.entrypoints.server.tools import template_kwargs
+from stallfree.entrypoints.server.intake.screening import check_model
 
 # the settings `/server_info` never shows
 SECRETS = {"server": ("api_key",)}

@@ -185,7 +185,7 @@ class _SamplingFields(_Body):
     bootstrap_host: str | None = Field(None, min_length=1, max_length=253)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, le=2**63 - 1)
-    # structured outputs, in OpenAI's and vLLM's spellings (server/structured.py maps them)
+    # structured outputs, in OpenAI's and vLLM's spellings (server/intake/structured.py maps them)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
