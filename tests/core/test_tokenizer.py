@@ -7,15 +7,14 @@ from typing import Any
 import pytest
 
 from stallfree.runtime.model.loader import load_tokenizer
+from stallfree.runtime.text.chat_template import ChatTemplateError
+from stallfree.runtime.text.detokenizer import ByteDetokenizer, IncrementalDetokenizer
+from stallfree.runtime.text.output_processor import find_stop
 from stallfree.runtime.text.tokenizer import (
-    ByteDetokenizer,
     ByteTokenizer,
-    ChatTemplateError,
     HFTokenizer,
-    IncrementalDetokenizer,
     Tokenizer,
     TokenizerLoadError,
-    find_stop,
 )
 from tests.hf_models import write_byte_tokenizer_json
 

@@ -10,7 +10,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from stallfree import Engine
-from stallfree.runtime.text.tokenizer import HFTokenizer, StreamDetokenizer
+from stallfree.runtime.text.detokenizer import StreamDetokenizer
+from stallfree.runtime.text.tokenizer import HFTokenizer
 from tests.engine_util import engine_config
 from tests.hf_models import hf_greedy, make_llama, write_byte_tokenizer_json
 

@@ -20,7 +20,18 @@ from dataclasses import dataclass, field
 from stallfree.runtime.request.outputs import GenerationChunk, TokenLogprobs
 from stallfree.runtime.request.req import Req
 from stallfree.runtime.telemetry.observer import EngineObserver
-from stallfree.runtime.text.tokenizer import Detokenizer, Tokenizer, find_stop
+from stallfree.runtime.text.detokenizer import Detokenizer
+from stallfree.runtime.text.tokenizer import Tokenizer
+
+
+def find_stop(text: str, stops: list[str], start: int) -> int | None:
+    """Earliest index of a stop string in `text` that ends in the new text `text[start:]`."""
+    best: int | None = None
+    for s in stops:
+        idx = text.find(s, max(0, start - len(s) + 1))
+        if idx != -1 and (best is None or idx < best):
+            best = idx
+    return best
 
 
 @dataclass(slots=True, eq=False)
