@@ -288,7 +288,7 @@ class Engine:
             )
         return float(timeout)
 
-    async def generate_prebuilt(
+    async def generate_imported(
         self,
         prompt_ids: Sequence[int],
         kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -304,7 +304,7 @@ class Engine:
         """
         req = self._new_req(prompt_ids, params, rid)
         core = self.core
-        self.validator.check_prebuilt(
+        self.validator.check_import(
             len(req.origin_input_ids), kv, first_token_id, core.ctx.kv_cache.shape
         )
         stream = self.requests.submit(
@@ -313,6 +313,9 @@ class Engine:
         async with contextlib.aclosing(self.requests.drain(req, stream)) as chunks:
             async for chunk in chunks:
                 yield chunk
+
+    # the name of earlier releases, kept for the applications that call it
+    generate_prebuilt = generate_imported
 
     def open_export(
         self,

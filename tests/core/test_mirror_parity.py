@@ -37,7 +37,7 @@ OPS = [
     "settle",
     "idle",
     "idle_used",
-    "prebuilt",
+    "import",
     "filter",
     "merge",
     "retract",
@@ -162,7 +162,7 @@ class World:
         batch.prepare_for_idle()
         assert batch.req_pool_indices_cpu.numel() == 0 and batch.seq_lens_cpu.numel() == 0
 
-    def op_prebuilt(self, arg: int) -> None:
+    def op_import(self, arg: int) -> None:
         n = 1 + arg % 12
         if not self.fits(n):
             return
@@ -176,7 +176,7 @@ class World:
         table = self.ctx.req_to_token_pool.req_to_token
         self.ctx.stream.submit(table.__setitem__, (req.req_pool_idx, slice(0, n)), locs)
         batch = ScheduleBatch.init_new([req], self.ctx)
-        batch.prepare_for_prebuilt()
+        batch.prepare_for_import()
         self.batches.append(batch)
 
     def op_filter(self, arg: int) -> None:
@@ -243,7 +243,7 @@ class World:
 )
 @example(ops=[("extend", 2), ("decode", 0), ("extend", 3), ("merge", 1), ("decode", 1)])
 @example(ops=[("extend", 5), ("decode", 0), ("idle_used", 0), ("extend", 1), ("merge", 0)])
-@example(ops=[("prebuilt", 3), ("extend", 6), ("merge", 1), ("retract", 0), ("decode", 0)])
+@example(ops=[("import", 3), ("extend", 6), ("merge", 1), ("retract", 0), ("decode", 0)])
 # speculative steps: two verify steps in flight, then processed in order, around a filter and
 # a merge; a retraction with drafts in flight
 @example(

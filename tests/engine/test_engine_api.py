@@ -145,7 +145,7 @@ async def test_seeded_sampling_is_reproducible_across_batches(llama):
     assert crowd[0].token_ids == alone.token_ids
 
 
-async def test_prebuilt_kv_import_continues_like_transformers(llama):
+async def test_kv_import_continues_like_transformers(llama):
     """Decode-side disaggregation: prompt KV computed elsewhere (here: by transformers)."""
     from transformers import AutoModelForCausalLM
 
@@ -162,14 +162,14 @@ async def test_prebuilt_kv_import_continues_like_transformers(llama):
     ref = hf_greedy(llama, prompt, 10)
     async with Engine(engine_config(llama, cache={"page_size": 4})) as engine:
         ids: list[int] = []
-        async for chunk in engine.generate_prebuilt(
+        async for chunk in engine.generate_imported(
             prompt, kv, first, {"max_new_tokens": 10, "ignore_eos": True}
         ):
             ids.extend(chunk.token_ids)
         await engine.wait_idle()
         assert engine.pool_usage().all_free
-        with pytest.raises(InvalidRequestError, match="prebuilt KV"):
-            async for _ in engine.generate_prebuilt(prompt, kv[:1], first):
+        with pytest.raises(InvalidRequestError, match="imported KV"):
+            async for _ in engine.generate_imported(prompt, kv[:1], first):
                 pass
     assert ids == ref
 
@@ -232,3 +232,8 @@ async def test_closing_generate_early_aborts_the_request_at_once(llama):
         assert "r" not in engine.requests  # unregistered and aborted inside aclose()
         await engine.wait_idle()
         assert engine.pool_usage().all_free
+
+
+def test_generate_prebuilt_still_names_the_kv_import() -> None:
+    """Applications written against the earlier name keep working."""
+    assert Engine.generate_prebuilt is Engine.generate_imported

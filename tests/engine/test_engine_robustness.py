@@ -432,8 +432,8 @@ async def test_use_from_another_thread_or_loop_is_a_clear_error(llama):
         async def consume_generate():
             return [c async for c in engine.generate("x", {"max_new_tokens": 2})]
 
-        async def consume_prebuilt():
-            return [c async for c in engine.generate_prebuilt([1, 2], [], 3)]
+        async def consume_imported():
+            return [c async for c in engine.generate_imported([1, 2], [], 3)]
 
         async def call_abort():
             return engine.abort("nope")
@@ -441,7 +441,7 @@ async def test_use_from_another_thread_or_loop_is_a_clear_error(llama):
         for make in (
             lambda: engine.complete("x", {"max_new_tokens": 2}),
             consume_generate,
-            consume_prebuilt,
+            consume_imported,
             call_abort,
         ):
             exc = await asyncio.to_thread(elsewhere, make)
@@ -458,10 +458,10 @@ async def test_use_from_another_thread_or_loop_is_a_clear_error(llama):
         await still_serves(engine)
 
 
-async def test_a_refused_prebuilt_import_leaves_nothing_behind(llama):
+async def test_a_refused_kv_import_leaves_nothing_behind(llama):
     async with Engine(engine_config(llama, cache={"page_size": 4})) as engine:
         shape = engine.core.ctx.kv_cache.shape
-        prompt = list(b"prebuilt")
+        prompt = list(b"imported")
 
         def kv(
             n: int = len(prompt), layers: int = shape.num_layers, heads: int = shape.num_kv_heads
@@ -479,7 +479,7 @@ async def test_a_refused_prebuilt_import_leaves_nothing_behind(llama):
         ]
         for layers, first in bad:
             with pytest.raises(InvalidRequestError):
-                async for _ in engine.generate_prebuilt(prompt, layers, first, rid="pb"):
+                async for _ in engine.generate_imported(prompt, layers, first, rid="pb"):
                     pass
             assert not engine.requests
             assert engine.pool_usage().all_free
@@ -487,7 +487,7 @@ async def test_a_refused_prebuilt_import_leaves_nothing_behind(llama):
             t
             for c in [
                 c
-                async for c in engine.generate_prebuilt(
+                async for c in engine.generate_imported(
                     prompt, kv(), 3, {"max_new_tokens": 4, **NO_EOS}, rid="pb"
                 )
             ]

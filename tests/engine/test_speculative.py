@@ -289,7 +289,7 @@ async def test_retraction_mid_window_returns_every_page(llama, workload):
     assert snap.counters.retractions > 0 and snap.pools.all_free
 
 
-async def test_a_prebuilt_request_speculates_from_its_imported_prompt(bigram_llama):
+async def test_an_imported_request_speculates_from_its_imported_prompt(bigram_llama):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -306,7 +306,7 @@ async def test_a_prebuilt_request_speculates_from_its_imported_prompt(bigram_lla
     ref, _ = await generate(spec_config(llama, None), [prompt], 16)
     async with Engine(spec_config(llama, NGRAM)) as engine:
         ids: list[int] = []
-        async for chunk in engine.generate_prebuilt(
+        async for chunk in engine.generate_imported(
             prompt, kv, first, {"max_new_tokens": 16, "ignore_eos": True}
         ):
             ids.extend(chunk.token_ids)

@@ -98,5 +98,5 @@ class PausedRequests:
         assert not any(r.spec_window for r in held), "resuming a request with drafts in flight"
         if held:
             batch = ScheduleBatch.init_new(held, running.ctx)
-            batch.prepare_for_prebuilt(imported=False)
+            batch.prepare_for_import(imported=False)
             running.merge_batch(batch)

@@ -11,7 +11,7 @@ in no batch) until it joins the decode batch with its first token (`take`, then
    runs of pages; `stash_first_token` puts the token the prefill sampled in the future map, so
    the request's first decode step resolves it like any other.
 
-Then the request joins the decode batch through `prepare_for_prebuilt`. With worker processes the
+Then the request joins the decode batch through `prepare_for_import`. With worker processes the
 layer writes and the stash are journaled (`BatchContext.import_journal`), and the next step
 message carries them: each rank writes its own KV-head shard.
 """
@@ -127,10 +127,10 @@ def import_kv(
     kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
     first_token_id: int,
 ) -> None:
-    """All at once (`Engine.generate_prebuilt`): reserve, write every layer, stash the token.
+    """All at once (`Engine.generate_imported`): reserve, write every layer, stash the token.
 
     `kv[layer]` is (k, v), each [len(prompt), num_kv_heads, head_dim] with RoPE applied, as
-    `RequestValidator.check_prebuilt` checked it. Raises `EngineOverloadedError`, holding
+    `RequestValidator.check_import` checked it. Raises `EngineOverloadedError`, holding
     nothing, when there is no room.
     """
     check_importable(ctx)
@@ -209,7 +209,7 @@ class KVImports:
     def add(
         self, req: Req, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], first_token_id: int
     ) -> ScheduleBatch:
-        """All at once (`Engine.generate_prebuilt`): import `kv` (checked already) and the
+        """All at once (`Engine.generate_imported`): import `kv` (checked already) and the
         first token; returns the request's batch, to join. Raises with nothing left behind."""
         req.check_grammar()
         import_kv(self.ctx, req, kv, first_token_id)
@@ -218,7 +218,7 @@ class KVImports:
 
     def take(self, req: Req, first_token_id: int, stash: bool = True) -> ScheduleBatch:
         """An importing request whose KV is written (or submitted to the stream): stash its
-        first token and build its one-row batch through `prepare_for_prebuilt`, its slot and
+        first token and build its one-row batch through `prepare_for_import`, its slot and
         length taken from host facts; it is importing no more. Raises with nothing left
         behind if it cannot join."""
         assert self.importing.get(req.rid) is req, f"{req.rid} is not importing"
@@ -226,7 +226,7 @@ class KVImports:
             if stash:
                 stash_first_token(self.ctx, req, first_token_id)
             batch = ScheduleBatch.init_new([req], self.ctx)
-            batch.prepare_for_prebuilt()
+            batch.prepare_for_import()
             del self.importing[req.rid]
             return batch
         except BaseException:

@@ -326,7 +326,7 @@ class ScheduleBatch:
             step=StepTensors(up(_empty()), empty_ids, empty_ids),
         )
 
-    def prepare_for_prebuilt(self, imported: bool = True) -> None:
+    def prepare_for_import(self, imported: bool = True) -> None:
         """Requests whose KV already sits in their slots: imported with its first token
         (decode-side disaggregation), or (`imported=False`) paused requests that rejoin the
         decode batch, whose last token their own last step stashed."""
@@ -337,7 +337,7 @@ class ScheduleBatch:
         n = len(self.reqs)
         rpi = stream.upload(rpi_cpu)
         self._assign(
-            "prepare_for_prebuilt",
+            "prepare_for_import",
             reqs=KEEP,
             req_pool_indices=Mirrored(rpi, rpi_cpu),
             seq_lens=Mirrored(stream.upload(seq_lens_cpu), seq_lens_cpu),

@@ -245,7 +245,7 @@ class ParkedRequests:
         """Requests ready again join `running`, their lengths and last tokens as they are."""
         if self.reqs and (back := self.take_ready()):
             batch = ScheduleBatch.init_new(back, running.ctx)
-            batch.prepare_for_prebuilt(imported=False)
+            batch.prepare_for_import(imported=False)
             running.merge_batch(batch)
 
     def take_ready(self) -> list[Req]:

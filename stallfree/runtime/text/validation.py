@@ -40,14 +40,14 @@ class RequestValidator:
         self.max_context_len = max_context_len
         self.kv_tokens = kv_tokens  # usable KV slots in all
 
-    def check_prebuilt(
+    def check_import(
         self,
         prompt_len: int,
         kv: object,
         first_token_id: object,
         shape: KVCacheShape,
     ) -> None:
-        """A prebuilt request's KV and first token (decode-side disaggregation): `kv[layer]` is
+        """An imported request's KV and first token (decode-side disaggregation): `kv[layer]` is
         (k, v), each [prompt_len, num_kv_heads, head_dim] floating point; the token is in the
         vocabulary."""
         if (
@@ -76,7 +76,7 @@ class RequestValidator:
             or not all(well_formed(layer) for layer in kv)
         ):
             raise InvalidRequestError(
-                f"prebuilt KV must be {shape.num_layers} layers of (k, v) floating-point tensors "
+                f"imported KV must be {shape.num_layers} layers of (k, v) floating-point tensors "
                 f"of shape {want}",
                 param="kv",
             )
