@@ -21,6 +21,9 @@ from tests.engine_util import settle
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
 PROMPT = [5, 9, 2, 7, 7, 1, 3, 8, 4, 4, 6]
 FAST = {"disaggregation": {"transfer_timeout_s": 0.6, "bootstrap_timeout_s": 2.0}}
+# liveness: a room whose lost prefill is not noticed this long after is a failure (the transfer
+# deadline of the test that uses it is 30 s)
+LOST_TIMEOUT_S = 10.0
 
 
 def faulty(**rates: Any) -> dict[str, Any]:
@@ -92,15 +95,14 @@ async def test_prefill_lost_fails_its_rooms_before_their_deadline(llama: str) ->
         await pair.run(PROMPT, PARAMS, 1)  # paired
         task = asyncio.ensure_future(_decode_only(pair, 2))
         await _until(lambda: _state(pair, 2) is RoomState.TRANSFERRING)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
         pair.control.alive = False
         for p in list(pair.p.pairs.values()):  # the prefill process is gone: its channel too
             assert p.channel is not None
             p.channel.close()
+        # the liveness bound is far inside the 30 s transfer deadline: what failed the room was
+        # the lost prefill, not its deadline
         with pytest.raises(RoomError, match="prefill lost"):
-            await asyncio.wait_for(task, 5)
-        assert loop.time() - started < 2
+            await asyncio.wait_for(task, LOST_TIMEOUT_S)
         pair.control.alive = True
         await still_serves(pair, 3)  # the next request pairs anew
         await all_free(pair)

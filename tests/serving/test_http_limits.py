@@ -20,6 +20,11 @@ from stallfree.entrypoints.cli import build_parser, config_from_args, main
 from tests.engine_util import settle
 from tests.http_util import MODEL, NO_EOS, SLOW, completion, finished, serving
 
+# liveness: what the server must have done by this long is a failure past it, never a speed
+# figure; the tests assert the order of events and their counts, and a deadline's lower bound
+# (load only makes an answer later)
+LIVENESS_S = 20.0
+
 # ---------------------------------------------------------------- raw HTTP
 
 
@@ -61,6 +66,10 @@ class Raw:
             return True
         return data == b""
 
+    def still_open(self) -> bool:
+        """Nothing read: the server has neither closed nor reset the connection so far."""
+        return not self.reader.at_eof() and self.reader.exception() is None
+
     def close(self) -> None:
         self.writer.close()
 
@@ -71,6 +80,11 @@ def head(method: str, path: str, *headers: str) -> bytes:
 
 
 # ---------------------------------------------------------------- body size (item 3)
+
+
+async def _until_idle(engine: Any) -> None:
+    while engine.snapshot().running:
+        await asyncio.sleep(0.005)
 
 
 async def test_a_body_over_the_limit_is_413_before_it_is_read():
@@ -126,14 +140,15 @@ async def test_a_body_within_the_limit_is_served():
 
 async def test_a_body_that_does_not_arrive_in_time_is_408():
     async with serving(server={"body_timeout_s": 0.5}) as live:
+        start = time.monotonic()  # before the connection: the server's clock starts later
         raw = await Raw.open(live.port)
         await raw.send(
             head("POST", "/v1/completions", "Content-Type: application/json", "Content-Length: 50")
             + b'{"model": '
         )
-        start = time.monotonic()
-        status, _, body = await raw.response(timeout=5)
-        assert status == 408 and 0.4 < time.monotonic() - start < 3
+        status, _, body = await raw.response(timeout=LIVENESS_S)
+        assert status == 408
+        assert time.monotonic() - start >= 0.5  # not before the body's deadline
         assert json.loads(body)["error"]["code"] == "request_timeout"
         raw.close()
 
@@ -192,24 +207,27 @@ async def test_a_host_outside_allowed_hosts_is_400():
 
 async def test_a_header_sent_byte_by_byte_is_dropped_within_the_timeout():
     async with serving(server={"header_timeout_s": 0.5}) as live:
+        start = time.monotonic()  # before the connection: the server's clock starts later
         raw = await Raw.open(live.port)
-        start = time.monotonic()
         await raw.send(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-        closed = False
-        # a slowloris client: one byte every 50 ms, for up to 4 s
-        for byte in b"X-Slow: " + b"a" * 80:
+        # a slowloris client: one byte every 50 ms, a header line that would take the liveness
+        # bound to finish; the server must cut it before the head is whole
+        trickle = b"X-Slow: " + b"a" * int(LIVENESS_S / 0.05)
+        sent = 0
+        for byte in trickle:
             try:
                 await raw.send(bytes([byte]))
             except (ConnectionError, OSError):
-                closed = True
                 break
+            sent += 1
             if await raw.closed_by_peer(0.05):
-                closed = True
                 break
+        else:
+            raise AssertionError("the server kept a slowloris connection open")
         elapsed = time.monotonic() - start
         raw.close()
-        assert closed, "the server kept a slowloris connection open"
-        assert 0.4 < elapsed < 1.5, elapsed
+        assert sent < len(trickle)
+        assert elapsed >= 0.5, elapsed  # the head's deadline, not a byte-rate rule, closed it
 
 
 async def test_idle_connections_are_closed():
@@ -244,16 +262,15 @@ async def test_2000_idle_sockets_neither_keep_a_new_client_out_nor_stay_open():
         idle: list[Raw] = []
         for _ in range(IDLE_SOCKETS // 200):
             idle += await asyncio.gather(*(Raw.open(live.port) for _ in range(200)))
-        opened = time.monotonic()
-        start = time.monotonic()
         assert (await live.http.get("/health")).status_code == 200
         ok = await live.http.post("/v1/completions", json=completion())
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
-        assert time.monotonic() - start < 2
+        # the new client was answered before the idle sockets' deadline freed their places:
+        # the last one opened is still open
+        assert idle[-1].still_open()
         # every idle socket is closed by the server once its head deadline passes
-        closed = await asyncio.gather(*(r.closed_by_peer(5) for r in idle))
+        closed = await asyncio.gather(*(r.closed_by_peer(LIVENESS_S) for r in idle))
         assert all(closed), closed.count(False)
-        assert time.monotonic() - opened < 6
         for r in idle:
             r.close()
 
@@ -315,8 +332,8 @@ async def test_past_the_waiting_bound_the_engine_is_503_and_streams_start_at_onc
             lines = running.aiter_lines()
             while not (await anext(lines)).startswith("data: "):
                 pass
-            # two more wait; their headers come at once, long before their first token
-            start = time.monotonic()
+            # two more wait; their headers come at once, before their first token: both are
+            # still waiting when the headers are in
             waiting = [
                 await stack.enter_async_context(
                     live.http.stream("POST", "/v1/completions", json=body)
@@ -324,7 +341,6 @@ async def test_past_the_waiting_bound_the_engine_is_503_and_streams_start_at_onc
                 for _ in range(2)
             ]
             assert [w.status_code for w in waiting] == [200, 200]
-            assert time.monotonic() - start < 1.0
             snap = live.engine.snapshot()
             assert (snap.running, snap.waiting) == (1, 2)
             refused = await live.http.post("/v1/completions", json=completion())
@@ -426,12 +442,12 @@ async def test_a_client_that_leaves_a_whole_answer_is_seen_at_once_without_polli
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)
         raw.close()
-        left = time.monotonic()
-        while live.engine.snapshot().running:
-            await asyncio.sleep(0.005)
-        assert time.monotonic() - left < 0.2
+        left = live.engine.snapshot().counters.generation_tokens
+        await asyncio.wait_for(_until_idle(live.engine), LIVENESS_S)
         await settle(live.engine)
         assert finished(live.engine, "abort") == 1
+        # cut off on the disconnect, far short of its 500 tokens
+        assert live.engine.snapshot().counters.generation_tokens - left < 100
     assert not polled
 
 

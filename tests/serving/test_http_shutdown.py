@@ -24,6 +24,10 @@ from tests.http_util import (
     warnings_logged,
 )
 
+# liveness: a server that has not stopped this long after its drain or its engine's death is
+# a failure (a timeout, never a speed figure)
+STOP_TIMEOUT_S = 20.0
+
 
 async def sse_events(http: httpx.AsyncClient, body: dict[str, Any]) -> list[str]:
     async with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
@@ -49,10 +53,10 @@ async def test_a_drain_answers_503_at_once_and_lets_running_requests_finish():
         )
         await until(lambda: live.engine.snapshot().running == 2)
         live.server.drain()
-        start = time.monotonic()
         health = await live.http.get("/health")
         assert health.status_code == 503 and health.json() == {"status": "draining"}
-        assert time.monotonic() - start < 0.1
+        # at once: before either running request has finished
+        assert live.engine.snapshot().running == 2
         refused = await live.http.post("/v1/completions", json=completion())
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "shutting_down"
@@ -63,7 +67,7 @@ async def test_a_drain_answers_503_at_once_and_lets_running_requests_finish():
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
         answer = await whole
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 50
-        assert await asyncio.wait_for(live.server.wait(), 5) == 0
+        assert await asyncio.wait_for(live.server.wait(), STOP_TIMEOUT_S) == 0
         await settle(live.engine)
 
 
@@ -84,16 +88,16 @@ async def _cut_off_at_the_deadline() -> None:
         ]
         await until(lambda: live.server.server.sf.lifecycle.in_flight == 6)
         await until(lambda: len(live.server.server.sf.lifecycle.admitted) == 6)
-        start = time.monotonic()
         live.server.drain()
         for events in await asyncio.gather(*streams):
             assert events[-1] == "[DONE]"
             error = json.loads(events[-2])["error"]
             assert error["code"] == "shutting_down" and error["type"] == "service_unavailable"
+            # cut at the deadline, not at the end: far fewer token events than the 400 asked
+            assert len(events) < 200, len(events)
         for r in await asyncio.gather(*wholes):
             assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
-        assert await asyncio.wait_for(live.server.wait(), 5) == 0
-        assert time.monotonic() - start < 2.5
+        assert await asyncio.wait_for(live.server.wait(), STOP_TIMEOUT_S) == 0
         await settle(live.engine)
         assert finished(live.engine, "abort") == 6
 
@@ -104,7 +108,7 @@ async def test_a_server_whose_engine_failed_closed_stops_with_status_1():
         live.server.server.exit_on_engine_death = True
         r = await live.http.post("/v1/completions", json=completion())
         assert r.status_code == 500
-        assert await asyncio.wait_for(live.server.wait(), 5) == 1
+        assert await asyncio.wait_for(live.server.wait(), STOP_TIMEOUT_S) == 1
 
 
 # ---------------------------------------------------------------- `stallfree serve` subprocesses
@@ -130,9 +134,11 @@ def test_sigint_drains_then_exits_0_and_probes_stay_out_of_the_access_log():
                     break
             proc.send_signal(signal.SIGINT)
             time.sleep(0.05)
-            health = httpx.get(base + "/health", timeout=2)
+            health = httpx.get(base + "/health", timeout=STOP_TIMEOUT_S)
             assert health.status_code == 503
-            refused = httpx.post(base + "/v1/completions", json=completion(), timeout=2)
+            refused = httpx.post(
+                base + "/v1/completions", json=completion(), timeout=STOP_TIMEOUT_S
+            )
             assert refused.status_code == 503
             rest = [line[6:] for line in lines if line.startswith("data: ")]
         assert rest[-1] == "[DONE]"
@@ -159,15 +165,15 @@ def test_sigterm_past_the_grace_period_ends_streams_with_an_error_and_exits_0():
             for line in lines:
                 if line.startswith("data: {"):
                     break
-            start = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             whole = other.post("/v1/completions", json=body | {"max_tokens": 900})
             rest = [line[6:] for line in lines if line.startswith("data: ")]
         assert whole.status_code == 503 and whole.json()["error"]["code"] == "shutting_down"
         assert rest[-1] == "[DONE]"
         assert json.loads(rest[-2])["error"]["code"] == "shutting_down"
+        # cut at the grace period's end, far short of the 1000 tokens asked
+        assert len(rest) < 500, len(rest)
         assert proc.wait(timeout=30) == 0
-        assert time.monotonic() - start < 6
         out = proc.stdout.read() if proc.stdout else ""
     assert "Traceback" not in out and "HTTP/1.1" not in out
     assert "grace period over" in out

@@ -22,8 +22,9 @@ from tests.engine_util import settle
 from tests.http_util import NO_EOS, completion, finished, read_to_end, serving, warnings_logged
 
 GRACE_S = 0.5
-# the grace period, the server's 0.1 s ticks, the lifespan's engine shutdown
-PROMPTLY_S = GRACE_S + 2.0
+# liveness: a server not stopped this long after its drain began is a failure; far inside the
+# 60 s write timeout the stalled writers would otherwise hold it for
+STOP_TIMEOUT_S = 15.0
 
 
 def shrink_send_buffers(server: RunningServer) -> None:
@@ -81,11 +82,8 @@ async def test_streams_that_are_not_read_are_reset_at_the_deadline_and_the_serve
         reading = asyncio.create_task(sse_events(live.http, completion(max_tokens=1000) | NO_EOS))
         await until(lambda: stalled(live.server) == 8)
         with warnings_logged() as records:
-            start = time.monotonic()
             live.server.drain()
-            assert await asyncio.wait_for(live.server.wait(), 15) == 0
-            took = time.monotonic() - start
-        assert took < PROMPTLY_S, f"stopped {took:.1f}s after the drain began"
+            assert await asyncio.wait_for(live.server.wait(), STOP_TIMEOUT_S) == 0
         quiet(records)
         assert "(8 connections not reading closed)" in records[0].getMessage()
         events = await reading
@@ -111,12 +109,10 @@ async def test_an_answer_left_unread_does_not_hold_the_stop():
         budget = live.server.server.config.http.budget  # type: ignore[union-attr]
         assert any(conn.transport.get_write_buffer_size() > 0 for conn in budget.live)
         with warnings_logged() as records:
-            start = time.monotonic()
             live.server.drain()
-            assert await asyncio.wait_for(live.server.wait(), 15) == 0
-            took = time.monotonic() - start
-        # nothing ran past the grace period: nothing is logged
-        assert took < PROMPTLY_S, f"stopped {took:.1f}s after the drain began"
+            assert await asyncio.wait_for(live.server.wait(), STOP_TIMEOUT_S) == 0
+        # nothing ran past the grace period (uvicorn's own 5 s wait for the unread buffer
+        # would end in an error line): nothing is logged
         assert records == [], [r.getMessage() for r in records]
         assert read_to_end(sock).startswith(b"HTTP/1.1 200")
         await settle(live.engine)
