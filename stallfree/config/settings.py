@@ -146,6 +146,12 @@ class RuntimeConfig(_Section):
         False,
         description="Log each request's arrival and finish (id, tokens, reason, latency) at INFO",
     )
+    structured_outputs_strict: bool = Field(
+        True,
+        description="JSON schemas of structured outputs and tools allow only the properties "
+        "and tuple items they name, unless they say otherwise (additionalProperties); off: "
+        "JSON schema's own default, where unnamed properties are allowed",
+    )
     worker: Literal["auto", "inprocess", "process"] = Field(
         "auto",
         description="Where the model runs: inprocess (the scheduler's process) or process "

@@ -455,6 +455,7 @@ def _wire(
             tokenizer,
             arch.vocab_size,
             unsupported_reason(config, device.type, not isinstance(stream, ProcessStream)),
+            strict=config.runtime.structured_outputs_strict,
         ),
     )
 

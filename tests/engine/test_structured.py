@@ -223,14 +223,14 @@ def test_a_dead_end_is_reported_to_the_host_and_masks_only_eos(llama):
     from llguidance import LLMatcher
 
     from stallfree.runtime.model.loader import load_tokenizer
-    from stallfree.runtime.text.grammar import build_lltokenizer
+    from stallfree.runtime.text.grammar import RequestGrammar, build_lltokenizer
 
     tok = load_tokenizer(llama)
     vocab = tok.vocab_size
     lltok = build_lltokenizer(tok, vocab)
     matcher = LLMatcher(lltok, LLMatcher.grammar_from_regex("ab"), log_level=0)
     state = GrammarState(num_slots=4, vocab=vocab)
-    plan = GrammarPlan([0], [2], [True], [(2, matcher, [])], torch.tensor([0]))
+    plan = GrammarPlan([0], [2], [True], [(2, RequestGrammar("", matcher), [])], torch.tensor([0]))
     state.start(plan)
     logits = torch.zeros(1, vocab)
     started = plan.seconds
@@ -242,3 +242,33 @@ def test_a_dead_end_is_reported_to_the_host_and_masks_only_eos(llama):
     assert how == "error" and "doesn't satisfy the grammar" in message
     after = state.apply(logits, plan, logits)
     assert torch.isfinite(after[0]).nonzero().flatten().tolist() == sorted(tok.eos_token_ids)
+
+
+LOOSE = {  # pydantic's and LangChain's shape: no additionalProperties
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a"],
+}
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "lenient"])
+async def test_strict_by_default_a_schema_allows_only_the_keys_it_names(llama, strict):
+    cfg = engine_config(llama, runtime={"structured_outputs_strict": strict})
+    async with Engine(cfg) as engine:
+        replies = await _sampled(engine, "a:", {"json": LOOSE}, n=12)
+        keys = [list(json.loads(r.text)) if r.finish_reason == "stop" else None for r in replies]
+        if strict:
+            assert keys == [["a"]] * 12, [r.text for r in replies]
+        else:  # JSON schema's own default: the model may add keys (and run to max_tokens)
+            assert any(k != ["a"] for k in keys), [r.text for r in replies]
+
+
+async def test_regex_classes_are_ascii(llama):
+    async with Engine(engine_config(llama)) as engine:
+        replies = await _sampled(engine, "n:", {"regex": r"\d{3}\s\w"}, n=12)
+        for r in replies:
+            assert re.fullmatch(r"[0-9]{3}[ \t\n\r\f\v][0-9A-Za-z_]", r.text), r.text
+        pattern = {"type": "string", "pattern": r"^\d\d$"}
+        schema = {"type": "object", "properties": {"d": pattern}, "required": ["d"]}
+        for r in await _sampled(engine, "d:", {"json": schema}, n=6):
+            assert re.fullmatch(r'\{"d":\s*"[0-9]{2}"\}', r.text), r.text

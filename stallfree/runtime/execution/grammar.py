@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from stallfree.runtime.execution.logits_processor import LogitsProcessor, StepRows, Uploads
+from stallfree.runtime.text.grammar import RequestGrammar
 
 _I32 = torch.int32
 
@@ -39,8 +40,8 @@ class GrammarPlan:
     rows: list[int]
     slots: list[int]
     consume: list[bool]  # the row's token is an output its request keeps
-    # (slot, matcher, outputs the host knows): matchers to (re)start before this step
-    starts: list[tuple[int, Any, list[int]]]
+    # (slot, grammar, outputs the host knows): matchers to (re)start before this step
+    starts: list[tuple[int, RequestGrammar, list[int]]]
     rows_t: torch.Tensor  # rows, uploaded
     # stream -> host, valid after the step's event: row -> ("complete" | "error", message)
     ended: dict[int, tuple[str, str]] = field(default_factory=dict)
@@ -65,12 +66,13 @@ class GrammarState:
         if not plan.starts:
             return
         begin = time.perf_counter()
-        for slot, matcher, outputs in plan.starts:
+        for slot, grammar, outputs in plan.starts:
+            matcher = grammar.matcher
             matcher.reset()
             if outputs:
                 matcher.consume_tokens(outputs)
             self.matchers[slot] = matcher
-        self._fill([(m, slot) for slot, m, _ in plan.starts])
+        self._fill([(g.matcher, slot) for slot, g, _ in plan.starts])
         plan.seconds += time.perf_counter() - begin
 
     def apply(self, logits: torch.Tensor, plan: GrammarPlan, raw: torch.Tensor) -> torch.Tensor:
@@ -149,7 +151,7 @@ class Grammar(LogitsProcessor[GrammarPlan]):
         if not constrained:
             return None
         slots: list[int] = []
-        starts: list[tuple[int, object, list[int]]] = []
+        starts: list[tuple[int, RequestGrammar, list[int]]] = []
         for row in constrained:
             req = rows.reqs[row]
             slot = req.req_pool_idx

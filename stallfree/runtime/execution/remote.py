@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from stallfree.overlap.stream import Event
 from stallfree.runtime.execution.context import BatchContext
 from stallfree.runtime.execution.planner import StepArgs
 from stallfree.runtime.memory.pool import KVCache
+from stallfree.runtime.text.grammar import RequestGrammar
 
 # ---------------------------------------------------------------------- the step message
 
@@ -51,10 +53,18 @@ class StepResult:
     token_ids: Any  # encoded [B] int64
     logprobs: dict[str, Any] | None  # LogprobBuffers fields, encoded
     step_seconds: float
+    # the grammar part's stream -> host facts (`GrammarPlan.ended`, `.seconds`), if planned
+    grammar: tuple[dict[int, tuple[str, str]], float] | None = None
 
 
 class _TensorPickler(pickle.Pickler):
-    """Pickles CPU tensors as raw bytes (`encode_tensor`): no storage sharing, no numpy."""
+    """Pickles CPU tensors as raw bytes (`encode_tensor`): no storage sharing, no numpy; a
+    request's grammar as its text (each worker builds its own matcher: `StepUnpickler`)."""
+
+    def persistent_id(self, obj: object) -> Any:
+        if isinstance(obj, RequestGrammar):
+            return ("grammar", obj.text)
+        return None
 
     def reducer_override(self, obj: object) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -68,6 +78,20 @@ def dumps(obj: object) -> bytes:
     buf = io.BytesIO()
     _TensorPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()
+
+
+class StepUnpickler(pickle.Unpickler):
+    """A worker's reader of step messages: a grammar's text becomes a matcher of its own."""
+
+    def __init__(self, data: bytes, matchers: Callable[[str], Any]) -> None:
+        super().__init__(io.BytesIO(data))
+        self.matchers = matchers
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, text = pid
+        if kind != "grammar":
+            raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
+        return RequestGrammar(text, self.matchers(text))
 
 
 class RemoteExecutor:
@@ -91,8 +115,14 @@ class RemoteExecutor:
         message = StepMessage(sent, writes, imported)
         stream = self.remote
 
+        grammar = args.plan.grammar if args.plan is not None else None
+
         def take(result: StepResult) -> None:
             token_ids_cpu.copy_(decode_tensor(result.token_ids))
+            if grammar is not None and result.grammar is not None:
+                ended, seconds = result.grammar
+                grammar.ended.update(ended)
+                grammar.seconds += seconds
             if logprobs is not None and result.logprobs is not None:
                 for name, enc in result.logprobs.items():
                     getattr(logprobs, name).copy_(decode_tensor(enc))

@@ -44,7 +44,7 @@ from stallfree.overlap.stream import make_stream
 from stallfree.runtime.execution.context import BatchContext
 from stallfree.runtime.execution.executor import LocalExecutor
 from stallfree.runtime.execution.logits import LogprobBuffers
-from stallfree.runtime.execution.remote import StepMessage, StepResult
+from stallfree.runtime.execution.remote import StepMessage, StepResult, StepUnpickler
 from stallfree.runtime.execution.sampler import Sampler
 from stallfree.runtime.memory.pool import (
     KVCache,
@@ -52,6 +52,7 @@ from stallfree.runtime.memory.pool import (
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
+from stallfree.runtime.text.grammar import MatcherFactory
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ def _to_device(obj: Any, device: torch.device) -> Any:
 
 class _Worker:
     def __init__(self, spec: WorkerSpec, rank: int, stats: torch.Tensor) -> None:
-        from stallfree.runtime.model.loader import load_model
+        from stallfree.runtime.model.loader import load_model, load_tokenizer
 
         self.spec, self.rank, self.stats = spec, rank, stats
         self.local = rank - spec.local_ranks().start
@@ -210,6 +211,11 @@ class _Worker:
         )
         faults = FaultConfig(**spec.faults)
         self.ctx = ctx
+        eos = arch.eos_token_ids
+        # structured outputs: matchers for the grammars steps bring (built when one first does)
+        self.matchers = MatcherFactory(
+            lambda: load_tokenizer(spec.model_path, eos), arch.vocab_size
+        )
         self.executor = LocalExecutor(
             loaded.model,
             ctx,
@@ -273,7 +279,9 @@ class _Worker:
                 for f in dataclasses.fields(logprobs)
                 if isinstance(getattr(logprobs, f.name), torch.Tensor)
             }
-        return StepResult(encode_tensor(args.token_ids_cpu), lp, elapsed)
+        part = args.plan.grammar if args.plan is not None else None
+        grammar = None if part is None else (part.ended, part.seconds)
+        return StepResult(encode_tensor(args.token_ids_cpu), lp, elapsed, grammar)
 
     def _apply_imports(self, imports: list[tuple[Any, ...]]) -> None:
         """Imported KV (this rank's KV-head shard of each layer) and first tokens."""
@@ -355,7 +363,7 @@ def _serve(worker: _Worker, rank: int, conn: Connection | None) -> None:
         if kind == "stop":
             return
         try:
-            result = worker.run_step(pickle.loads(body))
+            result = worker.run_step(StepUnpickler(body, worker.matchers).load())
         except Exception as exc:
             logger.exception("step %d failed on rank %d", seq, rank)
             if conn is None:

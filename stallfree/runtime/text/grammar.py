@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from stallfree.config import StallfreeConfig
 from stallfree.runtime.request.errors import InvalidRequestError
 from stallfree.runtime.request.structured import StructuredOutputs
+from stallfree.runtime.text.ascii_regex import ascii_classes
+from stallfree.runtime.text.strict_schema import prepare_schema
 from stallfree.runtime.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 CACHE_ENTRIES = 256
@@ -61,18 +66,24 @@ def build_lltokenizer(tokenizer: Tokenizer, vocab_size: int) -> Any:
     raise TypeError(f"structured outputs do not support a {type(tokenizer).__name__}")
 
 
-def grammar_text(spec: StructuredOutputs) -> str:
-    """The llguidance grammar for `spec` (not yet checked)."""
+def grammar_text(spec: StructuredOutputs, strict: bool = True) -> str:
+    """The llguidance grammar for `spec` (not yet checked). A JSON schema is read as vLLM's
+    default backend reads it (strict unless `strict` is off, regex classes in ASCII) and a
+    regex's classes are ASCII (`text/strict_schema.py`)."""
     from llguidance import LLMatcher, grammar_from
 
     kind = spec.kind
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema('{"type": "object"}', _JSON_DEFAULTS)
     if kind == "json":
-        return LLMatcher.grammar_from_json_schema(spec.schema_text, _JSON_DEFAULTS)
+        schema = json.loads(spec.schema_text)
+        text = spec.schema_text
+        if isinstance(schema, dict):
+            text = json.dumps(prepare_schema(schema, strict), ensure_ascii=False)
+        return LLMatcher.grammar_from_json_schema(text, _JSON_DEFAULTS)
     if kind == "regex":
         assert spec.regex is not None
-        return LLMatcher.grammar_from_regex(spec.regex)
+        return LLMatcher.grammar_from_regex(ascii_classes(spec.regex))
     if kind == "choice":
         assert spec.choice is not None
         return grammar_from("choice", spec.choice)  # type: ignore[arg-type]
@@ -83,16 +94,58 @@ def grammar_text(spec: StructuredOutputs) -> str:
 def unsupported_reason(config: StallfreeConfig, device: str, in_process: bool) -> str | None:
     """Why an engine laid out like this cannot constrain its output, or None.
 
-    The matchers live with the stream in this process and the masks are computed on the CPU
-    stream's thread; worker processes, the CUDA stream and speculative verification do not
-    run them yet (docs/structured.md)."""
-    if not in_process:
-        return "structured outputs need the model in this process (tp_size 1, worker inprocess)"
-    if device != "cpu":
-        return f"structured outputs are not available on the {device} stream yet"
+    A matcher lives where its request's tokens are sampled: on the CPU stream's thread in this
+    process, or in each worker process (which runs a step whole before the next). The CUDA
+    stream in this process launches a step before the previous one's tokens are on the host,
+    so its masks are not computed yet (docs/structured.md)."""
+    if in_process and device != "cpu":
+        return (
+            f"structured outputs are not available on the in-process {device} stream yet; "
+            "start the server with --worker process"
+        )
     if config.speculative.enabled:
         return "structured outputs are not available with speculative decoding yet"
     return None
+
+
+@dataclass(slots=True, eq=False)
+class RequestGrammar:
+    """A request's grammar: the checked llguidance grammar text, and the request's own matcher.
+
+    The matcher lives where the request's tokens are sampled. In this process that is this one;
+    a step message to worker processes carries the text alone (`execution/remote.py`), and each
+    worker rebuilds the matcher from it with its own `MatcherFactory`."""
+
+    text: str
+    matcher: Any
+
+
+class MatcherFactory:
+    """Matchers from checked grammar texts, for a process that samples (a worker): compiled
+    once per text (LRU), each call a fresh copy. The tokenizer is built on first use."""
+
+    def __init__(self, tokenizer: Callable[[], Tokenizer], vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._lltok: Any = None
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+
+    def __call__(self, text: str) -> Any:
+        from llguidance import LLMatcher
+
+        template = self._cache.get(text)
+        if template is None:
+            if self._lltok is None:
+                self._lltok = build_lltokenizer(self._tokenizer(), self.vocab_size)
+            template = LLMatcher(self._lltok, text, log_level=0)
+            if template.is_error():  # the host checked this text with the same vocabulary
+                raise RuntimeError(f"grammar: {_one_line(template.get_error())}")
+            self._cache[text] = template
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(text)
+        return template.deep_copy()
 
 
 class GrammarCompiler:
@@ -104,8 +157,10 @@ class GrammarCompiler:
         vocab_size: int,
         unsupported: str | None = None,
         workers: int = 2,
+        strict: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
+        self.strict = strict  # JSON schemas allow only what they name (text/strict_schema.py)
         self.vocab_size = vocab_size
         # why this engine cannot constrain output (its layout), or None
         self.unsupported = unsupported
@@ -113,8 +168,8 @@ class GrammarCompiler:
         self._workers = workers
         self._lltok: Any = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, Any] = OrderedDict()
-        self._pending: dict[str, asyncio.Future[Any]] = {}
+        self._cache: OrderedDict[str, tuple[str, Any]] = OrderedDict()
+        self._pending: dict[str, asyncio.Future[tuple[str, Any]]] = {}
         # figures for the benchmark and the logs: compilations, cache hits, seconds compiling
         self.compiled = 0
         self.hits = 0
@@ -127,13 +182,15 @@ class GrammarCompiler:
                 self._lltok = build_lltokenizer(self.tokenizer, self.vocab_size)
             return self._lltok
 
-    async def matcher(self, spec: StructuredOutputs, param: str = "structured_outputs") -> Any:
+    async def matcher(
+        self, spec: StructuredOutputs, param: str = "structured_outputs"
+    ) -> RequestGrammar:
         """A fresh matcher for `spec`, compiled in a worker (or copied from the cache)."""
         if self.unsupported is not None:
             raise InvalidRequestError(self.unsupported, param=param, code="unsupported")
         key = f"{spec.kind}\0{self._key(spec)}"
-        template: Any = self._cache.get(key)
-        if template is None:
+        compiled = self._cache.get(key)
+        if compiled is None:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(
                     self._workers, thread_name_prefix="stallfree-grammar"
@@ -147,14 +204,15 @@ class GrammarCompiler:
                 pending.add_done_callback(lambda _: self._pending.pop(key, None))
             else:
                 self.hits += 1
-            template = await asyncio.shield(pending)
-            self._cache[key] = template
+            compiled = await asyncio.shield(pending)
+            self._cache[key] = compiled
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
         else:
             self.hits += 1
             self._cache.move_to_end(key)
-        return template.deep_copy()
+        text, template = compiled
+        return RequestGrammar(text, template.deep_copy())
 
     @staticmethod
     def _key(spec: StructuredOutputs) -> str:
@@ -165,14 +223,14 @@ class GrammarCompiler:
             return "\0".join(spec.choice or ())
         return (spec.regex if kind == "regex" else spec.grammar) or ""
 
-    def _compile(self, spec: StructuredOutputs, param: str) -> Any:
+    def _compile(self, spec: StructuredOutputs, param: str) -> tuple[str, Any]:
         """Worker thread: the grammar, checked and compiled."""
         from llguidance import LLMatcher
 
         start = time.perf_counter()
         tok = self.lltokenizer()
         try:
-            grammar = grammar_text(spec)
+            grammar = grammar_text(spec, self.strict)
         except ValueError as e:
             what = "the JSON schema is not valid JSON: " if spec.kind == "json" else ""
             raise InvalidRequestError(f"{param}: {what}{_one_line(str(e))}", param=param) from e
@@ -187,7 +245,7 @@ class GrammarCompiler:
             raise InvalidRequestError(f"{param}: {_one_line(matcher.get_error())}", param=param)
         self.compiled += 1
         self.compile_seconds += time.perf_counter() - start
-        return matcher
+        return grammar, matcher
 
     def close(self) -> None:
         if self._pool is not None:
