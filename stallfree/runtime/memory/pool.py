@@ -7,6 +7,8 @@ from typing import Protocol
 
 import torch
 
+from stallfree.runtime.memory.lazy_zeros import zeros
+
 
 class ReqToTokenPool:
     """Request slots. Row `i` of `req_to_token` holds the KV slot of each token of request `i`."""
@@ -15,7 +17,7 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.device = device
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.req_to_token = zeros((size, max_context_len), torch.int64, device)
         self._free: list[int] = list(range(size - 1, -1, -1))
         self._free_set: set[int] = set(self._free)
 
@@ -114,12 +116,9 @@ class KVCache:
         self.dtype = dtype
         self.device = device
         dims = (num_slots, shape.num_kv_heads, shape.head_dim)
-        self.k_buffers = [
-            torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)
-        ]
-        self.v_buffers = [
-            torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)
-        ]
+        # pages are committed as tokens are written: the pool costs what the contexts use
+        self.k_buffers = [zeros(dims, dtype, device) for _ in range(shape.num_layers)]
+        self.v_buffers = [zeros(dims, dtype, device) for _ in range(shape.num_layers)]
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffers[layer][loc] = k.to(self.dtype)

