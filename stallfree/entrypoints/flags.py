@@ -42,6 +42,8 @@ LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 # vLLM's --dtype spellings that name the same type as one of ours
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DTYPES = ["auto", "float32", "float16", "bfloat16", "float64"]
+# a row's keywords for an on/off flag (--x and --no-x) whose unset value leaves the setting
+SWITCH: dict[str, Any] = {"action": argparse.BooleanOptionalAction, "default": None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +108,11 @@ def settings_from_args(args: argparse.Namespace, *tables: Table) -> dict[str, di
 
 class SectionFlag(argparse.Action):
     """A flag that fills part of a section two projects spell differently (speculative decoding,
-    disaggregation). What each such flag said is kept under `dest` as {flag: {"value": shown,
-    "sets": settings}}, in command-line order (a flag given again moves to the end); `to`
-    turns the parsed value into the section's settings, and `check` refuses a flag that
-    contradicts those given before it, as a usage error, while the flags are parsed."""
+    disaggregation). What each such flag said is kept under `dest` as {flag: {"value": text as
+    written, "sets": settings}}, in command-line order (a flag given again moves to the end);
+    `to` turns the text into the section's settings (ArgumentTypeError: a bad value), and
+    `check` refuses a flag that contradicts those given before it (ValueError), each as a usage
+    error while the flags are parsed."""
 
     def __init__(
         self,
@@ -117,11 +120,10 @@ class SectionFlag(argparse.Action):
         dest: str,
         to: Callable[[Any], dict[str, Any]],
         check: Callable[[dict[str, Any], str, dict[str, Any]], None],
-        shown: Callable[[Any], Any] = lambda value: value,
         **kwargs: Any,
     ) -> None:
         super().__init__(option_strings, dest, **kwargs)
-        self.to, self.check, self.shown = to, check, shown
+        self.to, self.check = to, check
 
     def __call__(
         self,
@@ -132,10 +134,10 @@ class SectionFlag(argparse.Action):
     ) -> None:
         given = dict(getattr(namespace, self.dest, None) or {})
         name = self.option_strings[0]
-        entry = {"value": self.shown(values), "sets": self.to(values)}
         try:
+            entry = {"value": values, "sets": self.to(values)}
             self.check(given, name, entry)
-        except ValueError as exc:
+        except (argparse.ArgumentTypeError, ValueError) as exc:
             raise argparse.ArgumentError(self, str(exc)) from None
         given.pop(name, None)
         given[name] = entry
@@ -236,204 +238,90 @@ def name_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+# fmt: off
+# (the tables are laid out one row per flag: the names and what the flag sets, then its help)
 _MODEL = [
-    flag(
-        "--model",
-        help="a Hugging Face model directory, a .gguf file (weights, tokenizer and chat template "
-        "all read from it), or a preset with random weights: tiny, bench-cpu (default: tiny; "
-        "sets model.path)",
-    ),
-    flag(
-        "--config",
-        help="a TOML config file; flags win over STALLFREE_* variables, which win over it "
-        "(default: none)",
-    ),
-    flag(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        help="auto: CUDA when available, else the CPU-emulated stream",
-        sets="runtime.device",
-    ),
-    flag(
-        "--dtype",
-        type=_dtype,
-        metavar="{" + ",".join([*DTYPES, *_DTYPE_ALIASES]) + "}",
-        help="weights and KV dtype; auto: the checkpoint's on CUDA, bfloat16 on a CPU that "
-        "has it for models 512 or more wide, else float32 (half = float16, float = float32)",
-        sets="model.dtype",
-    ),
-    flag(
-        "--enable-torch-compile",
-        action="store_true",
-        default=None,
-        help="torch.compile the decoder layers around attention at start-up (SGLang's flag)",
-        sets="runtime.torch_compile",
-    ),
-    flag(
-        "--quantization",
-        "-q",
-        choices=["auto", "none", "int8", "int4", "gguf"],
-        help="linear weights kept packed: int8, int4, gguf (a GGUF file's own blocks); "
-        "auto: gguf for a GGUF file on a CPU",
-        sets="model.quantization",
-    ),
-    flag(
-        "--model-impl",
-        choices=["auto", "native", "transformers"],
-        help="modelling code: native, or transformers (any causal LM it can build, with "
-        "stallfree's paged attention; slower); auto: native for a supported architecture, "
-        "else transformers",
-        sets="model.model_impl",
-    ),
-    flag(
-        "--max-model-len",
-        type=token_count,
-        metavar="TOKENS",
-        help="cap on prompt + output tokens per request; 32k = 32000, 32K = 32768",
-        sets="model.max_context_len",
-        unset="the model's own",
-    ),
+    flag("--model",
+         help="a Hugging Face model directory, a .gguf file (weights, tokenizer and chat template "
+         "all read from it), or a preset with random weights: tiny, bench-cpu (default: tiny; "
+         "sets model.path)"),
+    flag("--config",
+         help="a TOML config file; flags win over STALLFREE_* variables, which win over it "
+         "(default: none)"),
+    flag("--device", choices=["auto", "cpu", "cuda"], sets="runtime.device",
+         help="auto: CUDA when available, else the CPU-emulated stream"),
+    flag("--dtype", type=_dtype, metavar="{" + ",".join([*DTYPES, *_DTYPE_ALIASES]) + "}",
+         sets="model.dtype",
+         help="weights and KV dtype; auto: the checkpoint's on CUDA, bfloat16 on a CPU that "
+         "has it for models 512 or more wide, else float32 (half = float16, float = float32)"),
+    flag("--enable-torch-compile", action="store_true", default=None, sets="runtime.torch_compile",
+         help="torch.compile the decoder layers around attention at start-up (SGLang's flag)"),
+    flag("--quantization", "-q", choices=["auto", "none", "int8", "int4", "gguf"],
+         sets="model.quantization",
+         help="linear weights kept packed: int8, int4, gguf (a GGUF file's own blocks); "
+         "auto: gguf for a GGUF file on a CPU"),
+    flag("--model-impl", choices=["auto", "native", "transformers"], sets="model.model_impl",
+         help="modelling code: native, or transformers (any causal LM it can build, with "
+         "stallfree's paged attention; slower); auto: native for a supported architecture, "
+         "else transformers"),
+    flag("--max-model-len", type=token_count, metavar="TOKENS", sets="model.max_context_len",
+         unset="the model's own",
+         help="cap on prompt + output tokens per request; 32k = 32000, 32K = 32768"),
 ]
 _SCHEDULE = [
-    flag(
-        "--overlap",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="launch batch N+1 before processing batch N",
-        sets="runtime.overlap",
-    ),
-    flag(
-        "--cpu-mirrors",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule from host mirrors; off is the legacy mode that syncs",
-        sets="runtime.cpu_mirrors",
-    ),
+    flag("--overlap", **SWITCH, sets="runtime.overlap",
+         help="launch batch N+1 before processing batch N"),
+    flag("--cpu-mirrors", **SWITCH, sets="runtime.cpu_mirrors",
+         help="schedule from host mirrors; off is the legacy mode that syncs"),
     flag("--page-size", type=int, help="tokens per KV page", sets="cache.page_size"),
-    flag(
-        "--max-total-tokens",
-        type=int,
-        help="KV slots in the device pool",
-        sets="cache.max_total_tokens",
-    ),
-    flag(
-        "--max-num-seqs",
-        "--max-running-requests",
-        dest="max_running_requests",
-        type=int,
-        metavar="N",
-        help="most requests running at once (vLLM's and SGLang's spellings)",
-        sets="cache.max_running_requests",
-    ),
-    flag(
-        "--max-num-batched-tokens",
-        "--max-prefill-tokens",
-        dest="max_prefill_tokens",
-        type=int,
-        metavar="TOKENS",
-        help="prompt tokens one step may prefill, over all requests; it bounds each chunk too "
-        "(vLLM's and SGLang's spellings)",
-        sets="scheduler.max_prefill_tokens",
-    ),
-    flag(
-        "--chunked-prefill-size",
-        type=int,
-        help="longest prompt chunk one request prefills in a step",
-        sets="scheduler.chunked_prefill_size",
-    ),
-    flag(
-        "--max-unread-tokens",
-        type=int,
-        metavar="TOKENS",
-        help="a streaming request whose reader is this far behind stops being decoded (it keeps "
-        "its KV) until the reader catches up to half of it",
-        sets="scheduler.max_unread_tokens",
-    ),
-    flag(
-        "--enable-prefix-caching",
-        dest="prefix_caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="share the KV of common prefixes",
-        sets="cache.prefix_caching",
-        unset="on, off with HiSparse",
-    ),
-    flag(
-        "--disable-radix-cache",
-        dest="prefix_caching",
-        action="store_const",
-        const=False,
-        help="turn the prefix cache off, as --no-enable-prefix-caching does (SGLang's "
-        "spelling; default: on, off with HiSparse)",
-    ),
-    flag(
-        "--schedule-policy",
-        choices=["fcfs", "lpm"],
-        help="admission order: fcfs (arrival) or lpm (longest cached prefix first)",
-        sets="scheduler.policy",
-    ),
+    flag("--max-total-tokens", type=int, sets="cache.max_total_tokens",
+         help="KV slots in the device pool"),
+    flag("--max-num-seqs", "--max-running-requests", dest="max_running_requests", type=int,
+         metavar="N", sets="cache.max_running_requests",
+         help="most requests running at once (vLLM's and SGLang's spellings)"),
+    flag("--max-num-batched-tokens", "--max-prefill-tokens", dest="max_prefill_tokens", type=int,
+         metavar="TOKENS", sets="scheduler.max_prefill_tokens",
+         help="prompt tokens one step may prefill, over all requests; it bounds each chunk too "
+         "(vLLM's and SGLang's spellings)"),
+    flag("--chunked-prefill-size", type=int, sets="scheduler.chunked_prefill_size",
+         help="longest prompt chunk one request prefills in a step"),
+    flag("--max-unread-tokens", type=int, metavar="TOKENS", sets="scheduler.max_unread_tokens",
+         help="a streaming request whose reader is this far behind stops being decoded (it keeps "
+         "its KV) until the reader catches up to half of it"),
+    flag("--enable-prefix-caching", dest="prefix_caching", **SWITCH, sets="cache.prefix_caching",
+         unset="on, off with HiSparse",
+         help="share the KV of common prefixes"),
+    flag("--disable-radix-cache", dest="prefix_caching", action="store_const", const=False,
+         help="turn the prefix cache off, as --no-enable-prefix-caching does (SGLang's "
+         "spelling; default: on, off with HiSparse)"),
+    flag("--schedule-policy", choices=["fcfs", "lpm"], sets="scheduler.policy",
+         help="admission order: fcfs (arrival) or lpm (longest cached prefix first)"),
 ]
 # worker processes, tensor parallelism and the multi-node launch
 _PARALLEL = [
-    flag(
-        "--tp-size",
-        "--tensor-parallel-size",
-        "-tp",
-        dest="tp_size",
-        type=int,
-        metavar="N",
-        help="tensor-parallel ranks the model is sharded over, each in its own worker process "
-        "(SGLang's and vLLM's spellings)",
-        sets="parallel.tp_size",
-    ),
-    flag(
-        "--worker",
-        choices=["auto", "inprocess", "process"],
-        help="where the model runs: inprocess (the scheduler's process) or process (worker "
-        "processes); auto: process when --tp-size > 1",
-        sets="runtime.worker",
-    ),
-    flag(
-        "--step-timeout",
-        dest="step_timeout_s",
-        type=positive_seconds,
-        metavar="SECONDS",
-        help="worker processes: steps pending and none answered for this long means a hung "
-        "worker; the engine fails closed",
-        sets="runtime.step_timeout_s",
-        unset="--dist-timeout",
-    ),
-    flag(
-        "--nnodes",
-        type=int,
-        metavar="N",
-        help="machines the tensor-parallel group spans; --tp-size counts the ranks of all",
-        sets="parallel.nnodes",
-    ),
-    flag(
-        "--node-rank",
-        type=int,
-        metavar="I",
-        help="this machine's index; node 0 serves HTTP and runs the scheduler, every other node "
-        "only runs its worker ranks and exits when node 0 stops them",
-        sets="parallel.node_rank",
-    ),
-    flag(
-        "--dist-init-addr",
-        metavar="HOST:PORT",
-        help="where the ranks of every node meet (tcp://HOST:PORT works too); needed with "
-        "--nnodes > 1",
-        sets="parallel.dist_init_addr",
-        unset="a free local port",
-    ),
-    flag(
-        "--dist-timeout",
-        dest="dist_timeout_s",
-        type=positive_seconds,
-        metavar="SECONDS",
-        help="how long the ranks' meeting or one collective may take before it fails",
-        sets="parallel.dist_timeout_s",
-    ),
+    flag("--tp-size", "--tensor-parallel-size", "-tp", dest="tp_size", type=int, metavar="N",
+         sets="parallel.tp_size",
+         help="tensor-parallel ranks the model is sharded over, each in its own worker process "
+         "(SGLang's and vLLM's spellings)"),
+    flag("--worker", choices=["auto", "inprocess", "process"], sets="runtime.worker",
+         help="where the model runs: inprocess (the scheduler's process) or process (worker "
+         "processes); auto: process when --tp-size > 1"),
+    flag("--step-timeout", dest="step_timeout_s", type=positive_seconds, metavar="SECONDS",
+         sets="runtime.step_timeout_s", unset="--dist-timeout",
+         help="worker processes: steps pending and none answered for this long means a hung "
+         "worker; the engine fails closed"),
+    flag("--nnodes", type=int, metavar="N", sets="parallel.nnodes",
+         help="machines the tensor-parallel group spans; --tp-size counts the ranks of all"),
+    flag("--node-rank", type=int, metavar="I", sets="parallel.node_rank",
+         help="this machine's index; node 0 serves HTTP and runs the scheduler, every other node "
+         "only runs its worker ranks and exits when node 0 stops them"),
+    flag("--dist-init-addr", metavar="HOST:PORT", sets="parallel.dist_init_addr",
+         unset="a free local port",
+         help="where the ranks of every node meet (tcp://HOST:PORT works too); needed with "
+         "--nnodes > 1"),
+    flag("--dist-timeout", dest="dist_timeout_s", type=positive_seconds, metavar="SECONDS",
+         sets="parallel.dist_timeout_s",
+         help="how long the ranks' meeting or one collective may take before it fails"),
 ]
 # the flags that choose and size the engine (`generate`, `serve` and `bench`)
 ENGINE_FLAGS: Table = (("engine", _MODEL + _SCHEDULE), ("parallel", _PARALLEL))
@@ -441,14 +329,12 @@ ENGINE_FLAGS: Table = (("engine", _MODEL + _SCHEDULE), ("parallel", _PARALLEL))
 # `generate`'s prompt and its sampling
 SAMPLING_FLAGS: Table = (
     (None, [flag("prompt", help="")]),
-    (
-        "sampling",
-        [
-            flag("--max-new-tokens", type=int, default=64, help="tokens to generate at most"),
-            flag("--temperature", type=float, default=0.0, help="0 is greedy"),
-            flag("--top-p", type=float, default=1.0, help="nucleus sampling mass"),
-            flag("--seed", type=int, help="seed of this request's sampling (default: none)"),
-            flag("--ignore-eos", action="store_true", help="generate past the EOS token"),
-        ],
-    ),
+    ("sampling", [
+        flag("--max-new-tokens", type=int, default=64, help="tokens to generate at most"),
+        flag("--temperature", type=float, default=0.0, help="0 is greedy"),
+        flag("--top-p", type=float, default=1.0, help="nucleus sampling mass"),
+        flag("--seed", type=int, help="seed of this request's sampling (default: none)"),
+        flag("--ignore-eos", action="store_true", help="generate past the EOS token"),
+    ]),
 )
+# fmt: on

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from pydantic import TypeAdapter, ValidationError
 
 from stallfree.config import SpeculativeConfig, StallfreeConfig
-from stallfree.entrypoints.flags import SectionFlag, Table, config_default, flag
+from stallfree.entrypoints.flags import SWITCH, Flag, SectionFlag, Table, config_default, flag
 
 # the namespace attribute that collects what the flags below say: {flag: {"value", "sets"}}
 SPEC_DEST = "speculative"
@@ -61,12 +61,13 @@ def _whole(text: str) -> int:
 
 def _setting(key: str, convert: Callable[[str], Any] = _whole) -> Callable[[str], Any]:
     """An argparse type: the text converted, then checked as `speculative.key`."""
+    return lambda text: _checked(key, convert(text), text)
 
-    def parse(text: str) -> Any:
-        return _checked(key, convert(text), text)
 
-    parse.__name__ = key  # argparse names the type in some of its messages
-    return parse
+def _sets(key: str, convert: Callable[[str], Any] = _whole) -> Callable[[str], dict[str, Any]]:
+    """A flag's text as the one setting `speculative.key` it fills."""
+    check = _setting(key, convert)
+    return lambda text: {key: check(text)}
 
 
 def _rate(text: str) -> float:
@@ -159,13 +160,14 @@ def _draft_tokens(text: str) -> int:
     return count
 
 
-def _eagle_topk(text: str) -> int:
+def _eagle_topk(text: str) -> dict[str, Any]:
+    """SGLang's drafts per step: 1 is what stallfree does, so it sets nothing."""
     topk = _whole(text)
     if topk != 1:
         raise argparse.ArgumentTypeError(
             f"only 1 is supported (got {topk}): stallfree drafts one chain of tokens, not a tree"
         )
-    return topk
+    return {}
 
 
 def _label(flag: str, value: str) -> str:
@@ -207,129 +209,56 @@ def _check(given: dict[str, Any], flag_name: str, entry: dict[str, Any]) -> None
     merged_settings({**given, flag_name: entry})
 
 
-def _one(key: str) -> Callable[[Any], dict[str, Any]]:
-    return lambda value: {key: value}
-
-
-def _spec(
-    name: str, convert: Callable[[str], Any], to: Callable[[Any], dict[str, Any]], **kw: Any
-) -> Any:
-    """A row of the section: its value is kept as (text, value), the text for the messages."""
-
-    def parse(text: str) -> tuple[str, Any]:
-        return text, convert(text)
-
-    parse.__name__ = getattr(convert, "__name__", "value")  # argparse names it in messages
-    return flag(
-        name,
-        action=SectionFlag,
-        dest=SPEC_DEST,
-        type=parse,
-        check=_check,
-        shown=lambda value: value[0],
-        to=lambda value: to(value[1]),
-        **kw,
-    )
+def _spec(name: str, to: Callable[[str], dict[str, Any]], **kw: Any) -> Flag:
+    """A row of the section: `to` turns the flag's text into the settings it fills."""
+    return flag(name, action=SectionFlag, dest=SPEC_DEST, check=_check, to=to, **kw)
 
 
 _K = config_default("speculative", "num_speculative_tokens")
+# fmt: off
 # vLLM's and SGLang's spellings, and stallfree's own for the settings neither has
-SPECULATIVE_FLAGS: Table = (
-    (
-        "speculative decoding",
-        [
-            _spec(
-                "--speculative-config",
-                vllm_speculative_config,
-                lambda settings: settings,
-                metavar="JSON",
-                help="vLLM's spelling: a JSON object with method (ngram or draft_model; ngram_gpu "
-                "means ngram), num_speculative_tokens, prompt_lookup_min and prompt_lookup_max "
-                "(ngram; one given alone sets the other too, as in vLLM), and model (the draft "
-                "model's path; an omitted method is then draft_model); other keys are refused "
-                "(default: none, speculative decoding off; sets speculative.*)",
-            ),
-            _spec(
-                "--speculative-algorithm",
-                _sglang_algorithm,
-                _one("method"),
-                metavar="{NGRAM,STANDALONE}",
-                help="SGLang's spelling: NGRAM (prompt lookup) or STANDALONE (a draft model, "
-                "--speculative-draft-model-path); EAGLE, EAGLE3 and NEXTN are not supported",
-                sets="speculative.method",
-            ),
-            _spec(
-                "--speculative-num-steps",
-                _setting("num_speculative_tokens"),
-                _one("num_speculative_tokens"),
-                metavar="N",
-                help="SGLang's spelling: k, the draft tokens proposed per request and step",
-                sets="speculative.num_speculative_tokens",
-            ),
-            _spec(
-                "--speculative-num-draft-tokens",
-                _draft_tokens,
-                lambda n: {"num_speculative_tokens": n - 1},
-                metavar="N",
-                help="SGLang's spelling: the tokens verified per request and step, the last "
-                "verified one included, so k + 1 (top-k 1); it must agree with "
-                f"--speculative-num-steps (default: {_K + 1}; sets "
-                "speculative.num_speculative_tokens to N - 1)",
-            ),
-            _spec(
-                "--speculative-eagle-topk",
-                _eagle_topk,
-                lambda topk: {},
-                metavar="1",
-                help="SGLang's spelling: drafts per step; only 1 (a chain, no tree) is supported "
-                "(default: 1)",
-            ),
-            _spec(
-                "--speculative-draft-model-path",
-                _setting("draft_model", str),
-                _one("draft_model"),
-                metavar="PATH",
-                help="SGLang's spelling: the draft model of STANDALONE (a Hugging Face directory "
-                "or a .gguf file with the target's tokenizer)",
-                sets="speculative.draft_model",
-                unset="none",
-            ),
-            *(
-                _spec(
-                    f"--speculative-ngram-{bound}-match-window-size",
-                    _setting(key),
-                    _one(key),
-                    metavar="TOKENS",
-                    help=f"SGLang's spelling: NGRAM's {which} suffix of the tokens that is "
-                    "looked up",
-                    sets=f"speculative.{key}",
-                )
-                for bound, which, key in (
-                    ("min", "shortest", "prompt_lookup_min"),
-                    ("max", "longest", "prompt_lookup_max"),
-                )
-            ),
-            flag(
-                "--speculative-adaptive",
-                dest="speculative_adaptive",
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help="per request, stop proposing while its drafts are mostly rejected, and "
-                "resume once its text repeats again",
-                sets="speculative.adaptive",
-            ),
-            flag(
-                "--speculative-min-acceptance-rate",
-                dest="speculative_min_acceptance_rate",
-                type=_setting("min_acceptance_rate", _rate),
-                metavar="RATE",
-                help="adaptive: a request whose recent drafts are accepted below this rate "
-                "stops proposing",
-                sets="speculative.min_acceptance_rate",
-            ),
-        ],
-    ),
-)
+SPECULATIVE_FLAGS: Table = (("speculative decoding", [
+    _spec("--speculative-config", vllm_speculative_config, metavar="JSON",
+          help="vLLM's spelling: a JSON object with method (ngram or draft_model; ngram_gpu "
+          "means ngram), num_speculative_tokens, prompt_lookup_min and prompt_lookup_max "
+          "(ngram; one given alone sets the other too, as in vLLM), and model (the draft "
+          "model's path; an omitted method is then draft_model); other keys are refused "
+          "(default: none, speculative decoding off; sets speculative.*)"),
+    _spec("--speculative-algorithm", lambda text: {"method": _sglang_algorithm(text)},
+          metavar="{NGRAM,STANDALONE}", sets="speculative.method",
+          help="SGLang's spelling: NGRAM (prompt lookup) or STANDALONE (a draft model, "
+          "--speculative-draft-model-path); EAGLE, EAGLE3 and NEXTN are not supported"),
+    _spec("--speculative-num-steps", _sets("num_speculative_tokens"), metavar="N",
+          sets="speculative.num_speculative_tokens",
+          help="SGLang's spelling: k, the draft tokens proposed per request and step"),
+    _spec("--speculative-num-draft-tokens",
+          lambda text: {"num_speculative_tokens": _draft_tokens(text) - 1}, metavar="N",
+          help="SGLang's spelling: the tokens verified per request and step, the last verified "
+          "one included, so k + 1 (top-k 1); it must agree with --speculative-num-steps "
+          f"(default: {_K + 1}; sets speculative.num_speculative_tokens to N - 1)"),
+    _spec("--speculative-eagle-topk", _eagle_topk, metavar="1",
+          help="SGLang's spelling: drafts per step; only 1 (a chain, no tree) is supported "
+          "(default: 1)"),
+    _spec("--speculative-draft-model-path", _sets("draft_model", str), metavar="PATH",
+          sets="speculative.draft_model", unset="none",
+          help="SGLang's spelling: the draft model of STANDALONE (a Hugging Face directory "
+          "or a .gguf file with the target's tokenizer)"),
+    *(_spec(f"--speculative-ngram-{bound}-match-window-size", _sets(key), metavar="TOKENS",
+            sets=f"speculative.{key}",
+            help=f"SGLang's spelling: NGRAM's {which} suffix of the tokens that is looked up")
+      for bound, which, key in (("min", "shortest", "prompt_lookup_min"),
+                                ("max", "longest", "prompt_lookup_max"))),
+    flag("--speculative-adaptive", dest="speculative_adaptive", **SWITCH,
+         sets="speculative.adaptive",
+         help="per request, stop proposing while its drafts are mostly rejected, and "
+         "resume once its text repeats again"),
+    flag("--speculative-min-acceptance-rate", dest="speculative_min_acceptance_rate",
+         type=_setting("min_acceptance_rate", _rate), metavar="RATE",
+         sets="speculative.min_acceptance_rate",
+         help="adaptive: a request whose recent drafts are accepted below this rate "
+         "stops proposing"),
+]),)
+# fmt: on
 
 
 def speculative_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -74,8 +74,9 @@ def port_number(text: str) -> int:
     return port
 
 
-class _PrefillAction(argparse.Action):
-    """`--prefill URL [BOOTSTRAP_PORT]`, repeatable: appends an `Upstream`."""
+class _ServerAction(argparse.Action):
+    """`--prefill URL [BOOTSTRAP_PORT]` or `--decode URL`, repeatable: appends an `Upstream`
+    (a prefill server's with its bootstrap port)."""
 
     def __call__(
         self,
@@ -84,33 +85,17 @@ class _PrefillAction(argparse.Action):
         values: str | Sequence[Any] | None,
         option_string: str | None = None,
     ) -> None:
+        prefill = self.nargs == "+"
         given = [values] if isinstance(values, str) else list(values or [])
-        if not 1 <= len(given) <= 2:
+        if prefill and not 1 <= len(given) <= 2:
             raise argparse.ArgumentError(self, "expected URL [BOOTSTRAP_PORT]")
         try:
-            url = server_url(given[0])
+            url = server_url(str(given[0]))
             port = port_number(given[1]) if len(given) == 2 else DEFAULT_BOOTSTRAP_PORT
         except ValueError as exc:
             raise argparse.ArgumentError(self, str(exc)) from None
-        servers = [*(getattr(namespace, self.dest, None) or []), Upstream(url, port)]
-        setattr(namespace, self.dest, servers)
-
-
-class _DecodeAction(argparse.Action):
-    """`--decode URL`, repeatable: appends an `Upstream`."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: str | Sequence[Any] | None,
-        option_string: str | None = None,
-    ) -> None:
-        try:
-            url = server_url(str(values))
-        except ValueError as exc:
-            raise argparse.ArgumentError(self, str(exc)) from None
-        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), Upstream(url)])
+        server = Upstream(url, port) if prefill else Upstream(url)
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), server])
 
 
 class RouterHelpFormatter(HelpFormatter):
@@ -118,7 +103,7 @@ class RouterHelpFormatter(HelpFormatter):
     a list of ports)."""
 
     def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
-        if isinstance(action, _PrefillAction):
+        if isinstance(action, _ServerAction) and action.nargs == "+":
             return "URL [BOOTSTRAP_PORT]"
         return super()._format_args(action, default_metavar)
 
@@ -145,80 +130,40 @@ def _bytes(text: str) -> int:
 
 
 _DEFAULT = RouterSettings((), ())
+# fmt: off
 ROUTER_FLAGS: Table = (
-    (
-        "servers (SGLang's spellings)",
-        [
-            flag(
-                "--prefill",
-                action=_PrefillAction,
-                nargs="+",
-                help="a prefill server and its bootstrap port (default port: "
-                f"{DEFAULT_BOOTSTRAP_PORT}); repeat for more servers; at least one is required",
-            ),
-            flag(
-                "--decode",
-                action=_DecodeAction,
-                metavar="URL",
-                help="a decode server; repeat for more servers (default: none; at least one is required)",
-            ),
-            flag(
-                "--pd-disaggregation",
-                action="store_true",
-                help="accepted for SGLang's command lines; this router is always prefill/decode",
-            ),
-        ],
-    ),
-    (
-        "routing and listening",
-        [
-            flag("--host", default=_DEFAULT.host, help="address to listen on"),
-            flag(
-                "--port",
-                type=_listen_port,
-                default=_DEFAULT.port,
-                metavar="PORT",
-                help="port to listen on; 0 picks a free one",
-            ),
-            flag(
-                "--policy",
-                choices=POLICIES,
-                default=_DEFAULT.policy,
-                help="how a prefill and a decode server are picked for each request: in turn "
-                "(a counter for each kind), or the one with the fewest requests in flight through "
-                "this router (ties go to the first listed)",
-            ),
-            flag(
-                "--api-key",
-                metavar="KEY",
-                help="require 'Authorization: Bearer KEY' on /v1/* (default: none); the header is "
-                "passed on to the servers unchanged",
-            ),
-            flag(
-                "--startup-timeout-s",
-                type=_seconds,
-                default=_DEFAULT.startup_timeout_s,
-                metavar="S",
-                help="how long to wait at start for every server to answer GET /health",
-            ),
-            flag(
-                "--request-timeout-s",
-                type=_seconds,
-                default=_DEFAULT.request_timeout_s,
-                metavar="S",
-                help="longest wait for a server's next byte (its answer's head, or the next chunk of "
-                "its body)",
-            ),
-            flag(
-                "--max-body-bytes",
-                type=_bytes,
-                default=_DEFAULT.max_body_bytes,
-                metavar="N",
-                help="largest request body accepted (413 above it)",
-            ),
-        ],
-    ),
+    ("servers (SGLang's spellings)", [
+        flag("--prefill", action=_ServerAction, nargs="+",
+             help="a prefill server and its bootstrap port (default port: "
+             f"{DEFAULT_BOOTSTRAP_PORT}); repeat for more servers; at least one is required"),
+        flag("--decode", action=_ServerAction, metavar="URL",
+             help="a decode server; repeat for more servers (default: none; at least one is "
+             "required)"),
+        flag("--pd-disaggregation", action="store_true",
+             help="accepted for SGLang's command lines; this router is always prefill/decode"),
+    ]),
+    ("routing and listening", [
+        flag("--host", default=_DEFAULT.host, help="address to listen on"),
+        flag("--port", type=_listen_port, default=_DEFAULT.port, metavar="PORT",
+             help="port to listen on; 0 picks a free one"),
+        flag("--policy", choices=POLICIES, default=_DEFAULT.policy,
+             help="how a prefill and a decode server are picked for each request: in turn "
+             "(a counter for each kind), or the one with the fewest requests in flight through "
+             "this router (ties go to the first listed)"),
+        flag("--api-key", metavar="KEY",
+             help="require 'Authorization: Bearer KEY' on /v1/* (default: none); the header is "
+             "passed on to the servers unchanged"),
+        flag("--startup-timeout-s", type=_seconds, default=_DEFAULT.startup_timeout_s,
+             metavar="S", help="how long to wait at start for every server to answer GET /health"),
+        flag("--request-timeout-s", type=_seconds, default=_DEFAULT.request_timeout_s,
+             metavar="S",
+             help="longest wait for a server's next byte (its answer's head, or the next chunk "
+             "of its body)"),
+        flag("--max-body-bytes", type=_bytes, default=_DEFAULT.max_body_bytes, metavar="N",
+             help="largest request body accepted (413 above it)"),
+    ]),
 )
+# fmt: on
 
 
 def add_router_flags(parser: argparse.ArgumentParser) -> None:
