@@ -454,7 +454,7 @@ def _wire(
         grammars=GrammarCompiler(
             tokenizer,
             arch.vocab_size,
-            unsupported_reason(config, device.type, not isinstance(stream, ProcessStream)),
+            unsupported_reason(device.type, not isinstance(stream, ProcessStream)),
             strict=config.runtime.structured_outputs_strict,
         ),
     )

@@ -206,12 +206,12 @@ async def test_retraction_and_the_prefix_cache_restart_the_grammar_where_the_hos
         assert engine.pool_usage().all_free
 
 
-async def test_unsupported_layouts_and_paths_are_clear_errors(llama):
-    cfg = engine_config(llama, speculative={"method": "ngram", "num_speculative_tokens": 2})
-    async with Engine(cfg) as engine:
-        with pytest.raises(InvalidRequestError, match="speculative decoding") as err:
-            await engine.complete("x", SamplingParams(structured_outputs={"choice": ["a"]}))
-        assert err.value.code == "unsupported"
+async def test_unsupported_layouts_and_paths_are_clear_errors():
+    from stallfree.runtime.text.grammar import unsupported_reason
+
+    assert unsupported_reason("cpu", in_process=True) is None
+    assert unsupported_reason("cuda", in_process=False) is None  # worker processes
+    assert "--worker process" in (unsupported_reason("cuda", in_process=True) or "")
     req = Req("r", [1, 2], SamplingParams(structured_outputs={"choice": ["a"]}))
     with pytest.raises(InvalidRequestError, match="disaggregated or prebuilt"):
         req.check_grammar()
@@ -230,7 +230,9 @@ def test_a_dead_end_is_reported_to_the_host_and_masks_only_eos(llama):
     lltok = build_lltokenizer(tok, vocab)
     matcher = LLMatcher(lltok, LLMatcher.grammar_from_regex("ab"), log_level=0)
     state = GrammarState(num_slots=4, vocab=vocab)
-    plan = GrammarPlan([0], [2], [True], [(2, RequestGrammar("", matcher), [])], torch.tensor([0]))
+    plan = GrammarPlan(
+        [0], [2], [True], [(2, RequestGrammar("", matcher), [])], torch.tensor([0]), [(2, 0, 1)]
+    )
     state.start(plan)
     logits = torch.zeros(1, vocab)
     started = plan.seconds
@@ -238,7 +240,8 @@ def test_a_dead_end_is_reported_to_the_host_and_masks_only_eos(llama):
     assert plan.seconds > started  # applying the mask is grammar time too
     assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [ord("a")]
     state.advance(plan, torch.tensor([ord("z")]))
-    how, message = plan.ended[0]
+    how, message, taken = plan.ended[0]
+    assert taken == 1
     assert how == "error" and "doesn't satisfy the grammar" in message
     after = state.apply(logits, plan, logits)
     assert torch.isfinite(after[0]).nonzero().flatten().tolist() == sorted(tok.eos_token_ids)

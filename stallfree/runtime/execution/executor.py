@@ -108,6 +108,11 @@ class LocalExecutor:
         drafts)."""
         assert self.spec is not None and args.spec is not None
         plan = args.plan
+        grammar = plan.grammar if plan is not None else None
+        if grammar is not None:
+            # NOTE: the grammar masks each draft position at the state its drafts reach; the
+            # drafts are the verify inputs, resolved on the stream just now
+            grammar.inputs = fb.input_ids
         processed = self.sampler.process(logits, plan)
         tokens, accepted, offered = self.spec.verify(fb, processed, args.spec)
         if plan is not None:

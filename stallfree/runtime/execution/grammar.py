@@ -14,6 +14,14 @@ Overlap-safe by construction, the same way the penalty counts are (`execution/pe
 - What the host must learn (a grammar that completed, or one that reached a dead end) is
   written into the plan's `ended` map on the stream and read after the step's event, like the
   token ids themselves.
+- A verify step (speculative decoding) scores `k + 1` positions of a request: position `j` is
+  masked by the state the grammar reaches after the request's first `j` drafts (the matcher
+  consumes them, computes each mask, and rolls them back), and after acceptance the matcher
+  advances by the tokens the request keeps: the accepted drafts and the step's own token. A
+  draft the grammar refuses cannot be accepted (the position before it is masked against it),
+  so the positions after it are left unmasked.
+- In worker processes each rank holds the matchers (`execution/remote.py` sends a grammar's
+  text once, when its request starts) and every rank masks alike.
 
 The mask work runs on the stream's thread (the CPU stream's worker), so on the CPU it overlaps
 the scheduler's Python like the forward does; llguidance computes masks without the GIL.
@@ -43,9 +51,18 @@ class GrammarPlan:
     # (slot, grammar, outputs the host knows): matchers to (re)start before this step
     starts: list[tuple[int, RequestGrammar, list[int]]]
     rows_t: torch.Tensor  # rows, uploaded
-    # stream -> host, valid after the step's event: row -> ("complete" | "error", message)
-    ended: dict[int, tuple[str, str]] = field(default_factory=dict)
-    seconds: float = 0.0  # stream time spent on the grammar this step (masks, applying, advances)
+    # (slot, first index into rows, count): a request's consecutive rows (more than one: the
+    # positions a verify step scores for it)
+    groups: list[tuple[int, int, int]]
+    # stream side, a verify step's only: each scored position's input (a row's next input is
+    # the draft that follows its position), set by the executor before the processors apply
+    inputs: torch.Tensor | None = None
+    # stream -> host, valid after the step's event: the first row of a request -> ("complete"
+    # | "error", message, how many of its tokens the grammar took); tokens the matchers
+    # consumed; stream time spent on the grammar
+    ended: dict[int, tuple[str, str, int]] = field(default_factory=dict)
+    tokens: int = 0
+    seconds: float = 0.0
 
 
 class GrammarState:
@@ -83,7 +100,10 @@ class GrammarState:
         samples from the grammar's tokens by their raw logits instead: the grammar wins, and
         the sampler never sees a row with nothing to sample."""
         begin = time.perf_counter()
-        bits = self.bitmask[plan.slots].to(logits.device)
+        bits = self.bitmask[plan.slots]
+        if plan.inputs is not None:
+            self._draft_masks(plan, bits)
+        bits = bits.to(logits.device)
         allowed = ((bits.unsqueeze(-1) >> self._shifts.to(logits.device)) & 1).bool()
         allowed = allowed.reshape(bits.shape[0], -1)[:, : logits.shape[1]]
         rows = logits.index_select(0, plan.rows_t).masked_fill(~allowed, float("-inf"))
@@ -93,22 +113,54 @@ class GrammarState:
         plan.seconds += time.perf_counter() - begin  # the stream is the CPU's: timed as it runs
         return out
 
+    def _draft_masks(self, plan: GrammarPlan, bits: torch.Tensor) -> None:
+        """A verify step: the mask of each draft position, at the state its drafts reach."""
+        assert plan.inputs is not None
+        inputs = plan.inputs.index_select(0, plan.rows_t.to(plan.inputs.device)).tolist()
+        row_bytes = self.width * 4
+        for slot, at, n in plan.groups:
+            matcher = self.matchers[slot]
+            taken = 0
+            for j in range(1, n):
+                draft = inputs[at + j]
+                if draft < 0 or matcher.is_stopped() or matcher.try_consume_tokens([draft]) != 1:
+                    bits[at + j : at + n] = -1  # never accepted: any mask will do
+                    break
+                taken += 1
+                matcher.unsafe_compute_mask_ptr(bits[at + j].data_ptr(), row_bytes)
+            if taken:
+                matcher.rollback(taken)
+
     def advance(self, plan: GrammarPlan, next_ids: torch.Tensor) -> None:
-        """Stream side: each kept token advances its matcher; then the next step's masks."""
+        """Stream side: each kept token advances its matcher; then the next step's masks. A
+        verify position's token is kept while the one before it is the draft that followed
+        (accepted); the first that is not ends the request's tokens."""
         begin = time.perf_counter()
-        tokens = next_ids.index_select(0, plan.rows_t).tolist()
+        tokens = next_ids.index_select(0, plan.rows_t.to(next_ids.device)).tolist()
+        inputs = None
+        if plan.inputs is not None:
+            inputs = plan.inputs.index_select(0, plan.rows_t.to(plan.inputs.device)).tolist()
         moved: list[tuple[Any, int]] = []
-        for row, slot, keep, tok in zip(plan.rows, plan.slots, plan.consume, tokens, strict=True):
-            if not keep:
+        for slot, at, n in plan.groups:
+            if not plan.consume[at]:
                 continue
             matcher = self.matchers[slot]
-            if not matcher.is_stopped():
-                matcher.consume_token(tok)
-                moved.append((matcher, slot))
+            taken = 0
+            for j in range(n):
+                if j and (inputs is None or tokens[at + j - 1] != inputs[at + j]):
+                    break  # the draft at this position was rejected
+                if matcher.is_stopped():
+                    break
+                matcher.consume_token(tokens[at + j])
+                taken += 1
+            plan.tokens += taken
+            moved.append((matcher, slot))
+            row = plan.rows[at]
             if matcher.is_error():
-                plan.ended[row] = ("error", matcher.get_error().strip().split("\n")[0][:300])
+                message = matcher.get_error().strip().split("\n")[0][:300]
+                plan.ended[row] = ("error", message, taken)
             elif matcher.is_stopped():
-                plan.ended[row] = ("complete", "")
+                plan.ended[row] = ("complete", "", taken)
         self._fill(moved)
         plan.seconds += time.perf_counter() - begin
 
@@ -161,7 +213,13 @@ class Grammar(LogitsProcessor[GrammarPlan]):
                 req.grammar_epoch = req.num_retractions
                 starts.append((slot, req.grammar, list(req.output_ids)))
         consume = [rows.output_rows[r] for r in constrained]
-        return GrammarPlan(constrained, slots, consume, starts, up.ints(constrained))
+        groups: list[tuple[int, int, int]] = []
+        for i, slot in enumerate(slots):
+            if groups and groups[-1][0] == slot and constrained[i] == constrained[i - 1] + 1:
+                groups[-1] = (slot, groups[-1][1], groups[-1][2] + 1)
+            else:
+                groups.append((slot, i, 1))
+        return GrammarPlan(constrained, slots, consume, starts, up.ints(constrained), groups)
 
     def apply(self, logits: torch.Tensor, part: GrammarPlan, raw: torch.Tensor) -> torch.Tensor:
         if self.state is None:

@@ -53,8 +53,8 @@ class StepResult:
     token_ids: Any  # encoded [B] int64
     logprobs: dict[str, Any] | None  # LogprobBuffers fields, encoded
     step_seconds: float
-    # the grammar part's stream -> host facts (`GrammarPlan.ended`, `.seconds`), if planned
-    grammar: tuple[dict[int, tuple[str, str]], float] | None = None
+    # the grammar part's stream -> host facts (`GrammarPlan.ended`, `.tokens`, `.seconds`)
+    grammar: tuple[dict[int, tuple[str, str, int]], int, float] | None = None
 
 
 class _TensorPickler(pickle.Pickler):
@@ -120,8 +120,9 @@ class RemoteExecutor:
         def take(result: StepResult) -> None:
             token_ids_cpu.copy_(decode_tensor(result.token_ids))
             if grammar is not None and result.grammar is not None:
-                ended, seconds = result.grammar
+                ended, tokens, seconds = result.grammar
                 grammar.ended.update(ended)
+                grammar.tokens += tokens
                 grammar.seconds += seconds
             if logprobs is not None and result.logprobs is not None:
                 for name, enc in result.logprobs.items():

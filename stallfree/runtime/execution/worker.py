@@ -280,7 +280,7 @@ class _Worker:
                 if isinstance(getattr(logprobs, f.name), torch.Tensor)
             }
         part = args.plan.grammar if args.plan is not None else None
-        grammar = None if part is None else (part.ended, part.seconds)
+        grammar = None if part is None else (part.ended, part.tokens, part.seconds)
         return StepResult(encode_tensor(args.token_ids_cpu), lp, elapsed, grammar)
 
     def _apply_imports(self, imports: list[tuple[Any, ...]]) -> None:

@@ -212,12 +212,12 @@ class Scheduler:
         ends the request there). A plain row is a verify row with k = 0 and one token; a verify
         row then gives back the drafts it rejected (`SpecPolicy.settle`)."""
         verify, logprobs, plan = out.verify, out.logprobs, out.plan
-        grammar = plan.grammar if plan is not None and verify is None else None
+        grammar = plan.grammar if plan is not None else None
         if verify is None and logprobs is not None and plan is not None:
             logprobs.take_prompt(out.reqs, plan)
         if grammar is not None:
             self.stats.grammar_seconds += grammar.seconds
-            self.stats.grammar_tokens += sum(grammar.consume)
+            self.stats.grammar_tokens += grammar.tokens
         now = time.perf_counter()
         flat_row = 0  # the row's first position in the flattened logprobs
         for row, req in enumerate(out.reqs):
@@ -231,8 +231,13 @@ class Scheduler:
             # NOTE: a finished request is the one-step overlap lag; one with no output in
             # flight was retracted and recomputed since: its tokens are stale
             if tokens and not req.finished and req.in_flight_outputs > 0:
-                ended = grammar.ended.get(row) if grammar is not None else None
-                self._accept_row(req, tokens, now, flat_row, logprobs, ended)
+                # a request's grammar facts are keyed by its first scored position; a window
+                # ends where its grammar did (the tokens after it are never outputs)
+                ended = grammar.ended.get(flat_row) if grammar is not None else None
+                how = None
+                if ended is not None:
+                    tokens, how = tokens[: ended[2]], (ended[0], ended[1])
+                self._accept_row(req, tokens, now, flat_row, logprobs, how)
             flat_row += k + 1
             if verify is not None:
                 assert self.spec is not None

@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from stallfree.config import StallfreeConfig
 from stallfree.runtime.request.errors import InvalidRequestError
 from stallfree.runtime.request.structured import StructuredOutputs
 from stallfree.runtime.text.ascii_regex import ascii_classes
@@ -91,7 +90,7 @@ def grammar_text(spec: StructuredOutputs, strict: bool = True) -> str:
     return grammar_from("grammar", spec.grammar)
 
 
-def unsupported_reason(config: StallfreeConfig, device: str, in_process: bool) -> str | None:
+def unsupported_reason(device: str, in_process: bool) -> str | None:
     """Why an engine laid out like this cannot constrain its output, or None.
 
     A matcher lives where its request's tokens are sampled: on the CPU stream's thread in this
@@ -103,8 +102,6 @@ def unsupported_reason(config: StallfreeConfig, device: str, in_process: bool) -
             f"structured outputs are not available on the in-process {device} stream yet; "
             "start the server with --worker process"
         )
-    if config.speculative.enabled:
-        return "structured outputs are not available with speculative decoding yet"
     return None
 
 
