@@ -9,6 +9,7 @@ the hermes format, which the parser must then find.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -355,3 +356,115 @@ async def test_a_constrained_reply_thinks_freely_first(thinker):
         assert choice.finish_reason == "length" and choice.message.content is None
         assert thinking and not choice.message.tool_calls
         assert not thinking.startswith(("{", "<tool_call>")), thinking  # not the constraint's
+
+
+# ---------------------------------------------------------------- a reply cut by max_tokens
+
+
+def _call_end(text: str, at: int = 0) -> int:
+    """Where the call that starts at or after `at` ends in a forced reply's text."""
+    if "<tool_call>" in text:  # hermes
+        return text.index("</tool_call>", at) + len("</tool_call>")
+    start = text.index("{", at)  # vLLM's JSON array: one object per call
+    return json.JSONDecoder().raw_decode(text, start)[1]
+
+
+async def _two_calls(live: Live) -> tuple[dict[str, Any], list[str], list[Any]]:
+    """A seed and its request whose forced reply makes two calls or more, the reply's tokens'
+    texts, and its calls."""
+    for seed in range(12):
+        kwargs = _kwargs(tool_choice="required", temperature=1.0, seed=seed, max_tokens=400)
+        r = await live.client.chat.completions.create(**kwargs, logprobs=True)
+        choice = r.choices[0]
+        if choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) >= 2:
+            tokens = [entry.token for entry in choice.logprobs.content]
+            return kwargs, tokens, choice.message.tool_calls
+    raise AssertionError("no seed made two calls")
+
+
+def _cut_inside_the_second_call(tokens: list[str]) -> int:
+    """A max_tokens that ends the reply after its first call, inside its second."""
+    text, at = "", 0
+    ends: list[int] = []  # the token counts that end the first and the second call
+    for i, token in enumerate(tokens, 1):
+        text += token
+        with contextlib.suppress(ValueError):
+            at = _call_end(text, at)
+            ends.append(i)
+        if len(ends) == 2:
+            break
+    first, second = ends
+    assert second - first >= 2, (first, second)
+    return (first + second) // 2
+
+
+async def _cut_reply_keeps_completed_calls(live: Live) -> None:
+    kwargs, tokens, calls = await _two_calls(live)
+    cut = _cut_inside_the_second_call(tokens)
+    kwargs = kwargs | {"max_tokens": cut}
+    r = await live.client.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.content is None  # no markup, no grammar text
+    got = choice.message.tool_calls
+    first = (calls[0].function.name, calls[0].function.arguments)
+    assert [(c.function.name, c.function.arguments) for c in got] == [first]
+    _check_calls(got)
+    streamed, finish = await _streamed(live, **kwargs)
+    assert finish == "length"
+    sent = [(c["name"], c["arguments"]) for _, c in sorted(streamed.items())]
+    assert sent[0] == first and len(sent) <= 2
+    if len(sent) == 2:  # the cut call, once its name was whole: as far as it went
+        name, arguments = sent[1]
+        assert name == calls[1].function.name
+        assert calls[1].function.arguments.startswith(arguments)
+        assert arguments != calls[1].function.arguments
+    stream = await live.client.chat.completions.create(**kwargs, stream=True)
+    content = [c.choices[0].delta.content async for c in stream if c.choices]
+    assert not any(content), content
+
+
+@module_loop
+async def test_a_reply_cut_by_max_tokens_keeps_its_completed_calls_in_the_hermes_format(hermes):
+    await _cut_reply_keeps_completed_calls(hermes)
+
+
+@module_loop
+async def test_a_reply_cut_by_max_tokens_keeps_its_completed_calls_as_a_json_array(live):
+    await _cut_reply_keeps_completed_calls(live)
+
+
+@module_loop
+async def test_a_named_call_cut_short_is_no_content(hermes, live):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for server in (hermes, live):
+        r = await server.client.chat.completions.create(
+            **_kwargs(tool_choice=named, temperature=1.0, seed=1, max_tokens=6)
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None
+        for call in choice.message.tool_calls or ():
+            assert call.function.name == "get_weather"
+
+
+@module_loop
+async def test_langchain_bind_tools_any_returns_the_call_a_cut_reply_completed(hermes):
+    from langchain_openai import ChatOpenAI
+
+    kwargs, tokens, calls = await _two_calls(hermes)
+    model = ChatOpenAI(
+        model="test-model",
+        base_url=str(hermes.client.base_url),
+        api_key="unused",
+        temperature=kwargs["temperature"],
+        seed=kwargs["seed"],
+        max_tokens=_cut_inside_the_second_call(tokens),
+        max_retries=0,
+    ).bind_tools(TOOLS, tool_choice="any")
+    reply = await model.ainvoke(USER[0]["content"])
+    assert reply.response_metadata["finish_reason"] == "length"
+    first = calls[0].function
+    assert [(c["name"], c["args"]) for c in reply.tool_calls] == [
+        (first.name, json.loads(first.arguments))
+    ]
+    assert not reply.content and not reply.invalid_tool_calls

@@ -173,6 +173,63 @@ def test_a_named_call_keeps_the_name_and_ends_as_stop():
     assert choice.finish_reason("stop") == "stop"
 
 
+CUT = sorted(set(REPLIES) - {"pythonic"})  # a pythonic call appears once its list closes
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("name", CUT)
+def test_a_reply_cut_inside_its_second_call_keeps_the_first_whole_and_streamed(name, seed):
+    text, content = REPLIES[name]
+    cut = text[: text.rindex("{") + 1]  # the second call's arguments just opened
+    parser = PARSERS[name.split("-")[0]]
+    whole = ChatOutput(tools=parser()).choice()
+    whole.feed(cut, final=True, cut=True)
+    message = whole.message()
+    assert message["content"] == content
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    assert calls == [("get_weather", WANT)]  # the cut call is not one
+    assert whole.finish_reason("length") == "length"
+    stream = ChatOutput(tools=parser()).choice()
+    pieces = _pieces(cut, random.Random(seed))
+    sent, streamed = "", {}
+    for i, piece in enumerate(pieces):
+        out = stream.feed(piece, final=i == len(pieces) - 1, cut=True)
+        sent += out.content
+        for delta in out.calls:
+            entry = streamed.setdefault(delta["index"], ["", ""])
+            entry[0] += delta.get("function", {}).get("name", "")
+            entry[1] += delta["function"]["arguments"]
+    assert sent == (content or "")
+    # a stream has sent the cut call as far as it went, and nothing after
+    assert [tuple(streamed[i]) for i in sorted(streamed)] == [*calls, ("noop", "{")]
+    assert stream.message() == message | {"tool_calls": stream.message()["tool_calls"]}
+    assert [c["function"] for c in stream.message()["tool_calls"]] == [
+        c["function"] for c in message["tool_calls"]
+    ]
+
+
+@pytest.mark.parametrize("name", CUT)
+def test_a_reply_that_ended_inside_a_call_without_a_cut_is_content(name):
+    """The model stopped (finish reason stop) with a call unfinished: not calls after all."""
+    text, _ = REPLIES[name]
+    broken = text[: text.rindex("{") + 1]
+    choice = ChatOutput(tools=PARSERS[name.split("-")[0]]()).choice()
+    choice.feed(broken, final=True)
+    assert choice.message() == {"role": "assistant", "content": broken}
+
+
+@pytest.mark.parametrize("name", CUT)
+def test_a_forced_reply_has_no_content_even_cut_before_a_name(name):
+    text, _ = REPLIES[name]
+    for end in (1, text.index("get_weather") + 3, len(text)):
+        choice = ChatOutput(tools=PARSERS[name.split("-")[0]](), forced=True).choice()
+        choice.feed(text[:end], final=True, cut=end < len(text))
+        message = choice.message()
+        assert message["content"] is None
+        names = [c["function"]["name"] for c in message.get("tool_calls", [])]
+        assert names == (["get_weather", "noop"] if end == len(text) else [])
+
+
 def test_the_json_array_schema_bounds_parallel_calls():
     one = json_array_schema([("f", {"type": "object"})], many=False)
     assert one["minItems"] == 1 and one["maxItems"] == 1

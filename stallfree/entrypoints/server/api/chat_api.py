@@ -108,7 +108,8 @@ class _ChatAnswer:
                     delta = DeltaMessage(content=chunk.text)
                     yield self.chunk_of(index, delta, entries=entries or [])
             else:
-                piece = texts[index].feed(chunk.text, final=chunk.finished)
+                cut = chunk.finished and chunk.finish_reason != "stop"
+                piece = texts[index].feed(chunk.text, final=chunk.finished, cut=cut)
                 if piece or entries:
                     yield self.chunk_of(index, _delta(piece), entries=entries or [])
             if chunk.finished:
@@ -132,7 +133,7 @@ class _ChatAnswer:
                 else chat_logprobs_dump(self.pieces, r.logprobs or [], self.top_k)
             )
             text: ChoiceText = self.output.choice()
-            text.feed(r.text, final=True)
+            text.feed(r.text, final=True, cut=r.last.finish_reason != "stop")
             item = {
                 "index": i,
                 "message": text.message(),

@@ -5,6 +5,13 @@ stream's delta); a whole reply is the same text fed once, final, so a streamed c
 whole one always agree: the deltas of each part concatenate to the whole reply's part, and a
 call's argument deltas to its `arguments`. The reasoning parser (if any) reads the text first;
 what follows the thinking goes to the tool parser (if any), and what that leaves is content.
+
+A reply cut short (`max_tokens`, an abort) keeps the calls it completed, and its finish reason
+says it was cut. A call the cut ended is left out of a whole reply (its arguments are not JSON,
+and a client could take a partial object for the call); a stream has already sent that call's
+name and the arguments written so far, and sends nothing more of it. That is the one place a
+stream and a whole reply differ. A forced reply (`tool_choice` required or a named function)
+has no content: what its grammar wrote is calls, or nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class ChatOutput:
     reasoning: ReasoningParser | None = None
     tools: ToolParser | None = None
     named: str | None = None
+    forced: bool = False
 
     @property
     def plain(self) -> bool:
@@ -61,6 +69,7 @@ class _SentCall:
     id: str
     name: str
     arguments: str = ""
+    done: bool = False
 
 
 class ChoiceText:
@@ -71,8 +80,9 @@ class ChoiceText:
         self.content = ""
         self.calls: list[_SentCall] = []
 
-    def feed(self, piece: str, final: bool = False) -> Piece:
-        """What `piece` (the text's next part) adds; `final` with the text's last part."""
+    def feed(self, piece: str, final: bool = False, cut: bool = False) -> Piece:
+        """What `piece` (the text's next part) adds; `final` with the text's last part, and
+        `cut` when the text ended before the model did (its finish reason is not `stop`)."""
         self.text += piece
         if self.output.plain:
             self.content += piece
@@ -82,15 +92,29 @@ class ChoiceText:
         if self.output.reasoning is not None:
             reasoning, answer, _ = self.output.reasoning.split(self.text, final)
             out.reasoning = self._grow("reasoning", reasoning)
-        parser = self.output.tools
-        parsed = Parsed(answer) if parser is None else parser.parse(answer, final)
-        content = parsed.content
-        if parser is not None and (not final or parsed.calls):
+        parsed = self._parse(answer, final, cut)
+        content = "" if self.output.forced else parsed.content
+        if self.output.tools is not None and (not final or parsed.calls):
             # whitespace may be what comes before a call, which the call's content drops
             content = content.rstrip()
         out.content = self._grow("content", content)
         out.calls = self._call_deltas(parsed.calls)
         return out
+
+    def _parse(self, answer: str, final: bool, cut: bool) -> Parsed:
+        parser = self.output.tools
+        if parser is None:
+            return Parsed(answer)
+        parsed = parser.parse(answer, final)
+        if not final or any(c.name is not None for c in parsed.calls):
+            return parsed
+        if cut or self.output.forced:
+            # a whole-text parse fails on a call the end cut: read the text as one that goes
+            # on, so the calls before it stay calls and the cut one keeps what it has
+            grown = parser.parse(answer, False)
+            if self.output.forced or any(c.name is not None for c in grown.calls):
+                return grown
+        return parsed
 
     def _grow(self, part: str, now: str) -> str:
         sent: str = getattr(self, part)
@@ -116,6 +140,7 @@ class ChoiceText:
                     }
                 )
             sent = self.calls[index]
+            sent.done = call.done
             now = streamed_arguments(call)
             if len(now) > len(sent.arguments) and now.startswith(sent.arguments):
                 deltas.append(
@@ -132,7 +157,10 @@ class ChoiceText:
         if self.output.reasoning is not None:
             out["reasoning_content"] = self.reasoning or None
             out["content"] = self.content or None  # a reply that only thought has no answer
-        if self.calls:
+        if self.output.forced:
+            out["content"] = None  # calls, or nothing
+        calls = self.completed()
+        if calls:
             out["content"] = self.content or None
             out["tool_calls"] = [
                 {
@@ -140,12 +168,16 @@ class ChoiceText:
                     "type": "function",
                     "function": {"name": c.name, "arguments": c.arguments},
                 }
-                for c in self.calls
+                for c in calls
             ]
         return out
 
+    def completed(self) -> list[_SentCall]:
+        """The calls the text holds whole (a cut reply's last call may not be one)."""
+        return [c for c in self.calls if c.done]
+
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's reason for a reply that called tools (a named call ends as `stop`)."""
-        if reason == "stop" and self.calls and self.output.named is None:
+        if reason == "stop" and self.completed() and self.output.named is None:
             return "tool_calls"
         return reason

@@ -6,7 +6,8 @@
   `server.enable_auto_tool_choice` with a `server.tool_call_parser`, as in vLLM.
 - `required` and a named function are enforced: the reply is constrained (structured outputs)
   to one or more calls of the given tools, each call's arguments to its function's
-  `parameters` schema, so the call always parses and validates. With a parser whose format a
+  `parameters` schema, so a call the model finishes parses and validates (one `max_tokens`
+  cut is left out of a whole reply: `chat_output`). With a parser whose format a
   grammar can write (`hermes`, `llama3_json`) the reply is a call in the model's own format;
   otherwise it is vLLM's JSON array (`[{"name": ..., "parameters": {...}}]`).
 - `none` passes the tools to the template but parses nothing.
@@ -158,6 +159,7 @@ def _plan_tools(body: ChatCompletionRequest, server: ServerConfig, plan: ChatPla
                 param="tool_choice.function.name",
             )
         plan.output.named = name
+    plan.output.forced = True
     many = choice == "required" and body.parallel_tool_calls is not False
     grammar = None if configured is None else configured.forced_grammar(functions, many)
     if grammar is not None:
