@@ -42,6 +42,10 @@ _API = [
     flag("--seed", dest="model_seed", type=int, metavar="SEED", sets="model.seed",
          help="seed of preset weights and of unseeded sampling"),
     flag("--metrics", **SWITCH, help="Prometheus metrics at /metrics", sets="metrics.enabled"),
+    flag("--structured-outputs-strict", **SWITCH, sets="runtime.structured_outputs_strict",
+         help="JSON schemas (response_format, structured_outputs, tools) allow only the "
+         "properties and tuple items they name unless they say otherwise, as vLLM's default "
+         "backend reads them; --no-structured-outputs-strict: JSON schema's own default"),
 ]
 # TLS, CORS, a proxy's path prefix, a Unix socket and tracing (vLLM's spellings)
 _TRANSPORT = [
