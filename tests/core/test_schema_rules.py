@@ -5,6 +5,7 @@ otherwise)."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -14,7 +15,7 @@ from llguidance import LLMatcher
 
 from stallfree.runtime.text.ascii_regex import ascii_classes
 from stallfree.runtime.text.grammar import build_lltokenizer
-from stallfree.runtime.text.strict_schema import prepare_schema
+from stallfree.runtime.text.strict_schema import prepare_lark, prepare_schema
 from stallfree.runtime.text.tokenizer import ByteTokenizer
 
 _LLTOK = build_lltokenizer(ByteTokenizer(), 300)
@@ -145,3 +146,26 @@ def test_all_of_branches_stay_open_negations_keep_their_meaning():
     assert "additionalProperties" not in out["not"]
     assert out["anyOf"][0]["additionalProperties"] is False
     assert prepare_schema(True, strict=True) is True
+
+
+def test_every_json_schema_of_a_lark_grammar_is_prepared_and_literals_are_not():
+    from stallfree.entrypoints.server.chat.tool_parsers import PARSERS
+
+    args = {"type": "object", "properties": {"city": {"type": "string", "pattern": r"\w+"}}}
+    grammar = PARSERS["hermes"]().forced_grammar([("weather", args)], many=True)
+    prepared = prepare_lark(grammar, strict=True)
+    body = json.loads(prepared.split("%json", 1)[1].strip().split("\n")[0])
+    assert body["properties"]["arguments"]["additionalProperties"] is False
+    assert body["properties"]["arguments"]["properties"]["city"]["pattern"] == "[0-9A-Za-z_]+"
+    assert prepare_lark(prepared, strict=True) == prepared
+    assert prepare_lark(grammar, strict=False).count("additionalProperties") == 1  # the call's
+    kept = (
+        'start: "%json {\\"properties\\": {}}" x // %json {"properties": {}}\n'
+        'x: /["%json {}]+/ y\ny: %json nonsense\n'
+    )
+    assert prepare_lark(kept, strict=True) == kept
+    assert prepare_lark('root ::= "a" [0-9]', strict=True) == 'root ::= "a" [0-9]'
+    reasoning = 'start: think answer\nanswer: %json {"properties": {"a": {}}}'
+    assert prepare_lark(reasoning, strict=True).endswith(
+        '%json {"properties": {"a": {}}, "additionalProperties": false}'
+    )

@@ -26,7 +26,7 @@ from typing import Any
 from stallfree.runtime.request.errors import InvalidRequestError
 from stallfree.runtime.request.structured import StructuredOutputs
 from stallfree.runtime.text.ascii_regex import ascii_classes
-from stallfree.runtime.text.strict_schema import prepare_schema
+from stallfree.runtime.text.strict_schema import prepare_lark, prepare_schema
 from stallfree.runtime.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 CACHE_ENTRIES = 256
@@ -66,9 +66,10 @@ def build_lltokenizer(tokenizer: Tokenizer, vocab_size: int) -> Any:
 
 
 def grammar_text(spec: StructuredOutputs, strict: bool = True) -> str:
-    """The llguidance grammar for `spec` (not yet checked). A JSON schema is read as vLLM's
-    default backend reads it (strict unless `strict` is off, regex classes in ASCII) and a
-    regex's classes are ASCII (`text/strict_schema.py`)."""
+    """The llguidance grammar for `spec` (not yet checked). A JSON schema, and each `%json`
+    schema of a Lark grammar, is read as vLLM's default backend reads it (strict unless
+    `strict` is off, regex classes in ASCII), and a regex's classes are ASCII
+    (`text/strict_schema.py`)."""
     from llguidance import LLMatcher, grammar_from
 
     kind = spec.kind
@@ -87,7 +88,7 @@ def grammar_text(spec: StructuredOutputs, strict: bool = True) -> str:
         assert spec.choice is not None
         return grammar_from("choice", spec.choice)  # type: ignore[arg-type]
     assert spec.grammar is not None
-    return grammar_from("grammar", spec.grammar)
+    return grammar_from("grammar", prepare_lark(spec.grammar, strict))
 
 
 def unsupported_reason(device: str, in_process: bool) -> str | None:

@@ -13,12 +13,15 @@ Two rules, applied to a copy of the schema before llguidance compiles it:
 - **ASCII classes**, always: every `pattern` and `patternProperties` key reads `\\d`, `\\w`,
   `\\s` as ASCII (`text/ascii_regex.py`).
 
-Only keywords that hold schemas are walked, so `const`, `enum`, `default` and `examples` values
-are never touched, nor is llguidance's own `x-guidance` object.
+`prepare_lark` applies both to every `%json` schema of a Lark grammar (forced tool calls, a
+reasoning model's constrained answer). Only keywords that hold schemas are walked, so
+`const`, `enum`, `default` and `examples` values are never touched, nor is llguidance's own
+`x-guidance` object.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from stallfree.runtime.text.ascii_regex import ascii_classes
@@ -81,3 +84,62 @@ def _close(schema: dict[str, Any]) -> None:
         schema["additionalProperties"] = False
     if isinstance(schema.get("prefixItems"), list) and "items" not in schema:
         schema["items"] = False
+
+
+_DECODER = json.JSONDecoder()
+
+
+def prepare_lark(grammar: str, strict: bool) -> str:
+    """`grammar` (llguidance's Lark) with the module's rules applied to each `%json { ... }`
+    schema in it: the forced tool calls and a reasoning model's constrained answer are such
+    grammars. String and regex literals and comments are copied as written, so `%json` inside
+    one is left alone; a GBNF grammar has no `%json` and comes back unchanged."""
+    out: list[str] = []
+    i, n = 0, len(grammar)
+    while i < n:
+        ch = grammar[i]
+        if ch in "\"'" or (ch == "/" and not grammar.startswith("//", i)):
+            end = _literal_end(grammar, i)
+            out.append(grammar[i:end])
+            i = end
+        elif grammar.startswith("//", i):
+            end = grammar.find("\n", i)
+            end = n if end == -1 else end
+            out.append(grammar[i:end])
+            i = end
+        elif grammar.startswith("%json", i):
+            start = i + len("%json")
+            while start < n and grammar[start] in " \t\r\n":
+                start += 1
+            try:
+                schema, end = _DECODER.raw_decode(grammar, start)
+            except ValueError:
+                schema, end = None, start  # not a schema: the backend reports it
+            out.append(grammar[i:start])
+            if isinstance(schema, dict):
+                out.append(json.dumps(prepare_schema(schema, strict), ensure_ascii=False))
+            else:
+                out.append(grammar[start:end])
+            i = end
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
+
+
+def _literal_end(text: str, start: int) -> int:
+    """The index after the string or regex literal opened at `start` (its closing quote or
+    slash, unescaped; the end of the line if it has none)."""
+    close = text[start]
+    i = start + 1
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == close:
+            return i + 1
+        if ch == "\n":
+            return i
+        i += 1
+    return len(text)
