@@ -3,6 +3,7 @@ may ask of it, and its logs) and the `metrics` section."""
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -19,7 +20,9 @@ class ServerConfig(_Section):
         "any one is accepted",
     )
     served_model_name: str | None = Field(
-        None, description="Model id in the API and the metrics; default: model.path"
+        None,
+        description="Model id in the API and the metrics; default: model.path, or a GGUF "
+        "file's name without its directory",
     )
     chat_template: str | None = Field(
         None,
@@ -222,7 +225,13 @@ class ServerConfig(_Section):
         return v
 
     def model_name(self, model_path: str) -> str:
-        return self.served_model_name or model_path
+        """The served model id: `served_model_name`, else the model as given, but for a GGUF
+        file its name alone (the directory it sits in is the server's own business)."""
+        if self.served_model_name:
+            return self.served_model_name
+        if model_path.lower().endswith(".gguf"):
+            return PurePath(model_path).name
+        return model_path
 
 
 class MetricsConfig(_Section):

@@ -89,12 +89,19 @@ def check_model(served: str, name: str) -> None:
         shown = repr(name[:64]) + (
             f" (and {len(name) - 64} more characters)" if len(name) > 64 else ""
         )
+        serves = "GET /v1/models names it" if on_disk(served) else f"it is {served!r}"
         raise ApiError(
             404,
-            f"the model {shown} does not exist; this server serves {served!r}",
+            f"the model {shown} does not exist; this server serves one model: {serves}",
             param="model",
             code="model_not_found",
         )
+
+
+def on_disk(name: str) -> bool:
+    """Whether a served model id is a path of the server's disk (a model directory served
+    under its path), which an error text does not show."""
+    return os.path.isabs(name) or (os.sep in name and os.path.exists(name))
 
 
 def _given(value: Any) -> bool:
