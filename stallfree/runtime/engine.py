@@ -36,6 +36,7 @@ from stallfree.runtime.request_table import RequestTable
 from stallfree.runtime.telemetry.observer import EngineObserver, MetricsExporter
 from stallfree.runtime.telemetry.request_log import RequestLogger
 from stallfree.runtime.telemetry.stats import EngineSnapshot, PoolUsage
+from stallfree.runtime.text.chat_template import ChatTemplateError, check_chat_template
 from stallfree.runtime.text.tokenizer import Tokenizer
 from stallfree.runtime.text.validation import RequestValidator, show
 
@@ -117,6 +118,18 @@ class Engine:
         self._loop_task.add_done_callback(self._on_loop_exit)
         self._state = "running"
         logger.info("engine started: %s", describe_engine(self.core))
+        self._report_chat_template()
+
+    def _report_chat_template(self) -> None:
+        """Say at start-up when the model's chat template does not compile. The engine serves
+        on: prompts work, and each chat request is refused naming the same reason."""
+        source = self.tokenizer.chat_template
+        if not source:
+            return
+        try:
+            check_chat_template(source)
+        except ChatTemplateError as exc:
+            logger.error("chat requests will be refused: the model's %s", exc)
 
     async def shutdown(self, drain: bool = True) -> None:
         """Stop accepting work; finish (or abort) what is in flight; release the stream."""
