@@ -57,7 +57,7 @@ from stallfree.runtime.scheduling.sizing import (
     prefix_caching_enabled,
     waiting_limit,
 )
-from stallfree.runtime.scheduling.speculation import SpecPolicy, StepCosts
+from stallfree.runtime.scheduling.spec_policy import SpecPolicy, StepCosts
 from stallfree.runtime.telemetry.observer import ObserverFanout
 from stallfree.runtime.telemetry.stats import (
     ActivityClock,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from stallfree.config import SpeculativeConfig
 from stallfree.runtime.request.req import Req
 from stallfree.runtime.request.sampling_params import SamplingParams
-from stallfree.runtime.scheduling import speculation
-from stallfree.runtime.scheduling.speculation import SpecPolicy, StepCosts
+from stallfree.runtime.scheduling import spec_policy
+from stallfree.runtime.scheduling.spec_policy import SpecPolicy, StepCosts
 from stallfree.runtime.telemetry.stats import EngineCounters
 
 
@@ -41,7 +41,7 @@ def test_requests_whose_processing_needs_exact_indices_carry_no_drafts():
 
 def test_a_request_whose_drafts_fail_turns_off_probes_and_backs_off():
     p, stats, r = policy(), EngineCounters(), req(max_new_tokens=10_000)
-    for _ in range(speculation.MIN_STEPS):
+    for _ in range(spec_policy.MIN_STEPS):
         assert p.plan([r]) == [4]
         p.observe(r, 4, 0, stats)
     assert r.spec_off and stats.spec_requests_disabled == 1
@@ -90,6 +90,6 @@ def test_a_stale_cost_is_measured_again():
     costs = StepCosts()
     costs.observe(8, 0.05)
     assert costs.estimate(7) == 0.05  # same power-of-two bucket
-    for _ in range(speculation.STALE_STEPS + 1):
+    for _ in range(spec_policy.STALE_STEPS + 1):
         costs.observe(1, 0.01)
     assert costs.estimate(8) is None

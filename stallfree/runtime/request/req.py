@@ -57,7 +57,7 @@ class Req:
     # the committed length is `num_computed_tokens - spec_window` (docs/overlap.md)
     spec_window: int = 0
     spec_drafts: int = 0  # drafts of verify steps in flight (0: its bounds are exact)
-    # adaptive speculation (scheduling/speculation.py): running acceptance rate, drafted
+    # adaptive speculation (scheduling/spec_policy.py): running acceptance rate, drafted
     # steps, whether it stopped proposing, and normal steps since it stopped
     spec_rate: float = 1.0
     spec_steps: int = 0

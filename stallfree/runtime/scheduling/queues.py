@@ -19,7 +19,7 @@ from stallfree.runtime.scheduling.backpressure import PausedRequests
 from stallfree.runtime.scheduling.kv_import import KVImports
 from stallfree.runtime.scheduling.prefix import order_lpm
 from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
-from stallfree.runtime.scheduling.speculation import ParkedRequests
+from stallfree.runtime.scheduling.spec_policy import ParkedRequests
 
 
 def idle_batch(ctx: BatchContext) -> ScheduleBatch:

@@ -31,7 +31,7 @@ from stallfree.runtime.scheduling.deferred import DeferredFrees
 from stallfree.runtime.scheduling.prefill import PrefillManager
 from stallfree.runtime.scheduling.queues import RequestQueues
 from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
-from stallfree.runtime.scheduling.speculation import SpecPolicy, count_verify_row
+from stallfree.runtime.scheduling.spec_policy import SpecPolicy, count_verify_row
 from stallfree.runtime.telemetry.observer import EngineObserver
 from stallfree.runtime.telemetry.stats import EngineCounters
 from stallfree.runtime.text.output_processor import OutputProcessor
