@@ -1,4 +1,4 @@
-"""spec_ops: n-gram proposals against a plain-Python reference, and the rejection sampler's
+"""The n-gram proposer against a plain-Python reference, and the rejection sampler's
 hand-worked cases plus chi-square checks that its output is distributed as the target's."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from stallfree.runtime.execution.spec_ops import ngram_propose, rejection_sample
+from stallfree.runtime.execution.ngram_proposer import ngram_propose
+from stallfree.runtime.execution.rejection_sampler import rejection_sample
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -8,7 +8,7 @@ produced the slot's last token, and the next verify step resolves them there.
 A verify step scores `k + 1` positions per request (its last token and `k` drafts). Greedy
 rows accept the longest prefix of drafts that equal the target's argmax, then take the
 target's token at the first mismatch (or the bonus token after the last draft). Sampled rows
-use rejection sampling (`spec_ops.rejection_sample`), which keeps the target distribution
+use rejection sampling (`rejection_sampler.rejection_sample`), which keeps the target distribution
 exactly. The step then lowers each row's device length by the drafts it rejected, appends
 the accepted tokens to the slot's history; the next verify step proposes from there.
 """
@@ -23,8 +23,9 @@ from typing import Protocol
 import torch
 
 from stallfree.overlap.future_map import FutureMap
+from stallfree.runtime.execution.ngram_proposer import ngram_propose
+from stallfree.runtime.execution.rejection_sampler import rejection_sample
 from stallfree.runtime.execution.sampler import Sampler, SamplingBatch
-from stallfree.runtime.execution.spec_ops import ngram_propose, rejection_sample
 from stallfree.runtime.memory.pool import KVCache
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode, VerifyLayout
 
