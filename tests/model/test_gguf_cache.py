@@ -21,7 +21,7 @@ import torch
 from stallfree.runtime.model import gguf as gguf_module
 from stallfree.runtime.model import gguf_cache
 from stallfree.runtime.model.gguf import load_gguf_tokenizer, read_gguf_arch, read_gguf_checkpoint
-from stallfree.runtime.model.quant import GroupQuant, RowQuant
+from stallfree.runtime.model.quant import BlockQuant8, GroupQuant, RowQuant
 from stallfree.runtime.text.tokenizer import TokenizerLoadError
 from tests.hf_models import make_llama
 from tests.model.test_gguf import smollm2_path, write_gguf
@@ -85,7 +85,7 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _same_weight(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and _same_tensor(a, b)
-    assert isinstance(a, GroupQuant | RowQuant) and type(a) is type(b)
+    assert isinstance(a, GroupQuant | RowQuant | BlockQuant8) and type(a) is type(b)
     return all(
         _same_tensor(getattr(a, f), getattr(b, f))
         if isinstance(getattr(a, f), torch.Tensor)
@@ -136,7 +136,7 @@ def test_hit_equals_miss_without_a_reader(
     _assert_same_tokenizer(miss[2], hit[2])
     assert read_gguf_arch(tiny_gguf) == hit[0].arch
     packed = {type(w).__name__ for w in hit[0].tensors.values()}
-    assert packed == {"GroupQuant", "RowQuant", "Tensor"}
+    assert packed == {"GroupQuant", "BlockQuant8", "Tensor"}  # Q4 layers, the Q8_0 embedding
 
 
 def test_mapped_tensors_are_the_readers_bytes(tiny_gguf: Path, cache: Path) -> None:

@@ -75,6 +75,44 @@ def test_linear_q8_equals_its_emulation(
 @settings(max_examples=25, deadline=None)
 @given(
     m=st.integers(1, 16),
+    n=st.integers(1, 70),
+    blocks=st.integers(1, 9),
+    bf16=st.booleans(),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_q8_blocks_equals_its_emulation(
+    isa: str, m: int, n: int, blocks: int, bf16: bool, bias: bool, seed: int
+) -> None:
+    """GGUF Q8_0's layout: int8 codes with a float16 scale per block of 32 weights."""
+    set_isa(isa)
+    g = torch.Generator().manual_seed(seed)
+    k = 32 * blocks
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    x = torch.randn(m, k, generator=g).to(dtype)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    # scales spread over three decades, as blocks of real weights are
+    bscale = (
+        (torch.rand(n, blocks, generator=g) * 3 - 4)
+        .exp2()
+        .mul(10 ** -torch.rand(1, generator=g))
+        .half()
+    )
+    b = torch.randn(n, generator=g) if bias else None
+    out = torch.ops.stallfree.linear_q8_blocks(x, q, bscale, b)
+    dense = q.double() * bscale.double().repeat_interleave(32, 1)
+    ones = torch.ones(n, dtype=torch.float64)
+    # the per-row emulation over the dequantised rows is the same sum (row scale 1)
+    ref = q8_emulation(x, dense, ones) + (0 if b is None else b.double())
+    bound = q8_emulation(x.abs(), dense.abs(), ones) + (0 if b is None else b.double().abs())
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert _rel(out, ref, None if bf16 else bound) < (8e-3 if bf16 else 1e-5)
+
+
+@each_isa
+@settings(max_examples=25, deadline=None)
+@given(
+    m=st.integers(1, 16),
     n=st.integers(1, 40),
     groups=st.integers(1, 11),
     bf16=st.booleans(),

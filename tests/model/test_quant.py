@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stallfree import Engine, SamplingParams
-from stallfree.runtime.model import ModelLoadError, load_model, quant
+from stallfree.runtime.model import ModelLoadError, cpu_kernels, load_model, quant
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.model.loader import resolve_quantization
 from tests.engine_util import engine_config, random_prompts
@@ -35,11 +35,55 @@ def test_gguf_blocks_decode_as_the_gguf_library_dequantises(kind: str) -> None:
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(w.shape)
     got = decode_blocks(raw, kind, *w.shape).dequantize().numpy()
     if kind == "Q8_0":
-        # re-scaled to one scale per row: within half a row step of the file's values
-        step = np.abs(expected).max(axis=1, keepdims=True) / 127
-        assert np.all(np.abs(got - expected) <= step / 2 + 1e-6)
+        # the file's own block scales and codes: exactly its values
+        np.testing.assert_array_equal(got, expected)
     else:
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def _k_blocks(kind: str, rows: int, cols: int) -> np.ndarray:
+    """Random super-blocks of a K type the gguf library cannot quantize (Q5_K, Q6_K), with
+    sane float16 scales: any bytes are a valid block."""
+    size = {"Q5_K": 176, "Q6_K": 210}[kind]
+    rng = np.random.default_rng(7)
+    blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+    if kind == "Q5_K":
+        blocks[:, 0:2] = np.float16(0.011).reshape(1, 1).view(np.uint8)  # d
+        blocks[:, 2:4] = np.float16(0.017).reshape(1, 1).view(np.uint8)  # dmin
+    else:
+        blocks[:, -2:] = np.float16(0.0023).reshape(1, 1).view(np.uint8)  # d, last
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+def test_five_and_six_bit_blocks_are_eight_bit_blocks_on_the_native_kernels(kind: str) -> None:
+    """Where the native kernels run, 5- and 6-bit weights become int8 codes with a float16
+    scale per block of 32 (not dense): each value within half an 8-bit step of its block (and
+    the scale's float16 rounding); elsewhere they stay dense as before."""
+    from types import SimpleNamespace
+
+    from stallfree.runtime.model import cpu_kernels
+    from stallfree.runtime.model.gguf_blocks import packed_weight
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    rows, cols = 24, 512
+    if kind in ("Q5_K", "Q6_K"):
+        raw = _k_blocks(kind, rows, cols)
+    else:
+        raw = gguf.quants.quantize(_random_weight(rows, cols, seed=3), qtype)
+    expected = gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
+    tensor = SimpleNamespace(tensor_type=qtype, shape=(cols, rows), data=raw)
+    got = packed_weight(tensor)
+    if not cpu_kernels.available():
+        assert got is None
+        return
+    assert isinstance(got, quant.BlockQuant8) and got.scale.dtype == torch.float16
+    step = np.abs(expected).reshape(rows, cols // 32, 32).max(-1, keepdims=True) / 127
+    err = np.abs(
+        got.dequantize().numpy().reshape(rows, cols // 32, 32)
+        - expected.reshape(rows, cols // 32, 32)
+    )
+    assert np.all(err <= step * (0.5 + 2e-3) + 1e-7)
 
 
 def test_q4_k_super_blocks_decode_exactly() -> None:
@@ -186,7 +230,8 @@ def test_quantized_model_computes_what_its_dequantised_weights_do(llama: Path, m
 
 
 @pytest.mark.parametrize(
-    ("layer_type", "layer_kind"), [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8")]
+    ("layer_type", "layer_kind"),
+    [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8"), ("Q5_0", "int8"), ("Q5_1", "int8")],
 )
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_gguf_blocks_stay_packed_and_compute_what_the_dequantised_file_does(
@@ -197,16 +242,20 @@ def test_gguf_blocks_stay_packed_and_compute_what_the_dequantised_file_does(
     dense = load_model(str(path), "float32", CPU, 0, quantization="none")
     packed = load_model(str(path), "float32", CPU, 0, quantization="auto")  # gguf on a CPU
     assert packed.quantization == "gguf"
-    kind = quant.Int4Linear if layer_kind == "int4" else quant.Int8Linear
+    kind: type[torch.nn.Module] = quant.Int4Linear if layer_kind == "int4" else quant.Int8Linear
+    if layer_type.startswith("Q5") and not cpu_kernels.available():
+        kind = torch.nn.Linear  # 5-bit types stay dense without the native kernels
     for layer in packed.model.model.layers:
         for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
             assert isinstance(proj, kind)
     head = packed.model.tied_head if tied else packed.model.lm_head
     assert isinstance(head, quant.Int8Linear)
-    # Q4 blocks hold the dequantised values exactly: only the activations' rounding on the
-    # kernel (bfloat16 where the CPU has it) and Q8_0's per-row re-scaling remain
+    # Q4 and Q8_0 blocks hold the dequantised values exactly: only the activations' rounding
+    # on the kernel (bfloat16 or int8 blocks) remains; Q5 types add their re-quantization to
+    # 8-bit blocks (half a step of each block at most)
+    tolerance = 0.15 if layer_type.startswith("Q5") else 0.1
     _assert_close_logits(
-        _logits(packed.model, torch.float32), _logits(dense.model, torch.float32), 0.1
+        _logits(packed.model, torch.float32), _logits(dense.model, torch.float32), tolerance
     )
 
 

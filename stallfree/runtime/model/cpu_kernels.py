@@ -196,6 +196,12 @@ def _register_fakes() -> None:
     ) -> torch.Tensor:
         return _rows_out(x, qweight.shape[0])
 
+    @register_fake(lib + "linear_q8_blocks")
+    def _linear_q8_blocks(
+        x: torch.Tensor, qweight: torch.Tensor, bscale: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return _rows_out(x, qweight.shape[0])
+
     @register_fake(lib + "linear_q4")
     def _linear_q4(
         x: torch.Tensor,

@@ -11,7 +11,11 @@ against the `gguf` library's own dequantisation.
 - Q4_K (144 bytes / 256): fp16 `d`, fp16 `dmin`, 12 bytes of 6-bit sub-block scales and mins
   (8 sub-blocks of 32), then per 64 elements 32 bytes (low nibbles the first 32, high the
   next); `w = d * sc_j * q - dmin * m_j`: scale `d sc_j`, zero `8 d sc_j - dmin m_j`.
-- Q8_0 (34 bytes / 32): fp16 `d`, 32 int8; `w = d * q`, re-scaled to one scale per row.
+- Q8_0 (34 bytes / 32): fp16 `d`, 32 int8; `w = d * q`, kept as it is (`BlockQuant8`).
+- Q5_0, Q5_1, Q5_K, Q6_K (5 and 6 bits): where the native kernels run, decoded and
+  re-quantized to 8-bit codes with a float16 scale per block of 32 (`BlockQuant8`: at most
+  half a step of 8 bits off the file's values, against the 5-6 bits the file kept);
+  elsewhere they load dense, as before.
 """
 
 from __future__ import annotations
@@ -21,9 +25,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from stallfree.runtime.model.quant import GroupQuant, RowQuant, quantize_int8
+from stallfree.runtime.model import cpu_kernels
+from stallfree.runtime.model.quant import (
+    BlockQuant8,
+    GroupQuant,
+    quantize_int8_blocks,
+)
 
 PACKED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+# kept as 8-bit blocks where the native kernels take them (their block-scaled int8 product)
+REQUANTIZED_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 
 
 def _fp16(raw: np.ndarray, start: int) -> np.ndarray:
@@ -55,23 +66,33 @@ def _group(rows: int, cols: int, q: np.ndarray, scale: np.ndarray, zero: np.ndar
     )
 
 
-def _q8_0(raw: np.ndarray, rows: int, cols: int) -> RowQuant:
-    """Q8_0 rows re-scaled to one scale per row, a slice of rows at a time (the float32 copy
-    of a whole embedding would be 113 MB, and its quantization several times that)."""
+def _q8_0(raw: np.ndarray, rows: int, cols: int) -> BlockQuant8:
+    """Q8_0 as stored: each block's float16 scale and its 32 codes."""
+    b = np.ascontiguousarray(raw).reshape(rows, cols // 32, 34)
+    scale = b[:, :, :2].copy().view(np.float16)[:, :, 0]
+    q = b[:, :, 2:].copy().view(np.int8).reshape(rows, cols)
+    return BlockQuant8(torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(scale)))
+
+
+def _requantized(raw: np.ndarray, qtype: Any, rows: int, cols: int) -> BlockQuant8:
+    """A 5- or 6-bit type decoded by the gguf library and re-quantized to 8-bit blocks of 32,
+    a slice of rows at a time (the float32 copy of the whole weight is never made)."""
+    from gguf.quants import dequantize
+
     q = torch.empty((rows, cols), dtype=torch.int8)
-    scale = torch.empty(rows, dtype=torch.float32)
-    step = max(1, (1 << 21) // max(cols, 1))
+    scale = torch.empty((rows, cols // 32), dtype=torch.float16)
+    step = max(1, (1 << 20) // max(cols, 1))
     for start in range(0, rows, step):
-        b = raw[start : start + step].reshape(-1, 34)
-        d = _fp16(b, 0)
-        codes = b[:, 2:].copy().view(np.int8).astype(np.float32)
-        part = quantize_int8(torch.from_numpy((codes * d[:, None]).reshape(-1, cols)))
-        q[start : start + step] = part.q
-        scale[start : start + step] = part.scale
-    return RowQuant(q, scale)
+        part = np.asarray(dequantize(raw[start : start + step], qtype), dtype=np.float32)
+        blocks = quantize_int8_blocks(torch.from_numpy(part.reshape(-1, cols)))
+        q[start : start + step] = blocks.q
+        scale[start : start + step] = blocks.scale
+    return BlockQuant8(q, scale)
 
 
-def decode_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> GroupQuant | RowQuant:
+def decode_blocks(
+    raw: np.ndarray, type_name: str, rows: int, cols: int
+) -> GroupQuant | BlockQuant8:
     """One tensor's raw bytes ([rows, bytes per row]) as codes and scales."""
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     if type_name == "Q4_0":
@@ -97,10 +118,14 @@ def decode_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Grou
     raise ValueError(f"GGUF type {type_name} is not kept quantized")
 
 
-def packed_weight(tensor: Any) -> GroupQuant | RowQuant | None:
+def packed_weight(tensor: Any) -> GroupQuant | BlockQuant8 | None:
     """A GGUF reader tensor as a quantized weight, or None for a type kept dense."""
     name = tensor.tensor_type.name
-    if name not in PACKED_TYPES or len(tensor.shape) != 2:
+    if len(tensor.shape) != 2:
         return None
     cols, rows = (int(d) for d in tensor.shape)
+    if name in REQUANTIZED_TYPES and cols % 32 == 0 and cpu_kernels.available():
+        return _requantized(tensor.data, tensor.tensor_type, rows, cols)
+    if name not in PACKED_TYPES:
+        return None
     return decode_blocks(tensor.data, name, rows, cols)

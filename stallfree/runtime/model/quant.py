@@ -81,13 +81,36 @@ class RowQuant:
         return RowQuant(self.q[order], self.scale[order])
 
 
-QuantizedWeight = GroupQuant | RowQuant
+@dataclass(slots=True)
+class BlockQuant8:
+    """Signed int8 codes `q` [out, in] with a float16 scale per block of 32 inputs
+    ([out, in // 32]): `w = q * scale`, GGUF's Q8_0 as the file stores it."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.q.shape[0]), int(self.q.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        rows, cols = self.shape
+        blocks = self.q.float().view(rows, cols // GROUP_SIZE, GROUP_SIZE)
+        return (blocks * self.scale.float()[..., None]).view(rows, cols)
+
+    def rows(self, order: torch.Tensor) -> BlockQuant8:
+        return BlockQuant8(self.q[order], self.scale[order])
+
+
+QuantizedWeight = GroupQuant | RowQuant | BlockQuant8
 
 
 def can_stack(parts: list[QuantizedWeight]) -> bool:
     """Whether `stack_rows` can join these without changing any of them: one form, one group
     size (a Q4_K_M file mixes Q4_K and Q6_K projections; those stay apart)."""
     if all(isinstance(p, RowQuant) for p in parts):
+        return True
+    if all(isinstance(p, BlockQuant8) for p in parts):
         return True
     groups = {p.group_size for p in parts if isinstance(p, GroupQuant)}
     return len(groups) == 1 and all(isinstance(p, GroupQuant) for p in parts)
@@ -100,6 +123,9 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     if isinstance(parts[0], RowQuant):
         rows = [p for p in parts if isinstance(p, RowQuant)]
         return RowQuant(torch.cat([r.q for r in rows]), torch.cat([r.scale for r in rows]))
+    if isinstance(parts[0], BlockQuant8):
+        blocks = [p for p in parts if isinstance(p, BlockQuant8)]
+        return BlockQuant8(torch.cat([b.q for b in blocks]), torch.cat([b.scale for b in blocks]))
     groups = [p for p in parts if isinstance(p, GroupQuant)]
     return GroupQuant(
         torch.cat([g.q for g in groups]),
@@ -126,6 +152,24 @@ def quantize_int8(weight: torch.Tensor) -> RowQuant:
         scale[start : start + step] = s
         q[start : start + step] = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
     return RowQuant(q, scale)
+
+
+def quantize_int8_blocks(weight: torch.Tensor) -> BlockQuant8:
+    """Int8 codes with a float16 scale per block of 32 inputs (amax / 127), a slice of rows at
+    a time; the codes are rounded against the float16 scale they will be multiplied by."""
+    rows, cols = weight.shape
+    q = torch.empty((rows, cols), dtype=torch.int8, device=weight.device)
+    scale = torch.empty((rows, cols // GROUP_SIZE), dtype=torch.float16, device=weight.device)
+    step = max(1, _QUANT_CHUNK_ELEMENTS // max(cols, 1))
+    for start in range(0, rows, step):
+        w = weight[start : start + step].float().reshape(-1, cols // GROUP_SIZE, GROUP_SIZE)
+        s = (w.abs().amax(dim=-1) / 127.0).half()
+        sf = s.float()
+        safe = torch.where(sf > 0, sf, torch.ones_like(sf))
+        codes = torch.round(w / safe[..., None]).clamp(-127, 127).to(torch.int8)
+        q[start : start + step] = codes.reshape(-1, cols)
+        scale[start : start + step] = s
+    return BlockQuant8(q, scale)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> GroupQuant:
@@ -256,29 +300,57 @@ class _QuantLinearBase(nn.Module, abc.ABC):
 
 
 class Int8Linear(_QuantLinearBase):
-    """`x @ (q * scale).T (+ bias)` from int8 rows, in the activations' dtype."""
+    """`x @ (q * scale).T (+ bias)` from int8 rows, in the activations' dtype.
+
+    One scale per output row (`RowQuant`), or one per block of 32 inputs (`BlockQuant8`, a
+    GGUF's Q8_0 as stored) where the native kernels take it; without them a block-scaled
+    weight is re-scaled to one scale per row for torch's kernel.
+    """
 
     kernel_max_rows = INT8_KERNEL_MAX_ROWS
 
-    def __init__(self, weight: RowQuant, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self, weight: RowQuant | BlockQuant8, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> None:
         super().__init__(bias, dtype)
+        native = weight.shape[1] % GROUP_SIZE == 0 and native_quantized(dtype)
+        if isinstance(weight, BlockQuant8) and not native:
+            weight = quantize_int8(weight.dequantize())
         self.out_features, self.in_features = weight.shape
         self.qweight: torch.Tensor
-        self.scales: torch.Tensor
-        self.row_scale: torch.Tensor
+        self.scales: torch.Tensor | None
+        self.row_scale: torch.Tensor | None
+        self.scale_f32: torch.Tensor | None
+        self.block_scale: torch.Tensor | None
+        self.block_scale_dt: torch.Tensor | None
         self.register_buffer("qweight", weight.q.contiguous())
-        self.register_buffer("scales", weight.scale.to(self.kernel_dtype).contiguous())
+        if isinstance(weight, BlockQuant8):
+            # float16 for the kernel; in the model's dtype, one per block, for the dense path
+            self.register_buffer("block_scale", weight.scale.half().contiguous())
+            scale_dt = weight.scale.to(dtype)[..., None].contiguous()
+            self.register_buffer("block_scale_dt", scale_dt, persistent=False)
+            for name in ("scales", "row_scale", "scale_f32"):
+                self.register_buffer(name, None)
+            self.kernel_max_rows = 0  # torch's int8 kernel takes row scales only
+        else:
+            self.register_buffer("block_scale", None)
+            self.register_buffer("block_scale_dt", None, persistent=False)
+            self.register_buffer("scales", weight.scale.to(self.kernel_dtype).contiguous())
+            self.register_buffer("row_scale", weight.scale.to(dtype)[:, None].contiguous())
+            f32 = weight.scale.float().contiguous()
+            self.register_buffer("scale_f32", f32, persistent=False)
         if self.in_features % _INT8_KERNEL_COLS:
             # torch's bfloat16 int8 kernel reads past rows of other widths: 65 inputs died of
             # SIGSEGV, 40 gave wrong sums (a tensor-parallel shard of an odd MLP hit it)
             self.kernel_max_rows = 0
-        self.register_buffer("row_scale", weight.scale.to(dtype)[:, None].contiguous())
-        self.scale_f32: torch.Tensor
-        self.register_buffer("scale_f32", weight.scale.float().contiguous(), persistent=False)
-        self.native = self.in_features % GROUP_SIZE == 0 and native_quantized(dtype)
+        self.native = native
 
     def _native(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.stallfree.linear_q8(x, self.qweight, self.scale_f32, bias)
+        out: torch.Tensor
+        if self.block_scale is not None:
+            out = torch.ops.stallfree.linear_q8_blocks(x, self.qweight, self.block_scale, bias)
+        else:
+            out = torch.ops.stallfree.linear_q8(x, self.qweight, self.scale_f32, bias)
         return out
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
@@ -288,11 +360,21 @@ class Int8Linear(_QuantLinearBase):
     def dequantize(self) -> torch.Tensor:
         out = _workspace(self.out_features, self.in_features, self.dtype)
         out.copy_(self.qweight)
+        if self.block_scale_dt is not None:
+            blocks = out.view(self.out_features, -1, GROUP_SIZE)
+            blocks.mul_(self.block_scale_dt)
+            return out
+        assert self.row_scale is not None
         return out.mul_(self.row_scale)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` dequantised: the embedding lookup of a tied output matrix."""
         rows = self.qweight.index_select(0, ids).to(self.dtype)
+        if self.block_scale_dt is not None:
+            blocks = rows.view(rows.shape[0], -1, GROUP_SIZE)
+            scale = self.block_scale_dt.index_select(0, ids)
+            return (blocks * scale).view(rows.shape[0], self.in_features)
+        assert self.row_scale is not None
         return rows * self.row_scale.index_select(0, ids)
 
 
@@ -387,7 +469,7 @@ def make_linear(
         if int4_fits(weight.shape, weight.group_size):
             return Int4Linear(weight, bias, dtype)
         return Int8Linear(quantize_int8(weight.dequantize()), bias, dtype)
-    if isinstance(weight, RowQuant):
+    if isinstance(weight, (RowQuant, BlockQuant8)):
         return Int8Linear(weight, bias, dtype)
     if method == "int4" and int4_fits(tuple(weight.shape)):  # type: ignore[arg-type]
         return Int4Linear(quantize_int4(weight), bias, dtype)

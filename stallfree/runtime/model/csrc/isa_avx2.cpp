@@ -74,8 +74,8 @@ void quantize(const void* x, bool x_bf16, int64_t row, Q8Act& a) {
   }
 }
 
-void gemv_q8(const Q8Act& a, const int8_t* w, const float* scale, const float* bias, int64_t n0,
-             int64_t n1, Out out) {
+void gemv_q8(const Q8Act& a, const int8_t* w, const float* scale, const uint16_t* bscale,
+             const float* bias, int64_t n0, int64_t n1, Out out) {
   const int64_t k = a.k, blocks = k / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t n = n0; n < n1; ++n) {
@@ -91,9 +91,10 @@ void gemv_q8(const Q8Act& a, const int8_t* w, const float* scale, const float* b
         const __m256i ax = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + b * 32));
         const __m256i p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, xs));
         const __m256i p32 = _mm256_madd_epi16(p16, ones);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(d[b]), acc);
+        const float db = bscale ? d[b] * _cvtsh_ss(bscale[n * blocks + b]) : d[b];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(db), acc);
       }
-      float v = hsum(acc) * scale[n];
+      float v = bscale ? hsum(acc) : hsum(acc) * scale[n];
       if (bias) v += bias[n];
       store(out, m, n, v);
     }

@@ -127,24 +127,39 @@ struct TileOut {
 #define SF_Q8_STEP(c, lm)                                                        \
   {                                                                              \
     __m512i wv[kTileN];                                                          \
+    __m512 ws[kTileN];                                                           \
     _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) {                    \
       wv[j] = _mm512_maskz_loadu_epi8(lm, w[j] + (c) * 64);                      \
       _mm_prefetch(reinterpret_cast<const char*>(w[j] + (c) * 64 + ahead), _MM_HINT_T0); \
+      if constexpr (Blocked) ws[j] = expand2(bs[j] + (c) * 2, lm);               \
     }                                                                            \
     _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {                        \
       const __m512i ax = _mm512_loadu_si512(absq[i] + (c) * 64);                 \
       const __mmask64 ng = neg[i][c];                                            \
       const __m512 dv = _mm512_loadu_ps(dvec[i] + (c) * 16);                     \
       _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) {                  \
-        const __m512i ws = _mm512_mask_sub_epi8(wv[j], ng, zero, wv[j]);         \
-        const __m512i dot = _mm512_dpbusd_epi32(zero, ax, ws);                   \
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dv, acc[i][j]);     \
+        const __m512i sw = _mm512_mask_sub_epi8(wv[j], ng, zero, wv[j]);         \
+        const __m512i dot = _mm512_dpbusd_epi32(zero, ax, sw);                   \
+        const __m512 d = Blocked ? _mm512_mul_ps(dv, ws[j]) : dv;                \
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, acc[i][j]);      \
       }                                                                          \
     }                                                                            \
   }
 
-template <int MB>
-void q8_tile(const Q8Act& a, const int8_t* const* w, const TileOut& t) {
+// The two float16 block scales of 64 weights, as 8 lanes each (the dot's lane order); a last
+// chunk of 32 values reads one.
+inline __m512 expand2(const uint16_t* p, __mmask64 lm) {
+  const __m128i h = _mm_maskz_loadu_epi16(lm == ~0ull ? 0x3 : 0x1, p);
+  const __m512 f = _mm512_castps128_ps512(_mm_cvtph_ps(h));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), f);
+}
+
+// Blocked: the weights carry a float16 scale per block of 32 (GGUF's Q8_0 as stored, bs[j]
+// rows of [n, k / 32]), applied per lane with the activation's; otherwise one scale per row
+// in the epilogue.
+template <int MB, bool Blocked>
+void q8_tile(const Q8Act& a, const int8_t* const* w, const uint16_t* const* bs,
+             const TileOut& t) {
   const int64_t stride = a.kp / 64, full = a.k / 64;  // a last chunk may hold 32 values
   const int64_t ahead = 2 * kTileN * a.k;  // the tile after next, at the same column
   const __m512i zero = _mm512_setzero_si512();
@@ -168,23 +183,36 @@ void q8_tile(const Q8Act& a, const int8_t* const* w, const TileOut& t) {
 }
 #undef SF_Q8_STEP
 
-void gemv_q8(const Q8Act& a, const int8_t* w, const float* scale, const float* bias, int64_t n0,
-             int64_t n1, Out out) {
+template <bool Blocked>
+void gemv_q8_t(const Q8Act& a, const int8_t* w, const float* scale, const uint16_t* bscale,
+               const float* bias, int64_t n0, int64_t n1, Out out) {
   const int64_t k = a.k;
   for (int64_t n = n0; n < n1; n += kTileN) {
     const int nb = static_cast<int>(std::min<int64_t>(kTileN, n1 - n));
     const int8_t* rows[kTileN];
-    for (int j = 0; j < kTileN; ++j) rows[j] = w + (n + std::min(j, nb - 1)) * k;
+    const uint16_t* bsr[kTileN];
+    for (int j = 0; j < kTileN; ++j) {
+      rows[j] = w + (n + std::min(j, nb - 1)) * k;
+      bsr[j] = Blocked ? bscale + (n + std::min(j, nb - 1)) * (k / 32) : nullptr;
+    }
     for (int64_t m0 = 0; m0 < a.m; m0 += kTileM) {
-      const TileOut t{out, m0, n, nb, scale, bias};
+      const TileOut t{out, m0, n, nb, Blocked ? nullptr : scale, bias};
       switch (std::min<int64_t>(kTileM, a.m - m0)) {
-        case 1: q8_tile<1>(a, rows, t); break;
-        case 2: q8_tile<2>(a, rows, t); break;
-        case 3: q8_tile<3>(a, rows, t); break;
-        default: q8_tile<4>(a, rows, t); break;
+        case 1: q8_tile<1, Blocked>(a, rows, bsr, t); break;
+        case 2: q8_tile<2, Blocked>(a, rows, bsr, t); break;
+        case 3: q8_tile<3, Blocked>(a, rows, bsr, t); break;
+        default: q8_tile<4, Blocked>(a, rows, bsr, t); break;
       }
     }
   }
+}
+
+void gemv_q8(const Q8Act& a, const int8_t* w, const float* scale, const uint16_t* bscale,
+             const float* bias, int64_t n0, int64_t n1, Out out) {
+  if (bscale)
+    gemv_q8_t<true>(a, w, scale, bscale, bias, n0, n1, out);
+  else
+    gemv_q8_t<false>(a, w, scale, bscale, bias, n0, n1, out);
 }
 
 // Four groups of int4 codes (64 bytes) against the activation's matching 128 values. Per

@@ -32,9 +32,12 @@ struct Out {
 };
 
 using QuantizeFn = void (*)(const void* x, bool x_bf16, int64_t row, Q8Act& a);
-// y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]) for n in [n0, n1)
+// y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]) for n in [n0, n1); with `bscale`
+// (float16 [n, k / 32], one scale per block of 32 weights: GGUF's Q8_0) instead
+// y[m, n] = sum_k x[m, k] * w[n, k] * bscale[n, k / 32] (+ bias[n]) and `scale` is unused
 using GemvQ8Fn = void (*)(const Q8Act& a, const int8_t* w, const float* scale,
-                          const float* bias, int64_t n0, int64_t n1, Out out);
+                          const uint16_t* bscale, const float* bias, int64_t n0, int64_t n1,
+                          Out out);
 // int4 codes, groups of 32: byte j of a group holds value j (low nibble) and j + 16 (high);
 // w = code * gscale[n, g] + goffset[n, g], the scales and offsets in float16
 using GemvQ4Fn = void (*)(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,

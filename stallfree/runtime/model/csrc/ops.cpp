@@ -131,7 +131,33 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const float* b = opt_bias(bias, n);
   const Out o = out_of(out, n);
   const auto fn = K().gemv_q8;
-  at::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) { fn(a, w, s, b, n0, n1, o); });
+  at::parallel_for(0, n, kGrain,
+                   [&](int64_t n0, int64_t n1) { fn(a, w, s, nullptr, b, n0, n1, o); });
+  return out;
+}
+
+// int8 weights with a float16 scale per block of 32 (GGUF's Q8_0 as the file stores it)
+at::Tensor linear_q8_blocks(const at::Tensor& x, const at::Tensor& qweight,
+                            const at::Tensor& bscale, const std::optional<at::Tensor>& bias) {
+  check_act(x, "linear_q8_blocks");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous(),
+              "linear_q8_blocks: qweight must be a contiguous int8 [out, in] tensor");
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  TORCH_CHECK(x.size(-1) == k, "linear_q8_blocks: input has ", x.size(-1), " features, weight ", k);
+  TORCH_CHECK(k % 32 == 0, "linear_q8_blocks: in_features must be a multiple of 32, got ", k);
+  TORCH_CHECK(bscale.scalar_type() == at::kHalf && bscale.numel() == n * (k / 32) &&
+                  bscale.is_contiguous(),
+              "linear_q8_blocks: block scales must be float16 [out, in / 32]");
+  at::Tensor out = at::empty(out_shape(x, n), x.options());
+  if (x.numel() == 0) return out;
+  const Q8Act a = quantize_act(x, k);
+  const int8_t* w = qweight.data_ptr<int8_t>();
+  const auto* bs = static_cast<const uint16_t*>(bscale.data_ptr());
+  const float* b = opt_bias(bias, n);
+  const Out o = out_of(out, n);
+  const auto fn = K().gemv_q8;
+  at::parallel_for(0, n, kGrain,
+                   [&](int64_t n0, int64_t n1) { fn(a, w, nullptr, bs, b, n0, n1, o); });
   return out;
 }
 
@@ -280,6 +306,7 @@ TORCH_LIBRARY(stallfree, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_group(Tensor x, Tensor[] weights) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("linear_q8_blocks(Tensor x, Tensor qweight, Tensor bscale, Tensor? bias) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor codes, Tensor gscale, Tensor goffset, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
@@ -291,6 +318,7 @@ TORCH_LIBRARY_IMPL(stallfree, CPU, m) {
   m.impl("linear", &sf::linear);
   m.impl("linear_group", &sf::linear_group);
   m.impl("linear_q8", &sf::linear_q8);
+  m.impl("linear_q8_blocks", &sf::linear_q8_blocks);
   m.impl("linear_q4", &sf::linear_q4);
   m.impl("rms_norm", &sf::rms_norm);
   m.impl("add_rms_norm", &sf::add_rms_norm);
