@@ -11,6 +11,7 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
 from stallfree import Engine, SamplingParams
 from stallfree.entrypoints.server.chat.tool_parsers import PARSERS
@@ -92,3 +93,17 @@ async def test_structured_outputs_in_worker_processes_equal_in_process(llama, la
     stats = engine.core.scheduler.stats
     assert stats.grammar_tokens >= sum(len(r.token_ids) for r in got[:6]) - 6
     assert stats.grammar_seconds > 0  # the workers' grammar time reaches the host
+
+
+def test_a_step_message_reaches_the_workers_device_whole():
+    """The logits processors' parts (a dict in the plan) moved to a worker's device too: on
+    CUDA the grammar's rows were left on the host and the step failed."""
+    from stallfree.runtime.execution.grammar import GrammarPlan
+    from stallfree.runtime.execution.logits import LogitsPlan
+    from stallfree.runtime.execution.worker import _to_device
+
+    rows = torch.tensor([0, 1])
+    part = GrammarPlan([0, 1], [3, 4], [True, True], [], rows, [(3, 0, 1), (4, 1, 1)])
+    plan = _to_device(LogitsPlan({"grammar": part}), torch.device("meta"))
+    assert plan.grammar is not None and plan.grammar.rows_t.device.type == "meta"
+    assert plan.grammar.slots == [3, 4]

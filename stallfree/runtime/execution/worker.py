@@ -70,6 +70,7 @@ class WorkerSpec:
     """Everything a worker needs to build its half of the engine; picklable."""
 
     model_path: str
+    tokenizer_path: str
     dtype: str
     quantization: str
     device: str  # "cpu" or "cuda"
@@ -121,6 +122,7 @@ def worker_spec(config: StallfreeConfig, num_kv_slots: int, max_context_len: int
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return WorkerSpec(
         model_path=config.model.path,
+        tokenizer_path=config.model.tokenizer or config.model.path,
         dtype=config.model.dtype,
         quantization=config.model.quantization,
         device=device,
@@ -160,13 +162,16 @@ def _broadcast_bytes(data: bytes | None, rank: int, group: Any) -> bytes:
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
-    """Move every tensor of a decoded message (dataclasses, tuples, lists) to `device`."""
+    """Move every tensor of a decoded message (dataclasses, tuples, lists, dicts: the logits
+    processors' parts are a dict) to `device`."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, tuple):
         return tuple(_to_device(x, device) for x in obj)
     if isinstance(obj, list):
         return [_to_device(x, device) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             if not f.name.endswith("_cpu"):
@@ -214,7 +219,7 @@ class _Worker:
         eos = arch.eos_token_ids
         # structured outputs: matchers for the grammars steps bring (built when one first does)
         self.matchers = MatcherFactory(
-            lambda: load_tokenizer(spec.model_path, eos), arch.vocab_size
+            lambda: load_tokenizer(spec.tokenizer_path, eos), arch.vocab_size
         )
         self.executor = LocalExecutor(
             loaded.model,
