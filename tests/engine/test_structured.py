@@ -213,7 +213,7 @@ async def test_unsupported_layouts_and_paths_are_clear_errors():
     assert unsupported_reason("cuda", in_process=False) is None  # worker processes
     assert "--worker process" in (unsupported_reason("cuda", in_process=True) or "")
     req = Req("r", [1, 2], SamplingParams(structured_outputs={"choice": ["a"]}))
-    with pytest.raises(InvalidRequestError, match="disaggregated or prebuilt"):
+    with pytest.raises(InvalidRequestError, match="disaggregated or imported-KV"):
         req.check_grammar()
 
 

@@ -124,10 +124,10 @@ class Req:
 
     def check_grammar(self) -> None:
         """A constrained request carries its compiled matcher: only `Engine.generate` and
-        `Engine.complete` compile one, so the prebuilt and disaggregated paths refuse it."""
+        `Engine.complete` compile one, so the KV-import and disaggregated paths refuse it."""
         if self.grammar is None and self.sampling_params.structured_outputs is not None:
             raise InvalidRequestError(
-                "structured outputs are not available for disaggregated or prebuilt requests",
+                "structured outputs are not available for disaggregated or imported-KV requests",
                 param="structured_outputs",
                 code="unsupported",
             )
