@@ -1,6 +1,7 @@
 """What a JSON-schema constraint costs, with overlap on and off.
 
     python benchmarks/bench_structured.py [--rounds 3] [--requests 8] [--max-tokens 128]
+        [--layout inprocess|workers|tp2|spec] [--systems json/overlap plain/overlap ...]
 
 One workload (`--requests` random 32-byte prompts, all submitted at once and streamed, each
 sampled at temperature 1.0 with its own seed, `--max-tokens` new tokens, EOS ignored) on four
@@ -18,6 +19,12 @@ reply cannot complete its grammar (which ends it with `stop`, even under ignore_
 printed to show it. A short warm-up request with
 the same parameters runs first in every process, so the schema's one compile (cached per
 grammar) is not in the timed window.
+
+`--layout` picks where the model runs, for every system alike: `inprocess` (the default),
+`workers` (one worker process, `runtime.worker=process`: the matchers live in the worker),
+`tp2` (two tensor-parallel worker processes over gloo: each rank masks alike) or `spec` (n-gram
+speculative decoding with 3 drafts: each draft position masked at the state its drafts reach).
+`--systems` runs a subset of the four (the ratios need both of their pair).
 
 Figures (medians over the rounds): output tokens per second; per-token inter-token latency
 (ITL: the gap between two streamed chunks of a request over the tokens in the chunk) p50 and
@@ -72,6 +79,13 @@ def schema(max_tokens: int) -> dict[str, Any]:
 
 
 PROMPT_LEN = 32
+# where the model runs: the config sections each layout adds
+LAYOUTS: dict[str, dict[str, dict[str, Any]]] = {
+    "inprocess": {},
+    "workers": {"runtime": {"worker": "process"}},
+    "tp2": {"parallel": {"tp_size": 2}},
+    "spec": {"speculative": {"method": "ngram", "num_speculative_tokens": 3}},
+}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -101,9 +115,9 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
     from stallfree import Engine, load_config
 
     constrained, overlap = SYSTEMS[args.system]
-    cfg = load_config(
-        model={"path": args.model}, runtime={"device": args.device, "overlap": overlap}
-    )
+    sections = {k: dict(v) for k, v in LAYOUTS[args.layout].items()}
+    runtime = {**sections.pop("runtime", {}), "device": args.device, "overlap": overlap}
+    cfg = load_config(model={"path": args.model}, runtime=runtime, **sections)
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(PROMPT_LEN)] for _ in range(args.requests)]
     itl: list[float] = []
@@ -173,7 +187,7 @@ async def _worker(args: argparse.Namespace) -> dict[str, Any]:
 def _run_one(args: argparse.Namespace, system: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--worker", "--system", system, "--model", args.model]
     cmd += ["--device", args.device, "--requests", str(args.requests)]
-    cmd += ["--max-tokens", str(args.max_tokens)]
+    cmd += ["--max-tokens", str(args.max_tokens), "--layout", args.layout]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
@@ -194,8 +208,8 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> N
         return statistics.median(r[key] for r in runs[system])
 
     print(
-        f"\nmodel {args.model}, {args.requests} requests x {args.max_tokens} tokens, "
-        f"{args.rounds} rounds, medians"
+        f"\nmodel {args.model}, layout {args.layout}, {args.requests} requests x "
+        f"{args.max_tokens} tokens, {args.rounds} rounds, medians"
     )
     header = (
         f"{'system':<17}{'out tok/s':>10}{'ITL p50':>10}{'ITL p99':>10}{'TTFT':>9}"
@@ -204,7 +218,7 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> N
     )
     print(header)
     print("-" * len(header))
-    for system in SYSTEMS:
+    for system in runs:
         reasons: Counter[str] = Counter()
         for r in runs[system]:
             reasons.update(r["finish_reasons"])
@@ -226,9 +240,13 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> N
         ("overlap on / off, plain", "plain/overlap", "plain/no-overlap"),
         ("overlap on / off, json", "json/overlap", "json/no-overlap"),
     ):
+        if num not in runs or den not in runs:
+            continue
         m, per_round = _ratio(runs, num, den)
         rounds = " ".join(f"{x:.3f}" for x in per_round)
         print(f"{label:<43} {m:.3f}x  (rounds: {rounds})")
+    if "json/overlap" not in runs or "plain/overlap" not in runs:
+        return
     json_on, plain_on = runs["json/overlap"], runs["plain/overlap"]
     kept = all(
         r["overlap_share"] >= p["overlap_share"] - 0.05
@@ -257,6 +275,19 @@ def main() -> None:
     parser.add_argument(
         "--max-tokens", type=int, default=128, help="new tokens per request (default: 128)"
     )
+    parser.add_argument(
+        "--layout",
+        choices=list(LAYOUTS),
+        default="inprocess",
+        help="where the model runs (default: inprocess)",
+    )
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        choices=list(SYSTEMS),
+        default=list(SYSTEMS),
+        help="the systems to run (default: all four)",
+    )
     parser.add_argument("--json", help="write every run to this file (default: none)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--system", choices=list(SYSTEMS), help=argparse.SUPPRESS)
@@ -265,7 +296,7 @@ def main() -> None:
         print(RESULT_TAG + json.dumps(asyncio.run(_worker(args))), flush=True)
         return
     print(f"load average before: {os.getloadavg()}")
-    names = list(SYSTEMS)
+    names = list(args.systems)
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in names}
     for rnd in range(args.rounds):
         for system in names[rnd % len(names) :] + names[: rnd % len(names)]:
