@@ -29,6 +29,7 @@ from stallfree.entrypoints.server.base.errors import (
 from stallfree.entrypoints.server.base.generation_defaults import load_generation_defaults
 from stallfree.entrypoints.server.base.protocol import ErrorInfo
 from stallfree.entrypoints.server.base.state import Lifecycle, ServerState
+from stallfree.entrypoints.server.chat.tools import template_ignores_tools
 from stallfree.entrypoints.server.intake.screening import close_screening
 from stallfree.entrypoints.server.output.tracing import RequestTracer
 from stallfree.entrypoints.server.transport.guard import Guard
@@ -56,6 +57,12 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        if template_ignores_tools(engine.tokenizer):
+            logger.warning(
+                "this model's chat template does not use `tools`: tools a chat request sends "
+                "stay out of the prompt (a forced tool_choice still constrains the reply to "
+                "them); --chat-template sets one that does"
+            )
         disagg = Disaggregated.for_engine(engine) if cfg.disaggregation.enabled else None
         if disagg is not None:
             await disagg.start()

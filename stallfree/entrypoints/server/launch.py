@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import signal
 import socket
@@ -40,6 +41,9 @@ from stallfree.entrypoints.server.transport.connections import ConnectionBudget,
 from stallfree.entrypoints.server.transport.guard import PROBES
 
 logger = logging.getLogger("stallfree.server")
+# every line of the server's log starts with its time, uvicorn's and the engine's alike
+# (`2026-01-31 12:00:00,123 INFO:     stallfree.server: ...`)
+LOG_FORMAT = "%(asctime)s %(levelprefix)s %(name)s: %(message)s"
 
 # after the grace period, how long aborted requests get to write their last event
 _CUT_OFF_S = 5.0
@@ -84,6 +88,7 @@ def uvicorn_config(app: FastAPI, config: StallfreeConfig, **overrides: Any) -> u
         "timeout_keep_alive": limits.keep_alive_s,
         "timeout_graceful_shutdown": _CLOSE_WAIT_S,
         "log_level": limits.uvicorn_log_level or limits.log_level,
+        "log_config": uvicorn_log_config(),
         "access_log": limits.access_log,
         "lifespan": "on",
         "root_path": limits.root_path,
@@ -101,6 +106,14 @@ def uvicorn_config(app: FastAPI, config: StallfreeConfig, **overrides: Any) -> u
     # uvicorn configured its loggers just now; the filter goes on after that
     _filter_probes(not limits.access_log_probes, limits.root_path)
     return result
+
+
+def uvicorn_log_config() -> dict[str, Any]:
+    """uvicorn's own logging configuration, each line led by its time."""
+    config: dict[str, Any] = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    for formatter in config["formatters"].values():
+        formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
+    return config
 
 
 class _SkipProbes(logging.Filter):
@@ -138,7 +151,7 @@ def configure_logging(limits: ServerConfig) -> None:
     root.setLevel(level)
     if not any(getattr(h, "_stallfree", False) for h in root.handlers):
         handler = logging.StreamHandler()
-        handler.setFormatter(DefaultFormatter("%(levelprefix)s %(name)s: %(message)s"))
+        handler.setFormatter(DefaultFormatter(LOG_FORMAT))
         handler._stallfree = True  # type: ignore[attr-defined]
         root.addHandler(handler)
     root.propagate = False

@@ -9,8 +9,9 @@ a named function) is a structured output, so the choices are constrained like an
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -23,10 +24,11 @@ from stallfree.entrypoints.server.api.openai_api import (
     respond_answer,
     taken,
     wants_usage,
+    wants_usage_always,
 )
 from stallfree.entrypoints.server.base.protocol import ChatCompletionRequest
 from stallfree.entrypoints.server.chat.chat_output import ChatOutput, ChoiceText, Piece
-from stallfree.entrypoints.server.chat.tools import plan_chat
+from stallfree.entrypoints.server.chat.tools import plan_chat, template_ignores_tools
 from stallfree.entrypoints.server.intake.budget import RequestCost, check_fanout
 from stallfree.entrypoints.server.intake.requests import (
     chat_prompt_ids_async,
@@ -53,6 +55,8 @@ from stallfree.entrypoints.server.output.responses import (
 from stallfree.entrypoints.server.output.streaming import DONE, Context, Generation, Result, sse
 from stallfree.runtime.request.outputs import TokenLogprobs
 
+logger = logging.getLogger("stallfree.server")
+
 
 def _delta(piece: Piece) -> DeltaMessage:
     return DeltaMessage(
@@ -76,6 +80,14 @@ class _ChatAnswer:
     output: ChatOutput
     # vLLM's prompt_logprobs: computed by the first choice, carried by all (not with stream)
     prompt_logprobs: SharedPromptLogprobs | None = None
+    # every chunk carries the usage so far (the role chunks: the prompt's tokens)
+    continuous_usage: bool = False
+    prompt_tokens: int = 0
+    usage: Usage = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.usage = Usage(self.n)
+        self.usage.prompt[0] = self.prompt_tokens  # known before the first chunk
 
     def chunk_of(
         self,
@@ -91,17 +103,21 @@ class _ChatAnswer:
             else chat_logprobs(self.pieces, entries, self.top_k)
         )
         choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
-        return sse(ChatCompletionChunk(id=self.rid, model=self.model, choices=[choice]))
+        usage = self.usage.info() if self.continuous_usage else None
+        return sse(
+            ChatCompletionChunk(id=self.rid, model=self.model, choices=[choice], usage=usage)
+        )
 
     async def events(self, generation: Generation) -> AsyncIterator[str]:
+        usage = self.usage
         for index in range(self.n):
             yield self.chunk_of(index, DeltaMessage(role="assistant", content=""))
-        usage = Usage(self.n)
         texts = [self.output.choice() for _ in range(self.n)]
         async for index, chunk in generation.stream():
             if (end := generation.ending_event(chunk)) is not None:
                 yield end
                 break
+            usage.add(index, chunk)
             entries = chunk.logprobs if self.pieces is not None else None
             if self.output.plain:
                 if chunk.text or entries:
@@ -113,8 +129,7 @@ class _ChatAnswer:
                 if piece or entries:
                     yield self.chunk_of(index, _delta(piece), entries=entries or [])
             if chunk.finished:
-                usage.add(index, chunk)
-                finish = texts[index].finish_reason(openai_finish_reason(chunk.finish_reason))
+                finish = texts[index].finish_reason(openai_finish_reason(chunk))
                 yield self.chunk_of(index, DeltaMessage(), finish)
         else:
             if self.include_usage:
@@ -138,7 +153,7 @@ class _ChatAnswer:
                 "index": i,
                 "message": text.message(),
                 "logprobs": logprobs,
-                "finish_reason": text.finish_reason(openai_finish_reason(r.last.finish_reason)),
+                "finish_reason": text.finish_reason(openai_finish_reason(r.last)),
             }
             if self.prompt_logprobs is not None:
                 first = r.prompt_logprobs if i == 0 else None
@@ -189,6 +204,13 @@ async def chat(request: Request) -> Response:
             params[1:] = [p.model_copy(update={"prompt_logprobs": None}) for p in params[1:]]
     pieces = token_pieces(engine.tokenizer) if body.logprobs else None
     ctx = Context.of(request)
+    if body.tools and template_ignores_tools(engine.tokenizer):
+        logger.warning(
+            "request %s: its %d tools are not in the prompt: this model's chat template does "
+            "not use `tools`, so the model never reads them",
+            ctx.request_id,
+            len(body.tools),
+        )
     if state.disagg is not None:
         ctx.source = state.disagg.source(body)
     rid = f"chatcmpl-{ctx.request_id}"
@@ -201,6 +223,8 @@ async def chat(request: Request) -> Response:
         wants_usage(body),
         plan.output,
         SharedPromptLogprobs.of(engine.tokenizer, body.prompt_logprobs, [ids]),
+        continuous_usage=wants_usage_always(body),
+        prompt_tokens=len(ids),
     )
     rids = [f"{rid}-{i}" for i in range(n)]
     generation = await Generation.admit(ctx, [ids] * n, params, rids)

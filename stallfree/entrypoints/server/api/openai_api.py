@@ -59,37 +59,48 @@ from stallfree.entrypoints.server.output.streaming import (
 from stallfree.runtime.request.outputs import GenerationChunk, TokenLogprobs
 from stallfree.runtime.text.tokenizer import Tokenizer
 
-# OpenAI clients parse only their own finish reasons. A request the engine aborted (past
-# its deadline) was cut short by a server limit, as `length` is by max_tokens; `error` never
-# reaches a choice (it is a 500, or an SSE error event). /generate keeps the engine's reasons.
-_OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length"}
+# OpenAI's finish reasons, and vLLM's `abort` for a request a client or an operator aborted
+# (`/abort_request`, `/abort_requests`, the engine stopping). A request the engine aborted past
+# its deadline (`runtime.request_timeout_s`) was cut short by a server limit, as `length` is by
+# max_tokens. `error` never reaches a choice (it is a 500, or an SSE error event). /generate
+# keeps the engine's reasons.
+_OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+# NOTE: how the engine's request table words a deadline abort (`RequestTable.expire`)
+_DEADLINE = "deadline of "
 
 
-def openai_finish_reason(reason: str | None) -> str | None:
-    """The OpenAI `finish_reason` for an engine finish reason (None while unfinished)."""
+def openai_finish_reason(last: GenerationChunk) -> str | None:
+    """The OpenAI `finish_reason` of a choice whose latest chunk is `last` (None while it is
+    unfinished)."""
+    reason = last.finish_reason
     if reason is None:
         return None
+    if reason == "abort" and (last.error or "").startswith(_DEADLINE):
+        return "length"
     return _OPENAI_FINISH_REASONS.get(reason, "stop")
 
 
 class Usage:
-    """Token counts of a fan-out: a prompt is counted once, however many choices it has."""
+    """Token counts of a fan-out as far as its chunks have come: each choice's latest chunk
+    counts, and a prompt is counted once, however many choices it has."""
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.prompt = 0
-        self.completion = 0
-        self.cached = 0
+        self.prompt: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+        self.completion: dict[int, int] = {}
 
-    def add(self, index: int, last: GenerationChunk) -> None:
+    def add(self, index: int, latest: GenerationChunk) -> None:
         if index % self.n == 0:
-            self.prompt += last.prompt_tokens
+            self.prompt[index // self.n] = latest.prompt_tokens
             # the prompt's first choice; the others of `n` read it from the cache too
-            self.cached += last.cached_tokens
-        self.completion += last.completion_tokens
+            self.cached[index // self.n] = latest.cached_tokens
+        self.completion[index] = latest.completion_tokens
 
     def info(self) -> UsageInfo:
-        return UsageInfo.of(self.prompt, self.completion, self.cached)
+        return UsageInfo.of(
+            sum(self.prompt.values()), sum(self.completion.values()), sum(self.cached.values())
+        )
 
 
 # ---------------------------------------------------------------- answers
@@ -112,7 +123,13 @@ def open_request(body: CompletionRequest | ChatCompletionRequest, request: Reque
 
 
 def wants_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    """A stream ends with a chunk of the request's usage (`include_usage`)."""
     return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def wants_usage_always(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Every chunk of a stream carries the usage so far (vLLM's `continuous_usage_stats`)."""
+    return bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
 
 async def respond_answer(
@@ -171,6 +188,7 @@ class _CompletionAnswer:
     echo_parts: dict[int, tuple[LegacyLists, int]] = field(default_factory=dict)
     prompt_logprobs: SharedPromptLogprobs | None = None  # vLLM's (None: not asked for)
     echo_k: int = 0  # the echoed prompt's top alternatives (`logprobs`)
+    continuous_usage: bool = False  # every chunk carries the usage so far
 
     @property
     def echoes_logprobs(self) -> bool:
@@ -247,17 +265,21 @@ class _CompletionAnswer:
                 lists, offsets[index] = self.logprobs_of(
                     index, chunk.logprobs, chunk.token_ids, with_prompt, offsets[index]
                 )
-                if chunk.finished:
-                    usage.add(index, chunk)
-                elif not text and not (lists and lists.tokens):
+                usage.add(index, chunk)
+                if not chunk.finished and not text and not (lists and lists.tokens):
                     continue  # held back while it may still be a stop string
                 choice = CompletionChoice(
                     index=index,
                     text=text,
                     logprobs=None if lists is None else CompletionLogprobs(**lists.dump()),
-                    finish_reason=openai_finish_reason(chunk.finish_reason),
+                    finish_reason=openai_finish_reason(chunk),
                 )
-                yield sse(CompletionResponse(id=self.rid, model=self.model, choices=[choice]))
+                so_far = usage.info() if self.continuous_usage else None
+                yield sse(
+                    CompletionResponse(
+                        id=self.rid, model=self.model, choices=[choice], usage=so_far
+                    )
+                )
         else:
             if self.include_usage:
                 info = usage.info()
@@ -275,7 +297,7 @@ class _CompletionAnswer:
                 "index": i,
                 "text": text,
                 "logprobs": None if lists is None else lists.dump(),
-                "finish_reason": openai_finish_reason(r.last.finish_reason),
+                "finish_reason": openai_finish_reason(r.last),
             }
             if self.prompt_logprobs is not None:
                 first = r.prompt_logprobs if i % self.n == 0 else None
@@ -327,6 +349,7 @@ async def completions(request: Request) -> Response:
     rid = f"cmpl-{ctx.request_id}"
     answer = _CompletionAnswer(rid, state.model_name, prompts, n, echoed, pieces, wants_usage(body))
     answer.echo_k = body.logprobs or 0
+    answer.continuous_usage = wants_usage_always(body)
     answer.prompt_logprobs = SharedPromptLogprobs.of(
         engine.tokenizer, body.prompt_logprobs, prompts
     )

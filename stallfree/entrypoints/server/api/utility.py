@@ -36,7 +36,7 @@ from stallfree.entrypoints.server.intake.requests import (
     encode_async,
     read_body,
 )
-from stallfree.entrypoints.server.intake.screening import check_model
+from stallfree.entrypoints.server.intake.screening import check_model, check_prefill
 
 # the settings `/server_info` never shows
 SECRETS = {"server": ("api_key",)}
@@ -53,7 +53,9 @@ class TokenizeRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's defaults: special tokens for a prompt; none for a chat (its template writes them)
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
+    # vLLM's: true unless `continue_final_message` continues the final message (prefill)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -104,19 +106,14 @@ def utility_routes() -> APIRouter:
                 special = True if body.add_special_tokens is None else body.add_special_tokens
                 ids = await encode_async(engine, body.prompt, add_special_tokens=special)
             else:
-                if not body.add_generation_prompt:
-                    raise ApiError(
-                        400,
-                        "add_generation_prompt: false is not supported; the chat template always "
-                        "ends with the assistant's turn, as /v1/chat/completions sends it",
-                        param="add_generation_prompt",
-                    )
+                check_prefill(body.add_generation_prompt, body.continue_final_message)
                 chat = ChatCompletionRequest(
                     model=state.model_name,
                     messages=body.messages,
                     tools=body.tools,
                     documents=body.documents,
                     chat_template_kwargs=body.chat_template_kwargs,
+                    continue_final_message=body.continue_final_message,
                 )
                 ids = await chat_prompt_ids_async(
                     engine, chat, bool(body.add_special_tokens), template_kwargs(chat)

@@ -271,14 +271,16 @@ class ChatCompletionRequest(_SamplingFields):
     # passed to the chat template as transformers' apply_chat_template passes them
     documents: list[dict[str, Any]] | None = Field(None, max_length=MAX_DOCUMENTS)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's assistant prefill: the final message is continued, not answered
+    # (`continue_final_message: true`, with `add_generation_prompt` false or unset)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
     # not supported beyond their defaults
     functions: Any = None
     function_call: Any = None
     audio: Any = None
     modalities: Any = None
     chat_template: Any = None
-    add_generation_prompt: Any = None
-    continue_final_message: Any = None
 
 
 class GenerateRequest(_StrictRequest):

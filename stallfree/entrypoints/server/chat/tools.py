@@ -11,6 +11,10 @@
   grammar can write (`hermes`, `llama3_json`) the reply is a call in the model's own format;
   otherwise it is vLLM's JSON array (`[{"name": ..., "parameters": {...}}]`).
 - `none` passes the tools to the template but parses nothing.
+
+A chat template that does not use `tools` leaves them out of the prompt: the model never reads
+them (a forced call still constrains its reply to them). The server says so in its log, once
+at start-up and for each request that sends tools (`template_ignores_tools`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from stallfree.entrypoints.server.chat.tool_parsers import (
 )
 from stallfree.entrypoints.server.intake.structured import openai_structured
 from stallfree.runtime.request.structured import MAX_GRAMMAR_CHARS
+from stallfree.runtime.text.tokenizer import ChatTemplateError, Tokenizer
 
 # what the template's own arguments are called: chat_template_kwargs may not replace them
 _TEMPLATE_NAMES = frozenset(
@@ -59,6 +64,39 @@ class ChatPlan:
         if self.keep_special_tokens:
             out["skip_special_tokens"] = False
         return out
+
+
+# a tool no template leaves unwritten if it writes tools at all
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe_tool",
+        "description": "Probe.",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+    },
+}
+_PROBE_CHAT = [{"role": "user", "content": "Hi."}]
+# (tokenizer, template) -> whether it leaves tools out: each template is rendered twice, once
+_IGNORES_TOOLS: dict[tuple[int, str], bool] = {}
+
+
+def template_ignores_tools(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders a chat the same with tools as without
+    (False when it has none, or cannot render the probe chat: nothing is known then)."""
+    source = tokenizer.chat_template
+    if not source:
+        return False
+    key = (id(tokenizer), source)
+    if key not in _IGNORES_TOOLS:
+        try:
+            bare = tokenizer.apply_chat_template(_PROBE_CHAT)
+            with_tools = tokenizer.apply_chat_template(_PROBE_CHAT, tools=[_PROBE_TOOL])
+        except ChatTemplateError:
+            return False
+        if len(_IGNORES_TOOLS) >= 16:
+            _IGNORES_TOOLS.clear()
+        _IGNORES_TOOLS[key] = bare == with_tools
+    return _IGNORES_TOOLS[key]
 
 
 def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:

@@ -292,17 +292,45 @@ def chat_prompt_ids(
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The chat's prompt: its messages, and `template_kwargs` (tools, documents, the request's
-    chat_template_kwargs: `tools.plan_chat`), rendered by the chat template and tokenized."""
+    chat_template_kwargs: `tools.plan_chat`), rendered by the chat template and tokenized.
+    With `continue_final_message` the prompt ends inside the final message, where its text
+    ends (assistant prefill)."""
     messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
+    if body.continue_final_message:
+        last = messages[-1]
+        if not last["content"]:
+            raise ApiError(
+                400,
+                "continue_final_message: the final message has no text to continue",
+                param="continue_final_message",
+            )
+        last["content"] += _CONTINUE_HERE
     try:
         text = engine.tokenizer.apply_chat_template(messages, **(template_kwargs or {}))
     except ChatTemplateError as exc:
         raise ApiError(
             400, f"chat is unavailable: {exc}", param="messages", code="no_chat_template"
         ) from exc
+    if body.continue_final_message:
+        # NOTE: the template renders the whole chat and opens a new turn after it; what follows
+        # the final message's text (its end of turn, that new turn) is cut off
+        at = text.rfind(_CONTINUE_HERE)
+        if at < 0:
+            raise ApiError(
+                400,
+                "continue_final_message: this model's chat template does not write the final "
+                "message's text as it is, so the prompt cannot end inside it",
+                param="continue_final_message",
+            )
+        text = text[:at]
     # the template writes its own BOS; adding special tokens would make a second one (only
     # `/tokenize` asks for them, as vLLM lets it)
     return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+# appended to the final message's text before the chat is rendered, to find where that text ends
+# (private-use characters: a tokenizer never sees them, the text is cut there first)
+_CONTINUE_HERE = "\ue000stallfree:continue\ue001"
 
 
 def _chat_weight(body: ChatCompletionRequest) -> int:

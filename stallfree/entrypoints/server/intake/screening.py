@@ -124,8 +124,6 @@ _CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "audio": lambda v: v is None,
     "modalities": lambda v: v is None or v == ["text"],
     "chat_template": lambda v: v is None,
-    "add_generation_prompt": lambda v: v is None or v is True,
-    "continue_final_message": lambda v: v is None or v is False,
 }
 
 
@@ -154,8 +152,33 @@ def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
                 param="best_of",
                 code="unsupported_parameter",
             )
-    elif body.top_logprobs and not body.logprobs:
-        raise ApiError(400, "top_logprobs: set logprobs to true to use it", param="top_logprobs")
+    else:
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError(
+                400, "top_logprobs: set logprobs to true to use it", param="top_logprobs"
+            )
+        check_prefill(body.add_generation_prompt, body.continue_final_message)
+
+
+def check_prefill(add_generation_prompt: bool | None, continue_final_message: bool) -> None:
+    """vLLM's assistant prefill: `continue_final_message` continues the chat's final message
+    (no new turn is opened), so `add_generation_prompt` may not also be true; without it, a
+    chat always ends by opening the assistant's turn."""
+    if continue_final_message and add_generation_prompt:
+        raise ApiError(
+            400,
+            "add_generation_prompt: cannot be true with continue_final_message: the final "
+            "message is continued, so no new turn is opened (set it to false)",
+            param="add_generation_prompt",
+        )
+    if add_generation_prompt is False and not continue_final_message:
+        raise ApiError(
+            400,
+            "add_generation_prompt: false is not supported without continue_final_message: "
+            "true (assistant prefill); otherwise the prompt ends by opening the assistant's turn",
+            param="add_generation_prompt",
+            code="unsupported_parameter",
+        )
 
 
 def check_chat_size(body: ChatCompletionRequest, limits: ServerConfig) -> None:
