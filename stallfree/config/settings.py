@@ -52,12 +52,35 @@ class ModelConfig(_Section):
     max_context_len: int | None = Field(
         None, gt=1, description="Cap on prompt + output tokens; default: the model's own"
     )
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer (and its chat template) from another directory, .gguf file or "
+        "Hub id than the model's; default: the model's own",
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="Let the transformers fallback run a checkpoint's own modelling code "
+        "(its auto_map); the native families never run checkpoint code",
+    )
+    load_format: Literal["auto", "safetensors", "gguf"] = Field(
+        "auto",
+        description="The weights' format the model must have: safetensors (a directory) or "
+        "gguf (a .gguf file); auto = whichever the model is",
+    )
 
 
 class CacheConfig(_Section):
     page_size: int = Field(1, ge=1, le=256, description="Tokens per KV page")
     max_total_tokens: int = Field(16384, ge=16, description="KV slots in the device pool")
     max_running_requests: int = Field(256, ge=1, description="Request slots")
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Size the KV pool from memory instead of max_total_tokens: this share "
+        "of the device's memory (on a CPU, of the memory available at start), less what is "
+        "in use and a step's activations; default: max_total_tokens",
+    )
     prefix_caching: bool | None = Field(
         None,
         description="Share the KV of common prefixes across requests (a radix tree of pages); "
@@ -307,6 +330,7 @@ class StallfreeConfig(BaseSettings):
     def _consistent(self) -> StallfreeConfig:
         if self.cache.max_total_tokens < self.cache.page_size * 2:
             raise ValueError("cache.max_total_tokens must hold at least two pages")
+        self._check_memory_sizing()
         par = self.parallel
         if par.tp_size % par.nnodes:
             raise ValueError(
@@ -349,6 +373,24 @@ class StallfreeConfig(BaseSettings):
             )
         self._check_disaggregation()
         return self
+
+    def _check_memory_sizing(self) -> None:
+        if self.cache.gpu_memory_utilization is None:
+            return
+        if "max_total_tokens" in self.cache.model_fields_set:
+            raise ValueError(
+                "give one of cache.max_total_tokens (--max-total-tokens) and "
+                "cache.gpu_memory_utilization (--gpu-memory-utilization): both size the KV pool"
+            )
+        for on, what in (
+            (self.uses_worker_processes, "worker processes (each rank has its own memory)"),
+            (self.hisparse.enabled, "hisparse.enabled (its KV lives in host memory)"),
+        ):
+            if on:
+                raise ValueError(
+                    f"cache.gpu_memory_utilization sizes the KV pool of one in-process rank; "
+                    f"with {what} give cache.max_total_tokens (--max-total-tokens) instead"
+                )
 
     def _check_disaggregation(self) -> None:
         dis = self.disaggregation

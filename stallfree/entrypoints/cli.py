@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from stallfree.config import StallfreeConfig, load_config
+from stallfree.config.model_source import resolve_model_source
 from stallfree.entrypoints.disagg_flags import DISAGGREGATION_FLAGS, disaggregation_settings
 from stallfree.entrypoints.flags import (
     ENGINE_FLAGS,
@@ -255,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "router":
         return _router(args)
     try:
-        config = config_from_args(args)
+        config = resolve_model_source(config_from_args(args))
         if args.command == "generate":
             if config.parallel.node_rank > 0:
                 raise ValueError(

@@ -42,6 +42,7 @@ LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 # vLLM's --dtype spellings that name the same type as one of ours
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DTYPES = ["auto", "float32", "float16", "bfloat16", "float64"]
+LOAD_FORMATS = ["auto", "safetensors", "gguf"]
 # a row's keywords for an on/off flag (--x and --no-x) whose unset value leaves the setting
 SWITCH: dict[str, Any] = {"action": argparse.BooleanOptionalAction, "default": None}
 
@@ -204,6 +205,36 @@ def _dtype(text: str) -> str:
     return value
 
 
+def _kv_cache_dtype(text: str) -> str:
+    """vLLM's --kv-cache-dtype: auto (the weights' dtype) is what the KV cache holds here."""
+    if text != "auto":
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not available: the KV cache holds the weights' dtype (--dtype), and "
+            "a quantized or separate KV dtype (fp8 and the like) is not built yet; use auto"
+        )
+    return text
+
+
+def _load_format(text: str) -> str:
+    if text not in LOAD_FORMATS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not available: stallfree reads safetensors directories and GGUF files "
+            f"(choose from {', '.join(LOAD_FORMATS)})"
+        )
+    return text
+
+
+def memory_share(text: str) -> float:
+    """A share of memory: over 0, at most 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"not a share of memory over 0 and at most 1: {text!r}")
+    return value
+
+
 def positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -267,6 +298,17 @@ _MODEL = [
     flag("--max-model-len", type=token_count, metavar="TOKENS", sets="model.max_context_len",
          unset="the model's own",
          help="cap on prompt + output tokens per request; 32k = 32000, 32K = 32768"),
+    flag("--trust-remote-code", action="store_true", default=None,
+         sets="model.trust_remote_code",
+         help="let the transformers fallback run a checkpoint's own modelling code (auto_map); "
+         "native models never run checkpoint code"),
+    flag("--load-format", type=_load_format, metavar="{" + ",".join(LOAD_FORMATS) + "}",
+         sets="model.load_format",
+         help="the weights' format the model must have: safetensors (a directory) or gguf (a "
+         ".gguf file); auto: whichever it is (vLLM's other formats are refused)"),
+    flag("--kv-cache-dtype", type=_kv_cache_dtype, metavar="auto",
+         help="vLLM's spelling: the KV cache holds the weights' dtype (auto); fp8 and other "
+         "quantized KV dtypes are refused, not built yet (default: auto)"),
 ]
 _SCHEDULE = [
     flag("--overlap", **SWITCH, sets="runtime.overlap",
@@ -276,6 +318,11 @@ _SCHEDULE = [
     flag("--page-size", type=int, help="tokens per KV page", sets="cache.page_size"),
     flag("--max-total-tokens", type=int, sets="cache.max_total_tokens",
          help="KV slots in the device pool"),
+    flag("--gpu-memory-utilization", type=memory_share, metavar="SHARE",
+         sets="cache.gpu_memory_utilization", unset="none, --max-total-tokens sizes it",
+         help="size the KV pool from memory instead (vLLM's flag): this share of the device's "
+         "memory, on a CPU of the memory available at start, less what is in use and a step's "
+         "activations; one in-process rank"),
     flag("--max-num-seqs", "--max-running-requests", dest="max_running_requests", type=int,
          metavar="N", sets="cache.max_running_requests",
          help="most requests running at once (vLLM's and SGLang's spellings)"),

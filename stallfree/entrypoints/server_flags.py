@@ -27,6 +27,9 @@ _API = [
     flag("--generation-config", metavar="auto|vllm|DIR", sets="server.generation_config",
          help="sampling defaults for fields a request leaves unset: auto reads the model's "
          "generation_config.json, vllm ignores it, or a directory holding one"),
+    flag("--tokenizer", metavar="PATH", sets="model.tokenizer", unset="the model's own",
+         help="the tokenizer and its chat template from another directory, .gguf file or Hub "
+         "id than the model's"),
     flag("--chat-template", metavar="TEMPLATE", sets="server.chat_template", unset="the model's",
          help="chat template of /v1/chat/completions instead of the model's own: a Jinja file, "
          "or the template text itself"),
@@ -42,6 +45,9 @@ _API = [
     flag("--seed", dest="model_seed", type=int, metavar="SEED", sets="model.seed",
          help="seed of preset weights and of unseeded sampling"),
     flag("--metrics", **SWITCH, help="Prometheus metrics at /metrics", sets="metrics.enabled"),
+    flag("--enable-prompt-tokens-details", action="store_true",
+         help="accepted for vLLM's command lines and does nothing: usage.prompt_tokens_details "
+         "(cached_tokens, the prompt tokens the prefix cache served) is always reported"),
     flag("--structured-outputs-strict", **SWITCH, sets="runtime.structured_outputs_strict",
          help="JSON schemas (response_format, structured_outputs, tools) allow only the "
          "properties and tuple items they name unless they say otherwise, as vLLM's default "

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from stallfree.config import StallfreeConfig
+from stallfree.config.model_source import resolve_model_source
 from stallfree.overlap.faults import FaultInjector
 from stallfree.overlap.future_map import FutureMap
 from stallfree.overlap.host_read import SyncMonitor
@@ -53,6 +54,7 @@ from stallfree.runtime.scheduling.loop import SchedulerLoop
 from stallfree.runtime.scheduling.scheduler import Scheduler
 from stallfree.runtime.scheduling.sizing import (
     auto_stream_threads,
+    memory_kv_tokens,
     pool_sizes,
     prefix_caching_enabled,
     waiting_limit,
@@ -199,6 +201,7 @@ def _load(config: StallfreeConfig, device: torch.device) -> _Model:
         model.seed,
         quantization=model.quantization,
         model_impl=model.model_impl,
+        trust_remote_code=model.trust_remote_code,
     )
     if config.hisparse.enabled and isinstance(loaded.model, TransformersForCausalLM):
         raise ModelLoadError(_FALLBACK_IN_PROCESS)
@@ -365,19 +368,21 @@ def _draft_model(
 def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None) -> EngineCore:
     """Load the model and build pools, stream, scheduler, runner and loop for `config`."""
     prefix_caching = prefix_caching_enabled(config)  # a configuration error before any load
+    config = resolve_model_source(config)  # Hub ids to local paths
     observers = observers if observers is not None else ObserverFanout()
     activity = ActivityClock()
     observers.observers.append(activity)
     device = resolve_device(config.runtime.device)
     model = _load(config, device)
     arch = model.arch
-    tokenizer = load_tokenizer(config.model.path, arch.eos_token_ids)
+    tokenizer = load_tokenizer(config.model.tokenizer or config.model.path, arch.eos_token_ids)
     sparse_plugin = None
     capacity_ratio = 1.0
     if config.hisparse.enabled:
         sparse_plugin = load_sparse_attention_plugin("hisparse")
         capacity_ratio = sparse_plugin.capacity_ratio(config.hisparse, arch)
-    sizes = pool_sizes(config, arch, capacity_ratio)
+    memory_tokens = memory_kv_tokens(config, arch, model.dtype, device)
+    sizes = pool_sizes(config, arch, capacity_ratio, memory_tokens)
     stream, worker_stats = _start_stream(config, arch, device, sizes)
     try:
         return _wire(

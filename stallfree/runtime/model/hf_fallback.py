@@ -33,6 +33,8 @@ from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 IMPL_NAME = "stallfree"
 MODEL_IMPLS = ("auto", "native", "transformers")
 INSTALL_HINT = "pip install transformers (or stallfree[transformers])"
+# the auto_map entry of a checkpoint that brings its own causal LM code
+_REMOTE_CLASS = "AutoModelForCausalLM"
 
 
 @dataclass(slots=True)
@@ -65,13 +67,16 @@ def _import_transformers() -> Any:
 
 
 def transformers_builds(cfg: dict[str, Any]) -> bool:
-    """Whether the installed transformers (if any) has a causal LM for this config.json."""
+    """Whether the installed transformers (if any) has a causal LM for this config.json, or
+    the checkpoint brings its own (`auto_map`; it runs only with trust_remote_code)."""
     try:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:
         return False
     if cfg.get("is_encoder_decoder"):
         return False
+    if _REMOTE_CLASS in (cfg.get("auto_map") or {}):
+        return True
     return cfg.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
@@ -97,6 +102,15 @@ def resolve_impl(cfg: dict[str, Any] | None, model_impl: str, model: str = "") -
     ):
         return "native"
     return "transformers" if transformers_builds(cfg) else "native"
+
+
+def _remote_hint(exc: Exception) -> str:
+    """transformers' error, or what to do when it is the checkpoint's code it would not run."""
+    if "trust_remote_code" in str(exc):
+        return (
+            "it needs its own modelling code; --trust-remote-code (model.trust_remote_code) runs it"
+        )
+    return str(exc)
 
 
 def hidden_size(cfg: dict[str, Any]) -> int:
@@ -167,9 +181,16 @@ class TransformersForCausalLM(nn.Module):
 
     @classmethod
     def load(
-        cls, path: Path, dtype: torch.dtype, device: torch.device, tp_size: int, method: str
+        cls,
+        path: Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp_size: int,
+        method: str,
+        trust_remote_code: bool = False,
     ) -> TransformersForCausalLM:
-        """Build the model from a local directory (no network), on `device` in `dtype`."""
+        """Build the model from a local directory (no network), on `device` in `dtype`; the
+        checkpoint's own modelling code (`auto_map`) runs only with `trust_remote_code`."""
         if tp_size > 1:
             raise refuse(f"runs one rank; tensor parallelism (tp_size={tp_size}) is native-only")
         if method != "none":
@@ -178,20 +199,26 @@ class TransformersForCausalLM(nn.Module):
         _register(transformers)
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+        remote = {"trust_remote_code": trust_remote_code, "local_files_only": True}
         try:
-            config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+            config = transformers.AutoConfig.from_pretrained(str(path), **remote)
         except (ValueError, KeyError, OSError) as exc:
-            raise refuse(f"cannot read {str(path)!r}'s config: {exc}") from exc
+            raise refuse(f"cannot read {path.name!r}'s config: {_remote_hint(exc)}") from exc
         name = (getattr(config, "architectures", None) or [config.model_type])[0]
         if getattr(config, "is_encoder_decoder", False):
             raise refuse(f"cannot run {name}, an encoder-decoder model: decoder-only LMs only")
-        try:
-            model_cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-        except KeyError:
+        model_cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+        code = (getattr(config, "auto_map", None) or {}).get(_REMOTE_CLASS)
+        if model_cls is None and code is not None and trust_remote_code:
+            from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+            model_cls = get_class_from_dynamic_module(code, str(path), local_files_only=True)
+        if model_cls is None:
+            hint = " (the checkpoint brings its own: --trust-remote-code runs it)" if code else ""
             raise refuse(
                 f"cannot build {name}: transformers {transformers.__version__} has no causal "
-                f"LM for model_type {config.model_type!r}"
-            ) from None
+                f"LM for model_type {config.model_type!r}{hint}"
+            )
         if not getattr(model_cls, "_supports_attention_backend", False):
             raise refuse(
                 f"cannot run {model_cls.__name__}: its attention does not go through "
@@ -203,7 +230,7 @@ class TransformersForCausalLM(nn.Module):
                 config=config,
                 dtype=dtype,
                 attn_implementation=IMPL_NAME,
-                local_files_only=True,
+                **remote,
             )
         except (ValueError, OSError) as exc:
             raise refuse(f"cannot build {model_cls.__name__}: {exc}") from exc

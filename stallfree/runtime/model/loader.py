@@ -137,10 +137,18 @@ def load_model(
     tp: TPGroup | None = None,
     quantization: str = "none",
     model_impl: str = "auto",
+    trust_remote_code: bool = False,
 ) -> LoadedModel:
-    """`_load`, then a native family's dense bfloat16 linears switched to the native kernels
-    (native_layers.py) where the CPU has them, and the load's freed memory handed back."""
-    loaded = _load(path_or_preset, dtype, device, seed, tp, quantization, model_impl)
+    """The model through transformers' modelling code when `model_impl` says so (hf_fallback.py:
+    `transformers`, or `auto` for an architecture with no native family; a checkpoint's own
+    code only with `trust_remote_code`), else `_load`; then a native family's dense bfloat16
+    linears switched to the native kernels (native_layers.py) where the CPU has them, and the
+    load's freed memory handed back."""
+    if model_impl_for(path_or_preset, model_impl) == "transformers":
+        path, device = Path(path_or_preset), torch.device(device)
+        loaded = _load_fallback(path, dtype, device, tp, quantization, trust_remote_code)
+    else:
+        loaded = _load(path_or_preset, dtype, device, seed, tp, quantization)
     if isinstance(loaded.model, LlamaForCausalLM):
         use_native_linears(loaded.model)
     release_free_heap()  # the load's temporaries (memory/heap.py)
@@ -154,11 +162,9 @@ def _load(
     seed: int,
     tp: TPGroup | None,
     quantization: str,
-    model_impl: str,
 ) -> LoadedModel:
-    """Load a Hugging Face model directory or a .gguf file, or build a preset with seeded
-    random weights. `model_impl` (hf_fallback.py): `transformers` runs a directory through
-    transformers' modelling code, `auto` does for an architecture with no native family.
+    """Load a Hugging Face model directory or a .gguf file natively, or build a preset with
+    seeded random weights.
 
     With `tp` of size > 1 the model is this rank's shard: a directory's safetensors are read
     slice by slice (only this rank's part), and a preset's full seeded weights are built and
@@ -169,8 +175,6 @@ def _load(
     device = torch.device(device)
     tp = tp if tp is not None else TPGroup()
     method = resolve_quantization(quantization, path_or_preset, device)
-    if model_impl_for(path_or_preset, model_impl) == "transformers":
-        return _load_fallback(Path(path_or_preset), dtype, device, tp, method)
     if path_or_preset in PRESETS:
         loaded = _load_preset(path_or_preset, dtype, device, seed, tp)
     else:
@@ -200,11 +204,18 @@ def model_impl_for(path_or_preset: str, model_impl: str = "auto") -> str:
 
 
 def _load_fallback(
-    path: Path, dtype: str, device: torch.device, tp: TPGroup, method: str
+    path: Path,
+    dtype: str,
+    device: torch.device,
+    tp: TPGroup | None,
+    quantization: str,
+    trust_remote_code: bool = False,
 ) -> LoadedModel:
+    method = resolve_quantization(quantization, str(path), device)
+    size = tp.size if tp is not None else 1
     cfg = _read_config(path)
     torch_dtype = _resolve_dtype(dtype, _config_dtype(cfg), device, hidden_size(cfg))
-    model = TransformersForCausalLM.load(path, torch_dtype, device, tp.size, method)
+    model = TransformersForCausalLM.load(path, torch_dtype, device, size, method, trust_remote_code)
     return LoadedModel(model, model.arch, torch_dtype, str(path), path.name)
 
 

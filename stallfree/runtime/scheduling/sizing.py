@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import os
 
+import torch
+
 from stallfree.config import StallfreeConfig
 from stallfree.runtime.memory.radix_cache import PrefixCacheConfigError
 from stallfree.runtime.model.arch import ModelArchConfig
@@ -56,7 +58,10 @@ def prefix_caching_enabled(config: StallfreeConfig) -> bool:
 
 
 def pool_sizes(
-    config: StallfreeConfig, arch: ModelArchConfig, capacity_ratio: float = 1.0
+    config: StallfreeConfig,
+    arch: ModelArchConfig,
+    capacity_ratio: float = 1.0,
+    memory_tokens: int | None = None,
 ) -> tuple[int, int]:
     """`(max_context_len, num_kv_slots)`: the request table's row length and the KV pool's
     slots (whole pages, plus the reserved page) for `config` on `arch`. Every node of a
@@ -64,10 +69,70 @@ def pool_sizes(
 
     `capacity_ratio` scales the KV tokens: sparse layers keep every token in the host pool, so
     with HiSparse the engine can hold more tokens than the device budget, and the logical slots
-    follow the host pool."""
-    max_context_len = min(
-        config.model.max_context_len or arch.max_position_embeddings, arch.max_position_embeddings
-    )
-    total_tokens = math.ceil(config.cache.max_total_tokens * capacity_ratio)
+    follow the host pool. `memory_tokens` (`memory_kv_tokens`) replaces
+    `cache.max_total_tokens` when the pool is sized from memory."""
+    max_context_len = context_len(config, arch)
+    budget = config.cache.max_total_tokens if memory_tokens is None else memory_tokens
+    total_tokens = math.ceil(budget * capacity_ratio)
     page_size = config.cache.page_size
     return max_context_len, (pages_for(total_tokens, page_size) + 1) * page_size
+
+
+def context_len(config: StallfreeConfig, arch: ModelArchConfig) -> int:
+    """The longest prompt + output of one request: `model.max_context_len`, capped by the
+    model's own."""
+    own = arch.max_position_embeddings
+    return min(config.model.max_context_len or own, own)
+
+
+# a step's activations held beside the KV, per prefill token: float32 hidden states, the
+# attention's q/k/v/out and the MLP's gate/up/down (with room for a temporary copy of each)
+ACTIVATION_COPIES = 2
+
+
+def memory_kv_tokens(
+    config: StallfreeConfig, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device
+) -> int | None:
+    """The KV tokens `cache.gpu_memory_utilization` leaves room for (None when it is unset),
+    as vLLM sizes its pool: that share of the device's memory, less what is already in use
+    (this process's weights included) and a step's activations. On a CPU the share is of the
+    memory available now. At most every request slot's full context; ValueError if it cannot
+    hold one full-length request."""
+    share = config.cache.gpu_memory_utilization
+    if share is None:
+        return None
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget, of = share * total - (total - free), "the device's memory"
+    else:
+        budget, of = share * available_memory(), "the memory available"
+    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+    tokens = int(max(0.0, budget - activation_bytes(config, arch)) // per_token)
+    longest = context_len(config, arch)
+    if tokens < max(longest, 2 * config.cache.page_size):
+        raise ValueError(
+            f"cache.gpu_memory_utilization={share} leaves room for {tokens} KV tokens "
+            f"({per_token} bytes each) in {share:g} of {of}, fewer than one request of "
+            f"{longest} tokens; raise it, lower --max-model-len, or give --max-total-tokens"
+        )
+    return min(tokens, config.cache.max_running_requests * longest)
+
+
+def activation_bytes(config: StallfreeConfig, arch: ModelArchConfig) -> int:
+    """What one step's activations may take: the prefill budget's hidden states through one
+    layer (attention and MLP) and the logits of every running request, in float32."""
+    per_token = 4 * arch.hidden_size + 3 * arch.intermediate_size
+    prefill = config.scheduler.max_prefill_tokens * per_token * 4 * ACTIVATION_COPIES
+    return prefill + config.cache.max_running_requests * arch.vocab_size * 4
+
+
+def available_memory() -> int:
+    """Bytes of memory the OS can give this process now (Linux's MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
