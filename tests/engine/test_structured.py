@@ -144,6 +144,10 @@ async def test_compile_errors_name_the_field_and_the_engine_goes_on(llama):
             await engine.complete("x", SamplingParams(structured_outputs=bad))
         with pytest.raises(InvalidRequestError, match="not valid JSON"):
             await engine.complete("x", SamplingParams(structured_outputs={"json": "{not json"}))
+        deep = '{"not":' * 8000 + "{}" + "}" * 8000
+        for spec in ({"json": deep}, {"grammar": "start: %json " + deep}):
+            with pytest.raises(InvalidRequestError, match="nests too deeply"):
+                await engine.complete("x", SamplingParams(structured_outputs=spec))
         ok = await engine.complete("x", SamplingParams(structured_outputs={"choice": ["a"]}))
         assert ok.text == "a"
         await engine.wait_idle()

@@ -183,7 +183,8 @@ class GrammarCompiler:
     async def matcher(
         self, spec: StructuredOutputs, param: str = "structured_outputs"
     ) -> RequestGrammar:
-        """A fresh matcher for `spec`, compiled in a worker (or copied from the cache)."""
+        """`spec`'s grammar with a fresh matcher, compiled in a worker (or copied from the
+        cache)."""
         if self.unsupported is not None:
             raise InvalidRequestError(self.unsupported, param=param, code="unsupported")
         key = f"{spec.kind}\0{self._key(spec)}"
@@ -229,14 +230,18 @@ class GrammarCompiler:
         tok = self.lltokenizer()
         try:
             grammar = grammar_text(spec, self.strict)
+        except RecursionError as e:  # reading or preparing a schema nested thousands deep
+            raise InvalidRequestError(
+                f"{param}: the {_what(spec)} nests too deeply", param=param
+            ) from e
         except ValueError as e:
             what = "the JSON schema is not valid JSON: " if spec.kind == "json" else ""
             raise InvalidRequestError(f"{param}: {what}{_one_line(str(e))}", param=param) from e
         failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, tok)
         if failed:
-            what = "JSON schema" if spec.kind == "json" else spec.kind
             raise InvalidRequestError(
-                f"{param}: the {what} cannot be compiled: {_one_line(messages[0])}", param=param
+                f"{param}: the {_what(spec)} cannot be compiled: {_one_line(messages[0])}",
+                param=param,
             )
         matcher = LLMatcher(tok, grammar, log_level=0)
         if matcher.is_error():
@@ -248,6 +253,10 @@ class GrammarCompiler:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _what(spec: StructuredOutputs) -> str:
+    return "JSON schema" if spec.kind == "json" else spec.kind
 
 
 def _one_line(message: str, limit: int = 300) -> str:
