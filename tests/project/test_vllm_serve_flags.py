@@ -218,3 +218,12 @@ async def test_trust_remote_code_runs_a_checkpoints_own_code(custom_code_model, 
             )
             outputs.append(await run_greedy(engine, prompts, 8))
     assert outputs[0] == outputs[1]
+
+
+def test_worker_processes_take_the_tokenizer_too(llama: str, tmp_path: Path) -> None:
+    # their grammar matchers tokenize with it: the spec carries it, the model's path otherwise
+    from stallfree.runtime.execution.worker import worker_spec
+
+    cfg = engine_config(llama, model={"tokenizer": str(tmp_path)}, runtime={"worker": "process"})
+    assert worker_spec(cfg, 64, 32).tokenizer_path == str(tmp_path)
+    assert worker_spec(engine_config(llama), 64, 32).tokenizer_path == llama
