@@ -9,7 +9,7 @@ import asyncio
 import logging
 import re
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import pytest_asyncio
@@ -186,6 +186,22 @@ def _formatted(logger: str, message: str = "hello") -> str:
     return handlers[0].format(record)
 
 
+@pytest.fixture
+def logging_restored() -> Iterator[None]:
+    """The loggers the server configures, as they were: `configure_logging` stops the
+    `stallfree` loggers' propagation, which the other tests' caplog relies on."""
+    names = ["stallfree", "uvicorn", "uvicorn.error", "uvicorn.access"]
+    loggers = [logging.getLogger(name) for name in names]
+    saved = [(lg.handlers[:], lg.propagate, lg.level, lg.disabled) for lg in loggers]
+    try:
+        yield
+    finally:
+        for lg, (handlers, propagate, level, disabled) in zip(loggers, saved, strict=True):
+            lg.handlers[:] = handlers
+            lg.propagate, lg.level, lg.disabled = propagate, level, disabled
+
+
+@pytest.mark.usefixtures("logging_restored")
 def test_every_log_line_starts_with_its_time(llama):
     config = engine_config(llama)
     uvicorn_config(create_app(config), config)  # uvicorn configures its loggers here
@@ -226,10 +242,14 @@ TOOLS_TEMPLATE = (
 )
 
 
-async def _warnings_of_a_chat_with_tools(llama: str, template: str | None) -> list[str]:
+async def _warnings_of_a_chat_with_tools(
+    llama: str, template: str | None, parser: str | None = None
+) -> list[str]:
     with warnings_logged() as records:
-        chat_template = {} if template is None else {"chat_template": template}
-        async with serving(llama, server=chat_template) as live:
+        server = {} if template is None else {"chat_template": template}
+        if parser is not None:
+            server["tool_call_parser"] = parser
+        async with serving(llama, server=server) as live:
             await live.client.chat.completions.create(
                 model="test-model", messages=[{"role": "user", "content": "hi"}],
                 tools=[TOOL], tool_choice="required", max_tokens=30,  # type: ignore[list-item]
@@ -242,13 +262,17 @@ async def _warnings_of_a_chat_with_tools(llama: str, template: str | None) -> li
 
 
 async def test_tools_a_template_ignores_are_warned_of_at_start_up_and_per_request(llama):
-    messages = await _warnings_of_a_chat_with_tools(llama, None)  # its template has no tools
-    start_up = [m for m in messages if "does not use `tools`" in m and "request" not in m[:8]]
+    # the model's template has no tools; with a tool-call parser set, tools are meant for it
+    messages = await _warnings_of_a_chat_with_tools(llama, None, parser="hermes")
+    start_up = [m for m in messages if m.startswith("this model's chat template")]
     per_request = [m for m in messages if m.startswith("request tools-1:")]
-    assert len(start_up) == 1, messages
+    assert len(start_up) == 1 and "does not use `tools`" in start_up[0], messages
     assert len(per_request) == 1 and "1 tools are not in the prompt" in per_request[0]
     assert len(messages) == 2, messages  # the chat without tools says nothing
-    assert await _warnings_of_a_chat_with_tools(llama, TOOLS_TEMPLATE) == []
+    # no parser: the start-up line is a note, the request still a warning
+    messages = await _warnings_of_a_chat_with_tools(llama, None)
+    assert [m.split(":")[0] for m in messages] == ["request tools-1"], messages
+    assert await _warnings_of_a_chat_with_tools(llama, TOOLS_TEMPLATE, parser="hermes") == []
 
 
 def test_the_prefill_check_refuses_both_fields_true():

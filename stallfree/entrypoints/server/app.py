@@ -58,10 +58,13 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         if template_ignores_tools(engine.tokenizer):
-            logger.warning(
+            # a warning where tools are meant to be used (a tool-call parser is set); a note
+            # otherwise, and each request that sends tools is warned of anyway
+            logger.log(
+                logging.WARNING if cfg.server.tool_call_parser else logging.INFO,
                 "this model's chat template does not use `tools`: tools a chat request sends "
                 "stay out of the prompt (a forced tool_choice still constrains the reply to "
-                "them); --chat-template sets one that does"
+                "them); --chat-template sets one that does",
             )
         disagg = Disaggregated.for_engine(engine) if cfg.disaggregation.enabled else None
         if disagg is not None:

@@ -14,7 +14,8 @@
 
 A chat template that does not use `tools` leaves them out of the prompt: the model never reads
 them (a forced call still constrains its reply to them). The server says so in its log, once
-at start-up and for each request that sends tools (`template_ignores_tools`).
+at start-up (a warning when a tool-call parser is set) and for each request that sends tools
+(`template_ignores_tools`).
 """
 
 from __future__ import annotations
