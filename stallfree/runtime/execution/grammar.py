@@ -154,7 +154,8 @@ class GrammarState:
                 matcher.consume_token(tokens[at + j])
                 taken += 1
             plan.tokens += taken
-            moved.append((matcher, slot))
+            if taken:  # a stopped matcher's mask (EOS alone) is in place already
+                moved.append((matcher, slot))
             row = plan.rows[at]
             if matcher.is_error():
                 message = matcher.get_error().strip().split("\n")[0][:300]
