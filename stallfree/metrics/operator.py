@@ -2,7 +2,10 @@
 renders):
 
 - the HTTP requests by handler, method and status, counted and timed by
-  `prometheus-fastapi-instrumentator` (what vLLM uses), `/metrics` and `/health` left out;
+  `prometheus-fastapi-instrumentator` (what vLLM uses), `/metrics` and `/health` left out; the
+  labels come from fixed sets the server chooses (the app's route templates, the methods HTTP
+  defines), so no client input creates a series: any other path is `none`, any other method
+  `other`;
 - prometheus-client's process, platform and garbage-collector collectors (`process_*`,
   `python_info`, `python_gc_*`);
 - the requests the server refused, by reason, each reason at 0 from the start;
@@ -16,7 +19,8 @@ Several servers on one registry share one set of families, each server's series 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.gc_collector import GCCollector
@@ -27,6 +31,7 @@ from stallfree.metrics.histogram import one_two_five_buckets
 from stallfree.metrics.names import BASE_LABELS, PREFIX, REFUSAL_REASONS
 
 if TYPE_CHECKING:
+    from prometheus_fastapi_instrumentator.metrics import Info
     from starlette.applications import Starlette
 
     from stallfree.config import StallfreeConfig
@@ -37,6 +42,14 @@ UNINSTRUMENTED = ("/metrics", "/health")
 # vLLM's buckets for `n`
 N_BUCKETS = (1, 2, 5, 10, 20)
 HTTP_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# the `method` label's values: the methods HTTP defines (RFC 9110, and PATCH); any other method a
+# client makes up is `OTHER_METHOD`
+HTTP_METHODS = frozenset(
+    ("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH")
+)
+OTHER_METHOD = "other"
+# the `handler` label of a path no route matches (the instrumentator's and vLLM's value)
+NO_ROUTE = "none"
 
 
 def config_info_labels(config: StallfreeConfig, snap: EngineSnapshot) -> dict[str, str]:
@@ -145,5 +158,46 @@ class ServerMetrics:
             excluded_handlers=list(UNINSTRUMENTED), registry=self.registry
         )
         for instrumentation in families.http:
-            instrumentator.add(instrumentation)  # type: ignore[arg-type]
+            instrumentator.add(_bounded_labels(instrumentation, app))
         instrumentator.instrument(app)
+
+
+def _bounded_labels(instrumentation: Any, app: Starlette) -> Callable[[Info], None]:
+    """`instrumentation` with its `method` and `handler` labels held to fixed sets.
+
+    The instrumentator labels a request with the method the client sent, whatever it is, and,
+    for a path one slash away from a route's, with the path itself: each made-up method or path
+    would be a new series of every HTTP family (about 20 each; a 60 KB method name 60 KB in each
+    of them). Here a method outside `HTTP_METHODS` is `other`, and a handler that is not one of
+    `app`'s route templates is `none`."""
+    templates: frozenset[str] | None = None
+
+    def record(info: Info) -> None:
+        nonlocal templates
+        if templates is None:  # on the first request: every route is in place by then
+            templates = frozenset(_route_templates(app.routes))
+        if info.method not in HTTP_METHODS:
+            info.method = OTHER_METHOD
+        if info.modified_handler not in templates:
+            info.modified_handler = NO_ROUTE
+        instrumentation(info)
+
+    return record
+
+
+def _route_templates(routes: Iterable[Any], prefix: str = "") -> Iterable[str]:
+    """The path templates of `routes`, through FastAPI's included routers and mounts."""
+    for route in routes:
+        contexts = getattr(route, "effective_route_contexts", None)
+        if callable(contexts):  # an included router (FastAPI >= 0.116)
+            for context in contexts():
+                inner = getattr(context, "starlette_route", None) or context
+                yield from _route_templates([inner], prefix)
+            continue
+        path = getattr(route, "path", None)
+        if not isinstance(path, str):
+            continue
+        yield prefix + path
+        inner_routes = getattr(route, "routes", None)
+        if inner_routes:  # a mount
+            yield from _route_templates(inner_routes, prefix + path)
