@@ -116,3 +116,70 @@ def test_gguf_load_leaves_little_besides_the_weights() -> None:
     )
     # before the heap was handed back, the load left ~2.5x its weights resident
     assert got["resident"] < 1.4 * got["weights"] + 48, got
+
+
+def _big_model() -> torch.nn.Module:
+    m = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 1024))
+    m[1].alias = m[0].weight  # a plain attribute naming another module's weight
+    m[1].group = [m[0].weight, m[1].weight]  # a fused layer's list of weights
+    m.register_buffer("codes", torch.arange(300_000, dtype=torch.int64))
+    m.register_buffer("small", torch.ones(16))
+    return m
+
+
+def test_huge_pages_keep_every_value_and_alias(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stallfree.runtime.memory import huge_pages
+
+    monkeypatch.setattr(huge_pages, "thp_mode", lambda: "madvise")
+    m = _big_model()
+    x = torch.randn(3, 1024)
+    want = m(x)
+    small_ptr = m.small.data_ptr()
+    moved = huge_pages.move_to_huge_pages(m)
+    # both weights and the int64 buffer; the biases (8 and 4 KB) and the 16 floats stay
+    assert moved == 2 * 1024 * 2048 * 4 + 300_000 * 8
+    assert torch.equal(m(x), want)
+    assert m[1].alias is m[0].weight and m[1].group[0] is m[0].weight
+    assert m.small.data_ptr() == small_ptr
+    assert torch.equal(m.codes, torch.arange(300_000))
+    # one mapping, each storage 4 KB aligned, the largest first from a 2 MB boundary
+    ptrs = sorted(t.data_ptr() for t in (m[0].weight, m[1].weight, m.codes))
+    assert all(p % 4096 == 0 for p in ptrs) and ptrs[0] % huge_pages.HUGE_PAGE == 0
+    assert m[0].weight.untyped_storage().data_ptr() == m.codes.untyped_storage().data_ptr()
+
+
+def test_huge_pages_off_by_setting_or_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stallfree.runtime.memory import huge_pages
+
+    m = _big_model()
+    ptr = m[0].weight.data_ptr()
+    monkeypatch.setattr(huge_pages, "thp_mode", lambda: "never")
+    assert huge_pages.move_to_huge_pages(m) == 0
+    monkeypatch.setattr(huge_pages, "thp_mode", lambda: "madvise")
+    monkeypatch.setenv("STALLFREE_HUGE_PAGES", "0")
+    assert huge_pages.move_to_huge_pages(m) == 0
+    assert m[0].weight.data_ptr() == ptr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /sys and /proc/self/smaps")
+def test_moved_weights_sit_on_huge_pages() -> None:
+    from stallfree.runtime.memory import huge_pages
+
+    if huge_pages.thp_mode() not in ("always", "madvise"):
+        pytest.skip("transparent huge pages are off on this kernel")
+    got = _run(
+        """
+        import torch
+        from stallfree.runtime.memory.huge_pages import move_to_huge_pages
+        def huge_kb():
+            return sum(int(l.split()[1]) for l in open("/proc/self/smaps")
+                       if l.startswith("AnonHugePages:"))
+        before = huge_kb()
+        m = torch.nn.Linear(4096, 2048)  # 32 MB of float32
+        moved = move_to_huge_pages(m)
+        print(json.dumps({"moved": moved, "huge_mb": (huge_kb() - before) / 1024}))
+        """
+    )
+    assert got["moved"] == 4096 * 2048 * 4  # the 8 KB bias stays
+    # the kernel may refuse some 2 MB pages under memory pressure; most are huge
+    assert got["huge_mb"] >= 16, got

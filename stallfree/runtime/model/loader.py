@@ -16,6 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from stallfree.runtime.memory.heap import release_free_heap
+from stallfree.runtime.memory.huge_pages import move_to_huge_pages
 from stallfree.runtime.memory.pool import KVCacheShape
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
 from stallfree.runtime.model.fused_weights import is_fused, split_fused
@@ -142,8 +143,9 @@ def load_model(
     """The model through transformers' modelling code when `model_impl` says so (hf_fallback.py:
     `transformers`, or `auto` for an architecture with no native family; a checkpoint's own
     code only with `trust_remote_code`), else `_load`; then a native family's dense bfloat16
-    linears switched to the native kernels (native_layers.py) where the CPU has them, and the
-    load's freed memory handed back."""
+    linears switched to the native kernels (native_layers.py) where the CPU has them, a CPU
+    model's weights moved to huge pages (memory/huge_pages.py), and the load's freed memory
+    handed back."""
     if model_impl_for(path_or_preset, model_impl) == "transformers":
         path, device = Path(path_or_preset), torch.device(device)
         loaded = _load_fallback(path, dtype, device, tp, quantization, trust_remote_code)
@@ -151,6 +153,8 @@ def load_model(
         loaded = _load(path_or_preset, dtype, device, seed, tp, quantization)
     if isinstance(loaded.model, LlamaForCausalLM):
         use_native_linears(loaded.model)
+    if torch.device(device).type == "cpu":
+        move_to_huge_pages(loaded.model)  # weights streamed from 2 MB pages (huge_pages.py)
     release_free_heap()  # the load's temporaries (memory/heap.py)
     return loaded
 
