@@ -12,6 +12,8 @@ read over 1 GiB (AVX-512 or AVX2 loads, both threads, best of 5). torch's own ke
 format is timed beside it (bf16: F.linear; int8: _weight_int8pack_mm; f32: F.linear; int4: the
 native kernel only: torch's int4 weight kernel needs its own packing). Each (format, repeat)
 runs in a fresh process; formats interleave; medians are printed with the load average.
+The weights and the probe's buffer sit on 2 MB pages, as the engine puts a model's weights
+(runtime/memory/huge_pages.py); `STALLFREE_HUGE_PAGES=0` measures 4 KB pages instead.
 """
 
 from __future__ import annotations
@@ -74,8 +76,21 @@ def read_bandwidth() -> float:
         extra_cflags=["-O3", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
     )
-    buf = torch.ones(1 << 30, dtype=torch.uint8)
+    buf = _on_huge_pages([torch.ones(1 << 30, dtype=torch.uint8)])[0]
     return float(mod.probe(buf, 5))
+
+
+def _on_huge_pages(tensors: list) -> list:  # type: ignore[type-arg]
+    """The tensors moved to 2 MB pages as the engine moves a model's weights (unless
+    STALLFREE_HUGE_PAGES=0)."""
+    import torch
+
+    from stallfree.runtime.memory.huge_pages import move_to_huge_pages
+
+    holder = torch.nn.Module()
+    holder.tensors = tensors
+    move_to_huge_pages(holder)
+    return tensors
 
 
 def child(fmt: str, rows: list[int], copies: int, threads: int) -> None:
@@ -98,15 +113,19 @@ def child(fmt: str, rows: list[int], copies: int, threads: int) -> None:
             if fmt in ("bf16", "f32"):
                 dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
                 x = x.to(dtype)
-                ws = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(count)]
+                ws = _on_huge_pages(
+                    [torch.randn(n, k, generator=gen).to(dtype) for _ in range(count)]
+                )
                 native = [lambda w=w, x=x: ops.linear(x, w, None) for w in ws]
                 ref = [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in ws]
                 nbytes += n * k * ws[0].element_size()
             elif fmt == "int8":
-                qs = [
-                    torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-                    for _ in range(count)
-                ]
+                qs = _on_huge_pages(
+                    [
+                        torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+                        for _ in range(count)
+                    ]
+                )
                 scale = torch.rand(n, generator=gen) / 100
                 sb = scale.bfloat16()
                 native = [lambda q=q, x=x, s=scale: ops.linear_q8(x, q, s, None) for q in qs]
@@ -116,10 +135,12 @@ def child(fmt: str, rows: list[int], copies: int, threads: int) -> None:
                 nbytes += n * k + n * 4
             else:  # int4: codes plus float16 scale and offset per group of 32
                 g = k // 32
-                cs = [
-                    torch.randint(0, 256, (n, g, 16), dtype=torch.uint8, generator=gen)
-                    for _ in range(count)
-                ]
+                cs = _on_huge_pages(
+                    [
+                        torch.randint(0, 256, (n, g, 16), dtype=torch.uint8, generator=gen)
+                        for _ in range(count)
+                    ]
+                )
                 sc = torch.rand(n, g, generator=gen).half()
                 of = torch.rand(n, g, generator=gen).half()
                 native = [lambda c=c, x=x, s=sc, o=of: ops.linear_q4(x, c, s, o, None) for c in cs]
