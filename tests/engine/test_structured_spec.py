@@ -80,12 +80,18 @@ async def _run(cfg):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
-async def test_ngram_speculation_with_grammars_equals_no_speculation(llama, overlap):
+@pytest.mark.parametrize(
+    ("overlap", "method"),
+    [(True, "ngram"), (False, "ngram"), (True, "draft_model")],
+    ids=["overlap-ngram", "plain-ngram", "overlap-draft-model"],
+)
+async def test_speculation_with_grammars_equals_no_speculation(llama, overlap, method):
     runtime = {"overlap": overlap, "strict": True}
     model = {"dtype": "float64"}
     want, _, _ = await _run(engine_config(llama, model=model, runtime=runtime))
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "cost_aware": False}
+    spec = {"method": method, "num_speculative_tokens": 3, "cost_aware": False}
+    if method == "draft_model":
+        spec["draft_model"] = llama  # the model drafts for itself: most drafts are accepted
     got, sampled, engine = await _run(
         engine_config(llama, model=model, runtime=runtime, speculative=spec)
     )
