@@ -52,6 +52,35 @@ class DisaggregationConfig(Section):
         description="decode: the prefill bootstrap endpoints (host:port) it may pair with; a "
         "request naming any other is refused. Empty: prefill servers on loopback addresses only",
     )
+    secret: str | None = Field(
+        None,
+        min_length=16,
+        max_length=4096,
+        description="The shared secret both sides of a deployment hold: the prefill's "
+        "bootstrap endpoint refuses every call without it, the decode side sends it. Set it "
+        "through STALLFREE_DISAGGREGATION__SECRET (or a config file) to keep it off the command "
+        "line. Unset: no authentication, so the endpoint should be reachable from loopback only",
+    )
+    pair_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        allow_inf_nan=False,
+        description="prefill: how long a pair waits for its decode side to join its group; a "
+        "pair nobody joins is dropped then",
+    )
+    bootstrap_max_body_bytes: int = Field(
+        32 << 20,
+        ge=1024,
+        description="prefill: the largest body the bootstrap endpoint reads (a 413 beyond)",
+    )
+    max_rooms: int = Field(65536, ge=1, description="prefill: rooms open at once (a 429 beyond)")
+    max_rooms_per_pair: int = Field(
+        4096,
+        ge=1,
+        description="prefill: rooms one decode server (one pair) may register at once (a 429 "
+        "beyond)",
+    )
     bootstrap_timeout_s: float = Field(
         300.0,
         gt=0,

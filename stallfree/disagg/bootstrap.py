@@ -7,22 +7,33 @@
     POST /bootstrap/rooms/{room}       the decode side's destination pages for a room
     POST /bootstrap/rooms/{room}/ack   the decode side has the room's KV (or refused it)
     POST /bootstrap/rooms/{room}/abort the decode side gave the room up
+    GET|POST /bootstrap/pairs/{pair_id}/store?key=K   the pair's rendezvous (disagg/pair_store.py)
+
+Every call but `/health` needs the shared secret when one is set, and no body may exceed the
+limit (`disagg/guard.py`). A room's registration is refused (429) beyond
+`disaggregation.max_rooms` rooms open, or `max_rooms_per_pair` for one decode server.
 
 `HttpControl` speaks it over httpx; `LocalControl` calls a `PrefillSide` in the same process
-(the loopback backend).
+(the loopback backend). An answer `HttpControl` cannot read is a `ControlError` with status 502
+naming the endpoint, never a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 import socket
 from typing import Any, Protocol
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
+from stallfree.config import DisaggregationConfig
 from stallfree.disagg.fingerprint import Fingerprint, HandshakeError
-from stallfree.disagg.prefill import PrefillSide, Registration
+from stallfree.disagg.guard import BootstrapGuard, secret_headers
+from stallfree.disagg.pair_store import MAX_KEY_LEN, MAX_VALUE_BYTES, StoreError
+from stallfree.disagg.prefill import PrefillSide, Registration, RoomLimitError
 from stallfree.disagg.rooms import MAX_ROOM
 from stallfree.disagg.transport import KVChannel
 
@@ -31,8 +42,12 @@ logger = logging.getLogger(__name__)
 CONTROL_TIMEOUT_S = 10.0
 
 
+BAD_UPSTREAM = 502
+
+
 class ControlError(RuntimeError):
-    """The prefill's bootstrap endpoint refused or could not be reached."""
+    """The prefill's bootstrap endpoint refused or could not be reached (status: its HTTP
+    answer; 502 when the answer could not be read)."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
@@ -43,6 +58,8 @@ class PrefillControl(Protocol):
     label: str
 
     async def info(self) -> dict[str, Any]: ...
+
+    async def pair_info(self) -> PrefillInfo: ...
 
     async def pair(self, fingerprint: Fingerprint, shards: list[list[int]]) -> dict[str, Any]: ...
 
@@ -77,6 +94,9 @@ class LocalControl:
     async def info(self) -> dict[str, Any]:
         return self._up().info()
 
+    async def pair_info(self) -> PrefillInfo:
+        return PrefillInfo.read(await self.info(), self.label)
+
     async def pair(self, fingerprint: Fingerprint, shards: list[list[int]]) -> dict[str, Any]:
         try:
             return self._up().pair(fingerprint, shards)
@@ -108,13 +128,15 @@ class LocalControl:
 class HttpControl:
     """A prefill server's bootstrap endpoint at `host:port`."""
 
-    def __init__(self, host: str, port: int, device: Any) -> None:
+    def __init__(self, host: str, port: int, device: Any, config: DisaggregationConfig) -> None:
         import httpx
 
-        self.host, self.port, self.device = host, port, device
+        self.host, self.port, self.device, self.config = host, port, device, config
         self.label = f"prefill bootstrap {host}:{port}"
+        self.base_url = f"http://{_url_host(host)}:{port}"
+        self.headers = secret_headers(config.secret)
         self._http = httpx.AsyncClient(
-            base_url=f"http://{_url_host(host)}:{port}", timeout=CONTROL_TIMEOUT_S
+            base_url=self.base_url, timeout=CONTROL_TIMEOUT_S, headers=self.headers
         )
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -131,14 +153,29 @@ class HttpControl:
                 "%s answered %d to %s %s: %r", self.label, r.status_code, method, path, r.text[:200]
             )
             raise ControlError(f"{self.label} answered HTTP {r.status_code}", r.status_code)
-        return r.json()
+        try:
+            return r.json()
+        except ValueError:
+            logger.warning("%s answered %s %s with %r", self.label, method, path, r.text[:200])
+            raise ControlError(
+                f"{self.label} answered {method} {path} with no JSON", BAD_UPSTREAM
+            ) from None
 
     async def info(self) -> dict[str, Any]:
-        return dict(await self._call("GET", "/bootstrap/info"))
+        return _object(await self._call("GET", "/bootstrap/info"), self.label, "/bootstrap/info")
+
+    async def pair_info(self) -> PrefillInfo:
+        return PrefillInfo.read(await self.info(), self.label)
 
     async def pair(self, fingerprint: Fingerprint, shards: list[list[int]]) -> dict[str, Any]:
         body = {"fingerprint": fingerprint.model_dump(), "shards": shards}
-        return dict(await self._call("POST", "/bootstrap/pair", body))
+        answer = _object(await self._call("POST", "/bootstrap/pair", body), self.label, "pair")
+        pair_id, backend = answer.get("pair_id"), answer.get("backend")
+        if not isinstance(pair_id, str) or not 0 < len(pair_id) <= 64 or not pair_id.isalnum():
+            raise ControlError(f"{self.label} answered a pairing with no pair id", BAD_UPSTREAM)
+        if backend not in ("gloo", "nccl"):
+            raise ControlError(f"{self.label} pairs over unknown backend {backend!r}", BAD_UPSTREAM)
+        return {"pair_id": pair_id, "backend": backend}
 
     async def register(self, room: int, pair_id: str, pages: list[int], num_tokens: int) -> None:
         body = {"pair_id": pair_id, "pages": pages, "num_tokens": num_tokens}
@@ -158,14 +195,33 @@ class HttpControl:
         return True
 
     async def channel(self, pair: dict[str, Any], info: dict[str, Any]) -> KVChannel:
-        from stallfree.disagg.dist import DistChannel
+        return await asyncio.to_thread(self._join, pair["pair_id"], pair["backend"])
 
-        port = info.get("store_port")
-        if not isinstance(port, int):
-            raise ControlError(f"{self.label} offers no KV store for backend {pair['backend']}")
-        return await asyncio.to_thread(
-            DistChannel.connect, self.host, port, pair["pair_id"], pair["backend"], self.device
-        )
+    def _join(self, pair_id: str, backend: str) -> KVChannel:
+        """Join the pair's group as rank 1: on gloo in a receiver process of its own (a peer
+        that sends what was not asked for kills that process, not this one)."""
+        from stallfree.disagg.dist import DistChannel
+        from stallfree.disagg.kv_receiver import ProcessChannel
+        from stallfree.disagg.pair_store import HttpStore
+
+        timeout_s = self.config.pair_timeout_s
+        if backend == "gloo":
+            from stallfree.disagg.dist import GROUP_TIMEOUT_S
+
+            return ProcessChannel(
+                {
+                    "base_url": self.base_url,
+                    "pair_id": pair_id,
+                    "headers": self.headers,
+                    "join_timeout_s": timeout_s,
+                    "group_timeout_s": GROUP_TIMEOUT_S,
+                }
+            )
+        store = HttpStore(self.base_url, pair_id, self.headers, timeout_s)
+        try:
+            return DistChannel(store, 1, backend, self.device)
+        finally:
+            store.close()
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -173,6 +229,30 @@ class HttpControl:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _object(answer: Any, label: str, what: str) -> dict[str, Any]:
+    if not isinstance(answer, dict):
+        raise ControlError(f"{label} answered {what} with something not an object", BAD_UPSTREAM)
+    return answer
+
+
+class PrefillInfo(BaseModel):
+    """What `/bootstrap/info` must answer (anything else is a 502 naming the endpoint)."""
+
+    role: str = Field(max_length=32)
+    fingerprint: Fingerprint
+    backend: str = Field(max_length=32)
+
+    @classmethod
+    def read(cls, answer: dict[str, Any], label: str) -> PrefillInfo:
+        try:
+            return cls.model_validate(answer)
+        except ValidationError as exc:
+            fields = ", ".join(".".join(map(str, e["loc"])) for e in exc.errors()[:3])
+            raise ControlError(
+                f"{label} answered /bootstrap/info without a valid {fields}", BAD_UPSTREAM
+            ) from None
 
 
 # ---------------------------------------------------------------------- the endpoint
@@ -194,16 +274,22 @@ class AckBody(BaseModel):
     message: str = Field("", max_length=4096)
 
 
+class StoreBody(BaseModel):
+    value: str = Field(max_length=2 * MAX_VALUE_BYTES)  # base64
+
+
 class AbortBody(BaseModel):
     message: str = Field("", max_length=4096)
 
 
 def bootstrap_app(prefill: PrefillSide) -> Any:
-    from fastapi import FastAPI, Path
+    from fastapi import FastAPI, Path, Query
     from fastapi.responses import JSONResponse
 
     app = FastAPI(title="stallfree bootstrap", docs_url=None, redoc_url=None, openapi_url=None)
     Room = Path(ge=0, le=MAX_ROOM)
+    PairId = Path(min_length=1, max_length=64, pattern="^[0-9a-f]+$")
+    Key = Query(min_length=1, max_length=MAX_KEY_LEN)
 
     def refuse(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
@@ -227,6 +313,8 @@ def bootstrap_app(prefill: PrefillSide) -> Any:
     async def register(body: RegisterBody, room: int = Room) -> Any:
         try:
             prefill.register(room, Registration(body.pair_id, body.pages, body.num_tokens))
+        except RoomLimitError as exc:
+            return refuse(429, str(exc))
         except KeyError as exc:
             return refuse(404, str(exc.args[0]))
         except ValueError as exc:
@@ -241,7 +329,29 @@ def bootstrap_app(prefill: PrefillSide) -> Any:
     async def abort(body: AbortBody, room: int = Room) -> dict[str, Any]:
         return {"room": room, "known": prefill.abort(room, body.message)}
 
-    return app
+    @app.get("/bootstrap/pairs/{pair_id}/store", response_model=None)
+    async def store_get(pair_id: str = PairId, key: str = Key) -> Any:
+        store = prefill.pair_store(pair_id)
+        value = store.peek(key) if store is not None else None
+        if value is None:
+            return refuse(404, "no such key")
+        return {"value": base64.b64encode(value).decode()}
+
+    @app.post("/bootstrap/pairs/{pair_id}/store", response_model=None)
+    async def store_set(body: StoreBody, pair_id: str = PairId, key: str = Key) -> Any:
+        store = prefill.pair_store(pair_id)
+        if store is None:
+            return refuse(404, f"unknown pair {pair_id}")
+        try:
+            store.set(key, base64.b64decode(body.value, validate=True))
+        except binascii.Error:
+            return refuse(400, "a rendezvous value is base64")
+        except StoreError as exc:
+            return refuse(409, str(exc))
+        return {"key": key}
+
+    cfg = prefill.config
+    return BootstrapGuard(app, cfg.secret, cfg.bootstrap_max_body_bytes)
 
 
 class BootstrapServer:

@@ -24,7 +24,7 @@ import torch
 
 from stallfree.config import DisaggregationConfig
 from stallfree.disagg.bootstrap import ControlError, HttpControl, PrefillControl
-from stallfree.disagg.fingerprint import Fingerprint, HandshakeError
+from stallfree.disagg.fingerprint import HandshakeError
 from stallfree.disagg.rooms import Room, RoomError, RoomState
 from stallfree.disagg.side import RoomSide
 from stallfree.disagg.transport import (
@@ -79,7 +79,7 @@ class DecodeSide(RoomSide):
         self._links: dict[tuple[str, int], _Link] = {}
         self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
         device = engine.core.ctx.kv_cache.device
-        self._controls = controls or (lambda host, port: HttpControl(host, port, device))
+        self._controls = controls or (lambda host, port: HttpControl(host, port, device, config))
         self.wrong_rooms = 0  # transfers that arrived for no room this side expects
 
     async def close(self) -> None:
@@ -131,12 +131,11 @@ class DecodeSide(RoomSide):
             return link
 
     async def _pair(self, key: tuple[str, int], control: PrefillControl) -> _Link:
-        info = await control.info()
-        if info.get("role") != "prefill":
+        info = await control.pair_info()
+        if info.role != "prefill":
             raise HandshakeError(f"{control.label} is not a prefill server")
-        theirs = Fingerprint.model_validate(info["fingerprint"])
-        theirs.check_decode(self.fingerprint)
-        if info.get("backend") == "nccl" and self.engine.config.uses_worker_processes:
+        info.fingerprint.check_decode(self.fingerprint)
+        if info.backend == "nccl" and self.engine.config.uses_worker_processes:
             raise HandshakeError(
                 "the prefill sends over NCCL, which this decode server's host cannot receive: "
                 "its KV lives in worker processes (tp_size > 1); use gloo on the prefill"
@@ -148,7 +147,7 @@ class DecodeSide(RoomSide):
                 raise HandshakeError(str(exc)) from exc
             raise
         link = _Link(key, control, pair["pair_id"])
-        link.channel = await control.channel(pair, info)
+        link.channel = await control.channel(pair, info.model_dump())
         threading.Thread(
             target=self._receive,
             args=(link,),

@@ -1,9 +1,12 @@
 """The torch.distributed transport: one two-rank process group per (prefill, decode) pair,
 point-to-point `send`/`recv` over gloo (CPU) or NCCL (GPU).
 
-The prefill server hosts a `TCPStore` (the rendezvous). Pairing gives each pair its own key
-prefix in it; the prefill side is rank 0, the decode side rank 1. A peer that dies breaks the
-group: the pending `recv` or `send` raises, and every room of the pair fails (`TransportError`).
+Each pair meets through its own store (`disagg/pair_store.py`): the prefill side, rank 0, keeps
+it in memory; the decode side, rank 1, reaches it through the authenticated bootstrap endpoint.
+Every tensor travels as messages of at most `CHUNK_BYTES`, so the decode side's gloo receiver
+(a child process, `disagg/kv_receiver.py`) needs only a few fixed slots. A peer that dies breaks
+the group: the pending `recv` or `send` raises, and every room of the pair fails
+(`TransportError`).
 """
 
 from __future__ import annotations
@@ -16,91 +19,59 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stallfree.disagg.kv_receiver import chunks
 from stallfree.disagg.transport import TransportError
 
 # a pair's group waits this long for a peer that stopped answering mid-message (the rooms'
-# own deadlines are far shorter; an idle pair never waits on the group)
+# own deadlines are far shorter); forming the group waits only `pair_timeout_s`
 GROUP_TIMEOUT_S = 3600.0
 
 
-class KVStore:
-    """The prefill side's rendezvous store, on an ephemeral port of its bootstrap host."""
-
-    def __init__(self, host: str, timeout_s: float = 60.0) -> None:
-        self.host = host
-        self.store = dist.TCPStore(
-            host,
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-        self._port = int(self.store.port)
-
-    @property
-    def port(self) -> int:
-        return self._port
-
-    def close(self) -> None:
-        """Drop the store (its server thread goes with the last reference)."""
-        self.store = None  # type: ignore[assignment]
-
-
 class DistChannel:
-    """One pair's process group. `send` only on rank 0 (prefill), `recv` only on rank 1."""
+    """One pair's process group, in this process. `send` on rank 0 (prefill), `recv` on rank 1
+    (a decode server on NCCL; on gloo the decode side receives in a child process)."""
 
-    def __init__(
-        self,
-        store: dist.Store,
-        pair_id: str,
-        rank: int,
-        backend: str,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, store: dist.Store, rank: int, backend: str, device: torch.device) -> None:
         self.rank, self.device, self.backend = rank, device, backend
-        prefixed = dist.PrefixStore(f"stallfree-kv/{pair_id}/", store)
         timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
         self.group: Any
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            self.group = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+            self.group = dist.ProcessGroupNCCL(store, rank, 2, options)
         else:
-            self.group = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+            self.group = dist.ProcessGroupGloo(store, rank, 2, timeout)
         self._lock = threading.Lock()
         self._closed = False
-
-    @classmethod
-    def connect(
-        cls, host: str, port: int, pair_id: str, backend: str, device: torch.device
-    ) -> DistChannel:
-        """The decode side: join the prefill's store and the pair's group as rank 1."""
-        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
-        return cls(store, pair_id, 1, backend, device)
 
     def _peer(self) -> int:
         return 1 - self.rank
 
-    def send(self, tensor: torch.Tensor) -> None:
-        if self.backend == "nccl":
-            tensor = tensor.to(self.device)
-        t = tensor.contiguous()
+    def _group(self) -> Any:
         group = self.group
         if group is None:
             raise TransportError("the KV channel is closed")
+        return group
+
+    def send(self, tensor: torch.Tensor) -> None:
+        if self.backend == "nccl":
+            tensor = tensor.to(self.device)
+        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+        group = self._group()
         try:
-            group.send([t], self._peer(), 0).wait()
+            for off, n in chunks(flat.numel()):
+                group.send([flat[off : off + n]], self._peer(), 0).wait()
         except RuntimeError as exc:
             raise TransportError(f"KV send failed: {exc}") from exc
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         device = self.device if self.backend == "nccl" else torch.device("cpu")
         buf = torch.empty(shape, dtype=dtype, device=device)
-        group = self.group
-        if group is None:
-            raise TransportError("the KV channel is closed")
+        flat = buf.reshape(-1).view(torch.uint8)
+        group = self._group()
         try:
-            group.recv([buf], self._peer(), 0).wait()
+            for off, n in chunks(flat.numel()):
+                group.recv([flat[off : off + n]], self._peer(), 0).wait()
         except RuntimeError as exc:
             raise TransportError(f"KV receive failed: {exc}") from exc
         return buf

@@ -24,6 +24,7 @@ import torch
 
 from stallfree.config import DisaggregationConfig, FaultConfig
 from stallfree.disagg.fingerprint import Fingerprint, HandshakeError
+from stallfree.disagg.pair_store import MemoryStore
 from stallfree.disagg.rooms import Room, RoomError, RoomState
 from stallfree.disagg.side import RoomSide
 from stallfree.disagg.transport import (
@@ -49,6 +50,10 @@ logger = logging.getLogger(__name__)
 MAX_PAIRS = 64
 
 
+class RoomLimitError(ValueError):
+    """A registration beyond `disaggregation.max_rooms` or `max_rooms_per_pair`."""
+
+
 @dataclass(slots=True)
 class Registration:
     """The decode side's destination for a room: its pages, on which pair."""
@@ -62,7 +67,9 @@ class Registration:
 class _Pair:
     pair_id: str
     shards: list[tuple[int, int]]  # KV-head range of each decode rank
+    store: MemoryStore  # the group's rendezvous, reached by the decode side over the endpoint
     channel: KVChannel | None = None
+    rooms: set[int] = field(default_factory=set)  # registered by this pair and still open
     ready: threading.Event = field(default_factory=threading.Event)
     jobs: queue.SimpleQueue[Callable[[], None] | None] = field(default_factory=queue.SimpleQueue)
     alive: bool = True
@@ -76,12 +83,10 @@ class PrefillSide(RoomSide):
         config: DisaggregationConfig,
         faults: FaultConfig | None = None,
         backend: str = "gloo",
-        store: Any = None,
     ) -> None:
         super().__init__(engine, "prefill")
         self.config = config
         self.backend = backend  # gloo | nccl | loopback
-        self.store = store  # disagg.dist.KVStore for gloo and nccl
         self.pairs: dict[str, _Pair] = {}
         self.faults = TransferFaults(faults) if faults is not None and faults.enabled else None
 
@@ -91,20 +96,18 @@ class PrefillSide(RoomSide):
         await self._stop("prefill server shutting down")
         for pair in list(self.pairs.values()):
             self._drop_pair(pair, "prefill server shutting down")
-        # NOTE: the store's server thread must not outlive the interpreter's teardown while a
-        # decode server is still connected to it (std::terminate at exit)
-        store, self.store = self.store, None
-        if store is not None:
-            store.close()
 
     def info(self) -> dict[str, Any]:
-        store_port = self.store.port if self.store is not None else None
         return {
             "role": "prefill",
             "fingerprint": self.fingerprint.model_dump(),
             "backend": self.backend,
-            "store_port": store_port,
         }
+
+    def pair_store(self, pair_id: str) -> MemoryStore | None:
+        """A live pair's rendezvous (None for a pair that is not, or no longer, known)."""
+        pair = self.pairs.get(pair_id)
+        return pair.store if pair is not None and pair.alive else None
 
     # ------------------------------------------------------------------ pairing
 
@@ -120,7 +123,7 @@ class PrefillSide(RoomSide):
         heads = [(int(a), int(b)) for a, b in shards]
         if not heads or any(not 0 <= a < b <= decode.num_kv_heads for a, b in heads):
             raise HandshakeError(f"decode KV-head shards {heads} do not fit the model")
-        pair = _Pair(uuid.uuid4().hex, heads)
+        pair = _Pair(uuid.uuid4().hex, heads, MemoryStore(self.config.pair_timeout_s))
         self.pairs[pair.pair_id] = pair
         threading.Thread(
             target=self._sender,
@@ -145,7 +148,7 @@ class PrefillSide(RoomSide):
         from stallfree.disagg.dist import DistChannel
 
         device = self.engine.core.ctx.kv_cache.device
-        pair.channel = DistChannel(self.store.store, pair.pair_id, 0, self.backend, device)
+        pair.channel = DistChannel(pair.store, 0, self.backend, device)
         pair.ready.set()
 
     def _sender(self, pair: _Pair) -> None:
@@ -194,10 +197,23 @@ class PrefillSide(RoomSide):
         pair = self.pairs.get(reg.pair_id)
         if pair is None or not pair.alive:
             raise KeyError(f"unknown pair {reg.pair_id}")
+        cfg = self.config
+        if len(pair.rooms) >= cfg.max_rooms_per_pair:
+            raise RoomLimitError(
+                f"this decode server has {len(pair.rooms)} rooms registered here already (at "
+                f"most disaggregation.max_rooms_per_pair={cfg.max_rooms_per_pair})"
+            )
+        if self.rooms.get(room_id) is None and len(self.rooms) >= cfg.max_rooms:
+            raise RoomLimitError(
+                f"this prefill server has {len(self.rooms)} rooms open (at most "
+                f"disaggregation.max_rooms={cfg.max_rooms})"
+            )
         room = self._room(room_id)
         if "registration" in room.data or room.final:
             raise ValueError(f"room {room_id} is registered already")
         room.data["registration"] = reg
+        pair.rooms.add(room_id)
+        room.on_final.append(lambda r: pair.rooms.discard(r.room))
         self._try_start(room)
 
     def ack(self, room_id: int, ok: bool, message: str = "") -> bool:

@@ -25,9 +25,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from stallfree.disagg.bootstrap import BootstrapServer, ControlError
+from stallfree.disagg.bootstrap import BAD_UPSTREAM, BootstrapServer, ControlError
 from stallfree.disagg.decode import DecodeSide
 from stallfree.disagg.fingerprint import HandshakeError
+from stallfree.disagg.guard import warn_if_open
 from stallfree.disagg.prefill import PrefillSide
 from stallfree.disagg.rooms import MAX_ROOM, RoomError
 from stallfree.disagg.trust import UntrustedPrefillError
@@ -67,16 +68,13 @@ class Disaggregated:
             )
         if backend == "auto":
             backend = "nccl" if engine.core.ctx.kv_cache.device.type == "cuda" else "gloo"
-        from stallfree.disagg.dist import KVStore
-
-        store = KVStore(cfg.bootstrap_host)
-        side = PrefillSide(engine, cfg, engine.config.faults, backend=backend, store=store)
-        return cls(engine, side)
+        return cls(engine, PrefillSide(engine, cfg, engine.config.faults, backend=backend))
 
     async def start(self) -> None:
         await self.side.start()
         if isinstance(self.side, PrefillSide):
             cfg = self.engine.config.disaggregation
+            warn_if_open(cfg.bootstrap_host, cfg.secret)
             self.bootstrap = BootstrapServer(self.side, cfg.bootstrap_host, cfg.bootstrap_port)
             await self.bootstrap.start()
             logger.warning("prefill bootstrap endpoint at %s", self.bootstrap.url)
@@ -138,7 +136,7 @@ def _check_trusted(side: DecodeSide, host: str, port: int) -> None:
         raise ApiError(403, str(exc), param="bootstrap_host", code="untrusted_prefill") from exc
 
 
-def failure_chunk(rid: str, message: str) -> GenerationChunk:
+def failure_chunk(rid: str, message: str, status: int = TRANSFER_FAILED) -> GenerationChunk:
     """The last chunk of a request whose hand-over failed: the client sees `message`."""
     return GenerationChunk(
         rid,
@@ -147,7 +145,7 @@ def failure_chunk(rid: str, message: str) -> GenerationChunk:
         finished=True,
         finish_reason="error",
         error=message,
-        error_status=TRANSFER_FAILED,
+        error_status=status,
     )
 
 
@@ -179,7 +177,8 @@ async def _decode(
     except HandshakeError as exc:
         yield failure_chunk(rid, f"cannot decode for prefill {host}:{port}: {exc}")
     except ControlError as exc:
-        yield failure_chunk(rid, f"prefill {host}:{port}: {exc}")
+        status = BAD_UPSTREAM if exc.status == BAD_UPSTREAM else TRANSFER_FAILED
+        yield failure_chunk(rid, f"prefill {host}:{port}: {exc}", status)
     finally:
         await gen.aclose()  # type: ignore[attr-defined]
 
