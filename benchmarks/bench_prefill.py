@@ -1,0 +1,104 @@
+"""Prefill products against the machine's compute peak, per weight format.
+
+    python benchmarks/bench_prefill.py [--formats bf16 f32 int8 q8_0 int4] [--rows 64 256 512]
+        [--repeats 3] [--threads 2]
+
+A prompt's projections are matrix-matrix products: SmolLM2-135M's five shapes (q/k/v 960x576,
+o 576x576, gate/up 3072x576, down 576x1536, the tied output 49152x576; the output only on the
+last row, so it is left out here) at `--rows` tokens, through the layers the engine uses for
+each format: `nn.Linear` (bf16, f32: oneDNN), `Int8Linear` with one scale per row (int8) or per
+block of 32 (q8_0, a GGUF's Q8_0), `Int4Linear` (int4). Above 16 rows the integer layers
+dequantise into a workspace and run the dense product, so their figure counts that too. The
+peak is the best of a 2048 x 2048 x 2048 product in the format's activation dtype (bf16 for
+the integer formats), measured in the same process. Each (format, repeat) runs in a fresh
+process, formats interleaved; medians are printed with the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
+def _best(fn, repeats: int = 5) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def child(fmt: str, rows: list[int], threads: int) -> None:
+    import torch
+
+    from stallfree.runtime.model import quant
+
+    torch.set_num_threads(threads)
+    dtype = torch.float32 if fmt == "f32" else torch.bfloat16
+    a = torch.randn(2048, 2048).to(dtype)
+    b = torch.randn(2048, 2048).to(dtype)
+    peak = 2 * 2048**3 / _best(lambda: a @ b)
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=gen) * 0.05
+        if fmt in ("bf16", "f32"):
+            layer: torch.nn.Module = torch.nn.Linear(k, n, bias=False).to(dtype)
+            layer.weight.data.copy_(w)
+        elif fmt == "int8":
+            layer = quant.Int8Linear(quant.quantize_int8(w), None, dtype)
+        elif fmt == "q8_0":
+            layer = quant.Int8Linear(quant.quantize_int8_blocks(w), None, dtype)
+        else:
+            layer = quant.Int4Linear(quant.quantize_int4(w), None, dtype)
+        layers.append(layer)
+    result: dict[str, object] = {"format": fmt, "peak": peak}
+    with torch.inference_mode():
+        for m in rows:
+            xs = [torch.randn(m, k, generator=gen).to(dtype) for _, k in SHAPES]
+            seconds = _best(lambda xs=xs: [lay(x) for lay, x in zip(layers, xs, strict=True)])
+            flops = sum(2 * m * n * k for n, k in SHAPES)
+            result[f"m{m}"] = flops / seconds
+    print(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--formats", nargs="+", default=["bf16", "f32", "int8", "q8_0", "int4"])
+    parser.add_argument("--rows", nargs="+", type=int, default=[64, 256, 512])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.rows, args.threads)
+        return
+    print(f"threads {args.threads}; load average at start: {os.getloadavg()[0]:.2f}")
+    runs: dict[str, list[dict]] = {f: [] for f in args.formats}
+    for _ in range(args.repeats):
+        for fmt in args.formats:
+            cmd = [sys.executable, __file__, "--child", fmt, "--threads", str(args.threads)]
+            cmd += ["--rows", *map(str, args.rows)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            runs[fmt].append(json.loads(out.strip().splitlines()[-1]))
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+    print("\n| format | rows | GFLOP/s | peak GFLOP/s (2048^3, same dtype) | share of peak |")
+    print("| --- | --- | --- | --- | --- |")
+    for fmt, rs in runs.items():
+        peak = statistics.median(r["peak"] for r in rs)
+        for m in args.rows:
+            got = statistics.median(r[f"m{m}"] for r in rs)
+            print(f"| {fmt} | {m} | {got / 1e9:.0f} | {peak / 1e9:.0f} | {100 * got / peak:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()
