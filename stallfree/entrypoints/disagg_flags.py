@@ -140,6 +140,11 @@ DISAGGREGATION_FLAGS: Table = (("prefill/decode disaggregation (docs/disaggregat
              type=prefill_hosts, metavar="HOST:PORT,...",
              help="decode: the prefill bootstrap endpoints it may pair with (requests naming "
              "any other are refused); unset, prefill servers on loopback addresses only"),
+    _setting("--disagg-secret", "secret", "--disaggregation-secret", metavar="SECRET",
+             help="the shared secret of the prefill's bootstrap endpoint (both sides); prefer "
+             "STALLFREE_DISAGGREGATION__SECRET, which keeps it off the command line"),
+    _setting("--disagg-pair-timeout", "pair_timeout_s", type=float, metavar="SECONDS",
+             help="prefill: how long a pair waits for its decode side to join"),
     *(_setting(f"--disaggregation-{key.split('_')[0]}-timeout", key, type=float,
                metavar="SECONDS", help=f"a room's {what}")
       for key, what in (("bootstrap_timeout_s", "pairing deadline"),

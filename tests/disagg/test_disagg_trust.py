@@ -188,11 +188,11 @@ class FakePrefill:
 
 
 @contextlib.asynccontextmanager
-async def decode_server(llama: str, prefill_hosts: list[str]) -> AsyncIterator[Any]:
+async def decode_server(llama: str, prefill_hosts: list[str], **disagg: Any) -> AsyncIterator[Any]:
     cfg = engine_config(
         llama,
         server={"served_model_name": MODEL},
-        disaggregation={"mode": "decode", "prefill_hosts": prefill_hosts},
+        disaggregation={"mode": "decode", "prefill_hosts": prefill_hosts, **disagg},
     )
     engine = Engine(cfg)
     server = await start_server(create_app(engine))
@@ -252,4 +252,29 @@ async def test_a_listed_prefills_answer_never_reaches_the_client(llama: str) -> 
         assert r.status_code == 502 and "answered HTTP 500" in r.text, r.text
         assert "SECRET" not in r.text
         assert (await client.get("/health")).status_code == 200  # still serving
+        await settle(engine)
+
+
+def test_secret_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stallfree.config import DisaggregationConfig, load_config
+    from stallfree.entrypoints.disagg_flags import DISAGGREGATION_FLAGS, disaggregation_settings
+    from stallfree.entrypoints.flags import add_flags
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_flags(parser, DISAGGREGATION_FLAGS)
+    args = parser.parse_args(["--disagg-secret", "s" * 16, "--disagg-pair-timeout", "3"])
+    assert disaggregation_settings(args) == {"secret": "s" * 16, "pair_timeout_s": 3.0}
+    with pytest.raises(ValueError, match="at least 16"):
+        DisaggregationConfig(secret="short")
+    monkeypatch.setenv("STALLFREE_DISAGGREGATION__SECRET", "e" * 20)
+    assert load_config().disaggregation.secret == "e" * 20
+
+
+async def test_server_info_never_shows_the_secret(llama: str) -> None:
+    secret = "the-secret-of-this-deployment"
+    async with decode_server(llama, [], secret=secret) as (engine, client):
+        info = await client.get("/server_info")
+        assert info.status_code == 200
+        assert info.json()["config"]["disaggregation"]["secret"] == "<redacted>"
+        assert secret not in info.text
         await settle(engine)

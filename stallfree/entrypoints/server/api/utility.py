@@ -39,7 +39,7 @@ from stallfree.entrypoints.server.intake.requests import (
 from stallfree.entrypoints.server.intake.screening import check_model, check_prefill
 
 # the settings `/server_info` never shows
-SECRETS = {"server": ("api_key",)}
+SECRETS = {"server": ("api_key",), "disaggregation": ("secret",)}
 REDACTED = "<redacted>"
 
 
