@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from stallfree.config import DisaggregationConfig
-from stallfree.disagg.bootstrap import ControlError, HttpControl, PrefillControl
+from stallfree.disagg.bootstrap import BAD_UPSTREAM, ControlError, HttpControl, PrefillControl
 from stallfree.disagg.fingerprint import HandshakeError
 from stallfree.disagg.rooms import Room, RoomError, RoomState
 from stallfree.disagg.side import RoomSide
@@ -325,6 +325,8 @@ class DecodeSide(RoomSide):
             stage = room.state.value
             if room.fail(str(exc), stage):
                 self.stats.failed(stage)
+            if exc.status == BAD_UPSTREAM:
+                raise  # the server answers a 502 naming the prefill
             raise room.error or RoomError(stage, str(exc)) from exc
         finally:
             if link is not None:
