@@ -21,6 +21,7 @@ from stallfree.entrypoints.server.intake.requests import (
     converting,
     encode_async,
     native_sampling_params,
+    read_body,
 )
 from stallfree.entrypoints.server.intake.screening import check_model
 from stallfree.entrypoints.server.output.logprobs import native_logprobs
@@ -113,7 +114,9 @@ def _model_card(request: Request) -> ModelCard:
     )
 
 
-async def generate(body: GenerateRequest, request: Request) -> Response:
+async def generate(request: Request) -> Response:
+    # read as the OpenAI routes read theirs (`read_body`): the same 400s, naming the field
+    body = await read_body(request, GenerateRequest)
     state = server_state(request)
     engine = state.engine
     if state.disagg is not None:

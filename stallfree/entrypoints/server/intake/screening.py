@@ -21,6 +21,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -72,11 +73,61 @@ def validate_body(model: type[BodyModel], raw: bytes) -> BodyModel:
         ) from None
     except RecursionError:  # nested past Python's recursion limit
         raise ApiError(400, "malformed JSON body: nested too deeply", param="body") from None
+    except ValueError:  # an integer longer than Python converts (`sys.get_int_max_str_digits`)
+        raise _number_too_long(raw) from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
         raise RequestValidationError(errors) from None
+
+
+_FIELD_SHOWN = 200
+
+
+@dataclass(frozen=True, slots=True)
+class _LongInteger:
+    """Where `json.loads` met an integer of `digits` digits, too long to convert."""
+
+    digits: int
+
+
+def _number_too_long(raw: bytes) -> ApiError:
+    """The 400 for a body holding an integer of more digits than Python converts, naming the
+    first field that holds one (the body parsed again, each such integer left as a marker: only
+    on this error path, so no other body pays for the search)."""
+
+    def integer(text: str) -> int | _LongInteger:
+        try:
+            return int(text)
+        except ValueError:
+            return _LongInteger(len(text.lstrip("-")))
+
+    try:
+        data = json.loads(raw, parse_int=integer)
+    except json.JSONDecodeError as exc:  # malformed after the long integer
+        return ApiError(400, f"malformed JSON body: {exc}", param="body")
+    except RecursionError:  # nested too deeply after it
+        return ApiError(400, "malformed JSON body: nested too deeply", param="body")
+    stack: list[tuple[Any, tuple[str, ...]]] = [(data, ())]
+    while stack:  # depth first, in the body's order
+        value, path = stack.pop()
+        if isinstance(value, _LongInteger):
+            field = ".".join(path) or "body"
+            if len(field) > _FIELD_SHOWN:  # the client's keys, echoed at most this long
+                field = field[:_FIELD_SHOWN] + "..."
+            limit = sys.get_int_max_str_digits()
+            return ApiError(
+                400,
+                f"{field}: a number of {value.digits} digits is too long "
+                f"(integers may have at most {limit} digits)",
+                param=field,
+            )
+        if isinstance(value, dict):
+            stack.extend((v, (*path, str(k))) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((v, (*path, str(i))) for i, v in reversed(list(enumerate(value))))
+    return ApiError(400, "malformed JSON body: a number is too long", param="body")
 
 
 # ---------------------------------------------------------------- the checks
