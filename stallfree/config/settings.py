@@ -5,6 +5,7 @@ Nested sections use `__` in environment names, e.g. `STALLFREE_RUNTIME__OVERLAP=
 
 from __future__ import annotations
 
+import ipaddress
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -203,6 +204,23 @@ class ParallelConfig(_Section):
         allow_inf_nan=False,
         description="How long a collective or the ranks' meeting may take before it fails",
     )
+    trusted_network: bool = Field(
+        False,
+        description="The network between the nodes is trusted: the ranks take each other's step "
+        "messages as given (pickled), so anyone who can reach dist_init_addr could run code on "
+        "every node. Required to meet beyond a loopback address",
+    )
+
+
+def _loopback(addr: str) -> bool:
+    """Whether a `host:port` (or `tcp://host:port`) names a loopback address."""
+    host = addr.split("://", 1)[-1].rpartition(":")[0].strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
 
 
 class HisparseConfig(_Section):
@@ -343,6 +361,14 @@ class StallfreeConfig(BaseSettings):
             )
         if par.nnodes > 1 and not par.dist_init_addr:
             raise ValueError("parallel.nnodes > 1 needs parallel.dist_init_addr (host:port)")
+        if par.dist_init_addr and not par.trusted_network and not _loopback(par.dist_init_addr):
+            raise ValueError(
+                f"parallel.dist_init_addr {par.dist_init_addr} is beyond loopback: the ranks of a "
+                "multi-node group unpickle the step messages rank 0 sends, so whoever reaches "
+                "that address first can run code on every node. Run the group on a trusted "
+                "network only, and say so with --dist-trusted-network "
+                "(parallel.trusted_network = true)"
+            )
         if self.runtime.worker == "inprocess" and par.tp_size > 1:
             raise ValueError(
                 "runtime.worker=inprocess runs one rank; parallel.tp_size > 1 needs worker "

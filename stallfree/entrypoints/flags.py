@@ -369,6 +369,10 @@ _PARALLEL = [
     flag("--dist-timeout", dest="dist_timeout_s", type=positive_seconds, metavar="SECONDS",
          sets="parallel.dist_timeout_s",
          help="how long the ranks' meeting or one collective may take before it fails"),
+    flag("--dist-trusted-network", action="store_true", default=None,
+         sets="parallel.trusted_network",
+         help="the nodes' network is trusted (the ranks unpickle rank 0's step messages); a "
+         "--dist-init-addr beyond loopback is refused without it (docs/tensor_parallel.md)"),
 ]
 # the flags that choose and size the engine (`generate`, `serve` and `bench`)
 ENGINE_FLAGS: Table = (("engine", _MODEL + _SCHEDULE), ("parallel", _PARALLEL))

@@ -399,10 +399,16 @@ def test_worker_and_multi_node_flags_map_to_the_config() -> None:
         "10.0.0.1:29500",
         "--dist-timeout",
         "30",
+        "--dist-trusted-network",
     )
     assert cfg.runtime.worker == "process"
     assert cfg.parallel == ParallelConfig(
-        tp_size=4, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:29500", dist_timeout_s=30.0
+        tp_size=4,
+        nnodes=2,
+        node_rank=1,
+        dist_init_addr="10.0.0.1:29500",
+        dist_timeout_s=30.0,
+        trusted_network=True,
     )
     plain = config("serve")
     assert plain.parallel == ParallelConfig() and plain.runtime.worker == "auto"
@@ -443,6 +449,11 @@ def test_bad_parallel_flags_are_usage_errors(argv, capsys) -> None:
         (["serve", "--tp-size", "2", "--nnodes", "2"], "needs parallel.dist_init_addr"),
         (["serve", "--tp-size", "2", "--worker", "inprocess"], "needs worker processes"),
         (["serve", "--node-rank", "1"], "must be below parallel.nnodes"),
+        # issue 42, finding 15: step messages are pickled, so beyond loopback only when trusted
+        (["serve", "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:29500"],
+         "--dist-trusted-network"),
+        (["serve", "--tp-size", "2", "--nnodes", "2", "--node-rank", "1",
+          "--dist-init-addr", "tcp://node0:29500"], "beyond loopback"),
     ],
 )  # fmt: skip
 def test_bad_parallel_settings_are_refused_before_anything_starts(argv, message, capsys) -> None:
