@@ -286,3 +286,48 @@ def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(
     lock.write_text("")
     cpu_kernels._clear_stale_lock("any")
     assert lock.exists()  # a build in progress
+
+
+@each_isa
+@settings(max_examples=20, deadline=None)
+@given(
+    n=st.integers(1, 70),
+    blocks=st.integers(1, 9),
+    bf16=st.booleans(),
+    form=st.sampled_from(["rows", "blocks", "int4"]),
+    seed=st.integers(0, 2**16),
+)
+def test_dequantize_writes_the_dense_weight(
+    isa: str, n: int, blocks: int, bf16: bool, form: str, seed: int
+) -> None:
+    """The integer layers' prompt path: the weight written dense in one pass, each value the
+    float32 product (and offset) rounded once to the output's dtype."""
+    set_isa(isa)
+    g = torch.Generator().manual_seed(seed)
+    k = 32 * blocks
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    out = torch.empty(n, k, dtype=dtype)
+    if form == "int4":
+        w = quantize_int4(torch.randn(n, k, generator=g))
+        q = w.q.view(n, blocks, 2, 16)
+        codes = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
+        scale = w.scale.half().contiguous()
+        offset = (w.zero - 8 * w.scale).half().contiguous()
+        torch.ops.stallfree.dequantize_q4(codes, scale, offset, out)
+        want = w.q.float() * scale.float().repeat_interleave(32, 1)
+        want = want + offset.float().repeat_interleave(32, 1)
+    else:
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        if form == "rows":
+            scale = torch.rand(n, generator=g) / 50
+            torch.ops.stallfree.dequantize_q8(q, scale, None, out)
+            want = q.float() * scale[:, None]
+        else:
+            bscale = (torch.rand(n, blocks, generator=g) / 50).half()
+            torch.ops.stallfree.dequantize_q8(q, None, bscale, out)
+            want = q.float() * bscale.float().repeat_interleave(32, 1)
+    if bf16:
+        # one rounding of the float32 value (an FMA's, for int4, may differ by one ulp)
+        assert (out.float() - want.to(dtype).float()).abs().le(want.abs() * 2**-7).all()
+    else:
+        assert torch.allclose(out, want, rtol=1e-6, atol=1e-7)

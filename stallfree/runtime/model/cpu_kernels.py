@@ -202,6 +202,21 @@ def _register_fakes() -> None:
     ) -> torch.Tensor:
         return _rows_out(x, qweight.shape[0])
 
+    @register_fake(lib + "dequantize_q8")
+    def _dequantize_q8(
+        qweight: torch.Tensor,
+        scale: torch.Tensor | None,
+        bscale: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        return None
+
+    @register_fake(lib + "dequantize_q4")
+    def _dequantize_q4(
+        codes: torch.Tensor, gscale: torch.Tensor, goffset: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        return None
+
     @register_fake(lib + "linear_q4")
     def _linear_q4(
         x: torch.Tensor,

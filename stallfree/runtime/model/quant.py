@@ -240,6 +240,12 @@ def cpu_has_bf16() -> bool:
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
+def _native_dequantize(layer: _QuantLinearBase) -> bool:
+    """Whether `layer.dequantize` writes the dense weight with the native kernels (one pass;
+    torch's ops take two for int8 and six for int4): a layer on them, outside a compile."""
+    return layer.native and not torch.compiler.is_compiling()
+
+
 class _QuantLinearBase(nn.Module, abc.ABC):
     out_features: int
     in_features: int
@@ -359,6 +365,9 @@ class Int8Linear(_QuantLinearBase):
 
     def dequantize(self) -> torch.Tensor:
         out = _workspace(self.out_features, self.in_features, self.dtype)
+        if _native_dequantize(self):
+            torch.ops.stallfree.dequantize_q8(self.qweight, self.scale_f32, self.block_scale, out)
+            return out
         out.copy_(self.qweight)
         if self.block_scale_dt is not None:
             blocks = out.view(self.out_features, -1, GROUP_SIZE)
@@ -440,6 +449,10 @@ class Int4Linear(_QuantLinearBase):
 
     def dequantize(self) -> torch.Tensor:
         rows, groups, g = self.out_features, self.in_features // self.group_size, self.group_size
+        if _native_dequantize(self):
+            dense = _workspace(rows, self.in_features, self.dtype)
+            torch.ops.stallfree.dequantize_q4(self.codes, self.q4_scale, self.q4_offset, dense)
+            return dense
         out = _workspace(rows, self.in_features, self.dtype).view(rows, groups, 2, g // 2)
         nibbles = _workspace(rows, self.in_features // 2, torch.uint8).view(rows, groups, g // 2)
         torch.bitwise_and(self.codes, 15, out=nibbles)

@@ -238,11 +238,63 @@ void silu_mul(const void* gu, void* out, int64_t r0, int64_t r1, int64_t inter, 
   }
 }
 
+// 8 values to the output row (float32, or bfloat16 rounded to nearest even as f32_to_bf16
+// rounds a finite value)
+inline void store8(Out out, int64_t row, int64_t c, __m256 v) {
+  if (!out.bf16) {
+    _mm256_storeu_ps(static_cast<float*>(out.ptr) + row * out.ldo + c, v);
+    return;
+  }
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(
+      reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out.ptr) + row * out.ldo + c), packed);
+}
+
+void dequant_q8(const int8_t* w, const float* scale, const uint16_t* bscale, int64_t k,
+                int64_t n0, int64_t n1, Out out) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = w + n * k;
+    for (int64_t c = 0; c < k; c += 32) {
+      const float s = bscale ? _cvtsh_ss(bscale[n * (k / 32) + c / 32]) : scale[n];
+      const __m256 sv = _mm256_set1_ps(s);
+      for (int h = 0; h < 32; h += 8) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + c + h));
+        store8(out, n, c + h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), sv));
+      }
+    }
+  }
+}
+
+void dequant_q4(const uint8_t* codes, const uint16_t* gscale, const uint16_t* goffset, int64_t k,
+                int64_t n0, int64_t n1, Out out) {
+  const int64_t groups = k / 32;
+  const __m256i low = _mm256_set1_epi32(0x0f);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* cp = codes + (n * groups + g) * 16;
+      const __m256 sc = _mm256_set1_ps(_cvtsh_ss(gscale[n * groups + g]));
+      const __m256 of = _mm256_set1_ps(_cvtsh_ss(goffset[n * groups + g]));
+      for (int h = 0; h < 16; h += 8) {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cp + h)));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+        store8(out, n, g * 32 + h, _mm256_fmadd_ps(lo, sc, of));
+        store8(out, n, g * 32 + 16 + h, _mm256_fmadd_ps(hi, sc, of));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 const Kernels& kernels() {
-  static const Kernels k{"avx2", quantize,        gemv_q8,  gemv_q4,
-                         gemv_dense_bf16, gemv_dense_f32, rms_norm, silu_mul};
+  static const Kernels k{"avx2",          quantize,       gemv_q8,  gemv_q4,
+                         gemv_dense_bf16, gemv_dense_f32, rms_norm, silu_mul,
+                         dequant_q8,      dequant_q4};
   return k;
 }
 

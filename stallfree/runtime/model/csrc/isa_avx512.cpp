@@ -481,11 +481,55 @@ void silu_mul(const void* gu, void* out, int64_t r0, int64_t r1, int64_t inter, 
   }
 }
 
+// 16 values to the output row at `p` (float32 or bfloat16, round to nearest even)
+inline void store16(Out out, int64_t row, int64_t c, __m512 v) {
+  if (out.bf16) {
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out.ptr) + row * out.ldo + c), to_bf16(v));
+  } else {
+    _mm512_storeu_ps(static_cast<float*>(out.ptr) + row * out.ldo + c, v);
+  }
+}
+
+void dequant_q8(const int8_t* w, const float* scale, const uint16_t* bscale, int64_t k,
+                int64_t n0, int64_t n1, Out out) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = w + n * k;
+    for (int64_t c = 0; c < k; c += 32) {
+      const float s = bscale ? _cvtsh_ss(bscale[n * (k / 32) + c / 32]) : scale[n];
+      const __m512 sv = _mm512_set1_ps(s);
+      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + c));
+      const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + c + 16));
+      store16(out, n, c, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), sv));
+      store16(out, n, c + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), sv));
+    }
+  }
+}
+
+void dequant_q4(const uint8_t* codes, const uint16_t* gscale, const uint16_t* goffset, int64_t k,
+                int64_t n0, int64_t n1, Out out) {
+  const int64_t groups = k / 32;
+  const __m512i low = _mm512_set1_epi32(0x0f);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512i b = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (n * groups + g) * 16)));
+      const __m512 sc = _mm512_set1_ps(_cvtsh_ss(gscale[n * groups + g]));
+      const __m512 of = _mm512_set1_ps(_cvtsh_ss(goffset[n * groups + g]));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, low));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+      store16(out, n, g * 32, _mm512_fmadd_ps(lo, sc, of));
+      store16(out, n, g * 32 + 16, _mm512_fmadd_ps(hi, sc, of));
+    }
+  }
+}
+
 }  // namespace
 
 const Kernels& kernels() {
-  static const Kernels k{"avx512", quantize,        gemv_q8,  gemv_q4,
-                         gemv_dense_bf16, gemv_dense_f32, rms_norm, silu_mul};
+  static const Kernels k{"avx512",        quantize,       gemv_q8,  gemv_q4,
+                         gemv_dense_bf16, gemv_dense_f32, rms_norm, silu_mul,
+                         dequant_q8,      dequant_q4};
   return k;
 }
 

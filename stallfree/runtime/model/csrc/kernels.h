@@ -43,6 +43,14 @@ using GemvQ8Fn = void (*)(const Q8Act& a, const int8_t* w, const float* scale,
 using GemvQ4Fn = void (*)(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
                           const uint16_t* goffset, const float* bias, int64_t n0, int64_t n1,
                           Out out);
+// rows [n0, n1) of an int8 weight [n, k] written dense to `out` (row stride out.ldo):
+// w * scale[n], or with `bscale` (float16 [n, k / 32]) w * bscale[n, c / 32]; k % 32 == 0
+using DequantQ8Fn = void (*)(const int8_t* w, const float* scale, const uint16_t* bscale,
+                             int64_t k, int64_t n0, int64_t n1, Out out);
+// rows [n0, n1) of int4 groups (gemv_q4's layout) written dense: code * gscale + goffset
+using DequantQ4Fn = void (*)(const uint8_t* codes, const uint16_t* gscale,
+                             const uint16_t* goffset, int64_t k, int64_t n0, int64_t n1,
+                             Out out);
 // dense weights: w bf16 (x bf16) or float32 (x float32), [n, k] row-major
 using GemvDenseFn = void (*)(const void* x, int64_t m, int64_t k, const void* w,
                              const float* bias, int64_t n0, int64_t n1, Out out);
@@ -64,6 +72,8 @@ struct Kernels {
   GemvDenseFn gemv_f32;
   RmsNormFn rms_norm;
   SiluMulFn silu_mul;
+  DequantQ8Fn dequant_q8;
+  DequantQ4Fn dequant_q4;
 };
 
 namespace avx512 {

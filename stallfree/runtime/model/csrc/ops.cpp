@@ -161,6 +161,56 @@ at::Tensor linear_q8_blocks(const at::Tensor& x, const at::Tensor& qweight,
   return out;
 }
 
+// A quantized weight written dense into `out` [n, k] (float32 or bfloat16, contiguous): the
+// prompt path of the integer layers, one pass instead of torch's convert, scale and add.
+void dequantize_q8(const at::Tensor& qweight, const std::optional<at::Tensor>& scale,
+                   const std::optional<at::Tensor>& bscale, at::Tensor& out) {
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous(),
+              "dequantize_q8: qweight must be a contiguous int8 [out, in] tensor");
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  TORCH_CHECK(k % 32 == 0, "dequantize_q8: in_features must be a multiple of 32, got ", k);
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == n && out.size(1) == k &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "dequantize_q8: out must be a contiguous float32 or bfloat16 [out, in] tensor");
+  const float* s = nullptr;
+  const uint16_t* bs = nullptr;
+  if (bscale.has_value()) {
+    TORCH_CHECK(bscale->scalar_type() == at::kHalf && bscale->numel() == n * (k / 32) &&
+                    bscale->is_contiguous(),
+                "dequantize_q8: block scales must be float16 [out, in / 32]");
+    bs = static_cast<const uint16_t*>(bscale->data_ptr());
+  } else {
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->numel() == n &&
+                    scale->is_contiguous(),
+                "dequantize_q8: scale must be float32 [out] where no block scales are given");
+    s = scale->data_ptr<float>();
+  }
+  const int8_t* w = qweight.data_ptr<int8_t>();
+  const Out o = out_of(out, k);
+  const auto fn = K().dequant_q8;
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) { fn(w, s, bs, k, n0, n1, o); });
+}
+
+void dequantize_q4(const at::Tensor& codes, const at::Tensor& gscale, const at::Tensor& goffset,
+                   at::Tensor& out) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 16 &&
+                  codes.is_contiguous(),
+              "dequantize_q4: codes must be a contiguous uint8 [out, in / 32, 16] tensor");
+  const int64_t n = codes.size(0), groups = codes.size(1), k = groups * 32;
+  for (const at::Tensor* t : {&gscale, &goffset})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->numel() == n * groups && t->is_contiguous(),
+                "dequantize_q4: group scales and offsets must be float16 [out, in / 32]");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == n && out.size(1) == k &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "dequantize_q4: out must be a contiguous float32 or bfloat16 [out, in] tensor");
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const auto* gs = static_cast<const uint16_t*>(gscale.data_ptr());
+  const auto* go = static_cast<const uint16_t*>(goffset.data_ptr());
+  const Out o = out_of(out, k);
+  const auto fn = K().dequant_q4;
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) { fn(c, gs, go, k, n0, n1, o); });
+}
+
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& gscale,
                      const at::Tensor& goffset, const std::optional<at::Tensor>& bias) {
   check_act(x, "linear_q4");
@@ -308,6 +358,8 @@ TORCH_LIBRARY(stallfree, m) {
   m.def("linear_q8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("linear_q8_blocks(Tensor x, Tensor qweight, Tensor bscale, Tensor? bias) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor codes, Tensor gscale, Tensor goffset, Tensor? bias) -> Tensor");
+  m.def("dequantize_q8(Tensor qweight, Tensor? scale, Tensor? bscale, Tensor(a!) out) -> ()");
+  m.def("dequantize_q4(Tensor codes, Tensor gscale, Tensor goffset, Tensor(a!) out) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
@@ -320,6 +372,8 @@ TORCH_LIBRARY_IMPL(stallfree, CPU, m) {
   m.impl("linear_q8", &sf::linear_q8);
   m.impl("linear_q8_blocks", &sf::linear_q8_blocks);
   m.impl("linear_q4", &sf::linear_q4);
+  m.impl("dequantize_q8", &sf::dequantize_q8);
+  m.impl("dequantize_q4", &sf::dequantize_q4);
   m.impl("rms_norm", &sf::rms_norm);
   m.impl("add_rms_norm", &sf::add_rms_norm);
   m.impl("silu_mul", &sf::silu_mul);
