@@ -42,6 +42,10 @@ from stallfree.runtime.request.sampling_params import SamplingParams
 
 logger = logging.getLogger("stallfree.server")
 DONE = "data: [DONE]\n\n"
+# the line breaks JSON leaves unescaped (it escapes every control character below U+0020):
+# clients that split a stream with `str.splitlines` (or JavaScript's line terminators) break
+# an event at them, so each is written as its JSON escape, which reads back as the same text
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 CLIENT_CLOSED_REQUEST = 499
 
 
@@ -325,11 +329,14 @@ class _SseResponse(StreamingResponse):
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
-    """One SSE event carrying `payload` as JSON."""
+    """One SSE event carrying `payload` as JSON, on one line by every reader's rules: U+0085,
+    U+2028 and U+2029 escaped (`_LINE_BREAKS`)."""
     if isinstance(payload, BaseModel):
         data = payload.model_dump_json()
     else:
         data = json.dumps(payload, ensure_ascii=False)
+    if not data.isascii():
+        data = data.translate(_LINE_BREAKS)
     return f"data: {data}\n\n"
 
 
