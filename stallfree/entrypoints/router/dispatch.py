@@ -356,7 +356,9 @@ class Relay(Response):
         self.router.metrics.leg_failures.labels(leg=failure.leg).inc()
         logger.warning("request %s: %s", self.request_id, failure.message)
         if self.started:
-            event = b"data: " + encode_json(failure.error()) + b"\n\n"
+            # ASCII: an upstream's text may hold U+2028 and the like, which clients that split
+            # the stream by lines would break the event at (the servers escape them too)
+            event = b"data: " + json.dumps(failure.error()).encode() + b"\n\n"
             await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         elif failure.status is not None:
