@@ -331,3 +331,33 @@ def test_dequantize_writes_the_dense_weight(
         assert (out.float() - want.to(dtype).float()).abs().le(want.abs() * 2**-7).all()
     else:
         assert torch.allclose(out, want, rtol=1e-6, atol=1e-7)
+
+
+def test_every_fake_matches_its_op() -> None:
+    """torch.compile traces the ops through their fakes (cpu_kernel_fakes.py): each fake gives
+    the real op's output shapes and dtypes, and mutates what the op mutates."""
+    from stallfree.runtime.model.cpu_kernel_fakes import FAKES
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    w = torch.randn(40, 64, generator=g).bfloat16()
+    q = torch.randint(-127, 128, (40, 64), generator=g, dtype=torch.int8)
+    codes = torch.randint(0, 256, (40, 2, 16), generator=g, dtype=torch.uint8)
+    half = torch.rand(40, 2, generator=g).half()
+    cases = {
+        "linear": (x, w, None),
+        "linear_group": (x, [w, w[:8].contiguous()]),
+        "linear_q8": (x, q, torch.rand(40, generator=g), None),
+        "linear_q8_blocks": (x, q, half, None),
+        "linear_q4": (x, codes, half, half, None),
+        "dequantize_q8": (q, None, half, torch.empty(40, 64, dtype=torch.bfloat16)),
+        "dequantize_q4": (codes, half, half, torch.empty(40, 64)),
+        "rms_norm": (x, torch.ones(64).bfloat16(), 1e-6),
+        "add_rms_norm": (x, x, torch.ones(64).bfloat16(), 1e-6),
+        "silu_mul": (x,),
+    }
+    assert set(cases) <= set(FAKES)
+    for name, args in cases.items():
+        torch.library.opcheck(
+            getattr(torch.ops.stallfree, name), args, test_utils=("test_schema", "test_faketensor")
+        )

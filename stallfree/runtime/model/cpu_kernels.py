@@ -26,11 +26,11 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
 
 import torch
+
+from stallfree.runtime.model.cpu_kernel_fakes import FAKES
 
 logger = logging.getLogger(__name__)
 
@@ -168,114 +168,10 @@ _fakes_registered = False
 
 
 def _register_fakes() -> None:
-    """Shapes for torch.compile: the ops are traced as calls, never into."""
+    """Shapes for torch.compile (cpu_kernel_fakes.py): the ops are traced as calls, never into."""
     global _fakes_registered
     if _fakes_registered:
         return
     _fakes_registered = True
-    lib = "stallfree::"
-    # torch.library.register_fake has no return annotation; as a decorator it registers the function.
-    register_fake = cast(
-        "Callable[[str], Callable[[Callable[..., Any]], object]]", torch.library.register_fake
-    )
-
-    def _rows_out(x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.new_empty((*x.shape[:-1], n))
-
-    @register_fake(lib + "linear")
-    def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _rows_out(x, weight.shape[0])
-
-    @register_fake(lib + "linear_group")
-    def _linear_group(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-        return _rows_out(x, sum(w.shape[0] for w in weights))
-
-    @register_fake(lib + "linear_q8")
-    def _linear_q8(
-        x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        return _rows_out(x, qweight.shape[0])
-
-    @register_fake(lib + "linear_q8_blocks")
-    def _linear_q8_blocks(
-        x: torch.Tensor, qweight: torch.Tensor, bscale: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        return _rows_out(x, qweight.shape[0])
-
-    @register_fake(lib + "dequantize_q8")
-    def _dequantize_q8(
-        qweight: torch.Tensor,
-        scale: torch.Tensor | None,
-        bscale: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> None:
-        return None
-
-    @register_fake(lib + "dequantize_q4")
-    def _dequantize_q4(
-        codes: torch.Tensor, gscale: torch.Tensor, goffset: torch.Tensor, out: torch.Tensor
-    ) -> None:
-        return None
-
-    @register_fake(lib + "linear_q4")
-    def _linear_q4(
-        x: torch.Tensor,
-        codes: torch.Tensor,
-        gscale: torch.Tensor,
-        goffset: torch.Tensor,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        return _rows_out(x, codes.shape[0])
-
-    @register_fake(lib + "rms_norm")
-    def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return torch.empty_like(x)
-
-    @register_fake(lib + "add_rms_norm")
-    def _add_rms_norm(
-        x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.empty_like(x), torch.empty_like(x)
-
-    @register_fake(lib + "silu_mul")
-    def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        return _rows_out(gate_up, gate_up.shape[-1] // 2)
-
-    @register_fake(lib + "decode_attention")
-    def _decode_attention(
-        q: torch.Tensor,
-        k_new: torch.Tensor,
-        v_new: torch.Tensor,
-        cos: torch.Tensor | None,
-        signed_sin: torch.Tensor | None,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        out_cache_loc: torch.Tensor,
-        req_to_token: torch.Tensor,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float | None = None,
-        softcap: float | None = None,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        return q.new_empty(q.shape)
-
-    @register_fake(lib + "decode_attention_qkv")
-    def _decode_attention_qkv(
-        qkv: torch.Tensor,
-        num_heads: int,
-        num_kv_heads: int,
-        cos: torch.Tensor | None,
-        signed_sin: torch.Tensor | None,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        out_cache_loc: torch.Tensor,
-        req_to_token: torch.Tensor,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float | None = None,
-        softcap: float | None = None,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
-        return qkv.new_empty((qkv.shape[0], num_heads * dim))
+    for name, fake in FAKES.items():
+        torch.library.register_fake("stallfree::" + name)(fake)

@@ -1,0 +1,129 @@
+"""Shapes of the native CPU ops (cpu_kernels.py) for torch.compile: the ops are traced as
+calls, never into, so each needs only its output's shape and dtype (a fake implementation).
+`FAKES` maps each op's name to its fake; `cpu_kernels` registers them once the library loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def _rows_out(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _rows_out(x, weight.shape[0])
+
+
+def _linear_group(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    return _rows_out(x, sum(w.shape[0] for w in weights))
+
+
+def _linear_q8(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return _rows_out(x, qweight.shape[0])
+
+
+def _linear_q8_blocks(
+    x: torch.Tensor, qweight: torch.Tensor, bscale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return _rows_out(x, qweight.shape[0])
+
+
+def _dequantize_q8(
+    qweight: torch.Tensor,
+    scale: torch.Tensor | None,
+    bscale: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    return None
+
+
+def _dequantize_q4(
+    codes: torch.Tensor, gscale: torch.Tensor, goffset: torch.Tensor, out: torch.Tensor
+) -> None:
+    return None
+
+
+def _linear_q4(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    gscale: torch.Tensor,
+    goffset: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return _rows_out(x, codes.shape[0])
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _rows_out(gate_up, gate_up.shape[-1] // 2)
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cos: torch.Tensor | None,
+    signed_sin: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+def _decode_attention_qkv(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor | None,
+    signed_sin: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    return qkv.new_empty((qkv.shape[0], num_heads * dim))
+
+
+FAKES: dict[str, Callable[..., Any]] = {
+    "linear": _linear,
+    "linear_group": _linear_group,
+    "linear_q8": _linear_q8,
+    "linear_q8_blocks": _linear_q8_blocks,
+    "dequantize_q8": _dequantize_q8,
+    "dequantize_q4": _dequantize_q4,
+    "linear_q4": _linear_q4,
+    "rms_norm": _rms_norm,
+    "add_rms_norm": _add_rms_norm,
+    "silu_mul": _silu_mul,
+    "decode_attention": _decode_attention,
+    "decode_attention_qkv": _decode_attention_qkv,
+}
