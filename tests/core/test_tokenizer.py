@@ -142,3 +142,29 @@ def test_find_stop() -> None:
     assert find_stop("abcabc", ["ab"], 4) == 3
     # earliest among several stops
     assert find_stop("one two three", ["three", "two"], 4) == 4
+
+
+def test_saved_padding_and_truncation_are_ignored(tmp_path: Path) -> None:
+    """A tokenizer.json saved with padding and truncation on (as BERT checkpoints often are)
+    encodes a prompt as it is: no pad ids appended, nothing cut."""
+    directory = _write_hf_tokenizer(tmp_path)
+    path = directory / "tokenizer.json"
+    data = json.loads(path.read_text())
+    data["padding"] = {
+        "strategy": {"Fixed": 16},
+        "direction": "Right",
+        "pad_to_multiple_of": None,
+        "pad_id": 0,
+        "pad_type_id": 0,
+        "pad_token": "\u0000",
+    }
+    data["truncation"] = {
+        "direction": "Right",
+        "max_length": 4,
+        "strategy": "LongestFirst",
+        "stride": 0,
+    }
+    path.write_text(json.dumps(data))
+    tok = HFTokenizer(directory)
+    assert tok.encode("abcdefgh") == list(b"abcdefgh")
+    assert tok.encode("ab") == list(b"ab")

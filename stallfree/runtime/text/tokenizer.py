@@ -159,6 +159,11 @@ class HFTokenizer(Tokenizer):
             self._tok = _RawTokenizer.from_file(str(path))
         except Exception as e:
             raise TokenizerLoadError(f"cannot load {path}: {e}") from e
+        # a tokenizer.json saved with padding or truncation on (BERT checkpoints often are)
+        # would pad every prompt to a fixed length or cut it silently; the engine sizes and
+        # refuses prompts itself
+        self._tok.no_padding()
+        self._tok.no_truncation()
         config = _read_json(directory / "tokenizer_config.json")
         self.bos_token = _token_content(config.get("bos_token")) or ""
         self.eos_token = _token_content(config.get("eos_token")) or ""
