@@ -96,6 +96,14 @@ class DisaggregationConfig(Section):
         description="A paired room's deadline: decode waits for the KV, prefill for the "
         "acknowledgement (then frees its copy)",
     )
+    stall_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Every request in a disaggregated role: the longest it may go without "
+        "progress (decode: to its first token, then between tokens; prefill: to its answer); "
+        "beyond it the request ends with a 504 naming this setting",
+    )
     heartbeat_interval_s: float = Field(
         5.0, gt=0, allow_inf_nan=False, description="decode: how often it probes each prefill"
     )

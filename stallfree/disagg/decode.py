@@ -25,7 +25,7 @@ import torch
 from stallfree.config import DisaggregationConfig
 from stallfree.disagg.bootstrap import BAD_UPSTREAM, ControlError, HttpControl, PrefillControl
 from stallfree.disagg.fingerprint import HandshakeError
-from stallfree.disagg.rooms import Room, RoomError, RoomState
+from stallfree.disagg.rooms import RequestStalledError, Room, RoomError, RoomState
 from stallfree.disagg.side import RoomSide
 from stallfree.disagg.transport import (
     KVChannel,
@@ -278,8 +278,32 @@ class DecodeSide(RoomSide):
     ) -> AsyncIterator[GenerationChunk]:
         """Decode one room's request: its chunks, the first being the prefill's token. Raises
         `UntrustedPrefillError`, `HandshakeError` or `RoomError` (with the stage) when it
-        cannot."""
+        cannot, `RequestStalledError` when no chunk came for `stall_timeout_s` (whatever held
+        it up: the room is failed and its pages freed as for any other end)."""
         self.trusted.check(host, port)
+        chunks = self._generate(prompt_ids, params, rid, room_id, host, port)
+        limit = self.config.stall_timeout_s
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(anext(chunks), limit)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise RequestStalledError("decode", limit) from None
+                yield chunk
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+
+    async def _generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None,
+        rid: str,
+        room_id: int,
+        host: str,
+        port: int,
+    ) -> AsyncIterator[GenerationChunk]:
         imp = self.engine.open_import(prompt_ids, params, rid)  # checks the request first
         try:
             room = self.rooms.open(

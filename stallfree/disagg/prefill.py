@@ -25,7 +25,7 @@ import torch
 from stallfree.config import DisaggregationConfig, FaultConfig
 from stallfree.disagg.fingerprint import Fingerprint, HandshakeError
 from stallfree.disagg.pair_store import MemoryStore
-from stallfree.disagg.rooms import Room, RoomError, RoomState
+from stallfree.disagg.rooms import RequestStalledError, Room, RoomError, RoomState
 from stallfree.disagg.side import RoomSide
 from stallfree.disagg.transport import (
     KVChannel,
@@ -248,7 +248,17 @@ class PrefillSide(RoomSide):
         self, prompt_ids: Sequence[int], params: SamplingParams | None, rid: str, room_id: int
     ) -> GenerationChunk:
         """Run one room's request: prefill, hand the KV over, and return the first token's
-        chunk once the decode side has it. Raises `RoomError` when the transfer fails."""
+        chunk once the decode side has it. Raises `RoomError` when the transfer fails,
+        `RequestStalledError` when the answer took `stall_timeout_s`."""
+        limit = self.config.stall_timeout_s
+        try:
+            return await asyncio.wait_for(self._prefill(prompt_ids, params, rid, room_id), limit)
+        except TimeoutError:
+            raise RequestStalledError("prefill", limit) from None
+
+    async def _prefill(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None, rid: str, room_id: int
+    ) -> GenerationChunk:
         export = self.engine.open_export(prompt_ids, params, rid)
         room = self._room(room_id)
         if "export" in room.data or room.final:

@@ -49,6 +49,16 @@ class RoomError(RuntimeError):
         self.stage = stage
 
 
+class RequestStalledError(RuntimeError):
+    """A disaggregated request made no progress for `disaggregation.stall_timeout_s`."""
+
+    def __init__(self, role: str, seconds: float) -> None:
+        super().__init__(
+            f"the {role} request made no progress for {seconds:g} s "
+            "(disaggregation.stall_timeout_s)"
+        )
+
+
 def check_room(room: object) -> int:
     if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
         raise ValueError(f"bootstrap_room must be an integer in [0, 2**63), not {room!r}")

@@ -30,7 +30,7 @@ from stallfree.disagg.decode import DecodeSide
 from stallfree.disagg.fingerprint import HandshakeError
 from stallfree.disagg.guard import warn_if_open
 from stallfree.disagg.prefill import PrefillSide
-from stallfree.disagg.rooms import MAX_ROOM, RoomError
+from stallfree.disagg.rooms import MAX_ROOM, RequestStalledError, RoomError
 from stallfree.disagg.trust import UntrustedPrefillError
 from stallfree.entrypoints.server.base.errors import ApiError
 from stallfree.runtime.engine import Engine
@@ -44,6 +44,7 @@ logger = logging.getLogger("stallfree.server")
 Source = Callable[[list[int], SamplingParams, str, int], AsyncIterator[GenerationChunk]]
 
 TRANSFER_FAILED = 503
+STALLED = 504  # no progress for disaggregation.stall_timeout_s
 
 
 class Disaggregated:
@@ -156,6 +157,8 @@ async def _prefill(
         chunk = await side.prefill(ids, params, rid, room)
     except RoomError as exc:
         chunk = failure_chunk(rid, f"KV transfer failed ({exc.stage}): {exc}")
+    except RequestStalledError as exc:
+        chunk = failure_chunk(rid, str(exc), STALLED)
     yield chunk
 
 
@@ -174,6 +177,8 @@ async def _decode(
             yield chunk
     except RoomError as exc:
         yield failure_chunk(rid, f"KV transfer failed ({exc.stage}): {exc}")
+    except RequestStalledError as exc:
+        yield failure_chunk(rid, str(exc), STALLED)
     except HandshakeError as exc:
         yield failure_chunk(rid, f"cannot decode for prefill {host}:{port}: {exc}")
     except ControlError as exc:
