@@ -71,7 +71,7 @@ def linear_bytes(module: torch.nn.Module) -> int:
     if isinstance(module, torch.nn.Linear):
         return module.weight.numel() * module.weight.element_size()
     if getattr(module, "native", False):  # what the native kernel reads
-        names = ("qweight", "scale_f32", "codes", "q4_scale", "q4_offset")
+        names = ("qweight", "scale_f32", "block_scale", "codes", "q4_scale", "q4_offset")
         return sum(b.numel() * b.element_size() for n, b in module.named_buffers() if n in names)
     return weight_bytes(module) - sum(
         b.numel() * b.element_size() for n, b in module.named_buffers() if n == "codes"
