@@ -231,6 +231,14 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def _room_id(text: str) -> int | None:
+    return int(text) if text.isdigit() and int(text) <= MAX_ROOM else None
+
+
+def _fields(exc: ValidationError) -> str:
+    return ", ".join(".".join(map(str, e["loc"])) or "a JSON object" for e in exc.errors()[:3])
+
+
 def _object(answer: Any, label: str, what: str) -> dict[str, Any]:
     if not isinstance(answer, dict):
         raise ControlError(f"{label} answered {what} with something not an object", BAD_UPSTREAM)
@@ -249,9 +257,8 @@ class PrefillInfo(BaseModel):
         try:
             return cls.model_validate(answer)
         except ValidationError as exc:
-            fields = ", ".join(".".join(map(str, e["loc"])) for e in exc.errors()[:3])
             raise ControlError(
-                f"{label} answered /bootstrap/info without a valid {fields}", BAD_UPSTREAM
+                f"{label} answered /bootstrap/info without a valid {_fields(exc)}", BAD_UPSTREAM
             ) from None
 
 
@@ -309,8 +316,16 @@ def bootstrap_app(prefill: PrefillSide) -> Any:
         except HandshakeError as exc:
             return refuse(409, str(exc))
 
-    @app.post("/bootstrap/rooms/{room}", response_model=None)
-    async def register(body: RegisterBody, room: int = Room) -> Any:
+    async def register(request: Any) -> Any:
+        # NOTE: a plain route, so the body (up to the limit: a million pages is ~8 MiB) is
+        # parsed on a thread, not on the prefill's loop
+        room = _room_id(request.path_params["room"])
+        if room is None:
+            return refuse(422, f"a room id is an integer in [0, {MAX_ROOM}]")
+        try:
+            body = await asyncio.to_thread(RegisterBody.model_validate_json, await request.body())
+        except ValidationError as exc:
+            return refuse(422, f"a registration needs {_fields(exc)}")
         try:
             prefill.register(room, Registration(body.pair_id, body.pages, body.num_tokens))
         except RoomLimitError as exc:
@@ -319,7 +334,9 @@ def bootstrap_app(prefill: PrefillSide) -> Any:
             return refuse(404, str(exc.args[0]))
         except ValueError as exc:
             return refuse(409, str(exc))
-        return {"room": room}
+        return JSONResponse({"room": room})
+
+    app.router.add_route("/bootstrap/rooms/{room}", register, methods=["POST"])
 
     @app.post("/bootstrap/rooms/{room}/ack")
     async def ack(body: AckBody, room: int = Room) -> dict[str, Any]:

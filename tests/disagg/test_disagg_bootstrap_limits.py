@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -226,3 +227,36 @@ async def test_garbage_from_a_prefill_is_a_502_naming_it(llama: str, body: bytes
         assert r.status_code == 502 and upstream in r.text, r.text
         assert (await client.get("/health")).status_code == 200
         await settle(engine)
+
+
+async def test_a_registration_is_parsed_off_the_loop_and_checked(
+    llama: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stallfree.disagg.bootstrap import RegisterBody
+    from stallfree.disagg.rooms import MAX_ROOM
+
+    threads: list[str] = []
+    parse = RegisterBody.model_validate_json
+
+    def recording(data: Any) -> RegisterBody:
+        threads.append(threading.current_thread().name)
+        return parse(data)
+
+    monkeypatch.setattr(RegisterBody, "model_validate_json", recording)
+    async with bootstrap(llama) as (side, client):
+        pair_id = await _pair(side, client)
+        served = await client.post(f"/bootstrap/rooms/{MAX_ROOM}", json=_register(pair_id))
+        assert served.status_code == 200 and served.json() == {"room": MAX_ROOM}, served.text
+        assert threads and threading.main_thread().name not in threads
+        for path, body in (
+            (f"/bootstrap/rooms/{MAX_ROOM + 1}", _register(pair_id)),
+            ("/bootstrap/rooms/-1", _register(pair_id)),
+            ("/bootstrap/rooms/x", _register(pair_id)),
+            ("/bootstrap/rooms/6", {"pair_id": pair_id}),
+            ("/bootstrap/rooms/6", [1, 2]),
+        ):
+            r = await client.post(path, json=body)
+            assert r.status_code == 422, (path, r.status_code, r.text)
+        r = await client.post("/bootstrap/rooms/6", content=b"{not json", headers=JSON)
+        assert r.status_code == 422, r.text
+        assert [room.room for room in side.rooms] == [MAX_ROOM]
