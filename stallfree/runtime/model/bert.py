@@ -1,0 +1,225 @@
+"""An encoder-only BERT (`BertModel`): every token attends to every other token of its input.
+
+The embedder's forward for the pooling runner. A batch is padded to its longest input; the
+padding is masked out of attention as keys, and the pooler masks it out of the result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stallfree.runtime.model.arch import ModelLoadError
+
+ENCODER_ARCHITECTURES = frozenset({"BertModel"})
+
+# the prefix a task head's checkpoint (`BertForSequenceClassification`, ...) puts on the encoder
+_PREFIX = "bert."
+# tensors an embedder does not use: the buffer of position ids, the [CLS] pooler head
+_UNUSED = ("embeddings.position_ids", "pooler.")
+
+
+@dataclass(frozen=True, slots=True)
+class BertConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> BertConfig:
+        try:
+            config = cls(
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=int(cfg["hidden_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=int(cfg["num_attention_heads"]),
+                intermediate_size=int(cfg["intermediate_size"]),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 512)),
+                type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+                layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+                hidden_act=str(cfg.get("hidden_act", "gelu")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"config.json is not a BERT config: {exc!r}") from exc
+        if config.hidden_size % config.num_heads:
+            raise ModelLoadError(
+                f"hidden_size {config.hidden_size} is not a multiple of "
+                f"num_attention_heads {config.num_heads}"
+            )
+        if config.hidden_act not in _ACTIVATIONS:
+            raise ModelLoadError(f"hidden_act {config.hidden_act!r} is not supported")
+        position_type = cfg.get("position_embedding_type", "absolute")
+        if position_type != "absolute":
+            raise ModelLoadError(f"position_embedding_type {position_type!r} is not supported")
+        return config
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "relu": F.relu,
+}
+
+
+class _Embeddings(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = (
+            self.word_embeddings(input_ids)
+            + self.token_type_embeddings(token_type_ids)
+            + self.position_embeddings(positions)[None]
+        )
+        out: torch.Tensor = self.LayerNorm(x)
+        return out
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.query = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        batch, length, hidden = x.shape
+        head_dim = hidden // self.num_heads
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, length, self.num_heads, head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+        # bidirectional: no causal mask; only the padding is hidden, as keys
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=key_mask, scale=1.0 / math.sqrt(head_dim)
+        )
+        return out.transpose(1, 2).reshape(batch, length, hidden)
+
+
+class _Projection(nn.Module):
+    """A dense layer, then the residual added and LayerNorm (BERT's post-norm)."""
+
+    def __init__(self, cfg: BertConfig, width: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(width, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.LayerNorm(self.dense(x) + residual)
+        return out
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.self = _SelfAttention(cfg)
+        self.output = _Projection(cfg, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.output(self.self(x, key_mask), x)
+        return out
+
+
+class _Intermediate(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.attention = _Attention(cfg)
+        self.intermediate = _Intermediate(cfg)
+        self.output = _Projection(cfg, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        x = self.attention(x, key_mask)
+        out: torch.Tensor = self.output(self.intermediate(x), x)
+        return out
+
+
+class _Encoder(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_layers))
+
+
+class BertEncoder(nn.Module):
+    """`forward(input_ids [B, T], mask [B, T] bool) -> hidden states [B, T, hidden]`."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = _Embeddings(cfg)
+        self.encoder = _Encoder(cfg)
+
+    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        token_type_ids = torch.zeros_like(input_ids)
+        x = self.embeddings(input_ids, token_type_ids)
+        key_mask = mask[:, None, None, :]  # [B, 1 (heads), 1 (queries), T (keys)]
+        for layer in self.encoder.layer:
+            x = layer(x, key_mask)
+        out: torch.Tensor = x
+        return out
+
+
+def load_bert(
+    path: Path, cfg: dict[str, Any], dtype: torch.dtype, device: torch.device
+) -> BertEncoder:
+    """The encoder from `path`'s safetensors; every tensor it needs present, shapes checked."""
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        model = BertEncoder(BertConfig.from_dict(cfg))
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model directory {str(path)!r} has no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                name = key.removeprefix(_PREFIX)
+                if name.startswith(_UNUSED) or name not in expected:
+                    continue
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != expected[name]:
+                    raise ModelLoadError(
+                        f"tensor {key!r} has shape {list(shape)}, expected {list(expected[name])}"
+                    )
+                state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ModelLoadError(f"missing tensors in checkpoint: {', '.join(missing[:8])}")
+    model.load_state_dict(state, assign=True)
+    return model.eval()

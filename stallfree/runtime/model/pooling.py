@@ -1,0 +1,147 @@
+"""How an embedder turns hidden states into one vector per input: pooling, normalisation and
+Matryoshka truncation, as the checkpoint's sentence-transformers files say.
+
+The files read: `modules.json` (is there a `Normalize` module), the pooling module's
+`config.json` (`1_Pooling/config.json`: which pooling), `sentence_bert_config.json`
+(`max_seq_length`), and the model's `config.json` (`is_matryoshka` or `matryoshka_dimensions`:
+may the vector be cut short). A checkpoint without them gets `default_mode` and no normalisation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from stallfree.runtime.model.arch import ModelLoadError
+
+PoolingMode = Literal["mean", "cls", "last", "max", "mean_sqrt_len"]
+POOLING_MODES: tuple[PoolingMode, ...] = ("mean", "cls", "last", "max", "mean_sqrt_len")
+
+# sentence-transformers' pooling flags, in the order it reads them
+_ST_FLAGS: dict[str, PoolingMode] = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+    "pooling_mode_lasttoken": "last",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingConfig:
+    mode: PoolingMode
+    normalize: bool
+    dimension: int  # the pooled vector's length
+    matryoshka: bool  # whether `dimensions` may cut it short
+    max_seq_length: int | None  # sentence-transformers' limit on an input, if it set one
+
+    def override(self, values: dict[str, Any]) -> PoolingConfig:
+        """vLLM's `--override-pooler-config` style: `pooling_type` (MEAN, CLS, LAST, ...) and
+        `normalize`; anything else is refused."""
+        unknown = set(values) - {"pooling_type", "normalize"}
+        if unknown:
+            raise ValueError(f"unknown pooler option(s): {', '.join(sorted(unknown))}")
+        out = self
+        if "pooling_type" in values:
+            mode = str(values["pooling_type"]).lower()
+            if mode not in POOLING_MODES:
+                raise ValueError(
+                    f"pooling_type {values['pooling_type']!r} is not one of "
+                    f"{', '.join(m.upper() for m in POOLING_MODES)}"
+                )
+            out = replace(out, mode=mode)
+        if "normalize" in values:
+            if not isinstance(values["normalize"], bool):
+                raise ValueError("normalize must be true or false")
+            out = replace(out, normalize=values["normalize"])
+        return out
+
+
+def read_pooling_config(
+    path: Path, model_config: dict[str, Any], hidden_size: int, default_mode: PoolingMode
+) -> PoolingConfig:
+    modules = _read(path / "modules.json", [])
+    mode: PoolingMode = default_mode
+    normalize = False
+    dimension = hidden_size
+    for module in modules if isinstance(modules, list) else []:
+        kind = str(module.get("type", "")) if isinstance(module, dict) else ""
+        if kind.endswith(".Normalize"):
+            normalize = True
+        elif kind.endswith(".Pooling"):
+            pooling = _read(path / str(module.get("path", "")) / "config.json", {})
+            mode = _st_mode(pooling, default_mode)
+            dimension = int(pooling.get("word_embedding_dimension", hidden_size))
+        elif kind.endswith(".Dense"):
+            raise ModelLoadError("sentence-transformers Dense modules are not supported")
+    if dimension != hidden_size:
+        raise ModelLoadError(
+            f"the pooling module's dimension {dimension} is not the hidden size {hidden_size}"
+        )
+    st_config = _read(path / "sentence_bert_config.json", {})
+    max_seq = st_config.get("max_seq_length") if isinstance(st_config, dict) else None
+    matryoshka = bool(
+        model_config.get("is_matryoshka") or model_config.get("matryoshka_dimensions")
+    )
+    return PoolingConfig(
+        mode=mode,
+        normalize=normalize,
+        dimension=dimension,
+        matryoshka=matryoshka,
+        max_seq_length=int(max_seq) if isinstance(max_seq, int) and max_seq > 0 else None,
+    )
+
+
+def _st_mode(pooling: Any, default: PoolingMode) -> PoolingMode:
+    if not isinstance(pooling, dict):
+        return default
+    chosen = [mode for flag, mode in _ST_FLAGS.items() if pooling.get(flag)]
+    if len(chosen) > 1:
+        raise ModelLoadError(f"several pooling modes at once are not supported: {chosen}")
+    if pooling.get("pooling_mode_weightedmean_tokens"):
+        raise ModelLoadError("weighted-mean pooling is not supported")
+    return chosen[0] if chosen else default
+
+
+def _read(path: Path, default: Any) -> Any:
+    if not path.is_file():
+        return default
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: PoolingMode) -> torch.Tensor:
+    """hidden [B, T, H] and mask [B, T] (True on real tokens, padded on the right) -> [B, H]."""
+    weights = mask.to(hidden.dtype)[..., None]
+    lengths = weights.sum(dim=1).clamp(min=1.0)
+    if mode == "cls":
+        return hidden[:, 0]
+    if mode == "last":
+        last = mask.sum(dim=1) - 1
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    if mode == "max":
+        return hidden.masked_fill(~mask[..., None], float("-inf")).amax(dim=1)
+    summed = (hidden * weights).sum(dim=1)
+    if mode == "mean_sqrt_len":
+        return summed / lengths.sqrt()
+    return summed / lengths
+
+
+def finish(pooled: torch.Tensor, cfg: PoolingConfig, dimensions: int | None) -> torch.Tensor:
+    """Normalise as the checkpoint says; with `dimensions`, keep the first ones and normalise
+    again (a Matryoshka vector cut short is still a unit vector when the model's is)."""
+    out = pooled.float()
+    if cfg.normalize:
+        out = F.normalize(out, p=2.0, dim=-1)
+    if dimensions is not None and dimensions < out.shape[-1]:
+        out = out[:, :dimensions]
+        if cfg.normalize:
+            out = F.normalize(out, p=2.0, dim=-1)
+    return out

