@@ -42,7 +42,9 @@ class DisaggregationConfig(Section):
         "(GPU; auto picks by device), or loopback (two engines in one process)",
     )
     bootstrap_host: str = Field(
-        "127.0.0.1", description="prefill: address the bootstrap endpoint and KV store bind"
+        "127.0.0.1",
+        description="prefill: the address the bootstrap endpoint binds (the pairs' groups meet "
+        "through it)",
     )
     bootstrap_port: int = Field(
         8998, ge=0, le=65535, description="prefill: bootstrap endpoint port; 0 picks a free one"
