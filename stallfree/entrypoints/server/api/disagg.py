@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -90,9 +90,8 @@ class Disaggregated:
 
     def source(self, body: Any) -> Source:
         """The engine requests of one API request, from its bootstrap fields (400 without)."""
-        room = getattr(body, "bootstrap_room", None)
-        host = getattr(body, "bootstrap_host", None)
-        port = getattr(body, "bootstrap_port", None)
+        fields = _bootstrap_fields(body)
+        room, host, port = (fields[name] for name in _BOOTSTRAP)
         side = self.side
         role = "prefill" if isinstance(side, PrefillSide) else "decode"
         if room is None or (role == "decode" and (host is None or port is None)):
@@ -107,9 +106,11 @@ class Disaggregated:
                 f"its router, which sets {need}",
                 param="bootstrap_room",
             )
+        n = getattr(body, "n", None) or 1
         if isinstance(side, DecodeSide):
             assert host is not None and port is not None
-            _check_trusted(side, host, port)
+            for p in range(_prompt_count(body)):
+                _check_trusted(side, _of_prompt(host, p), _of_prompt(port, p))
 
         def each(
             ids: list[int], params: SamplingParams, rid: str, index: int
@@ -120,13 +121,47 @@ class Disaggregated:
                     "logprobs are not served by disaggregated servers yet",
                     param="logprobs",
                 )
-            sub = (room + index) % (MAX_ROOM + 1)
+            # a scalar room is choice 0's (choice i is room + i); a list holds each prompt's
+            p, choice = divmod(index, n) if isinstance(room, list) else (0, index)
+            sub = (_of_prompt(room, p) + choice) % (MAX_ROOM + 1)
             if isinstance(side, PrefillSide):
                 return _prefill(side, ids, params, rid, sub)
             assert host is not None and port is not None
-            return _decode(side, ids, params, rid, sub, host, port)
+            return _decode(side, ids, params, rid, sub, _of_prompt(host, p), _of_prompt(port, p))
 
         return each
+
+
+_BOOTSTRAP = ("bootstrap_room", "bootstrap_host", "bootstrap_port")
+_T = TypeVar("_T")
+
+
+def _prompt_count(body: Any) -> int:
+    """A completions request's prompts (a list of texts or of token lists); 1 otherwise."""
+    prompt = getattr(body, "prompt", None)
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return 1
+
+
+def _bootstrap_fields(body: Any) -> dict[str, Any]:
+    """The three fields; one in list form (sglang-router's, for a list of prompts) must hold
+    one entry per prompt, or the request is a 400 naming it."""
+    fields = {name: getattr(body, name, None) for name in _BOOTSTRAP}
+    count = _prompt_count(body)
+    for name, value in fields.items():
+        if isinstance(value, list) and len(value) != count:
+            raise ApiError(
+                400,
+                f"{name} has {len(value)} entries for {count} prompt(s): send one per prompt, "
+                "or one value for all",
+                param=name,
+            )
+    return fields
+
+
+def _of_prompt(value: _T | list[_T], p: int) -> _T:
+    return value[p] if isinstance(value, list) else value
 
 
 def _check_trusted(side: DecodeSide, host: str, port: int) -> None:

@@ -3,10 +3,12 @@
 - vLLM's `POST /tokenize` (`prompt`, or chat `messages` with the chat's `tools`, `documents`
   and `chat_template_kwargs`; `add_special_tokens`) and
   `POST /detokenize` (`tokens`);
-- `GET /version`, and `GET /server_info`: the configuration, without its secrets;
+- `GET /version`, and `GET /server_info`: the configuration, without its secrets, beside
+  SGLang's flat keys (`model_path`, `served_model_name`, `tp_size`, ...);
 - SGLang's `POST /abort_request` (`rid`, or `abort_all`) and vLLM's `POST /abort_requests`
   (`request_ids`): each names requests by the id the client knows, its `X-Request-Id` (the id
-  every answer echoes), or an engine request id (`/generate`'s `rid`, `cmpl-...-0`).
+  every answer echoes), or an engine request id (`/generate`'s `rid`, `cmpl-...-0`);
+- the Rust routers' worker probes (probes.py), included here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field, model_validator
 
 from stallfree import __version__
+from stallfree.entrypoints.server.api.probes import probe_routes, sglang_server_info
 from stallfree.entrypoints.server.base.errors import ApiError
 from stallfree.entrypoints.server.base.protocol import (
     MAX_DOCUMENTS,
@@ -93,6 +96,7 @@ class AbortRequests(_StrictRequest):
 
 def utility_routes() -> APIRouter:
     router = APIRouter()
+    router.include_router(probe_routes())
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
@@ -154,7 +158,9 @@ def utility_routes() -> APIRouter:
             for key in keys:
                 if config[section].get(key) is not None:
                     config[section][key] = REDACTED
-        return JSONResponse({"version": __version__, "config": config})
+        # SGLang's flat keys beside stallfree's own: sglang-router reads them (probes.py)
+        flat = sglang_server_info(server_state(request))
+        return JSONResponse({**flat, "version": __version__, "config": config})
 
     @router.post("/abort_request")
     async def abort_request(request: Request) -> JSONResponse:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -21,6 +21,14 @@ MAX_TOOLS = 128
 MAX_DOCUMENTS = 256
 # the most ignored field names one debug line lists
 _MAX_LOGGED_FIELDS = 20
+# the most entries a list-form bootstrap field may hold (one per prompt)
+MAX_BOOTSTRAP_ENTRIES = 4096
+
+_Host = Annotated[str, Field(min_length=1, max_length=253)]
+_Port = Annotated[int, Field(ge=1, le=65535)]
+_Room = Annotated[int, Field(ge=0, le=2**63 - 1)]
+_T = TypeVar("_T")
+_Each = Annotated[list[_T], Field(min_length=1, max_length=MAX_BOOTSTRAP_ENTRIES)]
 
 # ---------------------------------------------------------------- errors
 
@@ -181,10 +189,11 @@ class _SamplingFields(_Body):
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**31)
     # disaggregation (SGLang's names; the router sets them): the prefill's bootstrap endpoint
-    # and the room id of choice 0 (choice i is room + i)
-    bootstrap_host: str | None = Field(None, min_length=1, max_length=253)
-    bootstrap_port: int | None = Field(None, ge=1, le=65535)
-    bootstrap_room: int | None = Field(None, ge=0, le=2**63 - 1)
+    # and the room id of choice 0 (choice i is room + i); or, as sglang-router sends them for
+    # a list of prompts, one entry per prompt (prompt p's choice c is room[p] + c)
+    bootstrap_host: _Host | _Each[_Host] | None = None
+    bootstrap_port: _Port | _Each[_Port] | None = None
+    bootstrap_room: _Room | _Each[_Room] | None = None
     # structured outputs, in OpenAI's and vLLM's spellings (server/intake/structured.py maps them)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
