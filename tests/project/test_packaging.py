@@ -29,6 +29,7 @@ BASE = {
     "uvloop",
     "tomli",
     "ninja",  # builds the native CPU kernels on first use (runtime/model/cpu_kernels.py)
+    "huggingface_hub",  # a Hub id as the model (config/model_source.py); tokenizers needs it too
 }
 # what only the extras bring; an embedding user has none of them
 EXTRA_ONLY = [
