@@ -76,7 +76,8 @@ class ProcessChannel:
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._to, self._from = self._proc.stdin, self._proc.stdout
         try:
-            self._to.write(json.dumps({**settings, "fd": fd}).encode() + b"\n")
+            line = json.dumps({**settings, "fd": fd, "parent": os.getpid()})
+            self._to.write(line.encode() + b"\n")
             self._expect(READY)
         except (OSError, TransportError):
             self.close()
@@ -151,6 +152,18 @@ def _error(out: IO[bytes], message: str) -> int:
     return 1
 
 
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this child when the server dies, even by SIGKILL (its receive
+    may be blocked on the peer for the group's whole timeout and would never see stdin close)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the server died before the call
+        os._exit(0)
+
+
 def main() -> int:
     """The child: join the pair as rank 1, then receive what the server asks for."""
     import datetime
@@ -163,6 +176,7 @@ def main() -> int:
     inp, out = sys.stdin.buffer, os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
     settings = json.loads(inp.readline())
+    _die_with_parent(settings["parent"])
     shared = mmap.mmap(settings["fd"], SLOTS * CHUNK_BYTES)
     slots = torch.frombuffer(shared, dtype=torch.uint8)
     store = HttpStore(

@@ -10,6 +10,7 @@ import concurrent.futures
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,9 @@ def _hostile_prefill(port: int, bootstrap_port: int) -> subprocess.Popen[str]:
     )
 
 
+DECODE: list[subprocess.Popen[str]] = []  # the module's decode server process
+
+
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[str, str, int]]:
     p_port, b_port, d_port = free_port(), free_port(), free_port()
@@ -58,6 +62,7 @@ def servers() -> Iterator[tuple[str, str, int]]:
             )
         )
         wait_healthy(procs[-1], f"http://127.0.0.1:{d_port}")
+        DECODE[:] = [procs[-1]]
         yield f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}", b_port
     finally:
         for proc in procs:
@@ -108,3 +113,42 @@ def test_a_lying_prefill_fails_only_its_own_request(
     _, again = _both_legs(servers, honest + 4)
     assert again.status_code == 200, again.text
     assert again.json()["choices"][0]["text"] == ok.json()["choices"][0]["text"]
+
+
+def _receivers_of(pid: int) -> list[int]:
+    """The KV receiver processes whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and b"stallfree.disagg.kv_receiver" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+
+
+def test_receivers_die_with_the_decode_server(servers: tuple[str, str, int]) -> None:
+    _, ok = _both_legs(servers, 4 * 1000)
+    assert ok.status_code == 200, ok.text
+    (decode,) = DECODE
+    receivers = _receivers_of(decode.pid)
+    assert len(receivers) == 1  # one pair, one receiver: the lying pairs' receivers are gone
+    decode.kill()  # no shutdown: SIGKILL
+    decode.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in receivers):
+        assert time.monotonic() < deadline, "a KV receiver outlived its decode server"
+        time.sleep(0.05)
