@@ -260,3 +260,23 @@ async def test_a_registration_is_parsed_off_the_loop_and_checked(
         r = await client.post("/bootstrap/rooms/6", content=b"{not json", headers=JSON)
         assert r.status_code == 422, r.text
         assert [room.room for room in side.rooms] == [MAX_ROOM]
+
+
+async def test_a_decode_server_pairs_only_with_the_shared_secret(llama: str) -> None:
+    async with bootstrap(llama, secret=SECRET) as (side, client):
+        port = int(str(client.base_url).rsplit(":", 1)[1])
+        connect = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+        for wrong in (None, SECRET + "-not"):
+            secret = {} if wrong is None else {"secret": wrong}
+            async with decode_server(llama, [], **secret) as (engine, decode):
+                r = await decode.post("/disagg/connect", json=connect)
+                assert r.status_code == 502 and "answered HTTP 401" in r.text, r.text
+                r = await decode.post("/v1/completions", json=_body("127.0.0.1", port, 41))
+                assert r.status_code == 503 and "answered HTTP 401" in r.text, r.text
+                await settle(engine)
+        assert side.pairs == {}  # nobody without the secret got a pair
+        async with decode_server(llama, [], secret=SECRET) as (engine, decode):
+            r = await decode.post("/disagg/connect", json=connect)
+            assert r.status_code == 200 and r.json()["status"] == "paired", r.text
+            assert list(side.pairs) == [r.json()["pair_id"]]
+            await settle(engine)
