@@ -279,7 +279,11 @@ def _disagg_rank(rank: int, port_q: Any, result_q: Any, done: Any, backend: str)
     timed. Puts (rank, seconds, equal, first_s, error) on `result_q`. `backend` gloo (on the
     CPU) runs the same plumbing without a GPU."""
     try:
-        from stallfree.disagg.dist import DistChannel, KVStore
+        import datetime
+
+        import torch.distributed as dist
+
+        from stallfree.disagg.dist import DistChannel
 
         cuda = backend == "nccl"
         dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
@@ -293,9 +297,13 @@ def _disagg_rank(rank: int, port_q: Any, result_q: Any, done: Any, backend: str)
         want = [_kv_like(i) for i in range(KV_SENDS + 1)]
         equal = None
         if rank == 0:
-            store = KVStore("127.0.0.1")
-            port_q.put(store.port)
-            ch = DistChannel(store.store, "gpucheck", 0, backend, dev)
+            # NOTE: a plain loopback TCPStore here: the servers meet through the bootstrap endpoint
+            store = dist.TCPStore(
+                "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=60),
+            )  # fmt: skip
+            port_q.put(int(store.port))
+            ch = DistChannel(store, 0, backend, dev)
             tensors = [t.to(dev) for t in want]
             start = time.perf_counter()
             ch.send(tensors[0])
@@ -309,7 +317,10 @@ def _disagg_rank(rank: int, port_q: Any, result_q: Any, done: Any, backend: str)
             done.wait(DISAGG_TIMEOUT_S)  # until rank 1 has it all
         else:
             port = port_q.get(timeout=60)
-            ch = DistChannel.connect("127.0.0.1", port, "gpucheck", backend, dev)
+            client = dist.TCPStore(
+                "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60)
+            )
+            ch = DistChannel(client, 1, backend, dev)
             start = time.perf_counter()
             got = [ch.recv(KV_SHAPE, torch.bfloat16)]
             sync()
