@@ -68,6 +68,12 @@ class ModelConfig(_Section):
         description="The weights' format the model must have: safetensors (a directory) or "
         "gguf (a .gguf file); auto = whichever the model is",
     )
+    runner: Literal["auto", "generate", "pooling"] = Field(
+        "auto",
+        description="generate: a causal LM serving completions and chat; pooling: an embedder "
+        "serving /v1/embeddings; auto = pooling for an encoder architecture (BertModel), "
+        "else generate",
+    )
 
 
 class CacheConfig(_Section):

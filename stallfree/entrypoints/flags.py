@@ -295,6 +295,9 @@ _MODEL = [
          help="modelling code: native, or transformers (any causal LM it can build, with "
          "stallfree's paged attention; slower); auto: native for a supported architecture, "
          "else transformers"),
+    flag("--runner", choices=["auto", "generate", "pooling"], sets="model.runner",
+         help="generate (completions, chat) or pooling (/v1/embeddings); auto: pooling for an "
+         "encoder architecture (BertModel), else generate"),
     flag("--max-model-len", type=token_count, metavar="TOKENS", sets="model.max_context_len",
          unset="the model's own",
          help="cap on prompt + output tokens per request; 32k = 32000, 32K = 32768"),

@@ -57,6 +57,9 @@ MAX_RID_CHARS = 256
 
 
 class Engine:
+    # which runner serves the model: "generate" here, "pooling" for an embedder (runtime/pooler.py)
+    runner = "generate"
+
     def __init__(self, config: StallfreeConfig | None = None, **overrides: Any) -> None:
         """`Engine(config)`, or `Engine(model={"path": ...}, runtime={...})` to build one.
 

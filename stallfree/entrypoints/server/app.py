@@ -36,6 +36,7 @@ from stallfree.entrypoints.server.transport.guard import Guard
 from stallfree.metrics.engine_metrics import EngineMetrics
 from stallfree.metrics.operator import ServerMetrics
 from stallfree.runtime.engine import Engine
+from stallfree.runtime.pooler import open_engine
 from stallfree.runtime.request.errors import InvalidRequestError
 
 logger = logging.getLogger("stallfree.server")
@@ -51,7 +52,9 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
     large request's objects set off walks the whole model stack too: one 4 MB chat body held
     `/health` 190 ms, 50 ms frozen."""
     owns = not isinstance(engine_or_config, Engine)
-    engine = engine_or_config if isinstance(engine_or_config, Engine) else Engine(engine_or_config)
+    engine = (
+        engine_or_config if isinstance(engine_or_config, Engine) else open_engine(engine_or_config)
+    )
     cfg = engine.config
 
     @contextlib.asynccontextmanager

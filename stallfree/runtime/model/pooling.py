@@ -10,7 +10,7 @@ may the vector be cut short). A checkpoint without them gets `default_mode` and 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,27 +39,6 @@ class PoolingConfig:
     dimension: int  # the pooled vector's length
     matryoshka: bool  # whether `dimensions` may cut it short
     max_seq_length: int | None  # sentence-transformers' limit on an input, if it set one
-
-    def override(self, values: dict[str, Any]) -> PoolingConfig:
-        """vLLM's `--override-pooler-config` style: `pooling_type` (MEAN, CLS, LAST, ...) and
-        `normalize`; anything else is refused."""
-        unknown = set(values) - {"pooling_type", "normalize"}
-        if unknown:
-            raise ValueError(f"unknown pooler option(s): {', '.join(sorted(unknown))}")
-        out = self
-        if "pooling_type" in values:
-            mode = str(values["pooling_type"]).lower()
-            if mode not in POOLING_MODES:
-                raise ValueError(
-                    f"pooling_type {values['pooling_type']!r} is not one of "
-                    f"{', '.join(m.upper() for m in POOLING_MODES)}"
-                )
-            out = replace(out, mode=mode)
-        if "normalize" in values:
-            if not isinstance(values["normalize"], bool):
-                raise ValueError("normalize must be true or false")
-            out = replace(out, normalize=values["normalize"])
-        return out
 
 
 def read_pooling_config(

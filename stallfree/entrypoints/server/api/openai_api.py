@@ -32,7 +32,11 @@ from stallfree.entrypoints.server.intake.requests import (
     sampling_params,
     truncated,
 )
-from stallfree.entrypoints.server.intake.screening import check_model, reject_unsupported
+from stallfree.entrypoints.server.intake.screening import (
+    check_model,
+    check_runner,
+    reject_unsupported,
+)
 from stallfree.entrypoints.server.output.logprobs import (
     LegacyLists,
     SharedPromptLogprobs,
@@ -118,6 +122,7 @@ def open_request(body: CompletionRequest | ChatCompletionRequest, request: Reque
     """What both OpenAI routes check first: the model name and the unsupported fields."""
     state = server_state(request)
     check_model(state.model_name, body.model)
+    check_runner(state.engine, "generate", request.url.path)
     reject_unsupported(body)
     return state
 

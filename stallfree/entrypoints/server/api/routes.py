@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from stallfree.entrypoints.server.api.chat_api import chat
+from stallfree.entrypoints.server.api.embeddings import embeddings
 from stallfree.entrypoints.server.api.openai_api import completions
 from stallfree.entrypoints.server.base.errors import ApiError
 from stallfree.entrypoints.server.base.protocol import GenerateRequest
@@ -23,7 +24,7 @@ from stallfree.entrypoints.server.intake.requests import (
     native_sampling_params,
     read_body,
 )
-from stallfree.entrypoints.server.intake.screening import check_model
+from stallfree.entrypoints.server.intake.screening import check_model, check_runner
 from stallfree.entrypoints.server.output.logprobs import native_logprobs
 from stallfree.entrypoints.server.output.responses import ModelCard, ModelList
 from stallfree.entrypoints.server.output.streaming import (
@@ -83,6 +84,7 @@ def api_routes() -> APIRouter:
     router.add_api_route("/v1/completions", completions, methods=["POST"])
     router.add_api_route("/v1/chat/completions", chat, methods=["POST"])
     router.add_api_route("/generate", generate, methods=["POST"])
+    router.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
 
     @router.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:
@@ -118,6 +120,7 @@ async def generate(request: Request) -> Response:
     # read as the OpenAI routes read theirs (`read_body`): the same 400s, naming the field
     body = await read_body(request, GenerateRequest)
     state = server_state(request)
+    check_runner(state.engine, "generate", "/generate")
     engine = state.engine
     if state.disagg is not None:
         raise ApiError(

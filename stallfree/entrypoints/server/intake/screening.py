@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
@@ -36,6 +36,9 @@ from pydantic import BaseModel, ValidationError
 from stallfree.config.settings import ServerConfig
 from stallfree.entrypoints.server.base.errors import ApiError
 from stallfree.entrypoints.server.base.protocol import ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from stallfree.runtime.engine import Engine
 
 BodyModel = TypeVar("BodyModel", bound=BaseModel)
 
@@ -381,3 +384,16 @@ def close_screening() -> None:
         pool, _pool = _pool, None
     if pool is not None:
         pool.shutdown(wait=True)
+
+
+def check_runner(engine: Engine, wanted: str, route: str) -> None:
+    """A route of the other runner is a 400 naming the runner this server has."""
+    if engine.runner == wanted:
+        return
+    serves = "/v1/embeddings" if engine.runner == "pooling" else "completions and chat"
+    raise ApiError(
+        400,
+        f"{route} needs the {wanted} runner; this server runs the {engine.runner} runner "
+        f"(it serves {serves}); start it with --runner {wanted} and a model that fits",
+        code="wrong_runner",
+    )

@@ -1,0 +1,66 @@
+"""`/v1/embeddings`: OpenAI's embeddings route, served by the pooling runner."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from stallfree.entrypoints.server.base.embedding_protocol import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+)
+from stallfree.entrypoints.server.base.errors import (
+    ENGINE_ERRORS,
+    from_engine_error,
+    shutting_down,
+)
+from stallfree.entrypoints.server.base.state import request_id, server_state
+from stallfree.entrypoints.server.intake.requests import read_body
+from stallfree.entrypoints.server.intake.screening import check_model, check_runner
+from stallfree.runtime.pooler import Embeddings, PoolingEngine
+from stallfree.runtime.request.errors import EngineClosedError
+
+
+async def embeddings(request: Request) -> Response:
+    body = await read_body(request, EmbeddingRequest)
+    state = server_state(request)
+    check_model(state.model_name, body.model)
+    check_runner(state.engine, "pooling", "/v1/embeddings")
+    engine = state.engine
+    assert isinstance(engine, PoolingEngine)
+    rid = request_id(request)
+    try:
+        result = await engine.embed(body.inputs(), body.dimensions, body.truncate_prompt_tokens)
+    except EngineClosedError as exc:
+        raise shutting_down() from exc
+    except ENGINE_ERRORS as exc:
+        raise from_engine_error(exc, state.limits.retry_after_s, rid) from exc
+    answer = EmbeddingResponse(
+        id=f"embd-{rid}",
+        created=int(time.time()),
+        model=state.model_name,
+        data=_data(result, body.encoding_format),
+        usage=EmbeddingUsage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens),
+    )
+    return JSONResponse(answer.model_dump())
+
+
+def _data(result: Embeddings, encoding: str) -> list[EmbeddingData]:
+    vectors = result.vectors
+    if encoding == "base64":
+        # OpenAI's encoding: the float32 values' bytes, little-endian, in base64
+        return [
+            EmbeddingData(
+                index=i,
+                embedding=base64.b64encode(
+                    row.contiguous().numpy().astype("<f4").tobytes()
+                ).decode(),
+            )
+            for i, row in enumerate(vectors)
+        ]
+    return [EmbeddingData(index=i, embedding=row) for i, row in enumerate(vectors.tolist())]

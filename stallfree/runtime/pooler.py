@@ -1,0 +1,446 @@
+"""`PoolingEngine`: the pooling runner, an embedder behind the same front door as `Engine`.
+
+An encoder (`BertModel`) attends both ways over its whole input in one pass and keeps no KV
+cache, so it does not go through the paged-KV scheduler. Its requests share the engine's
+admission rules instead (the waiting-queue limit, a request deadline, the closed and unhealthy
+refusals) and run as their own step type: a loop on the engine's event loop takes the waiting
+inputs, up to `scheduler.max_prefill_tokens` padded tokens a batch, and runs each batch off the
+event loop (one batch at a time), so the server keeps answering while a batch runs.
+
+`open_engine(config)` picks the runner: `model.runner`, or from the checkpoint's architecture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stallfree.config import StallfreeConfig, load_config
+from stallfree.config.model_source import resolve_model_source
+from stallfree.overlap.stream import resolve_device
+from stallfree.runtime.engine import Engine
+from stallfree.runtime.model.arch import ModelLoadError
+from stallfree.runtime.model.bert import ENCODER_ARCHITECTURES, BertEncoder, load_bert
+from stallfree.runtime.model.pooling import PoolingConfig, finish, pool, read_pooling_config
+from stallfree.runtime.request.errors import (
+    EngineClosedError,
+    EngineOverloadedError,
+    EngineUnhealthyError,
+    InvalidRequestError,
+)
+from stallfree.runtime.request.req import Req
+from stallfree.runtime.scheduling.sizing import waiting_limit
+from stallfree.runtime.telemetry.stats import EngineSnapshot, PoolUsage
+from stallfree.runtime.text.tokenizer import HFTokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+RUNNERS = ("generate", "pooling")
+
+
+def architectures(path: str) -> list[str]:
+    """`architectures` of a model directory's config.json (empty for a GGUF file, a preset)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return []
+    try:
+        names = json.loads(config.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [str(n) for n in names] if isinstance(names, list) else []
+
+
+def runner_for(config: StallfreeConfig) -> str:
+    """`model.runner`, or `auto` resolved: pooling for an encoder architecture, else generate."""
+    archs = architectures(config.model.path)
+    encoder = any(a in ENCODER_ARCHITECTURES for a in archs)
+    runner = config.model.runner
+    if runner == "auto":
+        return "pooling" if encoder else "generate"
+    if runner == "generate" and encoder:
+        raise ModelLoadError(
+            f"{', '.join(archs)} is an encoder: it cannot generate; serve it with --runner pooling"
+        )
+    if runner == "pooling" and not encoder:
+        shown = ", ".join(archs) or "this model"
+        raise ModelLoadError(
+            f"the pooling runner serves encoder embedders "
+            f"({', '.join(sorted(ENCODER_ARCHITECTURES))}); {shown} is not one"
+        )
+    return runner
+
+
+def open_engine(config: StallfreeConfig) -> Engine:
+    """The engine for `config`'s runner: `PoolingEngine` or the generating `Engine`."""
+    config = resolve_model_source(config)
+    if runner_for(config) == "pooling":
+        return PoolingEngine(config)
+    return Engine(config)
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """One request's vectors ([inputs, dimensions], float32, on the host) and its token count."""
+
+    vectors: torch.Tensor
+    prompt_tokens: int
+
+
+@dataclass(slots=True)
+class PoolingStats:
+    requests: int = 0  # admitted
+    inputs: int = 0  # inputs pooled
+    prompt_tokens: int = 0
+    batches: int = 0
+    refused: int = 0  # refused at admission (invalid, overloaded, closed)
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    ids: list[list[int]]
+    dimensions: int | None
+    done: asyncio.Future[Embeddings]
+    taken: int = 0  # inputs already batched
+    parts: list[torch.Tensor] = field(default_factory=list)
+
+
+class PoolingEngine(Engine):
+    """The pooling runner. It is an `Engine` to the server (lifecycle, health, tokenizer,
+    limits), and refuses generation with a 400 that names its runner; `embed` is its request.
+
+    It builds no paged-KV core: `Engine.__init__` is not called, and what needs one (the
+    scheduler's snapshot, KV import and export) is not offered."""
+
+    runner = "pooling"
+
+    def __init__(self, config: StallfreeConfig | None = None, **overrides: Any) -> None:
+        if config is not None and overrides:
+            raise TypeError("pass either a config or section overrides, not both")
+        self.config = resolve_model_source(
+            config if config is not None else load_config(**overrides)
+        )
+        path = Path(self.config.model.path)
+        model_config = _read_model_config(path)
+        self.device = resolve_device(self.config.runtime.device)
+        dtype = self.config.model.dtype
+        self.dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
+        self.model: BertEncoder = load_bert(path, model_config, self.dtype, self.device)
+        self.pooling: PoolingConfig = read_pooling_config(
+            path, model_config, self.model.cfg.hidden_size, default_mode="cls"
+        )
+        tokenizer = HFTokenizer(self.config.model.tokenizer or path)
+        self.tokenizer = tokenizer
+        self.vocab_size = self.model.cfg.vocab_size
+        limits = [self.model.cfg.max_position_embeddings]
+        if self.pooling.max_seq_length is not None:
+            limits.append(self.pooling.max_seq_length)
+        if self.config.model.max_context_len is not None:
+            limits.append(self.config.model.max_context_len)
+        self.max_context_len = min(limits)
+        self.max_waiting_requests = waiting_limit(self.config)
+        self.metrics = None
+        self.stats = PoolingStats()
+        self._state = "new"
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread_id: int | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._waiting: list[_Pending] = []
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._busy = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._state == "running":
+            self._check_caller()
+            return
+        if self._state != "new":
+            raise RuntimeError("this engine was shut down; build a new one")
+        self._loop = asyncio.get_running_loop()
+        self._thread_id = threading.get_ident()
+        self._wake = asyncio.Event()
+        self._loop_task = asyncio.create_task(self._run(), name="stallfree-pooler")
+        self._state = "running"
+        logger.info(
+            "pooling engine started: %s, %d layers, hidden %d, %s pooling%s, max %d tokens",
+            self.config.model.path,
+            self.model.cfg.num_layers,
+            self.model.cfg.hidden_size,
+            self.pooling.mode,
+            ", normalised" if self.pooling.normalize else "",
+            self.max_context_len,
+        )
+
+    async def shutdown(self, drain: bool = True) -> None:
+        if self._state == "new":
+            self._state = "closed"
+            return
+        if self._state != "running":
+            return
+        self._check_caller()
+        self._state = "closing"
+        if not drain:
+            self._fail_waiting(EngineClosedError("engine shut down"))
+        self._stopping = True
+        self._wake.set()
+        assert self._loop_task is not None
+        await self._loop_task
+        self._state = "closed"
+
+    @property
+    def healthy(self) -> bool:
+        if self._state != "running" or self._loop is None or self._loop.is_closed():
+            return False
+        return self._loop_task is not None and not self._loop_task.done()
+
+    def add_observer(self, observer: object) -> None:
+        """The pooling runner emits no per-step events (tracing sees its HTTP spans only)."""
+
+    def _new_req(self, prompt: object, params: object, rid: object) -> Req:
+        raise InvalidRequestError(
+            "this server runs the pooling runner (an embedding model): it serves "
+            "/v1/embeddings, not generation"
+        )
+
+    def abort(self, rid: str) -> bool:
+        return False
+
+    def flush_cache(self) -> bool:
+        return True  # nothing cached
+
+    async def wait_idle(self) -> None:
+        while self._waiting or self._busy:
+            if self._loop_task is None or self._loop_task.done():
+                raise EngineUnhealthyError("the pooling loop is not running")
+            await asyncio.sleep(0.005)
+
+    def snapshot(self) -> EngineSnapshot:
+        raise NotImplementedError("the pooling runner has no scheduler snapshot")
+
+    def pool_usage(self) -> PoolUsage:
+        raise NotImplementedError("the pooling runner has no KV pools")
+
+    # ------------------------------------------------------------------ requests
+
+    def prepare(
+        self, inputs: Sequence[str | Sequence[int]], truncate_prompt_tokens: int | None = None
+    ) -> list[list[int]]:
+        """Token ids for each input, checked against the vocabulary and the length limit;
+        over the limit is a 400 unless `truncate_prompt_tokens` (-1: the model's limit)."""
+        if not inputs:
+            raise InvalidRequestError("input must not be empty", param="input")
+        limit = self._truncation(truncate_prompt_tokens)
+        return [self._ids(i, item, limit) for i, item in enumerate(inputs)]
+
+    def _truncation(self, value: int | None) -> int | None:
+        if value is None:
+            return None
+        if value == -1:
+            return self.max_context_len
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidRequestError(
+                "truncate_prompt_tokens must be -1 or a positive integer",
+                param="truncate_prompt_tokens",
+            )
+        if value > self.max_context_len:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens {value} is over the model's limit of "
+                f"{self.max_context_len} tokens",
+                param="truncate_prompt_tokens",
+            )
+        return value
+
+    def _ids(self, index: int, item: str | Sequence[int], limit: int | None) -> list[int]:
+        where = f"input[{index}]"
+        if isinstance(item, str):
+            if not item:
+                raise InvalidRequestError(f"{where} is an empty string", param="input")
+            ids = self.tokenizer.encode(item)
+        else:
+            ids = list(item)
+            if not ids:
+                raise InvalidRequestError(f"{where} is an empty list of tokens", param="input")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"{where} has token id {bad[0]} outside the vocabulary "
+                    f"(0..{self.vocab_size - 1})",
+                    param="input",
+                )
+        if len(ids) <= self.max_context_len:
+            return ids if limit is None else _truncate(ids, limit, self.tokenizer, item)
+        if limit is None:
+            raise InvalidRequestError(
+                f"{where} is {len(ids)} tokens, over the model's limit of "
+                f"{self.max_context_len}; set truncate_prompt_tokens to cut it",
+                param="input",
+            )
+        return _truncate(ids, limit, self.tokenizer, item)
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        if dimensions is None:
+            return
+        full = self.pooling.dimension
+        if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
+            raise InvalidRequestError("dimensions must be a positive integer", param="dimensions")
+        if dimensions > full:
+            raise InvalidRequestError(
+                f"dimensions {dimensions} is more than the model's {full}", param="dimensions"
+            )
+        if dimensions < full and not self.pooling.matryoshka:
+            raise InvalidRequestError(
+                f"this model's embeddings cannot be shortened (it is not a Matryoshka "
+                f"model); dimensions must be {full} or left out",
+                param="dimensions",
+            )
+
+    async def embed(
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        timeout: float | None = None,
+    ) -> Embeddings:
+        """Pool each input into one vector; batched with the other waiting requests."""
+        try:
+            self._admit()
+            self.check_dimensions(dimensions)
+            ids = self.prepare(inputs, truncate_prompt_tokens)
+            timeout = self._timeout(timeout)
+        except (InvalidRequestError, EngineOverloadedError, EngineClosedError):
+            self.stats.refused += 1
+            raise
+        assert self._loop is not None
+        pending = _Pending(ids, dimensions, self._loop.create_future())
+        self._waiting.append(pending)
+        self.stats.requests += 1
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending.done), timeout)
+        finally:
+            if not pending.done.done():  # cancelled or past its deadline: drop what is left
+                pending.done.cancel()
+                if pending in self._waiting:
+                    self._waiting.remove(pending)
+
+    def _admit(self) -> None:
+        self._check_caller()
+        if not self.accepting:
+            state = "shut down" if self._state in ("closing", "closed") else "not started"
+            raise EngineClosedError(f"engine is not running ({state})")
+        if not self.healthy:
+            raise EngineUnhealthyError("the pooling loop stopped; it takes no new requests")
+        if len(self._waiting) >= self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"waiting queue is full ({self.max_waiting_requests} requests)"
+            )
+
+    # ------------------------------------------------------------------ the step loop
+
+    async def _run(self) -> None:
+        while True:
+            if not self._waiting:
+                if self._stopping:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = self._take_batch()
+            self._busy = True
+            try:
+                vectors = await asyncio.to_thread(self._forward, [ids for _, ids in batch])
+            except Exception as exc:  # a failed batch fails its requests, not the server
+                logger.exception("pooling batch failed")
+                for pending, _ in batch:
+                    if not pending.done.done():
+                        pending.done.set_exception(
+                            EngineUnhealthyError(f"the pooling step failed: {exc!r}")
+                        )
+                continue
+            finally:
+                self._busy = False
+            self.stats.batches += 1
+            self._deliver(batch, vectors)
+
+    def _take_batch(self) -> list[tuple[_Pending, list[int]]]:
+        """Inputs in arrival order while the padded batch fits `max_prefill_tokens` (at least
+        one input); a request may span batches."""
+        budget = self.config.scheduler.max_prefill_tokens
+        batch: list[tuple[_Pending, list[int]]] = []
+        longest = 0
+        while self._waiting:
+            pending = self._waiting[0]
+            if pending.done.done():  # its caller gave up
+                self._waiting.pop(0)
+                continue
+            ids = pending.ids[pending.taken]
+            width = max(longest, len(ids))
+            if batch and width * (len(batch) + 1) > budget:
+                break
+            batch.append((pending, ids))
+            longest = width
+            pending.taken += 1
+            if pending.taken == len(pending.ids):
+                self._waiting.pop(0)
+        return batch
+
+    @torch.inference_mode()
+    def _forward(self, rows: list[list[int]]) -> torch.Tensor:
+        longest = max(len(r) for r in rows)
+        ids_cpu = torch.zeros(len(rows), longest, dtype=torch.long)
+        mask_cpu = torch.zeros(len(rows), longest, dtype=torch.bool)
+        for i, row in enumerate(rows):
+            ids_cpu[i, : len(row)] = torch.tensor(row)
+            mask_cpu[i, : len(row)] = True
+        mask = mask_cpu.to(self.device)
+        hidden = self.model(ids_cpu.to(self.device), mask)
+        return pool(hidden, mask, self.pooling.mode).float().cpu()
+
+    def _deliver(self, batch: list[tuple[_Pending, list[int]]], vectors: torch.Tensor) -> None:
+        for row, (pending, ids) in enumerate(batch):
+            pending.parts.append(vectors[row])
+            self.stats.inputs += 1
+            self.stats.prompt_tokens += len(ids)
+            if len(pending.parts) == len(pending.ids) and not pending.done.done():
+                pooled = torch.stack(pending.parts)
+                pending.done.set_result(
+                    Embeddings(
+                        vectors=finish(pooled, self.pooling, pending.dimensions),
+                        prompt_tokens=sum(len(i) for i in pending.ids),
+                    )
+                )
+
+    def _fail_waiting(self, exc: Exception) -> None:
+        for pending in self._waiting:
+            if not pending.done.done():
+                pending.done.set_exception(exc)
+        self._waiting.clear()
+
+
+def _truncate(ids: list[int], limit: int, tokenizer: Tokenizer, item: object) -> list[int]:
+    """The first `limit` tokens; a text keeps its closing special token (BERT's [SEP]), as
+    sentence-transformers' truncation does."""
+    if len(ids) <= limit:
+        return ids
+    if isinstance(item, str) and limit > 1 and ids[-1] in tokenizer.special_ids:
+        return ids[: limit - 1] + ids[-1:]
+    return ids[:limit]
+
+
+def _read_model_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path / 'config.json'} is not a JSON object")
+    return config

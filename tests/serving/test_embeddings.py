@@ -1,0 +1,211 @@
+"""`/v1/embeddings` on the pooling runner with all-MiniLM-L6-v2, through the official `openai`
+client, against sentence-transformers; refusals; the runner chosen from the architecture."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+import torch
+from openai import AsyncOpenAI
+
+from stallfree.entrypoints.server import create_app, start_server
+from stallfree.runtime.model.arch import ModelLoadError
+from stallfree.runtime.pooler import PoolingEngine, open_engine, runner_for
+from tests.engine_util import engine_config
+from tests.minilm import matryoshka_copy, require_minilm
+from tests.server_util import module_loop, serving
+
+TEXTS = [
+    "A man is eating food.",
+    "The quick brown fox jumps over the lazy dog, again and again, until it is tired.",
+    "a",
+    "Embeddings map text to vectors; similar texts land close together.",
+]
+
+
+@contextlib.asynccontextmanager
+async def pooling_server(path: Path, **sections: Any) -> AsyncIterator[tuple[PoolingEngine, Any]]:
+    sections.setdefault("server", {})["served_model_name"] = "minilm"
+    engine = open_engine(engine_config(str(path), **sections))
+    assert isinstance(engine, PoolingEngine)
+    server = await start_server(create_app(engine))
+    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    http = httpx.AsyncClient(base_url=server.url, timeout=30)
+    try:
+        yield engine, (client, http)
+    finally:
+        await client.close()
+        await http.aclose()
+        await server.stop()
+        await engine.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def minilm() -> AsyncIterator[tuple[PoolingEngine, Any]]:
+    # a small batch budget, so one request's inputs span several batches
+    async with pooling_server(require_minilm(), scheduler={"max_prefill_tokens": 512}) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def reference() -> torch.Tensor:
+    st = pytest.importorskip("sentence_transformers")
+    model = st.SentenceTransformer(str(require_minilm()), device="cpu")
+    return torch.from_numpy(model.encode(TEXTS))
+
+
+def _close(got: list[list[float]] | torch.Tensor, expected: torch.Tensor) -> None:
+    ours = torch.as_tensor(got, dtype=torch.float32)
+    cosine = torch.nn.functional.cosine_similarity(ours, expected, dim=-1)
+    assert cosine.min().item() >= 0.9999
+    assert (ours - expected).abs().max().item() < 1e-4
+
+
+@module_loop
+async def test_openai_client_equals_sentence_transformers(
+    minilm: Any, reference: torch.Tensor
+) -> None:
+    engine, (client, _) = minilm
+    answer = await client.embeddings.create(model="minilm", input=TEXTS, encoding_format="float")
+    assert [d.index for d in answer.data] == [0, 1, 2, 3]
+    _close([d.embedding for d in answer.data], reference)
+    ids = [engine.tokenizer.encode(t) for t in TEXTS]
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens == sum(len(i) for i in ids)
+    assert answer.model == "minilm"
+    # the client's default asks for base64 and decodes it
+    default = await client.embeddings.create(model="minilm", input=TEXTS[0])
+    _close([default.data[0].embedding], reference[:1])
+
+
+@module_loop
+async def test_token_ids_and_base64(minilm: Any, reference: torch.Tensor) -> None:
+    engine, (_, http) = minilm
+    ids = [engine.tokenizer.encode(t) for t in TEXTS[:2]]
+    r = await http.post("/v1/embeddings", json={"model": "minilm", "input": ids})
+    assert r.status_code == 200, r.text
+    _close([d["embedding"] for d in r.json()["data"]], reference[:2])
+    r = await http.post(
+        "/v1/embeddings", json={"model": "minilm", "input": ids[1], "encoding_format": "base64"}
+    )
+    raw = base64.b64decode(r.json()["data"][0]["embedding"])
+    _close(torch.frombuffer(bytearray(raw), dtype=torch.float32)[None], reference[1:2])
+
+
+@module_loop
+async def test_many_inputs_span_batches(minilm: Any, reference: torch.Tensor) -> None:
+    """More inputs than one batch holds (max_prefill_tokens): every vector in its place."""
+    engine, (_, http) = minilm
+    before = engine.stats.batches
+    texts = TEXTS * 40  # 160 inputs of up to 21 tokens: over 3,000 padded, the budget 512
+    r = await http.post("/v1/embeddings", json={"model": "minilm", "input": texts})
+    assert r.status_code == 200
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == list(range(160))
+    _close([d["embedding"] for d in data], reference.repeat(40, 1))
+    assert engine.stats.batches - before >= 2
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"input": []}, "input", "must not be empty"),
+        ({"input": ""}, "input", "empty string"),
+        ({"input": ["fine", ""]}, "input", "input[1] is an empty string"),
+        ({"input": [[]]}, "input", "empty list of tokens"),
+        ({"input": [5, 99999]}, "input", "outside the vocabulary"),
+        ({"input": "word " * 300}, "input", "over the model's limit of 256"),
+        ({"input": 7}, None, "input"),
+        ({"input": ["a", 3]}, None, "input"),
+        ({"input": "x", "encoding_format": "int8"}, None, "encoding_format"),
+        ({"input": "x", "dimensions": 100}, "dimensions", "not a Matryoshka model"),
+        ({"input": "x", "dimensions": 0}, "dimensions", "positive integer"),
+        ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1 or"),
+        ({"input": "x", "truncate_prompt_tokens": 999}, "truncate_prompt_tokens", "over"),
+    ],
+)
+@module_loop
+async def test_bad_input_is_a_400(minilm: Any, body: dict, param: str | None, words: str) -> None:
+    engine, (_, http) = minilm
+    r = await http.post("/v1/embeddings", json={"model": "minilm", **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert words in error["message"]
+    if param is not None:
+        assert error["param"] == param
+    ok = await http.post("/v1/embeddings", json={"model": "minilm", "input": "still serving"})
+    assert ok.status_code == 200
+    assert not engine._waiting
+
+
+@module_loop
+async def test_truncate_prompt_tokens_cuts_long_inputs(minilm: Any) -> None:
+    st = pytest.importorskip("sentence_transformers")
+    _, (_, http) = minilm
+    long_text = "the river bends " * 120  # ~360 tokens, past max_seq_length (256)
+    r = await http.post(
+        "/v1/embeddings",
+        json={"model": "minilm", "input": long_text, "truncate_prompt_tokens": -1},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 256
+    # sentence-transformers cuts at max_seq_length, keeping [SEP]: the same vector
+    expected = st.SentenceTransformer(str(require_minilm()), device="cpu").encode([long_text])
+    _close([r.json()["data"][0]["embedding"]], torch.from_numpy(expected))
+
+
+@module_loop
+async def test_generation_routes_name_the_runner(minilm: Any) -> None:
+    _, (client, http) = minilm
+    with pytest.raises(openai.BadRequestError, match="this server runs the pooling runner"):
+        await client.completions.create(model="minilm", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="pooling runner"):
+        await client.chat.completions.create(
+            model="minilm", messages=[{"role": "user", "content": "hi"}]
+        )
+    r = await http.post("/generate", json={"text": "hi"})
+    assert r.status_code == 400 and "pooling runner" in r.text
+    assert (await http.get("/health")).status_code == 200
+
+
+@pytest.mark.asyncio
+async def test_generation_server_refuses_embeddings(llama: str) -> None:
+    async with serving(llama) as live:
+        with pytest.raises(openai.BadRequestError, match="this server runs the generate runner"):
+            await live.client.embeddings.create(model="test-model", input="hi")
+        assert live.engine.runner == "generate"
+
+
+@pytest.mark.asyncio
+async def test_matryoshka_dimensions(tmp_path: Path) -> None:
+    st = pytest.importorskip("sentence_transformers")
+    path = matryoshka_copy(require_minilm(), tmp_path)
+    model = st.SentenceTransformer(str(path), device="cpu", truncate_dim=96)
+    expected = torch.from_numpy(model.encode(TEXTS, normalize_embeddings=True))
+    async with pooling_server(path) as (_, (client, http)):
+        answer = await client.embeddings.create(
+            model="minilm", input=TEXTS, dimensions=96, encoding_format="float"
+        )
+        assert {len(d.embedding) for d in answer.data} == {96}
+        _close([d.embedding for d in answer.data], expected)
+        r = await http.post(
+            "/v1/embeddings", json={"model": "minilm", "input": "x", "dimensions": 385}
+        )
+        assert r.status_code == 400 and "more than the model's 384" in r.text
+
+
+def test_runner_from_the_architecture(llama: str) -> None:
+    path = str(require_minilm())
+    assert runner_for(engine_config(path)) == "pooling"
+    assert runner_for(engine_config(llama)) == "generate"
+    with pytest.raises(ModelLoadError, match="--runner pooling"):
+        runner_for(engine_config(path, model={"runner": "generate"}))
+    with pytest.raises(ModelLoadError, match="is not one"):
+        runner_for(engine_config(llama, model={"runner": "pooling"}))
