@@ -219,9 +219,10 @@ class HttpControl:
             )
         store = HttpStore(self.base_url, pair_id, self.headers, timeout_s)
         try:
-            return DistChannel(store, 1, backend, self.device)
-        finally:
+            return DistChannel(store, 1, backend, self.device)  # closes the store with it
+        except BaseException:
             store.close()
+            raise
 
     async def close(self) -> None:
         await self._http.aclose()

@@ -25,6 +25,7 @@ from stallfree.disagg.transport import TransportError
 # a pair's group waits this long for a peer that stopped answering mid-message (the rooms'
 # own deadlines are far shorter); forming the group waits only `pair_timeout_s`
 GROUP_TIMEOUT_S = 3600.0
+MAGIC_WARM_UP = 0x5354_5755  # "STWU"
 
 
 class DistChannel:
@@ -33,6 +34,9 @@ class DistChannel:
 
     def __init__(self, store: dist.Store, rank: int, backend: str, device: torch.device) -> None:
         self.rank, self.device, self.backend = rank, device, backend
+        # NOTE: NCCL reads the store again when its first send or receive sets up the
+        # communicator, so the store lives as long as the channel
+        self.store = store
         timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
         self.group: Any
         if backend == "nccl":
@@ -43,6 +47,16 @@ class DistChannel:
             self.group = dist.ProcessGroupGloo(store, rank, 2, timeout)
         self._lock = threading.Lock()
         self._closed = False
+        if backend == "nccl":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One small message at pairing, so NCCL sets its communicator up now, within the pair's
+        join deadline, rather than at the first room (an idle pair's peer would wait for it)."""
+        if self.rank == 0:
+            self.send(torch.tensor([MAGIC_WARM_UP], dtype=torch.int64))
+        elif self.recv((1,), torch.int64).item() != MAGIC_WARM_UP:
+            raise TransportError("the pair's first message is not the warm-up")
 
     def _peer(self) -> int:
         return 1 - self.rank
@@ -82,6 +96,9 @@ class DistChannel:
                 return
             self._closed = True
         group, self.group = self.group, None
+        close_store = getattr(self.store, "close", None)
+        if callable(close_store):
+            close_store()
         abort = getattr(group, "abort", None)
         if callable(abort):
             with contextlib.suppress(RuntimeError):
