@@ -280,3 +280,25 @@ async def test_a_decode_server_pairs_only_with_the_shared_secret(llama: str) -> 
             assert r.status_code == 200 and r.json()["status"] == "paired", r.text
             assert list(side.pairs) == [r.json()["pair_id"]]
             await settle(engine)
+
+
+async def test_pairs_nobody_joins_hold_their_slots_only_until_pair_timeout(llama: str) -> None:
+    """Finding 4: 64 pairing calls that never join held every slot for the 3,600 s group
+    timeout. The 64th pair is served, the 65th refused, and once the unjoined pairs' deadline
+    has passed a new one is served again."""
+    from stallfree.disagg.prefill import MAX_PAIRS
+
+    async with bootstrap(llama, pair_timeout_s=1.0) as (side, client):
+        for _ in range(MAX_PAIRS):
+            await _pair(side, client)
+        body = {
+            "fingerprint": side.fingerprint.model_dump(),
+            "shards": [[0, side.fingerprint.num_kv_heads]],
+        }
+        r = await client.post("/bootstrap/pair", json=body)
+        assert r.status_code == 409 and f"at most {MAX_PAIRS}" in r.text, r.text
+        deadline = time.monotonic() + 30
+        while side.pairs:
+            assert time.monotonic() < deadline, f"{len(side.pairs)} unjoined pairs were kept"
+            await asyncio.sleep(0.1)
+        await _pair(side, client)
