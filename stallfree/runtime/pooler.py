@@ -13,9 +13,11 @@ event loop (one batch at a time), so the server keeps answering while a batch ru
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,15 +32,23 @@ from stallfree.runtime.engine import Engine
 from stallfree.runtime.model.arch import ModelLoadError
 from stallfree.runtime.model.bert import ENCODER_ARCHITECTURES, BertEncoder, load_bert
 from stallfree.runtime.model.pooling import PoolingConfig, finish, pool, read_pooling_config
+from stallfree.runtime.plugins import load_metrics_plugin
 from stallfree.runtime.request.errors import (
     EngineClosedError,
     EngineOverloadedError,
     EngineUnhealthyError,
     InvalidRequestError,
 )
-from stallfree.runtime.request.req import Req
+from stallfree.runtime.request.req import FinishReason, Req
+from stallfree.runtime.request.sampling_params import SamplingParams
 from stallfree.runtime.scheduling.sizing import waiting_limit
-from stallfree.runtime.telemetry.stats import EngineSnapshot, PoolUsage
+from stallfree.runtime.telemetry.observer import ObserverFanout
+from stallfree.runtime.telemetry.stats import (
+    ActivityClock,
+    EngineCounters,
+    EngineSnapshot,
+    PoolUsage,
+)
 from stallfree.runtime.text.tokenizer import HFTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -94,17 +104,9 @@ class Embeddings:
     prompt_tokens: int
 
 
-@dataclass(slots=True)
-class PoolingStats:
-    requests: int = 0  # admitted
-    inputs: int = 0  # inputs pooled
-    prompt_tokens: int = 0
-    batches: int = 0
-    refused: int = 0  # refused at admission (invalid, overloaded, closed)
-
-
 @dataclass(slots=True, eq=False)
 class _Pending:
+    req: Req  # what the metrics see: every input's ids, one after another
     ids: list[list[int]]
     dimensions: int | None
     done: asyncio.Future[Embeddings]
@@ -146,8 +148,14 @@ class PoolingEngine(Engine):
             limits.append(self.config.model.max_context_len)
         self.max_context_len = min(limits)
         self.max_waiting_requests = waiting_limit(self.config)
-        self.metrics = None
-        self.stats = PoolingStats()
+        # the generation engine's counters and events, so /metrics reads the same families:
+        # a pooling step counts as a prefill batch, its padded tokens as prefill tokens
+        self.counters = EngineCounters()
+        self.observers = ObserverFanout()
+        self.activity = ActivityClock()
+        self.observers.observers.append(self.activity)
+        self.busy_seconds = 0.0
+        self._rids = itertools.count()
         self._state = "new"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread_id: int | None = None
@@ -155,7 +163,11 @@ class PoolingEngine(Engine):
         self._waiting: list[_Pending] = []
         self._wake = asyncio.Event()
         self._stopping = False
-        self._busy = False
+        self._running = 0  # requests with an input in the batch being run
+        self.metrics = None  # last: the exporter reads a snapshot as it is built
+        if self.config.metrics.enabled:
+            self.metrics = load_metrics_plugin("prometheus").build(self.config, self.snapshot)
+            self.observers.observers.append(self.metrics)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -218,16 +230,33 @@ class PoolingEngine(Engine):
         return True  # nothing cached
 
     async def wait_idle(self) -> None:
-        while self._waiting or self._busy:
+        while self._waiting or self._running:
             if self._loop_task is None or self._loop_task.done():
                 raise EngineUnhealthyError("the pooling loop is not running")
             await asyncio.sleep(0.005)
 
     def snapshot(self) -> EngineSnapshot:
-        raise NotImplementedError("the pooling runner has no scheduler snapshot")
+        busy = self.busy_seconds
+        return EngineSnapshot(
+            running=self._running,
+            waiting=len(self._waiting),
+            pools=self.pool_usage(),
+            counters=self.counters.copy(),
+            stalls={},
+            stall_seconds={},
+            mirror_reads={},
+            device_busy_seconds=busy,
+            device_idle_seconds=max(0.0, self.activity.seconds(time.perf_counter()) - busy),
+            max_context_len=self.max_context_len,
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
 
     def pool_usage(self) -> PoolUsage:
-        raise NotImplementedError("the pooling runner has no KV pools")
+        """No request holds a slot or KV: an encoder keeps nothing between its steps."""
+        slots = self.config.cache.max_running_requests
+        return PoolUsage(
+            req_slots_free=slots, req_slots_total=slots, kv_tokens_free=0, kv_tokens_total=0
+        )
 
     # ------------------------------------------------------------------ requests
 
@@ -311,18 +340,20 @@ class PoolingEngine(Engine):
         timeout: float | None = None,
     ) -> Embeddings:
         """Pool each input into one vector; batched with the other waiting requests."""
-        try:
-            self._admit()
-            self.check_dimensions(dimensions)
-            ids = self.prepare(inputs, truncate_prompt_tokens)
-            timeout = self._timeout(timeout)
-        except (InvalidRequestError, EngineOverloadedError, EngineClosedError):
-            self.stats.refused += 1
-            raise
+        self._admit()
+        self.check_dimensions(dimensions)
+        ids = self.prepare(inputs, truncate_prompt_tokens)
+        timeout = self._timeout(timeout)
         assert self._loop is not None
-        pending = _Pending(ids, dimensions, self._loop.create_future())
+        req = Req(
+            rid=f"embd-{next(self._rids)}",
+            origin_input_ids=[t for row in ids for t in row],
+            sampling_params=SamplingParams(max_new_tokens=1),
+            max_context_len=self.max_context_len,
+        )
+        pending = _Pending(req, ids, dimensions, self._loop.create_future())
         self._waiting.append(pending)
-        self.stats.requests += 1
+        self.observers.on_request_added(req)
         self._wake.set()
         try:
             return await asyncio.wait_for(asyncio.shield(pending.done), timeout)
@@ -331,6 +362,7 @@ class PoolingEngine(Engine):
                 pending.done.cancel()
                 if pending in self._waiting:
                     self._waiting.remove(pending)
+                self._finish(pending, FinishReason.ABORT)
 
     def _admit(self) -> None:
         self._check_caller()
@@ -355,20 +387,26 @@ class PoolingEngine(Engine):
                 await self._wake.wait()
                 continue
             batch = self._take_batch()
-            self._busy = True
+            if not batch:
+                continue
+            self._running = len({id(pending) for pending, _ in batch})
+            started = time.perf_counter()
             try:
                 vectors = await asyncio.to_thread(self._forward, [ids for _, ids in batch])
             except Exception as exc:  # a failed batch fails its requests, not the server
                 logger.exception("pooling batch failed")
+                self.counters.step_failures += 1
                 for pending, _ in batch:
                     if not pending.done.done():
                         pending.done.set_exception(
                             EngineUnhealthyError(f"the pooling step failed: {exc!r}")
                         )
+                    self._finish(pending, FinishReason.ERROR)
                 continue
             finally:
-                self._busy = False
-            self.stats.batches += 1
+                self._running = 0
+                self.busy_seconds += time.perf_counter() - started
+            self._count_step(batch)
             self._deliver(batch, vectors)
 
     def _take_batch(self) -> list[tuple[_Pending, list[int]]]:
@@ -388,6 +426,10 @@ class PoolingEngine(Engine):
                 break
             batch.append((pending, ids))
             longest = width
+            if pending.taken == 0:
+                pending.req.first_scheduled_time = time.perf_counter()
+                self.counters.prompt_tokens += len(pending.req.origin_input_ids)
+                self.observers.on_request_scheduled(pending.req)
             pending.taken += 1
             if pending.taken == len(pending.ids):
                 self._waiting.pop(0)
@@ -405,11 +447,27 @@ class PoolingEngine(Engine):
         hidden = self.model(ids_cpu.to(self.device), mask)
         return pool(hidden, mask, self.pooling.mode).float().cpu()
 
+    def _count_step(self, batch: list[tuple[_Pending, list[int]]]) -> None:
+        padded = len(batch) * max(len(ids) for _, ids in batch)
+        self.counters.steps += 1
+        self.counters.prefill_batches += 1
+        self.counters.prefill_tokens += padded
+        self.observers.on_step(len(batch), decode=False, overlapped=False)
+        self.observers.on_step_tokens(padded)
+
+    def _finish(self, pending: _Pending, reason: FinishReason) -> None:
+        """A request's end, counted once, as the generation engine counts its own."""
+        req = pending.req
+        if req.finished:
+            return
+        req.finish(reason)
+        finished = self.counters.finished
+        finished[reason.value] = finished.get(reason.value, 0) + 1
+        self.observers.on_request_finished(req, time.perf_counter())
+
     def _deliver(self, batch: list[tuple[_Pending, list[int]]], vectors: torch.Tensor) -> None:
-        for row, (pending, ids) in enumerate(batch):
+        for row, (pending, _) in enumerate(batch):
             pending.parts.append(vectors[row])
-            self.stats.inputs += 1
-            self.stats.prompt_tokens += len(ids)
             if len(pending.parts) == len(pending.ids) and not pending.done.done():
                 pooled = torch.stack(pending.parts)
                 pending.done.set_result(
@@ -418,11 +476,13 @@ class PoolingEngine(Engine):
                         prompt_tokens=sum(len(i) for i in pending.ids),
                     )
                 )
+                self._finish(pending, FinishReason.STOP)
 
     def _fail_waiting(self, exc: Exception) -> None:
         for pending in self._waiting:
             if not pending.done.done():
                 pending.done.set_exception(exc)
+            self._finish(pending, FinishReason.ABORT)
         self._waiting.clear()
 
 

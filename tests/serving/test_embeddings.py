@@ -103,14 +103,14 @@ async def test_token_ids_and_base64(minilm: Any, reference: torch.Tensor) -> Non
 async def test_many_inputs_span_batches(minilm: Any, reference: torch.Tensor) -> None:
     """More inputs than one batch holds (max_prefill_tokens): every vector in its place."""
     engine, (_, http) = minilm
-    before = engine.stats.batches
+    before = engine.counters.prefill_batches
     texts = TEXTS * 40  # 160 inputs of up to 21 tokens: over 3,000 padded, the budget 512
     r = await http.post("/v1/embeddings", json={"model": "minilm", "input": texts})
     assert r.status_code == 200
     data = r.json()["data"]
     assert [d["index"] for d in data] == list(range(160))
     _close([d["embedding"] for d in data], reference.repeat(40, 1))
-    assert engine.stats.batches - before >= 2
+    assert engine.counters.prefill_batches - before >= 2
 
 
 @pytest.mark.parametrize(
@@ -209,3 +209,30 @@ def test_runner_from_the_architecture(llama: str) -> None:
         runner_for(engine_config(path, model={"runner": "generate"}))
     with pytest.raises(ModelLoadError, match="is not one"):
         runner_for(engine_config(llama, model={"runner": "pooling"}))
+
+
+def _sample(text: str, name: str) -> float:
+    """The value of the sample line `name` (its labels included or left out) in `text`."""
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.mark.asyncio
+async def test_metrics_count_pooling_requests() -> None:
+    """The generation engine's families count embedding requests: prompt tokens, finished
+    requests, prefill batches; nothing is left running or waiting."""
+    async with pooling_server(require_minilm()) as (engine, (_, http)):
+        ids = [engine.tokenizer.encode(t) for t in TEXTS]
+        for body in ({"input": TEXTS}, {"input": TEXTS[0]}, {"input": ""}):
+            await http.post("/v1/embeddings", json={"model": "minilm", **body})
+        text = (await http.get("/metrics")).text
+        tokens = sum(len(i) for i in ids) + len(ids[0])
+        assert engine.counters.prompt_tokens == tokens
+        assert engine.counters.finished == {"stop": 2}  # the empty input never got in
+        assert _sample(text, "stallfree:prompt_tokens_total") == tokens
+        assert _sample(text, "stallfree:num_requests_running") == 0
+        assert _sample(text, "stallfree:num_requests_waiting") == 0
+        assert _sample(text, "stallfree:e2e_request_latency_seconds_count") == 2
+        assert engine.pool_usage().all_free
