@@ -25,6 +25,7 @@ import base64
 import binascii
 import logging
 import socket
+from array import array
 from typing import Any, Protocol
 
 from pydantic import BaseModel, Field, ValidationError
@@ -33,7 +34,12 @@ from stallfree.config import DisaggregationConfig
 from stallfree.disagg.fingerprint import Fingerprint, HandshakeError
 from stallfree.disagg.guard import BootstrapGuard, secret_headers
 from stallfree.disagg.pair_store import MAX_KEY_LEN, MAX_VALUE_BYTES, StoreError
-from stallfree.disagg.prefill import PrefillSide, Registration, RoomLimitError
+from stallfree.disagg.prefill import (
+    PrefillSide,
+    Registration,
+    RegistrationError,
+    RoomLimitError,
+)
 from stallfree.disagg.rooms import MAX_ROOM
 from stallfree.disagg.transport import KVChannel
 
@@ -232,6 +238,11 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def _read_registration(data: bytes) -> Registration:
+    body = RegisterBody.model_validate_json(data)
+    return Registration(body.pair_id, array("q", body.pages), body.num_tokens)
+
+
 def _room_id(text: str) -> int | None:
     return int(text) if text.isdigit() and int(text) <= MAX_ROOM else None
 
@@ -324,13 +335,17 @@ def bootstrap_app(prefill: PrefillSide) -> Any:
         if room is None:
             return refuse(422, f"a room id is an integer in [0, {MAX_ROOM}]")
         try:
-            body = await asyncio.to_thread(RegisterBody.model_validate_json, await request.body())
+            reg = await asyncio.to_thread(_read_registration, await request.body())
         except ValidationError as exc:
             return refuse(422, f"a registration needs {_fields(exc)}")
+        except OverflowError:
+            return refuse(422, "a registration's pages are 64-bit integers")
         try:
-            prefill.register(room, Registration(body.pair_id, body.pages, body.num_tokens))
+            prefill.register(room, reg)
         except RoomLimitError as exc:
             return refuse(429, str(exc))
+        except RegistrationError as exc:
+            return refuse(422, str(exc))
         except KeyError as exc:
             return refuse(404, str(exc.args[0]))
         except ValueError as exc:

@@ -54,12 +54,16 @@ class RoomLimitError(ValueError):
     """A registration beyond `disaggregation.max_rooms` or `max_rooms_per_pair`."""
 
 
+class RegistrationError(ValueError):
+    """A registration no prompt on this server could match (more pages than its pool)."""
+
+
 @dataclass(slots=True)
 class Registration:
     """The decode side's destination for a room: its pages, on which pair."""
 
     pair_id: str
-    pages: list[int]
+    pages: Sequence[int]  # an array("q") from the endpoint: 8 bytes a page
     num_tokens: int
 
 
@@ -197,6 +201,17 @@ class PrefillSide(RoomSide):
         pair = self.pairs.get(reg.pair_id)
         if pair is None or not pair.alive:
             raise KeyError(f"unknown pair {reg.pair_id}")
+        allocator = self.engine.core.ctx.allocator
+        if len(reg.pages) > allocator.num_pages:
+            raise RegistrationError(
+                f"{len(reg.pages)} destination pages: no prompt here has more than this "
+                f"server's {allocator.num_pages} pages"
+            )
+        if reg.num_tokens > len(reg.pages) * allocator.page_size:
+            raise RegistrationError(
+                f"{reg.num_tokens} tokens do not fit {len(reg.pages)} pages of "
+                f"{allocator.page_size} tokens"
+            )
         cfg = self.config
         if len(pair.rooms) >= cfg.max_rooms_per_pair:
             raise RoomLimitError(

@@ -254,6 +254,8 @@ async def test_a_registration_is_parsed_off_the_loop_and_checked(
             ("/bootstrap/rooms/x", _register(pair_id)),
             ("/bootstrap/rooms/6", {"pair_id": pair_id}),
             ("/bootstrap/rooms/6", [1, 2]),
+            ("/bootstrap/rooms/6", {"pair_id": pair_id, "pages": [1 << 70], "num_tokens": 1}),
+            ("/bootstrap/rooms/6", {"pair_id": pair_id, "pages": [1], "num_tokens": 1 << 20}),
         ):
             r = await client.post(path, json=body)
             assert r.status_code == 422, (path, r.status_code, r.text)
@@ -302,3 +304,20 @@ async def test_pairs_nobody_joins_hold_their_slots_only_until_pair_timeout(llama
             assert time.monotonic() < deadline, f"{len(side.pairs)} unjoined pairs were kept"
             await asyncio.sleep(0.1)
         await _pair(side, client)
+
+
+async def test_a_registration_holds_at_most_the_prefills_pool(llama: str) -> None:
+    """A registration's pages stay in memory until its room ends: no more than any prompt here
+    could have (this server's pool), the pool's size served and one more page refused."""
+    async with bootstrap(llama) as (side, client):
+        pair_id = await _pair(side, client)
+        allocator = side.engine.core.ctx.allocator
+        pool = allocator.num_pages
+
+        def reg(pages: int) -> dict[str, Any]:
+            return {"pair_id": pair_id, "pages": list(range(1, pages + 1)), "num_tokens": 1}
+
+        assert (await client.post("/bootstrap/rooms/7", json=reg(pool))).status_code == 200
+        r = await client.post("/bootstrap/rooms/8", json=reg(pool + 1))
+        assert r.status_code == 422 and f"this server's {pool} pages" in r.text, r.text
+        assert [room.room for room in side.rooms] == [7]
