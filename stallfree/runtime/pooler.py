@@ -1,7 +1,8 @@
 """`PoolingEngine`: the pooling runner, an embedder behind the same front door as `Engine`.
 
 An encoder (`BertModel`) attends both ways over its whole input in one pass and keeps no KV
-cache, so it does not go through the paged-KV scheduler. Its requests share the engine's
+cache; a decoder embedder (a native family's hidden states, `decoder_embedder.py`) needs its
+KV only within the pass. Neither goes through the paged-KV scheduler. Its requests share the engine's
 admission rules instead (the waiting-queue limit, a request deadline, the closed and unhealthy
 refusals) and run as their own step type: a loop on the engine's event loop takes the waiting
 inputs, up to `scheduler.max_prefill_tokens` padded tokens a batch, and runs each batch off the
@@ -29,9 +30,17 @@ from stallfree.config import StallfreeConfig, load_config
 from stallfree.config.model_source import resolve_model_source
 from stallfree.overlap.stream import resolve_device
 from stallfree.runtime.engine import Engine
-from stallfree.runtime.model.arch import ModelLoadError
+from stallfree.runtime.model.arch import SUPPORTED_ARCHITECTURES, ModelLoadError
 from stallfree.runtime.model.bert import ENCODER_ARCHITECTURES, BertEncoder, load_bert
-from stallfree.runtime.model.pooling import PoolingConfig, finish, pool, read_pooling_config
+from stallfree.runtime.model.decoder_embedder import DecoderEmbedder
+from stallfree.runtime.model.loader import load_model, load_tokenizer
+from stallfree.runtime.model.pooling import (
+    Embedder,
+    PoolingConfig,
+    finish,
+    pool,
+    read_pooling_config,
+)
 from stallfree.runtime.plugins import load_metrics_plugin
 from stallfree.runtime.request.errors import (
     EngineClosedError,
@@ -49,7 +58,7 @@ from stallfree.runtime.telemetry.stats import (
     EngineSnapshot,
     PoolUsage,
 )
-from stallfree.runtime.text.tokenizer import HFTokenizer, Tokenizer
+from stallfree.runtime.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +78,11 @@ def architectures(path: str) -> list[str]:
 
 
 def runner_for(config: StallfreeConfig) -> str:
-    """`model.runner`, or `auto` resolved: pooling for an encoder architecture, else generate."""
+    """`model.runner`, or `auto` resolved: pooling for an encoder architecture, else generate.
+    `pooling` also takes a native decoder family (an embedder such as Qwen3-Embedding)."""
     archs = architectures(config.model.path)
     encoder = any(a in ENCODER_ARCHITECTURES for a in archs)
+    decoder = any(a in SUPPORTED_ARCHITECTURES for a in archs)
     runner = config.model.runner
     if runner == "auto":
         return "pooling" if encoder else "generate"
@@ -79,11 +90,12 @@ def runner_for(config: StallfreeConfig) -> str:
         raise ModelLoadError(
             f"{', '.join(archs)} is an encoder: it cannot generate; serve it with --runner pooling"
         )
-    if runner == "pooling" and not encoder:
+    if runner == "pooling" and not (encoder or decoder):
         shown = ", ".join(archs) or "this model"
         raise ModelLoadError(
             f"the pooling runner serves encoder embedders "
-            f"({', '.join(sorted(ENCODER_ARCHITECTURES))}); {shown} is not one"
+            f"({', '.join(sorted(ENCODER_ARCHITECTURES))}) and the native decoder families "
+            f"in a model directory; {shown} is not one"
         )
     return runner
 
@@ -132,16 +144,20 @@ class PoolingEngine(Engine):
         path = Path(self.config.model.path)
         model_config = _read_model_config(path)
         self.device = resolve_device(self.config.runtime.device)
-        dtype = self.config.model.dtype
-        self.dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
-        self.model: BertEncoder = load_bert(path, model_config, self.dtype, self.device)
+        self.model, self.dtype = self._load(path, model_config)
+        encoder = isinstance(self.model, BertEncoder)
+        # without sentence-transformers files: BERT's [CLS] as it comes; a decoder's last
+        # token, normalised (vLLM's defaults for the two)
         self.pooling: PoolingConfig = read_pooling_config(
-            path, model_config, self.model.cfg.hidden_size, default_mode="cls"
+            path,
+            model_config,
+            self.model.hidden_size,
+            default_mode="cls" if encoder else "last",
+            default_normalize=not encoder,
         )
-        tokenizer = HFTokenizer(self.config.model.tokenizer or path)
-        self.tokenizer = tokenizer
-        self.vocab_size = self.model.cfg.vocab_size
-        limits = [self.model.cfg.max_position_embeddings]
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer or str(path))
+        self.vocab_size = self.model.vocab_size
+        limits = [self.model.max_positions]
         if self.pooling.max_seq_length is not None:
             limits.append(self.pooling.max_seq_length)
         if self.config.model.max_context_len is not None:
@@ -169,6 +185,17 @@ class PoolingEngine(Engine):
             self.metrics = load_metrics_plugin("prometheus").build(self.config, self.snapshot)
             self.observers.observers.append(self.metrics)
 
+    def _load(self, path: Path, model_config: dict[str, Any]) -> tuple[Embedder, torch.dtype]:
+        model = self.config.model
+        if any(a in ENCODER_ARCHITECTURES for a in model_config.get("architectures") or []):
+            dtype = torch.float32 if model.dtype == "auto" else getattr(torch, model.dtype)
+            return load_bert(path, model_config, dtype, self.device), dtype
+        quantization = "none" if model.quantization == "auto" else model.quantization
+        loaded = load_model(
+            str(path), model.dtype, self.device, model.seed, quantization=quantization
+        )
+        return DecoderEmbedder(loaded), loaded.dtype
+
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
@@ -183,10 +210,10 @@ class PoolingEngine(Engine):
         self._loop_task = asyncio.create_task(self._run(), name="stallfree-pooler")
         self._state = "running"
         logger.info(
-            "pooling engine started: %s, %d layers, hidden %d, %s pooling%s, max %d tokens",
+            "pooling engine started: %s, %s, hidden %d, %s pooling%s, max %d tokens",
             self.config.model.path,
-            self.model.cfg.num_layers,
-            self.model.cfg.hidden_size,
+            type(self.model).__name__,
+            self.model.hidden_size,
             self.pooling.mode,
             ", normalised" if self.pooling.normalize else "",
             self.max_context_len,
@@ -437,14 +464,7 @@ class PoolingEngine(Engine):
 
     @torch.inference_mode()
     def _forward(self, rows: list[list[int]]) -> torch.Tensor:
-        longest = max(len(r) for r in rows)
-        ids_cpu = torch.zeros(len(rows), longest, dtype=torch.long)
-        mask_cpu = torch.zeros(len(rows), longest, dtype=torch.bool)
-        for i, row in enumerate(rows):
-            ids_cpu[i, : len(row)] = torch.tensor(row)
-            mask_cpu[i, : len(row)] = True
-        mask = mask_cpu.to(self.device)
-        hidden = self.model(ids_cpu.to(self.device), mask)
+        hidden, mask = self.model.hidden_states(rows)
         return pool(hidden, mask, self.pooling.mode).float().cpu()
 
     def _count_step(self, batch: list[tuple[_Pending, list[int]]]) -> None:

@@ -208,7 +208,7 @@ def test_runner_from_the_architecture(llama: str) -> None:
     with pytest.raises(ModelLoadError, match="--runner pooling"):
         runner_for(engine_config(path, model={"runner": "generate"}))
     with pytest.raises(ModelLoadError, match="is not one"):
-        runner_for(engine_config(llama, model={"runner": "pooling"}))
+        runner_for(engine_config("tiny", model={"runner": "pooling"}))
 
 
 def _sample(text: str, name: str) -> float:

@@ -180,6 +180,9 @@ class BertEncoder(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.hidden_size = cfg.hidden_size
+        self.vocab_size = cfg.vocab_size
+        self.max_positions = cfg.max_position_embeddings
         self.embeddings = _Embeddings(cfg)
         self.encoder = _Encoder(cfg)
 
@@ -191,6 +194,19 @@ class BertEncoder(nn.Module):
             x = layer(x, key_mask)
         out: torch.Tensor = x
         return out
+
+    @torch.inference_mode()
+    def hidden_states(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows padded on the right into one batch: ([B, T, hidden] float, mask [B, T])."""
+        device = self.embeddings.word_embeddings.weight.device
+        longest = max(len(r) for r in rows)
+        ids_cpu = torch.zeros(len(rows), longest, dtype=torch.long)
+        mask_cpu = torch.zeros(len(rows), longest, dtype=torch.bool)
+        for i, row in enumerate(rows):
+            ids_cpu[i, : len(row)] = torch.tensor(row)
+            mask_cpu[i, : len(row)] = True
+        mask = mask_cpu.to(device)
+        return self(ids_cpu.to(device), mask).float(), mask
 
 
 def load_bert(

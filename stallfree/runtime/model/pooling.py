@@ -4,7 +4,7 @@ Matryoshka truncation, as the checkpoint's sentence-transformers files say.
 The files read: `modules.json` (is there a `Normalize` module), the pooling module's
 `config.json` (`1_Pooling/config.json`: which pooling), `sentence_bert_config.json`
 (`max_seq_length`), and the model's `config.json` (`is_matryoshka` or `matryoshka_dimensions`:
-may the vector be cut short). A checkpoint without them gets `default_mode` and no normalisation.
+may the vector be cut short). A checkpoint without `modules.json` gets the runner's defaults.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,18 @@ _ST_FLAGS: dict[str, PoolingMode] = {
 }
 
 
+class Embedder(Protocol):
+    """What the pooling runner runs: hidden states for a batch of token-id rows."""
+
+    hidden_size: int
+    vocab_size: int
+    max_positions: int
+
+    def hidden_states(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, T, hidden] float, mask [B, T] True on real tokens, padding on the right)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class PoolingConfig:
     mode: PoolingMode
@@ -42,11 +54,17 @@ class PoolingConfig:
 
 
 def read_pooling_config(
-    path: Path, model_config: dict[str, Any], hidden_size: int, default_mode: PoolingMode
+    path: Path,
+    model_config: dict[str, Any],
+    hidden_size: int,
+    default_mode: PoolingMode,
+    default_normalize: bool = False,
 ) -> PoolingConfig:
-    modules = _read(path / "modules.json", [])
+    """The checkpoint's pooling; without a `modules.json`, `default_mode` and
+    `default_normalize`."""
+    modules = _read(path / "modules.json", None)
     mode: PoolingMode = default_mode
-    normalize = False
+    normalize = default_normalize if modules is None else False
     dimension = hidden_size
     for module in modules if isinstance(modules, list) else []:
         kind = str(module.get("type", "")) if isinstance(module, dict) else ""
