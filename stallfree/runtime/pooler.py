@@ -141,6 +141,7 @@ class PoolingEngine(Engine):
         self.config = resolve_model_source(
             config if config is not None else load_config(**overrides)
         )
+        _check_settings(self.config)
         path = Path(self.config.model.path)
         model_config = _read_model_config(path)
         self.device = resolve_device(self.config.runtime.device)
@@ -504,6 +505,22 @@ class PoolingEngine(Engine):
                 pending.done.set_exception(exc)
             self._finish(pending, FinishReason.ABORT)
         self._waiting.clear()
+
+
+def _check_settings(config: StallfreeConfig) -> None:
+    """What the generating engine offers and the pooling runner does not, refused at start."""
+    refused = [
+        name
+        for name, on in (
+            ("disaggregation.mode", config.disaggregation.mode != "null"),
+            ("parallel.tp_size > 1", config.parallel.tp_size > 1),
+            ("hisparse.enabled", config.hisparse.enabled),
+            ("speculative.enabled", config.speculative.enabled),
+        )
+        if on
+    ]
+    if refused:
+        raise ModelLoadError(f"the pooling runner does not take {', '.join(refused)}")
 
 
 def _truncate(ids: list[int], limit: int, tokenizer: Tokenizer, item: object) -> list[int]:

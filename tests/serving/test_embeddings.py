@@ -236,3 +236,23 @@ async def test_metrics_count_pooling_requests() -> None:
         assert _sample(text, "stallfree:num_requests_waiting") == 0
         assert _sample(text, "stallfree:e2e_request_latency_seconds_count") == 2
         assert engine.pool_usage().all_free
+
+
+def test_pooling_refuses_what_it_does_not_run() -> None:
+    path = str(require_minilm())
+    config = engine_config(path, parallel={"tp_size": 2}, disaggregation={"mode": "decode"})
+    with pytest.raises(ModelLoadError, match=r"disaggregation\.mode, parallel\.tp_size > 1"):
+        open_engine(config)
+
+
+@pytest.mark.asyncio
+async def test_a_request_past_its_deadline_is_a_504_and_counted() -> None:
+    runtime = {"request_timeout_s": 1e-9}
+    async with pooling_server(require_minilm(), runtime=runtime) as (engine, (_, http)):
+        r = await http.post("/v1/embeddings", json={"model": "minilm", "input": TEXTS})
+        assert r.status_code == 504
+        assert r.json()["error"]["code"] == "deadline_exceeded"
+        await engine.wait_idle()
+        assert engine.counters.finished == {"abort": 1}
+        assert not engine._waiting
+        assert (await http.get("/health")).status_code == 200

@@ -16,6 +16,7 @@ from stallfree.entrypoints.server.base.embedding_protocol import (
 )
 from stallfree.entrypoints.server.base.errors import (
     ENGINE_ERRORS,
+    ApiError,
     from_engine_error,
     shutting_down,
 )
@@ -38,6 +39,13 @@ async def embeddings(request: Request) -> Response:
         result = await engine.embed(body.inputs(), body.dimensions, body.truncate_prompt_tokens)
     except EngineClosedError as exc:
         raise shutting_down() from exc
+    except TimeoutError as exc:  # runtime.request_timeout_s passed; the request was dropped
+        raise ApiError(
+            504,
+            f"the request passed its deadline of {engine.config.runtime.request_timeout_s} s",
+            type="timeout_error",
+            code="deadline_exceeded",
+        ) from exc
     except ENGINE_ERRORS as exc:
         raise from_engine_error(exc, state.limits.retry_after_s, rid) from exc
     answer = EmbeddingResponse(
