@@ -48,3 +48,36 @@ def matryoshka_copy(source: Path, tmp_path: Path) -> Path:
 
 def _link(src: str, dst: str) -> None:
     Path(dst).symlink_to(src)
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "special_tokens_map.json",
+)
+
+
+def make_cross_encoder(tmp_path: Path, num_labels: int = 1) -> Path:
+    """A tiny random `BertForSequenceClassification` with all-MiniLM-L6-v2's WordPiece
+    tokenizer (so pairs encode as [CLS] a [SEP] b [SEP] with segment ids)."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    source = require_minilm()
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        num_labels=num_labels,
+        initializer_range=0.4,  # wide weights, so different pairs score apart
+    )
+    out = tmp_path / "cross-encoder"
+    BertForSequenceClassification(config).eval().save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        shutil.copy(source / name, out / name)
+    return out

@@ -71,8 +71,8 @@ class ModelConfig(_Section):
     runner: Literal["auto", "generate", "pooling"] = Field(
         "auto",
         description="generate: a causal LM serving completions and chat; pooling: an embedder "
-        "serving /v1/embeddings; auto = pooling for an encoder architecture (BertModel), "
-        "else generate",
+        "(/v1/embeddings) or a cross-encoder (/v1/score, /v1/rerank); auto = pooling for an "
+        "encoder architecture (BertModel, BertForSequenceClassification), else generate",
     )
 
 

@@ -296,8 +296,9 @@ _MODEL = [
          "stallfree's paged attention; slower); auto: native for a supported architecture, "
          "else transformers"),
     flag("--runner", choices=["auto", "generate", "pooling"], sets="model.runner",
-         help="generate (completions, chat) or pooling (/v1/embeddings); auto: pooling for an "
-         "encoder architecture (BertModel), else generate"),
+         help="generate (completions, chat) or pooling (/v1/embeddings; /v1/score and "
+         "/v1/rerank on a cross-encoder); auto: pooling for an encoder architecture (BertModel, "
+         "BertForSequenceClassification), else generate"),
     flag("--max-model-len", type=token_count, metavar="TOKENS", sets="model.max_context_len",
          unset="the model's own",
          help="cap on prompt + output tokens per request; 32k = 32000, 32K = 32768"),

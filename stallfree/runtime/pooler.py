@@ -32,6 +32,11 @@ from stallfree.overlap.stream import resolve_device
 from stallfree.runtime.engine import Engine
 from stallfree.runtime.model.arch import SUPPORTED_ARCHITECTURES, ModelLoadError
 from stallfree.runtime.model.bert import ENCODER_ARCHITECTURES, BertEncoder, load_bert
+from stallfree.runtime.model.cross_encoder import (
+    CROSS_ENCODER_ARCHITECTURES,
+    BertCrossEncoder,
+    load_cross_encoder,
+)
 from stallfree.runtime.model.decoder_embedder import DecoderEmbedder
 from stallfree.runtime.model.loader import load_model, load_tokenizer
 from stallfree.runtime.model.pooling import (
@@ -58,11 +63,13 @@ from stallfree.runtime.telemetry.stats import (
     EngineSnapshot,
     PoolUsage,
 )
-from stallfree.runtime.text.tokenizer import Tokenizer
+from stallfree.runtime.text.pooling_inputs import InputReader, PoolingInputs
 
 logger = logging.getLogger(__name__)
 
 RUNNERS = ("generate", "pooling")
+# the encoders: embedders and cross-encoders
+_ENCODERS = ENCODER_ARCHITECTURES | CROSS_ENCODER_ARCHITECTURES
 
 
 def architectures(path: str) -> list[str]:
@@ -78,10 +85,11 @@ def architectures(path: str) -> list[str]:
 
 
 def runner_for(config: StallfreeConfig) -> str:
-    """`model.runner`, or `auto` resolved: pooling for an encoder architecture, else generate.
+    """`model.runner`, or `auto` resolved: pooling for an encoder (an embedder or a cross-
+    encoder), else generate.
     `pooling` also takes a native decoder family (an embedder such as Qwen3-Embedding)."""
     archs = architectures(config.model.path)
-    encoder = any(a in ENCODER_ARCHITECTURES for a in archs)
+    encoder = any(a in _ENCODERS for a in archs)
     decoder = any(a in SUPPORTED_ARCHITECTURES for a in archs)
     runner = config.model.runner
     if runner == "auto":
@@ -94,7 +102,7 @@ def runner_for(config: StallfreeConfig) -> str:
         shown = ", ".join(archs) or "this model"
         raise ModelLoadError(
             f"the pooling runner serves encoder embedders "
-            f"({', '.join(sorted(ENCODER_ARCHITECTURES))}) and the native decoder families "
+            f"({', '.join(sorted(_ENCODERS))}) and the native decoder families "
             f"in a model directory; {shown} is not one"
         )
     return runner
@@ -109,19 +117,20 @@ def open_engine(config: StallfreeConfig) -> Engine:
 
 
 @dataclass(frozen=True, slots=True)
-class Embeddings:
-    """One request's vectors ([inputs, dimensions], float32, on the host) and its token count."""
+class Pooled:
+    """One request's outputs, float32 on the host: its vectors ([inputs, dimensions]) from an
+    embedder, its scores ([inputs]) from a cross-encoder; and its token count."""
 
-    vectors: torch.Tensor
+    outputs: torch.Tensor
     prompt_tokens: int
 
 
 @dataclass(slots=True, eq=False)
 class _Pending:
     req: Req  # what the metrics see: every input's ids, one after another
-    ids: list[list[int]]
+    inputs: PoolingInputs
     dimensions: int | None
-    done: asyncio.Future[Embeddings]
+    done: asyncio.Future[Pooled]
     taken: int = 0  # inputs already batched
     parts: list[torch.Tensor] = field(default_factory=list)
 
@@ -146,16 +155,9 @@ class PoolingEngine(Engine):
         model_config = _read_model_config(path)
         self.device = resolve_device(self.config.runtime.device)
         self.model, self.dtype = self._load(path, model_config)
-        encoder = isinstance(self.model, BertEncoder)
-        # without sentence-transformers files: BERT's [CLS] as it comes; a decoder's last
-        # token, normalised (vLLM's defaults for the two)
-        self.pooling: PoolingConfig = read_pooling_config(
-            path,
-            model_config,
-            self.model.hidden_size,
-            default_mode="cls" if encoder else "last",
-            default_normalize=not encoder,
-        )
+        # "embed" (/v1/embeddings) or, for a cross-encoder, "score" (/v1/score, /v1/rerank)
+        self.task = "score" if isinstance(self.model, BertCrossEncoder) else "embed"
+        self.pooling = self._pooling(path, model_config)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer or str(path))
         self.vocab_size = self.model.vocab_size
         limits = [self.model.max_positions]
@@ -164,6 +166,7 @@ class PoolingEngine(Engine):
         if self.config.model.max_context_len is not None:
             limits.append(self.config.model.max_context_len)
         self.max_context_len = min(limits)
+        self.inputs = InputReader(self.tokenizer, self.vocab_size, self.max_context_len)
         self.max_waiting_requests = waiting_limit(self.config)
         # the generation engine's counters and events, so /metrics reads the same families:
         # a pooling step counts as a prefill batch, its padded tokens as prefill tokens
@@ -186,16 +189,42 @@ class PoolingEngine(Engine):
             self.metrics = load_metrics_plugin("prometheus").build(self.config, self.snapshot)
             self.observers.observers.append(self.metrics)
 
-    def _load(self, path: Path, model_config: dict[str, Any]) -> tuple[Embedder, torch.dtype]:
+    def _load(
+        self, path: Path, model_config: dict[str, Any]
+    ) -> tuple[Embedder | BertCrossEncoder, torch.dtype]:
         model = self.config.model
-        if any(a in ENCODER_ARCHITECTURES for a in model_config.get("architectures") or []):
+        archs = model_config.get("architectures") or []
+        if any(a in _ENCODERS for a in archs):
             dtype = torch.float32 if model.dtype == "auto" else getattr(torch, model.dtype)
+            if any(a in CROSS_ENCODER_ARCHITECTURES for a in archs):
+                scorer = load_cross_encoder(path, model_config, dtype, self.device)
+                if scorer.num_labels != 1:
+                    raise ModelLoadError(
+                        f"the cross-encoder has {scorer.num_labels} labels; /v1/score and "
+                        "/v1/rerank serve one-label cross-encoders (a relevance logit)"
+                    )
+                return scorer, dtype
             return load_bert(path, model_config, dtype, self.device), dtype
         quantization = "none" if model.quantization == "auto" else model.quantization
         loaded = load_model(
             str(path), model.dtype, self.device, model.seed, quantization=quantization
         )
         return DecoderEmbedder(loaded), loaded.dtype
+
+    def _pooling(self, path: Path, model_config: dict[str, Any]) -> PoolingConfig:
+        model = self.model
+        if isinstance(model, BertCrossEncoder):  # a score: sigmoid of the [CLS] head's logit
+            return PoolingConfig("cls", False, 1, False, None)
+        encoder = isinstance(model, BertEncoder)
+        # without sentence-transformers files: BERT's [CLS] as it comes; a decoder's last
+        # token, normalised (vLLM's defaults for the two)
+        return read_pooling_config(
+            path,
+            model_config,
+            model.hidden_size,
+            default_mode="cls" if encoder else "last",
+            default_normalize=not encoder,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -288,61 +317,6 @@ class PoolingEngine(Engine):
 
     # ------------------------------------------------------------------ requests
 
-    def prepare(
-        self, inputs: Sequence[str | Sequence[int]], truncate_prompt_tokens: int | None = None
-    ) -> list[list[int]]:
-        """Token ids for each input, checked against the vocabulary and the length limit;
-        over the limit is a 400 unless `truncate_prompt_tokens` (-1: the model's limit)."""
-        if not inputs:
-            raise InvalidRequestError("input must not be empty", param="input")
-        limit = self._truncation(truncate_prompt_tokens)
-        return [self._ids(i, item, limit) for i, item in enumerate(inputs)]
-
-    def _truncation(self, value: int | None) -> int | None:
-        if value is None:
-            return None
-        if value == -1:
-            return self.max_context_len
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidRequestError(
-                "truncate_prompt_tokens must be -1 or a positive integer",
-                param="truncate_prompt_tokens",
-            )
-        if value > self.max_context_len:
-            raise InvalidRequestError(
-                f"truncate_prompt_tokens {value} is over the model's limit of "
-                f"{self.max_context_len} tokens",
-                param="truncate_prompt_tokens",
-            )
-        return value
-
-    def _ids(self, index: int, item: str | Sequence[int], limit: int | None) -> list[int]:
-        where = f"input[{index}]"
-        if isinstance(item, str):
-            if not item:
-                raise InvalidRequestError(f"{where} is an empty string", param="input")
-            ids = self.tokenizer.encode(item)
-        else:
-            ids = list(item)
-            if not ids:
-                raise InvalidRequestError(f"{where} is an empty list of tokens", param="input")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"{where} has token id {bad[0]} outside the vocabulary "
-                    f"(0..{self.vocab_size - 1})",
-                    param="input",
-                )
-        if len(ids) <= self.max_context_len:
-            return ids if limit is None else _truncate(ids, limit, self.tokenizer, item)
-        if limit is None:
-            raise InvalidRequestError(
-                f"{where} is {len(ids)} tokens, over the model's limit of "
-                f"{self.max_context_len}; set truncate_prompt_tokens to cut it",
-                param="input",
-            )
-        return _truncate(ids, limit, self.tokenizer, item)
-
     def check_dimensions(self, dimensions: int | None) -> None:
         if dimensions is None:
             return
@@ -366,20 +340,47 @@ class PoolingEngine(Engine):
         dimensions: int | None = None,
         truncate_prompt_tokens: int | None = None,
         timeout: float | None = None,
-    ) -> Embeddings:
+    ) -> Pooled:
         """Pool each input into one vector; batched with the other waiting requests."""
         self._admit()
+        if self.task != "embed":
+            raise InvalidRequestError(
+                "this model is a cross-encoder: it serves /v1/score and /v1/rerank, "
+                "not /v1/embeddings"
+            )
         self.check_dimensions(dimensions)
-        ids = self.prepare(inputs, truncate_prompt_tokens)
-        timeout = self._timeout(timeout)
+        ids = self.inputs.singles(inputs, truncate_prompt_tokens)
+        return await self._enqueue(ids, dimensions, self._timeout(timeout))
+
+    async def score(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        truncate_prompt_tokens: int | None = None,
+        timeout: float | None = None,
+    ) -> Pooled:
+        """A cross-encoder's relevance of each (query, document) pair, 0 to 1."""
+        self._admit()
+        if self.task != "score":
+            raise InvalidRequestError(
+                "this model is an embedder: it serves /v1/embeddings; /v1/score and "
+                f"/v1/rerank need a cross-encoder ({', '.join(CROSS_ENCODER_ARCHITECTURES)})"
+            )
+        if not pairs:
+            raise InvalidRequestError("there are no texts to score", param="input")
+        ids = self.inputs.pairs(pairs, truncate_prompt_tokens)
+        return await self._enqueue(ids, None, self._timeout(timeout))
+
+    async def _enqueue(
+        self, inputs: PoolingInputs, dimensions: int | None, timeout: float | None
+    ) -> Pooled:
         assert self._loop is not None
         req = Req(
-            rid=f"embd-{next(self._rids)}",
-            origin_input_ids=[t for row in ids for t in row],
+            rid=f"pool-{next(self._rids)}",
+            origin_input_ids=[t for row in inputs.ids for t in row],
             sampling_params=SamplingParams(max_new_tokens=1),
             max_context_len=self.max_context_len,
         )
-        pending = _Pending(req, ids, dimensions, self._loop.create_future())
+        pending = _Pending(req, inputs, dimensions, self._loop.create_future())
         self._waiting.append(pending)
         self.observers.on_request_added(req)
         self._wake.set()
@@ -419,8 +420,10 @@ class PoolingEngine(Engine):
                 continue
             self._running = len({id(pending) for pending, _ in batch})
             started = time.perf_counter()
+            rows = [pending.inputs.ids[i] for pending, i in batch]
+            second = [pending.inputs.second[i] for pending, i in batch]
             try:
-                vectors = await asyncio.to_thread(self._forward, [ids for _, ids in batch])
+                outputs = await asyncio.to_thread(self._forward, rows, second)
             except Exception as exc:  # a failed batch fails its requests, not the server
                 logger.exception("pooling batch failed")
                 self.counters.step_failures += 1
@@ -434,46 +437,49 @@ class PoolingEngine(Engine):
             finally:
                 self._running = 0
                 self.busy_seconds += time.perf_counter() - started
-            self._count_step(batch)
-            self._deliver(batch, vectors)
+            self._count_step(rows)
+            self._deliver(batch, outputs)
 
-    def _take_batch(self) -> list[tuple[_Pending, list[int]]]:
+    def _take_batch(self) -> list[tuple[_Pending, int]]:
         """Inputs in arrival order while the padded batch fits `max_prefill_tokens` (at least
         one input); a request may span batches."""
         budget = self.config.scheduler.max_prefill_tokens
-        batch: list[tuple[_Pending, list[int]]] = []
+        batch: list[tuple[_Pending, int]] = []
         longest = 0
         while self._waiting:
             pending = self._waiting[0]
             if pending.done.done():  # its caller gave up
                 self._waiting.pop(0)
                 continue
-            ids = pending.ids[pending.taken]
+            ids = pending.inputs.ids[pending.taken]
             width = max(longest, len(ids))
             if batch and width * (len(batch) + 1) > budget:
                 break
-            batch.append((pending, ids))
+            batch.append((pending, pending.taken))
             longest = width
             if pending.taken == 0:
                 pending.req.first_scheduled_time = time.perf_counter()
                 self.counters.prompt_tokens += len(pending.req.origin_input_ids)
                 self.observers.on_request_scheduled(pending.req)
             pending.taken += 1
-            if pending.taken == len(pending.ids):
+            if pending.taken == len(pending.inputs.ids):
                 self._waiting.pop(0)
         return batch
 
     @torch.inference_mode()
-    def _forward(self, rows: list[list[int]]) -> torch.Tensor:
-        hidden, mask = self.model.hidden_states(rows)
+    def _forward(self, rows: list[list[int]], second: list[int]) -> torch.Tensor:
+        model = self.model
+        if isinstance(model, BertCrossEncoder):
+            return model.logits(rows, second)[:, 0].cpu()
+        hidden, mask = model.hidden_states(rows)
         return pool(hidden, mask, self.pooling.mode).float().cpu()
 
-    def _count_step(self, batch: list[tuple[_Pending, list[int]]]) -> None:
-        padded = len(batch) * max(len(ids) for _, ids in batch)
+    def _count_step(self, rows: list[list[int]]) -> None:
+        padded = len(rows) * max(len(ids) for ids in rows)
         self.counters.steps += 1
         self.counters.prefill_batches += 1
         self.counters.prefill_tokens += padded
-        self.observers.on_step(len(batch), decode=False, overlapped=False)
+        self.observers.on_step(len(rows), decode=False, overlapped=False)
         self.observers.on_step_tokens(padded)
 
     def _finish(self, pending: _Pending, reason: FinishReason) -> None:
@@ -486,17 +492,17 @@ class PoolingEngine(Engine):
         finished[reason.value] = finished.get(reason.value, 0) + 1
         self.observers.on_request_finished(req, time.perf_counter())
 
-    def _deliver(self, batch: list[tuple[_Pending, list[int]]], vectors: torch.Tensor) -> None:
+    def _deliver(self, batch: list[tuple[_Pending, int]], outputs: torch.Tensor) -> None:
         for row, (pending, _) in enumerate(batch):
-            pending.parts.append(vectors[row])
-            if len(pending.parts) == len(pending.ids) and not pending.done.done():
-                pooled = torch.stack(pending.parts)
-                pending.done.set_result(
-                    Embeddings(
-                        vectors=finish(pooled, self.pooling, pending.dimensions),
-                        prompt_tokens=sum(len(i) for i in pending.ids),
-                    )
+            pending.parts.append(outputs[row])
+            if len(pending.parts) == len(pending.inputs.ids) and not pending.done.done():
+                stacked = torch.stack(pending.parts)
+                result = (
+                    torch.sigmoid(stacked.float())
+                    if self.task == "score"
+                    else finish(stacked, self.pooling, pending.dimensions)
                 )
+                pending.done.set_result(Pooled(result, pending.inputs.num_tokens))
                 self._finish(pending, FinishReason.STOP)
 
     def _fail_waiting(self, exc: Exception) -> None:
@@ -521,16 +527,6 @@ def _check_settings(config: StallfreeConfig) -> None:
     ]
     if refused:
         raise ModelLoadError(f"the pooling runner does not take {', '.join(refused)}")
-
-
-def _truncate(ids: list[int], limit: int, tokenizer: Tokenizer, item: object) -> list[int]:
-    """The first `limit` tokens; a text keeps its closing special token (BERT's [SEP]), as
-    sentence-transformers' truncation does."""
-    if len(ids) <= limit:
-        return ids
-    if isinstance(item, str) and limit > 1 and ids[-1] in tokenizer.special_ids:
-        return ids[: limit - 1] + ids[-1:]
-    return ids[:limit]
 
 
 def _read_model_config(path: Path) -> dict[str, Any]:

@@ -49,7 +49,7 @@ async def _embed(path: Path, rows: list[list[int]], **model: object) -> torch.Te
     assert isinstance(engine, PoolingEngine)
     await engine.start()
     try:
-        return (await engine.embed(rows)).vectors
+        return (await engine.embed(rows)).outputs
     finally:
         await engine.shutdown()
 

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -186,8 +186,14 @@ class BertEncoder(nn.Module):
         self.embeddings = _Embeddings(cfg)
         self.encoder = _Encoder(cfg)
 
-    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        token_type_ids = torch.zeros_like(input_ids)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
         x = self.embeddings(input_ids, token_type_ids)
         key_mask = mask[:, None, None, :]  # [B, 1 (heads), 1 (queries), T (keys)]
         for layer in self.encoder.layer:
@@ -213,10 +219,30 @@ def load_bert(
     path: Path, cfg: dict[str, Any], dtype: torch.dtype, device: torch.device
 ) -> BertEncoder:
     """The encoder from `path`'s safetensors; every tensor it needs present, shapes checked."""
-    from safetensors import safe_open
-
     with torch.device("meta"):
         model = BertEncoder(BertConfig.from_dict(cfg))
+
+    def rename(key: str) -> str | None:
+        name = key.removeprefix(_PREFIX)
+        return None if name.startswith(_UNUSED) else name
+
+    return load_weights(model, path, dtype, device, rename)
+
+
+_Module = TypeVar("_Module", bound=nn.Module)
+
+
+def load_weights(
+    model: _Module,
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    rename: Callable[[str], str | None],
+) -> _Module:
+    """`model` (built on the meta device) given `path`'s safetensors, each key renamed to its
+    parameter (None, or a name the model lacks: not used); shapes checked, none missing."""
+    from safetensors import safe_open
+
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -225,8 +251,8 @@ def load_bert(
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                name = key.removeprefix(_PREFIX)
-                if name.startswith(_UNUSED) or name not in expected:
+                name = rename(key)
+                if name is None or name not in expected:
                     continue
                 shape = tuple(f.get_slice(key).get_shape())
                 if shape != expected[name]:

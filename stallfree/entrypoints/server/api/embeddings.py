@@ -23,7 +23,7 @@ from stallfree.entrypoints.server.base.errors import (
 from stallfree.entrypoints.server.base.state import request_id, server_state
 from stallfree.entrypoints.server.intake.requests import read_body
 from stallfree.entrypoints.server.intake.screening import check_model, check_runner
-from stallfree.runtime.pooler import Embeddings, PoolingEngine
+from stallfree.runtime.pooler import Pooled, PoolingEngine
 from stallfree.runtime.request.errors import EngineClosedError
 
 
@@ -58,8 +58,8 @@ async def embeddings(request: Request) -> Response:
     return JSONResponse(answer.model_dump())
 
 
-def _data(result: Embeddings, encoding: str) -> list[EmbeddingData]:
-    vectors = result.vectors
+def _data(result: Pooled, encoding: str) -> list[EmbeddingData]:
+    vectors = result.outputs
     if encoding == "base64":
         # OpenAI's encoding: the float32 values' bytes, little-endian, in base64
         return [

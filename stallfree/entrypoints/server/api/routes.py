@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from stallfree.entrypoints.server.api.chat_api import chat
 from stallfree.entrypoints.server.api.embeddings import embeddings
 from stallfree.entrypoints.server.api.openai_api import completions
+from stallfree.entrypoints.server.api.score import rerank, score
 from stallfree.entrypoints.server.base.errors import ApiError
 from stallfree.entrypoints.server.base.protocol import GenerateRequest
 from stallfree.entrypoints.server.base.state import server_state
@@ -85,6 +86,10 @@ def api_routes() -> APIRouter:
     router.add_api_route("/v1/chat/completions", chat, methods=["POST"])
     router.add_api_route("/generate", generate, methods=["POST"])
     router.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
+    for path in ("/v1/score", "/score"):
+        router.add_api_route(path, score, methods=["POST"])
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        router.add_api_route(path, rerank, methods=["POST"])
 
     @router.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:
