@@ -8,6 +8,10 @@ stays open for ever, and enough of them use up the process's file descriptors. S
 - **head deadline**: a request's line and headers must arrive whole within `header_timeout_s`,
   counted from the connection's opening, or from the first byte of a later request on it;
   otherwise the connection is closed;
+- **head size**: a request's line and headers, up to the blank line that ends them, may take
+  `MAX_HEAD_BYTES`; a longer head is answered 431 and the connection closed, before the HTTP
+  parser reads it. (h11's own limit, the same number, holds only for a head still incomplete
+  after a read: a whole head of any size that arrived in one read was parsed);
 - **connection budget**: at most `max_connections` are open. A new one past the budget closes
   the connection that has been idle longest (no request in progress: a fresh or slow one, or a
   keep-alive one between requests); if every connection is busy, the new one is closed;
@@ -28,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import socket
 import struct
 import time
@@ -47,6 +52,11 @@ _WARN_EVERY_S = 10.0
 _SHUTDOWN_WRITE_S = 1.0
 # SO_LINGER on with a zero timeout: close() resets the connection
 _RESET = struct.pack("ii", 1, 0)
+# the most bytes a request's line and headers may take, the blank line that ends them included
+# (h11's default limit, which uvicorn keeps)
+MAX_HEAD_BYTES = 16 * 1024
+# where a head ends, as h11 finds it (a line ending may be a bare LF)
+_HEAD_END = re.compile(rb"\n\r?\n")
 
 
 class ConnectionBudget:
@@ -137,6 +147,10 @@ class GuardedH11Protocol(H11Protocol):
         self._watch_to_close = False
         self._unsent = 0
         self._moved_at = 0.0
+        # the head being received: its bytes so far, and the last two of them (its end, a
+        # blank line, may straddle two reads)
+        self._head_bytes = 0
+        self._head_tail = b""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -192,6 +206,9 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and not self._head_fits(data):
+            self._refuse_head()
+            return
         super().data_received(data)
         if self.transport.is_closing():
             self._disarm_head_timer()
@@ -203,6 +220,39 @@ class GuardedH11Protocol(H11Protocol):
             # the head is whole: a request is in progress
             self._disarm_head_timer()
             self.budget.idle.pop(self, None)
+
+    def _head_fits(self, data: bytes) -> bool:
+        """Whether the head that `data` begins or continues stays within `MAX_HEAD_BYTES`."""
+        seen = self._head_tail + data
+        end = _HEAD_END.search(seen)
+        upto = self._head_bytes - len(self._head_tail) + (end.end() if end else len(seen))
+        if upto > MAX_HEAD_BYTES:
+            return False
+        if end is None:
+            self._head_bytes, self._head_tail = upto, seen[-2:]
+        else:  # the head is whole: the next one counts from 0
+            self._head_bytes, self._head_tail = 0, b""
+        return True
+
+    def _refuse_head(self) -> None:
+        """431 in the OpenAI error shape, written as is (the parser has seen no request), and
+        the connection closes."""
+        self._disarm_head_timer()
+        body = error_body(
+            ErrorInfo(
+                message=f"the request's line and headers are over {MAX_HEAD_BYTES} bytes",
+                type="invalid_request_error",
+                code="headers_too_large",
+            )
+        )
+        head = (
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"content-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n"
+            b"connection: close\r\n\r\n"
+        )
+        self.transport.write(head + body)
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
