@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from stallfree.entrypoints.server import create_app, start_server
 from stallfree.runtime.model.arch import ModelLoadError
 from stallfree.runtime.pooler import PoolingEngine, open_engine, runner_for
 from tests.engine_util import engine_config
+from tests.http_util import MODEL, ROOT, stallfree_serve
 from tests.minilm import matryoshka_copy, require_minilm
 from tests.server_util import module_loop, serving
 
@@ -256,3 +260,27 @@ async def test_a_request_past_its_deadline_is_a_504_and_counted() -> None:
         assert engine.counters.finished == {"abort": 1}
         assert not engine._waiting
         assert (await http.get("/health")).status_code == 200
+
+
+GENERATE = ("--runner", "generate", "--device", "cpu")
+
+
+def test_stallfree_serve_picks_the_pooling_runner() -> None:
+    """`stallfree serve MODEL` on a BertModel serves embeddings with no flag; `--runner
+    generate` on it exits 2 naming the reason."""
+    path = str(require_minilm())
+    with stallfree_serve("--model", path) as (_, base):
+        r = httpx.post(base + "/v1/embeddings", json={"model": MODEL, "input": ["a", "b"]})
+        assert r.status_code == 200, r.text
+        assert [len(d["embedding"]) for d in r.json()["data"]] == [384, 384]
+        r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "a"})
+        assert r.status_code == 400 and "pooling runner" in r.text
+    done = subprocess.run(
+        [sys.executable, "-m", "stallfree.entrypoints.cli", "serve", "--model", path, *GENERATE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert done.returncode == 2
+    assert "is an encoder: it cannot generate; serve it with --runner pooling" in done.stderr

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import time
+from collections.abc import Iterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -20,7 +22,7 @@ from stallfree.entrypoints.server.base.errors import (
     from_engine_error,
     shutting_down,
 )
-from stallfree.entrypoints.server.base.state import request_id, server_state
+from stallfree.entrypoints.server.base.state import ServerState, request_id, server_state
 from stallfree.entrypoints.server.intake.requests import read_body
 from stallfree.entrypoints.server.intake.screening import check_model, check_runner
 from stallfree.runtime.pooler import Pooled, PoolingEngine
@@ -35,19 +37,8 @@ async def embeddings(request: Request) -> Response:
     engine = state.engine
     assert isinstance(engine, PoolingEngine)
     rid = request_id(request)
-    try:
+    with pooling_refusals(state, rid):
         result = await engine.embed(body.inputs(), body.dimensions, body.truncate_prompt_tokens)
-    except EngineClosedError as exc:
-        raise shutting_down() from exc
-    except TimeoutError as exc:  # runtime.request_timeout_s passed; the request was dropped
-        raise ApiError(
-            504,
-            f"the request passed its deadline of {engine.config.runtime.request_timeout_s} s",
-            type="timeout_error",
-            code="deadline_exceeded",
-        ) from exc
-    except ENGINE_ERRORS as exc:
-        raise from_engine_error(exc, state.limits.retry_after_s, rid) from exc
     answer = EmbeddingResponse(
         id=f"embd-{rid}",
         created=int(time.time()),
@@ -56,6 +47,25 @@ async def embeddings(request: Request) -> Response:
         usage=EmbeddingUsage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens),
     )
     return JSONResponse(answer.model_dump())
+
+
+@contextlib.contextmanager
+def pooling_refusals(state: ServerState, rid: str) -> Iterator[None]:
+    """The pooling engine's refusals as the server's answers: 503 while closing, 504 past the
+    request's deadline, the other engine errors as every route answers them."""
+    try:
+        yield
+    except EngineClosedError as exc:
+        raise shutting_down() from exc
+    except TimeoutError as exc:  # runtime.request_timeout_s passed; the request was dropped
+        raise ApiError(
+            504,
+            f"the request passed its deadline of {state.engine.config.runtime.request_timeout_s} s",
+            type="timeout_error",
+            code="deadline_exceeded",
+        ) from exc
+    except ENGINE_ERRORS as exc:
+        raise from_engine_error(exc, state.limits.retry_after_s, rid) from exc
 
 
 def _data(result: Pooled, encoding: str) -> list[EmbeddingData]:

@@ -8,12 +8,8 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from stallfree.entrypoints.server.base.errors import (
-    ENGINE_ERRORS,
-    ApiError,
-    from_engine_error,
-    shutting_down,
-)
+from stallfree.entrypoints.server.api.embeddings import pooling_refusals
+from stallfree.entrypoints.server.base.errors import ApiError
 from stallfree.entrypoints.server.base.score_protocol import (
     RerankDocument,
     RerankRequest,
@@ -29,7 +25,6 @@ from stallfree.entrypoints.server.base.state import ServerState, request_id, ser
 from stallfree.entrypoints.server.intake.requests import read_body
 from stallfree.entrypoints.server.intake.screening import check_model, check_runner
 from stallfree.runtime.pooler import Pooled, PoolingEngine
-from stallfree.runtime.request.errors import EngineClosedError
 
 
 async def score(request: Request) -> Response:
@@ -102,16 +97,5 @@ async def _score(
 ) -> Pooled:
     engine = state.engine
     assert isinstance(engine, PoolingEngine)
-    try:
+    with pooling_refusals(state, request_id(request)):
         return await engine.score(pairs, truncate)
-    except EngineClosedError as exc:
-        raise shutting_down() from exc
-    except TimeoutError as exc:
-        raise ApiError(
-            504,
-            f"the request passed its deadline of {engine.config.runtime.request_timeout_s} s",
-            type="timeout_error",
-            code="deadline_exceeded",
-        ) from exc
-    except ENGINE_ERRORS as exc:
-        raise from_engine_error(exc, state.limits.retry_after_s, request_id(request)) from exc
