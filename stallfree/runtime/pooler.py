@@ -14,6 +14,7 @@ event loop (one batch at a time), so the server keeps answering while a batch ru
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -184,6 +185,7 @@ class PoolingEngine(Engine):
         self._wake = asyncio.Event()
         self._stopping = False
         self._running = 0  # requests with an input in the batch being run
+        self._current: list[_Pending] = []  # those requests, until their outputs are handed out
         self.metrics = None  # last: the exporter reads a snapshot as it is built
         if self.config.metrics.enabled:
             self.metrics = load_metrics_plugin("prometheus").build(self.config, self.snapshot)
@@ -238,6 +240,7 @@ class PoolingEngine(Engine):
         self._thread_id = threading.get_ident()
         self._wake = asyncio.Event()
         self._loop_task = asyncio.create_task(self._run(), name="stallfree-pooler")
+        self._loop_task.add_done_callback(self._on_loop_exit)
         self._state = "running"
         logger.info(
             "pooling engine started: %s, %s, hidden %d, %s pooling%s, max %d tokens",
@@ -262,8 +265,24 @@ class PoolingEngine(Engine):
         self._stopping = True
         self._wake.set()
         assert self._loop_task is not None
-        await self._loop_task
+        # a loop that died has failed its requests and logged why (_on_loop_exit)
+        with contextlib.suppress(Exception):
+            await self._loop_task
         self._state = "closed"
+
+    def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
+        """If the step loop dies, no request may wait forever: fail what is waiting."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        logger.error("pooling loop died; failing %d requests", len(self._waiting), exc_info=exc)
+        failure = EngineUnhealthyError(f"the pooling loop stopped: {exc!r}")
+        for pending in self._current:
+            if not pending.done.done():
+                pending.done.set_exception(failure)
+            self._finish(pending, FinishReason.ERROR)
+        self._current = []
+        self._fail_waiting(failure)
 
     @property
     def healthy(self) -> bool:
@@ -418,7 +437,8 @@ class PoolingEngine(Engine):
             batch = self._take_batch()
             if not batch:
                 continue
-            self._running = len({id(pending) for pending, _ in batch})
+            self._current = list({id(p): p for p, _ in batch}.values())
+            self._running = len(self._current)
             started = time.perf_counter()
             rows = [pending.inputs.ids[i] for pending, i in batch]
             second = [pending.inputs.second[i] for pending, i in batch]
@@ -433,12 +453,14 @@ class PoolingEngine(Engine):
                             EngineUnhealthyError(f"the pooling step failed: {exc!r}")
                         )
                     self._finish(pending, FinishReason.ERROR)
+                self._current = []
                 continue
             finally:
                 self._running = 0
                 self.busy_seconds += time.perf_counter() - started
             self._count_step(rows)
             self._deliver(batch, outputs)
+            self._current = []
 
     def _take_batch(self) -> list[tuple[_Pending, int]]:
         """Inputs in arrival order while the padded batch fits `max_prefill_tokens` (at least

@@ -3,6 +3,7 @@ client, against sentence-transformers; refusals; the runner chosen from the arch
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import os
@@ -284,3 +285,39 @@ def test_stallfree_serve_picks_the_pooling_runner() -> None:
     )
     assert done.returncode == 2
     assert "is an encoder: it cannot generate; serve it with --runner pooling" in done.stderr
+
+
+@pytest.mark.asyncio
+async def test_a_failed_step_fails_its_requests_and_a_dead_loop_fails_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fault injection: a step that raises fails its requests (the server serves on); a loop
+    that dies fails the request in hand and reports unhealthy, so nothing waits forever."""
+    from stallfree.runtime.request.errors import EngineUnhealthyError
+
+    engine = open_engine(engine_config(str(require_minilm())))
+    assert isinstance(engine, PoolingEngine)
+    await engine.start()
+    try:
+        real_forward = engine._forward
+
+        def failing_forward(*args: Any) -> torch.Tensor:
+            raise RuntimeError("injected step failure")
+
+        monkeypatch.setattr(engine, "_forward", failing_forward)
+        with pytest.raises(EngineUnhealthyError, match="injected step failure"):
+            await engine.embed(["one", "two"])
+        assert engine.counters.step_failures == 1
+        monkeypatch.setattr(engine, "_forward", real_forward)
+        assert (await engine.embed(["fine"])).outputs.shape == (1, 384)
+
+        def dying_deliver(*args: Any) -> None:
+            raise RuntimeError("injected loop bug")
+
+        monkeypatch.setattr(engine, "_deliver", dying_deliver)
+        with pytest.raises(EngineUnhealthyError, match="injected loop bug"):
+            await asyncio.wait_for(engine.embed(["lost"]), timeout=30)
+        assert not engine.healthy
+        assert engine.counters.finished == {"error": 2, "stop": 1}
+    finally:
+        await engine.shutdown()
