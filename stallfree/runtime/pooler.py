@@ -1,12 +1,14 @@
-"""`PoolingEngine`: the pooling runner, an embedder behind the same front door as `Engine`.
+"""`PoolingEngine`: the pooling runner, an embedder or a cross-encoder behind the same front
+door as `Engine`.
 
-An encoder (`BertModel`) attends both ways over its whole input in one pass and keeps no KV
-cache; a decoder embedder (a native family's hidden states, `decoder_embedder.py`) needs its
-KV only within the pass. Neither goes through the paged-KV scheduler. Its requests share the engine's
-admission rules instead (the waiting-queue limit, a request deadline, the closed and unhealthy
-refusals) and run as their own step type: a loop on the engine's event loop takes the waiting
-inputs, up to `scheduler.max_prefill_tokens` padded tokens a batch, and runs each batch off the
-event loop (one batch at a time), so the server keeps answering while a batch runs.
+An encoder (`BertModel`, `BertForSequenceClassification`) attends both ways over its whole
+input in one pass and keeps no KV cache; a decoder embedder (a native family's hidden states,
+`decoder_embedder.py`) needs its KV only within the pass. Neither goes through the paged-KV
+scheduler. Their requests share the engine's admission rules instead (the waiting-queue limit,
+a request deadline, the closed and unhealthy refusals), its counters and its observers, and run
+as their own step type: a loop on the engine's event loop takes the waiting inputs, up to
+`scheduler.max_prefill_tokens` padded tokens a batch, and runs each batch off the event loop
+(one batch at a time), so the server keeps answering while a batch runs.
 
 `open_engine(config)` picks the runner: `model.runner`, or from the checkpoint's architecture.
 """
@@ -138,10 +140,11 @@ class _Pending:
 
 class PoolingEngine(Engine):
     """The pooling runner. It is an `Engine` to the server (lifecycle, health, tokenizer,
-    limits), and refuses generation with a 400 that names its runner; `embed` is its request.
+    limits, snapshot), and refuses generation with a 400 that names its runner; `embed` and
+    `score` are its requests.
 
-    It builds no paged-KV core: `Engine.__init__` is not called, and what needs one (the
-    scheduler's snapshot, KV import and export) is not offered."""
+    It builds no paged-KV core: `Engine.__init__` is not called, and what needs one (KV import
+    and export, the prefix cache) is not offered."""
 
     runner = "pooling"
 
