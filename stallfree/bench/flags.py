@@ -22,11 +22,12 @@ DESCRIPTION = """Load-test a stallfree engine (in process or over HTTP) or any O
 server. With --compare, run the same seeded workload in each overlap mode and print one table
 with a column per mode and each figure's ratio to the first (baseline) mode."""
 
-BACKENDS = ("openai", "openai-chat", "vllm", "sglang")
+BACKENDS = ("openai", "openai-chat", "vllm", "sglang", "openai-embeddings")
 ENDPOINTS = {
     "/v1/completions": "openai",
     "/v1/chat/completions": "openai-chat",
     "/generate": "sglang",
+    "/v1/embeddings": "openai-embeddings",
 }
 # `--workload` names and the `--dataset-name` spellings of `vllm bench serve` for the same sets
 _WORKLOADS = {
@@ -105,7 +106,8 @@ _TARGET = [
     flag("--backend", choices=BACKENDS,
          help="the API driven over HTTP: openai (and vllm) stream /v1/completions, openai-chat "
          "streams /v1/chat/completions, sglang streams SGLang's native /generate (stallfree "
-         "serves it too) (default: openai; without --base-url it picks --target http)"),
+         "serves it too), openai-embeddings posts each prompt to /v1/embeddings (requests/s, "
+         "input tokens/s) (default: openai; without --base-url it picks --target http)"),
     flag("--endpoint", choices=list(ENDPOINTS),
          help="the API path, another way to choose --backend (default: the backend's)"),
     flag("--served-model-name", help="model id sent over HTTP (default: the server's first)"),

@@ -1,6 +1,6 @@
 """Targets: where requests go. An embedded `Engine`, or any OpenAI-compatible server over HTTP
-(streaming `/v1/completions`, or `/v1/chat/completions` for the chat backend). Every target
-times each request from the client's side."""
+(streaming `/v1/completions`, or `/v1/chat/completions` for the chat backend, or
+`/v1/embeddings` whole). Every target times each request from the client's side."""
 
 from __future__ import annotations
 
@@ -352,6 +352,45 @@ class SGLangTarget(HttpTarget):
         return chunks
 
 
+class EmbeddingsHttpTarget(HttpTarget):
+    """`POST /v1/embeddings` (vLLM's `openai-embeddings` backend), one prompt a request,
+    answered whole: its figures are requests/s, input tokens/s and latency (TTFT is the whole
+    answer's time); there are no output tokens."""
+
+    backend = "openai-embeddings"
+    path = "/v1/embeddings"
+
+    def _body(self, req: BenchRequest, opts: RequestOptions) -> dict[str, Any]:
+        return {"model": self.model, "input": req.prompt, "encoding_format": "base64"}
+
+    async def send(self, req: BenchRequest, opts: RequestOptions) -> RequestRecord:
+        import httpx
+
+        assert self.client is not None
+        record = RequestRecord(req.prompt_len, 0, input_tokens=req.prompt_len)
+        timer = _Timer(record)
+        try:
+            resp = await self.client.post(self.path, json=self._body(req, opts))
+        except httpx.HTTPError as exc:
+            record.error = _describe(exc)
+            return timer.done()
+        timer.content()
+        if resp.status_code != 200:
+            record.error = f"HTTP {resp.status_code}: {_error_message(resp.text)}"
+            return timer.done()
+        try:
+            body = resp.json()
+            vectors = len(body["data"])
+            record.input_tokens = int(body["usage"]["prompt_tokens"])
+        except (ValueError, KeyError, TypeError) as exc:
+            record.error = f"bad answer: {exc!r}"
+            return timer.done()
+        record.success = vectors == 1
+        if not record.success:
+            record.error = f"{vectors} embeddings for one input"
+        return timer.done()
+
+
 async def _sse_events(resp: httpx.Response, record: RequestRecord) -> AsyncIterator[dict[str, Any]]:
     """A stream's JSON events up to `data: [DONE]`; an error event goes to `record.error`
     instead."""
@@ -382,8 +421,13 @@ def http_target(
     api_key: str | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> HttpTarget:
-    """The target for `--backend`: openai (also vllm, and the default), openai-chat or sglang."""
-    cls = {"openai-chat": ChatHttpTarget, "sglang": SGLangTarget}.get(backend or "", HttpTarget)
+    """The target for `--backend`: openai (also vllm, and the default), openai-chat, sglang or
+    openai-embeddings."""
+    cls = {
+        "openai-chat": ChatHttpTarget,
+        "sglang": SGLangTarget,
+        "openai-embeddings": EmbeddingsHttpTarget,
+    }.get(backend or "", HttpTarget)
     return cls(base_url, model, api_key, transport=transport)
 
 
