@@ -367,7 +367,7 @@ BAD_REQUESTS = [
         "sampling_params.top_p",
         "top_p",
     ),
-    ("unknown route", *_post("/v1/embeddings", {"model": "test-model"}), 404, None, "Not Found"),
+    ("unknown route", *_post("/v1/moderations", {"model": "test-model"}), 404, None, "Not Found"),
 ]
 
 
