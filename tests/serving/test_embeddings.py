@@ -134,6 +134,7 @@ async def test_many_inputs_span_batches(minilm: Any, reference: torch.Tensor) ->
         ({"input": "x", "dimensions": 0}, "dimensions", "positive integer"),
         ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1 or"),
         ({"input": "x", "truncate_prompt_tokens": 999}, "truncate_prompt_tokens", "over"),
+        ({"input": ["x"] * 2049}, "input", "has 2049 items; one request takes at most 2048"),
     ],
 )
 @module_loop

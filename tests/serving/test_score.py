@@ -108,6 +108,7 @@ async def test_score_and_rerank_equal_transformers(cross_encoder: Path) -> None:
         ("/v1/rerank", {"query": QUERY, "documents": []}, "documents must not be empty"),
         ("/v1/rerank", {"documents": DOCS}, "query"),
         ("/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}, "top_n"),
+        ("/v1/rerank", {"query": QUERY, "documents": ["d"] * 2049}, "at most 2048"),
         ("/v1/rerank", {"query": "long " * 200, "documents": DOCS}, "over the model's limit"),
         ("/v1/embeddings", {"input": "x"}, "cross-encoder"),
         ("/v1/completions", {"prompt": "x"}, "pooling runner"),

@@ -11,6 +11,9 @@ from typing import Any
 from stallfree.runtime.request.errors import InvalidRequestError
 from stallfree.runtime.text.tokenizer import HFTokenizer, Tokenizer
 
+# inputs one request may carry: OpenAI's limit for /v1/embeddings, kept for pairs too
+MAX_INPUTS = 2048
+
 
 @dataclass(frozen=True, slots=True)
 class PoolingInputs:
@@ -56,6 +59,7 @@ class InputReader:
     ) -> PoolingInputs:
         if not inputs:
             raise InvalidRequestError(f"{param} must not be empty", param=param)
+        _check_count(len(inputs), param)
         limit = self.truncation(truncate)
         ids = [self._single(f"{param}[{i}]", item, limit, param) for i, item in enumerate(inputs)]
         return PoolingInputs(ids, [len(row) for row in ids])
@@ -64,6 +68,7 @@ class InputReader:
         """Each (a, b) as the tokenizer's pair template writes it ([CLS] a [SEP] b [SEP])."""
         if not isinstance(self.tokenizer, HFTokenizer):
             raise InvalidRequestError("this model's tokenizer cannot encode text pairs")
+        _check_count(len(pairs), "input")
         limit = self.truncation(truncate)
         raw = self.tokenizer.raw
         ids: list[list[int]] = []
@@ -116,6 +121,13 @@ class InputReader:
         if isinstance(item, str) and limit > 1 and ids[-1] in self.tokenizer.special_ids:
             return ids[: limit - 1] + ids[-1:]
         return ids[:limit]
+
+
+def _check_count(count: int, param: str) -> None:
+    if count > MAX_INPUTS:
+        raise InvalidRequestError(
+            f"{param} has {count} items; one request takes at most {MAX_INPUTS}", param=param
+        )
 
 
 def _truncated_pair(raw: Any, a: str, b: str, limit: int) -> Any:
