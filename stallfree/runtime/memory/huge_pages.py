@@ -94,9 +94,12 @@ def move_to_huge_pages(model: nn.Module) -> int:
     arena = torch.frombuffer(buf, dtype=torch.uint8)
     base = (-arena.data_ptr()) % HUGE_PAGE  # the first 2 MB boundary inside the mapping
     buf.madvise(mmap.MADV_HUGEPAGE, base, size)
+    moved = sum(storages[p].nbytes() for p in order)
     with torch.no_grad():
         for ptr in order:
-            old = storages[ptr]
+            # dropped from the table as it is copied, so each old storage is freed once its
+            # tensors point at the copy (the peak is one storage, not the whole model, over)
+            old = storages.pop(ptr)
             start = base + offsets[ptr]
             new = arena[start : start + old.nbytes()].untyped_storage()
             # the slice's storage is the whole arena: copy into the bytes at its offset
@@ -105,6 +108,6 @@ def move_to_huge_pages(model: nn.Module) -> int:
                 elem = t.element_size()
                 offset = start // elem + t.storage_offset()
                 t.set_(new, offset, t.size(), t.stride())
-    moved = sum(storages[p].nbytes() for p in order)
+            del old
     logger.info("weights: %.0f MB moved to memory advised for 2 MB pages", moved / 2**20)
     return moved

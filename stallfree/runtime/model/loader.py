@@ -153,9 +153,9 @@ def load_model(
         loaded = _load(path_or_preset, dtype, device, seed, tp, quantization)
     if isinstance(loaded.model, LlamaForCausalLM):
         use_native_linears(loaded.model)
-    if torch.device(device).type == "cpu":
-        move_to_huge_pages(loaded.model)  # weights streamed from 2 MB pages (huge_pages.py)
     release_free_heap()  # the load's temporaries (memory/heap.py)
+    if torch.device(device).type == "cpu" and move_to_huge_pages(loaded.model):
+        release_free_heap()  # the storages the weights were moved from
     return loaded
 
 
