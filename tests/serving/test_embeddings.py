@@ -322,3 +322,16 @@ async def test_a_failed_step_fails_its_requests_and_a_dead_loop_fails_the_rest(
         assert engine.counters.finished == {"error": 2, "stop": 1}
     finally:
         await engine.shutdown()
+
+
+@module_loop
+async def test_vllm_pooling_route(minilm: Any, reference: torch.Tensor) -> None:
+    """vLLM's /pooling: the same vectors in vLLM's shape."""
+    _, (_, http) = minilm
+    r = await http.post("/pooling", json={"model": "minilm", "input": TEXTS[:2]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [(d["index"], d["object"]) for d in body["data"]] == [(0, "pooling"), (1, "pooling")]
+    _close([d["data"] for d in body["data"]], reference[:2])
+    r = await http.post("/pooling", json={"model": "minilm", "input": []})
+    assert r.status_code == 400 and "must not be empty" in r.text

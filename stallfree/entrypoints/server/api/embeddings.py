@@ -1,4 +1,5 @@
-"""`/v1/embeddings`: OpenAI's embeddings route, served by the pooling runner."""
+"""`/v1/embeddings` (OpenAI's) and `/pooling` (vLLM's): an embedder's vectors, served by the
+pooling runner."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from stallfree.entrypoints.server.base.embedding_protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingUsage,
+    PoolingData,
+    PoolingResponse,
 )
 from stallfree.entrypoints.server.base.errors import (
     ENGINE_ERRORS,
@@ -30,23 +33,47 @@ from stallfree.runtime.request.errors import EngineClosedError
 
 
 async def embeddings(request: Request) -> Response:
-    body = await read_body(request, EmbeddingRequest)
-    state = server_state(request)
-    check_model(state.model_name, body.model)
-    check_runner(state.engine, "pooling", "/v1/embeddings")
-    engine = state.engine
-    assert isinstance(engine, PoolingEngine)
-    rid = request_id(request)
-    with pooling_refusals(state, rid):
-        result = await engine.embed(body.inputs(), body.dimensions, body.truncate_prompt_tokens)
+    body, state, result = await _pool(request, "/v1/embeddings")
     answer = EmbeddingResponse(
-        id=f"embd-{rid}",
+        id=f"embd-{request_id(request)}",
         created=int(time.time()),
         model=state.model_name,
-        data=_data(result, body.encoding_format),
+        data=[
+            EmbeddingData(index=i, embedding=vector)
+            for i, vector in enumerate(_encoded(result, body.encoding_format))
+        ],
         usage=EmbeddingUsage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens),
     )
     return JSONResponse(answer.model_dump())
+
+
+async def pooling(request: Request) -> Response:
+    """vLLM's `/pooling`: the embedder's pooled output, as `/v1/embeddings` computes it, in
+    vLLM's answer shape (`object: "pooling"`, the vector under `data`)."""
+    body, state, result = await _pool(request, "/pooling")
+    answer = PoolingResponse(
+        id=f"pool-{request_id(request)}",
+        created=int(time.time()),
+        model=state.model_name,
+        data=[
+            PoolingData(index=i, data=vector)
+            for i, vector in enumerate(_encoded(result, body.encoding_format))
+        ],
+        usage=EmbeddingUsage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens),
+    )
+    return JSONResponse(answer.model_dump())
+
+
+async def _pool(request: Request, route: str) -> tuple[EmbeddingRequest, ServerState, Pooled]:
+    body = await read_body(request, EmbeddingRequest)
+    state = server_state(request)
+    check_model(state.model_name, body.model)
+    check_runner(state.engine, "pooling", route)
+    engine = state.engine
+    assert isinstance(engine, PoolingEngine)
+    with pooling_refusals(state, request_id(request)):
+        result = await engine.embed(body.inputs(), body.dimensions, body.truncate_prompt_tokens)
+    return body, state, result
 
 
 @contextlib.contextmanager
@@ -68,17 +95,13 @@ def pooling_refusals(state: ServerState, rid: str) -> Iterator[None]:
         raise from_engine_error(exc, state.limits.retry_after_s, rid) from exc
 
 
-def _data(result: Pooled, encoding: str) -> list[EmbeddingData]:
+def _encoded(result: Pooled, encoding: str) -> list[list[float]] | list[str]:
     vectors = result.outputs
     if encoding == "base64":
         # OpenAI's encoding: the float32 values' bytes, little-endian, in base64
         return [
-            EmbeddingData(
-                index=i,
-                embedding=base64.b64encode(
-                    row.contiguous().numpy().astype("<f4").tobytes()
-                ).decode(),
-            )
-            for i, row in enumerate(vectors)
+            base64.b64encode(row.contiguous().numpy().astype("<f4").tobytes()).decode()
+            for row in vectors
         ]
-    return [EmbeddingData(index=i, embedding=row) for i, row in enumerate(vectors.tolist())]
+    rows: list[list[float]] = vectors.tolist()
+    return rows

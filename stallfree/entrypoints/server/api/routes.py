@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from stallfree.entrypoints.server.api.chat_api import chat
-from stallfree.entrypoints.server.api.embeddings import embeddings
+from stallfree.entrypoints.server.api.embeddings import embeddings, pooling
 from stallfree.entrypoints.server.api.openai_api import completions
 from stallfree.entrypoints.server.api.score import rerank, score
 from stallfree.entrypoints.server.base.errors import ApiError
@@ -86,6 +86,7 @@ def api_routes() -> APIRouter:
     router.add_api_route("/v1/chat/completions", chat, methods=["POST"])
     router.add_api_route("/generate", generate, methods=["POST"])
     router.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
+    router.add_api_route("/pooling", pooling, methods=["POST"])
     for path in ("/v1/score", "/score"):
         router.add_api_route(path, score, methods=["POST"])
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):

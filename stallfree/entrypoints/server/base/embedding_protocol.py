@@ -1,4 +1,5 @@
-"""The bodies of `/v1/embeddings`: OpenAI's request, and its answer's shape."""
+"""The bodies of `/v1/embeddings`: OpenAI's request, and its answer's shape; vLLM's
+`/pooling` takes the same request."""
 
 from __future__ import annotations
 
@@ -46,4 +47,21 @@ class EmbeddingResponse(BaseModel):
     created: int
     model: str
     data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(BaseModel):
+    """vLLM's `/pooling` answer."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[PoolingData]
     usage: EmbeddingUsage
