@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from stallfree.config.disagg import DisaggregationConfig
 from stallfree.config.faults import FaultConfig
+from stallfree.config.pooler import check_pooler_override
 from stallfree.config.sections import Section as _Section
 from stallfree.config.server import MetricsConfig as MetricsConfig
 from stallfree.config.server import ServerConfig as ServerConfig
@@ -74,6 +75,16 @@ class ModelConfig(_Section):
         "(/v1/embeddings) or a cross-encoder (/v1/score, /v1/rerank); auto = pooling for an "
         "encoder architecture (BertModel, BertForSequenceClassification), else generate",
     )
+    override_pooler_config: dict[str, Any] | None = Field(
+        None,
+        description="The pooling runner's pooling over the checkpoint's: pooling_type (MEAN, "
+        "CLS, LAST, MAX, MEAN_SQRT_LEN) and normalize (true or false)",
+    )
+
+    @field_validator("override_pooler_config")
+    @classmethod
+    def _pooler_override(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if value is None else check_pooler_override(value)
 
 
 class CacheConfig(_Section):

@@ -26,6 +26,7 @@ from stallfree.config import (
     ServerConfig,
     SpeculativeConfig,
 )
+from stallfree.config.pooler import check_pooler_override
 
 _SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelConfig,
@@ -255,6 +256,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def pooler_override(text: str) -> dict[str, Any]:
+    """vLLM's `--override-pooler-config` JSON object, checked."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r} ({exc.msg})") from None
+    try:
+        return check_pooler_override(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def name_list(text: str) -> list[str]:
     """vLLM's JSON list (`'["https://a.example"]'`), or names separated by commas."""
     text = text.strip()
@@ -299,6 +312,11 @@ _MODEL = [
          help="generate (completions, chat) or pooling (/v1/embeddings; /v1/score and "
          "/v1/rerank on a cross-encoder); auto: pooling for an encoder architecture (BertModel, "
          "BertForSequenceClassification), else generate"),
+    flag("--override-pooler-config", "--pooler-config", type=pooler_override,
+         metavar="JSON", sets="model.override_pooler_config", unset="the checkpoint's",
+         help="the pooling runner's pooling over the checkpoint's (vLLM's flag): "
+         "'{\"pooling_type\": \"MEAN\", \"normalize\": false}'; pooling_type MEAN, CLS, "
+         "LAST, MAX or MEAN_SQRT_LEN"),
     flag("--max-model-len", type=token_count, metavar="TOKENS", sets="model.max_context_len",
          unset="the model's own",
          help="cap on prompt + output tokens per request; 32k = 32000, 32K = 32768"),

@@ -48,6 +48,7 @@ from stallfree.runtime.model.pooling import (
     finish,
     pool,
     read_pooling_config,
+    with_override,
 )
 from stallfree.runtime.plugins import load_metrics_plugin
 from stallfree.runtime.request.errors import (
@@ -161,7 +162,9 @@ class PoolingEngine(Engine):
         self.model, self.dtype = self._load(path, model_config)
         # "embed" (/v1/embeddings) or, for a cross-encoder, "score" (/v1/score, /v1/rerank)
         self.task = "score" if isinstance(self.model, BertCrossEncoder) else "embed"
-        self.pooling = self._pooling(path, model_config)
+        self.pooling = with_override(
+            self._pooling(path, model_config), self.config.model.override_pooler_config
+        )
         self.tokenizer = load_tokenizer(self.config.model.tokenizer or str(path))
         self.vocab_size = self.model.vocab_size
         limits = [self.model.max_positions]

@@ -335,3 +335,53 @@ async def test_vllm_pooling_route(minilm: Any, reference: torch.Tensor) -> None:
     _close([d["data"] for d in body["data"]], reference[:2])
     r = await http.post("/pooling", json={"model": "minilm", "input": []})
     assert r.status_code == 400 and "must not be empty" in r.text
+
+
+def test_override_pooler_config_flag() -> None:
+    """vLLM's flag and its alias fill model.override_pooler_config; a bad one exits 2."""
+    from stallfree.cli import build_parser
+    from stallfree.entrypoints.cli import config_from_args
+
+    flag = '{"pooling_type": "cls", "normalize": false}'
+    for name in ("--override-pooler-config", "--pooler-config"):
+        args = build_parser().parse_args(["serve", "--model", "x", name, flag])
+        config = config_from_args(args)
+        assert config.model.override_pooler_config == {"pooling_type": "CLS", "normalize": False}
+    for bad, words in (
+        ("{", "not a JSON object"),
+        ('{"pooling_type": "SUM"}', "pooling_type 'SUM' is not one of"),
+        ('{"normalise": true}', "unknown pooler setting(s) normalise"),
+        ('{"normalize": "yes"}', "normalize is true or false"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "stallfree.cli", "serve", "--override-pooler-config", bad],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )
+        assert done.returncode == 2, done.stderr
+        assert words in done.stderr
+
+
+@pytest.mark.asyncio
+async def test_override_pooler_config_changes_the_pooling() -> None:
+    """CLS and no normalisation over the checkpoint's mean and Normalize: transformers'
+    [CLS] hidden state as it comes."""
+    from transformers import AutoModel, AutoTokenizer
+
+    path = require_minilm()
+    override = {"override_pooler_config": {"pooling_type": "CLS", "normalize": False}}
+    engine = open_engine(engine_config(str(path), model=override))
+    assert isinstance(engine, PoolingEngine)
+    assert (engine.pooling.mode, engine.pooling.normalize) == ("cls", False)
+    await engine.start()
+    try:
+        ours = (await engine.embed(TEXTS)).outputs
+    finally:
+        await engine.shutdown()
+    tok = AutoTokenizer.from_pretrained(path)
+    with torch.inference_mode():
+        hidden = AutoModel.from_pretrained(path)(**tok(TEXTS, padding=True, return_tensors="pt"))
+    expected = hidden.last_hidden_state[:, 0]
+    assert (ours - expected).abs().max().item() < 1e-4

@@ -10,7 +10,7 @@ may the vector be cut short). A checkpoint without `modules.json` gets the runne
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -51,6 +51,21 @@ class PoolingConfig:
     dimension: int  # the pooled vector's length
     matryoshka: bool  # whether `dimensions` may cut it short
     max_seq_length: int | None  # sentence-transformers' limit on an input, if it set one
+
+
+def with_override(cfg: PoolingConfig, override: dict[str, Any] | None) -> PoolingConfig:
+    """`cfg` with vLLM's `--override-pooler-config` applied (checked by the config)."""
+    if not override:
+        return cfg
+    mode = override.get("pooling_type")
+    return replace(
+        cfg,
+        mode=_MODES[mode] if mode is not None else cfg.mode,
+        normalize=override.get("normalize", cfg.normalize),
+    )
+
+
+_MODES: dict[str, PoolingMode] = {mode.upper(): mode for mode in POOLING_MODES}
 
 
 def read_pooling_config(
