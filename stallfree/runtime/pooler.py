@@ -300,9 +300,9 @@ class PoolingEngine(Engine):
         """The pooling runner emits no per-step events (tracing sees its HTTP spans only)."""
 
     def _new_req(self, prompt: object, params: object, rid: object) -> Req:
+        what = "/v1/score and /v1/rerank" if self.task == "score" else "/v1/embeddings"
         raise InvalidRequestError(
-            "this server runs the pooling runner (an embedding model): it serves "
-            "/v1/embeddings, not generation"
+            f"this server runs the pooling runner: it serves {what}, not generation"
         )
 
     def abort(self, rid: str) -> bool:

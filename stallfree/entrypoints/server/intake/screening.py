@@ -390,7 +390,11 @@ def check_runner(engine: Engine, wanted: str, route: str) -> None:
     """A route of the other runner is a 400 naming the runner this server has."""
     if engine.runner == wanted:
         return
-    serves = "/v1/embeddings" if engine.runner == "pooling" else "completions and chat"
+    serves = (
+        "/v1/embeddings, /pooling, /v1/score and /v1/rerank, as its model allows"
+        if engine.runner == "pooling"
+        else "completions and chat"
+    )
     raise ApiError(
         400,
         f"{route} needs the {wanted} runner; this server runs the {engine.runner} runner "
