@@ -130,3 +130,14 @@ def test_a_checkpoint_short_of_a_tensor_is_refused(tmp_path: Path) -> None:
     config = json.loads((path / "config.json").read_text())
     with pytest.raises(ModelLoadError, match=r"encoder\.layer\.1\.output\.dense\.weight"):
         load_bert(path, config, torch.float32, torch.device("cpu"))
+
+
+def test_the_generating_engine_refuses_an_encoder(tmp_path: Path) -> None:
+    """Without the refusal transformers' fallback built a BertModel a causal LM with an
+    untrained head, and `stallfree generate` printed noise."""
+    from stallfree.runtime.engine import Engine
+    from tests.engine_util import engine_config
+
+    for path in (require_minilm(), _tiny_bert(tmp_path)):
+        with pytest.raises(ModelLoadError, match="BertModel is an encoder: it cannot generate"):
+            Engine(engine_config(str(path)))

@@ -19,6 +19,8 @@ from stallfree.runtime.memory.heap import release_free_heap
 from stallfree.runtime.memory.huge_pages import move_to_huge_pages
 from stallfree.runtime.memory.pool import KVCacheShape
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
+from stallfree.runtime.model.bert import ENCODER_ARCHITECTURES
+from stallfree.runtime.model.cross_encoder import CROSS_ENCODER_ARCHITECTURES
 from stallfree.runtime.model.fused_weights import is_fused, split_fused
 from stallfree.runtime.model.gemma import GEMMA_MODELS
 from stallfree.runtime.model.hf_fallback import TransformersForCausalLM, hidden_size, resolve_impl
@@ -204,7 +206,21 @@ def model_impl_for(path_or_preset: str, model_impl: str = "auto") -> str:
     """`native` or `transformers`: what `load_model` builds (presets and GGUF: native only)."""
     path = Path(path_or_preset)
     is_dir = path_or_preset not in PRESETS and not is_gguf_path(path) and path.is_dir()
-    return resolve_impl(_read_config(path) if is_dir else None, model_impl, path_or_preset)
+    cfg = _read_config(path) if is_dir else None
+    _refuse_encoder(cfg)
+    return resolve_impl(cfg, model_impl, path_or_preset)
+
+
+def _refuse_encoder(cfg: dict[str, Any] | None) -> None:
+    """An encoder (an embedder or a cross-encoder) is no causal LM: transformers' fallback
+    would otherwise build it one with an untrained head and generate noise."""
+    archs = (cfg or {}).get("architectures") or []
+    encoders = [a for a in archs if a in ENCODER_ARCHITECTURES | CROSS_ENCODER_ARCHITECTURES]
+    if encoders:
+        raise ModelLoadError(
+            f"{encoders[0]} is an encoder: it cannot generate; it runs on the pooling runner "
+            "(`stallfree serve` picks it; --runner pooling)"
+        )
 
 
 def _load_fallback(
