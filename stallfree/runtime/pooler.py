@@ -120,6 +120,10 @@ def open_engine(config: StallfreeConfig) -> Engine:
     return Engine(config)
 
 
+class PoolingAborted(RuntimeError):
+    """The request was aborted (`PoolingEngine.abort`) before its answer."""
+
+
 @dataclass(frozen=True, slots=True)
 class Pooled:
     """One request's outputs, float32 on the host: its vectors ([inputs, dimensions]) from an
@@ -188,6 +192,7 @@ class PoolingEngine(Engine):
         self._thread_id: int | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._waiting: list[_Pending] = []
+        self._live: dict[str, _Pending] = {}  # every request not yet answered, by id
         self._wake = asyncio.Event()
         self._stopping = False
         self._running = 0  # requests with an input in the batch being run
@@ -306,7 +311,14 @@ class PoolingEngine(Engine):
         )
 
     def abort(self, rid: str) -> bool:
-        return False
+        """Abort a pooling request by id (its answer raises `PoolingAborted`); False if it is
+        unknown or already answered."""
+        self._check_caller()
+        pending = self._live.get(rid)
+        if pending is None or pending.done.done():
+            return False
+        pending.done.set_exception(PoolingAborted(f"request {rid!r} was aborted"))
+        return True
 
     def flush_cache(self) -> bool:
         return True  # nothing cached
@@ -365,8 +377,10 @@ class PoolingEngine(Engine):
         dimensions: int | None = None,
         truncate_prompt_tokens: int | None = None,
         timeout: float | None = None,
+        rid: str | None = None,
     ) -> Pooled:
-        """Pool each input into one vector; batched with the other waiting requests."""
+        """Pool each input into one vector; batched with the other waiting requests. `rid`
+        (default: one of the engine's) is what `abort` takes."""
         self._admit()
         if self.task != "embed":
             raise InvalidRequestError(
@@ -375,13 +389,14 @@ class PoolingEngine(Engine):
             )
         self.check_dimensions(dimensions)
         ids = self.inputs.singles(inputs, truncate_prompt_tokens)
-        return await self._enqueue(ids, dimensions, self._timeout(timeout))
+        return await self._enqueue(ids, dimensions, self._timeout(timeout), rid)
 
     async def score(
         self,
         pairs: Sequence[tuple[str, str]],
         truncate_prompt_tokens: int | None = None,
         timeout: float | None = None,
+        rid: str | None = None,
     ) -> Pooled:
         """A cross-encoder's relevance of each (query, document) pair, 0 to 1."""
         self._admit()
@@ -393,27 +408,37 @@ class PoolingEngine(Engine):
         if not pairs:
             raise InvalidRequestError("there are no texts to score", param="input")
         ids = self.inputs.pairs(pairs, truncate_prompt_tokens)
-        return await self._enqueue(ids, None, self._timeout(timeout))
+        return await self._enqueue(ids, None, self._timeout(timeout), rid)
 
     async def _enqueue(
-        self, inputs: PoolingInputs, dimensions: int | None, timeout: float | None
+        self,
+        inputs: PoolingInputs,
+        dimensions: int | None,
+        timeout: float | None,
+        rid: str | None,
     ) -> Pooled:
         assert self._loop is not None
+        rid = rid or f"pool-{next(self._rids)}"
+        if rid in self._live:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
         req = Req(
-            rid=f"pool-{next(self._rids)}",
+            rid=rid,
             origin_input_ids=[t for row in inputs.ids for t in row],
             sampling_params=SamplingParams(max_new_tokens=1),
             max_context_len=self.max_context_len,
         )
         pending = _Pending(req, inputs, dimensions, self._loop.create_future())
         self._waiting.append(pending)
+        self._live[rid] = pending
         self.observers.on_request_added(req)
         self._wake.set()
         try:
             return await asyncio.wait_for(asyncio.shield(pending.done), timeout)
         finally:
-            if not pending.done.done():  # cancelled or past its deadline: drop what is left
+            del self._live[rid]
+            if not pending.done.done():  # cancelled or past its deadline
                 pending.done.cancel()
+            if not req.finished:  # not answered (deadline, cancelled, aborted): drop the rest
                 if pending in self._waiting:
                     self._waiting.remove(pending)
                 self._finish(pending, FinishReason.ABORT)

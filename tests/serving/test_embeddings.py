@@ -385,3 +385,40 @@ async def test_override_pooler_config_changes_the_pooling() -> None:
         hidden = AutoModel.from_pretrained(path)(**tok(TEXTS, padding=True, return_tensors="pt"))
     expected = hidden.last_hidden_state[:, 0]
     assert (ours - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.asyncio
+async def test_abort_requests_ends_a_pooling_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's /abort_requests names an embeddings request by its X-Request-Id: it ends with a
+    503 naming the abort, counted as abort; the engine serves on. The step is held at a gate
+    (fault injection) so the abort lands while the request is in flight."""
+    import threading
+
+    async with pooling_server(require_minilm()) as (engine, (_, http)):
+        gate = threading.Event()
+        real_forward = engine._forward
+
+        def gated_forward(*args: Any) -> torch.Tensor:
+            gate.wait(30)
+            return real_forward(*args)
+
+        monkeypatch.setattr(engine, "_forward", gated_forward)
+        headers = {"x-request-id": "embed-me"}
+        body = {"model": "minilm", "input": TEXTS}
+        held = asyncio.create_task(http.post("/v1/embeddings", json=body, headers=headers))
+        while "embed-me" not in engine._live:
+            await asyncio.sleep(0.01)
+        r = await http.post("/abort_requests", json={"request_ids": ["embed-me"]})
+        assert r.json() == {"aborted": 1}
+        answer = await held
+        gate.set()
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "aborted"
+        await engine.wait_idle()
+        assert engine.counters.finished == {"abort": 1}
+        assert not engine._live and not engine._waiting
+        ok = await http.post("/v1/embeddings", json=body)
+        assert ok.status_code == 200
+        assert engine.counters.finished == {"abort": 1, "stop": 1}
+        again = await http.post("/abort_requests", json={"request_ids": ["embed-me"]})
+        assert again.json() == {"aborted": 0}

@@ -7,6 +7,7 @@ import base64
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -21,6 +22,7 @@ from stallfree.entrypoints.server.base.embedding_protocol import (
 )
 from stallfree.entrypoints.server.base.errors import (
     ENGINE_ERRORS,
+    SERVICE_UNAVAILABLE,
     ApiError,
     from_engine_error,
     shutting_down,
@@ -28,7 +30,7 @@ from stallfree.entrypoints.server.base.errors import (
 from stallfree.entrypoints.server.base.state import ServerState, request_id, server_state
 from stallfree.entrypoints.server.intake.requests import read_body
 from stallfree.entrypoints.server.intake.screening import check_model, check_runner
-from stallfree.runtime.pooler import Pooled, PoolingEngine
+from stallfree.runtime.pooler import Pooled, PoolingAborted, PoolingEngine
 from stallfree.runtime.request.errors import EngineClosedError
 
 
@@ -69,30 +71,59 @@ async def _pool(request: Request, route: str) -> tuple[EmbeddingRequest, ServerS
     state = server_state(request)
     check_model(state.model_name, body.model)
     check_runner(state.engine, "pooling", route)
-    engine = state.engine
-    assert isinstance(engine, PoolingEngine)
-    with pooling_refusals(state, request_id(request)):
-        result = await engine.embed(body.inputs(), body.dimensions, body.truncate_prompt_tokens)
+    rid = request_id(request)
+    with pooling_request(state, rid) as engine:
+        result = await engine.embed(
+            body.inputs(), body.dimensions, body.truncate_prompt_tokens, rid=rid
+        )
     return body, state, result
 
 
+@dataclass(eq=False)
+class _Admitted:
+    """A pooling request as the server's lifecycle sees it: `/abort_requests` names it by the
+    HTTP request's id, and the drain's grace period ends it."""
+
+    engine: PoolingEngine
+    rid: str
+
+    def abort(self) -> None:
+        self.engine.abort(self.rid)
+
+    def names(self) -> tuple[str, ...]:
+        return (self.rid,)
+
+
 @contextlib.contextmanager
-def pooling_refusals(state: ServerState, rid: str) -> Iterator[None]:
-    """The pooling engine's refusals as the server's answers: 503 while closing, 504 past the
-    request's deadline, the other engine errors as every route answers them."""
+def pooling_request(state: ServerState, rid: str) -> Iterator[PoolingEngine]:
+    """The pooling engine for one request with id `rid`, admitted into the server's lifecycle
+    while it runs; its refusals as the server's answers: 503 while closing or once aborted,
+    504 past the request's deadline, the other engine errors as every route answers them."""
+    engine = state.engine
+    assert isinstance(engine, PoolingEngine)
+    admitted = _Admitted(engine, rid)
+    state.lifecycle.admitted.add(admitted)
     try:
-        yield
+        yield engine
     except EngineClosedError as exc:
         raise shutting_down() from exc
+    except PoolingAborted as exc:
+        if state.lifecycle.expired:
+            raise shutting_down() from exc
+        raise ApiError(
+            503, f"{exc} (/abort_requests)", type=SERVICE_UNAVAILABLE, code="aborted"
+        ) from exc
     except TimeoutError as exc:  # runtime.request_timeout_s passed; the request was dropped
         raise ApiError(
             504,
-            f"the request passed its deadline of {state.engine.config.runtime.request_timeout_s} s",
+            f"the request passed its deadline of {engine.config.runtime.request_timeout_s} s",
             type="timeout_error",
             code="deadline_exceeded",
         ) from exc
     except ENGINE_ERRORS as exc:
         raise from_engine_error(exc, state.limits.retry_after_s, rid) from exc
+    finally:
+        state.lifecycle.admitted.discard(admitted)
 
 
 def _encoded(result: Pooled, encoding: str) -> list[list[float]] | list[str]:

@@ -8,7 +8,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from stallfree.entrypoints.server.api.embeddings import pooling_refusals
+from stallfree.entrypoints.server.api.embeddings import pooling_request
 from stallfree.entrypoints.server.base.errors import ApiError
 from stallfree.entrypoints.server.base.score_protocol import (
     RerankDocument,
@@ -24,7 +24,7 @@ from stallfree.entrypoints.server.base.score_protocol import (
 from stallfree.entrypoints.server.base.state import ServerState, request_id, server_state
 from stallfree.entrypoints.server.intake.requests import read_body
 from stallfree.entrypoints.server.intake.screening import check_model, check_runner
-from stallfree.runtime.pooler import Pooled, PoolingEngine
+from stallfree.runtime.pooler import Pooled
 
 
 async def score(request: Request) -> Response:
@@ -95,7 +95,6 @@ def _open(request: Request, model: str) -> ServerState:
 async def _score(
     state: ServerState, request: Request, pairs: list[tuple[str, str]], truncate: int | None
 ) -> Pooled:
-    engine = state.engine
-    assert isinstance(engine, PoolingEngine)
-    with pooling_refusals(state, request_id(request)):
-        return await engine.score(pairs, truncate)
+    rid = request_id(request)
+    with pooling_request(state, rid) as engine:
+        return await engine.score(pairs, truncate, rid=rid)
