@@ -387,15 +387,23 @@ async def test_override_pooler_config_changes_the_pooling() -> None:
     assert (ours - expected).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("how", ["abort_requests", "grace_period_ends"])
 @pytest.mark.asyncio
-async def test_abort_requests_ends_a_pooling_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM's /abort_requests names an embeddings request by its X-Request-Id: it ends with a
-    503 naming the abort, counted as abort; the engine serves on. The step is held at a gate
-    (fault injection) so the abort lands while the request is in flight."""
+async def test_an_admitted_pooling_request_can_be_ended(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """vLLM's /abort_requests names an embeddings request by its X-Request-Id (a 503
+    'aborted'), and the end of the drain's grace period ends it (the shutdown's 503); either
+    is counted as abort and the engine serves on. The step is held at a gate (fault
+    injection) so the end lands while the request is in flight."""
     import threading
 
-    async with pooling_server(require_minilm()) as (engine, (_, http)):
-        gate = threading.Event()
+    engine = open_engine(engine_config(str(require_minilm()), server={"served_model_name": "m"}))
+    assert isinstance(engine, PoolingEngine)
+    server = await start_server(create_app(engine))
+    http = httpx.AsyncClient(base_url=server.url, timeout=30)
+    gate = threading.Event()
+    try:
         real_forward = engine._forward
 
         def gated_forward(*args: Any) -> torch.Tensor:
@@ -404,21 +412,30 @@ async def test_abort_requests_ends_a_pooling_request(monkeypatch: pytest.MonkeyP
 
         monkeypatch.setattr(engine, "_forward", gated_forward)
         headers = {"x-request-id": "embed-me"}
-        body = {"model": "minilm", "input": TEXTS}
+        body = {"model": "m", "input": TEXTS}
         held = asyncio.create_task(http.post("/v1/embeddings", json=body, headers=headers))
         while "embed-me" not in engine._live:
             await asyncio.sleep(0.01)
-        r = await http.post("/abort_requests", json={"request_ids": ["embed-me"]})
-        assert r.json() == {"aborted": 1}
+        if how == "abort_requests":
+            r = await http.post("/abort_requests", json={"request_ids": ["embed-me"]})
+            assert r.json() == {"aborted": 1}
+        else:
+            assert server.server.sf.lifecycle.expire() == 1
         answer = await held
         gate.set()
         assert answer.status_code == 503, answer.text
-        assert answer.json()["error"]["code"] == "aborted"
+        code = answer.json()["error"].get("code")
+        assert (code == "aborted") == (how == "abort_requests")
         await engine.wait_idle()
         assert engine.counters.finished == {"abort": 1}
         assert not engine._live and not engine._waiting
-        ok = await http.post("/v1/embeddings", json=body)
-        assert ok.status_code == 200
-        assert engine.counters.finished == {"abort": 1, "stop": 1}
-        again = await http.post("/abort_requests", json={"request_ids": ["embed-me"]})
-        assert again.json() == {"aborted": 0}
+        assert not server.server.sf.lifecycle.admitted
+        if how == "abort_requests":
+            ok = await http.post("/v1/embeddings", json=body)
+            assert ok.status_code == 200
+            assert engine.counters.finished == {"abort": 1, "stop": 1}
+    finally:
+        gate.set()
+        await http.aclose()
+        await server.stop()
+        await engine.shutdown()
