@@ -361,3 +361,24 @@ def test_every_fake_matches_its_op() -> None:
         torch.library.opcheck(
             getattr(torch.ops.stallfree, name), args, test_utils=("test_schema", "test_faketensor")
         )
+
+
+def test_instruction_set_pragmas_come_after_the_system_headers() -> None:
+    """A variant's `#pragma GCC target` covers its own code only: GCC 13 refuses to build a file
+    whose system headers (libstdc++'s always-inline allocator) were read under the pragma
+    ("inlining failed ... target specific option mismatch"), which left the kernels off on such
+    a machine. GCC 12 here builds either way, so the order itself is checked."""
+    csrc = Path(cpu_kernels.__file__).parent / "csrc"
+    variants = 0
+    for source in sorted(csrc.glob("*.cpp")):
+        lines = source.read_text().splitlines()
+        targets = [i for i, line in enumerate(lines) if line.startswith("#pragma GCC target")]
+        if not targets:
+            continue
+        variants += 1
+        start = targets[0]
+        assert lines[start - 1] == "#pragma GCC push_options", source.name
+        assert "#pragma GCC pop_options" in lines[start:], source.name
+        late = [line for line in lines[start:] if line.startswith("#include <")]
+        assert not late, f"{source.name}: system headers under the target pragma: {late}"
+    assert variants == 4  # isa_avx512, isa_avx2, attention_avx512, attention_avx2

@@ -1,6 +1,5 @@
 // Paged decode attention, AVX-512 variant (F, BW, VL, DQ): the kernel in attention_impl.h on
 // 16-lane float32 vectors.
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
 
 #include <immintrin.h>
 
@@ -11,6 +10,12 @@
 #include "attention.h"
 #include "kernels.h"
 #include "vec_exp.h"
+
+// Only this file's own code gets the instruction set: the standard and project headers above
+// are compiled for the baseline (GCC 13 refused to inline libstdc++'s always-inline helpers
+// into code under a target pragma that preceded their headers).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
 
 namespace sf {
 namespace avx512 {
@@ -59,3 +64,5 @@ const DecodeAttnFn decode_attention = decode_attention_impl;
 
 }  // namespace avx512
 }  // namespace sf
+
+#pragma GCC pop_options

@@ -3,7 +3,6 @@
 // The same products as isa_avx512.cpp on 256-bit registers: integer dots as llama.cpp does
 // them without VNNI (|x| times w with x's sign, `vpmaddubsw` then `vpmaddwd`), bfloat16
 // widened to float32 and multiplied with FMA.
-#pragma GCC target("avx2,fma,f16c")
 
 #include <immintrin.h>
 
@@ -12,6 +11,12 @@
 
 #include "kernels.h"
 #include "vec_exp.h"
+
+// Only this file's own code gets the instruction set: the standard and project headers above
+// are compiled for the baseline (GCC 13 refused to inline libstdc++'s always-inline helpers
+// into code under a target pragma that preceded their headers).
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
 
 namespace sf {
 namespace avx2 {
@@ -300,3 +305,5 @@ const Kernels& kernels() {
 
 }  // namespace avx2
 }  // namespace sf
+
+#pragma GCC pop_options

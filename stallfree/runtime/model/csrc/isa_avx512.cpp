@@ -4,7 +4,6 @@
 // a tile of 4 weight rows is loaded per 64 bytes and multiplied into up to 4 activation rows
 // (more rows re-read the tile from L1). Integer products use VNNI's u8 x s8 dot
 // (`vpdpbusd`) on activations quantised to blocks of 32; bfloat16 uses `vdpbf16ps`.
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,fma,f16c")
 
 #include <immintrin.h>
 
@@ -13,6 +12,12 @@
 
 #include "kernels.h"
 #include "vec_exp.h"
+
+// Only this file's own code gets the instruction set: the standard and project headers above
+// are compiled for the baseline (GCC 13 refused to inline libstdc++'s always-inline helpers
+// into code under a target pragma that preceded their headers).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,fma,f16c")
 
 namespace sf {
 namespace avx512 {
@@ -535,3 +540,5 @@ const Kernels& kernels() {
 
 }  // namespace avx512
 }  // namespace sf
+
+#pragma GCC pop_options
