@@ -69,7 +69,7 @@ from stallfree.runtime.telemetry.stats import (
     SpecStats,
     WorkerRankStats,
 )
-from stallfree.runtime.text.grammar import GrammarCompiler, unsupported_reason
+from stallfree.runtime.text.grammar_compiler import GrammarCompiler, unsupported_reason
 from stallfree.runtime.text.output_processor import OutputProcessor
 from stallfree.runtime.text.tokenizer import Tokenizer
 
@@ -93,7 +93,7 @@ class EngineCore:
     activity: ActivityClock
     max_waiting_requests: int
     worker_stats: torch.Tensor | None = None  # shared host memory the worker ranks write
-    grammars: GrammarCompiler | None = None  # structured outputs' compiler (text/grammar.py)
+    grammars: GrammarCompiler | None = None  # structured outputs (text/grammar_compiler.py)
     _idle_reported: float = 0.0
 
     def _workers(self) -> tuple[WorkerRankStats, ...]:

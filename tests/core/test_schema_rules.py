@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from llguidance import LLMatcher
 
 from stallfree.runtime.text.ascii_regex import ascii_classes
-from stallfree.runtime.text.grammar import build_lltokenizer
+from stallfree.runtime.text.grammar_compiler import build_lltokenizer
 from stallfree.runtime.text.strict_schema import prepare_lark, prepare_schema
 from stallfree.runtime.text.tokenizer import ByteTokenizer
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from stallfree import Engine, InvalidRequestError, SamplingParams
-from stallfree.runtime.execution.grammar import GrammarPlan, GrammarState
+from stallfree.runtime.execution.grammar_masks import GrammarPlan, GrammarState
 from stallfree.runtime.request.req import Req
 from tests.engine_util import engine_config, guarded
 
@@ -211,7 +211,7 @@ async def test_retraction_and_the_prefix_cache_restart_the_grammar_where_the_hos
 
 
 async def test_unsupported_layouts_and_paths_are_clear_errors():
-    from stallfree.runtime.text.grammar import unsupported_reason
+    from stallfree.runtime.text.grammar_compiler import unsupported_reason
 
     assert unsupported_reason("cpu", in_process=True) is None
     assert unsupported_reason("cuda", in_process=False) is None  # worker processes
@@ -227,7 +227,7 @@ def test_a_dead_end_is_reported_to_the_host_and_masks_only_eos(llama):
     from llguidance import LLMatcher
 
     from stallfree.runtime.model.loader import load_tokenizer
-    from stallfree.runtime.text.grammar import RequestGrammar, build_lltokenizer
+    from stallfree.runtime.text.grammar_compiler import RequestGrammar, build_lltokenizer
 
     tok = load_tokenizer(llama)
     vocab = tok.vocab_size

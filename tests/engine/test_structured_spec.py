@@ -15,8 +15,8 @@ from llguidance import LLMatcher
 
 from stallfree import Engine, SamplingParams
 from stallfree.entrypoints.server.chat.tool_parsers import PARSERS
-from stallfree.runtime.execution.grammar import GrammarPlan, GrammarState
-from stallfree.runtime.text.grammar import RequestGrammar, build_lltokenizer
+from stallfree.runtime.execution.grammar_masks import GrammarPlan, GrammarState
+from stallfree.runtime.text.grammar_compiler import RequestGrammar, build_lltokenizer
 from stallfree.runtime.text.tokenizer import ByteTokenizer
 from tests.engine_util import engine_config, guarded
 

@@ -98,7 +98,7 @@ async def test_structured_outputs_in_worker_processes_equal_in_process(llama, la
 def test_a_step_message_reaches_the_workers_device_whole():
     """The logits processors' parts (a dict in the plan) moved to a worker's device too: on
     CUDA the grammar's rows were left on the host and the step failed."""
-    from stallfree.runtime.execution.grammar import GrammarPlan
+    from stallfree.runtime.execution.grammar_masks import GrammarPlan
     from stallfree.runtime.execution.logits import LogitsPlan
     from stallfree.runtime.execution.worker import _to_device
 

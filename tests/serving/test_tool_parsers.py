@@ -301,7 +301,7 @@ def test_a_wrapped_grammar_constrains_only_what_follows_the_thinking(name, spec,
     from llguidance import LLMatcher, grammar_from
 
     from stallfree.entrypoints.server.chat.reasoning import after_thinking
-    from stallfree.runtime.text.grammar import build_lltokenizer
+    from stallfree.runtime.text.grammar_compiler import build_lltokenizer
     from stallfree.runtime.text.tokenizer import ByteTokenizer
 
     wrapped = after_thinking({**spec, "source": "response_format"}, REASONING_PARSERS[name]())

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from stallfree.runtime.execution.grammar import GrammarPlan
+from stallfree.runtime.execution.grammar_masks import GrammarPlan
 from stallfree.runtime.execution.logits_processor import StepRows, Uploads
 from stallfree.runtime.execution.processors import plan_parts
 from stallfree.runtime.request.outputs import TokenLogprobs

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from stallfree.runtime.execution.bad_words import BadWords
-from stallfree.runtime.execution.grammar import Grammar
+from stallfree.runtime.execution.grammar_masks import Grammar
 from stallfree.runtime.execution.logit_bias import LogitBias
 from stallfree.runtime.execution.logits_processor import LogitsProcessor, StepRows, Uploads
 from stallfree.runtime.execution.penalties import Penalties

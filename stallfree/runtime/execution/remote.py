@@ -18,7 +18,7 @@ from stallfree.overlap.stream import Event
 from stallfree.runtime.execution.context import BatchContext
 from stallfree.runtime.execution.planner import StepArgs
 from stallfree.runtime.memory.pool import KVCache
-from stallfree.runtime.text.grammar import RequestGrammar
+from stallfree.runtime.text.grammar_compiler import RequestGrammar
 
 # ---------------------------------------------------------------------- the step message
 

@@ -52,7 +52,7 @@ from stallfree.runtime.memory.pool import (
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
-from stallfree.runtime.text.grammar import MatcherFactory
+from stallfree.runtime.text.grammar_compiler import MatcherFactory
 
 logger = logging.getLogger(__name__)
 

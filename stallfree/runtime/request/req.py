@@ -77,9 +77,9 @@ class Req:
     # last built for (-1: never), and the prompt tokens scored so far (token j at index j - 1)
     penalty_epoch: int = -1
     bad_words_epoch: int = -1  # the same, for the bad words' output history
-    # structured output: the request's grammar and llguidance matcher (`text/grammar.py`'s
+    # structured output: the request's grammar and llguidance matcher (`text/grammar_compiler.py`'s
     # `RequestGrammar`; the stream's once queued; None: unconstrained) and the retraction count
-    # it was last started for (execution/grammar.py)
+    # it was last started for (execution/grammar_masks.py)
     grammar: Any = None
     grammar_epoch: int = -1
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)

@@ -4,7 +4,7 @@ The fields are vLLM's `StructuredOutputsParams` (`json`, `regex`, `choice`, `gra
 `json_object`); the HTTP front end maps OpenAI's `response_format`, vLLM's older `guided_*`
 fields and SGLang's `json_schema` / `regex` / `ebnf` onto it. Exactly one is set. Sizes are
 bounded here, so one client cannot pin memory or compile time with a megabyte-long schema;
-`runtime/text/grammar.py` turns the spec into an llguidance grammar and compiles it.
+`runtime/text/grammar_compiler.py` turns the spec into an llguidance grammar and compiles it.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class EngineCounters:
     prefix_cache_evicted_tokens: int = 0
     schedule_seconds: float = 0.0  # host time to build and launch batches
     # structured output: stream time spent on grammars (masks and advances) and the
-    # constrained tokens it covered (execution/grammar.py)
+    # constrained tokens it covered (execution/grammar_masks.py)
     grammar_seconds: float = 0.0
     grammar_tokens: int = 0
     max_iteration_gap: float = 0.0  # longest loop iteration while work was pending

@@ -7,7 +7,7 @@ compiled matcher is kept per grammar text (LRU) and each request gets a `deep_co
 schema that every request repeats compiles once.
 
 A grammar the backend refuses is an `InvalidRequestError` naming the client's field. The
-matcher the request gets is the stream's from then on (`execution/grammar.py` advances it).
+matcher the request gets is the stream's from then on (`execution/grammar_masks.py` advances it).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from stallfree.runtime.execution.logits_processor import LogitsProcessor, StepRows, Uploads
-from stallfree.runtime.text.grammar import RequestGrammar
+from stallfree.runtime.text.grammar_compiler import RequestGrammar
 
 _I32 = torch.int32
 
