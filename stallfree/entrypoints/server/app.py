@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -55,20 +55,33 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
     engine = (
         engine_or_config if isinstance(engine_or_config, Engine) else open_engine(engine_or_config)
     )
+    app = FastAPI(
+        title="stallfree",
+        lifespan=_lifespan(engine, owns, freeze_heap),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    lifecycle = Lifecycle()
+    app.state.sf = _server_state(engine, lifecycle)
+    metrics = app.state.sf.metrics
+    _install_error_handlers(app, metrics)
+    _include_routes(app, engine.config)
+    _add_middleware(app, engine.config, lifecycle, metrics)
+    return app
+
+
+def _lifespan(
+    engine: Engine, owns: bool, freeze_heap: bool
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """The app's lifespan: start the engine (and the disaggregation side when it is on), and
+    on the way out stop them, flush the tracer, and shut the engine down when the app owns it."""
     cfg = engine.config
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
-        if template_ignores_tools(engine.tokenizer):
-            # a warning where tools are meant to be used (a tool-call parser is set); a note
-            # otherwise, and each request that sends tools is warned of anyway
-            logger.log(
-                logging.WARNING if cfg.server.tool_call_parser else logging.INFO,
-                "this model's chat template does not use `tools`: tools a chat request sends "
-                "stay out of the prompt (a forced tool_choice still constrains the reply to "
-                "them); --chat-template sets one that does",
-            )
+        _warn_if_template_ignores_tools(engine)
         disagg = Disaggregated.for_engine(engine) if cfg.disaggregation.enabled else None
         if disagg is not None:
             await disagg.start()
@@ -82,6 +95,7 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
             if disagg is not None:
                 await disagg.stop()
             await asyncio.to_thread(close_screening)
+            tracer = app.state.sf.tracer
             if tracer is not None:
                 await asyncio.to_thread(tracer.shutdown)  # sends the spans still queued
             if owns:
@@ -91,10 +105,25 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
                     # the engine logged how it died when it did; one line is enough here
                     logger.error("engine shutdown failed: %r", exc)
 
-    app = FastAPI(
-        title="stallfree", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
-    )
-    lifecycle = Lifecycle()
+    return lifespan
+
+
+def _warn_if_template_ignores_tools(engine: Engine) -> None:
+    if template_ignores_tools(engine.tokenizer):
+        # a warning where tools are meant to be used (a tool-call parser is set); a note
+        # otherwise, and each request that sends tools is warned of anyway
+        logger.log(
+            logging.WARNING if engine.config.server.tool_call_parser else logging.INFO,
+            "this model's chat template does not use `tools`: tools a chat request sends "
+            "stay out of the prompt (a forced tool_choice still constrains the reply to "
+            "them); --chat-template sets one that does",
+        )
+
+
+def _server_state(engine: Engine, lifecycle: Lifecycle) -> ServerState:
+    """What the routes read from `app.state.sf`: the engine, the served name, the server
+    settings, the lifecycle, the server's metrics and tracer, and the generation defaults."""
+    cfg = engine.config
     exporter = engine.metrics
     metrics = (
         ServerMetrics(exporter.registry, exporter.labels, engine.max_context_len)
@@ -105,7 +134,7 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
     if cfg.server.otlp_traces_endpoint is not None:
         tracer = RequestTracer(cfg.server.otlp_traces_endpoint)
         engine.add_observer(tracer)
-    app.state.sf = ServerState(
+    return ServerState(
         engine,
         cfg.server.model_name(cfg.model.path),
         cfg.server,
@@ -116,13 +145,20 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
             cfg.server.generation_config, cfg.model.path, engine.tokenizer.eos_token_ids
         ),
     )
-    _install_error_handlers(app, metrics)
+
+
+def _include_routes(app: FastAPI, cfg: StallfreeConfig) -> None:
     app.include_router(open_routes())
     # the API key is checked by the Guard on the request head, before any body is read
     app.include_router(api_routes())
     app.include_router(utility_routes())
     if cfg.disaggregation.enabled:
         app.include_router(disagg_routes())
+
+
+def _add_middleware(
+    app: FastAPI, cfg: StallfreeConfig, lifecycle: Lifecycle, metrics: ServerMetrics | None
+) -> None:
     app.add_middleware(Guard, limits=cfg.server, lifecycle=lifecycle, metrics=metrics)
     if cfg.server.allowed_origins:
         # outside the Guard: a preflight (OPTIONS, no API key) is answered here, and every
@@ -138,7 +174,6 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
     if metrics is not None:
         # outermost: the HTTP families see the Guard's own answers (401, 413, 503) too
         metrics.instrument(app)
-    return app
 
 
 def _install_error_handlers(app: FastAPI, metrics: ServerMetrics | None) -> None:
