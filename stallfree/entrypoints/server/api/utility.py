@@ -94,89 +94,97 @@ class AbortRequests(_StrictRequest):
     request_ids: list[str] = Field(min_length=1, max_length=4096)
 
 
-def utility_routes() -> APIRouter:
-    router = APIRouter()
-    router.include_router(probe_routes())
+router = APIRouter()
+router.include_router(probe_routes())
 
-    @router.post("/tokenize")
-    async def tokenize(request: Request) -> JSONResponse:
-        body = await read_body(request, TokenizeRequest)
-        state = server_state(request)
-        if body.model is not None:
-            check_model(state.model_name, body.model)
-        engine = state.engine
-        with converting():
-            if body.prompt is not None:
-                special = True if body.add_special_tokens is None else body.add_special_tokens
-                ids = await encode_async(engine, body.prompt, add_special_tokens=special)
-            else:
-                check_prefill(body.add_generation_prompt, body.continue_final_message)
-                chat = ChatCompletionRequest(
-                    model=state.model_name,
-                    messages=body.messages,
-                    tools=body.tools,
-                    documents=body.documents,
-                    chat_template_kwargs=body.chat_template_kwargs,
-                    continue_final_message=body.continue_final_message,
-                )
-                ids = await chat_prompt_ids_async(
-                    engine, chat, bool(body.add_special_tokens), template_kwargs(chat)
-                )
-        answer: dict[str, Any] = {
-            "count": len(ids),
-            "max_model_len": engine.max_context_len,
-            "tokens": ids,
-        }
-        if body.return_token_strs:
-            answer["token_strs"] = [engine.tokenizer.decode([i]) for i in ids]
-        return JSONResponse(answer)
 
-    @router.post("/detokenize")
-    async def detokenize(request: Request) -> JSONResponse:
-        body = await read_body(request, DetokenizeRequest)
-        state = server_state(request)
-        if body.model is not None:
-            check_model(state.model_name, body.model)
-        vocab = state.engine.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ApiError(
-                400,
-                f"tokens: {bad} is not a token id of this model (0 to {vocab - 1})",
-                param="tokens",
-            )
-        return JSONResponse({"prompt": state.engine.tokenizer.decode(body.tokens)})
-
-    @router.get("/version")
-    async def version() -> JSONResponse:
-        return JSONResponse({"version": __version__})
-
-    @router.get("/server_info")
-    async def server_info(request: Request) -> JSONResponse:
-        config = server_state(request).engine.config.model_dump(mode="json")
-        for section, keys in SECRETS.items():
-            for key in keys:
-                if config[section].get(key) is not None:
-                    config[section][key] = REDACTED
-        # SGLang's flat keys beside stallfree's own: sglang-router reads them (probes.py)
-        flat = sglang_server_info(server_state(request))
-        return JSONResponse({**flat, "version": __version__, "config": config})
-
-    @router.post("/abort_request")
-    async def abort_request(request: Request) -> JSONResponse:
-        body = await read_body(request, AbortRequest)
-        lifecycle = server_state(request).lifecycle
-        if body.abort_all:
-            aborted = lifecycle.abort_matching(None)
+@router.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    body = await read_body(request, TokenizeRequest)
+    state = server_state(request)
+    if body.model is not None:
+        check_model(state.model_name, body.model)
+    engine = state.engine
+    with converting():
+        if body.prompt is not None:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await encode_async(engine, body.prompt, add_special_tokens=special)
         else:
-            assert body.rid is not None
-            aborted = lifecycle.abort_matching({body.rid})
-        return JSONResponse({"aborted": aborted})
+            check_prefill(body.add_generation_prompt, body.continue_final_message)
+            chat = ChatCompletionRequest(
+                model=state.model_name,
+                messages=body.messages,
+                tools=body.tools,
+                documents=body.documents,
+                chat_template_kwargs=body.chat_template_kwargs,
+                continue_final_message=body.continue_final_message,
+            )
+            ids = await chat_prompt_ids_async(
+                engine, chat, bool(body.add_special_tokens), template_kwargs(chat)
+            )
+    answer: dict[str, Any] = {
+        "count": len(ids),
+        "max_model_len": engine.max_context_len,
+        "tokens": ids,
+    }
+    if body.return_token_strs:
+        answer["token_strs"] = [engine.tokenizer.decode([i]) for i in ids]
+    return JSONResponse(answer)
 
-    @router.post("/abort_requests")
-    async def abort_requests(request: Request) -> JSONResponse:
-        body = await read_body(request, AbortRequests)
-        aborted = server_state(request).lifecycle.abort_matching(set(body.request_ids))
-        return JSONResponse({"aborted": aborted})
 
+@router.post("/detokenize")
+async def detokenize(request: Request) -> JSONResponse:
+    body = await read_body(request, DetokenizeRequest)
+    state = server_state(request)
+    if body.model is not None:
+        check_model(state.model_name, body.model)
+    vocab = state.engine.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(
+            400,
+            f"tokens: {bad} is not a token id of this model (0 to {vocab - 1})",
+            param="tokens",
+        )
+    return JSONResponse({"prompt": state.engine.tokenizer.decode(body.tokens)})
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": __version__})
+
+
+@router.get("/server_info")
+async def server_info(request: Request) -> JSONResponse:
+    config = server_state(request).engine.config.model_dump(mode="json")
+    for section, keys in SECRETS.items():
+        for key in keys:
+            if config[section].get(key) is not None:
+                config[section][key] = REDACTED
+    # SGLang's flat keys beside stallfree's own: sglang-router reads them (probes.py)
+    flat = sglang_server_info(server_state(request))
+    return JSONResponse({**flat, "version": __version__, "config": config})
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> JSONResponse:
+    body = await read_body(request, AbortRequest)
+    lifecycle = server_state(request).lifecycle
+    if body.abort_all:
+        aborted = lifecycle.abort_matching(None)
+    else:
+        assert body.rid is not None
+        aborted = lifecycle.abort_matching({body.rid})
+    return JSONResponse({"aborted": aborted})
+
+
+@router.post("/abort_requests")
+async def abort_requests(request: Request) -> JSONResponse:
+    body = await read_body(request, AbortRequests)
+    aborted = server_state(request).lifecycle.abort_matching(set(body.request_ids))
+    return JSONResponse({"aborted": aborted})
+
+
+def utility_routes() -> APIRouter:
+    """The utility routes (the probes among them), for the app to include."""
     return router
