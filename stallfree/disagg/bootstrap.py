@@ -26,7 +26,7 @@ import binascii
 import logging
 import socket
 from array import array
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -42,6 +42,9 @@ from stallfree.disagg.prefill import (
 )
 from stallfree.disagg.rooms import MAX_ROOM
 from stallfree.disagg.transport import KVChannel
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 logger = logging.getLogger(__name__)
 
@@ -302,16 +305,26 @@ class AbortBody(BaseModel):
 
 
 def bootstrap_app(prefill: PrefillSide) -> Any:
-    from fastapi import FastAPI, Path, Query
-    from fastapi.responses import JSONResponse
+    """The bootstrap endpoint's ASGI app for `prefill`, behind the secret and body limit."""
+    from fastapi import FastAPI
 
     app = FastAPI(title="stallfree bootstrap", docs_url=None, redoc_url=None, openapi_url=None)
-    Room = Path(ge=0, le=MAX_ROOM)
-    PairId = Path(min_length=1, max_length=64, pattern="^[0-9a-f]+$")
-    Key = Query(min_length=1, max_length=MAX_KEY_LEN)
+    _add_pairing_routes(app, prefill)
+    _add_room_routes(app, prefill)
+    _add_store_routes(app, prefill)
+    cfg = prefill.config
+    return BootstrapGuard(app, cfg.secret, cfg.bootstrap_max_body_bytes)
 
-    def refuse(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+def _refuse(status: int, message: str) -> Any:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+
+def _add_pairing_routes(app: FastAPI, prefill: PrefillSide) -> None:
+    """`/health`, `/bootstrap/info` and `/bootstrap/pair`: what a decode server reads and
+    sends before its first room."""
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -326,30 +339,38 @@ def bootstrap_app(prefill: PrefillSide) -> Any:
         try:
             return prefill.pair(body.fingerprint, body.shards)
         except HandshakeError as exc:
-            return refuse(409, str(exc))
+            return _refuse(409, str(exc))
+
+
+def _add_room_routes(app: FastAPI, prefill: PrefillSide) -> None:
+    """A room's registration, its ack and its abort."""
+    from fastapi import Path
+    from fastapi.responses import JSONResponse
+
+    Room = Path(ge=0, le=MAX_ROOM)
 
     async def register(request: Any) -> Any:
         # NOTE: a plain route, so the body (up to the limit: a million pages is ~8 MiB) is
         # parsed on a thread, not on the prefill's loop
         room = _room_id(request.path_params["room"])
         if room is None:
-            return refuse(422, f"a room id is an integer in [0, {MAX_ROOM}]")
+            return _refuse(422, f"a room id is an integer in [0, {MAX_ROOM}]")
         try:
             reg = await asyncio.to_thread(_read_registration, await request.body())
         except ValidationError as exc:
-            return refuse(422, f"a registration needs {_fields(exc)}")
+            return _refuse(422, f"a registration needs {_fields(exc)}")
         except OverflowError:
-            return refuse(422, "a registration's pages are 64-bit integers")
+            return _refuse(422, "a registration's pages are 64-bit integers")
         try:
             prefill.register(room, reg)
         except RoomLimitError as exc:
-            return refuse(429, str(exc))
+            return _refuse(429, str(exc))
         except RegistrationError as exc:
-            return refuse(422, str(exc))
+            return _refuse(422, str(exc))
         except KeyError as exc:
-            return refuse(404, str(exc.args[0]))
+            return _refuse(404, str(exc.args[0]))
         except ValueError as exc:
-            return refuse(409, str(exc))
+            return _refuse(409, str(exc))
         return JSONResponse({"room": room})
 
     app.router.add_route("/bootstrap/rooms/{room}", register, methods=["POST"])
@@ -362,29 +383,34 @@ def bootstrap_app(prefill: PrefillSide) -> Any:
     async def abort(body: AbortBody, room: int = Room) -> dict[str, Any]:
         return {"room": room, "known": prefill.abort(room, body.message)}
 
+
+def _add_store_routes(app: FastAPI, prefill: PrefillSide) -> None:
+    """The pair's rendezvous store: get and set one key (`disagg/pair_store.py`)."""
+    from fastapi import Path, Query
+
+    PairId = Path(min_length=1, max_length=64, pattern="^[0-9a-f]+$")
+    Key = Query(min_length=1, max_length=MAX_KEY_LEN)
+
     @app.get("/bootstrap/pairs/{pair_id}/store", response_model=None)
     async def store_get(pair_id: str = PairId, key: str = Key) -> Any:
         store = prefill.pair_store(pair_id)
         value = store.peek(key) if store is not None else None
         if value is None:
-            return refuse(404, "no such key")
+            return _refuse(404, "no such key")
         return {"value": base64.b64encode(value).decode()}
 
     @app.post("/bootstrap/pairs/{pair_id}/store", response_model=None)
     async def store_set(body: StoreBody, pair_id: str = PairId, key: str = Key) -> Any:
         store = prefill.pair_store(pair_id)
         if store is None:
-            return refuse(404, f"unknown pair {pair_id}")
+            return _refuse(404, f"unknown pair {pair_id}")
         try:
             store.set(key, base64.b64decode(body.value, validate=True))
         except binascii.Error:
-            return refuse(400, "a rendezvous value is base64")
+            return _refuse(400, "a rendezvous value is base64")
         except StoreError as exc:
-            return refuse(409, str(exc))
+            return _refuse(409, str(exc))
         return {"key": key}
-
-    cfg = prefill.config
-    return BootstrapGuard(app, cfg.secret, cfg.bootstrap_max_body_bytes)
 
 
 class BootstrapServer:
