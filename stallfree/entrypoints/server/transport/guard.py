@@ -85,28 +85,11 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
-        bad_id = given is not None and not _REQUEST_ID.fullmatch(given)
-        rid = given.decode() if given is not None and not bad_id else uuid.uuid4().hex
+        rid, bad_id = _request_id(scope)
         scope.setdefault("state", {})["request_id"] = rid
         lifecycle = self.lifecycle
-        started = False
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                headers = [*message.get("headers", ()), (b"x-request-id", rid.encode())]
-                if lifecycle.draining and _CLOSE not in headers:
-                    headers.append(_CLOSE)
-                message = {**message, "headers": headers}
-            await send(message)
-
-        path = scope["path"]
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root) :]  # behind a proxy's prefix (`server.root_path`)
-        probe = path in PROBES
+        reply = _ReplyWithId(send, rid, lifecycle)
+        probe = _route_path(scope) in PROBES
         counted = False
         try:
             length = self._check_head(scope, probe)  # the API key first, as for any request
@@ -122,35 +105,48 @@ class Guard:
             if not probe:
                 lifecycle.in_flight += 1
                 counted = True
-            if length is None or length > 0:
-                body = await self._read_body(receive, length)
-                if body is None:
-                    # the client left while sending it: nobody reads this answer, but it ends
-                    # the request as what it was (499, nginx's "client closed request") for
-                    # the HTTP metrics and logs, not as a 500 the server never gave
-                    info = _info("the client closed the connection before its body arrived")
-                    await _answer(send_with_id, CLIENT_CLOSED_REQUEST, info, close=True)
-                    return
-                receive = _replay(body, receive)
-            await self.app(scope, receive, send_with_id)
-        except _Refused as refused:
-            count_refusal(self.metrics, refused.status, refused.info.code)
-            if not started:
-                await _answer(send_with_id, refused.status, refused.info, refused.close)
-        except ApiError as err:
-            count_refusal(self.metrics, err.status, err.info.code)
-            if not started:
-                close = "connection" in {k.lower() for k in err.headers}
-                extra = [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
-                await _answer(send_with_id, err.status, err.info, close, extra)
-        except Exception:
-            logger.exception("request %s: unhandled error", rid)
-            if not started:
-                failure = internal_error(rid)
-                await _answer(send_with_id, failure.status, failure.info, close=False)
+            await self._pass_on(scope, receive, reply, length)
+        except Exception as exc:
+            await self._refuse(exc, rid, reply)
         finally:
             if counted:
                 lifecycle.in_flight -= 1
+
+    async def _pass_on(
+        self, scope: Scope, receive: Receive, reply: _ReplyWithId, length: int | None
+    ) -> None:
+        """Read the body (when there is one) whole, then hand the request to the app."""
+        if length is None or length > 0:
+            body = await self._read_body(receive, length)
+            if body is None:
+                # the client left while sending it: nobody reads this answer, but it ends
+                # the request as what it was (499, nginx's "client closed request") for
+                # the HTTP metrics and logs, not as a 500 the server never gave
+                info = _info("the client closed the connection before its body arrived")
+                await _answer(reply, CLIENT_CLOSED_REQUEST, info, close=True)
+                return
+            receive = _replay(body, receive)
+        await self.app(scope, receive, reply)
+
+    async def _refuse(self, exc: Exception, rid: str, reply: _ReplyWithId) -> None:
+        """Answer what escaped (a refusal, an `ApiError`, or a 500 for anything else), unless
+        the answer's head has gone out already; count the refusals. Called in the `except`
+        block, so the log line carries the traceback."""
+        if isinstance(exc, _Refused):
+            count_refusal(self.metrics, exc.status, exc.info.code)
+            if not reply.started:
+                await _answer(reply, exc.status, exc.info, exc.close)
+        elif isinstance(exc, ApiError):
+            count_refusal(self.metrics, exc.status, exc.info.code)
+            if not reply.started:
+                close = "connection" in {k.lower() for k in exc.headers}
+                extra = [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
+                await _answer(reply, exc.status, exc.info, close, extra)
+        else:
+            logger.exception("request %s: unhandled error", rid)
+            if not reply.started:
+                failure = internal_error(rid)
+                await _answer(reply, failure.status, failure.info, close=False)
 
     def _check_head(self, scope: Scope, probe: bool) -> int | None:
         """Check the request line and headers; the body's declared length (None: chunked)."""
@@ -259,6 +255,44 @@ class Guard:
                     code="request_timeout",
                 ),
             ) from None
+
+
+class _ReplyWithId:
+    """The request's `send`, with its id on the answer's head (and `Connection: close` while
+    the server drains); `started` once the head has gone out."""
+
+    def __init__(self, send: Send, rid: str, lifecycle: Lifecycle) -> None:
+        self.send = send
+        self.rid = rid
+        self.lifecycle = lifecycle
+        self.started = False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            headers = [*message.get("headers", ()), (b"x-request-id", self.rid.encode())]
+            if self.lifecycle.draining and _CLOSE not in headers:
+                headers.append(_CLOSE)
+            message = {**message, "headers": headers}
+        await self.send(message)
+
+
+def _request_id(scope: Scope) -> tuple[str, bool]:
+    """The request's id: the client's `X-Request-Id` when it is a valid one, else a fresh one;
+    and whether the client sent an invalid one (a 400)."""
+    given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+    bad_id = given is not None and not _REQUEST_ID.fullmatch(given)
+    rid = given.decode() if given is not None and not bad_id else uuid.uuid4().hex
+    return rid, bad_id
+
+
+def _route_path(scope: Scope) -> str:
+    """The request's path, without the proxy's prefix (`server.root_path`) when it has one."""
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    return path
 
 
 def _info(
