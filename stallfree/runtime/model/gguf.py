@@ -206,8 +206,6 @@ def read_gguf_checkpoint(
     With `keep_quantized`, the linear weights (and a tied embedding, which is the output
     matrix) of the types gguf_blocks.py reads come as their codes and scales instead.
     """
-    from stallfree.runtime.model.gguf_blocks import packed_weight
-
     path = Path(path)
     index, meta = _open(path, ModelLoadError)
     file_tensors = gguf_cache.map_tensors(path, index)
@@ -217,31 +215,42 @@ def read_gguf_checkpoint(
     for tensor in file_tensors:
         if tensor.name in ROPE_FACTOR_TENSORS:  # in the config (_arch)
             continue
-        if is_moe_tensor(tensor.name):  # experts, routers (gguf_moe.py): always dense
-            experts = moe_tensors(tensor.name, _dequantize(tensor), arch)
-            tensors.update({k: v if dtype is None else v.to(dtype) for k, v in experts.items()})
-            continue
-        hf_name = _hf_name(tensor.name, family)
-        if family.permute_qk and tensor.name.endswith("attn_q.weight"):
-            tensor = _unpermute_tensor(tensor, arch.num_heads)
-        elif family.permute_qk and tensor.name.endswith("attn_k.weight"):
-            tensor = _unpermute_tensor(tensor, arch.num_kv_heads)
-        linear = hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight"
-        linear = linear or (hf_name == "model.embed_tokens.weight" and arch.tie_word_embeddings)
-        packed = packed_weight(tensor) if keep_quantized and linear else None
-        weight: torch.Tensor | QuantizedWeight = (
-            packed if packed is not None else _dequantize(tensor)
-        )
-        if family.norm_shift and hf_name.endswith("norm.weight"):
-            weight = cast(torch.Tensor, weight) - 1.0  # llama.cpp stored Gemma's 1 + w
-        if dtype is not None and isinstance(weight, torch.Tensor):
-            weight = weight.to(dtype)
-        if is_fused(hf_name, arch):
-            tensors.update(split_fused(hf_name, weight, arch))
-        else:
-            tensors[hf_name] = weight
+        tensors.update(_entries(tensor, arch, family, keep_quantized, dtype))
+        gguf_cache.drop_pages(tensor)  # copied out: its file pages leave the resident set
     name = str(meta.get("general.name") or path.stem)
     return GGUFCheckpoint(arch=arch, tensors=tensors, name=name)
+
+
+def _entries(
+    tensor: GGUFTensor,
+    arch: ModelArchConfig,
+    family: GGUFFamily,
+    keep_quantized: bool,
+    dtype: torch.dtype | None,
+) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """One file tensor as the checkpoint's entries (HF names): dequantised (to `dtype` where
+    given) or, kept quantized, its codes and scales; a fused tensor split into its parts."""
+    from stallfree.runtime.model.gguf_blocks import packed_weight
+
+    if is_moe_tensor(tensor.name):  # experts, routers (gguf_moe.py): always dense
+        experts = moe_tensors(tensor.name, _dequantize(tensor), arch)
+        return {k: v if dtype is None else v.to(dtype) for k, v in experts.items()}
+    hf_name = _hf_name(tensor.name, family)
+    if family.permute_qk and tensor.name.endswith("attn_q.weight"):
+        tensor = _unpermute_tensor(tensor, arch.num_heads)
+    elif family.permute_qk and tensor.name.endswith("attn_k.weight"):
+        tensor = _unpermute_tensor(tensor, arch.num_kv_heads)
+    linear = hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight"
+    linear = linear or (hf_name == "model.embed_tokens.weight" and arch.tie_word_embeddings)
+    packed = packed_weight(tensor) if keep_quantized and linear else None
+    weight: torch.Tensor | QuantizedWeight = packed if packed is not None else _dequantize(tensor)
+    if family.norm_shift and hf_name.endswith("norm.weight"):
+        weight = cast(torch.Tensor, weight) - 1.0  # llama.cpp stored Gemma's 1 + w
+    if dtype is not None and isinstance(weight, torch.Tensor):
+        weight = weight.to(dtype)
+    if is_fused(hf_name, arch):
+        return dict(split_fused(hf_name, weight, arch))
+    return {hf_name: weight}
 
 
 def read_gguf_arch(path: str | Path) -> ModelArchConfig:
@@ -343,9 +352,12 @@ def _dequantize(tensor: Any) -> torch.Tensor:
             f"GGUF tensor {tensor.name}: cannot dequantise {tensor.tensor_type.name}: {e}"
         ) from e
     shape = tuple(int(d) for d in reversed(tensor.shape))
-    # a copy: the reader's arrays are read-only views of the memory-mapped file
-    array = np.array(array, dtype=np.float32, copy=True).reshape(shape)
-    return torch.from_numpy(array)
+    array = np.asarray(array, dtype=np.float32)
+    if not (array.flags.owndata and array.flags.writeable):
+        # a view of the read-only mapped file (a float32 tensor): copied; a decoded array is
+        # already the process's own (a second copy was 400 MB more for a 1B model's embedding)
+        array = array.copy()
+    return torch.from_numpy(array.reshape(shape))
 
 
 def _unpermute_tensor(tensor: GGUFTensor, n_head: int) -> GGUFTensor:

@@ -542,7 +542,7 @@ def fused_linear(
             parts = [packed.pop(n) for n in names]
             packed[f"{prefix}{fused_name}.weight"] = stack_rows(parts)
         else:
-            fused.weight.copy_(torch.cat([layer.weight for layer in layers]))
+            torch.cat([layer.weight for layer in layers], out=fused.weight)
         if has_bias:
             bias = torch.cat([layer.bias for layer in layers])
             fused.bias = nn.Parameter(bias, requires_grad=False)
