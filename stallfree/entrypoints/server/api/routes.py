@@ -18,7 +18,7 @@ from stallfree.entrypoints.server.api.openai_api import completions
 from stallfree.entrypoints.server.api.score import rerank, score
 from stallfree.entrypoints.server.base.errors import ApiError
 from stallfree.entrypoints.server.base.protocol import GenerateRequest
-from stallfree.entrypoints.server.base.state import server_state
+from stallfree.entrypoints.server.base.state import ServerState, server_state
 from stallfree.entrypoints.server.intake.requests import (
     converting,
     encode_async,
@@ -36,6 +36,7 @@ from stallfree.entrypoints.server.output.streaming import (
     respond,
     sse,
 )
+from stallfree.runtime.engine import Engine
 from stallfree.runtime.request.outputs import GenerationChunk
 from stallfree.runtime.request.sampling_params import SamplingParams
 
@@ -126,63 +127,10 @@ async def generate(request: Request) -> Response:
     # read as the OpenAI routes read theirs (`read_body`): the same 400s, naming the field
     body = await read_body(request, GenerateRequest)
     state = server_state(request)
-    check_runner(state.engine, "generate", "/generate")
-    engine = state.engine
-    if state.disagg is not None:
-        raise ApiError(
-            400,
-            "a disaggregated server serves /v1/completions and /v1/chat/completions, "
-            "through its router",
-        )
-    if (body.text is None) == (body.input_ids is None):
-        raise ApiError(400, "send exactly one of text and input_ids", param="text")
-    with converting():
-        params = native_sampling_params(body.sampling_params)
-        prompt = (
-            await encode_async(engine, body.text)
-            if body.text is not None
-            else list(body.input_ids or [])
-        )
-        engine.validator.check_prompt(prompt, None, param="prompt")
+    _check_generate(state, body)
+    params, prompt = await _native_prompt(state.engine, body)
     ctx = Context.of(request)
     rid = body.rid or f"gen-{ctx.request_id}"
-
-    def meta(chunk: GenerationChunk) -> dict[str, Any]:
-        return {
-            "id": chunk.rid,
-            "finish_reason": chunk.finish_reason,
-            "prompt_tokens": chunk.prompt_tokens,
-            "completion_tokens": chunk.completion_tokens,
-            "error": chunk.error,
-        }
-
-    async def events(generation: Generation) -> AsyncIterator[str]:
-        async for _, chunk in generation.stream():
-            if (end := generation.ending_event(chunk)) is not None:
-                yield end
-                break
-            event = {
-                "text": chunk.text,
-                "output_ids": chunk.token_ids,
-                "finished": chunk.finished,
-                "meta_info": meta(chunk),
-            }
-            yield sse(with_logprobs(event, chunk.logprobs, chunk.prompt_logprobs))
-        yield DONE
-
-    def whole(results: list[Result]) -> dict[str, Any]:
-        r = results[0]
-        out = {"text": r.text, "output_ids": r.token_ids, "meta_info": meta(r.last)}
-        return with_logprobs(out, r.logprobs, r.prompt_logprobs)
-
-    def with_logprobs(out: dict[str, Any], logprobs: Any, prompt_logprobs: Any) -> dict[str, Any]:
-        """`logprobs` (and `prompt_logprobs`, in the first event) when they were asked for."""
-        if params.logprobs is not None:
-            out["logprobs"] = native_logprobs(logprobs or [])
-        if prompt_logprobs is not None:
-            out["prompt_logprobs"] = native_logprobs(prompt_logprobs)
-        return out
-
     try:
         generation = await Generation.admit(ctx, [prompt], params, [rid])
     except ApiError as err:
@@ -191,4 +139,79 @@ async def generate(request: Request) -> Response:
             err.info.param = f"sampling_params.{err.info.param}"
         raise
     state.observe_params(1, params.max_new_tokens)
-    return await respond(request, generation, body.stream, events, whole)
+    answer = _NativeAnswer(logprobs=params.logprobs is not None)
+    return await respond(request, generation, body.stream, answer.events, answer.whole)
+
+
+def _check_generate(state: ServerState, body: GenerateRequest) -> None:
+    """What `/generate` refuses before it reads the prompt: a runner that does not generate, a
+    disaggregated server, and a body with both or neither of `text` and `input_ids`."""
+    check_runner(state.engine, "generate", "/generate")
+    if state.disagg is not None:
+        raise ApiError(
+            400,
+            "a disaggregated server serves /v1/completions and /v1/chat/completions, "
+            "through its router",
+        )
+    if (body.text is None) == (body.input_ids is None):
+        raise ApiError(400, "send exactly one of text and input_ids", param="text")
+
+
+async def _native_prompt(engine: Engine, body: GenerateRequest) -> tuple[SamplingParams, list[int]]:
+    """The request's sampling parameters and its prompt's token ids, checked by the engine."""
+    with converting():
+        params = native_sampling_params(body.sampling_params)
+        prompt = (
+            await encode_async(engine, body.text)
+            if body.text is not None
+            else list(body.input_ids or [])
+        )
+        engine.validator.check_prompt(prompt, None, param="prompt")
+    return params, prompt
+
+
+class _NativeAnswer:
+    """`/generate`'s answer in SGLang's native shape: one event per chunk when streamed, or
+    the whole result; each with its `meta_info`, and logprobs when they were asked for."""
+
+    def __init__(self, logprobs: bool) -> None:
+        self.logprobs = logprobs
+
+    async def events(self, generation: Generation) -> AsyncIterator[str]:
+        async for _, chunk in generation.stream():
+            if (end := generation.ending_event(chunk)) is not None:
+                yield end
+                break
+            event = {
+                "text": chunk.text,
+                "output_ids": chunk.token_ids,
+                "finished": chunk.finished,
+                "meta_info": _meta(chunk),
+            }
+            yield sse(self._with_logprobs(event, chunk.logprobs, chunk.prompt_logprobs))
+        yield DONE
+
+    def whole(self, results: list[Result]) -> dict[str, Any]:
+        r = results[0]
+        out = {"text": r.text, "output_ids": r.token_ids, "meta_info": _meta(r.last)}
+        return self._with_logprobs(out, r.logprobs, r.prompt_logprobs)
+
+    def _with_logprobs(
+        self, out: dict[str, Any], logprobs: Any, prompt_logprobs: Any
+    ) -> dict[str, Any]:
+        """`logprobs` (and `prompt_logprobs`, in the first event) when they were asked for."""
+        if self.logprobs:
+            out["logprobs"] = native_logprobs(logprobs or [])
+        if prompt_logprobs is not None:
+            out["prompt_logprobs"] = native_logprobs(prompt_logprobs)
+        return out
+
+
+def _meta(chunk: GenerationChunk) -> dict[str, Any]:
+    return {
+        "id": chunk.rid,
+        "finish_reason": chunk.finish_reason,
+        "prompt_tokens": chunk.prompt_tokens,
+        "completion_tokens": chunk.completion_tokens,
+        "error": chunk.error,
+    }
