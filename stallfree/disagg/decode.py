@@ -305,33 +305,13 @@ class DecodeSide(RoomSide):
         port: int,
     ) -> AsyncIterator[GenerationChunk]:
         imp = self.engine.open_import(prompt_ids, params, rid)  # checks the request first
-        try:
-            room = self.rooms.open(
-                room_id, RoomState.BOOTSTRAPPING, self.config.bootstrap_timeout_s
-            )
-        except KeyError as exc:
-            imp.cancel()
-            raise RoomError("bootstrap", f"room {room_id} is in use") from exc
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        room.data["import"] = imp
-        room.on_final.append(lambda _: _resolve(done))
+        room, done = self._open_room(imp, room_id)
         link: _Link | None = None
         joined = False
         try:
             link = await self._until(room, done, self.connect(host, port))
             link.rooms.add(room_id)
-            room.advance(RoomState.PREALLOC)
-            while not imp.reserve():
-                await self._until(room, done, asyncio.sleep(PREALLOC_RETRY_S))
-            room.advance(RoomState.TRANSFERRING, time.monotonic() + self.config.transfer_timeout_s)
-            room.data["since"] = time.monotonic()
-            await self._until(
-                room, done, link.control.register(room_id, link.pair_id, imp.pages, len(prompt_ids))
-            )
-            await done
-            if room.state is not RoomState.DONE:
-                raise room.error or RoomError(room.state.value, "room ended")
-            first = room.data["first_token"]
+            first = await self._receive_kv(room, done, imp, link, len(prompt_ids))
             asyncio.get_running_loop().create_task(self._quiet(link.control.ack(room_id, True)))
             joined = True
             chunks = imp.join(first)
@@ -344,11 +324,7 @@ class DecodeSide(RoomSide):
             room.fail("handshake refused", "bootstrap")
             raise
         except ControlError as exc:
-            if exc.status == 404 and link is not None:  # the prefill forgot the pair
-                self._break(link, str(exc))
-            stage = room.state.value
-            if room.fail(str(exc), stage):
-                self.stats.failed(stage)
+            stage = self._control_failed(room, link, exc)
             if exc.status == BAD_UPSTREAM:
                 raise  # the server answers a 502 naming the prefill
             raise room.error or RoomError(stage, str(exc)) from exc
@@ -356,14 +332,61 @@ class DecodeSide(RoomSide):
             if link is not None:
                 link.rooms.discard(room_id)
             if not joined:
-                if room.fail("decode request ended before its KV arrived"):
-                    self.stats.failed(room.error.stage if room.error else "transfer")
-                imp.cancel()
-                if link is not None and link.alive:
-                    why = str(room.error) if room.error else "aborted"
-                    asyncio.get_running_loop().create_task(
-                        self._quiet(link.control.abort(room_id, why))
-                    )
+                self._abandon(room, imp, link)
+
+    def _open_room(self, imp: KVImport, room_id: int) -> tuple[Room, asyncio.Future[None]]:
+        """The room `imp` arrives in (the import cancelled when the id is in use), and a future
+        that resolves when the room ends."""
+        try:
+            room = self.rooms.open(
+                room_id, RoomState.BOOTSTRAPPING, self.config.bootstrap_timeout_s
+            )
+        except KeyError as exc:
+            imp.cancel()
+            raise RoomError("bootstrap", f"room {room_id} is in use") from exc
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        room.data["import"] = imp
+        room.on_final.append(lambda _: _resolve(done))
+        return room, done
+
+    async def _receive_kv(
+        self, room: Room, done: asyncio.Future[None], imp: KVImport, link: _Link, num_tokens: int
+    ) -> int:
+        """Reserve the room's pages, register them with the prefill and wait until its KV has
+        arrived; the prefill's first token."""
+        room.advance(RoomState.PREALLOC)
+        while not imp.reserve():
+            await self._until(room, done, asyncio.sleep(PREALLOC_RETRY_S))
+        room.advance(RoomState.TRANSFERRING, time.monotonic() + self.config.transfer_timeout_s)
+        room.data["since"] = time.monotonic()
+        await self._until(
+            room, done, link.control.register(room.room, link.pair_id, imp.pages, num_tokens)
+        )
+        await done
+        if room.state is not RoomState.DONE:
+            raise room.error or RoomError(room.state.value, "room ended")
+        first: int = room.data["first_token"]
+        return first
+
+    def _control_failed(self, room: Room, link: _Link | None, exc: ControlError) -> str:
+        """Fail the room on the prefill's refusal or silence (and drop the pair when the
+        prefill has forgotten it); the stage the room failed in."""
+        if exc.status == 404 and link is not None:  # the prefill forgot the pair
+            self._break(link, str(exc))
+        stage = room.state.value
+        if room.fail(str(exc), stage):
+            self.stats.failed(stage)
+        return stage
+
+    def _abandon(self, room: Room, imp: KVImport, link: _Link | None) -> None:
+        """A request that ended before its KV arrived: fail its room, free its pages, and tell
+        the prefill (best effort)."""
+        if room.fail("decode request ended before its KV arrived"):
+            self.stats.failed(room.error.stage if room.error else "transfer")
+        imp.cancel()
+        if link is not None and link.alive:
+            why = str(room.error) if room.error else "aborted"
+            asyncio.get_running_loop().create_task(self._quiet(link.control.abort(room.room, why)))
 
     async def _until(self, room: Room, done: asyncio.Future[None], aw: Any) -> Any:
         """Await `aw` unless the room ends first: raise its error if it failed (its deadline, a
