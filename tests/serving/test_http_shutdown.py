@@ -61,6 +61,8 @@ async def test_a_drain_answers_503_at_once_and_lets_running_requests_finish():
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "shutting_down"
         assert refused.headers["connection"] == "close"
+        # retryable elsewhere: the Rust routers retry a 503 that carries Retry-After
+        assert refused.headers["retry-after"] == "1"
         # the running ones finish as if nothing happened
         events = await stream
         assert events[-1] == "[DONE]"

@@ -138,13 +138,14 @@ def overloaded(retry_after_s: int, message: str) -> ApiError:
 
 
 def shutting_down(message: str = "the server is shutting down") -> ApiError:
-    # Connection: close, so a client's pool does not send its next request here
+    # Connection: close, so a client's pool does not send its next request here; Retry-After,
+    # so a gateway (sglang-router, vllm-router) retries the request on another server
     return ApiError(
         503,
         message,
         type=SERVICE_UNAVAILABLE,
         code="shutting_down",
-        headers={"Connection": "close"},
+        headers={"Connection": "close", "Retry-After": "1"},
     )
 
 

@@ -40,6 +40,7 @@ from stallfree.entrypoints.server.base.errors import (
     error_body,
     internal_error,
     overloaded,
+    shutting_down,
 )
 from stallfree.entrypoints.server.base.protocol import ErrorInfo
 from stallfree.entrypoints.server.base.state import Lifecycle
@@ -178,14 +179,7 @@ class Guard:
         if not probe:
             lifecycle = self.lifecycle
             if lifecycle.draining:
-                raise _Refused(
-                    503,
-                    _info(
-                        "the server is shutting down",
-                        type="service_unavailable",
-                        code="shutting_down",
-                    ),
-                )
+                raise shutting_down()
             if lifecycle.in_flight >= self.limits.max_concurrent_requests:
                 raise overloaded(
                     self.limits.retry_after_s,
