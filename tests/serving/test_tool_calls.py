@@ -19,6 +19,7 @@ import openai
 import pytest
 import pytest_asyncio
 
+from stallfree.entrypoints.server.chat.tool_parsers import MAX_DEPTH
 from tests.server_util import Live, module_loop, serving
 
 HERMES_TEMPLATE = (
@@ -204,6 +205,35 @@ async def test_auto_finds_the_call_the_model_writes(hermes):
     )
     assert plain.choices[0].message.tool_calls is None
     assert plain.choices[0].message.content and plain.choices[0].finish_reason == "stop"
+
+
+# a hermes call nested past the parsers' depth limit (issue 42, finding 11): content, not a call
+DEEP_CALL = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"a": '
+    + "[" * (MAX_DEPTH + 16)
+    + "]" * (MAX_DEPTH + 16)
+    + "}}\n</tool_call>"
+)
+
+
+@module_loop
+async def test_a_call_nested_too_deep_is_content_whole_and_streamed(hermes):
+    grammar = {"grammar": "start: " + json.dumps(DEEP_CALL)}
+    kwargs = _kwargs(max_tokens=len(DEEP_CALL) + 8, extra_body={"structured_outputs": grammar})
+    r = await hermes.client.chat.completions.create(**kwargs)
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content == DEEP_CALL and r.choices[0].finish_reason == "stop"
+    # a stream has sent the call's name before the nesting shows (as with any call that turns
+    # out not to parse); it ends as content, with no error, and the call never completes
+    content, finish, arguments = "", None, ""
+    stream = await hermes.client.chat.completions.create(**kwargs, stream=True)
+    async for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            arguments += "".join(d.function.arguments or "" for d in choice.delta.tool_calls or ())
+            finish = choice.finish_reason or finish
+    assert content == DEEP_CALL and finish == "stop"
+    assert len(arguments) <= 2 * MAX_DEPTH
 
 
 @module_loop

@@ -11,10 +11,12 @@ import pytest
 from stallfree.entrypoints.server.chat.chat_output import ChatOutput
 from stallfree.entrypoints.server.chat.reasoning import REASONING_PARSERS
 from stallfree.entrypoints.server.chat.tool_parsers import (
+    MAX_DEPTH,
     PARSERS,
     CallDraft,
     json_array_schema,
     streamed_arguments,
+    too_deep,
 )
 
 ARGS = {"city": 'Par"is}', "days": [1, 22, -3.5], "deep": {"a": {"b": []}}, "ok": True, "x": None}
@@ -322,3 +324,46 @@ def test_what_cannot_be_wrapped_is_left_as_it_is():
     parser = REASONING_PARSERS["deepseek_r1"]()
     for spec in ({"grammar": 'root ::= "a"'}, {"json": "{not json"}):
         assert after_thinking(spec, parser) is spec
+
+
+DEEP = 10_000
+# each parser, a call in its format whose arguments nest DEEP arrays (issue 42, finding 11)
+NESTED = "[" * DEEP + "]" * DEEP
+DEEP_REPLIES = {
+    "hermes": '<tool_call>\n{"name": "f", "arguments": {"a": ' + NESTED + "}}\n</tool_call>",
+    "llama3_json": '{"name": "f", "parameters": {"a": ' + NESTED + "}}",
+    "mistral": '[TOOL_CALLS][{"name": "f", "arguments": {"a": ' + NESTED + "}}]",
+    "mistral-v11": '[TOOL_CALLS]f[ARGS]{"a": ' + NESTED + "}",
+    "pythonic": "[f(a=" + NESTED + ")]",
+    "json_array": '[{"name": "f", "parameters": {"a": ' + NESTED + "}}]",
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEEP_REPLIES))
+def test_a_reply_nested_too_deep_is_content_whole_and_streamed(name):
+    text = DEEP_REPLIES[name]
+    whole = ChatOutput(tools=PARSERS[name.split("-")[0]]()).choice()
+    whole.feed(text, final=True)
+    assert whole.message()["content"] == text and "tool_calls" not in whole.message()
+    streamed = ChatOutput(tools=PARSERS[name.split("-")[0]]()).choice()
+    pieces = [text[at : at + 997] for at in range(0, len(text), 997)]
+    deltas = [streamed.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    assert "".join(d.content for d in deltas) == text
+    assert not streamed.completed()
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH - 2, MAX_DEPTH - 1])
+def test_a_call_nested_to_the_limit_still_parses(depth):
+    # the arguments object is one level, the call object around it another
+    value = "[" * depth + "]" * depth
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": ' + value + "}}\n</tool_call>"
+    choice = ChatOutput(tools=PARSERS["hermes"]()).choice()
+    choice.feed(text, final=True)
+    calls = choice.message().get("tool_calls", [])
+    assert (len(calls) == 1) == (depth + 2 <= MAX_DEPTH)
+
+
+def test_brackets_in_strings_do_not_count_toward_the_depth():
+    assert not too_deep('["' + "[" * 500 + '\\"' + "{" * 500 + '"]')
+    assert too_deep("[" * (MAX_DEPTH + 1))
+    assert not too_deep("[]" * 10_000)

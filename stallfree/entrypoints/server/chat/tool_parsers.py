@@ -18,7 +18,8 @@ still grow is left out), so `streamed_arguments` can send a prefix that never ch
 - `json_array`: vLLM's form for a forced call (`tool_choice` required or named) with a parser
   whose own format cannot be written as a grammar: `[{"name": ..., "parameters": {...}}]`.
 
-A reply whose calls do not parse at the end is all content, as vLLM gives it.
+A reply whose calls do not parse at the end is all content, as vLLM gives it. So is one nested
+deeper than `MAX_DEPTH` arrays and objects: such a text is never handed to a (recursive) parser.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ from partial_json_parser import loads as partial_loads
 from stallfree.entrypoints.server.chat.reasoning import holdback
 
 _OPEN_CONTAINERS = Allow.ARR | Allow.OBJ
+# the deepest nesting of JSON arrays and objects (or Python lists, dicts, calls) a call may have
+MAX_DEPTH = 64
+# a bracket, or a JSON string (closed or not) whose brackets do not count
+_BRACKETS = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}()]', re.DOTALL)
 
 
 @dataclass(slots=True)
@@ -71,7 +76,33 @@ def streamed_arguments(call: CallDraft) -> str:
     return text if call.done else text.rstrip('"]} ')
 
 
+def too_deep(text: str, limit: int = MAX_DEPTH) -> bool:
+    """Whether `text` opens more than `limit` brackets at once (those in strings aside); a
+    loop, not a recursion, so any depth is safe to ask about."""
+    if text.count("[") + text.count("{") + text.count("(") <= limit:
+        return False
+    depth = 0
+    for match in _BRACKETS.finditer(text):
+        char = match.group()
+        if char in "[{(":
+            depth += 1
+            if depth > limit:
+                return True
+        elif char in "]})":
+            depth = max(depth - 1, 0)
+    return False
+
+
+def _loads(text: str) -> Any:
+    """`json.loads`, with a text nested too deep a ValueError like any other that is not JSON."""
+    if too_deep(text):
+        raise ValueError("nested too deep")
+    return json.loads(text)
+
+
 def _partial(text: str) -> Any:
+    if too_deep(text):
+        return None
     try:
         return partial_loads(text, _OPEN_CONTAINERS)
     except Exception:  # partial_json_parser raises its own errors, and ValueError
@@ -90,7 +121,7 @@ def _call_of(obj: Any, keys: tuple[str, ...], done: bool) -> CallDraft | None:
         return None
     if isinstance(arguments, str) and done:  # some models write the arguments as JSON text
         try:
-            arguments = json.loads(arguments)
+            arguments = _loads(arguments)
         except ValueError:
             return None
     return CallDraft(name, arguments if isinstance(arguments, dict) else None, done)
@@ -157,7 +188,7 @@ class HermesParser(ToolParser):
             body = body.strip()
             if closed or final:
                 try:
-                    call = _call_of(json.loads(body), ("arguments", "parameters"), True)
+                    call = _call_of(_loads(body), ("arguments", "parameters"), True)
                 except ValueError:
                     call = None
                 if call is None:
@@ -188,6 +219,8 @@ class Llama3JsonParser(ToolParser):
             return Parsed(text if final else "")
         if not body.startswith("{"):
             return Parsed(text)
+        if too_deep(body):
+            return Parsed(text) if final else Parsed("")  # not calls it will read
         decoder = json.JSONDecoder()
         calls: list[CallDraft] = []
         at = 0
@@ -232,7 +265,7 @@ class _ArrayParser(ToolParser):
             if not body.startswith("["):
                 return Parsed(text if final or body else "")
         try:
-            items, complete = json.loads(body), True
+            items, complete = _loads(body), True
         except ValueError:
             if final:
                 return Parsed(text)
@@ -275,7 +308,7 @@ class MistralParser(_ArrayParser):
                     return Parsed(text)
                 break
             try:
-                arguments, done = json.loads(args), True
+                arguments, done = _loads(args), True
             except ValueError:
                 if final or i < len(parts) - 1:
                     return Parsed(text)
@@ -298,6 +331,8 @@ class PythonicParser(ToolParser):
         body = text.strip()
         if not body.startswith("["):
             return Parsed(text if final or body else "")
+        if too_deep(body):
+            return Parsed(text) if final else Parsed("")
         try:
             tree = ast.parse(body, mode="eval").body
         except (SyntaxError, ValueError, RecursionError, MemoryError):
