@@ -102,3 +102,31 @@ async def test_bad_structured_requests_are_400s_naming_the_field(live, extra, pa
     assert info.value.body["param"] == param, info.value.body  # type: ignore[index]
     ok = await live.client.chat.completions.create(model="test-model", messages=USER, max_tokens=2)
     assert ok.choices[0].message is not None
+
+
+# a node that must contain a node: the grammar compiles, but no finite output satisfies it
+ENDLESS = {
+    "$ref": "#/$defs/n",
+    "$defs": {
+        "n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}
+    },
+}
+
+
+@module_loop
+async def test_a_schema_nothing_satisfies_is_the_requests_error(live):
+    """The grammar dead-ends on the request's own schema: a 422 (it was a 500), streamed as an
+    error event of the same type, and the server goes on serving (issue 42, finding 6)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "node", "schema": ENDLESS}}
+    kwargs = dict(model="test-model", messages=USER, max_tokens=30, response_format=fmt)
+    with pytest.raises(openai.UnprocessableEntityError) as err:
+        await live.client.chat.completions.create(**kwargs)
+    assert "dead end" in err.value.message
+    assert err.value.body["type"] == "invalid_request_error"
+    stream = await live.client.chat.completions.create(**kwargs, stream=True)
+    with pytest.raises(openai.APIError) as streamed:
+        async for _ in stream:
+            pass
+    assert "dead end" in str(streamed.value)
+    ok = await live.client.chat.completions.create(model="test-model", messages=USER, max_tokens=5)
+    assert ok.choices[0].message.content is not None

@@ -40,6 +40,9 @@ class Req:
     status: ReqStatus = ReqStatus.WAITING
     finished_reason: FinishReason | None = None
     finish_message: str | None = None
+    # an error that is the request's own doing (4xx), answered with this status; None: the
+    # server's failure (500)
+    error_status: int | None = None
     # memory: host-owned allocation
     req_pool_idx: int | None = None
     kv_pages: list[int] = field(default_factory=list)
@@ -133,10 +136,13 @@ class Req:
                 code="unsupported",
             )
 
-    def finish(self, reason: FinishReason, message: str | None = None) -> None:
+    def finish(
+        self, reason: FinishReason, message: str | None = None, status: int | None = None
+    ) -> None:
         if self.finished_reason is None:
             self.finished_reason = reason
             self.finish_message = message
+            self.error_status = status
             self.status = ReqStatus.FINISHED
 
     @property

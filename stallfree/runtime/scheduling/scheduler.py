@@ -274,16 +274,18 @@ class Scheduler:
         if how == "complete":
             self._finish(req, FinishReason.STOP)
         else:
-            self._fail_one(req, f"structured output reached a dead end: {message}")
+            # the request's grammar allows no output from here: its own doing, not the
+            # server's (a schema no finite output satisfies), so a 422, not a 500
+            self._fail_one(req, f"structured output reached a dead end: {message}", status=422)
 
     def _refuse(self, req: Req, message: str) -> None:
         """A request taken off `waiting` that can never run."""
         self._finish(req, FinishReason.ERROR, message)
 
-    def _fail_one(self, req: Req, message: str) -> None:
+    def _fail_one(self, req: Req, message: str, status: int | None = None) -> None:
         if not req.finished:
             self.queues.leave(req)
-            self._finish(req, FinishReason.ERROR, message)
+            self._finish(req, FinishReason.ERROR, message, status)
 
     def _accept(
         self, req: Req, tok: int, now: float, logprobs: TokenLogprobs | None = None
@@ -304,8 +306,10 @@ class Scheduler:
         ):
             self._finish(req, FinishReason.LENGTH)
 
-    def _finish(self, req: Req, reason: FinishReason, message: str | None = None) -> None:
-        req.finish(reason, message)
+    def _finish(
+        self, req: Req, reason: FinishReason, message: str | None = None, status: int | None = None
+    ) -> None:
+        req.finish(reason, message, status)
         if req.req_pool_idx is not None or req.kv_pages:
             # NOTE: deferred: the launched batch N+1 may still read this request's slots.
             self.deferred.free_after(self.launch_seq, req)

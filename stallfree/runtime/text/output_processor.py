@@ -108,6 +108,7 @@ class RequestStream:
             prompt_tokens=len(req.origin_input_ids),
             completion_tokens=len(req.output_ids),
             error=req.finish_message if final else None,
+            error_status=req.error_status if final else None,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             cached_tokens=req.cached_tokens,

@@ -260,8 +260,11 @@ class Generation:
         meant for the client (`error_status`) is answered as it is."""
         if chunk.error_status is not None:
             logger.warning("request %s (%s): %s", self.ctx.request_id, chunk.rid, chunk.error)
+            client = 400 <= chunk.error_status < 500  # the request's own doing
             return ApiError(
-                chunk.error_status, chunk.error or "request failed", type="server_error"
+                chunk.error_status,
+                chunk.error or "request failed",
+                type="invalid_request_error" if client else "server_error",
             )
         logger.error(
             "request %s (%s): generation failed: %s", self.ctx.request_id, chunk.rid, chunk.error
