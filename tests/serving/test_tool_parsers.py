@@ -367,3 +367,46 @@ def test_brackets_in_strings_do_not_count_toward_the_depth():
     assert not too_deep('["' + "[" * 500 + '\\"' + "{" * 500 + '"]')
     assert too_deep("[" * (MAX_DEPTH + 1))
     assert not too_deep("[]" * 10_000)
+
+
+# a call with 12 kB of arguments in each JSON format (issue 42, finding 12)
+BIG = json.dumps({"rows": [{"i": i, "v": [i, [i, {"w": "x" * (i % 7)}]]} for i in range(300)]})
+BIG_REPLIES = {
+    "hermes": 'Sure.\n<tool_call>\n{"name": "f", "arguments": ' + BIG + "}\n</tool_call>",
+    "llama3_json": '{"name": "f", "parameters": ' + BIG + "}",
+    "mistral": '[TOOL_CALLS][{"name": "f", "arguments": ' + BIG + "}]",
+    "mistral-v11": "[TOOL_CALLS]f[ARGS]" + BIG,
+    "json_array": '[{"name": "f", "parameters": ' + BIG + "}]",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BIG_REPLIES))
+def test_a_streamed_call_is_parsed_in_time_linear_in_its_length(name, monkeypatch):
+    import stallfree.entrypoints.server.chat.tool_parsers as tool_parsers
+
+    read: list[int] = []  # the length of each text handed to a JSON parser, whole or partial
+    raw_decode, partial_loads = json.JSONDecoder.raw_decode, tool_parsers.partial_loads
+
+    def counted_raw(decoder, text, *args, **kwargs):  # what json.loads calls too
+        read.append(len(text))
+        return raw_decode(decoder, text, *args, **kwargs)
+
+    def counted_partial(text, *args, **kwargs):
+        read.append(len(text))
+        return partial_loads(text, *args, **kwargs)
+
+    monkeypatch.setattr(json.JSONDecoder, "raw_decode", counted_raw)
+    monkeypatch.setattr(tool_parsers, "partial_loads", counted_partial)
+    text = BIG_REPLIES[name]
+    assert len(BIG) > 12_000
+    choice = ChatOutput(tools=PARSERS[name.split("-")[0]]()).choice()
+    pieces = [text[at : at + 4] for at in range(0, len(text), 4)]  # about a token each
+    deltas = [choice.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    parses, total = len(read), sum(read)
+    streamed = "".join(
+        c["function"]["arguments"] for d in deltas for c in d.calls if c["index"] == 0
+    )
+    assert json.loads(streamed) == json.loads(BIG)
+    # the arguments still stream: more than a handful of deltas before the call is whole
+    assert sum(1 for d in deltas for c in d.calls if c["function"].get("arguments")) >= 8
+    assert total <= 4 * len(text), (parses, total, len(text))

@@ -25,6 +25,7 @@ from stallfree.entrypoints.server.chat.tool_parsers import (
     CallDraft,
     Parsed,
     ToolParser,
+    new_memo,
     streamed_arguments,
 )
 
@@ -70,6 +71,7 @@ class _SentCall:
     name: str
     arguments: str = ""
     done: bool = False
+    source: Any = None  # the parsed arguments `arguments` was written from
 
 
 class ChoiceText:
@@ -79,6 +81,7 @@ class ChoiceText:
         self.reasoning = ""
         self.content = ""
         self.calls: list[_SentCall] = []
+        self.memo = new_memo()  # the tool parser's, kept from one piece to the next
 
     def feed(self, piece: str, final: bool = False, cut: bool = False) -> Piece:
         """What `piece` (the text's next part) adds; `final` with the text's last part, and
@@ -105,13 +108,14 @@ class ChoiceText:
         parser = self.output.tools
         if parser is None:
             return Parsed(answer)
-        parsed = parser.parse(answer, final)
+        self.memo.settled = final
+        parsed = parser.parse(answer, final, self.memo)
         if not final or any(c.name is not None for c in parsed.calls):
             return parsed
         if cut or self.output.forced:
             # a whole-text parse fails on a call the end cut: read the text as one that goes
             # on, so the calls before it stay calls and the cut one keeps what it has
-            grown = parser.parse(answer, False)
+            grown = parser.parse(answer, False, self.memo)
             if self.output.forced or any(c.name is not None for c in grown.calls):
                 return grown
         return parsed
@@ -140,7 +144,9 @@ class ChoiceText:
                     }
                 )
             sent = self.calls[index]
-            sent.done = call.done
+            if sent.done or (call.arguments is sent.source and call.done == sent.done):
+                continue  # all sent, or parsed from the same text as last time
+            sent.done, sent.source = call.done, call.arguments
             now = streamed_arguments(call)
             if len(now) > len(sent.arguments) and now.startswith(sent.arguments):
                 deltas.append(

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 from partial_json_parser import Allow
 from partial_json_parser import loads as partial_loads
 
+from stallfree.entrypoints.server.chat.parse_memo import ParseMemo
 from stallfree.entrypoints.server.chat.reasoning import holdback
 
 _OPEN_CONTAINERS = Allow.ARR | Allow.OBJ
@@ -100,13 +101,20 @@ def _loads(text: str) -> Any:
     return json.loads(text)
 
 
-def _partial(text: str) -> Any:
-    if too_deep(text):
-        return None
+def _partial_loads(text: str) -> Any:
     try:
         return partial_loads(text, _OPEN_CONTAINERS)
     except Exception:  # partial_json_parser raises its own errors, and ValueError
         return None
+
+
+def _partial(memo: ParseMemo, key: Any, text: str) -> Any:
+    return memo.partial(key, text, _partial_loads)
+
+
+def new_memo() -> ParseMemo:
+    """A memo for one choice's parses (a stream's), bounded by `MAX_DEPTH`."""
+    return ParseMemo(MAX_DEPTH)
 
 
 def _call_of(obj: Any, keys: tuple[str, ...], done: bool) -> CallDraft | None:
@@ -136,8 +144,10 @@ class ToolParser(ABC):
     keeps_special_tokens: ClassVar[bool] = False
 
     @abstractmethod
-    def parse(self, text: str, final: bool) -> Parsed:
-        """The content and calls of `text`; `final` once the text is whole."""
+    def parse(self, text: str, final: bool, memo: ParseMemo | None = None) -> Parsed:
+        """The content and calls of `text`; `final` once the text is whole. A stream passes
+        the same `memo` with each longer text, so each parse reads little more than what is
+        new; without one, the text is read as a whole."""
 
     def forced_grammar(self, calls: list[tuple[str, dict[str, Any]]], many: bool) -> str | None:
         """A Lark grammar (llguidance's) whose every text is one call (`many`: one or more) of
@@ -174,7 +184,8 @@ class HermesParser(ToolParser):
     START, END = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, memo: ParseMemo | None = None) -> Parsed:
+        memo = memo or new_memo()
         start = text.find(self.START)
         if start < 0:
             if final:
@@ -185,10 +196,11 @@ class HermesParser(ToolParser):
             body, closed = match.group(1), bool(match.group(2))
             if not closed:
                 body = body[: len(body) - holdback(body, self.END)]  # a closing tag to come
+            key = ("hermes", match.start(1) + len(body) - len(body.lstrip()))
             body = body.strip()
             if closed or final:
                 try:
-                    call = _call_of(_loads(body), ("arguments", "parameters"), True)
+                    call = _call_of(memo.loads(key, body), ("arguments", "parameters"), True)
                 except ValueError:
                     call = None
                 if call is None:
@@ -196,7 +208,7 @@ class HermesParser(ToolParser):
                         return Parsed(text)  # not calls after all
                     break
             else:
-                call = _call_of(_partial(body), ("arguments", "parameters"), False)
+                call = _call_of(_partial(memo, key, body), ("arguments", "parameters"), False)
                 if call is None:
                     break
             calls.append(call)
@@ -211,7 +223,8 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, memo: ParseMemo | None = None) -> Parsed:
+        memo = memo or new_memo()
         body = text.lstrip()
         if body.startswith(self.TAG):
             body = body[len(self.TAG) :].lstrip()
@@ -219,18 +232,16 @@ class Llama3JsonParser(ToolParser):
             return Parsed(text if final else "")
         if not body.startswith("{"):
             return Parsed(text)
-        if too_deep(body):
-            return Parsed(text) if final else Parsed("")  # not calls it will read
-        decoder = json.JSONDecoder()
         calls: list[CallDraft] = []
         at = 0
         while at < len(body):
             try:
-                obj, end = decoder.raw_decode(body, at)
+                obj, end = self._decode(memo, body, at)
             except ValueError:
                 if final:
                     return Parsed(text)
-                call = _call_of(_partial(body[at:]), ("parameters", "arguments"), False)
+                part = _partial(memo, ("llama3", at), body[at:])
+                call = _call_of(part, ("parameters", "arguments"), False)
                 if call is not None:
                     calls.append(call)
                 break
@@ -243,6 +254,18 @@ class Llama3JsonParser(ToolParser):
                 at += 1
         return Parsed("", calls)
 
+    @staticmethod
+    def _decode(memo: ParseMemo, body: str, at: int) -> tuple[Any, int]:
+        """The JSON value at `at` of `body` and where it ends; ValueError if there is none
+        (yet): a value's brackets are scanned first, and only once they close is it parsed."""
+        key = ("llama3", at)
+        rest = body[at:]
+        scan = memo.scan(key, rest)
+        if scan.first_close < 0 or scan.deepest > memo.limit:
+            raise ValueError("no whole value")
+        head = rest[: scan.first_close]
+        return memo.loads(("llama3-whole", at), head), at + len(head)
+
     def forced_grammar(self, calls: list[tuple[str, dict[str, Any]]], many: bool) -> str | None:
         grammar = _lark(calls, "parameters", "", "")
         return ('start: one ("; " one)*\n' if many else "start: one\n") + grammar
@@ -254,22 +277,26 @@ class _ArrayParser(ToolParser):
     marker: ClassVar[str] = ""
     keys: ClassVar[tuple[str, ...]] = ("arguments", "parameters")
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, memo: ParseMemo | None = None) -> Parsed:
+        memo = memo or new_memo()
         if self.marker:
             start = text.find(self.marker)
             if start < 0:
                 return Parsed(text if final else text[: len(text) - holdback(text, self.marker)])
-            content, body = text[:start].rstrip(), text[start + len(self.marker) :].strip()
+            after = text[start + len(self.marker) :]
+            content, body = text[:start].rstrip(), after.strip()
+            key: Any = ("array", start + len(after) - len(after.lstrip()))
         else:
             content, body = "", text.strip()
+            key = ("array", len(text) - len(text.lstrip()))
             if not body.startswith("["):
                 return Parsed(text if final or body else "")
         try:
-            items, complete = _loads(body), True
+            items, complete = memo.loads(key, body), True
         except ValueError:
             if final:
                 return Parsed(text)
-            items, complete = _partial(body), False
+            items, complete = _partial(memo, key, body), False
         if isinstance(items, dict):
             items = [items]
         if not isinstance(items, list):
@@ -295,24 +322,28 @@ class MistralParser(_ArrayParser):
     ARGS = "[ARGS]"
     keeps_special_tokens = True
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, memo: ParseMemo | None = None) -> Parsed:
+        memo = memo or new_memo()
         start = text.find(self.marker)
         if start < 0 or text[start + len(self.marker) :].lstrip().startswith("["):
-            return super().parse(text, final)
+            return super().parse(text, final, memo)
         parts = text[start + len(self.marker) :].split(self.marker)
         calls: list[CallDraft] = []
+        offset = start + len(self.marker)
         for i, part in enumerate(parts):
             name, sep, args = part.partition(self.ARGS)
+            key = ("v11", offset + len(name) + len(sep))
+            offset += len(part) + len(self.marker)
             if not sep:  # the name may still grow, or the [ARGS] marker be on its way
                 if final:
                     return Parsed(text)
                 break
             try:
-                arguments, done = _loads(args), True
+                arguments, done = memo.loads(key, args), True
             except ValueError:
                 if final or i < len(parts) - 1:
                     return Parsed(text)
-                arguments, done = _partial(args.strip()), False
+                arguments, done = _partial(memo, (*key, "partial"), args.strip()), False
             if not isinstance(arguments, dict | None):
                 return Parsed(text) if final else Parsed(text[:start].rstrip(), calls)
             calls.append(CallDraft(name.strip(), arguments, done))
@@ -327,7 +358,7 @@ class JsonArrayParser(_ArrayParser):
 class PythonicParser(ToolParser):
     name = "pythonic"
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, memo: ParseMemo | None = None) -> Parsed:
         body = text.strip()
         if not body.startswith("["):
             return Parsed(text if final or body else "")
