@@ -44,68 +44,48 @@ def _rel(a: torch.Tensor, b: torch.Tensor, bound: torch.Tensor | None = None) ->
 
 
 @each_isa
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     m=st.integers(1, 16),
     n=st.integers(1, 70),
     blocks=st.integers(1, 9),
     bf16=st.booleans(),
     bias=st.booleans(),
+    per_block=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_linear_q8_equals_its_emulation(
-    isa: str, m: int, n: int, blocks: int, bf16: bool, bias: bool, seed: int
+    isa: str, m: int, n: int, blocks: int, bf16: bool, bias: bool, per_block: bool, seed: int
 ) -> None:
+    """int8 codes with one scale per row (`linear_q8`) or a float16 scale per block of 32
+    weights (`linear_q8_blocks`, GGUF Q8_0's layout), against the exact emulation."""
     set_isa(isa)
     g = torch.Generator().manual_seed(seed)
     k = 32 * blocks
     dtype = torch.bfloat16 if bf16 else torch.float32
     x = torch.randn(m, k, generator=g).to(dtype)
-    w = quantize_int8(torch.randn(n, k, generator=g))
     b = torch.randn(n, generator=g) if bias else None
-    out = torch.ops.stallfree.linear_q8(x, w.q, w.scale, b)
-    ref = q8_emulation(x, w.q, w.scale) + (0 if b is None else b.double())
-    bound = q8_emulation(x.abs(), w.q.abs(), w.scale) + (0 if b is None else b.double().abs())
+    if per_block:
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        # scales spread over three decades, as blocks of real weights are
+        bscale = (
+            (torch.rand(n, blocks, generator=g) * 3 - 4)
+            .exp2()
+            .mul(10 ** -torch.rand(1, generator=g))
+            .half()
+        )
+        out = torch.ops.stallfree.linear_q8_blocks(x, q, bscale, b)
+        # the per-row emulation over the dequantised rows is the same sum (row scale 1)
+        codes = q.double() * bscale.double().repeat_interleave(32, 1)
+        scale = torch.ones(n, dtype=torch.float64)
+    else:
+        w = quantize_int8(torch.randn(n, k, generator=g))
+        out = torch.ops.stallfree.linear_q8(x, w.q, w.scale, b)
+        codes, scale = w.q, w.scale
+    ref = q8_emulation(x, codes, scale) + (0 if b is None else b.double())
+    bound = q8_emulation(x.abs(), codes.abs(), scale) + (0 if b is None else b.double().abs())
     assert out.dtype == dtype and out.shape == (m, n)
     # float32 sums in another order; bfloat16 adds the output's rounding
-    assert _rel(out, ref, None if bf16 else bound) < (8e-3 if bf16 else 1e-5)
-
-
-@each_isa
-@settings(max_examples=25, deadline=None)
-@given(
-    m=st.integers(1, 16),
-    n=st.integers(1, 70),
-    blocks=st.integers(1, 9),
-    bf16=st.booleans(),
-    bias=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
-def test_linear_q8_blocks_equals_its_emulation(
-    isa: str, m: int, n: int, blocks: int, bf16: bool, bias: bool, seed: int
-) -> None:
-    """GGUF Q8_0's layout: int8 codes with a float16 scale per block of 32 weights."""
-    set_isa(isa)
-    g = torch.Generator().manual_seed(seed)
-    k = 32 * blocks
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    x = torch.randn(m, k, generator=g).to(dtype)
-    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    # scales spread over three decades, as blocks of real weights are
-    bscale = (
-        (torch.rand(n, blocks, generator=g) * 3 - 4)
-        .exp2()
-        .mul(10 ** -torch.rand(1, generator=g))
-        .half()
-    )
-    b = torch.randn(n, generator=g) if bias else None
-    out = torch.ops.stallfree.linear_q8_blocks(x, q, bscale, b)
-    dense = q.double() * bscale.double().repeat_interleave(32, 1)
-    ones = torch.ones(n, dtype=torch.float64)
-    # the per-row emulation over the dequantised rows is the same sum (row scale 1)
-    ref = q8_emulation(x, dense, ones) + (0 if b is None else b.double())
-    bound = q8_emulation(x.abs(), dense.abs(), ones) + (0 if b is None else b.double().abs())
-    assert out.dtype == dtype and out.shape == (m, n)
     assert _rel(out, ref, None if bf16 else bound) < (8e-3 if bf16 else 1e-5)
 
 
