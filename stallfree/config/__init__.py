@@ -2,6 +2,7 @@
 
 from stallfree.config.disagg import DisaggregationConfig
 from stallfree.config.faults import FaultConfig
+from stallfree.config.lora import LoraConfig, LoraModule
 from stallfree.config.settings import (
     CacheConfig,
     HisparseConfig,
@@ -21,6 +22,8 @@ __all__ = [
     "DisaggregationConfig",
     "FaultConfig",
     "HisparseConfig",
+    "LoraConfig",
+    "LoraModule",
     "MetricsConfig",
     "ModelConfig",
     "ParallelConfig",

@@ -15,7 +15,9 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from stallfree.config.disagg import DisaggregationConfig
 from stallfree.config.faults import FaultConfig
+from stallfree.config.lora import LoraConfig
 from stallfree.config.pooler import check_pooler_override
+from stallfree.config.replicas import ReplicaConfig
 from stallfree.config.sections import Section as _Section
 from stallfree.config.server import MetricsConfig as MetricsConfig
 from stallfree.config.server import ServerConfig as ServerConfig
@@ -103,6 +105,12 @@ class CacheConfig(_Section):
         None,
         description="Share the KV of common prefixes across requests (a radix tree of pages); "
         "default: on, off with HiSparse (the two cannot run together)",
+    )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"] = Field(
+        "auto",
+        description="How the KV cache stores K and V: auto = the weights' dtype; fp8_e4m3 "
+        "(fp8) and fp8_e5m2 one byte per element; int8 one byte per element with a float32 "
+        "scale per token and KV head (llama.cpp's q8_0)",
     )
 
 
@@ -192,6 +200,13 @@ class RuntimeConfig(_Section):
         description="JSON schemas of structured outputs and tools allow only the properties "
         "and tuple items they name, unless they say otherwise (additionalProperties); off: "
         "JSON schema's own default, where unnamed properties are allowed",
+    )
+    grammar_cache_bytes: int = Field(
+        512 * 1024 * 1024,
+        ge=0,
+        description="Compiled structured-output grammars kept for reuse, capped by their "
+        "estimated size in bytes (640 a character of grammar text; least recently used out "
+        "first); 0 keeps none",
     )
     worker: Literal["auto", "inprocess", "process"] = Field(
         "auto",
@@ -349,6 +364,8 @@ class StallfreeConfig(BaseSettings):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
     faults: FaultConfig = Field(default_factory=FaultConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    replicas: ReplicaConfig = Field(default_factory=ReplicaConfig)
 
     @classmethod
     def settings_customise_sources(
@@ -415,6 +432,7 @@ class StallfreeConfig(BaseSettings):
                 "(runtime.worker=process or parallel.tp_size > 1); use one in-process rank"
             )
         self._check_disaggregation()
+        self._check_lora()
         return self
 
     def _check_memory_sizing(self) -> None:
@@ -450,6 +468,19 @@ class StallfreeConfig(BaseSettings):
                 "a prefill server runs one in-process rank (its KV is read on the scheduler's "
                 "stream); tensor parallelism is for the decode side (disaggregation.mode=decode)"
             )
+
+    def _check_lora(self) -> None:
+        if not self.lora.enable_lora:
+            return
+        for on, what in (
+            (self.uses_worker_processes, "worker processes (tensor parallelism)"),
+            (self.runtime.torch_compile, "runtime.torch_compile"),
+            (self.model.runner == "pooling", "the pooling runner"),
+            (self.disaggregation.enabled, "disaggregation"),
+            (self.hisparse.enabled, "hisparse.enabled"),
+        ):
+            if on:
+                raise ValueError(f"LoRA adapters (lora.enable_lora) do not compose with {what} yet")
 
     @property
     def uses_worker_processes(self) -> bool:
