@@ -1,8 +1,9 @@
 """`EngineMetrics`: Prometheus families in the engine's own `CollectorRegistry`.
 
-Counters and gauges come from one `EngineSnapshot` taken at scrape time. Histograms are built
-from the engine's typed events (request timings, schedule and stall durations): hooks only add
-to floats and `FastHistogram`s, and nothing on the hot path reads them back.
+Counters and gauges come from one `EngineSnapshot` taken at scrape time (their families are in
+`snapshot_families`). Histograms are built from the engine's typed events (request timings,
+schedule and stall durations): hooks only add to floats and `FastHistogram`s, and nothing on
+the hot path reads them back.
 
 Engines that share a registry share one collector: each name is one family (one `# HELP`), with
 a sample per engine.
@@ -16,13 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    InfoMetricFamily,
-    Metric,
-)
+from prometheus_client.core import HistogramMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from stallfree.metrics.histogram import (
@@ -34,17 +29,19 @@ from stallfree.metrics.histogram import (
     FastHistogram,
     one_two_five_buckets,
 )
-from stallfree.metrics.names import (
-    BASE_LABELS,
-    FINISH_REASONS,
-    MIRROR_FIELDS,
-    PREFIX,
-    SPEC_DECODE_PER_POS,
-    STALL_SITES,
-)
+from stallfree.metrics.names import BASE_LABELS, MIRROR_FIELDS, PREFIX, STALL_SITES
 from stallfree.metrics.operator import config_info_labels
+from stallfree.metrics.snapshot_families import (
+    counter,
+    gauges,
+    hisparse_metrics,
+    labelled_counter,
+    request_counters,
+    spec_metrics,
+    worker_metrics,
+)
 from stallfree.runtime.telemetry.observer import MetricsExporter
-from stallfree.runtime.telemetry.stats import EngineSnapshot, SparseStats, SpecStats
+from stallfree.runtime.telemetry.stats import EngineSnapshot, SparseStats
 
 if TYPE_CHECKING:
     from stallfree.config import StallfreeConfig
@@ -207,41 +204,20 @@ class _RegistryCollector(Collector):
 def _families(m: EngineMetrics) -> Iterator[Metric]:
     labels = list(m.labels)
     snap = m.snapshot()
-    yield from _gauges(snap, labels)
-    yield from _request_counters(snap, labels)
+    yield from gauges(snap, labels)
+    yield from request_counters(snap, labels)
     yield from _latency_histograms(m, labels)
     yield from _request_histograms(m, labels)
     yield from _runtime_metrics(m, snap, labels)
-    yield from _hisparse_metrics(snap.sparse or SparseStats(), labels)
-    yield from _spec_metrics(snap.spec, labels)
-    yield from _worker_metrics(snap, labels)
+    yield from hisparse_metrics(snap.sparse or SparseStats(), labels)
+    yield from spec_metrics(snap.spec, labels)
+    yield from worker_metrics(snap, labels)
     if m.info:
         info = InfoMetricFamily(
             PREFIX + "config", "The engine's version and configuration.", labels=BASE_LABELS
         )
         info.add_metric(labels, m.info)
         yield info
-
-
-def _gauge(name: str, doc: str, labels: list[str], value: float) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(PREFIX + name, doc, labels=BASE_LABELS)
-    family.add_metric(labels, value)
-    return family
-
-
-def _counter(name: str, doc: str, labels: list[str], value: float) -> CounterMetricFamily:
-    family = CounterMetricFamily(PREFIX + name, doc, labels=BASE_LABELS)
-    family.add_metric(labels, value)
-    return family
-
-
-def _labelled_counter(
-    name: str, doc: str, labels: list[str], key: str, values: Mapping[str, float]
-) -> CounterMetricFamily:
-    family = CounterMetricFamily(PREFIX + name, doc, labels=[*BASE_LABELS, key])
-    for value_label, value in list(values.items()):
-        family.add_metric([*labels, value_label], value)
-    return family
 
 
 def _histogram(
@@ -254,59 +230,6 @@ def _histogram(
         buckets, total = hist.cumulative()
         family.add_metric([*labels, value_label] if key else labels, buckets, total)
     return family
-
-
-def _gauges(snap: EngineSnapshot, labels: list[str]) -> Iterator[Metric]:
-    yield _gauge("num_requests_running", "Requests in the running batch.", labels, snap.running)
-    yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", labels, snap.waiting)
-    kv_usage = snap.pools.kv_usage
-    yield _gauge(
-        "kv_cache_usage_perc",
-        "Share of KV cache slots requests use, 0 to 1 (unused prefix-cache pages count as free).",
-        labels,
-        kv_usage,
-    )
-    yield _gauge(
-        "gpu_cache_usage_perc",
-        "Same as kv_cache_usage_perc (vLLM's earlier name, which its example dashboard charts).",
-        labels,
-        kv_usage,
-    )
-    yield _gauge(
-        "prefix_cache_usage_perc",
-        "Share of KV cache slots the prefix cache holds, in use or not, 0 to 1.",
-        labels,
-        snap.pools.cache_usage,
-    )
-
-
-def _request_counters(snap: EngineSnapshot, labels: list[str]) -> Iterator[Metric]:
-    c = snap.counters
-    yield _counter("prompt_tokens", "Prompt tokens of scheduled requests.", labels, c.prompt_tokens)
-    yield _counter("generation_tokens", "Generated tokens.", labels, c.generation_tokens)
-    finished = dict.fromkeys(FINISH_REASONS, 0) | c.finished
-    yield _labelled_counter(
-        "request_success", "Finished requests by reason.", labels, "finished_reason", finished
-    )
-    yield _counter("num_preemptions", "Requests retracted to free KV.", labels, c.retractions)
-    yield _counter(
-        "prefix_cache_queries",
-        "Prefix cache lookups at admission, in tokens (prompt and any earlier outputs).",
-        labels,
-        c.prefix_cache_queries,
-    )
-    yield _counter(
-        "prefix_cache_hits",
-        "Tokens admissions found in the prefix cache.",
-        labels,
-        c.prefix_cache_hits,
-    )
-    yield _counter(
-        "prefix_cache_evicted_tokens",
-        "Tokens evicted from the prefix cache to make room.",
-        labels,
-        c.prefix_cache_evicted_tokens,
-    )
 
 
 def _latency_histograms(m: EngineMetrics, labels: list[str]) -> Iterator[Metric]:
@@ -366,13 +289,13 @@ def _request_histograms(m: EngineMetrics, labels: list[str]) -> Iterator[Metric]
 
 def _runtime_metrics(m: EngineMetrics, snap: EngineSnapshot, labels: list[str]) -> Iterator[Metric]:
     stalls = dict.fromkeys(STALL_SITES, 0) | snap.stalls
-    yield _labelled_counter(
+    yield labelled_counter(
         "sync_stalls", "Device-to-host reads (host_read) by site.", labels, "site", stalls
     )
     yield _histogram(
         "sync_stall_seconds", "Host wait per host_read, by site.", labels, m.stall_time, "site"
     )
-    yield _labelled_counter(
+    yield labelled_counter(
         "host_mirror_reads",
         "Reads served by host mirrors, by field.",
         labels,
@@ -387,107 +310,27 @@ def _runtime_metrics(m: EngineMetrics, snap: EngineSnapshot, labels: list[str]) 
         None,
     )
     busy, idle = snap.device_busy_seconds, snap.device_idle_seconds
-    yield _counter("device_busy_seconds", "Stream time spent executing work.", labels, busy)
-    yield _counter(
+    yield counter("device_busy_seconds", "Stream time spent executing work.", labels, busy)
+    yield counter(
         "device_idle_seconds", "Stream idle time while requests were in the engine.", labels, idle
     )
-    yield _counter("steps", "Batches launched.", labels, snap.counters.steps)
-    yield _counter(
+    yield counter("steps", "Batches launched.", labels, snap.counters.steps)
+    yield counter(
         "overlap_steps",
         "Launches made while an earlier batch was in flight.",
         labels,
         snap.counters.overlap_steps,
     )
     # structured outputs: the stream's grammar work, 0 until a constrained request runs
-    yield _counter(
+    yield counter(
         "grammar_seconds",
         "Stream time spent advancing grammars and filling token masks.",
         labels,
         snap.counters.grammar_seconds,
     )
-    yield _counter(
+    yield counter(
         "grammar_tokens",
         "Sampled tokens consumed by grammars.",
         labels,
         snap.counters.grammar_tokens,
     )
-
-
-def _worker_metrics(snap: EngineSnapshot, labels: list[str]) -> Iterator[Metric]:
-    """Per tensor-parallel rank, when the model runs in worker processes (this node's ranks)."""
-    workers = snap.workers
-    if not workers:
-        return
-    for name, doc, values in (
-        ("worker_steps", "Steps a worker rank ran.", {w.rank: w.steps for w in workers}),
-        (
-            "worker_step_seconds",
-            "Time a worker rank spent running steps (forward, sampling, copies).",
-            {w.rank: w.step_seconds for w in workers},
-        ),
-        (
-            "tp_collective_seconds",
-            "Time a rank spent in tensor-parallel all-reduce and all-gather.",
-            {w.rank: w.comm_seconds for w in workers},
-        ),
-        (
-            "tp_collective_bytes",
-            "Bytes a rank passed to tensor-parallel all-reduce and all-gather.",
-            {w.rank: w.comm_bytes for w in workers},
-        ),
-    ):
-        yield _labelled_counter(
-            name, doc, labels, "rank", {str(rank): v for rank, v in values.items()}
-        )
-    yield _counter(
-        "worker_message_bytes",
-        "Bytes of step messages the scheduler sent to the workers.",
-        labels,
-        sum(w.message_bytes for w in workers),
-    )
-
-
-def _hisparse_metrics(stats: SparseStats, labels: list[str]) -> Iterator[Metric]:
-    yield _counter(
-        "hisparse_hits", "Top-k selections found in the device buffer.", labels, stats.hits
-    )
-    yield _counter(
-        "hisparse_misses", "Top-k selections copied in from the host.", labels, stats.misses
-    )
-    moved = CounterMetricFamily(
-        PREFIX + "hisparse_bytes_moved",
-        "KV bytes moved by HiSparse.",
-        labels=[*BASE_LABELS, "direction"],
-    )
-    moved.add_metric([*labels, "h2d"], stats.bytes_h2d)
-    moved.add_metric([*labels, "d2h"], stats.bytes_d2h)
-    yield moved
-    yield _gauge(
-        "hisparse_host_pool_used", "Host KV pool slots in use.", labels, stats.host_pool_used
-    )
-    yield _gauge(
-        "hisparse_host_pool_capacity",
-        "Host KV pool slots in all (0 without HiSparse).",
-        labels,
-        stats.host_pool_total,
-    )
-
-
-def _spec_metrics(spec: SpecStats | None, labels: list[str]) -> Iterator[Metric]:
-    """Speculative decoding (vLLM's names): the counters at 0 with speculation off; the
-    per-position family has a series per draft position (0 is the first) only while it is on."""
-    stats = spec or SpecStats(method="none", num_speculative_tokens=0)
-    for name, doc, value in (
-        ("spec_decode_num_drafts", "Verify rows that carried drafts.", stats.num_drafts),
-        ("spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.num_draft_tokens),
-        ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.num_accepted_tokens),
-        (
-            "spec_decode_requests_disabled",
-            "Requests that stopped proposing because their drafts were mostly rejected.",
-            stats.requests_disabled,
-        ),
-    ):
-        yield _counter(name, doc, labels, value)
-    per_pos = {str(i): n for i, n in enumerate(stats.accepted_per_pos)}
-    doc = "Draft tokens accepted, by draft position."
-    yield _labelled_counter(SPEC_DECODE_PER_POS, doc, labels, "position", per_pos)
