@@ -52,6 +52,9 @@ _API = [
          help="JSON schemas (response_format, structured_outputs, tools) allow only the "
          "properties and tuple items they name unless they say otherwise, as vLLM's default "
          "backend reads them; --no-structured-outputs-strict: JSON schema's own default"),
+    flag("--grammar-cache-bytes", type=int, metavar="BYTES", sets="runtime.grammar_cache_bytes",
+         help="compiled structured-output grammars kept for reuse, capped by their estimated "
+         "size (least recently used out first); 0 keeps none"),
 ]
 # TLS, CORS, a proxy's path prefix, a Unix socket and tracing (vLLM's spellings)
 _TRANSPORT = [

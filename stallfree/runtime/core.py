@@ -461,6 +461,7 @@ def _wire(
             arch.vocab_size,
             unsupported_reason(device.type, not isinstance(stream, ProcessStream)),
             strict=config.runtime.structured_outputs_strict,
+            cache_bytes=config.runtime.grammar_cache_bytes,
         ),
     )
 

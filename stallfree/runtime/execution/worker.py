@@ -52,6 +52,7 @@ from stallfree.runtime.memory.pool import (
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
+from stallfree.runtime.text.grammar_cache import DEFAULT_MAX_BYTES
 from stallfree.runtime.text.grammar_compiler import MatcherFactory
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class WorkerSpec:
     threads: int
     check_mirrors: bool
     faults: dict[str, Any]
+    grammar_cache_bytes: int = DEFAULT_MAX_BYTES
 
     @property
     def ranks_per_node(self) -> int:
@@ -139,6 +141,7 @@ def worker_spec(config: StallfreeConfig, num_kv_slots: int, max_context_len: int
         threads=config.runtime.stream_threads,
         check_mirrors=config.runtime.check_mirrors,
         faults=config.faults.model_dump(),
+        grammar_cache_bytes=config.runtime.grammar_cache_bytes,
     )
 
 
@@ -219,7 +222,9 @@ class _Worker:
         eos = arch.eos_token_ids
         # structured outputs: matchers for the grammars steps bring (built when one first does)
         self.matchers = MatcherFactory(
-            lambda: load_tokenizer(spec.tokenizer_path, eos), arch.vocab_size
+            lambda: load_tokenizer(spec.tokenizer_path, eos),
+            arch.vocab_size,
+            spec.grammar_cache_bytes,
         )
         self.executor = LocalExecutor(
             loaded.model,

@@ -3,8 +3,9 @@
 `GrammarCompiler.matcher(spec)` is awaited by `Engine` before the request is queued: the spec
 becomes an llguidance grammar, which is validated and compiled in a worker thread (llguidance
 drops the GIL while it compiles), so neither the event loop nor the scheduler waits for it. A
-compiled matcher is kept per grammar text (LRU) and each request gets a `deep_copy` of it, so a
-schema that every request repeats compiles once.
+compiled matcher is kept per grammar text (`text/grammar_cache.py`: LRU, capped by estimated
+bytes) and each request gets a `deep_copy` of it, so a schema that every request repeats
+compiles once.
 
 A grammar the backend refuses is an `InvalidRequestError` naming the client's field. The
 matcher the request gets is the stream's from then on (`execution/grammar_masks.py` advances it).
@@ -17,7 +18,6 @@ import copy
 import json
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,10 +26,10 @@ from typing import Any
 from stallfree.runtime.request.errors import InvalidRequestError
 from stallfree.runtime.request.structured import StructuredOutputs
 from stallfree.runtime.text.ascii_regex import ascii_classes
+from stallfree.runtime.text.grammar_cache import DEFAULT_MAX_BYTES, GrammarCache
 from stallfree.runtime.text.strict_schema import prepare_lark, prepare_schema
 from stallfree.runtime.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-CACHE_ENTRIES = 256
 # JSON without free whitespace between tokens (the schema's own "x-guidance" may ask for it):
 # a model cannot pad its answer with whitespace until max_tokens
 _JSON_DEFAULTS: Any = {"whitespace_flexible": False}
@@ -120,29 +120,31 @@ class RequestGrammar:
 
 class MatcherFactory:
     """Matchers from checked grammar texts, for a process that samples (a worker): compiled
-    once per text (LRU), each call a fresh copy. The tokenizer is built on first use."""
+    once per text (LRU, capped by estimated bytes), each call a fresh copy. The tokenizer is
+    built on first use."""
 
-    def __init__(self, tokenizer: Callable[[], Tokenizer], vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Callable[[], Tokenizer],
+        vocab_size: int,
+        cache_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._lltok: Any = None
-        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self.cache: GrammarCache[Any] = GrammarCache(cache_bytes)
 
     def __call__(self, text: str) -> Any:
         from llguidance import LLMatcher
 
-        template = self._cache.get(text)
+        template = self.cache.get(text)
         if template is None:
             if self._lltok is None:
                 self._lltok = build_lltokenizer(self._tokenizer(), self.vocab_size)
             template = LLMatcher(self._lltok, text, log_level=0)
             if template.is_error():  # the host checked this text with the same vocabulary
                 raise RuntimeError(f"grammar: {_one_line(template.get_error())}")
-            self._cache[text] = template
-            while len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(text)
+            self.cache.put(text, template, text)
         return template.deep_copy()
 
 
@@ -156,6 +158,7 @@ class GrammarCompiler:
         unsupported: str | None = None,
         workers: int = 2,
         strict: bool = True,
+        cache_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self.tokenizer = tokenizer
         self.strict = strict  # JSON schemas allow only what they name (text/strict_schema.py)
@@ -166,7 +169,8 @@ class GrammarCompiler:
         self._workers = workers
         self._lltok: Any = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, tuple[str, Any]] = OrderedDict()
+        # compiled grammars by spec: (grammar text, template matcher); a request copies one
+        self.cache: GrammarCache[tuple[str, Any]] = GrammarCache(cache_bytes)
         self._pending: dict[str, asyncio.Future[tuple[str, Any]]] = {}
         # figures for the benchmark and the logs: compilations, cache hits, seconds compiling
         self.compiled = 0
@@ -188,7 +192,7 @@ class GrammarCompiler:
         if self.unsupported is not None:
             raise InvalidRequestError(self.unsupported, param=param, code="unsupported")
         key = f"{spec.kind}\0{self._key(spec)}"
-        compiled = self._cache.get(key)
+        compiled = self.cache.get(key)
         if compiled is None:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(
@@ -204,12 +208,9 @@ class GrammarCompiler:
             else:
                 self.hits += 1
             compiled = await asyncio.shield(pending)
-            self._cache[key] = compiled
-            while len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
+            self.cache.put(key, compiled, compiled[0])
         else:
             self.hits += 1
-            self._cache.move_to_end(key)
         text, template = compiled
         return RequestGrammar(text, template.deep_copy())
 
