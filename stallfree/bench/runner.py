@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from stallfree.bench.counters import stall_figures
+from stallfree.bench.http_targets import http_target
 from stallfree.bench.launcher import ServerProcess
 from stallfree.bench.results import RequestRecord, RunResult, median_result, summarize
-from stallfree.bench.targets import InProcessTarget, RequestOptions, Target, http_target
+from stallfree.bench.targets import InProcessTarget, RequestOptions, Target
 from stallfree.bench.workloads import BenchRequest, arrival_offsets
 from stallfree.config import StallfreeConfig
 

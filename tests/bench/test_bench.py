@@ -17,8 +17,8 @@ import pytest
 
 from stallfree.bench.counters import snapshot_prometheus, stall_figures
 from stallfree.bench.datasets import build_requests
+from stallfree.bench.http_targets import HttpTarget
 from stallfree.bench.runner import Mode, RunSettings, run_mode
-from stallfree.bench.targets import HttpTarget
 from stallfree.bench.workloads import (
     TOKEN_ID_LIMIT,
     WorkloadError,
@@ -476,7 +476,7 @@ def _fake_chat(request: httpx.Request) -> httpx.Response:
 async def test_chat_target_times_content_chunks_only() -> None:
     import contextlib
 
-    from stallfree.bench.targets import chat_text, http_target
+    from stallfree.bench.http_targets import chat_text, http_target
 
     @contextlib.asynccontextmanager
     async def open_target(mode: Mode):

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from stallfree.bench.flags import BACKENDS, ENDPOINTS
+from stallfree.bench.http_targets import EmbeddingsHttpTarget, http_target
 from stallfree.bench.results import summarize
-from stallfree.bench.targets import EmbeddingsHttpTarget, RequestOptions, http_target
+from stallfree.bench.targets import RequestOptions
 from stallfree.bench.workloads import BenchRequest
 from stallfree.entrypoints.server import create_app, start_server
 from stallfree.runtime.pooler import open_engine

@@ -21,10 +21,10 @@ from stallfree.bench.counters import (
     stall_figures,
 )
 from stallfree.bench.datasets import build_requests
+from stallfree.bench.http_targets import HttpTarget
 from stallfree.bench.report import ABSENT, render_table, table_rows, to_json
 from stallfree.bench.results import RequestRecord, RunResult, median_of, summarize
 from stallfree.bench.runner import Mode, RunSettings, run_mode
-from stallfree.bench.targets import HttpTarget
 from stallfree.bench.workloads import WorkloadSpec
 from stallfree.metrics import EngineMetrics
 from stallfree.runtime.telemetry.stats import EngineSnapshot, SpecStats

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from stallfree.bench.datasets import SONNET_BASE_PROMPT, build_requests
+from stallfree.bench.http_targets import http_target
 from stallfree.bench.results import RequestRecord, RunResult, summarize
 from stallfree.bench.runner import Mode, RunSettings, run_mode, url_targets
 from stallfree.bench.slo import (
@@ -27,7 +28,6 @@ from stallfree.bench.slo import (
     run_figures,
 )
 from stallfree.bench.sonnet_text import sonnet_lines
-from stallfree.bench.targets import http_target
 from stallfree.bench.workloads import (
     WorkloadError,
     WorkloadSpec,
