@@ -27,6 +27,7 @@ from stallfree.config import (
     SpeculativeConfig,
 )
 from stallfree.config.pooler import check_pooler_override
+from stallfree.config.replicas import ReplicaConfig
 
 _SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelConfig,
@@ -38,6 +39,7 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "metrics": MetricsConfig,
     "speculative": SpeculativeConfig,
     "disaggregation": DisaggregationConfig,
+    "replicas": ReplicaConfig,
 }
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 # vLLM's --dtype spellings that name the same type as one of ours
