@@ -41,35 +41,6 @@ _WORKLOADS = {
 }
 
 
-class UsageError(ValueError):
-    """A bad combination of flags."""
-
-
-def check_arrival_flags(args: argparse.Namespace) -> None:
-    """--burstiness and the ramp-up flags, checked as `vllm bench serve` checks them."""
-    if not args.burstiness > 0:
-        raise UsageError(f"--burstiness must be positive (got {args.burstiness})")
-    if args.ramp_up_strategy is None:
-        if args.ramp_up_start_rps is not None or args.ramp_up_end_rps is not None:
-            raise UsageError("--ramp-up-start-rps and --ramp-up-end-rps need --ramp-up-strategy")
-        return
-    if not math.isinf(args.request_rate):
-        raise UsageError(
-            "When using ramp-up, do not specify --request-rate. The request rate will be "
-            "controlled by ramp-up parameters. Please remove the --request-rate argument."
-        )
-    start, end = args.ramp_up_start_rps, args.ramp_up_end_rps
-    if start is None or end is None:
-        raise UsageError(
-            "When using --ramp-up-strategy, both --ramp-up-start-rps and --ramp-up-end-rps "
-            "must be specified"
-        )
-    if start <= 0 or end <= 0 or math.isinf(start) or math.isinf(end):
-        raise UsageError("Ramp-up start and end RPS must be positive and finite")
-    if start > end:
-        raise UsageError("Ramp-up start RPS must be less than end RPS")
-
-
 def _workload_name(text: str) -> str:
     if text not in _WORKLOADS:
         raise argparse.ArgumentTypeError(

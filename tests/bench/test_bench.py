@@ -607,13 +607,13 @@ def test_plot_without_matplotlib_is_a_clear_error(capsys, monkeypatch) -> None:
 
 def test_compare_defaults_to_three_interleaved_repeats() -> None:
     """One run per mode cannot tell overlap from noise on a shared machine."""
-    from stallfree.bench.cli import _check_flags
+    from stallfree.bench.flag_checks import check_flags
     from stallfree.cli import build_parser
 
     compare = build_parser().parse_args(["bench", "--compare"])
-    _check_flags(compare)
+    check_flags(compare)
     single = build_parser().parse_args(["bench"])
-    _check_flags(single)
+    check_flags(single)
     assert (compare.repeats, single.repeats) == (3, 1)
 
 
@@ -753,12 +753,12 @@ def test_compare_tp_needs_two_different_sizes(sizes, capsys) -> None:
 
 
 def test_worker_comparisons_default_to_three_repeats() -> None:
-    from stallfree.bench.cli import _check_flags
+    from stallfree.bench.flag_checks import check_flags
     from stallfree.cli import build_parser
 
     for flags in (["--compare-workers"], ["--compare-tp", "1,2"]):
         args = build_parser().parse_args(["bench", *flags])
-        _check_flags(args)
+        check_flags(args)
         assert args.repeats == 3
 
 

@@ -486,10 +486,11 @@ async def test_sglang_backend_against_a_live_server() -> None:
 
 
 def test_generate_endpoint_means_the_sglang_backend(capsys) -> None:
-    from stallfree.bench.cli import _check_flags, build_parser
+    from stallfree.bench.cli import build_parser
+    from stallfree.bench.flag_checks import check_flags
 
     args = build_parser().parse_args(["--endpoint", "/generate", "--base-url", "http://x"])
-    _check_flags(args)
+    check_flags(args)
     assert args.backend == "sglang"
     assert main(["bench", "--endpoint", "/generate", "--backend", "openai"]) == 2
     assert "does not go with --backend openai" in capsys.readouterr().err

@@ -282,10 +282,10 @@ def test_uvicorn_log_level_only_sets_uvicorns() -> None:
 
 
 def _checked(*argv: str) -> argparse.Namespace:
-    from stallfree.bench.cli import _check_flags
+    from stallfree.bench.flag_checks import check_flags
 
     args = parse("bench", *argv)
-    _check_flags(args)
+    check_flags(args)
     return args
 
 

@@ -380,10 +380,10 @@ def test_every_command_refuses_a_conflict_with_its_own_usage(command: list[str],
 
 
 def test_bench_passes_the_flags_through_its_checks_and_records_them() -> None:
-    from stallfree.bench.cli import _check_flags
+    from stallfree.bench.flag_checks import check_flags
 
     args = parse("bench", "--speculative-config", DRAFT_JSON, "--speculative-num-steps", "3")
-    _check_flags(args)
+    check_flags(args)
     assert config_from_args(args).speculative.draft_model == "/path"
     # bench writes its arguments into --output-json
     recorded = json.loads(json.dumps(vars(args)))["speculative"]
@@ -399,11 +399,11 @@ def test_bench_passes_the_flags_through_its_checks_and_records_them() -> None:
     ids=["vllm", "own"],
 )
 def test_bench_refuses_speculative_flags_for_a_server_it_does_not_start(flags) -> None:
-    from stallfree.bench.cli import UsageError, _check_flags
+    from stallfree.bench.flag_checks import UsageError, check_flags
 
     args = parse("bench", "--base-url", "http://127.0.0.1:8000", *flags)
     with pytest.raises(UsageError, match="engine this command starts"):
-        _check_flags(args)
+        check_flags(args)
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "bench"])
