@@ -27,6 +27,7 @@ from stallfree.entrypoints.flags import (
 
 # the tests import the token-count type from here, where it was defined
 from stallfree.entrypoints.flags import token_count as token_count
+from stallfree.entrypoints.replica_flags import REPLICA_FLAGS
 from stallfree.entrypoints.router.flags import (
     RouterHelpFormatter,
     add_router_flags,
@@ -77,7 +78,9 @@ def _model(args: argparse.Namespace) -> str | None:
 
 
 def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
-    overrides = settings_from_args(args, ENGINE_FLAGS, SERVER_FLAGS, SPECULATIVE_FLAGS)
+    overrides = settings_from_args(
+        args, ENGINE_FLAGS, SERVER_FLAGS, SPECULATIVE_FLAGS, REPLICA_FLAGS
+    )
     model = _model(args)
     if model is not None:
         overrides.setdefault("model", {})["path"] = model
@@ -127,6 +130,12 @@ def _serve(config: StallfreeConfig) -> int:
         return serve_worker_node(config)
     if needs_extra("stallfree serve", "server", SERVER_MODULES):
         return 2
+    if config.replicas.data_parallel_size > 1:
+        if needs_extra("stallfree serve --data-parallel-size", "server", ROUTER_MODULES):
+            return 2
+        from stallfree.entrypoints.replicas import serve_replicas
+
+        return run_async(serve_replicas(config))
     from stallfree.entrypoints.server import serve
 
     # 0 after a drained shutdown (SIGTERM or SIGINT); 1 if the engine died
@@ -236,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
         "and /metrics. vLLM's flag spellings work beside stallfree's own.",
         formatter_class=HelpFormatter,
     )
-    for table in (SERVER_FLAGS, ENGINE_FLAGS, SPECULATIVE_FLAGS, DISAGGREGATION_FLAGS):
+    for table in (
+        SERVER_FLAGS, ENGINE_FLAGS, REPLICA_FLAGS, SPECULATIVE_FLAGS, DISAGGREGATION_FLAGS
+    ):  # fmt: skip
         add_flags(srv, table)
     rtr = sub.add_parser(
         "router",

@@ -134,7 +134,7 @@ class Answer:
     body: bytes
 
 
-def _failure(task: asyncio.Task[Any]) -> LegFailure | None:
+def leg_failure(task: asyncio.Task[Any]) -> LegFailure | None:
     """A finished leg's failure, None when it succeeded; anything else it raised (a bug)
     propagates."""
     if task.cancelled():
@@ -145,7 +145,7 @@ def _failure(task: asyncio.Task[Any]) -> LegFailure | None:
     raise exc
 
 
-async def _stop(task: asyncio.Task[Any]) -> None:
+async def stop_task(task: asyncio.Task[Any]) -> None:
     """Cancel `task` unless it is done, and wait until it is; its outcome is read, so nothing
     is logged as never retrieved."""
     if not task.done():
@@ -155,7 +155,7 @@ async def _stop(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-async def _until_disconnect(receive: Receive) -> None:
+async def until_disconnect(receive: Receive) -> None:
     # the body has been read whole: the next message is the client leaving
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -182,6 +182,9 @@ class Plan:
 class Relay(Response):
     """The client's answer to one request: an ASGI response that runs both legs, so it sends
     its status only once a leg decides it, and sees the client leave at any moment."""
+
+    # the leg whose answer the client gets, as failures and the metrics name it
+    answer_leg = "decode"
 
     def __init__(self, router: Router, plan: Plan) -> None:
         super().__init__()
@@ -236,17 +239,17 @@ class Relay(Response):
         prefill.add_done_callback(lambda _: pool.release(prefill_server))
         decode = asyncio.create_task(self._decode_leg(decode_server, decode_body, headers, send))
         decode.add_done_callback(lambda _: pool.release(decode_server))
-        gone = asyncio.create_task(_until_disconnect(receive))
+        gone = asyncio.create_task(until_disconnect(receive))
         try:
             await self._supervise(prefill, decode, gone, send)
         finally:
             gone.cancel()
-            await _stop(decode)
-            if self.finished_well and (not prefill.done() or _failure(prefill) is not None):
+            await stop_task(decode)
+            if self.finished_well and (not prefill.done() or leg_failure(prefill) is not None):
                 # the answer is out: the prefill is only waited for (or its failure noted) now
                 self.router.linger(prefill)
             else:
-                await _stop(prefill)
+                await stop_task(prefill)
             elapsed = time.monotonic() - self.plan.started_at
             self.router.metrics.answered(self.plan.route, self.answer_status, elapsed)
 
@@ -261,17 +264,17 @@ class Relay(Response):
         while True:
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if decode in done:
-                failure = _failure(decode)
+                failure = leg_failure(decode)
                 if failure is None:
                     await self._finish(decode.result(), send)
                     return
-                await _stop(prefill)
+                await stop_task(prefill)
                 await self._fail(failure, send)
                 return
             if prefill in done:
-                failure = _failure(prefill)
+                failure = leg_failure(prefill)
                 if failure is not None:
-                    await _stop(decode)
+                    await stop_task(decode)
                     await self._fail(failure, send)
                     return
                 waiting.discard(prefill)  # its body is dropped: the answer is the decode's
@@ -279,7 +282,7 @@ class Relay(Response):
                 self.answer_status = CLIENT_CLOSED_REQUEST
                 self.router.metrics.leg_failures.labels(leg="client").inc()
                 logger.info("request %s: the client left; both legs cancelled", self.request_id)
-                await asyncio.gather(_stop(decode), _stop(prefill))
+                await asyncio.gather(stop_task(decode), stop_task(prefill))
                 return
 
     async def _prefill_leg(self, server: Server, body: bytes, headers: dict[bytes, bytes]) -> None:
@@ -303,10 +306,12 @@ class Relay(Response):
         try:
             resp = await client.send(request, stream=True)
         except httpx.HTTPError as exc:
-            raise LegFailure.of("decode", server, exc) from None
+            raise LegFailure.of(self.answer_leg, server, exc) from None
         try:
             if not resp.is_success:
-                raise LegFailure.answered("decode", server, resp, await self._read(server, resp))
+                raise LegFailure.answered(
+                    self.answer_leg, server, resp, await self._read(server, resp)
+                )
             if resp.headers.get("content-type", "").startswith("text/event-stream"):
                 await self._relay_stream(server, resp, send)
                 return None
@@ -329,7 +334,9 @@ class Relay(Response):
                     self._first_byte_seen()
                 chunks.append(chunk)
         except httpx.HTTPError as exc:
-            raise LegFailure("decode", server, f"its answer broke off: {describe(exc)}") from None
+            raise LegFailure(
+                self.answer_leg, server, f"its answer broke off: {describe(exc)}"
+            ) from None
         return b"".join(chunks)
 
     async def _relay_stream(self, server: Server, resp: httpx.Response, send: Send) -> None:
@@ -343,7 +350,9 @@ class Relay(Response):
                     self._first_byte_seen()
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
-            raise LegFailure("decode", server, f"its stream broke off: {describe(exc)}") from None
+            raise LegFailure(
+                self.answer_leg, server, f"its stream broke off: {describe(exc)}"
+            ) from None
 
     async def _finish(self, answer: Answer | None, send: Send) -> None:
         if answer is None:  # the stream has been relayed: only its end is left
@@ -418,8 +427,8 @@ class Router:
         try:
             await asyncio.wait({prefill}, timeout=self.prefill_grace_s)
         finally:
-            await _stop(prefill)
-        failure = _failure(prefill)
+            await stop_task(prefill)
+        failure = leg_failure(prefill)
         if failure is not None:
             # the client has its answer; the failure is only counted and logged
             self.metrics.leg_failures.labels(leg="prefill").inc()

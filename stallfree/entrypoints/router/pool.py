@@ -59,9 +59,13 @@ class ServerPool:
             server = min(servers, key=lambda s: s.inflight)
         else:
             server = servers[next(self._turns[role]) % len(servers)]
+        self.hold(server)
+        return server
+
+    def hold(self, server: Server) -> None:
+        """Count a leg in flight on `server`, picked by the caller (`release` uncounts it)."""
         server.inflight += 1
         self.metrics.inflight.labels(server=server.url).inc()
-        return server
 
     def release(self, server: Server) -> None:
         server.inflight -= 1

@@ -281,8 +281,9 @@ def _use_chat_template(app: FastAPI, text: str | None) -> None:
         state.engine.tokenizer.chat_template = text
 
 
-def serve(config: StallfreeConfig) -> int:
-    """Serve until SIGINT or SIGTERM, then drain (module docstring); the exit status."""
+def serve(config: StallfreeConfig, sockets: list[socket.socket] | None = None) -> int:
+    """Serve until SIGINT or SIGTERM, then drain (module docstring); the exit status.
+    `sockets`: listen on these, already bound (a replica's, bound by its front), instead."""
     configure_logging(config.server)
     template = load_chat_template(config.server.chat_template)  # before the model loads
     app = create_app(config, freeze_heap=True)
@@ -290,7 +291,7 @@ def serve(config: StallfreeConfig) -> int:
     uv_config = uvicorn_config(app, config)
     _log_limits(config.server)
     server = Server(uv_config, app.state.sf, exit_on_engine_death=True)
-    server.run()
+    server.run(sockets=sockets)
     return server.exit_code
 
 

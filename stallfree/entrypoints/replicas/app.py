@@ -1,0 +1,155 @@
+"""`create_front_app`: the replicas' HTTP front.
+
+`/health` and `/metrics` are the front's own (module `front`, module `metrics`). Every other
+route is a replica's: a POST is placed (module `placement`) and relayed whole, its answer
+streamed back (module `relay`); a GET goes to the least loaded replica and its answer comes
+back whole. The replicas check API keys and validate bodies themselves, so a client sees
+the same answers, errors included, as from one server; the front refuses only a body over
+`server.max_body_bytes` (413) and, once every replica has exited, everything (503).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
+
+from stallfree.entrypoints.replicas.front import Front
+from stallfree.entrypoints.replicas.metrics import merge_expositions
+from stallfree.entrypoints.replicas.placement import NoReplica, prompt_key
+from stallfree.entrypoints.replicas.relay import ReplicaRelay
+from stallfree.entrypoints.router.app import RouterError, read_body
+from stallfree.entrypoints.router.dispatch import CLIENT_CLOSED_REQUEST, Plan
+from stallfree.entrypoints.router.pool import HEALTH_TIMEOUT_S, describe
+
+ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate"}
+_NO_REPLICA = RouterError(503, "no replica is serving", "service_unavailable")
+
+
+def _key(raw: bytes) -> str | None:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None  # the replica answers it with its own 400
+    return prompt_key(body) if isinstance(body, dict) else None
+
+
+def _target(request: Request) -> str:
+    query = request.url.query
+    return request.url.path + (f"?{query}" if query else "")
+
+
+async def relay(request: Request) -> Response:
+    front: Front = request.app.state.front
+    router = front.router
+    route = ROUTES.get(request.url.path, "other")
+    started = time.monotonic()
+    try:
+        raw = await read_body(request, router.settings.max_body_bytes)
+        replica, reason = front.placement.choose(_key(raw))
+    except RouterError as err:
+        router.metrics.answered(route, err.status, time.monotonic() - started)
+        return err.response()
+    except NoReplica:
+        router.metrics.answered(route, 503, time.monotonic() - started)
+        return _NO_REPLICA.response()
+    except ClientDisconnect:
+        router.metrics.answered(route, CLIENT_CLOSED_REQUEST, time.monotonic() - started)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    front.metrics.routed.labels(engine=replica.label, reason=reason).inc()
+    router.pool.hold(replica.server)
+    plan = Plan(
+        route,
+        _target(request),
+        raw,
+        b"",
+        request.headers.get("authorization"),
+        request.headers.get("x-request-id"),
+        started,
+    )
+    return ReplicaRelay(router, plan, replica.server)
+
+
+async def forward_get(request: Request) -> Response:
+    """A GET, answered by the least loaded replica (the client's key passed on)."""
+    front: Front = request.app.state.front
+    try:
+        replica, _ = front.placement.choose(None)
+    except NoReplica:
+        return _NO_REPLICA.response()
+    auth = request.headers.get("authorization")
+    headers = {b"authorization": auth.encode("latin-1")} if auth is not None else {}
+    url = replica.server.url + _target(request)
+    try:
+        resp = await front.router.client.get(url, headers=headers)
+    except httpx.HTTPError as exc:
+        err = RouterError(502, f"replica {replica.index} failed: {describe(exc)}", "upstream_error")
+        return err.response()
+    media = resp.headers.get("content-type", "application/json")
+    return Response(resp.content, resp.status_code, media_type=media)
+
+
+async def health(request: Request) -> Response:
+    """200 while every replica is up; the body lists each one, its process id and whether
+    it is up."""
+    front: Front = request.app.state.front
+    down = await front.healthy()
+    replicas = [
+        {"engine": r.label, "pid": proc.pid, "up": r.index not in down}
+        for r, proc in zip(front.replicas, front.processes, strict=True)
+    ]
+    status = "draining" if front.draining else "unavailable" if down else "ok"
+    return JSONResponse({"status": status, "replicas": replicas}, 200 if status == "ok" else 503)
+
+
+async def metrics(request: Request) -> Response:
+    front: Front = request.app.state.front
+    if not front.config.metrics.enabled:
+        err = RouterError(404, "metrics are disabled (metrics.enabled = false)", "not_found")
+        return err.response()
+    await front.healthy()  # replica_up as of this scrape
+    live = [r for r in front.replicas if r.alive]
+    texts = []
+    for r in live:
+        # a replica that does not answer is left out; replica_up says which
+        with contextlib.suppress(httpx.HTTPError):
+            resp = await front.router.client.get(
+                f"{r.server.url}/metrics", timeout=HEALTH_TIMEOUT_S
+            )
+            if resp.status_code == 200:
+                texts.append(resp.content)
+    texts += [front.router.metrics.render(), front.metrics.render()]
+    return Response(merge_expositions(texts), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_front_app(front: Front) -> FastAPI:
+    """The front over `front`; its lifespan closes the router's client."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        front.watch()
+        try:
+            yield
+        finally:
+            await front.router.aclose()
+
+    app = FastAPI(
+        title="stallfree replicas",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.front = front
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/{path:path}", relay, methods=["POST"])
+    app.add_api_route("/{path:path}", forward_get, methods=["GET"])
+    return app
