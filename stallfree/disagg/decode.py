@@ -98,7 +98,7 @@ class DecodeSide(RoomSide):
         core = self.engine.core
         return KVLayout(
             num_layers=core.arch.num_layers,
-            head_dim=core.arch.head_dim,
+            head_dim=core.ctx.kv_cache.row_width,  # a stored row, its scale included
             dtype=core.ctx.kv_cache.dtype,
             page_size=core.ctx.allocator.page_size,
             shard_heads=[b - a for a, b in self.shards()],

@@ -77,12 +77,19 @@ def fingerprint_of(core: EngineCore) -> Fingerprint:
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim,
         vocab_size=arch.vocab_size,
-        kv_dtype=str(core.ctx.kv_cache.dtype).removeprefix("torch."),
+        kv_dtype=kv_dtype_name(core),
         page_size=core.ctx.allocator.page_size,
         kv_layout=KV_LAYOUT,
         tp_size=config.parallel.tp_size,
         quantization=config.model.quantization,
     )
+
+
+def kv_dtype_name(core: EngineCore) -> str:
+    """The KV cache's dtype as the handshake compares it: the stored dtype (`bfloat16`), or
+    the quantized format (`int8`, `fp8_e4m3`, `fp8_e5m2`), whose rows carry their scales."""
+    fmt = core.ctx.kv_cache.format
+    return fmt.name if fmt.quantized else str(fmt.storage).removeprefix("torch.")
 
 
 def model_digest(path: str, seed: int) -> str:

@@ -333,7 +333,7 @@ class PrefillSide(RoomSide):
             room=room.room,
             num_tokens=export.num_tokens,
             num_layers=len(layers),
-            head_dim=cache.shape.head_dim,
+            head_dim=cache.row_width,  # a stored row, its scale included
             dtype=cache.dtype,
             page_size=self.engine.core.ctx.allocator.page_size,
             dst_runs=[(d, n) for _, d, n in runs],

@@ -32,7 +32,18 @@ MAGIC_TAIL = 0x5354_454E  # "STEN"
 HEADER_LEN = 12
 TAIL_LEN = 4
 
-DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# the KV cache's stored dtypes (new ones only ever appended: the header sends the index)
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+# float8 crosses the wire as its bytes: not every backend (gloo) sends float8 tensors
+_WIRE = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 
 
 class TransportError(RuntimeError):
@@ -99,7 +110,7 @@ class RoomHeader:
     room: int
     num_tokens: int  # prompt tokens
     num_layers: int
-    head_dim: int
+    head_dim: int  # elements per stored row: an int8 row's codes and its scale's 4 bytes
     dtype: torch.dtype
     page_size: int
     dst_runs: list[tuple[int, int]]  # (first destination page, pages)
@@ -214,16 +225,18 @@ def recv_header(channel: KVChannel, layout: KVLayout) -> RoomHeader:
 
 def send_layer(channel: KVChannel, per_rank: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for k, v in per_rank:
-        channel.send(k)
-        channel.send(v)
+        wire = _WIRE.get(k.dtype)
+        channel.send(k if wire is None else k.view(wire))
+        channel.send(v if wire is None else v.view(wire))
 
 
 def recv_layer(channel: KVChannel, h: RoomHeader) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     ks, vs = [], []
+    wire = _WIRE.get(h.dtype, h.dtype)
     for heads in h.shard_heads:
         shape = (h.slots, heads, h.head_dim)
-        ks.append(channel.recv(shape, h.dtype))
-        vs.append(channel.recv(shape, h.dtype))
+        ks.append(channel.recv(shape, wire).view(h.dtype))
+        vs.append(channel.recv(shape, wire).view(h.dtype))
     return ks, vs
 
 

@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel
 
@@ -45,6 +45,7 @@ LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 # vLLM's --dtype spellings that name the same type as one of ours
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DTYPES = ["auto", "float32", "float16", "bfloat16", "float64"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(CacheConfig.model_fields["kv_cache_dtype"].annotation)
 LOAD_FORMATS = ["auto", "safetensors", "gguf"]
 # a row's keywords for an on/off flag (--x and --no-x) whose unset value leaves the setting
 SWITCH: dict[str, Any] = {"action": argparse.BooleanOptionalAction, "default": None}
@@ -209,11 +210,10 @@ def _dtype(text: str) -> str:
 
 
 def _kv_cache_dtype(text: str) -> str:
-    """vLLM's --kv-cache-dtype: auto (the weights' dtype) is what the KV cache holds here."""
-    if text != "auto":
+    """vLLM's --kv-cache-dtype values that the KV cache stores (runtime/memory/kv_format.py)."""
+    if text not in KV_CACHE_DTYPES:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not available: the KV cache holds the weights' dtype (--dtype), and "
-            "a quantized or separate KV dtype (fp8 and the like) is not built yet; use auto"
+            f"invalid choice: {text!r} (choose from {', '.join(KV_CACHE_DTYPES)})"
         )
     return text
 
@@ -330,9 +330,11 @@ _MODEL = [
          sets="model.load_format",
          help="the weights' format the model must have: safetensors (a directory) or gguf (a "
          ".gguf file); auto: whichever it is (vLLM's other formats are refused)"),
-    flag("--kv-cache-dtype", type=_kv_cache_dtype, metavar="auto",
-         help="vLLM's spelling: the KV cache holds the weights' dtype (auto); fp8 and other "
-         "quantized KV dtypes are refused, not built yet (default: auto)"),
+    flag("--kv-cache-dtype", type=_kv_cache_dtype, metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+         sets="cache.kv_cache_dtype",
+         help="how the KV cache stores K and V: auto (the weights' dtype), fp8_e4m3 (fp8), "
+         "fp8_e5m2, or int8 with a scale per token and KV head; quantized halves the bytes "
+         "per token against bfloat16 (default: auto)"),
 ]
 _SCHEDULE = [
     flag("--overlap", **SWITCH, sets="runtime.overlap",

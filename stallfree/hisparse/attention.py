@@ -98,8 +98,9 @@ class HisparseAttention:
                 valid[i, :n] = True
         phys[:, width] = plan.reserved
         valid[:, width] = True
-        buf = co.buffers
-        out = attend_batched(
-            q[:, :, None, :], buf.k[li][phys], buf.v[li][phys], valid[:, None, None, :]
-        )
+        buf, fmt = co.buffers, co.kv_format
+        k_rows, v_rows = buf.k[li][phys], buf.v[li][phys]
+        if fmt.quantized:
+            k_rows, v_rows = fmt.decode(k_rows), fmt.decode(v_rows)
+        out = attend_batched(q[:, :, None, :], k_rows, v_rows, valid[:, None, None, :])
         return out[:, :, 0, :]

@@ -137,9 +137,10 @@ class HisparseCoordinator:
         self.ctx = ctx
         cache, pool = ctx.kv_cache, ctx.req_to_token_pool
         shape, n = cache.shape, len(self.sparse_layers)
-        self.kv_dtype = cache.dtype
+        # HiSparse stores rows as the cache does (quantized ones with their scales)
+        self.kv_format = cache.format
         self.host = HostKVPool(
-            n, cache.num_slots, shape.num_kv_heads, shape.head_dim, cache.dtype, cache.device
+            n, cache.num_slots, shape.num_kv_heads, cache.row_width, cache.dtype, cache.device
         )
         self.buffers = DeviceBuffers(
             n,
@@ -149,12 +150,13 @@ class HisparseCoordinator:
             cache.num_slots,
             shape.num_kv_heads,
             shape.head_dim,
+            cache.row_width,
             cache.dtype,
             cache.device,
         )
-        self.transfer = KVTransfer(self.host, self.buffers, pool, cache.dtype)
-        elem = torch.empty((), dtype=cache.dtype).element_size()
-        self.token_bytes = 2 * shape.num_kv_heads * shape.head_dim * elem  # one token, one layer
+        self.transfer = KVTransfer(self.host, self.buffers, pool, cache.format)
+        # one token, one layer
+        self.token_bytes = 2 * shape.num_kv_heads * cache.format.row_bytes(shape.head_dim)
         self._rows: dict[int, RowState] = {}
         self._row_of: dict[Req, int] = {}
         self._step = 0
@@ -401,9 +403,10 @@ class HisparseCoordinator:
         self, li: int, plan: DecodePlan, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """The new token's KV lands in the reserved slot; its indexer key at its logical slot."""
-        self.buffers.k[li][plan.reserved] = k.to(self.kv_dtype)
-        self.buffers.v[li][plan.reserved] = v.to(self.kv_dtype)
-        self.buffers.index_keys[li][locs] = index_keys(k, self.kv_dtype)
+        fmt = self.kv_format
+        self.buffers.k[li][plan.reserved] = fmt.encode(k)
+        self.buffers.v[li][plan.reserved] = fmt.encode(v)
+        self.buffers.index_keys[li][locs] = index_keys(k, fmt)
 
     def select(self, li: int, row: int, n_prev: int, proxy: torch.Tensor) -> torch.Tensor:
         """Top-k positions among the `n_prev` tokens before the newest (ascending)."""

@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import torch
 
+from stallfree.runtime.memory.kv_format import KVFormat
 
-def index_keys(k: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
-    """k [T, KVH, D] -> [T, D] float32; rounded to the KV dtype first, as the cache stores it."""
-    return k.to(kv_dtype).float().mean(dim=1)
+
+def index_keys(k: torch.Tensor, fmt: KVFormat | None = None) -> torch.Tensor:
+    """k [T, KVH, D] -> [T, D] float32; through the cache's format `fmt` first, as the cache
+    stores it (None: `k` is already as stored)."""
+    if fmt is not None:
+        k = fmt.round_trip(k, torch.float32)
+    return k.float().mean(dim=1)
 
 
 def query_proxy(q: torch.Tensor) -> torch.Tensor:

@@ -21,12 +21,12 @@ class HostKVPool:
         num_layers: int,
         num_slots: int,
         num_kv_heads: int,
-        head_dim: int,
+        row_width: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         pin = device.type == "cuda"
-        dims = (num_slots, num_kv_heads, head_dim)
+        dims = (num_slots, num_kv_heads, row_width)  # stored rows, as the KV cache's
         self.k = [torch.zeros(dims, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
         self.v = [torch.zeros(dims, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
         self.num_slots = num_slots
@@ -44,12 +44,13 @@ class DeviceBuffers:
         num_slots: int,
         num_kv_heads: int,
         head_dim: int,
+        row_width: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self.buffer_size = buffer_size
         self.stride = buffer_size + 1
-        phys = (num_rows * self.stride, num_kv_heads, head_dim)
+        phys = (num_rows * self.stride, num_kv_heads, row_width)  # stored rows
 
         def per_layer(make: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
             return [make() for _ in range(num_layers)]

@@ -8,11 +8,12 @@ so do output positions of a re-prefill after retraction, as their decode steps d
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from stallfree.hisparse.indexer import index_keys, query_proxy, select_topk, uses_selection
+from stallfree.runtime.memory.pool import KVCache
 from stallfree.runtime.model.attention import PagedAttention, attend, causal_mask
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 
@@ -30,12 +31,20 @@ def topk_reference_row(
     n = k_hist.shape[0]
     keep = torch.ones(n + 1, dtype=torch.bool, device=q.device)
     if uses_selection(n, top_k, min_sparse_len):
-        chosen = select_topk(query_proxy(q[None])[0], index_keys(k_hist, k_hist.dtype), top_k)
+        chosen = select_topk(query_proxy(q[None])[0], index_keys(k_hist), top_k)
         keep[:n] = False
         keep[chosen] = True
     k_all = torch.cat([k_hist, k_new[None]])
     v_all = torch.cat([v_hist, v_new[None]])
     return attend(q[None], k_all, v_all, keep[None])[0]
+
+
+def _float_rows(cache: KVCache) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Stored rows of `cache` as float rows (the rows themselves when not quantized)."""
+    fmt = cache.format
+    if not fmt.quantized:
+        return lambda rows: rows
+    return fmt.decode
 
 
 class TopkOracleAttention:
@@ -61,6 +70,7 @@ class TopkOracleAttention:
         cache = fb.kv_cache
         cache.write(layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = cache.k_buffers[layer_id], cache.v_buffers[layer_id]
+        rows = _float_rows(cache)
         outs = []
         for i in range(fb.batch_size):
             row, n = int(fb.req_pool_indices_cpu[i]), int(fb.seq_lens_cpu[i]) - 1
@@ -69,10 +79,10 @@ class TopkOracleAttention:
             outs.append(
                 topk_reference_row(
                     q[i],
-                    k_buf[hist],
-                    v_buf[hist],
-                    k_buf[new],
-                    v_buf[new],
+                    rows(k_buf[hist]),
+                    rows(v_buf[hist]),
+                    rows(k_buf[new]),
+                    rows(v_buf[new]),
                     self.top_k,
                     self.min_sparse_len,
                 )
@@ -85,19 +95,20 @@ class TopkOracleAttention:
         cache = fb.kv_cache
         cache.write(layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = cache.k_buffers[layer_id], cache.v_buffers[layer_id]
+        rows = _float_rows(cache)
         outs, start = [], 0
         for i in range(fb.batch_size):
             n, prefix = fb.extend_lens_cpu[i], fb.prefix_lens_cpu[i]
             seq = prefix + n
             slots = fb.req_to_token[int(fb.req_pool_indices_cpu[i]), :seq]
-            keys, chunk = k_buf[slots], q[start : start + n]
+            keys, chunk = rows(k_buf[slots]), q[start : start + n]
             mask = causal_mask(prefix, seq, q.device)
             for pos in range(max(prefix, fb.prompt_lens_cpu[i]), seq):
                 if uses_selection(pos, self.top_k, self.min_sparse_len):
                     proxy = query_proxy(chunk[pos - prefix][None])[0]
-                    chosen = select_topk(proxy, index_keys(keys[:pos], keys.dtype), self.top_k)
+                    chosen = select_topk(proxy, index_keys(keys[:pos]), self.top_k)
                     mask[pos - prefix, :pos] = False
                     mask[pos - prefix, chosen] = True
-            outs.append(attend(chunk, keys, v_buf[slots], mask))
+            outs.append(attend(chunk, keys, rows(v_buf[slots]), mask))
             start += n
         return torch.cat(outs) if outs else q.new_empty(q.shape)

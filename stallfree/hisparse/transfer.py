@@ -14,6 +14,7 @@ from stallfree.hisparse.indexer import index_keys
 
 if TYPE_CHECKING:
     from stallfree.hisparse.memory import DeviceBuffers, HostKVPool
+    from stallfree.runtime.memory.kv_format import KVFormat
     from stallfree.runtime.memory.pool import ReqToTokenPool
 
 
@@ -25,12 +26,12 @@ class KVTransfer:
         host: HostKVPool,
         buffers: DeviceBuffers,
         req_to_token_pool: ReqToTokenPool,
-        kv_dtype: torch.dtype,
+        kv_format: KVFormat,
     ) -> None:
         self.host = host
         self.buffers = buffers
         self.req_to_token_pool = req_to_token_pool
-        self.kv_dtype = kv_dtype
+        self.kv_format = kv_format
 
     def backup(
         self,
@@ -66,20 +67,29 @@ class KVTransfer:
         """A prefill chunk's KV goes to the host pool; its indexer keys stay on the device."""
         k_cpu, v_cpu = self.host.k[li], self.host.v[li]
         locs_cpu = locs.to(k_cpu.device)
-        k_cpu[locs_cpu] = k.to(self.kv_dtype).to(k_cpu.device)
-        v_cpu[locs_cpu] = v.to(self.kv_dtype).to(v_cpu.device)
-        self.buffers.index_keys[li][locs] = index_keys(k, self.kv_dtype)
+        fmt = self.kv_format
+        k_cpu[locs_cpu] = fmt.encode(k).to(k_cpu.device)
+        v_cpu[locs_cpu] = fmt.encode(v).to(v_cpu.device)
+        self.buffers.index_keys[li][locs] = index_keys(k, fmt)
 
-    def host_kv(self, li: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """KV of logical `slots` from the host pool, on the device (chunked prefill's prefix)."""
+    def host_rows(self, li: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored K and V rows of logical `slots` from the host pool, on the device."""
         device = self.buffers.k[li].device
         slots_cpu = slots.to(self.host.k[li].device)
         return self.host.k[li][slots_cpu].to(device), self.host.v[li][slots_cpu].to(device)
 
+    def host_kv(self, li: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV of logical `slots` from the host pool, on the device, as float rows (chunked
+        prefill's prefix)."""
+        k, v = self.host_rows(li, slots)
+        if not self.kv_format.quantized:
+            return k, v
+        return self.kv_format.decode(k), self.kv_format.decode(v)
+
     def load(self, li: int, rows: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
         """Host -> buffer copy of positions `pos` of request slots `rows` into buffer `slots`."""
         locs = self.req_to_token_pool.req_to_token[rows, pos]
-        k, v = self.host_kv(li, locs)
+        k, v = self.host_rows(li, locs)
         dst = self.buffers.phys(rows, slots)
         self.buffers.k[li][dst] = k
         self.buffers.v[li][dst] = v

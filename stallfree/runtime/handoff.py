@@ -96,7 +96,7 @@ class KVExport:
         stream, cache = ctx.stream, ctx.kv_cache
         slices = run_slots(runs, ctx.allocator.page_size)
         n = sum(s.stop - s.start for s in slices)
-        dim = cache.shape.head_dim
+        dim = cache.row_width  # stored rows: a quantized row carries its scale along
         out = [
             [
                 (

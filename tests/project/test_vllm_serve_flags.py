@@ -1,6 +1,6 @@
 """A copied `vllm serve` command line runs: --trust-remote-code (the transformers fallback runs a
 checkpoint's own code only with it), --gpu-memory-utilization (the KV pool sized from memory),
---kv-cache-dtype (auto; other values refused, exit 2), --tokenizer (another directory's
+--kv-cache-dtype (auto, fp8, fp8_e4m3, fp8_e5m2, int8; others refused, exit 2), --tokenizer (another directory's
 tokenizer and chat template), --enable-prompt-tokens-details (a no-op) and --load-format
 (auto, safetensors, gguf; vLLM's others refused, exit 2)."""
 
@@ -64,11 +64,16 @@ def test_a_copied_vllm_command_line_parses() -> None:
     assert cfg == plain
 
 
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2", "int8"])
+def test_quantized_kv_cache_dtypes_set_the_cache(value: str) -> None:
+    assert config("m", "--kv-cache-dtype", value).cache.kv_cache_dtype == value
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--kv-cache-dtype", "fp8"], "'fp8' is not available: the KV cache holds the weights'"),
-        (["--kv-cache-dtype", "fp8_e5m2"], "quantized or separate KV dtype"),
+        (["--kv-cache-dtype", "fp8_inc"], "choose from auto, fp8, fp8_e4m3, fp8_e5m2, int8"),
+        (["--kv-cache-dtype", "nvfp4"], "invalid choice: 'nvfp4'"),
         (["--load-format", "pt"], "'pt' is not available: stallfree reads safetensors"),
         (["--load-format", "dummy"], "choose from auto, safetensors, gguf"),
         (["--gpu-memory-utilization", "0"], "not a share of memory over 0 and at most 1"),

@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 
+from stallfree.runtime.memory.kv_format import KVFormat, kv_format
 from stallfree.runtime.memory.lazy_zeros import zeros
 
 
@@ -106,24 +107,38 @@ class KVCacheShape:
 
 
 class KVCache:
-    """Per-layer K and V buffers of shape [num_slots, num_kv_heads, head_dim] on the device."""
+    """Per-layer K and V buffers of stored rows, `[num_slots, num_kv_heads, row_width]` on the
+    device, in `format` (kv_format.py): the weights' dtype (`auto`, `row_width == head_dim`) or
+    quantized. `dtype` is the stored rows' dtype; `read` gives float rows back."""
 
     def __init__(
-        self, shape: KVCacheShape, num_slots: int, dtype: torch.dtype, device: torch.device
+        self,
+        shape: KVCacheShape,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.shape = shape
         self.num_slots = num_slots
-        self.dtype = dtype
+        self.format = kv_format(kv_cache_dtype, dtype)
+        self.dtype = self.format.storage
         self.device = device
-        dims = (num_slots, shape.num_kv_heads, shape.head_dim)
+        self.row_width = self.format.row_width(shape.head_dim)
+        dims = (num_slots, shape.num_kv_heads, self.row_width)
         # pages are committed as tokens are written: the pool costs what the contexts use
-        self.k_buffers = [zeros(dims, dtype, device) for _ in range(shape.num_layers)]
-        self.v_buffers = [zeros(dims, dtype, device) for _ in range(shape.num_layers)]
+        self.k_buffers = [zeros(dims, self.dtype, device) for _ in range(shape.num_layers)]
+        self.v_buffers = [zeros(dims, self.dtype, device) for _ in range(shape.num_layers)]
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffers[layer][loc] = k.to(self.dtype)
-        self.v_buffers[layer][loc] = v.to(self.dtype)
+        self.k_buffers[layer][loc] = self.format.encode(k)
+        self.v_buffers[layer][loc] = self.format.encode(v)
 
     def bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.shape.num_layers * self.shape.num_kv_heads * self.shape.head_dim * elem
+        """K and V of one token in every layer, scales included."""
+        return bytes_per_token(self.format, self.shape)
+
+
+def bytes_per_token(fmt: KVFormat, shape: KVCacheShape) -> int:
+    """What one token's K and V take in a pool of `shape` stored in `fmt`."""
+    return 2 * shape.num_layers * shape.num_kv_heads * fmt.row_bytes(shape.head_dim)

@@ -182,6 +182,9 @@ def _to_device(host: list[int], device: torch.device) -> torch.Tensor:
 
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+# caches the native op reads and writes: the weights' dtypes and the quantized rows of
+# runtime/memory/kv_format.py (int8 with its scale, fp8 e4m3 and e5m2)
+_NATIVE_CACHE_DTYPES = (*_NATIVE_DTYPES, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def native_decode_supported(
@@ -193,8 +196,9 @@ def native_decode_supported(
     req_to_token: torch.Tensor,
 ) -> bool:
     """Whether `torch.ops.stallfree.decode_attention` takes this step: CPU tensors, float32 or
-    bfloat16 (one dtype for q, k, v and the tables; the cache's may differ), head dims in
-    multiples of 16, no autograd, and the kernels built for this machine."""
+    bfloat16 (one dtype for q, k, v and the tables; the cache's may differ, or be quantized:
+    int8 or fp8 rows), head dims in multiples of 16, no autograd, and the kernels built for
+    this machine."""
     cos, signed_sin = rope
     dim = q.shape[-1]
     return (
@@ -203,7 +207,7 @@ def native_decode_supported(
         and dim % 16 == 0
         and q.dtype in _NATIVE_DTYPES
         and k.dtype == v.dtype == cos.dtype == signed_sin.dtype == q.dtype
-        and k_cache.dtype in _NATIVE_DTYPES
+        and k_cache.dtype in _NATIVE_CACHE_DTYPES
         and req_to_token.dtype in (torch.int32, torch.int64)
         and cos.dim() == 3
         and cos.shape[1:] == (1, dim)
@@ -250,9 +254,14 @@ class PagedAttention:
     def _gather_kv(
         self, layer_id: int, fb: ForwardBatch, slots: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at `slots`: [*slots.shape, KVH, D] each, valid until the next gather."""
-        k_buf, v_buf = fb.kv_cache.k_buffers[layer_id], fb.kv_cache.v_buffers[layer_id]
-        return self._k_ws.gather(k_buf, slots), self._v_ws.gather(v_buf, slots)
+        """K and V at `slots`: [*slots.shape, KVH, D] each, valid until the next gather (or,
+        from a quantized cache, decoded into fresh tensors)."""
+        cache = fb.kv_cache
+        k_buf, v_buf = cache.k_buffers[layer_id], cache.v_buffers[layer_id]
+        k, v = self._k_ws.gather(k_buf, slots), self._v_ws.gather(v_buf, slots)
+        if cache.format.quantized:  # stored rows to float rows (codes times their scale)
+            return cache.format.decode(k), cache.format.decode(v)
+        return k, v
 
     def forward(
         self,
@@ -306,7 +315,7 @@ class PagedAttention:
             and cos.dtype == signed_sin.dtype == qkv.dtype
             and cos.dim() == 3
             and cos.shape[1:] == (1, dim)
-            and fb.kv_cache.k_buffers[layer_id].dtype in _NATIVE_DTYPES
+            and fb.kv_cache.k_buffers[layer_id].dtype in _NATIVE_CACHE_DTYPES
             and fb.req_to_token.dtype in (torch.int32, torch.int64)
             and not (torch.is_grad_enabled() and qkv.requires_grad)
             and cpu_kernels.available()

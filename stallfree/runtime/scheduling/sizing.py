@@ -10,6 +10,8 @@ import os
 import torch
 
 from stallfree.config import StallfreeConfig
+from stallfree.runtime.memory.kv_format import kv_format
+from stallfree.runtime.memory.pool import KVCacheShape, bytes_per_token
 from stallfree.runtime.memory.radix_cache import PrefixCacheConfigError
 from stallfree.runtime.model.arch import ModelArchConfig
 from stallfree.runtime.scheduling.alloc import pages_for
@@ -67,15 +69,33 @@ def pool_sizes(
     slots (whole pages, plus the reserved page) for `config` on `arch`. Every node of a
     tensor-parallel group sizes its pools from this, so that they agree with the scheduler's.
 
-    `capacity_ratio` scales the KV tokens: sparse layers keep every token in the host pool, so
+    The KV tokens are `default_kv_tokens` unless `memory_tokens` is given. `capacity_ratio`
+    scales the KV tokens: sparse layers keep every token in the host pool, so
     with HiSparse the engine can hold more tokens than the device budget, and the logical slots
     follow the host pool. `memory_tokens` (`memory_kv_tokens`) replaces
     `cache.max_total_tokens` when the pool is sized from memory."""
     max_context_len = context_len(config, arch)
-    budget = config.cache.max_total_tokens if memory_tokens is None else memory_tokens
+    budget = default_kv_tokens(config, arch) if memory_tokens is None else memory_tokens
     total_tokens = math.ceil(budget * capacity_ratio)
     page_size = config.cache.page_size
     return max_context_len, (pages_for(total_tokens, page_size) + 1) * page_size
+
+
+def kv_shape(arch: ModelArchConfig) -> KVCacheShape:
+    return KVCacheShape(arch.num_layers, arch.num_kv_heads, arch.head_dim)
+
+
+def default_kv_tokens(config: StallfreeConfig, arch: ModelArchConfig) -> int:
+    """`cache.max_total_tokens`; left at its default with a quantized `kv_cache_dtype`, the
+    tokens that fit in the bytes the default's tokens take in bfloat16, so that the smaller
+    rows buy more tokens in the same memory (every node computes the same from the config)."""
+    cache = config.cache
+    if "max_total_tokens" in cache.model_fields_set or cache.kv_cache_dtype == "auto":
+        return cache.max_total_tokens
+    shape = kv_shape(arch)
+    bf16 = bytes_per_token(kv_format("auto", torch.bfloat16), shape)
+    mine = bytes_per_token(kv_format(cache.kv_cache_dtype, torch.bfloat16), shape)
+    return cache.max_total_tokens * bf16 // mine
 
 
 def context_len(config: StallfreeConfig, arch: ModelArchConfig) -> int:
@@ -106,7 +126,7 @@ def memory_kv_tokens(
         budget, of = share * total - (total - free), "the device's memory"
     else:
         budget, of = share * available_memory(), "the memory available"
-    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+    per_token = bytes_per_token(kv_format(config.cache.kv_cache_dtype, dtype), kv_shape(arch))
     tokens = int(max(0.0, budget - activation_bytes(config, arch)) // per_token)
     longest = context_len(config, arch)
     if tokens < max(longest, 2 * config.cache.page_size):

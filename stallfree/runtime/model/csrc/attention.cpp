@@ -3,8 +3,9 @@
 // (attention.h), in the variant ops.cpp selected.
 //
 // RoPE and the cache write follow torch's rounding exactly (apply_rope in rope.py, then
-// KVCache.write's conversion to the cache dtype), so the cache holds the same bits as on the
-// torch path; this file has no target pragma, so no multiply-add is fused there.
+// KVCache.write's encoding: the cache dtype, or a quantized row as kv_format.py makes it), so
+// the cache holds the same bits as on the torch path; this file has no target pragma, so no
+// multiply-add is fused there.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -70,21 +71,68 @@ void rope_row(const T* x, const T* cos, const T* sin, int64_t dim, float* y) {
   }
 }
 
+// Stored row formats (runtime/memory/kv_format.py): `E` the element, `row` a float row into
+// its stored form, as KVFormat.encode makes it.
 template <typename C>
-void store_row(const float* y, int64_t dim, C* out) {
-  for (int64_t i = 0; i < dim; ++i) out[i] = from_f32<C>(y[i]);
-}
+struct StorePlain {
+  using E = C;
+  static void row(const float* y, int64_t dim, E* out) {
+    for (int64_t i = 0; i < dim; ++i) out[i] = from_f32<C>(y[i]);
+  }
+};
+
+// int8: codes round(y / s) (to nearest even) with s = max|y| / 127, then s's 4 bytes
+struct StoreI8 {
+  using E = int8_t;
+  static void row(const float* y, int64_t dim, E* out) {
+    float amax = 0;
+    for (int64_t i = 0; i < dim; ++i) amax = std::max(amax, std::fabs(y[i]));
+    const float s = amax / 127.0f;
+    for (int64_t i = 0; i < dim; ++i) {
+      const float c = s > 0 ? std::nearbyint(y[i] / s) : 0.0f;
+      out[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, c)));
+    }
+    std::memcpy(out + dim, &s, sizeof s);
+  }
+};
+
+// fp8 with M mantissa bits and exponent bias BIAS: clamped to +-kMax, rounded to nearest even
+// (subnormals included), as torch converts a float32
+template <int M, int BIAS, int MAX_BITS>
+struct StoreFp8 {
+  using E = uint8_t;
+  static uint8_t encode(float x) {
+    const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+    float max;
+    const uint32_t max_bits = MAX_BITS;
+    std::memcpy(&max, &max_bits, sizeof max);
+    const float a = std::min(std::fabs(x), max);
+    if (a == 0) return sign;
+    int e = 0;
+    std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1)
+    const int ex = std::max(e - 1, 1 - BIAS);  // subnormals share the least normal's quantum
+    const float q = std::nearbyint(std::ldexp(a, M - ex));  // exact scaling, then the rounding
+    // a rounding up to 2^(M+1) carries into the exponent, as the encoding's layout does
+    return sign | static_cast<uint8_t>(((ex + BIAS) << M) + static_cast<int>(q) - (1 << M));
+  }
+  static void row(const float* y, int64_t dim, E* out) {
+    for (int64_t i = 0; i < dim; ++i) out[i] = encode(y[i]);
+  }
+};
+using StoreE4M3 = StoreFp8<3, 7, 0x43E00000>;   // max 448
+using StoreE5M2 = StoreFp8<2, 15, 0x47600000>;  // max 57344
 
 struct RopeWrite {
   const at::Tensor *q, *k, *v, *cos, *sin;  // cos/sin null without RoPE
   const int64_t* loc;
   void *k_cache, *v_cache;
+  int64_t row;  // stored row width, in the cache's elements
   float scale;
   float* qbuf;
 };
 
 // rows [b0, b1): rotated, scaled q into qbuf; rotated k and v into the cache at loc[b]
-template <typename T, typename C>
+template <typename T, typename S>
 void rope_write_rows(const RopeWrite& w, int64_t b0, int64_t b1) {
   const int64_t H = w.q->size(1), KVH = w.k->size(1), D = w.q->size(2);
   const T* q = static_cast<const T*>(w.q->data_ptr());
@@ -104,23 +152,47 @@ void rope_write_rows(const RopeWrite& w, int64_t b0, int64_t b1) {
       for (int64_t i = 0; i < D; ++i) out[i] *= w.scale;
     }
     const int64_t slot = w.loc[b];
+    using E = typename S::E;
     for (int64_t h = 0; h < KVH; ++h) {
       rope_row(k + b * w.k->stride(0) + h * w.k->stride(1), cos, sin, D, y.data());
-      store_row(y.data(), D, static_cast<C*>(w.k_cache) + (slot * KVH + h) * D);
+      S::row(y.data(), D, static_cast<E*>(w.k_cache) + (slot * KVH + h) * w.row);
       rope_row<T>(v + b * w.v->stride(0) + h * w.v->stride(1), nullptr, nullptr, D, y.data());
-      store_row(y.data(), D, static_cast<C*>(w.v_cache) + (slot * KVH + h) * D);
+      S::row(y.data(), D, static_cast<E*>(w.v_cache) + (slot * KVH + h) * w.row);
     }
   }
 }
 
-void rope_write(const RopeWrite& w, bool bf16, bool cache_bf16, int64_t b0, int64_t b1) {
-  if (bf16) {
-    if (cache_bf16) return rope_write_rows<uint16_t, uint16_t>(w, b0, b1);
-    return rope_write_rows<uint16_t, float>(w, b0, b1);
+template <typename T>
+void rope_write_as(const RopeWrite& w, CacheKind kind, int64_t b0, int64_t b1) {
+  switch (kind) {
+    case CacheKind::kF32: return rope_write_rows<T, StorePlain<float>>(w, b0, b1);
+    case CacheKind::kBF16: return rope_write_rows<T, StorePlain<uint16_t>>(w, b0, b1);
+    case CacheKind::kI8: return rope_write_rows<T, StoreI8>(w, b0, b1);
+    case CacheKind::kE4M3: return rope_write_rows<T, StoreE4M3>(w, b0, b1);
+    case CacheKind::kE5M2: return rope_write_rows<T, StoreE5M2>(w, b0, b1);
   }
-  if (cache_bf16) return rope_write_rows<float, uint16_t>(w, b0, b1);
-  return rope_write_rows<float, float>(w, b0, b1);
 }
+
+void rope_write(const RopeWrite& w, bool bf16, CacheKind kind, int64_t b0, int64_t b1) {
+  if (bf16) return rope_write_as<uint16_t>(w, kind, b0, b1);
+  return rope_write_as<float>(w, kind, b0, b1);
+}
+
+// the cache's row format from its dtype, and the stored row width it implies for head dim d
+CacheKind cache_kind_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return CacheKind::kF32;
+    case at::kBFloat16: return CacheKind::kBF16;
+    case at::kChar: return CacheKind::kI8;
+    case at::kFloat8_e4m3fn: return CacheKind::kE4M3;
+    case at::kFloat8_e5m2: return CacheKind::kE5M2;
+    default:
+      TORCH_CHECK(false, "decode_attention: the cache must be float32, bfloat16, int8 (with "
+                         "scales), float8_e4m3fn or float8_e5m2, got ", t);
+  }
+}
+
+int64_t row_width(CacheKind kind, int64_t d) { return kind == CacheKind::kI8 ? d + 4 : d; }
 
 // rows [r0, r1) of [batch * heads]: the splits' partial states merged into the output
 void reduce_splits(const DecodeAttn& a, int64_t r0, int64_t r1) {
@@ -202,14 +274,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
     }
   }
   const auto cache_dtype = k_cache.scalar_type();
+  const CacheKind kind = cache_kind_of(cache_dtype);
+  const int64_t row = row_width(kind, D);
   for (const at::Tensor* t : {&k_cache, &v_cache}) {
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->sizes() == k_cache.sizes() &&
-                    t->size(2) == D && t->scalar_type() == cache_dtype,
+                    t->size(2) == row && t->scalar_type() == cache_dtype,
                 "decode_attention: k_cache and v_cache must be contiguous CPU [slots, ", KVH,
-                ", ", D, "] tensors of one dtype");
+                ", ", row, "] tensors of one dtype (an int8 row: ", D, " codes and its scale)");
   }
-  TORCH_CHECK(cache_dtype == at::kFloat || cache_dtype == at::kBFloat16,
-              "decode_attention: the cache must be float32 or bfloat16, got ", cache_dtype);
   check_index(out_cache_loc, "out_cache_loc", B);
   check_index(req_pool_indices, "req_pool_indices", B);
   check_index(seq_lens, "seq_lens", B);
@@ -225,7 +297,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   at::Tensor out = at::empty({B, H, D}, options);
   if (B == 0) return out;
   const bool bf16 = dtype == at::kBFloat16;
-  const bool cache_bf16 = cache_dtype == at::kBFloat16;
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t rows = req_to_token.size(0), max_len = req_to_token.size(1);
   const int64_t* pool = req_pool_indices.data_ptr<int64_t>();
@@ -244,11 +315,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
 
   at::Tensor qbuf = at::empty({B, H, D}, q.options().dtype(at::kFloat));
   RopeWrite w{&q, &k_new, &v_new, cos ? &*cos : nullptr, signed_sin ? &*signed_sin : nullptr,
-              loc, k_cache.data_ptr(), v_cache.data_ptr(),
+              loc, k_cache.data_ptr(), v_cache.data_ptr(), row,
               static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(double(D))),
               qbuf.data_ptr<float>()};
   at::parallel_for(0, B, 4,
-                   [&](int64_t b0, int64_t b1) { rope_write(w, bf16, cache_bf16, b0, b1); });
+                   [&](int64_t b0, int64_t b1) { rope_write(w, bf16, kind, b0, b1); });
 
   DecodeAttn a;
   a.batch = B;
@@ -265,7 +336,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   a.q = qbuf.data_ptr<float>();
   a.k_cache = k_cache.data_ptr();
   a.v_cache = v_cache.data_ptr();
-  a.cache_bf16 = cache_bf16;
+  a.cache_kind = kind;
+  a.row = row;
   a.req_to_token = req_to_token.data_ptr();
   a.rtt_stride = req_to_token.stride(0);
   a.rtt_i32 = req_to_token.scalar_type() == at::kInt;

@@ -11,15 +11,21 @@
 
 namespace sf {
 
+// How the cache stores a row (runtime/memory/kv_format.py): float32, bfloat16, int8 codes with
+// the row's float32 scale in its last 4 bytes, or one fp8 byte per element (no scale).
+enum class CacheKind : int { kF32, kBF16, kI8, kE4M3, kE5M2 };
+
 struct DecodeAttn {
   int64_t batch = 0, heads = 0, kv_heads = 0, dim = 0;
   int64_t splits = 1;  // per request and KV head
   // rotated, scaled queries in float32, [batch, heads, dim]
   const float* q = nullptr;
-  // the cache [slots, kv_heads, dim], float32 or bfloat16 (the new step's K/V already written)
+  // the cache [slots, kv_heads, row] of `kind` rows (the new step's K/V already written); `row`
+  // elements per stored row: dim, or dim + 4 for int8 (the scale's bytes)
   const void* k_cache = nullptr;
   const void* v_cache = nullptr;
-  bool cache_bf16 = false;
+  CacheKind cache_kind = CacheKind::kF32;
+  int64_t row = 0;
   // request r's slots: req_to_token[req_pool_indices[r] * rtt_stride + t], int32 or int64
   const void* req_to_token = nullptr;
   int64_t rtt_stride = 0;

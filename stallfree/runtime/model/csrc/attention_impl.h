@@ -9,21 +9,55 @@
 
 constexpr int64_t kBlock = 32;
 
-inline V::T load_row(const float* p) { return V::load(p); }
-inline V::T load_row(const uint16_t* p) { return V::load_bf16(p); }
+// One stored row format each: `E` its element, `load` V::W elements as float32, `scaled`
+// whether the row's float32 scale follows its `dim` codes (the scores and probabilities of
+// its keys are multiplied by it, rather than each element).
+struct RowsF32 {
+  using E = float;
+  static constexpr bool scaled = false;
+  static V::T load(const E* p) { return V::load(p); }
+};
+struct RowsBF16 {
+  using E = uint16_t;
+  static constexpr bool scaled = false;
+  static V::T load(const E* p) { return V::load_bf16(p); }
+};
+struct RowsI8 {
+  using E = int8_t;
+  static constexpr bool scaled = true;
+  static V::T load(const E* p) { return V::load_i8(p); }
+};
+struct RowsE4M3 {
+  using E = uint8_t;
+  static constexpr bool scaled = false;
+  static V::T load(const E* p) { return V::load_e4m3(p); }
+};
+struct RowsE5M2 {
+  using E = uint8_t;
+  static constexpr bool scaled = false;
+  static V::T load(const E* p) { return V::load_e5m2(p); }
+};
+
+// the float32 scale stored after a row's `dim` codes (not 4-byte aligned in general)
+template <typename E>
+float row_scale(const E* row, int64_t dim) {
+  float s;
+  std::memcpy(&s, row + dim, sizeof s);
+  return s;
+}
 
 // heads per register tile: each K or V vector loaded once serves this many query heads
 constexpr int64_t kHeadTile = 4;
 
-template <int NG, typename Cache>
-void score_tile(const float* q, int64_t D, const Cache* kc, const int64_t* slots, int64_t nb,
-                float* scores) {
+template <int NG, typename R>
+void score_tile(const float* q, int64_t D, const typename R::E* kc, const int64_t* slots,
+                int64_t nb, float* scores) {
   for (int64_t j = 0; j < nb; ++j) {
-    const Cache* kp = kc + slots[j];
+    const typename R::E* kp = kc + slots[j];
     typename V::T s[NG];
     for (int i = 0; i < NG; ++i) s[i] = V::zero();
     for (int64_t c = 0; c < D; c += V::W) {
-      const typename V::T k = load_row(kp + c);
+      const typename V::T k = R::load(kp + c);
       for (int i = 0; i < NG; ++i) s[i] = V::fma(V::load(q + i * D + c), k, s[i]);
     }
     float r[4];
@@ -34,27 +68,27 @@ void score_tile(const float* q, int64_t D, const Cache* kc, const int64_t* slots
 }
 
 // scores[g, j] = q_g . k_j for the heads g0 .. g0 + kHeadTile - 1 (those below G)
-template <typename Cache>
-void score_heads(const float* q, int64_t G, int64_t D, const Cache* kc, const int64_t* slots,
-                 int64_t nb, int64_t g0, float* scores) {
+template <typename R>
+void score_heads(const float* q, int64_t G, int64_t D, const typename R::E* kc,
+                 const int64_t* slots, int64_t nb, int64_t g0, float* scores) {
   q += g0 * D;
   scores += g0 * kBlock;
   switch (std::min(kHeadTile, G - g0)) {
-    case 1: return score_tile<1>(q, D, kc, slots, nb, scores);
-    case 2: return score_tile<2>(q, D, kc, slots, nb, scores);
-    case 3: return score_tile<3>(q, D, kc, slots, nb, scores);
-    default: return score_tile<4>(q, D, kc, slots, nb, scores);
+    case 1: return score_tile<1, R>(q, D, kc, slots, nb, scores);
+    case 2: return score_tile<2, R>(q, D, kc, slots, nb, scores);
+    case 3: return score_tile<3, R>(q, D, kc, slots, nb, scores);
+    default: return score_tile<4, R>(q, D, kc, slots, nb, scores);
   }
 }
 
-template <int NG, typename Cache>
-void value_tile(int64_t D, const Cache* vc, const int64_t* slots, int64_t nb, const float* p,
-                float* acc) {
+template <int NG, typename R>
+void value_tile(int64_t D, const typename R::E* vc, const int64_t* slots, int64_t nb,
+                const float* p, float* acc) {
   for (int64_t c = 0; c < D; c += V::W) {
     typename V::T a[NG];
     for (int i = 0; i < NG; ++i) a[i] = V::load(acc + i * D + c);
     for (int64_t j = 0; j < nb; ++j) {
-      const typename V::T v = load_row(vc + slots[j] + c);
+      const typename V::T v = R::load(vc + slots[j] + c);
       for (int i = 0; i < NG; ++i) a[i] = V::fma(V::set1(p[i * kBlock + j]), v, a[i]);
     }
     for (int i = 0; i < NG; ++i) V::store(acc + i * D + c, a[i]);
@@ -62,20 +96,30 @@ void value_tile(int64_t D, const Cache* vc, const int64_t* slots, int64_t nb, co
 }
 
 // acc[g] += p[g, j] * v_j for the heads g0 .. g0 + kHeadTile - 1 (those below G)
-template <typename Cache>
-void add_values(int64_t G, int64_t D, const Cache* vc, const int64_t* slots, int64_t nb,
+template <typename R>
+void add_values(int64_t G, int64_t D, const typename R::E* vc, const int64_t* slots, int64_t nb,
                 int64_t g0, const float* p, float* acc) {
   p += g0 * kBlock;
   acc += g0 * D;
   switch (std::min(kHeadTile, G - g0)) {
-    case 1: return value_tile<1>(D, vc, slots, nb, p, acc);
-    case 2: return value_tile<2>(D, vc, slots, nb, p, acc);
-    case 3: return value_tile<3>(D, vc, slots, nb, p, acc);
-    default: return value_tile<4>(D, vc, slots, nb, p, acc);
+    case 1: return value_tile<1, R>(D, vc, slots, nb, p, acc);
+    case 2: return value_tile<2, R>(D, vc, slots, nb, p, acc);
+    case 3: return value_tile<3, R>(D, vc, slots, nb, p, acc);
+    default: return value_tile<4, R>(D, vc, slots, nb, p, acc);
   }
 }
 
-template <typename Slot, typename Cache>
+// scores[g, j] *= the scale of key j's row, for every head g of the group (scaled rows only)
+template <typename R>
+void scale_by_rows(int64_t G, int64_t D, const typename R::E* c, const int64_t* slots,
+                   int64_t nb, float* scores) {
+  for (int64_t j = 0; j < nb; ++j) {
+    const float s = row_scale(c + slots[j], D);
+    for (int64_t g = 0; g < G; ++g) scores[g * kBlock + j] *= s;
+  }
+}
+
+template <typename Slot, typename R>
 void attend_item(const DecodeAttn& a, int64_t item, float* acc, float* scores) {
   const int64_t D = a.dim, KVH = a.kv_heads, G = a.heads / a.kv_heads;
   const int64_t split = item % a.splits;
@@ -87,8 +131,10 @@ void attend_item(const DecodeAttn& a, int64_t item, float* acc, float* scores) {
   const int64_t t0 = std::min(len, first + split * chunk);
   const int64_t t1 = std::min(len, t0 + chunk);
   const Slot* row = static_cast<const Slot*>(a.req_to_token) + a.req_pool_indices[b] * a.rtt_stride;
-  const Cache* kc = static_cast<const Cache*>(a.k_cache);
-  const Cache* vc = static_cast<const Cache*>(a.v_cache);
+  using E = typename R::E;
+  const E* kc = static_cast<const E*>(a.k_cache);
+  const E* vc = static_cast<const E*>(a.v_cache);
+  const int64_t row_len = a.row;
   const float* q = a.q + (b * a.heads + kvh * G) * D;
 
   float m[64], l[64];  // G <= 64 (checked by the binding)
@@ -103,11 +149,12 @@ void attend_item(const DecodeAttn& a, int64_t item, float* acc, float* scores) {
   int64_t slot_buf[2][kBlock];
   auto load_slots = [&](int64_t tb, int64_t* out) {
     const int64_t nb = std::min(kBlock, t1 - tb);
-    for (int64_t j = 0; j < nb; ++j) out[j] = (static_cast<int64_t>(row[tb + j]) * KVH + kvh) * D;
-  };
-  auto prefetch_rows = [&](const Cache* base, const int64_t* offs, int64_t nb) {
     for (int64_t j = 0; j < nb; ++j)
-      for (int64_t c = 0; c < D; c += 64 / static_cast<int64_t>(sizeof(Cache)))
+      out[j] = (static_cast<int64_t>(row[tb + j]) * KVH + kvh) * row_len;
+  };
+  auto prefetch_rows = [&](const E* base, const int64_t* offs, int64_t nb) {
+    for (int64_t j = 0; j < nb; ++j)
+      for (int64_t c = 0; c < row_len; c += 64 / static_cast<int64_t>(sizeof(E)))
         __builtin_prefetch(base + offs[j] + c);
   };
   if (t0 < t1) {
@@ -123,7 +170,9 @@ void attend_item(const DecodeAttn& a, int64_t item, float* acc, float* scores) {
       load_slots(tb + kBlock, next);
       prefetch_rows(kc, next, std::min(kBlock, t1 - tb - kBlock));
     }
-    for (int64_t g = 0; g < G; g += kHeadTile) score_heads(q, G, D, kc, slots, nb, g, scores);
+    for (int64_t g = 0; g < G; g += kHeadTile)
+      score_heads<R>(q, G, D, kc, slots, nb, g, scores);
+    if constexpr (R::scaled) scale_by_rows<R>(G, D, kc, slots, nb, scores);
     if (a.softcap > 0) {
       const float inv = 1.0f / a.softcap;
       for (int64_t g = 0; g < G; ++g)
@@ -155,7 +204,10 @@ void attend_item(const DecodeAttn& a, int64_t item, float* acc, float* scores) {
       }
       l[g] += V::sum(sum);
     }
-    for (int64_t g = 0; g < G; g += kHeadTile) add_values(G, D, vc, slots, nb, g, scores, acc);
+    // NOTE: after the sums l: a value row's scale weighs its probability, not its elements
+    if constexpr (R::scaled) scale_by_rows<R>(G, D, vc, slots, nb, scores);
+    for (int64_t g = 0; g < G; g += kHeadTile)
+      add_values<R>(G, D, vc, slots, nb, g, scores, acc);
   }
 
   for (int64_t g = 0; g < G; ++g) {
@@ -181,20 +233,27 @@ void attend_item(const DecodeAttn& a, int64_t item, float* acc, float* scores) {
   }
 }
 
-template <typename Slot, typename Cache>
+template <typename Slot, typename R>
 void attend_items(const DecodeAttn& a, int64_t i0, int64_t i1) {
   const int64_t G = a.heads / a.kv_heads;
   thread_local std::vector<float> acc, scores;
   acc.resize(G * a.dim);
   scores.resize(G * kBlock);
-  for (int64_t i = i0; i < i1; ++i) attend_item<Slot, Cache>(a, i, acc.data(), scores.data());
+  for (int64_t i = i0; i < i1; ++i) attend_item<Slot, R>(a, i, acc.data(), scores.data());
+}
+
+template <typename Slot>
+void attend_items_of(const DecodeAttn& a, int64_t i0, int64_t i1) {
+  switch (a.cache_kind) {
+    case CacheKind::kF32: return attend_items<Slot, RowsF32>(a, i0, i1);
+    case CacheKind::kBF16: return attend_items<Slot, RowsBF16>(a, i0, i1);
+    case CacheKind::kI8: return attend_items<Slot, RowsI8>(a, i0, i1);
+    case CacheKind::kE4M3: return attend_items<Slot, RowsE4M3>(a, i0, i1);
+    case CacheKind::kE5M2: return attend_items<Slot, RowsE5M2>(a, i0, i1);
+  }
 }
 
 void decode_attention_impl(const DecodeAttn& a, int64_t i0, int64_t i1) {
-  if (a.rtt_i32) {
-    if (a.cache_bf16) return attend_items<int32_t, uint16_t>(a, i0, i1);
-    return attend_items<int32_t, float>(a, i0, i1);
-  }
-  if (a.cache_bf16) return attend_items<int64_t, uint16_t>(a, i0, i1);
-  return attend_items<int64_t, float>(a, i0, i1);
+  if (a.rtt_i32) return attend_items_of<int32_t>(a, i0, i1);
+  return attend_items_of<int64_t>(a, i0, i1);
 }
