@@ -162,7 +162,7 @@ def _router(args: argparse.Namespace) -> int:
 def serve_worker_node(config: StallfreeConfig) -> int:
     """`serve` on a node other than 0: no HTTP server, no scheduler; run this node's worker
     ranks, sized as node 0 sizes its pools, until node 0 stops them (or they fail)."""
-    from stallfree.runtime.execution.worker import WorkerStartError, run_worker_node
+    from stallfree.runtime.execution.worker_launch import WorkerStartError, run_worker_node
     from stallfree.runtime.model.loader import check_tensor_parallel, read_arch
     from stallfree.runtime.scheduling.sizing import auto_stream_threads, pool_sizes
 

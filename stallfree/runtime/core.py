@@ -30,7 +30,8 @@ from stallfree.runtime.execution.speculative import (
     Proposer,
     SpecDecoder,
 )
-from stallfree.runtime.execution.worker import start_workers, worker_spec
+from stallfree.runtime.execution.worker import worker_spec
+from stallfree.runtime.execution.worker_launch import start_workers
 from stallfree.runtime.memory.pool import (
     KVCache,
     KVCacheShape,

@@ -10,7 +10,7 @@ from the same gathered logits with the same generator, so each feeds its own fut
 same token; rank 0 alone returns the sampled tokens (and logprobs, when asked for).
 
 The host side is `ProcessStream` (overlap/process_stream.py) plus `RemoteExecutor`
-(execution/remote.py).
+(execution/remote.py); `worker_launch.py` starts and stops the processes.
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ import pickle
 import socket
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -57,13 +56,8 @@ from stallfree.runtime.text.grammar_compiler import MatcherFactory
 
 logger = logging.getLogger(__name__)
 
-READY_TIMEOUT_S = 600.0  # loading a large checkpoint on every rank takes a while
 # per local rank, in shared host memory: steps, step seconds, collective seconds, bytes
 STAT_FIELDS = ("steps", "step_seconds", "comm_seconds", "comm_bytes")
-
-
-class WorkerStartError(RuntimeError):
-    """A worker process could not start (its model did not load, the ranks did not meet)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,114 +381,10 @@ def _serve(worker: _Worker, rank: int, conn: Connection | None) -> None:
             conn.send(("ok", seq, result))
 
 
-# ---------------------------------------------------------------------- starting workers
-
-
-def start_workers(spec: WorkerSpec) -> tuple[Connection | None, list[Any], torch.Tensor]:
-    """Spawn this node's ranks. On node 0, returns the connection to rank 0 once every rank
-    has loaded its shard and met the others; raises `WorkerStartError` if any could not."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    ranks = spec.local_ranks()
-    stats = torch.zeros((len(ranks), len(STAT_FIELDS)), dtype=torch.float64).share_memory_()  # type: ignore[no-untyped-call]
-    parent: Connection | None = None
-    processes = []
-    for rank in ranks:
-        child = None
-        if rank == 0:
-            parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=worker_main,
-            args=(spec, rank, child, stats),
-            name=f"stallfree-tp{rank}",
-            daemon=True,
-        )
-        with _main_module_hidden():
-            proc.start()
-        processes.append(proc)
-        if child is not None:
-            child.close()
-    if parent is not None:
-        try:
-            _await_ready(parent, processes)
-        except BaseException:
-            stop_processes(processes)
-            raise
-    return parent, processes, stats
-
-
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Spawn re-runs the parent's main script in the child unless it is guarded by
-    `if __name__ == "__main__"`; the worker's entry point lives in this module, so the child
-    needs nothing from `__main__`. Hide its file and spec while the child is prepared, so an
-    embedding script without the guard works too."""
-    import sys
-
-    main = sys.modules.get("__main__")
-    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if hasattr(main, k)}
-    try:
-        for key in saved:
-            if key == "__spec__":
-                main.__spec__ = None  # type: ignore[union-attr]
-            else:
-                delattr(main, key)
-        yield
-    finally:
-        for key, value in saved.items():
-            setattr(main, key, value)
-
-
-def _await_ready(conn: Connection, processes: list[Any]) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    sentinels = {p.sentinel: p for p in processes}
-    while time.monotonic() < deadline:
-        for item in wait([conn, *sentinels], timeout=1.0):
-            if item is conn:
-                try:
-                    kind, _, body = conn.recv()
-                except EOFError:
-                    raise WorkerStartError("the rank-0 worker exited while starting") from None
-                if kind == "ready":
-                    return
-                raise WorkerStartError(f"a worker could not start: {body}")
-            proc = sentinels[item]
-            proc.join(timeout=5)
-            raise WorkerStartError(
-                f"worker {proc.name} exited with code {proc.exitcode} while starting"
-            )
-    raise WorkerStartError(f"workers did not start within {READY_TIMEOUT_S:.0f}s")
-
-
-def stop_processes(processes: list[Any]) -> None:
-    for proc in processes:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in processes:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=2)
-
-
-def run_worker_node(config: StallfreeConfig, max_context_len: int, num_kv_slots: int) -> int:
-    """A node other than 0: run its ranks until they stop (the scheduler's node stops them)."""
-    spec = worker_spec(config, num_kv_slots, max_context_len)
-    _, processes, _ = start_workers(spec)
-    codes = []
-    for proc in processes:
-        proc.join()
-        codes.append(proc.exitcode or 0)
-    return max(codes, default=0)
-
-
 __all__ = [
     "STAT_FIELDS",
     "WorkerLostError",
     "WorkerSpec",
-    "WorkerStartError",
-    "run_worker_node",
-    "start_workers",
+    "worker_main",
     "worker_spec",
 ]
