@@ -21,6 +21,9 @@ from stallfree.config import StallfreeConfig, load_config
 from stallfree.overlap.stream import StreamError
 from stallfree.runtime.core import EngineCore, build_core, describe_engine
 from stallfree.runtime.handoff import KVExport, KVImport
+from stallfree.runtime.lora.checkpoint import AdapterNotFoundError
+from stallfree.runtime.lora.registry import Lease, LoraRegistry
+from stallfree.runtime.lora.setup import build_lora
 from stallfree.runtime.plugins import load_metrics_plugin
 from stallfree.runtime.request.errors import (
     EngineClosedError,
@@ -91,6 +94,8 @@ class Engine:
         self._rid_counter = itertools.count()
         # every live request by id, and the steps of its life (runtime/request_table.py)
         self.requests = RequestTable(self.core)
+        # LoRA adapters by name and their slots (runtime/lora/); None: off
+        self.lora: LoraRegistry | None = build_lora(self.config, self.core.loaded, self.core.stream)
 
     def add_observer(self, observer: EngineObserver) -> None:
         """Subscribe to the engine's events (e.g. a metrics collector)."""
@@ -117,6 +122,9 @@ class Engine:
             raise RuntimeError("this engine was shut down; build a new one")
         self._loop = asyncio.get_running_loop()
         self._thread_id = threading.get_ident()
+        if self.lora is not None:
+            for module in self.config.lora.lora_modules:
+                await self.lora.load(module.name, module.path, module.base_model_name)
         self._loop_task = asyncio.create_task(self.core.loop.run(), name="stallfree-scheduler")
         self._loop_task.add_done_callback(self._on_loop_exit)
         self._state = "running"
@@ -248,17 +256,20 @@ class Engine:
         params: SamplingParams | dict[str, Any] | None = None,
         rid: str | None = None,
         timeout: float | None = None,
+        *,
+        lora_name: str | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """Stream a completion. Cancelling the consumer aborts the request and frees its memory.
 
         `timeout` (seconds, default `runtime.request_timeout_s`) is a deadline for the whole
         request; past it the request is aborted (reason `abort`, error "deadline of ...").
         Call it on the event loop the engine was started on; elsewhere it raises RuntimeError.
+        `lora_name`: the adapter it runs under (`lora.enable_lora`); None: the base model.
         """
         # aclosing: a consumer that stops early closes the inner generators at once, so the
         # request is aborted and its memory freed now, not when the garbage collector gets to it
         async with contextlib.aclosing(
-            self._submit(prompt, params, rid, timeout, wake_per_step=True)
+            self._submit(prompt, params, rid, timeout, wake_per_step=True, lora_name=lora_name)
         ) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -270,15 +281,37 @@ class Engine:
         rid: str | None,
         timeout: float | None,
         wake_per_step: bool,
+        lora_name: str | None = None,
     ) -> AsyncGenerator[GenerationChunk, None]:
         timeout = self._timeout(timeout)
         req = self._new_req(prompt, params, rid)
         if (spec := req.sampling_params.structured_outputs) is not None:
             await self._constrain(req, spec)
-        stream = self.requests.submit(req, wake_per_step)
-        async with contextlib.aclosing(self.requests.drain(req, stream, timeout)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        lease = await self._lease(req, lora_name)
+        try:
+            stream = self.requests.submit(req, wake_per_step)
+            async with contextlib.aclosing(self.requests.drain(req, stream, timeout)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            if lease is not None:
+                assert self.lora is not None
+                self.lora.release(lease)
+
+    async def _lease(self, req: Req, lora_name: str | None) -> Lease | None:
+        """The slot of `req`'s adapter, held until its stream ends (None: the base model)."""
+        if lora_name is None:
+            return None
+        if self.lora is None:
+            raise AdapterNotFoundError(lora_name)
+        lease = await self.lora.acquire(lora_name)
+        if not self.accepting or req.rid in self.requests:
+            self.lora.release(lease)  # shut down, or its id taken, while it waited
+            if not self.accepting:
+                raise EngineClosedError("engine is shutting down")
+            raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
+        req.lora_slot, req.lora_id = lease.slot, lease.uid
+        return lease
 
     async def _constrain(self, req: Req, spec: StructuredOutputs) -> None:
         """Compile the request's grammar off the schedule path; it is queued once ready."""
@@ -358,6 +391,8 @@ class Engine:
         params: SamplingParams | dict[str, Any] | None = None,
         rid: str | None = None,
         timeout: float | None = None,
+        *,
+        lora_name: str | None = None,
     ) -> GenerationResult:
         """Await the whole output (the caller wakes once, when it is done)."""
         texts: list[str] = []
@@ -366,7 +401,7 @@ class Engine:
         prompt_logprobs: list[TokenLogprobs | None] | None = None
         last: GenerationChunk | None = None
         async with contextlib.aclosing(
-            self._submit(prompt, params, rid, timeout, wake_per_step=False)
+            self._submit(prompt, params, rid, timeout, wake_per_step=False, lora_name=lora_name)
         ) as chunks:
             async for chunk in chunks:
                 texts.append(chunk.text)

@@ -13,7 +13,7 @@ from stallfree.runtime.execution.logits import LogitsPlan, LogprobBuffers, build
 from stallfree.runtime.execution.logits_processor import StepRows
 from stallfree.runtime.execution.sampler import SamplingBatch
 from stallfree.runtime.execution.speculative import DraftPlan, SpecArgs
-from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode, LoraBatch
 from stallfree.runtime.request.req import Req
 from stallfree.runtime.request.sampling_params import SamplingParams
 
@@ -66,6 +66,9 @@ class StepPlanner:
         fb = step.forward_batch
         with ctx.monitor.schedule_path():
             params = [r.sampling_params for r in step.reqs]
+            fb.lora = LoraBatch.build(
+                [r.lora_slot for r in step.reqs], fb.extend_lens_cpu, stream.upload
+            )
             sb = SamplingBatch.build(params, step.output_steps, stream.upload)
             rows_cpu = torch.tensor(
                 [i for i, real in enumerate(step.output_rows) if real], dtype=_I64

@@ -70,6 +70,37 @@ class VerifyLayout:
         )
 
 
+@dataclass(slots=True, eq=False)
+class LoraBatch:
+    """One step's token rows by adapter slot: `(slot, rows)` for each slot in use, `rows` a
+    device index of the flat token rows (None: every row of the step)."""
+
+    groups: list[tuple[int, torch.Tensor | None]]
+
+    @classmethod
+    def build(
+        cls,
+        slots: list[int],
+        tokens: list[int],
+        upload: Callable[[torch.Tensor], torch.Tensor],
+    ) -> LoraBatch | None:
+        """From each row's slot (-1: the base model) and token count; None when no row has an
+        adapter."""
+        if all(s < 0 for s in slots):
+            return None
+        if len(set(slots)) == 1:
+            return cls([(slots[0], None)])
+        by_slot: dict[int, list[int]] = {}
+        start = 0
+        for slot, n in zip(slots, tokens, strict=True):
+            if slot >= 0:
+                by_slot.setdefault(slot, []).extend(range(start, start + n))
+            start += n
+        return cls(
+            [(s, upload(torch.tensor(rows, dtype=torch.int64))) for s, rows in by_slot.items()]
+        )
+
+
 @dataclass(slots=True)
 class ForwardBatch:
     mode: ForwardMode
@@ -100,6 +131,8 @@ class ForwardBatch:
     # device [N] int64: the only flat token rows whose logits are returned (a draft model's
     # steps that need one position, or none, of each row); None: as the mode says
     logit_rows: torch.Tensor | None = None
+    # LoRA: the step's token rows by adapter slot (model/lora.py); None: the base model only
+    lora: LoraBatch | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -86,6 +86,10 @@ class Req:
     grammar: Any = None
     grammar_epoch: int = -1
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # LoRA: the adapter slot its rows use (-1: the base model), and the adapter's load id,
+    # which keys its prefix-cache entries apart from every other adapter's
+    lora_slot: int = -1
+    lora_id: int = 0
     # read per row per step, so taken once from the (immutable) params
     needs_logits_plan: bool = field(init=False, default=False)
 
@@ -104,6 +108,15 @@ class Req:
             return prompt[start:end]
         head = prompt[start:] if start < len(prompt) else []
         return head + self.output_ids[max(start - len(prompt), 0) : end - len(prompt)]
+
+    def cache_key(self, tokens: list[int]) -> list[int]:
+        """`tokens` as the prefix cache keys them: as they are for the base model; under an
+        adapter each id is offset by the adapter's load id, so two adapters (or an adapter and
+        the base model) never share cached KV."""
+        if not self.lora_id:
+            return tokens
+        offset = self.lora_id << 32
+        return [t + offset for t in tokens]
 
     @property
     def finished(self) -> bool:

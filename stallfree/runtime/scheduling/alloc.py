@@ -267,7 +267,9 @@ def release_req_memory(
         page_size = allocator.page_size
         keep = min(cache_tokens // page_size, len(pages))
         if keep > shared:
-            _, tree_pages = cache.insert(req.fill_slice(0, keep * page_size), pages[:keep])
+            _, tree_pages = cache.insert(
+                req.cache_key(req.fill_slice(0, keep * page_size)), pages[:keep]
+            )
             free = [
                 p
                 for p, t in zip(pages[shared:keep], tree_pages[shared:keep], strict=True)

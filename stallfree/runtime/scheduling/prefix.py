@@ -50,7 +50,7 @@ def _tokens(req: Req, n: int) -> list[int]:
 
 def matchable(req: Req) -> list[int]:
     """The tokens a cached prefix may cover: all but the last, whose logits are needed."""
-    return req.fill_slice(0, req.fill_len - 1)
+    return req.cache_key(req.fill_slice(0, req.fill_len - 1))
 
 
 def shares_with_prefill(
@@ -66,7 +66,7 @@ def shares_with_prefill(
     mine = _tokens(req, upto)
     first = mine[cached]
     for other, end in prefills:
-        if end < upto or other is req:
+        if end < upto or other is req or other.lora_id != req.lora_id:
             continue
         theirs = _tokens(other, upto)
         if (
@@ -143,7 +143,7 @@ def cache_prefill(cache: RadixCache, req: Req, end: int, retractions: int) -> No
     shared = req.cached_pages
     if keep <= shared:
         return
-    tokens = req.fill_slice(0, keep * page_size)
+    tokens = req.cache_key(req.fill_slice(0, keep * page_size))
     if cache.match_len(tokens) > shared * page_size:
         # another request cached some of these tokens first: its copy stays, and this
         # request keeps its own pages until it finishes (its table row points at them)
