@@ -68,6 +68,13 @@ class ServerConfig(_Section):
         allow_inf_nan=False,
         description="A request body must arrive whole within this (408 otherwise)",
     )
+    screening_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="A dense body (one parsed in the screening process) must be checked within "
+        "this once its turn comes; past it the request is a 503 and the process is replaced",
+    )
     write_timeout_s: float = Field(
         30.0,
         gt=0,

@@ -373,7 +373,7 @@ async def test_a_body_submitted_as_another_app_stops_the_pool_goes_to_a_new_one(
     raw = json.dumps({"model": "other", "prompt": [[1]] * screening.DENSE_SEPARATORS}).encode()
     against = screening.Screen("m", ServerConfig())
     with pytest.raises(requests.ApiError) as caught:
-        await screening.screen_elsewhere(CompletionRequest, raw, against)
+        await screening.screen_elsewhere(CompletionRequest, raw, against, "peer:test")
     assert caught.value.status == 404  # screened, by the new pool's process
     screening.close_screening()
 

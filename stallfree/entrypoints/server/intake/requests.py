@@ -85,10 +85,23 @@ async def read_body(request: Request, model: type[BodyModel]) -> BodyModel:
         return validate_body(model, raw)
     if is_dense(raw):
         state = server_state(request)
-        return await screen_elsewhere(model, raw, Screen(state.model_name, state.limits))
+        screen = Screen(state.model_name, state.limits)
+        return await screen_elsewhere(model, raw, screen, client_key(request))
     return await asyncio.get_running_loop().run_in_executor(
         _worker_pool(), validate_body, model, raw
     )
+
+
+def client_key(request: Request) -> str:
+    """Who sent `request`, for taking turns: the API key it was let in with where the server
+    has keys (the guard checked it), else its peer's address (a client could name itself
+    anything in a header, and take as many turns as names)."""
+    if server_state(request).limits.api_keys:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and token:
+            return "key:" + token
+    peer = request.client
+    return "peer:" + (peer.host if peer is not None else "unknown")
 
 
 @contextlib.contextmanager

@@ -10,7 +10,9 @@ the GIL starves the event loop as surely as the loop itself would (eight such bo
 `/health` waiting 0.7 s). So a body of `OFF_LOOP_BODY_BYTES` or more that is dense (at least
 `DENSE_SEPARATORS` of `{`, `[` and `,`) is parsed, validated and screened in a separate process
 (`screen_elsewhere`), which answers with the error, or with the validated body; what passes the
-screen is bounded by it, so taking it back is cheap. A large body that is not dense (long text)
+screen is bounded by it, so taking it back is cheap. Bodies wait for it in turn per client, and
+one it does not answer within `server.screening_timeout_s` is a 503 and a new process
+(`screening_queue.py`). A large body that is not dense (long text)
 parses at C speed and is validated in the worker thread (`requests.read_body`).
 """
 
@@ -34,8 +36,9 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from stallfree.config.settings import ServerConfig
-from stallfree.entrypoints.server.base.errors import ApiError
+from stallfree.entrypoints.server.base.errors import SERVICE_UNAVAILABLE, ApiError
 from stallfree.entrypoints.server.base.protocol import ChatCompletionRequest, CompletionRequest
+from stallfree.entrypoints.server.intake.screening_queue import FairScreening, ScreeningTimeout
 
 if TYPE_CHECKING:
     from stallfree.runtime.engine import Engine
@@ -336,37 +339,55 @@ def _screening_pool() -> ProcessPoolExecutor:
         return _pool
 
 
-def _restart(broken: ProcessPoolExecutor) -> None:
+def _restart(broken: ProcessPoolExecutor, kill: bool) -> None:
+    """Drop `broken` so the next body starts a new process; `kill`: it is stuck, so end it."""
     global _pool
     with _pool_lock:
         if _pool is broken:
             _pool = None
+    if kill:
+        # NOTE: the executor names no public way to its processes; a stopped (SIGSTOP) or
+        # looping one never takes the shutdown's sentinel, so it is killed outright
+        for process in list((getattr(broken, "_processes", None) or {}).values()):
+            process.kill()
     broken.shutdown(wait=False, cancel_futures=True)
 
 
-async def screen_elsewhere(model: type[BodyModel], raw: bytes, against: Screen) -> BodyModel:
-    """`raw` parsed, validated and screened in the screening process; raises what the checks
-    raise, as they would have here."""
-    loop = asyncio.get_running_loop()
-    for attempt in range(2):
-        pool = _screening_pool()
-        try:
-            answer = await loop.run_in_executor(pool, _screened, model, raw, against)
-            break
-        except BrokenProcessPool:
-            # the process died under this body (out of memory, or killed): the next starts anew
-            _restart(pool)
-            raise ApiError(
-                400,
-                "the request body could not be checked: the process checking it stopped",
-                param="body",
-                code="body_unchecked",
-            ) from None
-        except RuntimeError:
-            # another app of this process stopped the pool (`close_screening`) between our
-            # taking it and submitting: once more, to a new one
-            if attempt:
-                raise
+# through the module's names, so a test may put another pool in their place
+_queue = FairScreening(lambda: _screening_pool(), lambda pool, kill: _restart(pool, kill))
+
+
+def screening_queue() -> FairScreening:
+    """The process's one queue in front of the screening process."""
+    return _queue
+
+
+async def screen_elsewhere(
+    model: type[BodyModel], raw: bytes, against: Screen, client: str
+) -> BodyModel:
+    """`raw` parsed, validated and screened in the screening process, in `client`'s turn;
+    raises what the checks raise, as they would have here."""
+    deadline = against.limits.screening_timeout_s
+    future = _queue.submit(client, deadline, _screened, model, raw, against)
+    try:
+        answer = await asyncio.wrap_future(future)
+    except BrokenProcessPool:
+        # the process died under this body (out of memory, or killed): the next starts anew
+        raise ApiError(
+            400,
+            "the request body could not be checked: the process checking it stopped",
+            param="body",
+            code="body_unchecked",
+        ) from None
+    except ScreeningTimeout:
+        raise ApiError(
+            503,
+            f"the request body could not be checked within server.screening_timeout_s "
+            f"({deadline:g} s); the process checking it was restarted, try again",
+            type=SERVICE_UNAVAILABLE,
+            code="screening_timeout",
+            headers={"Retry-After": "1"},
+        ) from None
     if answer[0] == "invalid":
         raise RequestValidationError(answer[1])
     if answer[0] == "api":
