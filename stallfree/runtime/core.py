@@ -1,4 +1,5 @@
-"""`build_core`: the one place the engine's components are made and wired together.
+"""`build_core`: the one place the engine's components are made and wired together (a feature
+with a setup of its own, such as `execution/speculative_setup.py`, is called from here).
 
 Everything is built before the engine serves anything, so no component exists half-made and no
 caller needs to ask whether an attribute exists yet.
@@ -24,12 +25,7 @@ from stallfree.runtime.execution.executor import Executor, LocalExecutor
 from stallfree.runtime.execution.model_runner import ModelRunner
 from stallfree.runtime.execution.remote import RemoteExecutor
 from stallfree.runtime.execution.sampler import Sampler
-from stallfree.runtime.execution.speculative import (
-    DraftModelProposer,
-    NgramProposer,
-    Proposer,
-    SpecDecoder,
-)
+from stallfree.runtime.execution.speculative_setup import build_spec_decoder
 from stallfree.runtime.execution.worker import worker_spec
 from stallfree.runtime.execution.worker_launch import start_workers
 from stallfree.runtime.memory.pool import (
@@ -314,57 +310,9 @@ def _runner(
     else:
         assert model.loaded is not None
         sampler = Sampler(config.model.seed, device)
-        spec = _spec_decoder(config, ctx, model.loaded, sampler)
+        spec = build_spec_decoder(config, ctx, model.loaded, sampler)
         executor = LocalExecutor(model.loaded.model, ctx, sampler, faults, spec)
     return ModelRunner(ctx, executor, faults)
-
-
-def _spec_decoder(
-    config: StallfreeConfig, ctx: BatchContext, loaded: LoadedModel, sampler: Sampler
-) -> SpecDecoder | None:
-    """Speculative decoding's stream side, and room for drafts and histories in the future
-    map (before the runner hands the map's tensors to the stream)."""
-    spec = config.speculative
-    if not spec.enabled:
-        return None
-    k = spec.num_speculative_tokens
-    ctx.spec_k = k
-    width = ctx.req_to_token_pool.req_to_token.shape[1]
-    ctx.future_map.enable_spec(k, width + k + 2)
-    proposer: Proposer
-    if spec.method == "ngram":
-        proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-    else:
-        proposer = _draft_model(config, ctx, loaded)
-        ctx.spec_draft_model = True
-    return SpecDecoder(proposer, sampler, ctx.future_map)
-
-
-def _draft_model(
-    config: StallfreeConfig, ctx: BatchContext, target: LoadedModel
-) -> DraftModelProposer:
-    """The draft model, in the target's dtype and quantization, with a KV cache of the
-    target's token slots. It must share the target's vocabulary."""
-    path = config.speculative.draft_model
-    assert path is not None
-    model = config.model
-    try:
-        draft = load_model(
-            path, model.dtype, ctx.kv_cache.device, model.seed, None, model.quantization
-        )
-    except ModelLoadError as exc:
-        raise ModelLoadError(f"speculative.draft_model: {exc}") from exc
-    if draft.arch.vocab_size != target.arch.vocab_size:
-        raise ModelLoadError(
-            f"speculative.draft_model {path!r} has a vocabulary of {draft.arch.vocab_size} "
-            f"tokens and the model {target.arch.vocab_size}: a draft model must share the "
-            "target's tokenizer"
-        )
-    arch = draft.arch
-    shape = KVCacheShape(arch.num_layers, arch.num_kv_heads, arch.head_dim)
-    cache = KVCache(shape, ctx.kv_cache.num_slots, draft.dtype, ctx.kv_cache.device)
-    ctx.stream.adopt(*cache.k_buffers, *cache.v_buffers)
-    return DraftModelProposer(draft.model, cache)
 
 
 def build_core(config: StallfreeConfig, observers: ObserverFanout | None = None) -> EngineCore:
