@@ -406,13 +406,25 @@ def _wire(
         activity=activity,
         max_waiting_requests=waiting_limit(config),
         worker_stats=worker_stats,
-        grammars=GrammarCompiler(
-            tokenizer,
-            arch.vocab_size,
-            unsupported_reason(device.type, not isinstance(stream, ProcessStream)),
-            strict=config.runtime.structured_outputs_strict,
-            cache_bytes=config.runtime.grammar_cache_bytes,
-        ),
+        grammars=_grammar_compiler(config, tokenizer, arch.vocab_size, device, stream),
+    )
+
+
+def _grammar_compiler(
+    config: StallfreeConfig,
+    tokenizer: Tokenizer,
+    vocab_size: int,
+    device: torch.device,
+    stream: DeviceStream,
+) -> GrammarCompiler:
+    """Structured outputs' compiler, with the reason this engine cannot run them, if any."""
+    in_process = not isinstance(stream, ProcessStream)
+    return GrammarCompiler(
+        tokenizer,
+        vocab_size,
+        unsupported_reason(device.type, in_process),
+        strict=config.runtime.structured_outputs_strict,
+        cache_bytes=config.runtime.grammar_cache_bytes,
     )
 
 
