@@ -27,6 +27,7 @@ from stallfree.runtime.request.errors import InvalidRequestError
 from stallfree.runtime.request.structured import StructuredOutputs
 from stallfree.runtime.text.ascii_regex import ascii_classes
 from stallfree.runtime.text.grammar_cache import DEFAULT_MAX_BYTES, GrammarCache
+from stallfree.runtime.text.integer_bounds import IntegerBoundError
 from stallfree.runtime.text.strict_schema import prepare_lark, prepare_schema
 from stallfree.runtime.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -235,6 +236,8 @@ class GrammarCompiler:
             raise InvalidRequestError(
                 f"{param}: the {_what(spec)} nests too deeply", param=param
             ) from e
+        except IntegerBoundError as e:
+            raise InvalidRequestError(f"{param}: {e}", param=param) from e
         except ValueError as e:
             what = "the JSON schema is not valid JSON: " if spec.kind == "json" else ""
             raise InvalidRequestError(f"{param}: {what}{_one_line(str(e))}", param=param) from e

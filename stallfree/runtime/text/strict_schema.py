@@ -1,6 +1,6 @@
 """A client's JSON schema as vLLM's and SGLang's default backend reads it.
 
-Two rules, applied to a copy of the schema before llguidance compiles it:
+Three rules, applied to a copy of the schema before llguidance compiles it:
 
 - **Strict** (on unless `runtime.structured_outputs_strict` is off): an object schema that
   names properties (`properties` or `patternProperties`) and says nothing of the others
@@ -10,6 +10,8 @@ Two rules, applied to a copy of the schema before llguidance compiles it:
   until `max_tokens`. A schema that says `additionalProperties: true` or gives `items` keeps
   what it says. The branches of an `allOf` are left open: each closed on its own names would
   make their intersection refuse every key another branch names.
+- **Integer bounds** beyond ±2^53, always: refused where no integer within them satisfies the
+  schema, else taken as ±2^53 (`text/integer_bounds.py`).
 - **ASCII classes**, always: every `pattern` and `patternProperties` key reads `\\d`, `\\w`,
   `\\s` as ASCII (`text/ascii_regex.py`).
 
@@ -25,6 +27,7 @@ import json
 from typing import Any
 
 from stallfree.runtime.text.ascii_regex import ascii_classes
+from stallfree.runtime.text.integer_bounds import exact_integer_bounds
 
 # keywords whose value is one schema, a list of schemas, or a name -> schema map
 _ONE = (
@@ -54,7 +57,7 @@ def _walk(schema: Any, strict: bool, closable: bool) -> Any:
         return [_walk(s, strict, True) for s in schema]
     if not isinstance(schema, dict):
         return schema  # `true`, `false`, or not a schema
-    out = dict(schema)
+    out = exact_integer_bounds(dict(schema))
     if isinstance(out.get("pattern"), str):
         out["pattern"] = ascii_classes(out["pattern"])
     for key in _ONE:
