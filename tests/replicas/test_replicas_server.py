@@ -9,7 +9,8 @@ not, and concurrent new prompts spread; /metrics holds engine="0" and engine="1"
 passes promtool; after the workload every pool is free again. A replica killed with SIGKILL
 mid-stream ends that stream with an error event, /health turns 503 and names it, the other
 replica goes on answering, and a SIGTERM then stops the front with status 0 and nothing left
-running.
+running. Bad bodies get the replicas' own answers, a body over the limit the front's 413; a
+client that leaves frees its replica; replicas whose front is killed drain and exit.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -181,6 +183,15 @@ def test_metrics_have_each_engine_and_pass_promtool(cluster):
     assert [f for f in findings if f not in known] == [promtool.VLLM_TOTAL_HISTOGRAM]
 
 
+def leftovers(pids: set[int]) -> list[str]:
+    """The command lines of `pids` still running."""
+    return [
+        Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        for pid in pids
+        if running(pid)
+    ]
+
+
 def _health(proc: Proc) -> tuple[int, dict]:
     r = httpx.get(proc.url + "/health", timeout=REQUEST_TIMEOUT_S, trust_env=False)
     return r.status_code, r.json()
@@ -235,4 +246,58 @@ def test_a_killed_replica_fails_its_stream_and_the_other_serves(cluster):
     except subprocess.TimeoutExpired:
         proc.popen.kill()
         raise
-    assert not [pid for pid in left if running(pid)]
+    # a replica's worker ends once its replica has gone: a liveness bound, not a timing assert
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    while leftovers(left) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not leftovers(left)
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'{"prompt": "x", "max_tokens": -1}'])
+def test_bad_bodies_get_the_replicas_own_answers(cluster, body):
+    def post(proc: Proc) -> httpx.Response:
+        headers = {"content-type": "application/json"}
+        return httpx.post(
+            proc.url + "/v1/completions", content=body, headers=headers, trust_env=False
+        )
+
+    direct, front = post(cluster.single), post(cluster.front)
+    assert 400 <= direct.status_code < 500
+    assert front.status_code == direct.status_code
+    assert front.json()["error"]["type"] == direct.json()["error"]["type"]
+
+
+def test_a_body_over_the_limit_is_a_413_from_the_front(cluster):
+    big = b'{"prompt": "' + b"a" * (4 * 1024 * 1024 + 1) + b'"}'
+    r = httpx.post(cluster.front.url + "/v1/completions", content=big, trust_env=False)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == 413
+
+
+def test_a_client_that_leaves_frees_its_replica(cluster):
+    proc = cluster.front
+    family = "stallfree:router_leg_failures"
+    before = value(scrape(proc), family, family + "_total", leg="client")
+    body = completion("a story that nobody reads to its end", 2000, stream=True)
+    with (
+        httpx.Client(base_url=proc.url, timeout=REQUEST_TIMEOUT_S, trust_env=False) as http,
+        http.stream("POST", "/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: {"))
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S  # a liveness bound, not a timing assert
+    while value(scrape(proc), "stallfree:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert_pools_free(proc, ["0", "1"])
+    assert value(scrape(proc), family, family + "_total", leg="client") == before + 1
+
+
+def test_replicas_drain_and_exit_when_their_front_is_killed(cluster):
+    proc = cluster.front
+    replicas = descendants(proc.popen.pid)
+    assert len([pid for pid in replicas if running(pid)]) >= 2
+    proc.kill()
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S  # a liveness bound, not a timing assert
+    while leftovers(replicas) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not leftovers(replicas)
