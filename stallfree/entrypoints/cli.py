@@ -27,6 +27,7 @@ from stallfree.entrypoints.flags import (
 
 # the tests import the token-count type from here, where it was defined
 from stallfree.entrypoints.flags import token_count as token_count
+from stallfree.entrypoints.lora_flags import LORA_FLAGS
 from stallfree.entrypoints.replica_flags import REPLICA_FLAGS
 from stallfree.entrypoints.router.flags import (
     RouterHelpFormatter,
@@ -79,7 +80,7 @@ def _model(args: argparse.Namespace) -> str | None:
 
 def config_from_args(args: argparse.Namespace) -> StallfreeConfig:
     overrides = settings_from_args(
-        args, ENGINE_FLAGS, SERVER_FLAGS, SPECULATIVE_FLAGS, REPLICA_FLAGS
+        args, ENGINE_FLAGS, SERVER_FLAGS, SPECULATIVE_FLAGS, REPLICA_FLAGS, LORA_FLAGS
     )
     model = _model(args)
     if model is not None:
@@ -246,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     for table in (
-        SERVER_FLAGS, ENGINE_FLAGS, REPLICA_FLAGS, SPECULATIVE_FLAGS, DISAGGREGATION_FLAGS
+        SERVER_FLAGS, ENGINE_FLAGS, REPLICA_FLAGS, SPECULATIVE_FLAGS, DISAGGREGATION_FLAGS,
+        LORA_FLAGS,
     ):  # fmt: skip
         add_flags(srv, table)
     rtr = sub.add_parser(

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from stallfree.config import (
     CacheConfig,
     DisaggregationConfig,
+    LoraConfig,
     MetricsConfig,
     ModelConfig,
     ParallelConfig,
@@ -40,6 +41,7 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "speculative": SpeculativeConfig,
     "disaggregation": DisaggregationConfig,
     "replicas": ReplicaConfig,
+    "lora": LoraConfig,
 }
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 # vLLM's --dtype spellings that name the same type as one of ours

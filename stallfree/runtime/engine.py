@@ -62,6 +62,8 @@ MAX_RID_CHARS = 256
 class Engine:
     # which runner serves the model: "generate" here, "pooling" for an embedder (runtime/pooler.py)
     runner = "generate"
+    # LoRA adapters by name and their slots (runtime/lora/); None: off (and on the pooling runner)
+    lora: LoraRegistry | None = None
 
     def __init__(self, config: StallfreeConfig | None = None, **overrides: Any) -> None:
         """`Engine(config)`, or `Engine(model={"path": ...}, runtime={...})` to build one.
@@ -94,8 +96,7 @@ class Engine:
         self._rid_counter = itertools.count()
         # every live request by id, and the steps of its life (runtime/request_table.py)
         self.requests = RequestTable(self.core)
-        # LoRA adapters by name and their slots (runtime/lora/); None: off
-        self.lora: LoraRegistry | None = build_lora(self.config, self.core.loaded, self.core.stream)
+        self.lora = build_lora(self.config, self.core.loaded, self.core.stream)
 
     def add_observer(self, observer: EngineObserver) -> None:
         """Subscribe to the engine's events (e.g. a metrics collector)."""

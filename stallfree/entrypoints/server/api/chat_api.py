@@ -37,7 +37,7 @@ from stallfree.entrypoints.server.intake.requests import (
     sampling_params,
     truncated,
 )
-from stallfree.entrypoints.server.intake.screening import check_chat_size
+from stallfree.entrypoints.server.intake.screening import check_chat_size, model_adapter
 from stallfree.entrypoints.server.output.logprobs import (
     SharedPromptLogprobs,
     TokenPieces,
@@ -213,10 +213,11 @@ async def chat(request: Request) -> Response:
         )
     if state.disagg is not None:
         ctx.source = state.disagg.source(body)
+    ctx.lora_name = model_adapter(state.engine, state.model_name, body.model)
     rid = f"chatcmpl-{ctx.request_id}"
     answer = _ChatAnswer(
         rid,
-        state.model_name,
+        ctx.lora_name or state.model_name,
         n,
         pieces,
         body.top_logprobs or 0,

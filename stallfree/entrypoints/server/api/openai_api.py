@@ -33,8 +33,8 @@ from stallfree.entrypoints.server.intake.requests import (
     truncated,
 )
 from stallfree.entrypoints.server.intake.screening import (
-    check_model,
     check_runner,
+    model_adapter,
     reject_unsupported,
 )
 from stallfree.entrypoints.server.output.logprobs import (
@@ -121,7 +121,7 @@ class Answer(Protocol):
 def open_request(body: CompletionRequest | ChatCompletionRequest, request: Request) -> ServerState:
     """What both OpenAI routes check first: the model name and the unsupported fields."""
     state = server_state(request)
-    check_model(state.model_name, body.model)
+    model_adapter(state.engine, state.model_name, body.model)
     check_runner(state.engine, "generate", request.url.path)
     reject_unsupported(body)
     return state
@@ -351,8 +351,10 @@ async def completions(request: Request) -> Response:
     ctx = Context.of(request)
     if state.disagg is not None:
         ctx.source = state.disagg.source(body)
+    ctx.lora_name = model_adapter(state.engine, state.model_name, body.model)
     rid = f"cmpl-{ctx.request_id}"
-    answer = _CompletionAnswer(rid, state.model_name, prompts, n, echoed, pieces, wants_usage(body))
+    shown = ctx.lora_name or state.model_name
+    answer = _CompletionAnswer(rid, shown, prompts, n, echoed, pieces, wants_usage(body))
     answer.echo_k = body.logprobs or 0
     answer.continuous_usage = wants_usage_always(body)
     answer.prompt_logprobs = SharedPromptLogprobs.of(

@@ -1,10 +1,9 @@
 """The routes: `/health` and `/metrics` (open), and behind the API key `/v1/models` and
 `/v1/models/{id}`, `/v1/completions`, `/v1/chat/completions`, the native `/generate` and
-`/flush_cache`."""
+`/flush_cache`; the LoRA adapter routes come from `api/lora.py`."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from stallfree.entrypoints.server.api.chat_api import chat
 from stallfree.entrypoints.server.api.embeddings import embeddings, pooling
+from stallfree.entrypoints.server.api.lora import adapter_cards, created_time, lora_routes
 from stallfree.entrypoints.server.api.openai_api import completions
 from stallfree.entrypoints.server.api.score import rerank, score
 from stallfree.entrypoints.server.base.errors import ApiError
@@ -25,7 +25,7 @@ from stallfree.entrypoints.server.intake.requests import (
     native_sampling_params,
     read_body,
 )
-from stallfree.entrypoints.server.intake.screening import check_model, check_runner
+from stallfree.entrypoints.server.intake.screening import check_runner, model_adapter
 from stallfree.entrypoints.server.output.logprobs import native_logprobs
 from stallfree.entrypoints.server.output.responses import ModelCard, ModelList
 from stallfree.entrypoints.server.output.streaming import (
@@ -75,17 +75,22 @@ def api_routes() -> APIRouter:
 
     @router.get("/v1/models")
     async def models(request: Request) -> ModelList:
-        return ModelList(data=[_model_card(request)])
+        cards = adapter_cards(request, created_time(request))
+        return ModelList(data=[_model_card(request), *cards])
 
     # `:path`, so a served name with a slash (`org/model`) is one id
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> ModelCard:
-        check_model(server_state(request).model_name, model_id)
+        state = server_state(request)
+        if model_adapter(state.engine, state.model_name, model_id) is not None:
+            cards = adapter_cards(request, created_time(request))
+            return next(c for c in cards if c.id == model_id)
         return _model_card(request)
 
     router.add_api_route("/v1/completions", completions, methods=["POST"])
     router.add_api_route("/v1/chat/completions", chat, methods=["POST"])
     router.add_api_route("/generate", generate, methods=["POST"])
+    router.include_router(lora_routes())
     router.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
     router.add_api_route("/pooling", pooling, methods=["POST"])
     for path in ("/v1/score", "/score"):
@@ -111,14 +116,9 @@ def api_routes() -> APIRouter:
 
 def _model_card(request: Request) -> ModelCard:
     state = server_state(request)
-    # one creation time per app (its first model answer), so the list and the retrieved
-    # card are equal
-    app_state = request.app.state
-    if getattr(app_state, "models_created", None) is None:
-        app_state.models_created = int(time.time())
     return ModelCard(
         id=state.model_name,
-        created=app_state.models_created,
+        created=created_time(request),
         max_model_len=state.engine.max_context_len,
     )
 

@@ -39,7 +39,7 @@ from stallfree.entrypoints.server.intake.requests import (
     encode_async,
     read_body,
 )
-from stallfree.entrypoints.server.intake.screening import check_model, check_prefill
+from stallfree.entrypoints.server.intake.screening import check_prefill, model_adapter
 
 # the settings `/server_info` never shows
 SECRETS = {"server": ("api_key",), "disaggregation": ("secret",)}
@@ -103,7 +103,7 @@ async def tokenize(request: Request) -> JSONResponse:
     body = await read_body(request, TokenizeRequest)
     state = server_state(request)
     if body.model is not None:
-        check_model(state.model_name, body.model)
+        model_adapter(state.engine, state.model_name, body.model)
     engine = state.engine
     with converting():
         if body.prompt is not None:
@@ -137,7 +137,7 @@ async def detokenize(request: Request) -> JSONResponse:
     body = await read_body(request, DetokenizeRequest)
     state = server_state(request)
     if body.model is not None:
-        check_model(state.model_name, body.model)
+        model_adapter(state.engine, state.model_name, body.model)
     vocab = state.engine.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:

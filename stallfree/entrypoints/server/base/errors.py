@@ -124,7 +124,9 @@ def from_validation(exc: ValidationError) -> ApiError:
 
 
 def from_invalid_request(exc: InvalidRequestError) -> ApiError:
-    return ApiError(400, exc.message, param=exc.param, code=exc.code)
+    # an unknown LoRA adapter (unloaded while the request was admitted) is not found
+    status = 404 if exc.code == "model_not_found" else 400
+    return ApiError(status, exc.message, param=exc.param, code=exc.code)
 
 
 def overloaded(retry_after_s: int, message: str) -> ApiError:

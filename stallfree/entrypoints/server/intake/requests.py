@@ -85,7 +85,9 @@ async def read_body(request: Request, model: type[BodyModel]) -> BodyModel:
         return validate_body(model, raw)
     if is_dense(raw):
         state = server_state(request)
-        screen = Screen(state.model_name, state.limits)
+        # with LoRA the route checks the name: the screening process does not know adapters
+        served = None if state.engine.lora is not None else state.model_name
+        screen = Screen(served, state.limits)
         return await screen_elsewhere(model, raw, screen, client_key(request))
     return await asyncio.get_running_loop().run_in_executor(
         _worker_pool(), validate_body, model, raw

@@ -139,6 +139,16 @@ def _number_too_long(raw: bytes) -> ApiError:
 # ---------------------------------------------------------------- the checks
 
 
+def model_adapter(engine: Engine, served: str, name: str) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model); an unknown name is
+    a 404 (`check_model`)."""
+    lora = engine.lora
+    if name != served and lora is not None and name in lora.adapters:
+        return name
+    check_model(served, name)
+    return None
+
+
 def check_model(served: str, name: str) -> None:
     # only the served name: with --served-model-name set, the model's path stays private
     if name != served:
@@ -273,14 +283,15 @@ def check_chat_size(body: ChatCompletionRequest, limits: ServerConfig) -> None:
 class Screen:
     """What `screen` checks a body against: the served model's name and the server's limits."""
 
-    served_model: str
+    served_model: str | None  # None: the route checks the name (LoRA adapters come and go)
     limits: ServerConfig
 
 
 def screen(body: BaseModel, against: Screen) -> None:
     """The engine-free checks of an OpenAI body, in the order the routes make them."""
     if isinstance(body, CompletionRequest | ChatCompletionRequest):
-        check_model(against.served_model, body.model)
+        if against.served_model is not None:
+            check_model(against.served_model, body.model)
         reject_unsupported(body)
     if isinstance(body, ChatCompletionRequest):
         check_chat_size(body, against.limits)

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Receive, Scope, Send
 
 
@@ -129,6 +129,9 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    # a LoRA adapter's card adds vLLM's `root` (its checkpoint) and `parent` (the base model)
+    model_config = ConfigDict(extra="allow")
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)

@@ -65,6 +65,7 @@ class Context:
     # with tracing on: the tracer, and the request's headers (a `traceparent` continues)
     tracer: Any = None
     headers: Any = None
+    lora_name: str | None = None  # the LoRA adapter the request runs under (None: the base)
 
     @classmethod
     def of(cls, request: Request) -> Context:
@@ -134,7 +135,9 @@ class Generation:
             ctx.tracer.expect(rids, ctx.headers)
         source = ctx.source
         gens = [
-            engine.generate(ids, p, rid) if source is None else source(list(ids), p, rid, i)
+            engine.generate(ids, p, rid, lora_name=ctx.lora_name)
+            if source is None
+            else source(list(ids), p, rid, i)
             for i, (ids, p, rid) in enumerate(zip(prompts, each, rids, strict=True))
         ]
         firsts = [asyncio.ensure_future(_first(gen)) for gen in gens]
