@@ -20,7 +20,8 @@ class LoraModule(Section):
 
 class LoraConfig(Section):
     enable_lora: bool = Field(
-        False, description="Serve LoRA adapters; a request picks one by name (its model field over HTTP)"
+        False,
+        description="Serve LoRA adapters; a request picks one by name (its model field over HTTP)",
     )
     lora_modules: list[LoraModule] = Field(
         default_factory=list, description="Adapters loaded at start (name and PEFT directory)"
