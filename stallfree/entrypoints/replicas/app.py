@@ -97,12 +97,12 @@ async def forward_get(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """200 while every replica is up; the body lists each one, its process id and whether
-    it is up."""
+    """200 while every replica is up; the body lists each one: its process id, its own URL
+    (on loopback) and whether it is up."""
     front: Front = request.app.state.front
     down = await front.healthy()
     replicas = [
-        {"engine": r.label, "pid": proc.pid, "up": r.index not in down}
+        {"engine": r.label, "pid": proc.pid, "url": r.server.url, "up": r.index not in down}
         for r, proc in zip(front.replicas, front.processes, strict=True)
     ]
     status = "draining" if front.draining else "unavailable" if down else "ok"
