@@ -15,7 +15,10 @@ Environment:
 - `STALLFREE_CPU_KERNELS=0` keeps every op on the torch path;
 - `STALLFREE_CPU_ISA=auto|avx512|avx2` forces a variant (`auto`, the default, takes the best
   this CPU has: AVX-512 with VNNI and BF16, else AVX2 with FMA). A forced variant the CPU lacks,
-  a missing compiler or a failed build leave the torch path on, with one log line saying why.
+  a missing compiler or a failed build leave the torch path on, with one log line saying why;
+- `STALLFREE_CPU_AMX=0` keeps dense bfloat16 off the AMX tiles, which the AVX-512 variant
+  otherwise uses for a few rows where the CPU reports AMX-TILE and AMX-BF16 and Linux grants
+  the process the tile state (never otherwise).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ _SOURCES = (
     "ops.cpp",
     "isa_avx512.cpp",
     "isa_avx2.cpp",
+    "isa_amx.cpp",
     "attention.cpp",
     "attention_avx512.cpp",
     "attention_avx2.cpp",
@@ -60,6 +64,13 @@ def _wanted() -> str | None:
     if want not in ISAS:
         raise ValueError(f"STALLFREE_CPU_ISA={want!r}: expected one of {', '.join(ISAS)} or off")
     return want
+
+
+_OFF = ("0", "off", "false", "no")
+
+
+def _amx_wanted() -> bool:
+    return os.environ.get("STALLFREE_CPU_AMX", "1").strip().lower() not in _OFF
 
 
 def _library_name() -> str:
@@ -140,7 +151,9 @@ def _load() -> str | None:
         )
         return None
     _register_fakes()
-    logger.info("native CPU kernels: %s", isa)
+    tiles = bool(torch.ops.stallfree.set_amx(_amx_wanted()))
+    _state["amx"] = "on" if tiles else None
+    logger.info("native CPU kernels: %s%s", isa, " with AMX tiles" if tiles else "")
     return isa
 
 
@@ -157,11 +170,18 @@ def available() -> bool:
     return isa() is not None
 
 
+def amx() -> bool:
+    """Whether dense bfloat16 products of a few rows run on the AMX tiles."""
+    isa()
+    return _state.get("amx") is not None
+
+
 def reset() -> None:
     """Forget the choice so the next `isa()` reads the environment again (tests switch
     variants this way; the library itself stays loaded)."""
     with _lock:
         _state.pop("isa", None)
+        _state.pop("amx", None)
 
 
 _fakes_registered = False

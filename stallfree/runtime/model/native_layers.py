@@ -18,8 +18,16 @@ from stallfree.runtime.model import cpu_kernels
 
 # Up to this many rows (tokens) a dense bfloat16 linear runs on the native matrix-vector
 # kernel, which streams the weights once for all rows; a larger call (a prefill chunk) is a
-# matrix product, where torch's oneDNN path is faster.
+# matrix product, where torch's oneDNN path is faster. With AMX tiles (`cpu_kernels.amx()`)
+# the native product stays bound by reading the weights up to AMX_MAX_ROWS.
 DENSE_MAX_ROWS = 8
+AMX_MAX_ROWS = 16
+
+
+def dense_max_rows() -> int:
+    """The most rows a dense linear takes to the native kernel on this CPU."""
+    return AMX_MAX_ROWS if cpu_kernels.amx() else DENSE_MAX_ROWS
+
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -89,7 +97,7 @@ def linear(
         applies(x)
         and x.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
-        and x.numel() <= DENSE_MAX_ROWS * weight.shape[-1]
+        and x.numel() <= dense_max_rows() * weight.shape[-1]
         and weight.is_contiguous()
     ):
         out: torch.Tensor = torch.ops.stallfree.linear(x, weight, bias_f32)
@@ -103,7 +111,7 @@ def grouped(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor | None:
     (the caller runs them one by one). A model whose projections are not stacked (dense
     float32, which keeps transformers' sums) still makes one call for q/k/v and one for
     gate/up."""
-    if not applies(x) or x.numel() > DENSE_MAX_ROWS * x.shape[-1]:
+    if not applies(x) or x.numel() > dense_max_rows() * x.shape[-1]:
         return None
     weights: list[torch.Tensor] = []
     for layer in layers:
@@ -118,7 +126,7 @@ def grouped(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor | None:
 
 
 class NativeLinear(nn.Linear):
-    """nn.Linear whose calls of up to `DENSE_MAX_ROWS` bfloat16 rows run on the native
+    """nn.Linear whose calls of up to `dense_max_rows()` bfloat16 rows run on the native
     matrix-vector kernel (bias added in its epilogue); anything else is F.linear."""
 
     bias_f32: torch.Tensor | None
@@ -134,7 +142,7 @@ class NativeLinear(nn.Linear):
         return native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if applies(x) and x.numel() <= DENSE_MAX_ROWS * self.in_features:
+        if applies(x) and x.numel() <= dense_max_rows() * self.in_features:
             return linear(x, self.weight, self.bias_f32)
         return F.linear(x, self.weight, self.bias)
 

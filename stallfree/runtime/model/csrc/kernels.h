@@ -82,6 +82,21 @@ const Kernels& kernels();
 namespace avx2 {
 const Kernels& kernels();
 }
+// AMX tiles for dense bfloat16 at a few rows (isa_amx.cpp), beside the AVX-512 variant
+namespace amx {
+// whether the CPU reports AMX-TILE and AMX-BF16 and the kernel granted this process the tile
+// state (Linux asks for it per process); nothing else in this namespace runs unless it did
+bool request_tiles();
+// uint32 values `pack_x` writes for m rows of k values (k % 32 == 0)
+int64_t packed_size(int64_t m, int64_t k);
+// x [m, k] bfloat16 into the tile order: chunks of up to 16 rows, value pairs interleaved
+void pack_x(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp);
+// gemv_bf16's product for the whole blocks of 16 output rows in [n0, n1) (the caller runs the
+// rest on the AVX-512 variant); `xp` from pack_x
+void gemv_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, const float* bias,
+               int64_t n0, int64_t n1, Out out);
+}  // namespace amx
+
 // the variant set_isa selected ("avx512", "avx2"), or nullptr when none is (ops.cpp)
 const char* selected_isa();
 

@@ -77,6 +77,39 @@ const float* opt_bias(const std::optional<at::Tensor>& bias, int64_t n) {
 // rows of work per thread chunk: enough to stream (and a multiple of the 4-row tile)
 constexpr int64_t kGrain = 64;
 
+// Dense bfloat16 products of kAmxMinRows to kAmxMaxRows rows go to the AMX tiles where
+// `set_amx` turned them on (isa_amx.cpp). Below, `vdpbf16ps` keeps up with memory and reads
+// the weights as fast; above, oneDNN's blocked product (F.linear) wins.
+constexpr int64_t kAmxMinRows = 4;
+constexpr int64_t kAmxMaxRows = 16;
+bool g_amx = false;
+
+bool amx_applies(const at::Tensor& x, int64_t m, int64_t k) {
+  return g_amx && x.scalar_type() == at::kBFloat16 && k % 32 == 0 && m >= kAmxMinRows &&
+         m <= kAmxMaxRows;
+}
+
+// x [m, k] in the tiles' order, in a buffer of the calling thread's
+const uint32_t* packed_x(const at::Tensor& x, int64_t m, int64_t k) {
+  thread_local std::vector<uint32_t> buf;
+  buf.resize(amx::packed_size(m, k));
+  amx::pack_x(static_cast<const uint16_t*>(x.data_ptr()), m, k, buf.data());
+  return buf.data();
+}
+
+// One weight's rows [0, n) on the tiles, 16 at a time over the threads; the last n % 16 rows
+// on the AVX-512 kernel.
+void dense_bf16_amx(const at::Tensor& x, int64_t m, int64_t k, const void* w, int64_t n,
+                    const float* b, Out o) {
+  const uint32_t* xp = packed_x(x, m, k);
+  const auto* wp = static_cast<const uint16_t*>(w);
+  const int64_t whole = n / 16 * 16;
+  at::parallel_for(0, whole / 16, kGrain / 16, [&](int64_t b0, int64_t b1) {
+    amx::gemv_bf16(xp, m, k, wp, b, b0 * 16, b1 * 16, o);
+  });
+  if (whole < n) K().gemv_bf16(x.data_ptr(), m, k, w, b, whole, n, o);
+}
+
 struct Q8Buffers {
   std::vector<int8_t> q;
   std::vector<uint8_t> absq;
@@ -250,6 +283,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
   const void* w = weight.data_ptr();
   const float* b = opt_bias(bias, n);
   const Out o = out_of(out, n);
+  if (amx_applies(x, m, k)) {
+    dense_bf16_amx(x, m, k, w, n, b, o);
+    return out;
+  }
   const auto fn = x.scalar_type() == at::kBFloat16 ? K().gemv_bf16 : K().gemv_f32;
   at::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) { fn(xp, m, k, w, b, n0, n1, o); });
   return out;
@@ -280,6 +317,13 @@ at::Tensor linear_group(const at::Tensor& x, const std::vector<at::Tensor>& weig
   std::vector<int64_t> starts;
   for (const at::Tensor& w : weights) starts.push_back(starts.empty() ? 0 : starts.back());
   for (size_t i = 1; i < weights.size(); ++i) starts[i] = starts[i - 1] + weights[i - 1].size(0);
+  if (amx_applies(x, m, k)) {
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const Out o{static_cast<char*>(out.data_ptr()) + starts[i] * esize, total, bf16};
+      dense_bf16_amx(x, m, k, weights[i].data_ptr(), weights[i].size(0), nullptr, o);
+    }
+    return out;
+  }
   at::parallel_for(0, total, kGrain, [&](int64_t c0, int64_t c1) {
     for (size_t i = 0; i < weights.size(); ++i) {
       const int64_t lo = std::max(c0, starts[i]);
@@ -344,7 +388,18 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return out;
 }
 
-std::string set_isa(std::string want) { return select_isa(want); }
+std::string set_isa(std::string want) {
+  g_amx = false;  // a new variant starts without the tiles; set_amx turns them on
+  return select_isa(want);
+}
+
+// AMX tiles for dense bfloat16 at a few rows: on where `want`, the AVX-512 variant is in use
+// and the CPU and the kernel grant the tiles (asked once per process); returns whether on.
+bool set_amx(bool want) {
+  static const bool granted = amx::request_tiles();
+  g_amx = want && granted && g_kernels == &avx512::kernels();
+  return g_amx;
+}
 
 }  // namespace
 
@@ -353,6 +408,7 @@ const char* selected_isa() { return g_kernels ? g_kernels->name : nullptr; }
 
 TORCH_LIBRARY(stallfree, m) {
   m.def("set_isa(str want) -> str");
+  m.def("set_amx(bool want) -> bool");
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_group(Tensor x, Tensor[] weights) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
@@ -364,6 +420,7 @@ TORCH_LIBRARY(stallfree, m) {
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.impl("set_isa", &sf::set_isa);
+  m.impl("set_amx", &sf::set_amx);
 }
 
 TORCH_LIBRARY_IMPL(stallfree, CPU, m) {

@@ -1,0 +1,128 @@
+"""The AMX tile path of the dense bfloat16 products (csrc/isa_amx.cpp): the same results as the
+AVX-512 kernel within bfloat16 rounding, at every row count it takes (4-16) and every weight
+height (whole blocks of 16 on the tiles, the rest on AVX-512), and switched off by the
+environment, by another variant and on CPUs that do not report AMX."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stallfree.runtime.model import cpu_kernels, native_layers
+from tests.model.native_util import VARIANTS, set_isa
+
+needs_amx = pytest.mark.skipif(
+    "avx512" not in VARIANTS or not cpu_kernels.amx(),
+    reason="this CPU (or its kernel) grants no AMX-BF16 tiles",
+)
+
+
+@pytest.fixture
+def tiles(restore_variant: None) -> Iterator[None]:
+    """The AVX-512 variant with the tiles on; the usual state afterwards (set once for all of a
+    property test's examples, which only read it)."""
+    set_isa("avx512")
+    assert torch.ops.stallfree.set_amx(True)
+    yield
+    torch.ops.stallfree.set_amx(cpu_kernels.amx())
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(((out.double() - ref).abs() / ref.abs().max().clamp_min(1e-30)).max())
+
+
+@needs_amx
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    m=st.integers(1, 20),
+    n=st.integers(1, 90),
+    blocks=st.integers(1, 12),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_tiles_equal_the_exact_product(
+    tiles: None, m: int, n: int, blocks: int, bias: bool, seed: int
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    k = 32 * blocks
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None
+    out = torch.ops.stallfree.linear(x, w, b)
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    # float32 sums of exact bfloat16 products, rounded once to bfloat16
+    assert _rel(out, ref) < 8e-3
+
+
+@needs_amx
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    m=st.integers(4, 16),
+    parts=st.lists(st.integers(1, 70), min_size=1, max_size=3),
+    blocks=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_grouped_tiles_equal_each_linear(
+    tiles: None, m: int, parts: list[int], blocks: int, seed: int
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    k = 32 * blocks
+    x = torch.randn(m, k, generator=g).bfloat16()
+    ws = [torch.randn(n, k, generator=g).bfloat16() for n in parts]
+    out = torch.ops.stallfree.linear_group(x, ws)
+    ref = torch.cat([x.double() @ w.double().T for w in ws], dim=-1)
+    assert out.shape == (m, sum(parts))
+    assert _rel(out, ref) < 8e-3
+
+
+@needs_amx
+def test_tiles_and_avx512_agree_within_rounding(tiles: None) -> None:
+    """Same inputs through both paths: only the order of the float32 sums differs, which
+    shows in a few of the rounded outputs (so the tiles did run)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 576, generator=g).bfloat16()
+    w = torch.randn(1536, 576, generator=g).bfloat16()
+    on = torch.ops.stallfree.linear(x, w, None).float()
+    assert not torch.ops.stallfree.set_amx(False)
+    off = torch.ops.stallfree.linear(x, w, None).float()
+    assert not torch.equal(on, off)
+    torch.testing.assert_close(on, off, rtol=1.6e-2, atol=1e-2)
+
+
+@needs_amx
+def test_native_linears_take_sixteen_rows_with_tiles() -> None:
+    assert native_layers.dense_max_rows() == native_layers.AMX_MAX_ROWS
+
+
+@pytest.mark.skipif("avx2" not in VARIANTS, reason="no AVX2 variant here")
+def test_another_variant_turns_the_tiles_off(restore_variant: None) -> None:
+    set_isa("avx2")
+    # the tiles belong to the AVX-512 variant: asking for them on AVX2 is refused
+    assert not torch.ops.stallfree.set_amx(True)
+    x = torch.randn(8, 64).bfloat16()
+    w = torch.randn(40, 64).bfloat16()
+    ref = x.double() @ w.double().T
+    assert _rel(torch.ops.stallfree.linear(x, w, None), ref) < 8e-3
+
+
+@pytest.mark.skipif(not VARIANTS, reason="native CPU kernels unavailable here")
+def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STALLFREE_CPU_AMX", "0")
+    cpu_kernels.reset()
+    try:
+        assert cpu_kernels.isa() is not None
+        assert not cpu_kernels.amx()
+        assert native_layers.dense_max_rows() == native_layers.DENSE_MAX_ROWS
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.reset()
+        cpu_kernels.isa()
