@@ -49,6 +49,7 @@ REQUESTS = [
     ("chat", chat(PROMPTS[0], stream=True)),
     ("completions", completion(PROMPTS, n=2)),  # a list of prompts, two choices each
 ]
+ORIGIN = "https://app.example"
 # three long prefixes taken in turn: round robin over two replicas scatters each one
 GROUPS = [
     f"Group {g}: " + f"shared context number {g} for every question here. " * 4 for g in range(3)
@@ -58,7 +59,7 @@ GROUPS = [
 class Cluster:
     def __init__(self, procs: Procs) -> None:
         self.single = procs.server("single")
-        self.front = procs.server("front", "--dp-size", "2")
+        self.front = procs.server("front", "--dp-size", "2", "--allowed-origins", ORIGIN)
         # overlap off, worker processes, round robin: the other placement and engine kind
         self.rr = procs.server(
             "rr", "-dp", "2", "--no-overlap", "--worker", "process", "--replica-policy",
@@ -265,6 +266,20 @@ def test_bad_bodies_get_the_replicas_own_answers(cluster, body):
     assert 400 <= direct.status_code < 500
     assert front.status_code == direct.status_code
     assert front.json()["error"]["type"] == direct.json()["error"]["type"]
+
+
+def test_the_front_answers_cors(cluster):
+    url = cluster.front.url + "/v1/completions"
+    preflight = httpx.options(
+        url,
+        headers={"origin": ORIGIN, "access-control-request-method": "POST"},
+        trust_env=False,
+    )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    r = httpx.post(url, json=completion("hi", 2), headers={"origin": ORIGIN}, trust_env=False)
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == ORIGIN
 
 
 def test_a_body_over_the_limit_is_a_413_from_the_front(cluster):

@@ -1,6 +1,7 @@
 """`create_front_app`: the replicas' HTTP front.
 
-`/health` and `/metrics` are the front's own (module `front`, module `metrics`). Every other
+`/health` and `/metrics` are the front's own (module `front`, module `metrics`), and so is CORS
+(`server.allowed_origins`). Every other
 route is a replica's: a POST is placed (module `placement`) and relayed whole, its answer
 streamed back (module `relay`); a GET goes to the least loaded replica and its answer comes
 back whole. The replicas check API keys and validate bodies themselves, so a client sees
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
@@ -152,4 +154,14 @@ def create_front_app(front: Front) -> FastAPI:
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/{path:path}", relay, methods=["POST"])
     app.add_api_route("/{path:path}", forward_get, methods=["GET"])
+    limits = front.config.server
+    if limits.allowed_origins:
+        # the front answers preflights and adds the headers; the replicas' own are not passed
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=limits.allowed_origins,
+            allow_methods=limits.allowed_methods,
+            allow_headers=limits.allowed_headers,
+            allow_credentials=limits.allow_credentials,
+        )
     return app

@@ -3,7 +3,7 @@ front bound for it, so its port is known before it starts and no other process c
 
 A replica is the front's configuration with the front's own business taken out: it listens on
 plain HTTP at 127.0.0.1 (the front terminates TLS and owns the Unix socket, the proxy's root
-path and the Host check), labels its metrics `engine="i"`, runs one engine (its own
+path, the Host check and CORS), labels its metrics `engine="i"`, runs one engine (its own
 `--tp-size` ranks and worker processes included) and logs no access lines (the front does).
 It sits in a process group of its own, so a terminal's Ctrl-C reaches the front alone, which
 passes the shutdown on; and it drains and exits when the front's process is gone.
@@ -35,6 +35,7 @@ def replica_config(config: StallfreeConfig, index: int) -> StallfreeConfig:
             "allowed_hosts": None,
             "root_path": "",
             "access_log": False,
+            "allowed_origins": [],
         }
     )
     return config.model_copy(
