@@ -157,9 +157,16 @@ def _load() -> str | None:
     return isa
 
 
+_UNDECIDED = "undecided"
+
+
 def isa() -> str | None:
     """The variant in use ('avx512', 'avx2'), or None on the torch path. Builds and loads the
-    library on the first call."""
+    library on the first call. Once decided it is a dictionary read with no lock: every native
+    call of a decode step asks (a few hundred times a step)."""
+    decided = _state.get("isa", _UNDECIDED)
+    if decided != _UNDECIDED:
+        return decided
     with _lock:
         if "isa" not in _state:
             _state["isa"] = _load()

@@ -142,8 +142,16 @@ class NativeLinear(nn.Linear):
         return native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if applies(x) and x.numel() <= dense_max_rows() * self.in_features:
-            return linear(x, self.weight, self.bias_f32)
+        # the weight is bfloat16 on the CPU (`use_native_linears` checked): the input's facts
+        # are checked once here, not again in `linear`
+        if (
+            x.dtype == torch.bfloat16
+            and self.weight.is_contiguous()
+            and applies(x)
+            and x.numel() <= dense_max_rows() * self.in_features
+        ):
+            out: torch.Tensor = torch.ops.stallfree.linear(x, self.weight, self.bias_f32)
+            return out
         return F.linear(x, self.weight, self.bias)
 
 
@@ -158,6 +166,7 @@ def use_native_linears(model: nn.Module) -> int:
             type(module) is nn.Linear
             and module.weight.device.type == "cpu"
             and module.weight.dtype == torch.bfloat16
+            and module.weight.is_contiguous()
         ):
             NativeLinear.adopt(module)
             count += 1
