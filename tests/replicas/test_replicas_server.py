@@ -9,7 +9,7 @@ not, and concurrent new prompts spread; /metrics holds engine="0" and engine="1"
 passes promtool; after the workload every pool is free again. A replica killed with SIGKILL
 mid-stream ends that stream with an error event, /health turns 503 and names it, the other
 replica goes on answering, and a SIGTERM then stops the front with status 0 and nothing left
-running. Bad bodies get the replicas' own answers, a body over the limit the front's 413; a
+running, once the stream in progress at the SIGTERM has finished. Bad bodies get the replicas' own answers, a body over the limit the front's 413; a
 client that leaves frees its replica; replicas whose front is killed drain and exit.
 """
 
@@ -241,7 +241,22 @@ def test_a_killed_replica_fails_its_stream_and_the_other_serves(cluster):
     assert answers == cluster.direct
     assert_pools_free(proc, [e for e in pids if e != victim])
     left = descendants(proc.popen.pid)
-    proc.popen.send_signal(signal.SIGTERM)
+    # a SIGTERM drains: the stream in progress finishes, new requests get 503 + Retry-After
+    body = completion("a story to finish while draining", 1500, stream=True)
+    http = httpx.Client(base_url=proc.url, timeout=timeout, trust_env=False)
+    with http, http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        proc.popen.send_signal(signal.SIGTERM)
+        status, _ = _health(proc)
+        # the replica's drain starts once the front has passed the signal on
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S  # a liveness bound
+        refused = http.post("/v1/completions", json=completion("late", 2))
+        while refused.status_code != 503 and time.monotonic() < deadline:
+            refused = http.post("/v1/completions", json=completion("late", 2))
+        assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+    assert refused.status_code == 503 and refused.headers["retry-after"]
+    assert status == 503
     try:
         assert proc.popen.wait(timeout=60) == 0
     except subprocess.TimeoutExpired:
