@@ -32,6 +32,7 @@ from starlette.types import Message, Receive, Scope, Send
 from stallfree.entrypoints.router.flags import RouterSettings
 from stallfree.entrypoints.router.metrics import RouterMetrics
 from stallfree.entrypoints.router.pool import Health, Server, ServerPool, describe
+from stallfree.entrypoints.router.stale_connections import send_fresh_on_stale
 
 logger = logging.getLogger("stallfree.router")
 
@@ -40,6 +41,10 @@ PREFILL_GRACE_S = 5.0
 # nginx's status for a request whose client left before the answer
 CLIENT_CLOSED_REQUEST = 499
 CONNECT_TIMEOUT_S = 10.0
+# NOTE: a server closes a connection idle for its keep-alive (5 s: ours, uvicorn's, vLLM's);
+# httpx keeps them 5 s too, so the router lets them go well before a server would (and sends a
+# leg that met a closed one again: stale_connections.py)
+KEEPALIVE_S = 2.0
 # the fields each leg gets from the router, whatever the client sent in them
 LEG_FIELDS = frozenset(
     {"bootstrap_host", "bootstrap_port", "bootstrap_room", "stream", "stream_options"}
@@ -287,8 +292,11 @@ class Relay(Response):
 
     async def _prefill_leg(self, server: Server, body: bytes, headers: dict[bytes, bytes]) -> None:
         client = self.router.client
+        request = client.build_request(
+            "POST", server.url + self.plan.path, content=body, headers=headers
+        )
         try:
-            resp = await client.post(server.url + self.plan.path, content=body, headers=headers)
+            resp = await send_fresh_on_stale(client, request)
         except httpx.HTTPError as exc:
             raise LegFailure.of("prefill", server, exc) from None
         if not resp.is_success:
@@ -304,7 +312,7 @@ class Relay(Response):
             "POST", server.url + self.plan.path, content=body, headers=headers
         )
         try:
-            resp = await client.send(request, stream=True)
+            resp = await send_fresh_on_stale(client, request, stream=True)
         except httpx.HTTPError as exc:
             raise LegFailure.of(self.answer_leg, server, exc) from None
         try:
@@ -403,7 +411,9 @@ class Router:
         # no pool cap: each stream holds a connection for its whole length, and a cap would
         # queue requests inside the router, unseen by either server; no proxies from the
         # environment: the servers are reached directly
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_S
+        )
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
         self.health = Health(self.client, self.pool.servers)
         self.prefill_grace_s = prefill_grace_s
