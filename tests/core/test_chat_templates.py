@@ -86,26 +86,35 @@ def _hf_tokenizer() -> Any:
     )
 
 
-def _transformers(source: str, messages: list[dict[str, Any]], extra: dict[str, Any]) -> str:
+def _transformers(
+    source: str, messages: list[dict[str, Any]], extra: dict[str, Any], turn: bool = True
+) -> str:
     tok = _hf_tokenizer()
     rendered: str = tok.apply_chat_template(
         copy.deepcopy(messages),
         chat_template=source,
         tokenize=False,
-        add_generation_prompt=True,
+        add_generation_prompt=turn,
         **copy.deepcopy(extra),
     )
     return rendered
 
 
-def _ours(source: str, messages: list[dict[str, Any]], extra: dict[str, Any]) -> str:
+def _ours(
+    source: str,
+    messages: list[dict[str, Any]],
+    extra: dict[str, Any],
+    turn: bool = True,
+    use_transformers: bool | None = False,
+) -> str:
     return render_chat_template(
         source,
         copy.deepcopy(messages),
         bos_token="<s>",
         eos_token="</s>",
         extra=copy.deepcopy(extra),
-        use_transformers=False,
+        add_generation_prompt=turn,
+        use_transformers=use_transformers,
     )
 
 
@@ -259,3 +268,21 @@ def test_none_valued_keys_are_left_out_as_apply_chat_template_does() -> None:
     source = "{% for m in messages %}{{ m | length }}{{ 'content' in m }}{% endfor %}"
     messages = [{"role": "assistant", "content": None, "tool_calls": [CALL]}]
     assert _ours(source, messages, {}) == "2False" == _transformers(source, messages, {})
+
+
+def test_without_a_generation_prompt_each_template_renders_as_transformers_renders_it() -> None:
+    """`add_generation_prompt: false`: no assistant header at the end, by both renderers."""
+    without_header = 0
+    for path in TEMPLATES:
+        source = path.read_text(encoding="utf-8")
+        for messages in (CONVERSATIONS["one_turn"], CONVERSATIONS["system_and_turns"]):
+            try:
+                want = _transformers(source, messages, {}, turn=False)
+            except Exception:
+                continue
+            for use_transformers in (False, None):
+                got = _ours(source, messages, {}, turn=False, use_transformers=use_transformers)
+                assert got == want, path.name
+            if want != _transformers(source, messages, {}, turn=True):
+                without_header += 1
+    assert without_header >= 20  # the flag reached the templates (most open a turn when asked)

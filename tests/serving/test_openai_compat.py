@@ -151,7 +151,6 @@ CHAT_UNSUPPORTED = [
     ("function_call", "auto"),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
-    ("add_generation_prompt", False),  # without continue_final_message (prefill)
     ("use_beam_search", True),
 ]
 COMPLETION_UNSUPPORTED = [

@@ -121,9 +121,71 @@ async def test_an_assistant_prefill_continues_the_final_message_as_transformers_
         live.engine.tokenizer.chat_template = original
 
 
+NO_TURN = [
+    {"role": "user", "content": "Name a city."},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "Another."},
+]
+
+
+def _prompt_ids_from_logprobs(chat: object) -> list[int]:
+    # vLLM's prompt_logprobs: None for the first token, then {token id: ...} with the prompt's
+    # own token first (prompt_logprobs 0 asks for it alone)
+    entries = chat.choices[0].model_extra["prompt_logprobs"]  # type: ignore[attr-defined]
+    assert entries[0] is None
+    return [int(next(iter(e))) for e in entries[1:]]
+
+
+@module_loop
+async def test_add_generation_prompt_false_alone_renders_the_chat_without_the_assistant_turn(
+    live, llama
+):
+    """vLLM renders the template with add_generation_prompt=False and generates from there."""
+    from transformers import AutoTokenizer
+
+    original = live.engine.tokenizer.chat_template
+    live.engine.tokenizer.chat_template = CHATML
+    try:
+        reference = AutoTokenizer.from_pretrained(llama)
+        reference.chat_template = CHATML
+        want = reference.apply_chat_template(NO_TURN, add_generation_prompt=False)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        with_turn = reference.apply_chat_template(NO_TURN, add_generation_prompt=True)
+        with_turn = list(with_turn["input_ids"] if hasattr(with_turn, "keys") else with_turn)
+        assert len(with_turn) > len(want)  # the template does open a turn when asked
+        assert live.engine.tokenizer.decode(want).endswith("Another.<|im_end|>\n")
+        fields = {"add_generation_prompt": False}
+        tokenized = await live.http.post("/tokenize", json={"messages": NO_TURN} | fields)
+        assert tokenized.status_code == 200, tokenized.text
+        assert tokenized.json()["tokens"] == want
+        body = {"model": "test-model", "messages": NO_TURN, "max_tokens": 6} | fields
+        rendered = await live.http.post("/v1/chat/completions/render", json=body)
+        assert rendered.status_code == 200, rendered.text
+        assert rendered.json()[1][0]["prompt_token_ids"] == want
+        plain = await live.client.completions.create(
+            model="test-model", prompt=want, max_tokens=6, temperature=0, extra_body=NO_EOS
+        )
+        chat = await live.client.chat.completions.create(
+            model="test-model", messages=NO_TURN, max_tokens=6, temperature=0,  # type: ignore[arg-type]
+            extra_body=fields | NO_EOS | {"prompt_logprobs": 0},
+        )  # fmt: skip
+        assert chat.usage is not None and chat.usage.prompt_tokens == len(want)
+        assert _prompt_ids_from_logprobs(chat) == want[1:]
+        assert chat.choices[0].message.content == plain.choices[0].text
+        stream = await live.client.chat.completions.create(
+            model="test-model", messages=NO_TURN, max_tokens=6, temperature=0,  # type: ignore[arg-type]
+            stream=True, stream_options={"include_usage": True}, extra_body=fields | NO_EOS,
+        )  # fmt: skip
+        chunks = [c async for c in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == plain.choices[0].text
+        assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == len(want)
+    finally:
+        live.engine.tokenizer.chat_template = original
+
+
 PREFILL_REFUSED = [
     ({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
-    ({"add_generation_prompt": False}, "add_generation_prompt"),
     ({"continue_final_message": True, "messages": [*PREFILL[:1], {"role": "assistant",
       "content": ""}]}, "continue_final_message"),
     ({"continue_final_message": "maybe"}, "continue_final_message"),
@@ -283,6 +345,6 @@ def test_the_prefill_check_refuses_both_fields_true():
     check_prefill(False, True)
     check_prefill(None, False)
     check_prefill(True, False)
-    for fields in ((True, True), (False, False)):
-        with pytest.raises(ApiError):
-            check_prefill(*fields)
+    check_prefill(False, False)  # the chat rendered without the assistant's header
+    with pytest.raises(ApiError):
+        check_prefill(True, True)

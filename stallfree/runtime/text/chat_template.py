@@ -40,10 +40,12 @@ def render_chat_template(
     bos_token: str,
     eos_token: str,
     extra: dict[str, Any],
+    add_generation_prompt: bool = True,
     use_transformers: bool | None = None,
 ) -> str:
-    """`source` rendered for `messages` with a generation prompt; `extra` are the template's
-    other variables (`tools`, `documents`, a request's `chat_template_kwargs`).
+    """`source` rendered for `messages`, ending by opening the assistant's turn unless
+    `add_generation_prompt` is false; `extra` are the template's other variables (`tools`,
+    `documents`, a request's `chat_template_kwargs`).
 
     `use_transformers`: None uses transformers' renderer where it is installed; False always
     this module's environment (the tests compare the two)."""
@@ -54,6 +56,7 @@ def render_chat_template(
     tools = variables.pop("tools", None)
     documents = variables.pop("documents", None)
     variables = {"bos_token": bos_token, "eos_token": eos_token, **variables}
+    variables["add_generation_prompt"] = add_generation_prompt
     conversation = [_without_none(m) for m in messages]
     render = _transformers_renderer() if use_transformers is not False else None
     if render is None:
@@ -111,7 +114,6 @@ def _transformers_renderer() -> Callable[..., str] | None:
             tools=tools,
             documents=documents,
             chat_template=source,
-            add_generation_prompt=True,
             **variables,
         )
         return str(result[0][0])
@@ -150,7 +152,6 @@ def _render_here(
         messages=chat,
         tools=plain(tools),
         documents=plain(documents),
-        add_generation_prompt=True,
         **plain(variables),
     )
     return rendered

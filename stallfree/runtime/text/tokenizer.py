@@ -77,9 +77,12 @@ class Tokenizer(ABC):
         tokens (BOS included), so none are added: one BOS, as transformers gives."""
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], **extra: Any) -> str:
-        """The chat template rendered for `messages`; `extra` are the template's other
-        variables (`tools`, `documents`, a request's `chat_template_kwargs`)."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """The chat template rendered for `messages`, opening the assistant's turn at its end
+        unless `add_generation_prompt` is false; `extra` are the template's other variables
+        (`tools`, `documents`, a request's `chat_template_kwargs`)."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         return render_chat_template(
@@ -88,6 +91,7 @@ class Tokenizer(ABC):
             bos_token=self.bos_token,
             eos_token=self.eos_token,
             extra=extra,
+            add_generation_prompt=add_generation_prompt,
         )
 
 

@@ -56,7 +56,8 @@ class TokenizeRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's defaults: special tokens for a prompt; none for a chat (its template writes them)
     add_special_tokens: bool | None = None
-    # vLLM's: true unless `continue_final_message` continues the final message (prefill)
+    # vLLM's: true unless `continue_final_message` continues the final message (prefill);
+    # false alone renders the chat without opening the assistant's turn
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     return_token_strs: bool = False
@@ -117,6 +118,7 @@ async def tokenize(request: Request) -> JSONResponse:
                 tools=body.tools,
                 documents=body.documents,
                 chat_template_kwargs=body.chat_template_kwargs,
+                add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
             )
             ids = await chat_prompt_ids_async(

@@ -281,7 +281,8 @@ class ChatCompletionRequest(_SamplingFields):
     documents: list[dict[str, Any]] | None = Field(None, max_length=MAX_DOCUMENTS)
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's assistant prefill: the final message is continued, not answered
-    # (`continue_final_message: true`, with `add_generation_prompt` false or unset)
+    # (`continue_final_message: true`, with `add_generation_prompt` false or unset); and
+    # `add_generation_prompt: false` alone: the chat rendered without the assistant's header
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     # not supported beyond their defaults

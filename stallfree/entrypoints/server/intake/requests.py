@@ -309,7 +309,8 @@ def chat_prompt_ids(
     """The chat's prompt: its messages, and `template_kwargs` (tools, documents, the request's
     chat_template_kwargs: `tools.plan_chat`), rendered by the chat template and tokenized.
     With `continue_final_message` the prompt ends inside the final message, where its text
-    ends (assistant prefill)."""
+    ends (assistant prefill); with `add_generation_prompt: false` alone it ends where the
+    template leaves the chat, no assistant turn opened."""
     messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
     if body.continue_final_message:
         last = messages[-1]
@@ -320,15 +321,21 @@ def chat_prompt_ids(
                 param="continue_final_message",
             )
         last["content"] += _CONTINUE_HERE
+    # vLLM's default: open the assistant's turn unless the final message is continued
+    opens_turn = body.add_generation_prompt
+    if opens_turn is None:
+        opens_turn = not body.continue_final_message
     try:
-        text = engine.tokenizer.apply_chat_template(messages, **(template_kwargs or {}))
+        text = engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=opens_turn, **(template_kwargs or {})
+        )
     except ChatTemplateError as exc:
         raise ApiError(
             400, f"chat is unavailable: {exc}", param="messages", code="no_chat_template"
         ) from exc
     if body.continue_final_message:
-        # NOTE: the template renders the whole chat and opens a new turn after it; what follows
-        # the final message's text (its end of turn, that new turn) is cut off
+        # NOTE: the template renders the whole chat; what follows the final message's text (its
+        # end of turn) is cut off
         at = text.rfind(_CONTINUE_HERE)
         if at < 0:
             raise ApiError(

@@ -229,22 +229,15 @@ def reject_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
 
 def check_prefill(add_generation_prompt: bool | None, continue_final_message: bool) -> None:
     """vLLM's assistant prefill: `continue_final_message` continues the chat's final message
-    (no new turn is opened), so `add_generation_prompt` may not also be true; without it, a
-    chat always ends by opening the assistant's turn."""
+    (no new turn is opened), so `add_generation_prompt` may not also be true. Without it,
+    `add_generation_prompt: false` renders the chat with no assistant header at its end, and
+    generation goes on from there, as vLLM does."""
     if continue_final_message and add_generation_prompt:
         raise ApiError(
             400,
             "add_generation_prompt: cannot be true with continue_final_message: the final "
             "message is continued, so no new turn is opened (set it to false)",
             param="add_generation_prompt",
-        )
-    if add_generation_prompt is False and not continue_final_message:
-        raise ApiError(
-            400,
-            "add_generation_prompt: false is not supported without continue_final_message: "
-            "true (assistant prefill); otherwise the prompt ends by opening the assistant's turn",
-            param="add_generation_prompt",
-            code="unsupported_parameter",
         )
 
 
