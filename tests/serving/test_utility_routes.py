@@ -64,7 +64,11 @@ async def test_tokenize_messages_as_the_chat_route_renders_them(live):
         ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
         (
             "/tokenize",
-            {"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": False},
+            {
+                "messages": [{"role": "user", "content": "b"}],
+                "add_generation_prompt": True,
+                "continue_final_message": True,
+            },
             "add_generation_prompt",
         ),
         ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
