@@ -9,7 +9,7 @@ not, and concurrent new prompts spread; /metrics holds engine="0" and engine="1"
 passes promtool; after the workload every pool is free again. A replica killed with SIGKILL
 mid-stream ends that stream with an error event, /health turns 503 and names it, the other
 replica goes on answering, and a SIGTERM then stops the front with status 0 and nothing left
-running, once the stream in progress at the SIGTERM has finished. Bad bodies get the replicas' own answers, a body over the limit the front's 413; a
+running, once the stream in progress at the SIGTERM has finished. Bad bodies get the replicas' own answers, a body over the limit the front's 413, as one server's; a
 client that leaves frees its replica; replicas whose front is killed drain and exit.
 """
 
@@ -297,11 +297,14 @@ def test_the_front_answers_cors(cluster):
     assert r.headers["access-control-allow-origin"] == ORIGIN
 
 
-def test_a_body_over_the_limit_is_a_413_from_the_front(cluster):
+def test_a_body_over_the_limit_is_the_front_s_413_as_one_server_s(cluster):
     big = b'{"prompt": "' + b"a" * (4 * 1024 * 1024 + 1) + b'"}'
-    r = httpx.post(cluster.front.url + "/v1/completions", content=big, trust_env=False)
-    assert r.status_code == 413
-    assert r.json()["error"]["code"] == 413
+    direct, front = (
+        httpx.post(p.url + "/v1/completions", content=big, trust_env=False)
+        for p in (cluster.single, cluster.front)
+    )
+    assert direct.status_code == front.status_code == 413
+    assert front.json()["error"] == direct.json()["error"]
 
 
 def test_a_client_that_leaves_frees_its_replica(cluster):

@@ -4,9 +4,11 @@
 (`server.allowed_origins`). Every other
 route is a replica's: a POST is placed (module `placement`) and relayed whole, its answer
 streamed back (module `relay`); a GET goes to the least loaded replica and its answer comes
-back whole. The replicas check API keys and validate bodies themselves, so a client sees
-the same answers, errors included, as from one server; the front refuses only a body over
-`server.max_body_bytes` (413) and, once every replica has exited, everything (503).
+back whole. The front's door is one server's (`Guard`): the API key and the Host header are
+checked on the request head, before any body is read or placed, then the body and concurrency
+limits, and while it drains new requests get 503. The replicas validate bodies themselves, so
+a client sees the same answers, errors included, as from one server; once every replica has
+exited, the front answers 503.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from stallfree.entrypoints.replicas.relay import ReplicaRelay
 from stallfree.entrypoints.router.app import RouterError, read_body
 from stallfree.entrypoints.router.dispatch import CLIENT_CLOSED_REQUEST, Plan
 from stallfree.entrypoints.router.pool import HEALTH_TIMEOUT_S, describe
+from stallfree.entrypoints.server.transport.guard import Guard
 
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate"}
 _NO_REPLICA = RouterError(503, "no replica is serving", "service_unavailable")
@@ -73,7 +76,7 @@ async def relay(request: Request) -> Response:
         raw,
         b"",
         request.headers.get("authorization"),
-        request.headers.get("x-request-id"),
+        request.state.request_id,  # the Guard's: the client's own when it sent a valid one
         started,
     )
     return ReplicaRelay(router, plan, replica.server)
@@ -155,6 +158,9 @@ def create_front_app(front: Front) -> FastAPI:
     app.add_api_route("/{path:path}", relay, methods=["POST"])
     app.add_api_route("/{path:path}", forward_get, methods=["GET"])
     limits = front.config.server
+    # one server's door: the API key and the Host checked on the head before any body is
+    # read, the body limits, the concurrency limit, the drain's 503, request ids
+    app.add_middleware(Guard, limits=limits, lifecycle=front.lifecycle)
     if limits.allowed_origins:
         # the front answers preflights and adds the headers; the replicas' own are not passed
         app.add_middleware(

@@ -6,7 +6,8 @@ plain HTTP at 127.0.0.1 (the front terminates TLS and owns the Unix socket, the 
 path, the Host check and CORS), labels its metrics `engine="i"`, runs one engine (its own
 `--tp-size` ranks and worker processes included) and logs no access lines (the front does).
 It sits in a process group of its own, so a terminal's Ctrl-C reaches the front alone, which
-passes the shutdown on; and it drains and exits when the front's process is gone.
+passes the shutdown on; and it drains and exits when the front's process is gone. The API key stays: a replica's port is
+open to this machine, and the client's key is passed on.
 """
 
 from __future__ import annotations

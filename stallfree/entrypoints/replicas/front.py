@@ -21,6 +21,7 @@ from stallfree.entrypoints.replicas.metrics import ReplicaMetrics
 from stallfree.entrypoints.replicas.placement import Placement, PrefixIndex, Replica
 from stallfree.entrypoints.router.dispatch import Router
 from stallfree.entrypoints.router.flags import RouterSettings, Upstream
+from stallfree.entrypoints.server.base.state import Lifecycle
 
 logger = logging.getLogger("stallfree.replicas")
 
@@ -48,7 +49,7 @@ class Front:
         ]
         self.placement = Placement(self.replicas, rc)
         self.metrics = ReplicaMetrics(r.label for r in self.replicas)
-        self.draining = False
+        self.lifecycle = Lifecycle()  # the front's own door (its Guard): draining refuses
         self.exited = asyncio.Event()  # every replica's process has exited
 
     def watch(self) -> None:
@@ -63,7 +64,7 @@ class Front:
         replica.alive = False
         replica.prefixes.clear()
         self.metrics.up.labels(engine=replica.label).set(0)
-        if not self.draining:
+        if not self.lifecycle.draining:
             self.metrics.exits.labels(engine=replica.label).inc()
             live = sum(r.alive for r in self.replicas)
             logger.error(
@@ -92,6 +93,10 @@ class Front:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signum)
 
+    @property
+    def draining(self) -> bool:
+        return self.lifecycle.draining
+
     def begin_drain(self, signum: int = signal.SIGTERM) -> None:
-        self.draining = True
+        self.lifecycle.begin_drain()
         self.signal_replicas(signum)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from stallfree.entrypoints.router.dispatch import (
     CLIENT_CLOSED_REQUEST,
@@ -37,6 +37,7 @@ class ReplicaRelay(Relay):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         router, server = self.router, self.server
+        send = _without_request_id(send)
         call = asyncio.create_task(
             self._decode_leg(server, self.plan.core, self._leg_headers(), send)
         )
@@ -61,3 +62,16 @@ class ReplicaRelay(Relay):
             await stop_task(call)
             elapsed = time.monotonic() - self.plan.started_at
             router.metrics.answered(self.plan.route, self.answer_status, elapsed)
+
+
+def _without_request_id(send: Send) -> Send:
+    """`send` with the relay's x-request-id left off the head: the front's Guard adds the
+    same id itself, and an answer carries it once."""
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [h for h in message.get("headers", ()) if h[0] != b"x-request-id"]
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return sending
