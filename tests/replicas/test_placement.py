@@ -110,6 +110,16 @@ def test_exited_replicas_are_never_chosen():
         p.choose(SHARED)
 
 
+def test_a_replica_not_answering_is_passed_over_while_another_answers():
+    p = placement()
+    first, _ = p.choose(SHARED)
+    first.answering = False
+    assert all(p.choose(SHARED)[0] is not first for _ in range(3))
+    for r in p.replicas:
+        r.answering = False  # none answers (a drain, say): any live one will do
+    assert {p.choose(f"{i} new")[0].index for i in range(4)} == {0, 1}
+
+
 def test_round_robin_and_least_load_ignore_prefixes():
     p = placement(3, policy="round_robin")
     assert [p.choose(SHARED) for _ in range(4)] == [(p.replicas[i], "turn") for i in (0, 1, 2, 0)]

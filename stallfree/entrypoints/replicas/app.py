@@ -13,6 +13,7 @@ exited, the front answers 503.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -140,9 +141,12 @@ def create_front_app(front: Front) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         front.watch()
+        probing = asyncio.create_task(front.probe_forever())
         try:
             yield
         finally:
+            probing.cancel()
+            await asyncio.gather(probing, return_exceptions=True)
             await front.router.aclose()
 
     app = FastAPI(

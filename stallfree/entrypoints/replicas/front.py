@@ -4,7 +4,9 @@ A replica's process exiting is seen at once (its sentinel becomes readable on th
 the replica is marked down, never chosen again, its `replica_up` goes to 0 and, unless the
 front is shutting down, one error line says so and `replica_exits` counts it. Its requests in
 flight fail on their own, as their connections break. The front's `/health` is 200 only while
-every replica's process runs and answers its own `/health` with 200.
+every replica's process runs and answers its own `/health` with 200; the front probes them
+every `PROBE_EVERY_S` too, and places no request on one that stopped answering while another
+answers.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from stallfree.entrypoints.router.flags import RouterSettings, Upstream
 from stallfree.entrypoints.server.base.state import Lifecycle
 
 logger = logging.getLogger("stallfree.replicas")
+PROBE_EVERY_S = 2.0
 
 
 class Front:
@@ -80,11 +83,19 @@ class Front:
         answers = await self.router.health.up()
         down = []
         for r in self.replicas:
-            up = r.alive and answers.get(r.server.url, False)
+            r.answering = answers.get(r.server.url, False)
+            up = r.alive and r.answering
             self.metrics.up.labels(engine=r.label).set(1 if up else 0)
             if not up:
                 down.append(r.index)
         return down
+
+    async def probe_forever(self) -> None:
+        """Probe the replicas' /health every `PROBE_EVERY_S`, so placement passes over one
+        that stopped answering and `replica_up` stays current between scrapes."""
+        while True:
+            await self.healthy()
+            await asyncio.sleep(PROBE_EVERY_S)
 
     def signal_replicas(self, signum: int) -> None:
         """Send `signum` to every replica still running (SIGTERM: drain and exit)."""

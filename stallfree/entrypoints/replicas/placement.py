@@ -11,7 +11,8 @@ replica has more than `balance_abs_threshold` requests beyond the idlest and mor
 the front has in flight on each replica; among equals, the replica that has been sent the
 fewest requests wins, so sequential requests with new prompts spread too.
 
-The index is the front's guess, not the replicas' state: a replica's cache may have evicted
+Only replicas whose process runs are chosen, and of those, the ones whose last `/health` probe
+answered 200 while any does. The index is the front's guess, not the replicas' state: a replica's cache may have evicted
 what the index remembers, and costs only a cache miss.
 """
 
@@ -100,6 +101,7 @@ class Replica:
     server: Server
     prefixes: PrefixIndex
     alive: bool = True
+    answering: bool = True  # its /health answered 200 when last probed
     sent: int = 0  # requests placed on it
 
     @property
@@ -125,9 +127,12 @@ class Placement:
         return replica, reason
 
     def _choose(self, key: str | None) -> tuple[Replica, str]:
-        live = [r for r in self.replicas if r.alive]
-        if not live:
+        alive = [r for r in self.replicas if r.alive]
+        if not alive:
             raise NoReplica
+        # a replica alive but not answering its /health (hung, or failing) is passed over
+        # while another answers
+        live = [r for r in alive if r.answering] or alive
         policy = self.settings.policy
         if policy == "round_robin":
             return live[next(self._turn) % len(live)], "turn"
