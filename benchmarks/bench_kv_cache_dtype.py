@@ -12,7 +12,9 @@ nats, the largest KL, and top-1 agreement. Also printed: the pool's bytes per to
 ratio to bfloat16, and the tokens the default pool holds in the default's bfloat16 memory.
 
 `--speed`: decode tokens/s at batch 1 with `--context` tokens already cached, per dtype.
-Figures only, no asserts.
+`--attention`: the native decode op alone on SmolLM2's attention shape (9 query heads, 3 KV
+heads, head dim 64), microseconds per layer at batch 1 and 16, the fastest of `--repeats`
+calls per dtype taken in turn (robust to a loaded machine). Figures only, no asserts.
 """
 
 from __future__ import annotations
@@ -138,6 +140,46 @@ def speed(args: argparse.Namespace) -> None:
         print(f"{kvd:10} {rate:8.1f} tokens/s")
 
 
+def attention(args: argparse.Namespace) -> None:
+    if not cpu_kernels.available():
+        raise SystemExit("the native CPU kernels are not available here")
+    gen = torch.Generator().manual_seed(0)
+    print(f"native decode op, {cpu_kernels.isa()}, {torch.get_num_threads()} threads: "
+          "microseconds per layer (fastest call)")  # fmt: skip
+    caches = [("bf16", torch.bfloat16, "auto"), ("f32", torch.float32, "auto")]
+    caches += [(n, torch.float32, n) for n in DTYPES[1:]]
+    for batch, context in ((1, args.context), (16, args.context // 4)):
+        slots = batch * context + 1
+        q = torch.randn(batch, 9, 64, generator=gen)
+        k, v = torch.randn(batch, 3, 64, generator=gen), torch.randn(batch, 3, 64, generator=gen)
+        rtt = torch.arange(1, slots).reshape(batch, context)
+        args_tail = (
+            torch.arange(batch) * context + context,  # out_cache_loc: each row's last slot
+            rtt,
+            torch.arange(batch),
+            torch.full((batch,), context),
+        )
+        times = {}
+        kvs = {}
+        for name, dtype, kvd in caches:
+            cache = KVCache(KVCacheShape(1, 3, 64), slots + 1, dtype, CPU, kvd)
+            rows = torch.randn(slots + 1, 3, 64, generator=gen)
+            cache.k_buffers[0].copy_(cache.format.encode(rows))
+            cache.v_buffers[0].copy_(cache.format.encode(rows.flip(0)))
+            kvs[name] = cache
+        for _ in range(args.repeats):
+            for name, _, _ in caches:
+                cache = kvs[name]
+                start = time.perf_counter()
+                torch.ops.stallfree.decode_attention(
+                    q, k, v, None, None, cache.k_buffers[0], cache.v_buffers[0], *args_tail
+                )
+                took = time.perf_counter() - start
+                times[name] = min(times.get(name, took), took)
+        cells = "  ".join(f"{n} {1e6 * t:7.1f}" for n, t in times.items())
+        print(f"batch {batch:2} x {context} keys:  {cells}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a GGUF file or model directory (default: SmolLM2)")
@@ -146,8 +188,15 @@ def main() -> None:
     parser.add_argument("--speed", action="store_true")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--attention", action="store_true")
+    parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
-    speed(args) if args.speed else quality(args)
+    if args.attention:
+        attention(args)
+    elif args.speed:
+        speed(args)
+    else:
+        quality(args)
 
 
 if __name__ == "__main__":
