@@ -1,6 +1,6 @@
 """A quantized KV cache (`cache.kv_cache_dtype`) through the whole engine: the native paged
 decode op and the torch path give the same greedy output over the same stored rows; the prefix
-cache shares quantized pages (scales included); HiSparse keeps quantized rows in its host pool
+cache shares quantized pages (scales included); speculative verification reads them; HiSparse keeps quantized rows in its host pool
 and its buffers and still equals the oracle over the same cache; every pool ends full."""
 
 from __future__ import annotations
@@ -96,3 +96,30 @@ async def test_hisparse_host_pool_holds_quantized_rows_and_equals_the_oracle(
         model.attn_backend = TopkOracleAttention(16, 0, [1], model.attn_backend)
         oracle = await run_greedy(engine, LONG_PROMPTS, NEW_TOKENS)
     assert outputs == oracle
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+async def test_speculative_verification_reads_the_quantized_cache(
+    llama: str, kv_cache_dtype: str
+) -> None:
+    """Drafts verified over quantized rows (the verify path decodes at its gather): greedy
+    output equals decoding one token at a time over the same cache. The draft model is the
+    target itself, with a cache of its own in the weights' dtype."""
+    prompts = PROMPTS[:3]
+    cache = {"kv_cache_dtype": kv_cache_dtype}
+    plain, _ = await _greedy(llama, prompts, cache=cache)
+    spec = {
+        "method": "draft_model",
+        "draft_model": llama,
+        "num_speculative_tokens": 3,
+        "cost_aware": False,
+        "adaptive": False,
+    }
+    cfg = engine_config(llama, cache=cache, speculative=spec)
+    async with Engine(cfg) as engine:
+        verified = await run_greedy(engine, prompts, NEW_TOKENS)
+        await engine.wait_idle()
+        snap = engine.snapshot()
+    assert snap.pools.all_free
+    assert snap.spec is not None and snap.spec.num_accepted_tokens > 0
+    assert verified == plain
