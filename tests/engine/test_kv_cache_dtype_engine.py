@@ -1,7 +1,8 @@
 """A quantized KV cache (`cache.kv_cache_dtype`) through the whole engine: the native paged
 decode op and the torch path give the same greedy output over the same stored rows; the prefix
-cache shares quantized pages (scales included); speculative verification reads them; HiSparse keeps quantized rows in its host pool
-and its buffers and still equals the oracle over the same cache; every pool ends full."""
+cache shares quantized pages (scales included); speculative verification reads them; HiSparse
+keeps quantized rows in its host pool and its buffers and still equals the oracle over the
+same cache; every pool ends full."""
 
 from __future__ import annotations
 
