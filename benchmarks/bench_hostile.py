@@ -135,15 +135,33 @@ async def f6_dead_end_grammars(log_dir: Path, loopers: int = 4) -> str:
                     )
                     codes[r.status_code] = codes.get(r.status_code, 0) + 1
 
-            tasks = [asyncio.create_task(loop()) for _ in range(loopers)]
-            await asyncio.sleep(1.0)
-            beside = max([await _stream_seconds(http) for _ in range(3)])
-            stop.set()
-            await asyncio.gather(*tasks)
+            beside = await _beside(http, loop, loopers, stop)
+            plain = await _beside(http, _plain_loop(http, stop), loopers, stop)
     return (
         f"64-token stream {alone:.2f} s alone, {beside:.2f} s (slowest of 3) beside {loopers} "
-        f"dead-end loopers; their answers {codes}"
+        f"dead-end loopers (their answers {codes}), {plain:.2f} s beside {loopers} loopers "
+        "of plain 1-token requests"
     )
+
+
+def _plain_loop(http: httpx.AsyncClient, stop: asyncio.Event) -> Any:
+    async def loop() -> None:
+        body = {"model": MODEL, "messages": USER, "max_tokens": 1}
+        while not stop.is_set():
+            await http.post("/v1/chat/completions", json=body)
+
+    return loop
+
+
+async def _beside(http: httpx.AsyncClient, loop: Any, loopers: int, stop: asyncio.Event) -> float:
+    """The slowest of 3 streams while `loopers` run `loop`."""
+    stop.clear()
+    tasks = [asyncio.create_task(loop()) for _ in range(loopers)]
+    await asyncio.sleep(1.0)
+    slowest = max([await _stream_seconds(http) for _ in range(3)])
+    stop.set()
+    await asyncio.gather(*tasks)
+    return slowest
 
 
 async def f7_grammar_cache(log_dir: Path, schemas: int = 24) -> str:
@@ -196,14 +214,15 @@ async def f13_screening_flood(log_dir: Path, flood: int = 16) -> str:
             order.clear()
             start = time.monotonic()
             tasks = [asyncio.create_task(post("flood")) for _ in range(flood)]
-            await asyncio.sleep(0.5)
+            while len(order) < 2:  # the flood is read and queued: two are answered
+                await asyncio.sleep(0.05)
             other = await post("other")
             await asyncio.gather(*tasks)
             wall = time.monotonic() - start
     before = order.index("other")
     return (
-        f"the other client's one body: {other:.2f} s, after {before} of the {flood} flood "
-        f"bodies (the flood took {wall:.2f} s)"
+        f"the other client's one body, sent once 2 of the flood were answered: {other:.2f} s, "
+        f"answered after {before} of the {flood} flood bodies (the flood took {wall:.2f} s)"
     )
 
 
