@@ -2,8 +2,9 @@
 
 A preset model (`--model`, random weights) and four random PEFT-format adapters of rank `--rank`
 on every projection (written to a temporary directory); each round runs `--requests` greedy
-requests of `--new-tokens` tokens, spread evenly over the round's adapters (0: the base model
-with LoRA off; the same engine settings otherwise). Prints one line per round.
+requests of `--new-tokens` tokens spread evenly over its adapters: first on an engine with LoRA
+off, then on one engine with LoRA on, with 0 (the base model's rows), 1 and 4 adapters active.
+Prints one line per round.
 
     python benchmarks/bench_lora.py --requests 16 --new-tokens 32
 """
@@ -51,19 +52,20 @@ def write_adapter(out: Path, arch: ModelArchConfig, rank: int, seed: int) -> Pat
     return out
 
 
-async def one_round(cfg, names: list[str | None], args: argparse.Namespace) -> float:
+async def one_round(engine: Engine, names: list[str | None], args: argparse.Namespace) -> float:
+    """Generated tokens/s of `--requests` requests spread over `names` (None: the base)."""
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     prompts = [[(7 * i + j) % 4000 for j in range(args.prompt_len)] for i in range(args.requests)]
-    async with Engine(cfg) as engine:
-        await engine.complete(prompts[0], params, lora_name=names[0])  # warm up
-        start = time.perf_counter()
-        results = await asyncio.gather(
-            *(
-                engine.complete(p, params, lora_name=names[i % len(names)])
-                for i, p in enumerate(prompts)
-            )
+    for name in names:  # warm up: every adapter in its slot
+        await engine.complete(prompts[0], params, lora_name=name)
+    start = time.perf_counter()
+    results = await asyncio.gather(
+        *(
+            engine.complete(p, params, lora_name=names[i % len(names)])
+            for i, p in enumerate(prompts)
         )
-        seconds = time.perf_counter() - start
+    )
+    seconds = time.perf_counter() - start
     return sum(len(r.token_ids) for r in results) / seconds
 
 
@@ -73,15 +75,15 @@ async def main(args: argparse.Namespace) -> None:
     paths = {f"a{i}": write_adapter(root / f"a{i}", arch, args.rank, i) for i in range(4)}
     base = {"model": {"path": args.model, "dtype": args.dtype}, "runtime": {"device": "cpu"}}
     modules = [{"name": n, "path": str(p)} for n, p in paths.items()]
-    for active in (0, 1, 4):
-        lora = (
-            {"lora_modules": modules, "max_loras": 4, "max_lora_rank": args.rank} if active else {}
-        )
-        cfg = load_config(**base, lora=lora)
-        names: list[str | None] = [f"a{i}" for i in range(active)] or [None]
-        rate = await one_round(cfg, names, args)
-        print(f"active adapters {active}: {rate:8.1f} generated tokens/s "
-              f"({args.requests} requests x {args.new_tokens} tokens, rank {args.rank})")  # fmt: skip
+    shape = f"({args.requests} requests x {args.new_tokens} tokens, rank {args.rank})"
+    async with Engine(load_config(**base)) as engine:
+        print(f"LoRA off:           {await one_round(engine, [None], args):8.1f} tokens/s {shape}")
+    lora = {"lora_modules": modules, "max_loras": 4, "max_lora_rank": args.rank}
+    async with Engine(load_config(**base, lora=lora)) as engine:
+        for active in (0, 1, 4):
+            names: list[str | None] = [f"a{i}" for i in range(active)] or [None]
+            rate = await one_round(engine, names, args)
+            print(f"LoRA on, {active} active: {rate:8.1f} tokens/s {shape}")
 
 
 if __name__ == "__main__":

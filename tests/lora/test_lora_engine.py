@@ -76,3 +76,15 @@ async def test_mixed_batch_equals_merged_peft(llama, adapters, reference, overla
         assert engine.lora is not None and engine.lora.held() == 0
     for i, (got, want) in enumerate(zip(outputs, reference, strict=True)):
         assert got == want, f"prompt {i} under {NAMES[i % len(NAMES)]} diverged"
+
+
+@pytest.mark.parametrize("share", [0, 10**9], ids=["one-pass", "by-adapter"])
+async def test_each_delta_path_alone(llama, adapters, reference, monkeypatch, share):
+    """Every step in one pass over the batch (used slots side by side, masked), or every
+    adapter's rows apart: both equal the reference (the defaults mix them by width)."""
+    from stallfree.runtime.model import lora
+
+    monkeypatch.setattr(lora, "DENSE_MAX_SHARE", share)
+    async with Engine(lora_config(llama, adapters)) as engine:
+        outputs = await run_mixed(engine)
+    assert outputs == reference

@@ -35,8 +35,8 @@ async def test_fused_projections_equal_merged_peft(llama, adapters, monkeypatch)
     monkeypatch.setattr(loader, "fuses", lambda dtype, method: True)
     name = "fused-r8"
     async with Engine(lora_config(llama, {name: adapters[name]})) as engine:
-        attn = engine.core.loaded.model.model.layers[0].self_attn
-        assert type(attn.qkv_proj).__name__ == "LoraProjection"
+        proj, part = engine.lora.table.targets[(0, "k_proj")]
+        assert proj.parts[part][0] == "k_proj" and len(proj.parts) == 3  # the fused q/k/v
         results = await asyncio.gather(
             *(engine.complete(p, PARAMS, lora_name=name) for p in PROMPTS[:4])
         )

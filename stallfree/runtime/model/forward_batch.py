@@ -72,10 +72,17 @@ class VerifyLayout:
 
 @dataclass(slots=True, eq=False)
 class LoraBatch:
-    """One step's token rows by adapter slot: `(slot, rows)` for each slot in use, `rows` a
-    device index of the flat token rows (None: every row of the step)."""
+    """One step's token rows by adapter slot (model/lora.py): `slots`, the slots in use;
+    `token_groups` (device [T]), each token's index in `slots` (-1: the base model); and
+    `groups`, `(slot, rows)` per slot, `rows` a device index of its tokens (None: every
+    token of the step)."""
 
+    slots: list[int]
+    slot_index: torch.Tensor  # device [len(slots)]: `slots`
+    token_groups: torch.Tensor
     groups: list[tuple[int, torch.Tensor | None]]
+    # the stream's per-dtype masks of `token_groups` at a rank (model/lora.py)
+    masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -88,17 +95,23 @@ class LoraBatch:
         adapter."""
         if all(s < 0 for s in slots):
             return None
+        used = sorted({s for s in slots if s >= 0})
+        index = {s: i for i, s in enumerate(used)}
+        per_token = [index.get(s, -1) for s, n in zip(slots, tokens, strict=True) for _ in range(n)]
+        token_groups = upload(torch.tensor(per_token, dtype=torch.int64))
+        slot_index = upload(torch.tensor(used, dtype=torch.int64))
         if len(set(slots)) == 1:
-            return cls([(slots[0], None)])
+            return cls(used, slot_index, token_groups, [(slots[0], None)])
         by_slot: dict[int, list[int]] = {}
         start = 0
         for slot, n in zip(slots, tokens, strict=True):
             if slot >= 0:
                 by_slot.setdefault(slot, []).extend(range(start, start + n))
             start += n
-        return cls(
-            [(s, upload(torch.tensor(rows, dtype=torch.int64))) for s, rows in by_slot.items()]
-        )
+        groups: list[tuple[int, torch.Tensor | None]] = [
+            (s, upload(torch.tensor(rows, dtype=torch.int64))) for s, rows in by_slot.items()
+        ]
+        return cls(used, slot_index, token_groups, groups)
 
 
 @dataclass(slots=True)

@@ -1,16 +1,19 @@
 """LoRA deltas on the decoder's projections, for many adapters in one batch.
 
-Every adapted projection is wrapped once (`LoraProjection`): its base output, plus, for each
-adapter slot the step's rows use, `scale * B(A(x))` over that slot's token rows. Adapter weights
-sit in `max_loras` slots of stacked tensors (A [slots, max_rank, in], B [slots, out, max_rank]
-per projection part); a slot holds an adapter of any rank up to the maximum (the host knows
-each slot's ranks, so the products run at the adapter's own rank). A fused projection
-(`qkv_proj`, `gate_up_proj`) has one part per projection it stacks, each adding into its own
-columns of the fused output.
+Every adapted projection is wrapped once (`LoraProjection`): its base output, plus
+`scale * B(A(x))` of each token's own adapter. Adapter weights sit in `max_loras` slots of
+stacked tensors per projection part (A [slots, max_rank, in], B [out, slots, max_rank], the
+scale folded into B); a slot holds an adapter of any rank up to the maximum, zero-padded. A
+fused projection (`qkv_proj`, `gate_up_proj`) has one part per projection it stacks, each adding
+into its own columns of the fused output.
 
-The step's grouping of token rows by slot (`LoraBatch`) is built on the host at launch and read
-by every wrapper of that forward; the slots are written only by work enqueued on the stream
-(`LoraSlots.write`), so a launched step never sees a slot change under it.
+A step's rows by adapter (`LoraBatch`, built on the host at launch) are read by every wrapper of
+that forward. While the used slots' ranks side by side are small beside the input width, every
+adapter runs in one pass over the whole batch: x times the used slots' A side by side, each
+token's columns of other adapters masked to zero, times their B side by side (two products per
+part, however many adapters). Past that, each adapter's rows run apart at its own rank. The
+slots are written only by work enqueued on the stream (`LoraSlots.write`), so a launched step
+never sees a slot change under it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ from torch import nn
 
 from stallfree.runtime.model.forward_batch import LoraBatch
 from stallfree.runtime.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+# the two-product path over the whole batch runs while the used slots' ranks side by side are
+# at most this share of the input width (its extra work over the base projection); past it,
+# each adapter's rows run apart
+DENSE_MAX_SHARE = 4
 
 # PEFT's module names for the projections an adapter may target
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -47,7 +55,8 @@ class SlotPart:
 
 class LoraProjection(nn.Module):
     """A projection and its LoRA parts: `parts` names the projections it computes, in column
-    order, with each one's output width."""
+    order, with each one's output width. Per part, A is [slots, max_rank, in] and B
+    [out, slots, max_rank], so every slot's A rows and B columns side by side are plain views."""
 
     def __init__(
         self,
@@ -63,11 +72,13 @@ class LoraProjection(nn.Module):
         self.base = base
         self.parts = parts
         self.context = context
+        self.in_features, self.slots, self.max_rank = in_features, slots, max_rank
         self.a = nn.ParameterList(
             nn.Parameter(torch.zeros(slots, max_rank, in_features, **factory), False) for _ in parts
         )
+        # B with the adapter's scale folded in (merged weights are W + scale * B A too)
         self.b = nn.ParameterList(
-            nn.Parameter(torch.zeros(slots, n, max_rank, **factory), False) for _, n in parts
+            nn.Parameter(torch.zeros(w, slots, max_rank, **factory), False) for _, w in parts
         )
         self.state = [[SlotPart() for _ in parts] for _ in range(slots)]
 
@@ -76,12 +87,15 @@ class LoraProjection(nn.Module):
     ) -> None:
         """Slot `slot`'s weights for part `part` (None: the adapter leaves that part alone).
         Runs on the stream."""
+        a_slot, b_slot = self.a[part][slot], self.b[part][:, slot]
+        a_slot.zero_()
+        b_slot.zero_()
         if a is None or b is None:
             self.state[slot][part] = SlotPart()
             return
         rank = int(a.shape[0])
-        self.a[part][slot, :rank].copy_(a)
-        self.b[part][slot, :, :rank].copy_(b)
+        a_slot[:rank].copy_(a)
+        b_slot[:, :rank].copy_(b * scale)
         self.state[slot][part] = SlotPart(rank, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,23 +103,57 @@ class LoraProjection(nn.Module):
         batch = self.context.batch
         if batch is None:
             return out
+        if len(batch.slots) * self.max_rank * DENSE_MAX_SHARE <= self.in_features:
+            self._dense(x, out, batch)
+        else:
+            self._by_slot(x, out, batch)
+        return out
+
+    def _dense(self, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> None:
+        """Every adapter of the step in two products over the whole batch: x through the used
+        slots' A side by side, each token's columns outside its own slot masked to zero, then
+        through their B side by side (the padded ranks and the masked columns add nothing)."""
+        k, r = len(batch.slots), self.max_rank
+        mask = _mask(batch, r, x.dtype)
+        start = 0
+        for p, (_, width) in enumerate(self.parts):
+            if any(self.state[s][p].rank for s in batch.slots):
+                a, b = self.a[p], self.b[p]
+                if k < self.slots:
+                    a, b = a.index_select(0, batch.slot_index), b.index_select(1, batch.slot_index)
+                xa = F.linear(x, a.reshape(k * r, -1)) * mask
+                out[:, start : start + width].add_(F.linear(xa, b.reshape(width, k * r)))
+            start += width
+
+    def _by_slot(self, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> None:
+        """Each adapter's rows apart, at its own rank (many adapters of a high rank)."""
         for slot, rows in batch.groups:
             xs = x if rows is None else x.index_select(0, rows)
             start = 0
             for p, (_, width) in enumerate(self.parts):
-                part = self.state[slot][p]
-                if part.rank:
-                    a = self.a[p][slot, : part.rank]
-                    b = self.b[p][slot, :, : part.rank]
-                    # PEFT's order: B(A(x)) then the scale
-                    delta = F.linear(F.linear(xs, a), b) * part.scale
+                rank = self.state[slot][p].rank
+                if rank:
+                    a, b = self.a[p][slot, :rank], self.b[p][:, slot, :rank]
+                    delta = F.linear(F.linear(xs, a), b)  # B(A(x)), as PEFT orders it
                     cols = out[:, start : start + width]
                     if rows is None:
                         cols.add_(delta)
                     else:
                         cols.index_add_(0, rows, delta)
                 start += width
-        return out
+
+
+def _mask(batch: LoraBatch, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, slots in use x rank]: 1 where a column belongs to the token's own adapter (made
+    once per step, on the stream)."""
+    key = (rank, dtype)
+    mask = batch.masks.get(key)
+    if mask is None:
+        groups = batch.token_groups
+        cols = torch.arange(len(batch.slots), device=groups.device).repeat_interleave(rank)
+        mask = (groups[:, None] == cols[None, :]).to(dtype)
+        batch.masks[key] = mask
+    return mask
 
 
 @dataclass(slots=True, eq=False)
@@ -116,6 +164,11 @@ class LoraSlots:
     context: LoraContext
     targets: dict[tuple[int, str], tuple[LoraProjection, int]] = field(default_factory=dict)
     shapes: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)  # (in, out)
+    # (module, attribute, its plain projection, its wrapper): the wrappers are in place only
+    # for a step with adapter rows, so a step without any runs the model as it was (the
+    # native kernels' grouped q/k/v and gate/up calls take plain linears only)
+    sites: list[tuple[nn.Module, str, nn.Module, LoraProjection]] = field(default_factory=list)
+    wrapped: bool = False
 
     def write(
         self, slot: int, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
@@ -130,7 +183,13 @@ class LoraSlots:
                 proj.write(slot, part, *got)
 
     def set_batch(self, batch: LoraBatch | None) -> None:
+        """The forward's batch; the wrappers put in place or taken out to match."""
         self.context.batch = batch
+        wanted = batch is not None
+        if wanted != self.wrapped:
+            for owner, name, plain, proj in self.sites:
+                setattr(owner, name, proj if wanted else plain)
+            self.wrapped = wanted
 
 
 # (module owning the projection, its attribute, its parts (target, width), its input width)
@@ -138,8 +197,8 @@ _Group = tuple[nn.Module, str, list[tuple[str, int]], int]
 
 
 def install(model: LlamaForCausalLM, slots: int, max_rank: int) -> LoraSlots:
-    """Wrap every attention and dense MLP projection of a Llama-family model (fused ones
-    included) in place; the forward takes its `LoraBatch` from `fb.lora`."""
+    """A LoRA wrapper for every attention and dense MLP projection of a Llama-family model
+    (fused ones included), in place for the forwards whose `fb.lora` has adapter rows."""
     context = LoraContext()
     table = LoraSlots(context)
     weight = next(model.parameters())
@@ -149,7 +208,7 @@ def install(model: LlamaForCausalLM, slots: int, max_rank: int) -> LoraSlots:
         for owner, name, parts, width in _groups(layer, model.arch.hidden_size):
             base = getattr(owner, name)
             proj = LoraProjection(base, parts, width, slots, max_rank, context, **factory)
-            setattr(owner, name, proj)
+            table.sites.append((owner, name, base, proj))
             for p, (target, out) in enumerate(parts):
                 table.targets[(i, target)] = (proj, p)
                 table.shapes[(i, target)] = (width, out)
