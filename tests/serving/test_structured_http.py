@@ -114,19 +114,24 @@ ENDLESS = {
 
 
 @module_loop
-async def test_a_schema_nothing_satisfies_is_the_requests_error(live):
-    """The grammar dead-ends on the request's own schema: a 422 (it was a 500), streamed as an
-    error event of the same type, and the server goes on serving (issue 42, finding 6)."""
+async def test_a_schema_nothing_satisfies_is_refused_before_it_runs(live):
+    """The grammar dead-ends on the request's own schema: a 400 naming the field, found while
+    it compiles (its forced first tokens are followed there), so it never reaches the shared
+    stream; a client that sends it again gets the same answer without a second compilation,
+    streamed or not (issue 42, finding 6: it was a 500 costing every stream a step, then a
+    422 that still cost the step)."""
     fmt = {"type": "json_schema", "json_schema": {"name": "node", "schema": ENDLESS}}
     kwargs = dict(model="test-model", messages=USER, max_tokens=30, response_format=fmt)
-    with pytest.raises(openai.UnprocessableEntityError) as err:
-        await live.client.chat.completions.create(**kwargs)
-    assert "dead end" in err.value.message
-    assert err.value.body["type"] == "invalid_request_error"
-    stream = await live.client.chat.completions.create(**kwargs, stream=True)
-    with pytest.raises(openai.APIError) as streamed:
-        async for _ in stream:
-            pass
-    assert "dead end" in str(streamed.value)
+    grammars = live.engine.core.grammars
+    compiled, hits = grammars.compiled, grammars.hits
+    finished = dict(live.engine.snapshot().counters.finished)
+    for stream in (False, True, False):
+        with pytest.raises(openai.BadRequestError) as err:
+            await live.client.chat.completions.create(**kwargs, stream=stream)
+        assert "dead end" in err.value.message and err.value.code == "grammar_dead_end"
+        assert err.value.body["param"] == "response_format"  # type: ignore[index]
+    assert grammars.compiled == compiled  # refused before it counted as compiled
+    assert grammars.hits == hits + 2  # the second and third: the refusal remembered
+    assert dict(live.engine.snapshot().counters.finished) == finished  # never scheduled
     ok = await live.client.chat.completions.create(model="test-model", messages=USER, max_tokens=5)
     assert ok.choices[0].message.content is not None

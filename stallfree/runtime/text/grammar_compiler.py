@@ -107,6 +107,14 @@ def unsupported_reason(device: str, in_process: bool) -> str | None:
     return None
 
 
+class DeadEndGrammar(InvalidRequestError):
+    """A grammar no output satisfies, found at compile time; `reason` without the field."""
+
+    def __init__(self, reason: str, param: str) -> None:
+        super().__init__(f"{param}: {reason}", param=param, code="grammar_dead_end")
+        self.reason = reason
+
+
 @dataclass(slots=True, eq=False)
 class RequestGrammar:
     """A request's grammar: the checked llguidance grammar text, and the request's own matcher.
@@ -173,6 +181,8 @@ class GrammarCompiler:
         # compiled grammars by spec: (grammar text, template matcher); a request copies one
         self.cache: GrammarCache[tuple[str, Any]] = GrammarCache(cache_bytes)
         self._pending: dict[str, asyncio.Future[tuple[str, Any]]] = {}
+        # specs found to dead-end, by key (oldest first), with the reason: refused at once
+        self._dead_ends: dict[str, str] = {}
         # figures for the benchmark and the logs: compilations, cache hits, seconds compiling
         self.compiled = 0
         self.hits = 0
@@ -193,6 +203,9 @@ class GrammarCompiler:
         if self.unsupported is not None:
             raise InvalidRequestError(self.unsupported, param=param, code="unsupported")
         key = f"{spec.kind}\0{self._key(spec)}"
+        if (refused := self._dead_ends.get(key)) is not None:
+            self.hits += 1  # a client looping on a dead end compiles it once
+            raise DeadEndGrammar(refused, param)
         compiled = self.cache.get(key)
         if compiled is None:
             if self._pool is None:
@@ -208,7 +221,13 @@ class GrammarCompiler:
                 pending.add_done_callback(lambda _: self._pending.pop(key, None))
             else:
                 self.hits += 1
-            compiled = await asyncio.shield(pending)
+            try:
+                compiled = await asyncio.shield(pending)
+            except DeadEndGrammar as exc:
+                self._dead_ends[key] = exc.reason
+                while len(self._dead_ends) > DEAD_ENDS_KEPT:
+                    self._dead_ends.pop(next(iter(self._dead_ends)))
+                raise DeadEndGrammar(exc.reason, param) from None
             self.cache.put(key, compiled, compiled[0])
         else:
             self.hits += 1
@@ -250,6 +269,9 @@ class GrammarCompiler:
         matcher = LLMatcher(tok, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"{param}: {_one_line(matcher.get_error())}", param=param)
+        if (dead_end := first_mask_error(matcher, self.vocab_size)) is not None:
+            reason = f"the {_what(spec)} reaches a dead end in its first tokens: {dead_end}"
+            raise DeadEndGrammar(_one_line(reason), param)
         self.compiled += 1
         self.compile_seconds += time.perf_counter() - start
         return grammar, matcher
@@ -257,6 +279,38 @@ class GrammarCompiler:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# forced tokens followed from the start when looking for a dead end at compile time
+FORCED_STEPS = 16
+# dead-end specs remembered (their keys: at most 64 KiB each)
+DEAD_ENDS_KEPT = 64
+
+
+def first_mask_error(matcher: Any, vocab_size: int) -> str | None:
+    """Why `matcher` reaches a dead end before its output can branch, or None.
+
+    The first masks are computed here, in the compile worker, on a copy: while exactly one
+    token is allowed it is taken (at most `FORCED_STEPS`), and an error on the way is the
+    grammar's dead end (a node that must hold a node: after its forced `{` llguidance walks to
+    its item limit). That way such a grammar is refused before it costs the shared stream a
+    step per request, and the lexer states the first masks build are the compiled grammar's
+    (its copies share them)."""
+    import llguidance.numpy as llnp
+    import numpy as np
+
+    probe = matcher.deep_copy()
+    mask = llnp.allocate_token_bitmask(1, vocab_size)
+    for _ in range(FORCED_STEPS):
+        llnp.fill_next_token_bitmask(probe, mask, 0)
+        if probe.is_error():
+            return str(probe.get_error())
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        if len(allowed) != 1 or probe.is_accepting():
+            return None
+        if not probe.consume_token(int(allowed[0])):
+            return str(probe.get_error())
+    return None
 
 
 def _what(spec: StructuredOutputs) -> str:
