@@ -426,11 +426,6 @@ class StallfreeConfig(BaseSettings):
                 "speculative decoding does not compose with hisparse.enabled yet (sparse "
                 "attention selects keys for one query per request)"
             )
-        if spec.enabled and self.uses_worker_processes:
-            raise ValueError(
-                "speculative decoding does not compose with worker processes yet "
-                "(runtime.worker=process or parallel.tp_size > 1); use one in-process rank"
-            )
         self._check_disaggregation()
         self._check_lora()
         return self

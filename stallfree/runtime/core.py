@@ -7,6 +7,7 @@ caller needs to ask whether an attribute exists yet.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from stallfree.runtime.execution.executor import Executor, LocalExecutor
 from stallfree.runtime.execution.model_runner import ModelRunner
 from stallfree.runtime.execution.remote import RemoteExecutor
 from stallfree.runtime.execution.sampler import Sampler
-from stallfree.runtime.execution.speculative_setup import build_spec_decoder
+from stallfree.runtime.execution.speculative_setup import build_spec_decoder, mark_spec
 from stallfree.runtime.execution.worker import worker_spec
 from stallfree.runtime.execution.worker_launch import start_workers
 from stallfree.runtime.memory.pool import (
@@ -69,6 +70,8 @@ from stallfree.runtime.telemetry.stats import (
 from stallfree.runtime.text.grammar_compiler import GrammarCompiler, unsupported_reason
 from stallfree.runtime.text.output_processor import OutputProcessor
 from stallfree.runtime.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
@@ -299,6 +302,22 @@ def _spec_policy(config: StallfreeConfig, ctx: BatchContext) -> SpecPolicy | Non
     return SpecPolicy(spec, StepCosts() if measured else None)
 
 
+def _overlap(config: StallfreeConfig, stream: DeviceStream) -> bool:
+    """Whether the loop plans a step while the one before runs. Not with speculative decoding
+    in worker processes: a verify step lowers its rows' lengths on the device by the drafts it
+    rejects, and the host's replica of the device state (`ProcessStream`) takes that from the
+    step's answer (`RemoteExecutor`), so the next step is planned once it is in."""
+    if not config.runtime.overlap:
+        return False
+    if config.speculative.enabled and isinstance(stream, ProcessStream):
+        logger.info(
+            "speculative decoding with worker processes plans each step after the one before "
+            "(runtime.overlap is off for this engine)"
+        )
+        return False
+    return True
+
+
 def _runner(
     config: StallfreeConfig, ctx: BatchContext, model: _Model, device: torch.device
 ) -> ModelRunner:
@@ -306,11 +325,16 @@ def _runner(
     faults = FaultInjector(config.faults) if config.faults.enabled else None
     executor: Executor
     if isinstance(ctx.stream, ProcessStream):
+        if config.speculative.enabled:  # each worker builds the stream side; the host plans
+            mark_spec(config.speculative, ctx)
         executor = RemoteExecutor(ctx, ctx.stream)
     else:
         assert model.loaded is not None
         sampler = Sampler(config.model.seed, device)
-        spec = build_spec_decoder(config, ctx, model.loaded, sampler)
+        m = config.model
+        spec = build_spec_decoder(
+            config.speculative, ctx, model.loaded, sampler, (m.dtype, m.quantization, m.seed)
+        )
         executor = LocalExecutor(model.loaded.model, ctx, sampler, faults, spec)
     return ModelRunner(ctx, executor, faults)
 
@@ -380,7 +404,7 @@ def _wire(
     loop = SchedulerLoop(
         scheduler,
         runner,
-        overlap=config.runtime.overlap,
+        overlap=_overlap(config, stream),
         observer=observers,
         max_consecutive_failures=config.runtime.max_consecutive_step_failures,
     )

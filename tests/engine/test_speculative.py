@@ -398,7 +398,6 @@ async def test_sampling_at_a_high_temperature_stays_in_the_vocabulary(llama, wor
     [
         ({"speculative": {"method": "eagle"}}, "not supported"),
         ({"speculative": {"method": "ngram"}, "hisparse": {"enabled": True}}, "hisparse"),
-        ({"speculative": {"method": "ngram"}, "runtime": {"worker": "process"}}, "worker"),
         ({"speculative": {"method": "draft_model"}}, "draft_model"),
         ({"speculative": {"method": "ngram", "prompt_lookup_min": 5}}, "prompt_lookup_min"),
     ],

@@ -336,13 +336,20 @@ def test_the_method_may_come_from_the_config_file_or_the_environment(tmp_path, m
     ("argv", "message"),
     [
         (["--speculative-algorithm", "STANDALONE"], "needs speculative.draft_model"),
-        (["--speculative-algorithm", "NGRAM", "--tp-size", "2"], "worker processes"),
     ],
 )
 def test_the_sections_own_checks_still_apply(argv: list[str], message: str, capsys) -> None:
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_speculation_with_worker_processes_is_a_configuration() -> None:
+    """Once refused ("does not compose with worker processes yet"): each rank now runs the
+    proposer and the verify step (tests/parallel/test_speculative_workers.py)."""
+    for extra in (["--tp-size", "2"], ["--worker", "process"]):
+        cfg = config_from_args(parse("serve", "--speculative-algorithm", "NGRAM", *extra))
+        assert cfg.speculative.method == "ngram" and cfg.uses_worker_processes
 
 
 # ---------------------------------------------------------------- every command

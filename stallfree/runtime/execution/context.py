@@ -31,5 +31,6 @@ class BatchContext:
     # since the last step, which the next step message carries to the workers; None in process
     table_journal: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     # worker processes: imported KV and first tokens (disaggregation, scheduling/kv_import.py)
-    # for the next step message, in order; None in process
+    # and speculative decoding's history writes (scheduling/alloc.py) for the next step
+    # message, in order; None in process
     import_journal: list[tuple[Any, ...]] | None = None

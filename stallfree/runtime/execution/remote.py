@@ -33,8 +33,9 @@ class StepMessage:
     table_writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         default_factory=list
     )
-    # imported KV ("kv", layer, slot slices, k per rank, v per rank) and first tokens
-    # ("stash", slots, tokens), applied in order after the table writes
+    # imported KV ("kv", layer, slot slices, k per rank, v per rank), first tokens
+    # ("stash", slots, tokens) and speculative histories ("history", rows, cols, tokens),
+    # applied in order after the table writes
     imports: list[tuple[Any, ...]] = field(default_factory=list)
 
 
@@ -116,9 +117,13 @@ class RemoteExecutor:
         stream = self.remote
 
         grammar = args.plan.grammar if args.plan is not None else None
+        spec_rejected = _lower_by_rejected(args)
 
         def take(result: StepResult) -> None:
             token_ids_cpu.copy_(decode_tensor(result.token_ids))
+            if spec_rejected is not None:
+                with stream.packing():  # the replica of device state follows the device
+                    spec_rejected(token_ids_cpu)
             if grammar is not None and result.grammar is not None:
                 ended, tokens, seconds = result.grammar
                 grammar.ended.update(ended)
@@ -133,3 +138,19 @@ class RemoteExecutor:
             payload = dumps(message)
         stream.send_payload(payload, take)
         return stream.record_event()
+
+
+def _lower_by_rejected(args: StepArgs) -> Callable[[torch.Tensor], None] | None:
+    """A verify step lowers its rows' device lengths by the drafts each rejected (on the
+    workers' stream, `SpecDecoder.verify`); this does the same to the host's replica of those
+    lengths once the step's answer (tokens, accept counts, drafts carried) is in, so the next
+    step is planned from the lengths the workers hold. None for any other step."""
+    spec, fb = args.spec, args.fb
+    if fb.verify is None or spec is None or spec.ks is None:
+        return None
+    seq_lens, ks, accepted_col = fb.seq_lens, spec.ks, fb.verify.max_k + 1
+
+    def lower(answer: torch.Tensor) -> None:
+        seq_lens.sub_(ks - answer[:, accepted_col])
+
+    return lower

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from stallfree.config import FaultConfig, StallfreeConfig
+from stallfree.config import FaultConfig, SpeculativeConfig, StallfreeConfig
 from stallfree.overlap.faults import FaultInjector
 from stallfree.overlap.future_map import FutureMap
 from stallfree.overlap.host_read import SyncMonitor
@@ -45,12 +45,15 @@ from stallfree.runtime.execution.executor import LocalExecutor
 from stallfree.runtime.execution.logits import LogprobBuffers
 from stallfree.runtime.execution.remote import StepMessage, StepResult, StepUnpickler
 from stallfree.runtime.execution.sampler import Sampler
+from stallfree.runtime.execution.speculative import SpecDecoder
+from stallfree.runtime.execution.speculative_setup import build_spec_decoder
 from stallfree.runtime.memory.pool import (
     KVCache,
     KVCacheShape,
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
+from stallfree.runtime.model.loader import LoadedModel
 from stallfree.runtime.text.grammar_cache import DEFAULT_MAX_BYTES
 from stallfree.runtime.text.grammar_compiler import MatcherFactory
 
@@ -84,6 +87,8 @@ class WorkerSpec:
     faults: dict[str, Any]
     kv_cache_dtype: str = "auto"
     grammar_cache_bytes: int = DEFAULT_MAX_BYTES
+    # speculative decoding's settings (`SpeculativeConfig` dumped); None: off
+    speculative: dict[str, Any] | None = None
 
     @property
     def ranks_per_node(self) -> int:
@@ -138,6 +143,7 @@ def worker_spec(config: StallfreeConfig, num_kv_slots: int, max_context_len: int
         kv_cache_dtype=config.cache.kv_cache_dtype,
         faults=config.faults.model_dump(),
         grammar_cache_bytes=config.runtime.grammar_cache_bytes,
+        speculative=config.speculative.model_dump() if config.speculative.enabled else None,
     )
 
 
@@ -223,12 +229,26 @@ class _Worker:
             arch.vocab_size,
             spec.grammar_cache_bytes,
         )
+        sampler = Sampler(spec.seed, self.device)
         self.executor = LocalExecutor(
             loaded.model,
             ctx,
-            Sampler(spec.seed, self.device),
+            sampler,
             faults=FaultInjector(faults) if faults.enabled else None,
+            spec=self._spec_decoder(loaded, sampler),
         )
+
+    def _spec_decoder(self, loaded: LoadedModel, sampler: Sampler) -> SpecDecoder | None:
+        """Speculative decoding's stream side on this rank, built as the in-process engine
+        builds it: every rank proposes the same drafts (the n-gram lookup reads the same
+        histories; a draft model, whole on each rank, runs the same greedy steps) and verifies
+        them on the same gathered logits."""
+        spec = self.spec
+        if spec.speculative is None:
+            return None
+        settings = SpeculativeConfig(**spec.speculative)
+        model = (spec.dtype, spec.quantization, spec.seed)
+        return build_spec_decoder(settings, self.ctx, loaded, sampler, model)
 
     def _join_group(self) -> Any:
         spec = self.spec
@@ -263,9 +283,14 @@ class _Worker:
         fb = args.fb
         fb.req_to_token, fb.kv_cache = table, ctx.kv_cache
         host_buffer = ctx.stream.host_buffer
-        args.token_ids_cpu = host_buffer((fb.batch_size,), torch.int64)
+        # the host's shapes: a verify step answers each row's tokens, accept count and drafts,
+        # and scores every position of its rows (`ModelRunner`'s planner)
+        scored, answer = fb.batch_size, [fb.batch_size]
+        if fb.verify is not None:
+            scored, answer = sum(fb.extend_lens_cpu), [fb.batch_size, fb.verify.max_k + 3]
+        args.token_ids_cpu = host_buffer(tuple(answer), torch.int64)
         if args.plan is not None:
-            args.logprobs = LogprobBuffers.allocate(args.plan, fb.batch_size, host_buffer)
+            args.logprobs = LogprobBuffers.allocate(args.plan, scored, host_buffer)
         logprobs = args.logprobs
         comm_before = self._comm()
         with torch.inference_mode():
@@ -291,7 +316,8 @@ class _Worker:
         return StepResult(encode_tensor(args.token_ids_cpu), lp, elapsed, grammar)
 
     def _apply_imports(self, imports: list[tuple[Any, ...]]) -> None:
-        """Imported KV (this rank's KV-head shard of each layer) and first tokens."""
+        """Imported KV (this rank's KV-head shard of each layer), first tokens and speculative
+        histories."""
         ctx = self.ctx
         cache, fmap = ctx.kv_cache, ctx.future_map
         for op in imports:
@@ -304,6 +330,10 @@ class _Worker:
                     cache.k_buffers[layer][s].copy_(k[at : at + n])
                     cache.v_buffers[layer][s].copy_(v[at : at + n])
                     at += n
+            elif op[0] == "history":  # speculative decoding: an extend step's tokens
+                _, rows, cols, tokens = op
+                assert fmap.history is not None
+                fmap.history[rows, cols] = tokens
             else:
                 _, slots, tokens = op
                 fmap.stash(slots, torch.zeros(1, dtype=torch.int64, device=slots.device), tokens)

@@ -201,9 +201,9 @@ def write_history(
     fresh: list[bool],
 ) -> None:
     """Speculative decoding: an extend step's tokens go into each slot's token history (the
-    proposer's input) on the stream; a slot new to its request gets its cached prefix too."""
-    history = ctx.future_map.history
-    assert history is not None
+    proposer's input) on the stream; a slot new to its request gets its cached prefix too.
+    With worker processes the write travels in the next step message (the workers hold the
+    histories)."""
     rows, cols, vals = [], [], []
     for req, prefix, ext, new in zip(reqs, prefix_lens, extend_lens, fresh, strict=True):
         first = 0 if new else prefix
@@ -215,6 +215,11 @@ def write_history(
         return
     up = ctx.stream.upload
     r, c, v = up(torch.cat(rows)), up(torch.cat(cols)), up(torch.cat(vals))
+    if ctx.import_journal is not None:
+        ctx.import_journal.append(("history", r, c, v))
+        return
+    history = ctx.future_map.history
+    assert history is not None
 
     def write() -> None:
         history[r, c] = v
