@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pydantic
 import pytest
 import torch
 
@@ -77,6 +78,9 @@ def test_auto_stores_the_weights_dtype_as_before() -> None:
     assert not fmt.quantized and torch.equal(fmt.encode(x), x.to(torch.bfloat16))
     with pytest.raises(ValueError, match="expected one of auto, fp8"):
         kv_format("fp4", torch.float32)
+    # the setting refuses it first, from any source, naming the field
+    with pytest.raises(pydantic.ValidationError, match="kv_cache_dtype"):
+        load_config(cache={"kv_cache_dtype": "fp4"})
 
 
 # ---------------------------------------------------------------------------- memory
