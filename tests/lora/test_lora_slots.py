@@ -150,3 +150,42 @@ async def test_an_engine_without_lora_refuses_an_adapter_name(llama):
             await engine.complete([1, 2, 3], PARAMS, lora_name="anything")
         await engine.wait_idle()
         assert engine.pool_usage().all_free
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        (lambda c: c.update(r=0), "not a positive whole number"),
+        (lambda c: c.update(lora_alpha="big"), "not a finite number"),
+        (lambda c: c.update(rank_pattern={"q_proj(": 4}), "not a regular expression"),
+        (lambda c: c.update(peft_type="IA3"), "only LoRA adapters"),
+    ],
+)
+async def test_broken_adapter_configs_are_refused(llama, adapters, tmp_path, edit, reason):
+    path = _copy(adapters["attn-r4"], tmp_path / "broken", edit)
+    async with Engine(lora_config(llama, {}, lora={"enable_lora": True})) as engine:
+        with pytest.raises(AdapterError, match=reason):
+            await engine.lora.load("broken", path)
+        assert not engine.lora.adapters
+
+
+async def test_a_request_cancelled_while_waiting_for_a_slot_holds_nothing(llama, adapters):
+    """max_loras=1: a request under a second adapter waits for the slot; cancelled there, it
+    leaves no lease and no waiter, and the slot goes on serving."""
+    cfg = lora_config(llama, adapters, lora={"max_loras": 1})
+    long = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    async with Engine(cfg) as engine:
+        first = asyncio.ensure_future(engine.complete([1, 2, 3], long, lora_name="attn-r4"))
+        await asyncio.sleep(0)
+        waiting = asyncio.ensure_future(engine.complete([4, 5], PARAMS, lora_name="fused-r8"))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and engine.lora.held() == 1
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert (await first).error is None
+        assert engine.lora.held() == 0 and not engine.lora._waiters
+        after = await engine.complete([4, 5], PARAMS, lora_name="fused-r8")
+        assert after.token_ids == merged_greedy(llama, adapters["fused-r8"], [4, 5], NEW_TOKENS)
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free

@@ -82,16 +82,28 @@ def read_config(path: str) -> dict[str, Any]:
 
 def _pattern_value(table: Any, module: str, default: Any) -> Any:
     """PEFT's rank_pattern / alpha_pattern: the first key matching the module's name."""
-    for pattern, value in (table or {}).items():
-        if re.fullmatch(rf"(.*\.)?{pattern}", module):
-            return value
+    if not table:
+        return default
+    if not isinstance(table, dict):
+        raise AdapterError("rank_pattern and alpha_pattern are JSON objects")
+    for pattern, value in table.items():
+        try:
+            if re.fullmatch(rf"(.*\.)?{pattern}", module):
+                return value
+        except re.error as exc:
+            shown = str(pattern)[:64]
+            raise AdapterError(f"pattern {shown!r} is not a regular expression ({exc})") from None
     return default
 
 
 def scale_of(cfg: dict[str, Any], module: str) -> float:
     """`lora_alpha / r`, or `lora_alpha / sqrt(r)` under rsLoRA, for one module."""
-    r = int(_pattern_value(cfg.get("rank_pattern"), module, cfg.get("r", 8)))
-    alpha = float(_pattern_value(cfg.get("alpha_pattern"), module, cfg.get("lora_alpha", 8)))
+    r = _pattern_value(cfg.get("rank_pattern"), module, cfg.get("r", 8))
+    alpha = _pattern_value(cfg.get("alpha_pattern"), module, cfg.get("lora_alpha", 8))
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise AdapterError(f"{module}: r is {str(r)[:32]!r}, not a positive whole number")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise AdapterError(f"{module}: lora_alpha is {str(alpha)[:32]!r}, not a finite number")
     return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
 
 
