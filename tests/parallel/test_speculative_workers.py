@@ -8,7 +8,10 @@ outputs with speculation through a worker process conform and equal them too."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import jsonschema
@@ -26,7 +29,7 @@ from tests.engine.test_speculative import (
     spec_config,
     stressed,
 )
-from tests.engine.test_structured_spec import SCHEMA, WEATHER
+from tests.engine.test_structured_spec import PROMPTS, SCHEMA, WEATHER
 from tests.engine.test_structured_spec import _run as run_structured
 from tests.engine_util import engine_config, random_prompts
 
@@ -128,3 +131,67 @@ async def test_structured_outputs_with_speculation_through_a_worker_process(llam
     assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
     monitor = engine.core.monitor
     assert monitor.guard is not None and monitor.guard.violations == 0
+
+
+async def _http_replies(live: Any) -> list[Any]:
+    """Over HTTP with the openai client: greedy and seeded JSON-schema replies, and a forced
+    tool call (the hermes template)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    user = [{"role": "user", "content": PROMPTS[0]}]
+    out: list[Any] = []
+    for seed in (None, 0, 1, 2):
+        r = await live.client.chat.completions.create(
+            model="test-model", messages=user, max_tokens=120, seed=seed,
+            temperature=0 if seed is None else 1.0, response_format=fmt,
+        )  # fmt: skip
+        out.append((r.choices[0].finish_reason, r.choices[0].message.content))
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
+    r = await live.client.chat.completions.create(
+        model="test-model", messages=user, max_tokens=160, temperature=0, tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    (call,) = r.choices[0].message.tool_calls or []
+    out.append((call.function.name, call.function.arguments))
+    return out
+
+
+@contextlib.asynccontextmanager
+async def _served(llama: str, **sections: Any) -> AsyncIterator[Any]:
+    """`tests.server_util.serving` in float64 (the equality needs it), with the hermes parser
+    and chat template."""
+    from openai import AsyncOpenAI
+
+    from stallfree.entrypoints.server import create_app, start_server
+    from tests.serving.test_structured_strict_http import HERMES_TEMPLATE
+
+    server = {"served_model_name": "test-model", "tool_call_parser": "hermes"}
+    model = {"dtype": "float64"}
+    engine = Engine(engine_config(llama, model=model, server=server, **sections))
+    running = await start_server(create_app(engine))
+    client = AsyncOpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        engine.tokenizer.chat_template = HERMES_TEMPLATE
+        yield SimpleNamespace(engine=engine, client=client)
+    finally:
+        await client.close()
+        await running.stop()
+        await engine.shutdown()
+
+
+async def test_structured_outputs_over_http_with_speculation_in_a_worker_process(llama):
+    """`--worker process --speculative-config '{"method": "ngram"}'`: the replies conform and
+    the greedy ones equal an in-process server's without speculation."""
+    async with _served(llama, runtime={"strict": True}) as live:
+        want = await _http_replies(live)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "cost_aware": False}
+    runtime = {"worker": "process", "strict": True}
+    async with _served(llama, runtime=runtime, speculative=spec) as live:
+        got = await _http_replies(live)
+        stats = live.engine.core.scheduler.stats
+        assert stats.spec_num_drafts > 0
+        assert live.engine.core.monitor.schedule_path_reads == 0
+    assert got[0] == want[0] and got[-1] == want[-1]  # greedy: reply and tool call
+    for finish, text in got[:4]:
+        assert finish == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+    jsonschema.validate(json.loads(got[-1][1]), WEATHER)
