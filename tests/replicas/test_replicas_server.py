@@ -2,7 +2,8 @@
 replica processes, against one plain `stallfree serve` of the same model.
 
 Greedy answers through the front equal the single server's (completions and chat, streamed and
-not), with overlap on (in-process engines) and off (worker processes, round robin); the
+not), with overlap on (in-process engines) and off (worker processes, round robin), and with
+two tensor-parallel ranks per replica; the
 front's metrics count how requests were placed: a shared prefix stays on one replica, so the
 prefix-cache hit rate of two replicas is within 10% of one engine's, where round robin's is
 not, and concurrent new prompts spread; /metrics holds engine="0" and engine="1" series and
@@ -127,6 +128,24 @@ def test_greedy_answers_equal_one_server(cluster, front):
     assert all(a.complete for a in cluster.direct)
     assert answers == cluster.direct
     assert_pools_free(proc, ["0", "1"])
+
+
+def test_replicas_of_two_tensor_parallel_ranks_each(cluster, tmp_path):
+    """-dp 2 --tp-size 2: four rank processes, two per replica; the same greedy answers."""
+    procs = Procs(tmp_path)
+    try:
+        proc = procs.server("dp-tp", "-dp", "2", "--tp-size", "2")
+        wait_ready(proc)
+        ranks = [d for d in descendants(proc.popen.pid) if running(d)]
+        answers = [ask(proc.url, route, body) for route, body in REQUESTS]
+        assert answers == cluster.direct
+        assert len(ranks) == 2 * 3  # per replica: its process and its two ranks
+        samples = scrape(proc)
+        family = "stallfree:worker_message_bytes"
+        for engine in ("0", "1"):  # each replica's scheduler sent its ranks their steps
+            assert value(samples, family, family + "_total", engine=engine) > 0
+    finally:
+        procs.close()
 
 
 def test_a_shared_prefix_stays_on_one_replica(cluster):
