@@ -121,22 +121,24 @@ async def metrics(request: Request) -> Response:
         err = RouterError(404, "metrics are disabled (metrics.enabled = false)", "not_found")
         return err.response()
     await front.healthy()  # replica_up as of this scrape
-    live = [r for r in front.replicas if r.alive]
-    texts = []
-    for r in live:
-        # a replica that does not answer is left out; replica_up says which
-        with contextlib.suppress(httpx.HTTPError):
-            resp = await front.router.client.get(
-                f"{r.server.url}/metrics", timeout=HEALTH_TIMEOUT_S
-            )
-            if resp.status_code == 200:
-                texts.append(resp.content)
+    scrapes = [_scrape(front, r.server.url) for r in front.replicas if r.alive]
+    texts = [t for t in await asyncio.gather(*scrapes) if t is not None]
     texts += [front.router.metrics.render(), front.metrics.render()]
     return Response(merge_expositions(texts), media_type=CONTENT_TYPE_LATEST)
 
 
+async def _scrape(front: Front, url: str) -> bytes | None:
+    """A replica's exposition; None when it does not answer (replica_up says which)."""
+    try:
+        resp = await front.router.client.get(f"{url}/metrics", timeout=HEALTH_TIMEOUT_S)
+    except httpx.HTTPError:
+        return None
+    return resp.content if resp.status_code == 200 else None
+
+
 def create_front_app(front: Front) -> FastAPI:
-    """The front over `front`; its lifespan closes the router's client."""
+    """The front over `front`; its lifespan watches the replicas' processes, probes their
+    /health, and at the end closes the router's client."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
