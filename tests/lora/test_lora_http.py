@@ -128,3 +128,25 @@ def test_bad_lora_modules_are_usage_errors(item, capsys):
         build_parser().parse_args(["serve", "--lora-modules", item])
     assert exc.value.code == 2
     assert "--lora-modules" in capsys.readouterr().err
+
+
+@module_loop
+async def test_chat_and_streams_run_under_the_adapter(live, llama, adapters):
+    """Chat completions and streamed completions pick the adapter by model too."""
+    messages = [{"role": "user", "content": "hi"}]
+    base = await live.client.chat.completions.create(
+        model="test-model", messages=messages, max_tokens=N, temperature=0
+    )
+    tuned = await live.client.chat.completions.create(
+        model="attn-r4", messages=messages, max_tokens=N, temperature=0
+    )
+    assert tuned.model == "attn-r4"
+    assert tuned.choices[0].message.content != base.choices[0].message.content
+    prompt = PROMPTS[0]
+    stream = await live.client.completions.create(
+        model="attn-r4", prompt=prompt, max_tokens=N, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    text = "".join([c.choices[0].text async for c in stream if c.choices])
+    want = merged_greedy(llama, adapters["attn-r4"], prompt, N)
+    assert text == live.engine.tokenizer.decode(want)
