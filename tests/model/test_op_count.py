@@ -57,12 +57,16 @@ def count_decode_step(model_dir: Path, dtype: str, quantization: str) -> collect
     return counter.calls
 
 
+FORMATS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4")]
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels unavailable here")
-@pytest.mark.parametrize(
-    ("dtype", "quantization"),
-    [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4")],
-)
-def test_decode_step_calls_within_bound(model_dir: Path, dtype: str, quantization: str) -> None:
+@pytest.mark.parametrize(("dtype", "quantization"), FORMATS)
+def test_decode_step_calls_within_bound(
+    model_dir: Path, dtype: str, quantization: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The layers in Python (`STALLFREE_NATIVE_LOOP=0`): a native call per projection."""
+    monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "0")
     calls = count_decode_step(model_dir, dtype, quantization)
     total = sum(calls.values())
     assert total <= MAX_CALLS, f"{total} calls: {calls.most_common(12)}"
@@ -70,3 +74,19 @@ def test_decode_step_calls_within_bound(model_dir: Path, dtype: str, quantizatio
     # the tied output
     native = sum(n for op, n in calls.items() if op.startswith("stallfree."))
     assert native >= 4 * LAYERS
+
+
+# a step with the layer loop in C++: the embedding, RoPE's tables, the loop, the last norm
+# and the output projection, whatever the depth
+LOOP_MAX_CALLS = 40
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels unavailable here")
+@pytest.mark.parametrize(("dtype", "quantization"), FORMATS)
+def test_native_layer_loop_makes_one_call_for_all_layers(
+    model_dir: Path, dtype: str, quantization: str
+) -> None:
+    calls = count_decode_step(model_dir, dtype, quantization)
+    total = sum(calls.values())
+    assert calls["stallfree.decode_layers"] == 1, calls.most_common(12)
+    assert total <= LOOP_MAX_CALLS, f"{total} calls: {calls.most_common(12)}"

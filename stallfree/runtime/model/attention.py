@@ -300,31 +300,55 @@ class PagedAttention:
         * D] (q and k unrotated), as [T, H * D]: one native call, the split and the reshapes
         taken as views inside it. None when the native op does not take this step; the caller
         then splits and calls `forward`."""
-        cos, signed_sin = rope
         width = num_heads + 2 * num_kv_heads
-        dim = qkv.shape[-1] // width
         if not (
-            fb.mode is ForwardMode.DECODE
-            and qkv.device.type == "cpu"
+            qkv.device.type == "cpu"
             and qkv.dim() == 2
-            and qkv.shape[1] == width * dim
-            and dim % 16 == 0
+            and qkv.shape[1] % width == 0
             and qkv.stride(1) == 1
-            and num_heads % num_kv_heads == 0
-            and qkv.dtype in _NATIVE_DTYPES
-            and cos.dtype == signed_sin.dtype == qkv.dtype
-            and cos.dim() == 3
-            and cos.shape[1:] == (1, dim)
-            and fb.kv_cache.k_buffers[layer_id].dtype in _NATIVE_CACHE_DTYPES
-            and fb.req_to_token.dtype in (torch.int32, torch.int64)
             and not (torch.is_grad_enabled() and qkv.requires_grad)
-            and cpu_kernels.available()
+            and self.takes_qkv(qkv.dtype, qkv.shape[1] // width, num_heads, num_kv_heads, fb, rope)
+            and fb.kv_cache.k_buffers[layer_id].dtype in _NATIVE_CACHE_DTYPES
         ):
             return None
         out: torch.Tensor = torch.ops.stallfree.decode_attention_qkv(
             qkv, num_heads, num_kv_heads, *self._native_args(layer_id, fb, rope)
         )
         return out
+
+    def takes_qkv(
+        self,
+        dtype: torch.dtype,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        fb: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> bool:
+        """Whether `decode_attention_qkv` takes a decode step whose joint projection is in
+        `dtype` with heads of `dim` (the layer's cache dtype aside): the facts every layer of
+        the step shares."""
+        cos, signed_sin = rope
+        return (
+            fb.mode is ForwardMode.DECODE
+            and dim % 16 == 0
+            and num_heads % num_kv_heads == 0
+            and dtype in _NATIVE_DTYPES
+            and cos.dtype == signed_sin.dtype == dtype
+            and cos.dim() == 3
+            and cos.shape[1:] == (1, dim)
+            and fb.req_to_token.dtype in (torch.int32, torch.int64)
+            and cpu_kernels.available()
+        )
+
+    def plain(self, layers: int, cache_dtype: torch.dtype) -> bool:
+        """Whether none of `layers` layers has a window or a soft-cap and a cache in
+        `cache_dtype` is one the native op reads (`native_loop`'s conditions)."""
+        return (
+            self.softcap is None
+            and cache_dtype in _NATIVE_CACHE_DTYPES
+            and all(self._window(i) is None for i in range(layers))
+        )
 
     def _native_decode(
         self,

@@ -113,6 +113,11 @@ def _decode_attention_qkv(
     return qkv.new_empty((qkv.shape[0], num_heads * dim))
 
 
+def _decode_layers(h: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last layer's output and the residual stream, each the shape of `h`."""
+    return h.new_empty(h.shape), h.new_empty(h.shape)
+
+
 FAKES: dict[str, Callable[..., Any]] = {
     "linear": _linear,
     "linear_group": _linear_group,
@@ -126,4 +131,5 @@ FAKES: dict[str, Callable[..., Any]] = {
     "silu_mul": _silu_mul,
     "decode_attention": _decode_attention,
     "decode_attention_qkv": _decode_attention_qkv,
+    "decode_layers": _decode_layers,
 }

@@ -46,6 +46,7 @@ _SOURCES = (
     "attention.cpp",
     "attention_avx512.cpp",
     "attention_avx2.cpp",
+    "layers.cpp",
 )
 _HEADERS = ("vec_exp.h", "kernels.h", "attention.h", "attention_impl.h")
 _CSRC = Path(__file__).with_name("csrc")

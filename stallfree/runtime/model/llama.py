@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stallfree.runtime.model import native_layers
+from stallfree.runtime.model import native_layers, native_loop
 from stallfree.runtime.model.attention import PagedAttention
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.moe import add_mlp
@@ -341,6 +341,8 @@ class LlamaForCausalLM(nn.Module):
         self.tied_head: Int8Linear | None = None
         # whether every layer is a plain LlamaDecoderLayer (`_fuses_residual`); None: not asked
         self._plain_layers: bool | None = None
+        # native_loop's plans per (rows, dtype) of a decode step
+        self._loop_plans: dict[tuple[int, torch.dtype], native_loop.Plan | None] = {}
         # compile_layers' two compiled halves of a decoder layer; None: eager
         self.compiled: tuple[Callable[..., Any], Callable[..., Any]] | None = None
 
@@ -366,10 +368,17 @@ class LlamaForCausalLM(nn.Module):
                 )
         elif self._fuses_residual(h):
             residual: torch.Tensor | None = None
-            for layer in self.model.layers:
-                h, residual = cast(LlamaDecoderLayer, layer).fused_forward(
-                    h, residual, rope, fb, backend
-                )
+            looped = None
+            if native_loop.enabled():
+                layers = cast(list[LlamaDecoderLayer], list(self.model.layers))
+                looped = native_loop.run(layers, backend, h, rope, fb, self._loop_plans)
+            if looped is not None:
+                h, residual = looped
+            else:
+                for layer in self.model.layers:
+                    h, residual = cast(LlamaDecoderLayer, layer).fused_forward(
+                        h, residual, rope, fb, backend
+                    )
             if residual is not None:
                 h = residual + h
         else:

@@ -264,12 +264,17 @@ class _QuantLinearBase(nn.Module, abc.ABC):
         self.native = False
 
     def _on_native(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and self.takes_native(
+            x.numel() // max(self.in_features, 1), x.dtype
+        )
+
+    def takes_native(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether a CPU input of `rows` rows in `dtype` goes to the native kernel."""
         return (
             self.native
             and not torch.compiler.is_compiling()  # inductor: no per-row-count guards
-            and x.dtype == self.dtype
-            and x.numel() <= NATIVE_MAX_ROWS * self.in_features
-            and x.device.type == "cpu"
+            and dtype == self.dtype
+            and rows <= NATIVE_MAX_ROWS
         )
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

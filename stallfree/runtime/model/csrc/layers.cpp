@@ -1,0 +1,185 @@
+// A decode step's decoder layers in one call (`decode_layers`): the layer loop that
+// `LlamaDecoderLayer.fused_forward` runs in Python, driven from C++ over the same operators
+// (the native ones through the dispatcher, torch's dense product as `at::linear`), in the same
+// order on the same inputs, so its result is bit for bit the Python loop's. What it removes is
+// the Python between the calls: module calls, argument checks and wrapper frames, about
+// 10 per layer.
+//
+// Each layer is: RMSNorm (the first layer's) or add + RMSNorm, the q/k/v projection, the fused
+// RoPE + K/V write + attention (`decode_attention_qkv`), the output projection, add + RMSNorm,
+// gate/up, SiLU * up, down. A projection is one of the `Kind`s below, its tensors taken in
+// order from `params` as `spec` says (runtime/model/native_loop.py builds both).
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/linear.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace sf {
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+template <class Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+// how a projection runs, and how many of `params` it takes (its bias, possibly None, last)
+enum Kind : int64_t {
+  kNative = 0,      // stallfree::linear(x, weight, bias_f32)
+  kQ8Rows = 1,      // stallfree::linear_q8(x, qweight, scale_f32, bias_f32)
+  kQ8Blocks = 2,    // stallfree::linear_q8_blocks(x, qweight, block_scale, bias_f32)
+  kQ4 = 3,          // stallfree::linear_q4(x, codes, scale, offset, bias_f32)
+  kTorch = 4,       // at::linear(x, weight, bias)
+  kGroup = 5,       // stallfree::linear_group(x, weights): spec's next value is the count
+};
+
+struct Ops {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>
+      linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(
+          "stallfree::linear");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const std::vector<at::Tensor>&)> group =
+      op<at::Tensor(const at::Tensor&, const std::vector<at::Tensor>&)>("stallfree::linear_group");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const OptTensor&)>
+      q8 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const OptTensor&)>("stallfree::linear_q8");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const OptTensor&)>
+      q8_blocks = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const OptTensor&)>("stallfree::linear_q8_blocks");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const OptTensor&)>
+      q4 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, const OptTensor&)>("stallfree::linear_q4");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("stallfree::rms_norm");
+  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
+      add_rms_norm = op<std::tuple<at::Tensor, at::Tensor>(
+          const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
+          "stallfree::add_rms_norm");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul =
+      op<at::Tensor(const at::Tensor&)>("stallfree::silu_mul");
+  c10::TypedOperatorHandle<at::Tensor(
+      const at::Tensor&, int64_t, int64_t, const OptTensor&, const OptTensor&, const at::Tensor&,
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const at::Tensor&, std::optional<double>, std::optional<double>, std::optional<int64_t>)>
+      attention = op<at::Tensor(const at::Tensor&, int64_t, int64_t, const OptTensor&,
+                                const OptTensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, std::optional<double>, std::optional<double>,
+                                std::optional<int64_t>)>("stallfree::decode_attention_qkv");
+};
+
+const Ops& ops() {
+  static const Ops o;
+  return o;
+}
+
+// Reads projections off `params` / `spec` in order.
+struct Projections {
+  const c10::List<OptTensor>& params;
+  const std::vector<int64_t>& spec;
+  size_t p = 0, s = 0;
+
+  at::Tensor need(const char* what) {
+    TORCH_CHECK(p < params.size(), "decode_layers: params ran out at ", what);
+    OptTensor t = params.get(p++);
+    TORCH_CHECK(t.has_value(), "decode_layers: ", what, " is missing");
+    return *t;
+  }
+  OptTensor maybe() {
+    TORCH_CHECK(p < params.size(), "decode_layers: params ran out at a bias");
+    return params.get(p++);
+  }
+
+  at::Tensor apply(const at::Tensor& x) {
+    TORCH_CHECK(s < spec.size(), "decode_layers: spec ran out");
+    const Ops& o = ops();
+    switch (spec[s++]) {
+      case kNative: {
+        const at::Tensor w = need("a weight");
+        return o.linear.call(x, w, maybe());
+      }
+      case kQ8Rows: {
+        const at::Tensor q = need("int8 codes"), scale = need("row scales");
+        return o.q8.call(x, q, scale, maybe());
+      }
+      case kQ8Blocks: {
+        const at::Tensor q = need("int8 codes"), scale = need("block scales");
+        return o.q8_blocks.call(x, q, scale, maybe());
+      }
+      case kQ4: {
+        const at::Tensor c = need("int4 codes"), scale = need("group scales"),
+                         offset = need("group offsets");
+        return o.q4.call(x, c, scale, offset, maybe());
+      }
+      case kTorch: {
+        const at::Tensor w = need("a weight");
+        return at::linear(x, w, maybe());
+      }
+      case kGroup: {
+        TORCH_CHECK(s < spec.size(), "decode_layers: a group without its count");
+        const int64_t count = spec[s++];
+        std::vector<at::Tensor> ws;
+        for (int64_t i = 0; i < count; ++i) ws.push_back(need("a group's weight"));
+        return o.group.call(x, ws);
+      }
+      default:
+        TORCH_CHECK(false, "decode_layers: unknown projection kind ", spec[s - 1]);
+    }
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& h, const at::Tensor& cos, const at::Tensor& signed_sin,
+    const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+    const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
+    const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, int64_t num_heads,
+    int64_t num_kv_heads, std::optional<double> scale, const std::vector<at::Tensor>& norms,
+    double eps, const c10::List<OptTensor>& params, const std::vector<int64_t>& spec) {
+  const size_t layers = k_caches.size();
+  TORCH_CHECK(v_caches.size() == layers && norms.size() == 2 * layers,
+              "decode_layers: expected a K and V cache and two norms per layer");
+  const Ops& o = ops();
+  Projections proj{params, spec};
+  at::Tensor x, residual, out = h;
+  for (size_t l = 0; l < layers; ++l) {
+    if (l == 0) {
+      residual = out;
+      x = o.rms_norm.call(out, norms[0], eps);
+    } else {
+      std::tie(residual, x) = o.add_rms_norm.call(residual, out, norms[2 * l], eps);
+    }
+    const at::Tensor qkv = proj.apply(x);
+    const at::Tensor a = o.attention.call(qkv, num_heads, num_kv_heads, cos, signed_sin,
+                                          k_caches[l], v_caches[l], out_cache_loc, req_to_token,
+                                          req_pool_indices, seq_lens, scale, std::nullopt,
+                                          std::nullopt);
+    const at::Tensor attn = proj.apply(a);
+    std::tie(residual, x) = o.add_rms_norm.call(residual, attn, norms[2 * l + 1], eps);
+    out = proj.apply(o.silu_mul.call(proj.apply(x)));
+  }
+  TORCH_CHECK(proj.p == params.size() && proj.s == spec.size(),
+              "decode_layers: params or spec left over after the last layer");
+  return {out, residual};
+}
+
+}  // namespace
+}  // namespace sf
+
+TORCH_LIBRARY_FRAGMENT(stallfree, m) {
+  m.def(
+      "decode_layers(Tensor h, Tensor cos, Tensor signed_sin, Tensor(a!)[] k_caches, "
+      "Tensor(b!)[] v_caches, Tensor out_cache_loc, Tensor req_to_token, "
+      "Tensor req_pool_indices, Tensor seq_lens, int num_heads, int num_kv_heads, "
+      "float? scale, Tensor[] norms, float eps, Tensor?[] params, int[] spec) "
+      "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(stallfree, CPU, m) { m.impl("decode_layers", &sf::decode_layers); }

@@ -1,0 +1,207 @@
+"""A decode step's decoder layers as one native call (`torch.ops.stallfree.decode_layers`,
+csrc/layers.cpp): the loop of `LlamaDecoderLayer.fused_forward` driven from C++ over the same
+operators, so the result is bit for bit the Python loop's and only the Python between the
+calls (about 10 module calls, checks and frames per layer) is gone.
+
+It takes a step only where every layer would have run on native calls anyway: plain Llama
+layers (no q/k norm, no window, no soft-cap) with a joint q/k/v projection, a decode batch on
+the CPU with the kernels on, no LoRA rows, tensor-parallel size 1, not compiled. Each
+projection is described once per row count (`plan`) as a kind and its tensors; anything else
+(a projection that would not take its native kernel at this row count) leaves the step to
+Python. `STALLFREE_NATIVE_LOOP=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from stallfree.runtime.model import native_layers
+from stallfree.runtime.model.attention import PagedAttention
+from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.model.native_layers import NativeLinear
+from stallfree.runtime.model.quant import Int4Linear, Int8Linear
+
+if TYPE_CHECKING:
+    from stallfree.runtime.model.llama import LlamaDecoderLayer
+
+# csrc/layers.cpp's projection kinds
+NATIVE, Q8_ROWS, Q8_BLOCKS, Q4, TORCH, GROUP = range(6)
+
+
+def enabled() -> bool:
+    return os.environ.get("STALLFREE_NATIVE_LOOP", "1").strip().lower() not in (
+        "0",
+        "off",
+        "false",
+        "no",
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every layer's norms and projections for one row count, in `decode_layers`' order."""
+
+    norms: list[torch.Tensor]
+    params: list[torch.Tensor | None]
+    spec: list[int]
+
+
+def _projection(
+    module: nn.Module, rows: int, dtype: torch.dtype
+) -> tuple[list[int], list[torch.Tensor | None]] | None:
+    """How `module` runs `rows` rows of `dtype` in the Python loop, as a kind and its
+    tensors; None where that is not one of the kinds (the step stays in Python)."""
+    if isinstance(module, NativeLinear):
+        if (
+            dtype == torch.bfloat16
+            and module.weight.is_contiguous()
+            and rows <= native_layers.dense_max_rows()
+        ):
+            return [NATIVE], [module.weight, module.bias_f32]
+        return None
+    if isinstance(module, Int8Linear):
+        if not module.takes_native(rows, dtype):
+            return None
+        if module.block_scale is not None:
+            return [Q8_BLOCKS], [module.qweight, module.block_scale, module.bias_f32]
+        return [Q8_ROWS], [module.qweight, module.scale_f32, module.bias_f32]
+    if isinstance(module, Int4Linear):
+        if not module.takes_native(rows, dtype):
+            return None
+        return [Q4], [module.codes, module.q4_scale, module.q4_offset, module.bias_f32]
+    if type(module) is nn.Linear:
+        return [TORCH], [module.weight, module.bias]
+    return None
+
+
+def _group(
+    layers: list[nn.Module], rows: int, dtype: torch.dtype
+) -> tuple[list[int], list[torch.Tensor | None]] | None:
+    """`native_layers.grouped`'s one call for projections kept apart, where it applies."""
+    if rows > native_layers.dense_max_rows():
+        return None
+    weights: list[torch.Tensor | None] = []
+    for layer in layers:
+        if type(layer) is not nn.Linear or layer.bias is not None:
+            return None
+        w = layer.weight
+        if w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu":
+            return None
+        weights.append(w)
+    return [GROUP, len(weights)], weights
+
+
+def plan(layers: Sequence[LlamaDecoderLayer], rows: int, dtype: torch.dtype) -> Plan | None:
+    """The step's plan for `rows` rows of `dtype`, or None when a layer is not one the loop
+    runs exactly as Python would."""
+    norms: list[torch.Tensor] = []
+    params: list[torch.Tensor | None] = []
+    spec: list[int] = []
+    first = layers[0]
+    shape = (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim)
+    for layer in layers:
+        attn = layer.self_attn
+        mlp: Any = layer.mlp  # a dense MLP, or a mixture of experts (none of its projections)
+        if (
+            attn.q_norm is not None
+            or attn.tp.size != 1
+            or getattr(mlp, "tp", attn.tp).size != 1
+            or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != shape
+            or layer.input_layernorm.eps != first.input_layernorm.eps
+            or layer.post_attention_layernorm.eps != first.input_layernorm.eps
+        ):
+            return None
+        qkv = (
+            _projection(attn.qkv_proj, rows, dtype)
+            if attn.qkv_proj is not None
+            else _group([attn.q_proj, attn.k_proj, attn.v_proj], rows, dtype)
+        )
+        # a dense MLP (a mixture of experts has none of these)
+        fused, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
+        if down is None or (fused is None and not hasattr(mlp, "gate_proj")):
+            return None
+        gate_up = (
+            _projection(fused, rows, dtype)
+            if fused is not None
+            else _group([mlp.gate_proj, mlp.up_proj], rows, dtype)
+        )
+        parts = [qkv, _projection(attn.o_proj, rows, dtype), gate_up]
+        parts.append(_projection(down, rows, dtype))
+        for part in parts:
+            if part is None:
+                return None
+            spec += part[0]
+            params += part[1]
+        norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    return Plan(norms, params, spec)
+
+
+def run(
+    layers: Sequence[LlamaDecoderLayer],
+    backend: object,
+    h: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    fb: ForwardBatch,
+    plans: dict[tuple[int, torch.dtype], Plan | None],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the last layer's output, the residual stream before it), as `fused_forward`'s loop
+    returns them, or None when the step stays in Python. `plans` caches `plan` per row count
+    and dtype (the model's weights do not change once loaded)."""
+    if fb.mode is not ForwardMode.DECODE or fb.lora is not None or not layers:
+        return None
+    first = layers[0].self_attn
+    kv = fb.kv_cache
+    if (
+        not isinstance(backend, PagedAttention)
+        or not backend.takes_rope  # the Python loop's condition for the fused decode op
+        or not backend.plain(len(layers), kv.k_buffers[0].dtype)
+        or not backend.takes_qkv(
+            h.dtype, first.head_dim, first.num_heads, first.num_kv_heads, fb, rope
+        )
+    ):
+        return None
+    key = (h.shape[0], h.dtype)
+    if key not in plans:
+        plans[key] = plan(layers, h.shape[0], h.dtype)
+    step = plans[key]
+    if step is None:
+        return None
+    args = arguments(layers, backend, h, rope, fb, step)
+    out, residual = torch.ops.stallfree.decode_layers(*args)
+    return out, residual
+
+
+def arguments(
+    layers: Sequence[LlamaDecoderLayer],
+    backend: PagedAttention,
+    h: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    fb: ForwardBatch,
+    step: Plan,
+) -> tuple[object, ...]:
+    """`decode_layers`' arguments for this step."""
+    first = layers[0].self_attn
+    kv = fb.kv_cache
+    return (
+        h,
+        *rope,
+        kv.k_buffers,
+        kv.v_buffers,
+        fb.out_cache_loc,
+        fb.req_to_token,
+        fb.req_pool_indices,
+        fb.seq_lens,
+        first.num_heads,
+        first.num_kv_heads,
+        backend.scale,
+        step.norms,
+        layers[0].input_layernorm.eps,
+        step.params,
+        step.spec,
+    )
