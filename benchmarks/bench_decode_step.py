@@ -11,7 +11,10 @@ layers first (`runtime.torch_compile`) and times the step only. A step is `model
 decode batch of `--batch` requests with `--context` tokens of KV each (the KV and `req_to_token` filled once, no
 scheduler), timed as the median of `--steps`. Every linear layer (lm_head included) is timed
 on its own around the call, so "outside linears" is the step minus their sum: norms, RoPE,
-attention, residuals, dispatch. At batch 1 the weights a step reads (every linear weight once,
+attention, residuals, dispatch. The breakdown runs the layers in Python
+(`STALLFREE_NATIVE_LOOP=0`: the C++ layer loop makes no module calls to time); each step is
+also timed with the loop, whose linears are the same calls, and "outside linears" is given
+for it too. At batch 1 the weights a step reads (every linear weight once,
 packed bytes for quantized layers) over the linears' time is the achieved read bandwidth,
 printed beside the machine's own (best of 5 `sum`s over 256 MB at the same threads). The
 first round also records every format's next-token distributions over a fixed English text
@@ -182,16 +185,25 @@ def child(args: argparse.Namespace) -> None:
         fb = decode_batch(loaded, batch, args.context)
         for _ in range(3):
             loaded.model(fb)
-        steps, linears = [], []
+        # the linears are timed around their module calls, which the C++ layer loop does not
+        # make: the breakdown runs the layers in Python, then the same step with the loop
+        # (whose linears are the same calls on the same inputs)
+        steps, linears, looped = [], [], []
         for _ in range(args.steps):
+            os.environ["STALLFREE_NATIVE_LOOP"] = "0"
             timer.seconds = 0.0
             t0 = time.perf_counter()
             loaded.model(fb)
             steps.append(time.perf_counter() - t0)
             linears.append(timer.seconds)
+            os.environ["STALLFREE_NATIVE_LOOP"] = "1"
+            t0 = time.perf_counter()
+            loaded.model(fb)
+            looped.append(time.perf_counter() - t0)
         result[f"b{batch}"] = {
             "step": statistics.median(steps),
             "linear": statistics.median(linears),
+            "loop_step": statistics.median(looped),
         }
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.logprobs_out and args.model not in PRESETS and not compiled:
@@ -288,6 +300,12 @@ def main() -> None:
                     f"({achieved / med('bandwidth_gbs'):.0%} of the machine's)"
                 )
             print(line)
+            loop = statistics.median(r[f"b{batch}"].get("loop_step", 0.0) for r in results) * 1e3
+            if loop > 0:
+                print(
+                    f"             with the C++ layer loop: step {loop:7.2f} ms, outside "
+                    f"linears {loop - lin:6.2f} ms ({(loop - lin) / loop:5.1%})"
+                )
 
 
 if __name__ == "__main__":
