@@ -160,6 +160,10 @@ async def test_the_door_refuses_before_any_replica_sees_the_request(http):
         assert good.status_code == 200 and good.headers.get_list("x-request-id") == ["r1"]
         assert sum(len(f.bodies) for f in s.fakes) == 1
         assert sum(r.sent for r in s.front.replicas) == 1  # the refused ones were never placed
+        headers = {"authorization": "Bearer k", "host": "good.example"}
+        wrong_method = await http.delete(f"{s.url}/v1/completions", headers=headers)
+        assert wrong_method.status_code == 405
+        assert wrong_method.json()["error"]["type"] == "invalid_request_error"
 
 
 async def test_a_replica_that_exits_is_marked_down_and_skipped(http, caplog):

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from stallfree.entrypoints.replicas.front import Front
@@ -163,6 +164,13 @@ def create_front_app(front: Front) -> FastAPI:
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/{path:path}", relay, methods=["POST"])
     app.add_api_route("/{path:path}", forward_get, methods=["GET"])
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        # a method no route takes (405) and the like, in the OpenAI error shape
+        assert isinstance(exc, StarletteHTTPException)
+        return RouterError(exc.status_code, str(exc.detail)).response()
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
     limits = front.config.server
     # one server's door: the API key and the Host checked on the head before any body is
     # read, the body limits, the concurrency limit, the drain's 503, request ids
