@@ -4,7 +4,7 @@ A preset model (`--model`, random weights) and four random PEFT-format adapters 
 on every projection (written to a temporary directory); each round runs `--requests` greedy
 requests of `--new-tokens` tokens spread evenly over its adapters: first on an engine with LoRA
 off, then on one engine with LoRA on, with 0 (the base model's rows), 1 and 4 adapters active.
-Prints one line per round.
+Each round runs its requests twice and times the second. Prints one line per round.
 
     python benchmarks/bench_lora.py --requests 16 --new-tokens 32
 """
@@ -56,16 +56,16 @@ async def one_round(engine: Engine, names: list[str | None], args: argparse.Name
     """Generated tokens/s of `--requests` requests spread over `names` (None: the base)."""
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     prompts = [[(7 * i + j) % 4000 for j in range(args.prompt_len)] for i in range(args.requests)]
-    for name in names:  # warm up: every adapter in its slot
-        await engine.complete(prompts[0], params, lora_name=name)
-    start = time.perf_counter()
-    results = await asyncio.gather(
-        *(
-            engine.complete(p, params, lora_name=names[i % len(names)])
-            for i, p in enumerate(prompts)
+    seconds = 0.0
+    for _ in range(2):  # the first round warms up: every adapter in its slot, every shape seen
+        start = time.perf_counter()
+        results = await asyncio.gather(
+            *(
+                engine.complete(p, params, lora_name=names[i % len(names)])
+                for i, p in enumerate(prompts)
+            )
         )
-    )
-    seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start
     return sum(len(r.token_ids) for r in results) / seconds
 
 
