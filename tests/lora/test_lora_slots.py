@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from stallfree import Engine, SamplingParams
 from stallfree.runtime.lora.checkpoint import AdapterError, AdapterNotFoundError
@@ -189,3 +190,19 @@ async def test_a_request_cancelled_while_waiting_for_a_slot_holds_nothing(llama,
         assert after.token_ids == merged_greedy(llama, adapters["fused-r8"], [4, 5], NEW_TOKENS)
         await engine.wait_idle()
         assert engine.pool_usage().all_free
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+async def test_adapters_on_a_quantized_model(llama, adapters, quantization):
+    """The slots take the activations' dtype, whatever the base projections' weights are."""
+    name = "fused-r8"
+    model = {"quantization": quantization, "dtype": "bfloat16"}
+    async with Engine(lora_config(llama, {name: adapters[name]}, model=model)) as engine:
+        proj, _ = engine.lora.table.targets[(0, "q_proj")]
+        assert proj.a[0].dtype == torch.bfloat16
+        base = await engine.complete([1, 2, 3], PARAMS)
+        tuned = await engine.complete([1, 2, 3], PARAMS, lora_name=name)
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free
+    assert base.error is None and tuned.error is None
+    assert tuned.token_ids != base.token_ids

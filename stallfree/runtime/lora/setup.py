@@ -28,7 +28,7 @@ def build_lora(
             "LoRA adapters need a native decoder family in process (Llama, Qwen2/3, Mistral, "
             "Phi-3, Gemma); not the transformers fallback or worker processes"
         )
-    table = model_lora.install(loaded.model, cfg.max_loras, cfg.max_lora_rank)
+    table = model_lora.install(loaded.model, cfg.max_loras, cfg.max_lora_rank, loaded.dtype)
     served = config.server.model_name(config.model.path)
     names = tuple(dict.fromkeys((served, config.model.path, loaded.name)))
     return LoraRegistry(table, stream, cfg, loaded.dtype, names)

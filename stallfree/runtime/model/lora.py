@@ -196,13 +196,13 @@ class LoraSlots:
 _Group = tuple[nn.Module, str, list[tuple[str, int]], int]
 
 
-def install(model: LlamaForCausalLM, slots: int, max_rank: int) -> LoraSlots:
+def install(model: LlamaForCausalLM, slots: int, max_rank: int, dtype: torch.dtype) -> LoraSlots:
     """A LoRA wrapper for every attention and dense MLP projection of a Llama-family model
     (fused ones included), in place for the forwards whose `fb.lora` has adapter rows."""
     context = LoraContext()
     table = LoraSlots(context)
-    weight = next(model.parameters())
-    factory = {"device": weight.device, "dtype": weight.dtype}
+    # the activations' dtype: a quantized model's first weight may be int8
+    factory = {"device": model.model.norm.weight.device, "dtype": dtype}
     for i, layer in enumerate(model.model.layers):
         assert isinstance(layer, LlamaDecoderLayer)
         for owner, name, parts, width in _groups(layer, model.arch.hidden_size):
