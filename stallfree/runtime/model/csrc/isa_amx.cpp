@@ -24,6 +24,16 @@
 
 #include "kernels.h"
 
+// GCC 11 and Clang 12 were the first to know the AMX intrinsics; an older compiler builds the
+// rest of the library with the tiles reported missing (request_tiles below) rather than fail.
+#if (defined(__clang__) && __clang_major__ >= 12) || \
+    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define SF_HAVE_AMX 1
+#else
+#define SF_HAVE_AMX 0
+#endif
+
+#if SF_HAVE_AMX
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,amx-tile,amx-bf16")
 
@@ -139,3 +149,17 @@ void gemv_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, cons
 }  // namespace sf
 
 #pragma GCC pop_options
+
+#else  // no AMX intrinsics in this compiler: the tiles are never granted
+
+namespace sf {
+namespace amx {
+bool request_tiles() { return false; }
+int64_t packed_size(int64_t, int64_t) { return 0; }
+void pack_x(const uint16_t*, int64_t, int64_t, uint32_t*) {}
+void gemv_bf16(const uint32_t*, int64_t, int64_t, const uint16_t*, const float*, int64_t,
+               int64_t, Out) {}
+}  // namespace amx
+}  // namespace sf
+
+#endif  // SF_HAVE_AMX
