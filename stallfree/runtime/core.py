@@ -304,15 +304,17 @@ def _spec_policy(config: StallfreeConfig, ctx: BatchContext) -> SpecPolicy | Non
 
 def _overlap(config: StallfreeConfig, stream: DeviceStream) -> bool:
     """Whether the loop plans a step while the one before runs. Not with speculative decoding
-    in worker processes: a verify step lowers its rows' lengths on the device by the drafts it
-    rejects, and the host's replica of the device state (`ProcessStream`) takes that from the
-    step's answer (`RemoteExecutor`), so the next step is planned once it is in."""
+    in worker processes and legacy reads (`runtime.cpu_mirrors=false`): those read lengths
+    from the host's replica of the device state (`ProcessStream`), which learns a verify
+    step's lengths from its answer (`RemoteExecutor`), so the next step is planned once it is
+    in."""
     if not config.runtime.overlap:
         return False
-    if config.speculative.enabled and isinstance(stream, ProcessStream):
+    legacy = not config.runtime.cpu_mirrors
+    if legacy and config.speculative.enabled and isinstance(stream, ProcessStream):
         logger.info(
-            "speculative decoding with worker processes plans each step after the one before "
-            "(runtime.overlap is off for this engine)"
+            "speculative decoding with worker processes and runtime.cpu_mirrors=false plans "
+            "each step after the one before (runtime.overlap is off for this engine)"
         )
         return False
     return True

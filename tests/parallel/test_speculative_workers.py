@@ -54,28 +54,41 @@ def _spec_counts(snap: Any) -> tuple[int, int, int]:
     return (snap.spec.num_drafts, snap.spec.num_draft_tokens, snap.spec.num_accepted_tokens)
 
 
-@pytest.mark.parametrize(
-    ("layout", "method"),
-    [("worker-process", "ngram"), ("tp2-gloo", "ngram"), ("worker-process", "draft_model")],
-)
-async def test_greedy_output_through_workers_equals_in_process(llama, workload, layout, method):
+CASES = [
+    pytest.param("worker-process", "ngram", True, True, id="worker-ngram-overlap-mirrors"),
+    pytest.param("worker-process", "ngram", True, False, id="worker-ngram-overlap-legacy"),
+    pytest.param("worker-process", "ngram", False, True, id="worker-ngram-plain-mirrors"),
+    pytest.param("tp2-gloo", "ngram", True, True, id="tp2-ngram-overlap-mirrors"),
+    pytest.param("worker-process", "draft_model", True, True, id="worker-draft-overlap-mirrors"),
+]
+
+
+@pytest.mark.parametrize(("layout", "method", "overlap", "mirrors"), CASES)
+async def test_greedy_output_through_workers_equals_in_process(
+    llama, workload, layout, method, overlap, mirrors
+):
     """Chunked prefill, a pool small enough to retract mid-window, the prefix cache and the
     mirror checks; the same output as no speculation, and the same drafts offered and
-    accepted as the in-process engine planning one step at a time."""
+    accepted as the in-process engine in the same mode."""
     ref, _ = await generate(spec_config(llama, None, **stressed(4)), workload, 40)
     spec = method_spec(method, llama, 3)
-    plain = stressed(4)
-    plain["runtime"]["overlap"] = False
-    _, in_process = await generate(spec_config(llama, spec, **plain), workload, 40)
-    cfg = spec_config(llama, spec, **_layout(layout, stressed(4)))
+    mode = stressed(4)  # planned as the workers' engine plans (legacy: one step at a time)
+    mode["runtime"].update(overlap=overlap and mirrors, cpu_mirrors=mirrors)
+    _, in_process = await generate(spec_config(llama, spec, **mode), workload, 40)
+    mode = stressed(4)
+    mode["runtime"].update(overlap=overlap, cpu_mirrors=mirrors)
+    cfg = spec_config(llama, spec, **_layout(layout, mode))
     async with Engine(cfg) as engine:
-        assert engine.core.loop.overlap is False  # each step planned after the one before
+        # legacy reads come from the host replica: each step is planned after the one before
+        assert engine.core.loop.overlap is (overlap and mirrors)
         out = await run_all(engine, workload, 40)
         await engine.wait_idle()
         snap = engine.snapshot()
+        overlapped = engine.core.loop.stats.overlap_steps
     assert out == ref
     assert snap.pools.all_free
     assert snap.counters.retractions > 0  # the small pool retracted mid-window
+    assert (overlapped > 0) is (overlap and mirrors)
     assert _spec_counts(snap) == _spec_counts(in_process)
     assert snap.spec is not None and snap.spec.num_accepted_tokens > 0
     assert snap.spec.num_accepted_tokens < snap.spec.num_draft_tokens or method != "ngram"

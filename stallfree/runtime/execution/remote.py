@@ -56,6 +56,8 @@ class StepResult:
     step_seconds: float
     # the grammar part's stream -> host facts (`GrammarPlan.ended`, `.tokens`, `.seconds`)
     grammar: tuple[dict[int, tuple[str, str, int]], int, float] | None = None
+    # a verify step's rows' lengths as it left them (encoded [B] int64; speculation only)
+    lengths: Any = None
 
 
 class _TensorPickler(pickle.Pickler):
@@ -117,13 +119,13 @@ class RemoteExecutor:
         stream = self.remote
 
         grammar = args.plan.grammar if args.plan is not None else None
-        spec_rejected = _lower_by_rejected(args)
+        seq_lens = args.fb.seq_lens  # the host replica's tensor, not the message's copy
 
         def take(result: StepResult) -> None:
             token_ids_cpu.copy_(decode_tensor(result.token_ids))
-            if spec_rejected is not None:
-                with stream.packing():  # the replica of device state follows the device
-                    spec_rejected(token_ids_cpu)
+            if result.lengths is not None:
+                with stream.packing():  # the replica of device state follows the workers'
+                    seq_lens.copy_(decode_tensor(result.lengths))
             if grammar is not None and result.grammar is not None:
                 ended, tokens, seconds = result.grammar
                 grammar.ended.update(ended)
@@ -138,19 +140,3 @@ class RemoteExecutor:
             payload = dumps(message)
         stream.send_payload(payload, take)
         return stream.record_event()
-
-
-def _lower_by_rejected(args: StepArgs) -> Callable[[torch.Tensor], None] | None:
-    """A verify step lowers its rows' device lengths by the drafts each rejected (on the
-    workers' stream, `SpecDecoder.verify`); this does the same to the host's replica of those
-    lengths once the step's answer (tokens, accept counts, drafts carried) is in, so the next
-    step is planned from the lengths the workers hold. None for any other step."""
-    spec, fb = args.spec, args.fb
-    if fb.verify is None or spec is None or spec.ks is None:
-        return None
-    seq_lens, ks, accepted_col = fb.seq_lens, spec.ks, fb.verify.max_k + 1
-
-    def lower(answer: torch.Tensor) -> None:
-        seq_lens.sub_(ks - answer[:, accepted_col])
-
-    return lower

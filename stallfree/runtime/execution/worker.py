@@ -47,6 +47,7 @@ from stallfree.runtime.execution.remote import StepMessage, StepResult, StepUnpi
 from stallfree.runtime.execution.sampler import Sampler
 from stallfree.runtime.execution.speculative import SpecDecoder
 from stallfree.runtime.execution.speculative_setup import build_spec_decoder
+from stallfree.runtime.execution.worker_lengths import DeviceLengths, locate
 from stallfree.runtime.memory.pool import (
     KVCache,
     KVCacheShape,
@@ -237,6 +238,10 @@ class _Worker:
             faults=FaultInjector(faults) if faults.enabled else None,
             spec=self._spec_decoder(loaded, sampler),
         )
+        # speculation: the slots' lengths as this worker's stream leaves them
+        self.lengths = (
+            DeviceLengths(spec.req_slots, self.device) if spec.speculative is not None else None
+        )
 
     def _spec_decoder(self, loaded: LoadedModel, sampler: Sampler) -> SpecDecoder | None:
         """Speculative decoding's stream side on this rank, built as the in-process engine
@@ -274,27 +279,13 @@ class _Worker:
         device = self.device
         if device.type != "cpu":
             msg = _to_device(msg, device)
-        ctx = self.ctx
-        table = ctx.req_to_token_pool.req_to_token
-        for rows, cols, locs in msg.table_writes:
-            table[rows, cols] = locs
-        self._apply_imports(msg.imports)
         args = msg.args
-        fb = args.fb
-        fb.req_to_token, fb.kv_cache = table, ctx.kv_cache
-        host_buffer = ctx.stream.host_buffer
-        # the host's shapes: a verify step answers each row's tokens, accept count and drafts,
-        # and scores every position of its rows (`ModelRunner`'s planner)
-        scored, answer = fb.batch_size, [fb.batch_size]
-        if fb.verify is not None:
-            scored, answer = sum(fb.extend_lens_cpu), [fb.batch_size, fb.verify.max_k + 3]
-        args.token_ids_cpu = host_buffer(tuple(answer), torch.int64)
-        if args.plan is not None:
-            args.logprobs = LogprobBuffers.allocate(args.plan, scored, host_buffer)
+        self._prepare(msg)
         logprobs = args.logprobs
         comm_before = self._comm()
         with torch.inference_mode():
             self.executor.run_step(args)
+        lengths = self.lengths.record(args.fb) if self.lengths is not None else None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -313,7 +304,31 @@ class _Worker:
             }
         part = args.plan.grammar if args.plan is not None else None
         grammar = None if part is None else (part.ended, part.tokens, part.seconds)
-        return StepResult(encode_tensor(args.token_ids_cpu), lp, elapsed, grammar)
+        left = None if lengths is None else encode_tensor(lengths.cpu())
+        return StepResult(encode_tensor(args.token_ids_cpu), lp, elapsed, grammar, left)
+
+    def _prepare(self, msg: StepMessage) -> None:
+        """The step's table writes and imports; its positions, lengths and KV slots where this
+        worker holds them (`worker_lengths.py`); the answer's host buffers in the host's
+        shapes (a verify step answers each row's tokens, accept count and drafts, and scores
+        every position of its rows)."""
+        ctx, args = self.ctx, msg.args
+        fb = args.fb
+        table = ctx.req_to_token_pool.req_to_token
+        if self.lengths is not None:
+            self.lengths.place(fb)
+        for rows, cols, locs in msg.table_writes:
+            table[rows, cols] = locs
+        self._apply_imports(msg.imports)
+        locate(fb, table)
+        fb.req_to_token, fb.kv_cache = table, ctx.kv_cache
+        host_buffer = ctx.stream.host_buffer
+        scored, answer = fb.batch_size, [fb.batch_size]
+        if fb.verify is not None:
+            scored, answer = sum(fb.extend_lens_cpu), [fb.batch_size, fb.verify.max_k + 3]
+        args.token_ids_cpu = host_buffer(tuple(answer), torch.int64)
+        if args.plan is not None:
+            args.logprobs = LogprobBuffers.allocate(args.plan, scored, host_buffer)
 
     def _apply_imports(self, imports: list[tuple[Any, ...]]) -> None:
         """Imported KV (this rank's KV-head shard of each layer), first tokens and speculative

@@ -133,7 +133,10 @@ def alloc_for_decode(
             for r, n in zip(reqs, lens, strict=True)
         ]
     out_cache_loc = ctx.stream.upload(torch.tensor(locs, dtype=torch.int64))
-    write_req_to_token(ctx, req_pool_indices, seq_lens, out_cache_loc)
+    # NOTE: not journaled for worker processes: its columns are the device's lengths, which a
+    # worker holds itself (speculation lowers them on its stream), so each worker writes a
+    # decode step's entries at its own positions (execution/worker_lengths.py)
+    write_req_to_token(ctx, req_pool_indices, seq_lens, out_cache_loc, journal=False)
     return out_cache_loc
 
 
@@ -228,7 +231,11 @@ def write_history(
 
 
 def write_req_to_token(
-    ctx: BatchContext, rows: torch.Tensor, cols: torch.Tensor, locs: torch.Tensor
+    ctx: BatchContext,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    locs: torch.Tensor,
+    journal: bool = True,
 ) -> None:
     table = ctx.req_to_token_pool.req_to_token
 
@@ -236,7 +243,7 @@ def write_req_to_token(
         table[rows, cols] = locs
 
     ctx.stream.submit(write)
-    if ctx.table_journal is not None:
+    if journal and ctx.table_journal is not None:
         ctx.table_journal.append((rows, cols, locs))
 
 
