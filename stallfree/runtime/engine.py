@@ -96,7 +96,20 @@ class Engine:
         self._rid_counter = itertools.count()
         # every live request by id, and the steps of its life (runtime/request_table.py)
         self.requests = RequestTable(self.core)
-        self.lora = build_lora(self.config, self.core.loaded, self.core.stream)
+        self.lora = self._build_lora()
+
+    def _build_lora(self) -> LoraRegistry | None:
+        """The LoRA registry with `lora.lora_modules` loaded; a refused one fails the build
+        (its stream closed), naming why."""
+        try:
+            lora = build_lora(self.config, self.core.loaded, self.core.stream)
+            if lora is not None:
+                for module in self.config.lora.lora_modules:
+                    lora.load_now(module.name, module.path, module.base_model_name)
+        except BaseException:
+            self.core.stream.close()
+            raise
+        return lora
 
     def add_observer(self, observer: EngineObserver) -> None:
         """Subscribe to the engine's events (e.g. a metrics collector)."""
@@ -123,9 +136,6 @@ class Engine:
             raise RuntimeError("this engine was shut down; build a new one")
         self._loop = asyncio.get_running_loop()
         self._thread_id = threading.get_ident()
-        if self.lora is not None:
-            for module in self.config.lora.lora_modules:
-                await self.lora.load(module.name, module.path, module.base_model_name)
         self._loop_task = asyncio.create_task(self.core.loop.run(), name="stallfree-scheduler")
         self._loop_task.add_done_callback(self._on_loop_exit)
         self._state = "running"

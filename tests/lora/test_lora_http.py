@@ -150,3 +150,17 @@ async def test_chat_and_streams_run_under_the_adapter(live, llama, adapters):
     text = "".join([c.choices[0].text async for c in stream if c.choices])
     want = merged_greedy(llama, adapters["attn-r4"], prompt, N)
     assert text == live.engine.tokenizer.decode(want)
+
+
+def test_a_refused_lora_module_stops_serve_with_one_line(tmp_path, capsys):
+    from stallfree.entrypoints.cli import run
+
+    args = build_parser().parse_args(
+        ["serve", "--model", "tiny", "--device", "cpu", "--lora-modules", f"bad={tmp_path}"]
+    )
+    assert run(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        err[-1]
+        == f"stallfree: {str(tmp_path)!r} is not a LoRA adapter: it has no adapter_config.json"
+    )

@@ -71,7 +71,19 @@ class LoraRegistry:
     # ------------------------------------------------------------------ names
 
     async def load(self, name: str, path: str, base_model_name: str | None = None) -> LoraInfo:
-        """Register an adapter under `name`; `AdapterError` (400) says why one is refused."""
+        """Register an adapter under `name`; `AdapterError` (400) says why one is refused. The
+        checkpoint is read off the event loop."""
+        self._check_new(name, path, base_model_name)
+        adapter = await asyncio.to_thread(self._read, name, path)
+        self._check_new(name, path, base_model_name)  # loaded by another call meanwhile?
+        return self._register(name, path, adapter)
+
+    def load_now(self, name: str, path: str, base_model_name: str | None = None) -> LoraInfo:
+        """`load`, reading on this thread (the adapters of `lora.lora_modules`, at build)."""
+        self._check_new(name, path, base_model_name)
+        return self._register(name, path, self._read(name, path))
+
+    def _check_new(self, name: str, path: str, base_model_name: str | None) -> None:
         if not isinstance(name, str) or not name or len(name) > 256:
             raise AdapterError("lora_name must be a non-empty string of at most 256 characters")
         if not isinstance(path, str) or not path:
@@ -86,9 +98,8 @@ class LoraRegistry:
                 f"serves {self.base_names[0]!r}",
                 code="base_model_mismatch",
             )
-        adapter = await asyncio.to_thread(self._read, name, path)
-        if name in self.adapters:  # loaded by another call while this one read
-            raise AdapterError(f"the adapter {name!r} is already loaded", code="already_loaded")
+
+    def _register(self, name: str, path: str, adapter: LoraAdapter) -> LoraInfo:
         info = LoraInfo(name, path, next(self._uids), self.base_names[0], adapter.rank)
         self.adapters[name] = info
         self._keep(info.uid, adapter)
