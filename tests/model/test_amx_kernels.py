@@ -1,5 +1,5 @@
-"""The AMX tile path of the dense bfloat16 products (csrc/isa_amx.cpp): the same results as the
-AVX-512 kernel within bfloat16 rounding, at every row count it takes (4-16) and every weight
+"""The AMX tile paths (csrc/isa_amx.cpp): dense bfloat16 at 4-16 rows and int8 weights at 12-16
+rows give the same results as the AVX-512 kernels within rounding, at every row count it takes (4-16) and every weight
 height (whole blocks of 16 on the tiles, the rest on AVX-512), and switched off by the
 environment, by another variant and on CPUs that do not report AMX."""
 
@@ -126,3 +126,57 @@ def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.undo()
         cpu_kernels.reset()
         cpu_kernels.isa()
+
+
+@needs_amx
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    m=st.integers(12, 16),
+    n=st.integers(16, 70),
+    blocks=st.integers(1, 8),
+    per_block=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_int8_tiles_equal_the_avx512_kernel(
+    tiles: None, m: int, n: int, blocks: int, per_block: bool, seed: int
+) -> None:
+    """12-16 rows of int8 weights on the tiles: the same integer block sums as the AVX-512
+    kernel, scaled in another order (float32 outputs, so that order shows)."""
+    g = torch.Generator().manual_seed(seed)
+    k = 32 * blocks
+    x = torch.randn(m, k, generator=g)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) / 50
+    bscale = (torch.rand(n, blocks, generator=g) / 50).half()
+    bias = torch.randn(n, generator=g)
+
+    def run() -> torch.Tensor:
+        if per_block:
+            out: torch.Tensor = torch.ops.stallfree.linear_q8_blocks(x, q, bscale, bias)
+        else:
+            out = torch.ops.stallfree.linear_q8(x, q, scale, bias)
+        return out
+
+    on = run()
+    assert not torch.ops.stallfree.set_amx(False)
+    off = run()
+    assert torch.ops.stallfree.set_amx(True)
+    assert _rel(on, off.double()) < 1e-5
+
+
+@needs_amx
+def test_int8_tiles_run_from_twelve_rows(tiles: None) -> None:
+    """The tiles' order of scaling shows in float32 outputs at 12 rows and not at 11 (which
+    stay on the AVX-512 kernel)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (64, 256), generator=g, dtype=torch.int8)
+    bscale = (torch.rand(64, 8, generator=g) / 50).half()
+    for m, tiles_run in ((11, False), (12, True)):
+        x = torch.randn(m, 256, generator=g)
+        on = torch.ops.stallfree.linear_q8_blocks(x, q, bscale, None)
+        torch.ops.stallfree.set_amx(False)
+        off = torch.ops.stallfree.linear_q8_blocks(x, q, bscale, None)
+        torch.ops.stallfree.set_amx(True)
+        assert torch.equal(on, off) != tiles_run

@@ -35,7 +35,7 @@
 
 #if SF_HAVE_AMX
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,amx-tile,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16,amx-int8")
 
 namespace sf {
 namespace amx {
@@ -107,8 +107,8 @@ void block(const uint32_t* xp, int rows, int mc, int64_t k, const uint16_t* w, c
 bool request_tiles() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;
-  if (!tile || !bf16) return false;
+  const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u, int8 = (d >> 25) & 1u;
+  if (!tile || !bf16 || !int8) return false;
   // Linux hands out the tile data state per process, on request (ARCH_REQ_XCOMP_PERM)
   constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
@@ -145,6 +145,134 @@ void gemv_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, cons
   _tile_release();
 }
 
+// ---- int8 weights against activations quantised to blocks of 32 (Q8Act) -----------------
+//
+// Per block of 32 inputs, one `tdpbssd` gives the integer dot products of 16 weight rows with
+// every activation row; the block's scales (the activation's per row, the weight's per row or
+// per block) are applied to those sums in AVX-512 lanes, one lane per activation row, as the
+// AVX-512 kernel applies them per block. Two accumulator tiles alternate so a block's product
+// runs while the previous one is scaled.
+
+namespace {
+
+// tiles: 0, 1 the blocks' integer sums, 2, 3 the weights (16 rows x 32 bytes), 4, 5 the
+// activations (8 rows of 4-byte groups, one group per activation row)
+void configure_q8(int mc) {
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) cfg.rows[t] = 16;
+  cfg.rows[4] = cfg.rows[5] = 8;
+  cfg.colsb[0] = cfg.colsb[1] = static_cast<uint16_t>(4 * mc);
+  cfg.colsb[2] = cfg.colsb[3] = 32;
+  cfg.colsb[4] = cfg.colsb[5] = static_cast<uint16_t>(4 * mc);
+  _tile_loadconfig(&cfg);
+}
+
+// acc[r] += float(sums[r]) * scale of row r's block b, over the activation rows' lanes
+inline void scale_block(const int32_t (&sums)[16][16], __m512 (&acc)[16], __m512 ad,
+                        const uint16_t* bscale, int64_t row_stride, int64_t b) {
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) {
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(sums[r]));
+    const __m512 sc =
+        bscale ? _mm512_mul_ps(ad, _mm512_set1_ps(_cvtsh_ss(bscale[r * row_stride + b]))) : ad;
+    acc[r] = _mm512_fmadd_ps(v, sc, acc[r]);
+  }
+}
+
+void block_q8(const uint32_t* xp, const float* ad, int rows, int mc, int64_t k, const int8_t* w,
+              const float* scale, const uint16_t* bscale, const float* bias, int64_t n,
+              int64_t m0, Out out) {
+  const int64_t blocks = k / 32;
+  const char* wb = reinterpret_cast<const char*>(w + n * k);
+  const uint16_t* bs = bscale ? bscale + n * blocks : nullptr;
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  alignas(64) int32_t s0[16][16];
+  alignas(64) int32_t s1[16][16];
+  const int64_t bstride = 4 * mc;
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, wb + b * 32, k);
+    _tile_loadd(4, xp + b * 8 * mc, bstride);
+    _tile_loadd(3, wb + (b + 1) * 32, k);
+    _tile_loadd(5, xp + (b + 1) * 8 * mc, bstride);
+    _tile_dpbssd(0, 2, 4);
+    _tile_dpbssd(1, 3, 5);
+    _tile_stored(0, s0, 64);
+    _tile_stored(1, s1, 64);
+    scale_block(s0, acc, _mm512_loadu_ps(ad + b * 16), bs, blocks, b);
+    scale_block(s1, acc, _mm512_loadu_ps(ad + (b + 1) * 16), bs, blocks, b + 1);
+  }
+  if (b < blocks) {
+    _tile_zero(0);
+    _tile_loadd(2, wb + b * 32, k);
+    _tile_loadd(4, xp + b * 8 * mc, bstride);
+    _tile_dpbssd(0, 2, 4);
+    _tile_stored(0, s0, 64);
+    scale_block(s0, acc, _mm512_loadu_ps(ad + b * 16), bs, blocks, b);
+  }
+  alignas(64) float c[16][16];
+  for (int r = 0; r < 16; ++r) {
+    const float rs = scale ? scale[n + r] : 1.0f;
+    _mm512_store_ps(c[r], _mm512_mul_ps(acc[r], _mm512_set1_ps(rs)));
+  }
+  for (int i = 0; i < rows; ++i) {
+    float v[16];
+    for (int r = 0; r < 16; ++r) v[r] = c[r][i] + (bias ? bias[n + r] : 0.0f);
+    const int64_t at = (m0 + i) * out.ldo + n;
+    if (out.bf16) {
+      uint16_t* o = static_cast<uint16_t*>(out.ptr) + at;
+      for (int r = 0; r < 16; ++r) o[r] = f32_to_bf16(v[r]);
+    } else {
+      std::memcpy(static_cast<float*>(out.ptr) + at, v, sizeof v);
+    }
+  }
+}
+
+}  // namespace
+
+int64_t packed_q8_size(int64_t m, int64_t k) {
+  const int64_t mc = chunk_rows(m);
+  return (m + mc - 1) / mc * mc * (k / 4);
+}
+
+int64_t packed_q8_scales(int64_t m, int64_t k) {
+  const int64_t mc = chunk_rows(m);
+  return (m + mc - 1) / mc * (k / 32) * 16;
+}
+
+void pack_q8(const Q8Act& a, uint32_t* xp, float* ad) {
+  const int64_t m = a.m, k = a.k, mc = chunk_rows(m), blocks = k / 32;
+  for (int64_t m0 = 0; m0 < m; m0 += mc) {
+    uint32_t* dst = xp + m0 * (k / 4);
+    float* sc = ad + m0 / mc * blocks * 16;
+    for (int64_t g = 0; g < k / 4; ++g)
+      for (int64_t i = 0; i < mc; ++i) {
+        uint32_t four = 0;  // rows past m multiply as zeros
+        if (m0 + i < m) std::memcpy(&four, a.q + (m0 + i) * a.kp + 4 * g, 4);
+        dst[g * mc + i] = four;
+      }
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t i = 0; i < 16; ++i)
+        sc[b * 16 + i] = (i < mc && m0 + i < m) ? a.d[(m0 + i) * (a.kp / 32) + b] : 0.0f;
+  }
+}
+
+void gemv_q8(const uint32_t* xp, const float* ad, int64_t m, int64_t k, const int8_t* w,
+             const float* scale, const uint16_t* bscale, const float* bias, int64_t n0,
+             int64_t n1, Out out) {
+  const int mc = static_cast<int>(chunk_rows(m));
+  configure_q8(mc);
+  for (int64_t n = n0; n + 16 <= n1; n += 16)
+    for (int64_t m0 = 0; m0 < m; m0 += mc)
+      block_q8(xp + m0 * (k / 4), ad + m0 / mc * (k / 32) * 16,
+               static_cast<int>(std::min<int64_t>(mc, m - m0)), mc, k, w, scale, bscale, bias, n,
+               m0, out);
+  _tile_release();
+}
+
 }  // namespace amx
 }  // namespace sf
 
@@ -159,6 +287,11 @@ int64_t packed_size(int64_t, int64_t) { return 0; }
 void pack_x(const uint16_t*, int64_t, int64_t, uint32_t*) {}
 void gemv_bf16(const uint32_t*, int64_t, int64_t, const uint16_t*, const float*, int64_t,
                int64_t, Out) {}
+int64_t packed_q8_size(int64_t, int64_t) { return 0; }
+int64_t packed_q8_scales(int64_t, int64_t) { return 0; }
+void pack_q8(const Q8Act&, uint32_t*, float*) {}
+void gemv_q8(const uint32_t*, const float*, int64_t, int64_t, const int8_t*, const float*,
+             const uint16_t*, const float*, int64_t, int64_t, Out) {}
 }  // namespace amx
 }  // namespace sf
 

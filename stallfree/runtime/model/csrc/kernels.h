@@ -95,6 +95,16 @@ void pack_x(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp);
 // rest on the AVX-512 variant); `xp` from pack_x
 void gemv_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, const float* bias,
                int64_t n0, int64_t n1, Out out);
+// the quantised activations' codes in the int8 tiles' order (`packed_q8_size` uint32 values)
+// and their block scales, 16 lanes per block and chunk (`packed_q8_scales` floats)
+int64_t packed_q8_size(int64_t m, int64_t k);
+int64_t packed_q8_scales(int64_t m, int64_t k);
+void pack_q8(const Q8Act& a, uint32_t* xp, float* ad);
+// gemv_q8's product (row `scale` or float16 `bscale` per block of 32) for the whole blocks of
+// 16 output rows in [n0, n1)
+void gemv_q8(const uint32_t* xp, const float* ad, int64_t m, int64_t k, const int8_t* w,
+             const float* scale, const uint16_t* bscale, const float* bias, int64_t n0,
+             int64_t n1, Out out);
 }  // namespace amx
 
 // the variant set_isa selected ("avx512", "avx2"), or nullptr when none is (ops.cpp)
