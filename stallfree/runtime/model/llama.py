@@ -370,7 +370,7 @@ class LlamaForCausalLM(nn.Module):
             residual: torch.Tensor | None = None
             looped = None
             if native_loop.enabled():
-                layers = cast(list[LlamaDecoderLayer], list(self.model.layers))
+                layers = list(self.model.layers)
                 looped = native_loop.run(layers, backend, h, rope, fb, self._loop_plans)
             if looped is not None:
                 h, residual = looped

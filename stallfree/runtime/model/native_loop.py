@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,8 +27,9 @@ from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.native_layers import NativeLinear
 from stallfree.runtime.model.quant import Int4Linear, Int8Linear
 
-if TYPE_CHECKING:
-    from stallfree.runtime.model.llama import LlamaDecoderLayer
+# The layers are llama.py's `LlamaDecoderLayer`s (llama.py imports this module, so they are
+# typed by what is read off them here, not by that class)
+Layer = Any
 
 # csrc/layers.cpp's projection kinds
 NATIVE, Q8_ROWS, Q8_BLOCKS, Q4, TORCH, GROUP = range(6)
@@ -97,7 +98,7 @@ def _group(
     return [GROUP, len(weights)], weights
 
 
-def plan(layers: Sequence[LlamaDecoderLayer], rows: int, dtype: torch.dtype) -> Plan | None:
+def plan(layers: Sequence[Layer], rows: int, dtype: torch.dtype) -> Plan | None:
     """The step's plan for `rows` rows of `dtype`, or None when a layer is not one the loop
     runs exactly as Python would."""
     norms: list[torch.Tensor] = []
@@ -143,7 +144,7 @@ def plan(layers: Sequence[LlamaDecoderLayer], rows: int, dtype: torch.dtype) -> 
 
 
 def run(
-    layers: Sequence[LlamaDecoderLayer],
+    layers: Sequence[Layer],
     backend: object,
     h: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
@@ -178,7 +179,7 @@ def run(
 
 
 def arguments(
-    layers: Sequence[LlamaDecoderLayer],
+    layers: Sequence[Layer],
     backend: PagedAttention,
     h: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
