@@ -20,11 +20,11 @@ from stallfree.entrypoints.router.dispatch import (
     Plan,
     Relay,
     Router,
-    leg_failure,
     logger,
     stop_task,
     until_disconnect,
 )
+from stallfree.entrypoints.router.leg_failure import leg_failure
 from stallfree.entrypoints.router.pool import Server
 
 

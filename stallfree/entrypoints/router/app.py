@@ -23,12 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from stallfree.entrypoints.router.dispatch import (
-    CLIENT_CLOSED_REQUEST,
-    Router,
-    encode_json,
-    error_payload,
-)
+from stallfree.entrypoints.router.dispatch import CLIENT_CLOSED_REQUEST, Router, encode_json
+from stallfree.entrypoints.router.leg_failure import error_payload
 from stallfree.entrypoints.router.pool import HEALTH_TIMEOUT_S
 
 _CLOSE = (b"connection", b"close")

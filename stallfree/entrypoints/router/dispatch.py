@@ -30,6 +30,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from stallfree.entrypoints.router.flags import RouterSettings
+from stallfree.entrypoints.router.leg_failure import Answer, LegFailure, leg_failure, passed_headers
 from stallfree.entrypoints.router.metrics import RouterMetrics
 from stallfree.entrypoints.router.pool import Health, Server, ServerPool, describe
 from stallfree.entrypoints.router.stale_connections import send_fresh_on_stale
@@ -49,9 +50,6 @@ KEEPALIVE_S = 2.0
 LEG_FIELDS = frozenset(
     {"bootstrap_host", "bootstrap_port", "bootstrap_room", "stream", "stream_options"}
 )
-# the headers of an upstream answer passed on to the client; the rest (length, framing,
-# connection) are the router's own connection's business
-_PASSED = frozenset({"content-type", "cache-control", "x-accel-buffering", "retry-after"})
 _JSON = (b"content-type", b"application/json")
 
 
@@ -76,80 +74,6 @@ def join_objects(*objects: bytes) -> bytes:
     return b"{" + b",".join(members) + b"}"
 
 
-def error_payload(message: str, type: str, code: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": None, "code": code}}
-
-
-class LegFailure(Exception):
-    """A leg that failed: the server answered an error (`status`, `body`), or its connection
-    failed or broke off (`status` None; `gateway_status` is what the client gets)."""
-
-    def __init__(
-        self,
-        leg: str,
-        server: Server,
-        reason: str,
-        status: int | None = None,
-        body: bytes = b"",
-        headers: list[tuple[bytes, bytes]] | None = None,
-        gateway_status: int = 502,
-    ) -> None:
-        super().__init__(f"{leg} server {server.url} failed: {reason}")
-        self.leg = leg
-        self.server = server
-        self.status = status
-        self.body = body
-        self.headers = headers or []  # what the client may see of the server's answer's head
-        self.gateway_status = gateway_status
-
-    @classmethod
-    def of(cls, leg: str, server: Server, exc: httpx.HTTPError) -> LegFailure:
-        if isinstance(exc, httpx.TimeoutException):
-            return cls(leg, server, f"no answer in time ({describe(exc)})", gateway_status=504)
-        return cls(leg, server, describe(exc))
-
-    @classmethod
-    def answered(cls, leg: str, server: Server, resp: httpx.Response, body: bytes) -> LegFailure:
-        head = _passed(resp.headers)
-        return cls(leg, server, f"HTTP {resp.status_code}", resp.status_code, body, head)
-
-    @property
-    def message(self) -> str:
-        return str(self)
-
-    def error(self) -> dict[str, Any]:
-        """The OpenAI-shaped error this failure shows the client: the server's own when its
-        body was one, else the router's naming the server."""
-        if self.status is not None:
-            try:
-                payload = json.loads(self.body)
-            except ValueError:
-                payload = None
-            if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
-                return payload
-        return error_payload(self.message, "upstream_error", self.gateway_status)
-
-
-@dataclass(slots=True)
-class Answer:
-    """A whole (not event-stream) answer of the decode leg, sent once it is complete."""
-
-    status: int
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
-
-
-def leg_failure(task: asyncio.Task[Any]) -> LegFailure | None:
-    """A finished leg's failure, None when it succeeded; anything else it raised (a bug)
-    propagates."""
-    if task.cancelled():
-        return None
-    exc = task.exception()
-    if exc is None or isinstance(exc, LegFailure):
-        return exc
-    raise exc
-
-
 async def stop_task(task: asyncio.Task[Any]) -> None:
     """Cancel `task` unless it is done, and wait until it is; its outcome is read, so nothing
     is logged as never retrieved."""
@@ -164,10 +88,6 @@ async def until_disconnect(receive: Receive) -> None:
     # the body has been read whole: the next message is the client leaving
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-def _passed(headers: httpx.Headers) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in headers.raw if k.lower().decode("latin-1") in _PASSED]
 
 
 @dataclass(slots=True)
@@ -324,7 +244,7 @@ class Relay(Response):
                 await self._relay_stream(server, resp, send)
                 return None
             body_read = await self._read(server, resp, timed=True)
-            return Answer(resp.status_code, _passed(resp.headers), body_read)
+            return Answer(resp.status_code, passed_headers(resp.headers), body_read)
         finally:
             await resp.aclose()
 
@@ -350,7 +270,7 @@ class Relay(Response):
     async def _relay_stream(self, server: Server, resp: httpx.Response, send: Send) -> None:
         self.started = True  # before the send: a cancelled send may still have gone out
         self.answer_status = resp.status_code
-        head = [*_passed(resp.headers), self._request_id_header()]
+        head = [*passed_headers(resp.headers), self._request_id_header()]
         await send({"type": "http.response.start", "status": resp.status_code, "headers": head})
         try:
             async for chunk in resp.aiter_bytes():
