@@ -18,6 +18,7 @@ never sees a slot change under it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stallfree.runtime.model import native_layers
 from stallfree.runtime.model.forward_batch import LoraBatch
-from stallfree.runtime.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from stallfree.runtime.model.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+)
 
 # the two-product path over the whole batch runs while the used slots' ranks side by side are
 # at most this share of the input width (its extra work over the base projection); past it,
@@ -60,7 +67,7 @@ class LoraProjection(nn.Module):
 
     def __init__(
         self,
-        base: nn.Module,
+        base: Callable[[torch.Tensor], torch.Tensor] | None,
         parts: list[tuple[str, int]],
         in_features: int,
         slots: int,
@@ -99,7 +106,12 @@ class LoraProjection(nn.Module):
         self.state[slot][part] = SlotPart(rank, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.base(x)
+        assert self.base is not None
+        return self.add_deltas(x, self.base(x))
+
+    def add_deltas(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` (the base projection of `x`, every part side by side) plus each token's
+        adapter's deltas, in place."""
         batch = self.context.batch
         if batch is None:
             return out
@@ -164,10 +176,12 @@ class LoraSlots:
     context: LoraContext
     targets: dict[tuple[int, str], tuple[LoraProjection, int]] = field(default_factory=dict)
     shapes: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)  # (in, out)
-    # (module, attribute, its plain projection, its wrapper): the wrappers are in place only
-    # for a step with adapter rows, so a step without any runs the model as it was (the
-    # native kernels' grouped q/k/v and gate/up calls take plain linears only)
-    sites: list[tuple[nn.Module, str, nn.Module, LoraProjection]] = field(default_factory=list)
+    # (module, attribute, its plain value, its wrapper): the wrappers are in place only for a
+    # step with adapter rows, so a step without any runs the model as it was. A plain value
+    # of None: the wrapper overrides a method on the instance (`_JointQKV`, `_MlpForward`)
+    sites: list[tuple[nn.Module, str, nn.Module | None, Callable[..., torch.Tensor]]] = field(
+        default_factory=list
+    )
     wrapped: bool = False
 
     def write(
@@ -187,9 +201,46 @@ class LoraSlots:
         self.context.batch = batch
         wanted = batch is not None
         if wanted != self.wrapped:
-            for owner, name, plain, proj in self.sites:
-                setattr(owner, name, proj if wanted else plain)
+            for owner, name, plain, wrapper in self.sites:
+                if plain is not None:
+                    setattr(owner, name, wrapper if wanted else plain)
+                elif wanted:
+                    owner.__dict__[name] = wrapper  # found before the class's method
+                else:
+                    owner.__dict__.pop(name, None)
             self.wrapped = wanted
+
+
+class _JointQKV:
+    """An unfused attention's q, k and v side by side as its `joint_qkv` makes them (one
+    grouped native call where it applies), else the three calls concatenated."""
+
+    def __init__(self, attn: LlamaAttention) -> None:
+        self.attn = attn
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        attn = self.attn
+        out = type(attn).joint_qkv(attn, h)
+        if out is None:
+            out = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
+        return out
+
+
+class _MlpForward:
+    """An unfused `LlamaMLP`'s forward with the gate/up deltas added between its (grouped)
+    gate and up projection and the activation; `down_proj` is wrapped on its own."""
+
+    def __init__(self, mlp: LlamaMLP, gate_up: LoraProjection) -> None:
+        self.mlp, self.gate_up = mlp, gate_up
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.mlp
+        gate_up = native_layers.grouped([mlp.gate_proj, mlp.up_proj], x)
+        if gate_up is None:
+            gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
+        gate_up = self.gate_up.add_deltas(x, gate_up)
+        out: torch.Tensor = mlp.down_proj(native_layers.silu_mul(gate_up))
+        return out
 
 
 # (module owning the projection, its attribute, its parts (target, width), its input width)
@@ -206,9 +257,20 @@ def install(model: LlamaForCausalLM, slots: int, max_rank: int, dtype: torch.dty
     for i, layer in enumerate(model.model.layers):
         assert isinstance(layer, LlamaDecoderLayer)
         for owner, name, parts, width in _groups(layer, model.arch.hidden_size):
-            base = getattr(owner, name)
-            proj = LoraProjection(base, parts, width, slots, max_rank, context, **factory)
-            table.sites.append((owner, name, base, proj))
+            if name == "joint_qkv":
+                assert isinstance(owner, LlamaAttention)
+                proj = LoraProjection(
+                    _JointQKV(owner), parts, width, slots, max_rank, context, **factory
+                )
+                table.sites.append((owner, name, None, proj))
+            elif name == "forward":
+                assert isinstance(owner, LlamaMLP)
+                proj = LoraProjection(None, parts, width, slots, max_rank, context, **factory)
+                table.sites.append((owner, name, None, _MlpForward(owner, proj)))
+            else:
+                base = getattr(owner, name)
+                proj = LoraProjection(base, parts, width, slots, max_rank, context, **factory)
+                table.sites.append((owner, name, base, proj))
             for p, (target, out) in enumerate(parts):
                 table.targets[(i, target)] = (proj, p)
                 table.shapes[(i, target)] = (width, out)
@@ -224,17 +286,17 @@ def _groups(layer: LlamaDecoderLayer, hidden: int) -> list[_Group]:
     q_out, kv_out = attn.qkv_split[0], attn.qkv_split[1]
     qkv = [("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)]
     groups: list[_Group] = []
-    if attn.qkv_proj is not None:
-        groups.append((attn, "qkv_proj", qkv, hidden))
-    else:
-        groups += [(attn, n, [(n, w)], hidden) for n, w in qkv]
+    # unfused q/k/v: one wrapper over `joint_qkv`, which keeps its grouped native call
+    groups.append((attn, "qkv_proj" if attn.qkv_proj is not None else "joint_qkv", qkv, hidden))
     groups.append((attn, "o_proj", [("o_proj", hidden)], q_out))
     if isinstance(mlp, LlamaMLP):
         inter = mlp.inter
         gate_up = [("gate_proj", inter), ("up_proj", inter)]
         if mlp.gate_up_proj is not None:
             groups.append((mlp, "gate_up_proj", gate_up, hidden))
-        else:
+        elif type(mlp) is LlamaMLP:  # its own forward, with the grouped gate/up call kept
+            groups.append((mlp, "forward", gate_up, hidden))
+        else:  # a family's own MLP (its activation): each projection wrapped
             groups += [(mlp, n, [(n, w)], hidden) for n, w in gate_up]
         groups.append((mlp, "down_proj", [("down_proj", hidden)], inter))
     return groups
