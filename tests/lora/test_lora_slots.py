@@ -12,6 +12,7 @@ import torch
 
 from stallfree import Engine, SamplingParams
 from stallfree.runtime.lora.checkpoint import AdapterError, AdapterNotFoundError
+from stallfree.runtime.model.lora import TARGETS
 from tests.engine_util import engine_config, random_prompts
 from tests.lora.test_lora_engine import NEW_TOKENS, PROMPTS, lora_config
 from tests.lora_models import ADAPTERS, make_adapter, merged_greedy
@@ -206,3 +207,19 @@ async def test_adapters_on_a_quantized_model(llama, adapters, quantization):
         assert engine.pool_usage().all_free
     assert base.error is None and tuned.error is None
     assert tuned.token_ids != base.token_ids
+
+
+async def test_a_family_with_its_own_mlp(tmp_path):
+    """Gemma 2 (its own MLP activation and attention): the per-projection wrappers equal
+    transformers + peft merged."""
+    from tests.hf_models import make_gemma2
+
+    model = make_gemma2(tmp_path)
+    path = make_adapter(model, tmp_path / "g", r=8, lora_alpha=8, target_modules=list(TARGETS))
+    prompts = PROMPTS[:3]
+    async with Engine(lora_config(str(model), {"g": str(path)})) as engine:
+        results = await asyncio.gather(
+            *(engine.complete(p, PARAMS, lora_name="g") for p in prompts)
+        )
+    for p, r in zip(prompts, results, strict=True):
+        assert r.token_ids == merged_greedy(model, path, p, NEW_TOKENS)
