@@ -48,7 +48,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(("dtype", "quantization"), FORMATS)
-@pytest.mark.parametrize("lens", [[7], [5, 17, 33]])
+@pytest.mark.parametrize("lens", [[7], [5, 17, 33], [9 + i for i in range(20)]])
 def test_loop_equals_the_python_loop_bit_for_bit(
     llama_dir: Path, dtype: str, quantization: str, lens: list[int],
     monkeypatch: pytest.MonkeyPatch,
@@ -56,7 +56,11 @@ def test_loop_equals_the_python_loop_bit_for_bit(
     python, none = _step(llama_dir, dtype, quantization, lens, False, monkeypatch)
     looped, plans = _step(llama_dir, dtype, quantization, lens, True, monkeypatch)
     assert none == {}  # off: never planned
-    assert plans[(len(lens), getattr(torch, dtype))] is not None  # on: the loop ran
+    planned = plans[(len(lens), getattr(torch, dtype))]
+    # 20 rows: past the integer kernels' rows (a prompt-sized product in Python) and the
+    # grouped float32 call's; bfloat16's projections go to F.linear in both loops
+    loop_runs = len(lens) <= 16 or (dtype == "bfloat16" and quantization == "none")
+    assert (planned is not None) == loop_runs
     assert torch.equal(python, looped)
 
 

@@ -65,7 +65,8 @@ def _projection(
             and rows <= native_layers.dense_max_rows()
         ):
             return [NATIVE], [module.weight, module.bias_f32]
-        return None
+        # more rows: NativeLinear.forward's own fallback, F.linear with the layer's bias
+        return [TORCH], [module.weight, module.bias]
     if isinstance(module, Int8Linear):
         if not module.takes_native(rows, dtype):
             return None
