@@ -26,6 +26,25 @@ def pytest_asyncio_loop_factories(config, item):
     return {"uvloop": uvloop.new_event_loop}
 
 
+@pytest.fixture(autouse=True)
+def logging_restored() -> Iterator[None]:
+    """The loggers a server configures, as they were before each test: `configure_logging`
+    (a server or replicas front started in the test's process) stops the `stallfree` loggers'
+    propagation and gives them a handler on that test's captured stderr, which later tests'
+    caplog and log lines would otherwise meet (no records, or a closed file)."""
+    import logging
+
+    names = ["stallfree", "stallfree.router", "uvicorn", "uvicorn.error", "uvicorn.access"]
+    loggers = [logging.getLogger(name) for name in names]
+    saved = [(lg.handlers[:], lg.propagate, lg.level, lg.disabled) for lg in loggers]
+    try:
+        yield
+    finally:
+        for lg, (handlers, propagate, level, disabled) in zip(loggers, saved, strict=True):
+            lg.handlers[:] = handlers
+            lg.propagate, lg.level, lg.disabled = propagate, level, disabled
+
+
 @pytest.fixture(scope="session", autouse=True)
 def gguf_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """GGUF start-up cache entries (gguf_cache.py) go to the run's own directory, not the

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import re
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
@@ -248,22 +248,6 @@ def _formatted(logger: str, message: str = "hello") -> str:
     return handlers[0].format(record)
 
 
-@pytest.fixture
-def logging_restored() -> Iterator[None]:
-    """The loggers the server configures, as they were: `configure_logging` stops the
-    `stallfree` loggers' propagation, which the other tests' caplog relies on."""
-    names = ["stallfree", "uvicorn", "uvicorn.error", "uvicorn.access"]
-    loggers = [logging.getLogger(name) for name in names]
-    saved = [(lg.handlers[:], lg.propagate, lg.level, lg.disabled) for lg in loggers]
-    try:
-        yield
-    finally:
-        for lg, (handlers, propagate, level, disabled) in zip(loggers, saved, strict=True):
-            lg.handlers[:] = handlers
-            lg.propagate, lg.level, lg.disabled = propagate, level, disabled
-
-
-@pytest.mark.usefixtures("logging_restored")
 def test_every_log_line_starts_with_its_time(llama):
     config = engine_config(llama)
     uvicorn_config(create_app(config), config)  # uvicorn configures its loggers here
