@@ -42,9 +42,11 @@ class Calls:
         self.made: list[tuple[str, Any]] = []
         generate = engine.generate
 
-        def recorded(prompt: Any, params: Any, rid: Any = None) -> AsyncIterator[Any]:
+        def recorded(
+            prompt: Any, params: Any, rid: Any = None, **kwargs: Any
+        ) -> AsyncIterator[Any]:
             self.made.append((rid, params))
-            return generate(prompt, params, rid)
+            return generate(prompt, params, rid, **kwargs)
 
         monkeypatch.setattr(engine, "generate", recorded)
 
@@ -347,9 +349,11 @@ async def test_a_stream_holds_a_choice_back_until_its_prompt_s_logprobs_arrive(m
         release = asyncio.Event()
         finished: set[str] = set()
 
-        async def delayed(prompt: Any, params: Any, rid: Any = None) -> AsyncIterator[Any]:
+        async def delayed(
+            prompt: Any, params: Any, rid: Any = None, **kwargs: Any
+        ) -> AsyncIterator[Any]:
             first = True
-            async for chunk in generate(prompt, params, rid):
+            async for chunk in generate(prompt, params, rid, **kwargs):
                 if first and rid.endswith("-0"):
                     await release.wait()  # held until every other choice has finished
                 first = False
