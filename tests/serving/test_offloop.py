@@ -59,11 +59,11 @@ class HeldRender:
         self.threads: list[threading.Thread] = []
         tokenizer.apply_chat_template = self
 
-    def __call__(self, messages: list[dict[str, Any]]) -> str:
+    def __call__(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         self.threads.append(threading.current_thread())
         self.started.set()
         self.released.append(self.release.wait(HOLD_S))
-        return self.render(messages)
+        return self.render(messages, **kwargs)
 
     async def wait_started(self) -> None:
         deadline = time.monotonic() + 2 * HOLD_S
