@@ -160,11 +160,11 @@ async def test_health_keeps_answering_while_large_chat_bodies_render():
         rendering = 0
         answered_while_rendering = 0
 
-        def counted(messages: list[dict[str, Any]]) -> str:
+        def counted(messages: list[dict[str, Any]], **kwargs: Any) -> str:
             nonlocal rendering
             rendering += 1
             try:
-                return render(messages)
+                return render(messages, **kwargs)
             finally:
                 rendering -= 1
 
