@@ -113,16 +113,25 @@ def grouped(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor | None:
     gate/up."""
     if not applies(x) or x.numel() > dense_max_rows() * x.shape[-1]:
         return None
+    weights = group_weights(layers, x.dtype)
+    if weights is None:
+        return None
+    out: torch.Tensor = torch.ops.stallfree.linear_group(x, weights)
+    return out
+
+
+def group_weights(layers: list[nn.Module], dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """The weights `grouped` hands its one call for inputs in `dtype` (plain linears without
+    bias, contiguous, on the CPU, in `dtype`), or None where any layer is not one."""
     weights: list[torch.Tensor] = []
     for layer in layers:
         if not isinstance(layer, nn.Linear) or layer.bias is not None:
             return None
         w = layer.weight
-        if w.dtype != x.dtype or not w.is_contiguous() or w.device.type != "cpu":
+        if w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu":
             return None
         weights.append(w)
-    out: torch.Tensor = torch.ops.stallfree.linear_group(x, weights)
-    return out
+    return weights
 
 
 class NativeLinear(nn.Linear):

@@ -88,15 +88,10 @@ def _group(
     """`native_layers.grouped`'s one call for projections kept apart, where it applies."""
     if rows > native_layers.dense_max_rows():
         return None
-    weights: list[torch.Tensor | None] = []
-    for layer in layers:
-        if type(layer) is not nn.Linear or layer.bias is not None:
-            return None
-        w = layer.weight
-        if w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu":
-            return None
-        weights.append(w)
-    return [GROUP, len(weights)], weights
+    weights = native_layers.group_weights(layers, dtype)
+    if weights is None:
+        return None
+    return [GROUP, len(weights)], list(weights)
 
 
 def plan(layers: Sequence[Layer], rows: int, dtype: torch.dtype) -> Plan | None:
