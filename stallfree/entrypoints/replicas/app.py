@@ -31,7 +31,7 @@ from stallfree.entrypoints.replicas.front import Front
 from stallfree.entrypoints.replicas.metrics import merge_expositions
 from stallfree.entrypoints.replicas.placement import NoReplica, prompt_key
 from stallfree.entrypoints.replicas.relay import ReplicaRelay
-from stallfree.entrypoints.router.app import RouterError, read_body
+from stallfree.entrypoints.router.app import RouterError, openai_http_error, read_body
 from stallfree.entrypoints.router.dispatch import CLIENT_CLOSED_REQUEST, Plan
 from stallfree.entrypoints.router.pool import HEALTH_TIMEOUT_S, describe
 from stallfree.entrypoints.server.transport.guard import Guard
@@ -165,12 +165,7 @@ def create_front_app(front: Front) -> FastAPI:
     app.add_api_route("/{path:path}", relay, methods=["POST"])
     app.add_api_route("/{path:path}", forward_get, methods=["GET"])
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        # a method no route takes (405) and the like, in the OpenAI error shape
-        assert isinstance(exc, StarletteHTTPException)
-        return RouterError(exc.status_code, str(exc.detail)).response()
-
-    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(StarletteHTTPException, openai_http_error)
     limits = front.config.server
     # one server's door: the API key and the Host checked on the head before any body is
     # read, the body limits, the concurrency limit, the drain's 503, request ids

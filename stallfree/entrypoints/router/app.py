@@ -100,6 +100,13 @@ def parse_object(raw: bytes) -> dict[str, Any]:
     return value
 
 
+async def openai_http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own HTTP errors (a method no route takes: 405, and the like) in the OpenAI
+    error shape, as one server answers them."""
+    assert isinstance(exc, StarletteHTTPException)
+    return RouterError(exc.status_code, str(exc.detail)).response()
+
+
 def _unpassable(exc: Exception) -> RouterError:
     """The 400 for a body that parsed but cannot be sent on as JSON."""
     if isinstance(exc, UnicodeEncodeError):
@@ -203,11 +210,7 @@ def create_app(router: Router) -> FastAPI:
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        return RouterError(exc.status_code, str(exc.detail)).response()
-
-    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(StarletteHTTPException, openai_http_error)
     if router.settings.api_key:
         app.add_middleware(ApiKeyCheck, api_key=router.settings.api_key)
     return app
