@@ -127,9 +127,8 @@ async def test_killing_one_rank_fails_closed_and_leaves_no_process(llama):
         task = asyncio.ensure_future(engine.complete(PROMPTS[0], long))
         await asyncio.sleep(1.0)
         os.kill(rank1.pid, signal.SIGKILL)
-        start = time.monotonic()
+        # liveness: the dead rank fails the request within this bound (wait_for raises past it)
         result = await asyncio.wait_for(task, timeout=10)
-        assert time.monotonic() - start < 10
         assert result.finish_reason == "error"
         assert not engine.healthy
     # rank 0 was stuck in a collective with the dead rank: shutdown terminated it

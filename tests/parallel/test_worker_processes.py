@@ -87,9 +87,8 @@ async def test_killed_worker_fails_closed_without_hanging(llama):
         task = asyncio.ensure_future(engine.complete(PROMPTS[0], long))
         await asyncio.sleep(0.5)  # decoding now
         os.kill(worker.pid, signal.SIGKILL)
-        start = time.monotonic()
+        # liveness: the dead rank fails the request within this bound (wait_for raises past it)
         result = await asyncio.wait_for(task, timeout=10)
-        assert time.monotonic() - start < 10
         assert result.finish_reason == "error"
         assert not engine.healthy
         with pytest.raises(Exception, match=r"fail|not running|unhealthy"):
