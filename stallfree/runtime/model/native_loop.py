@@ -157,7 +157,6 @@ def run(
     if (
         not isinstance(backend, PagedAttention)
         or not backend.takes_rope  # the Python loop's condition for the fused decode op
-        or not backend.plain(len(layers), kv.k_buffers[0].dtype)
         or not backend.takes_qkv(
             h.dtype, first.head_dim, first.num_heads, first.num_kv_heads, fb, rope
         )
@@ -165,7 +164,9 @@ def run(
         return None
     key = (h.shape[0], h.dtype)
     if key not in plans:
-        plans[key] = plan(layers, h.shape[0], h.dtype)
+        # windows, soft-cap and the cache's format are the model's own: asked once per plan
+        plain = backend.plain(len(layers), kv.k_buffers[0].dtype)
+        plans[key] = plan(layers, h.shape[0], h.dtype) if plain else None
     step = plans[key]
     if step is None:
         return None
