@@ -130,6 +130,12 @@ class SchedulerConfig(_Section):
     chunked_prefill_size: int = Field(
         2048, ge=1, description="Longest prompt chunk one request prefills in a step"
     )
+    enable_mixed_chunk: bool = Field(
+        False,
+        description="Let one step carry the running decode rows together with a prefill "
+        "chunk, within the prefill token budget (SGLang's mixed chunk); not with speculative "
+        "decoding or sparse attention",
+    )
     new_token_ratio: float = Field(
         0.4,
         ge=0.0,

@@ -360,6 +360,9 @@ _SCHEDULE = [
          "(vLLM's and SGLang's spellings)"),
     flag("--chunked-prefill-size", type=int, sets="scheduler.chunked_prefill_size",
          help="longest prompt chunk one request prefills in a step"),
+    flag("--enable-mixed-chunk", **SWITCH, sets="scheduler.enable_mixed_chunk",
+         help="one step carries the running decode rows and a prefill chunk, within the "
+         "prefill token budget (SGLang's spelling); not with speculative decoding or HiSparse"),
     flag("--max-unread-tokens", type=int, metavar="TOKENS", sets="scheduler.max_unread_tokens",
          help="a streaming request whose reader is this far behind stops being decoded (it keeps "
          "its KV) until the reader catches up to half of it"),

@@ -42,6 +42,7 @@ class EngineCounters:
     generation_tokens: int = 0  # output tokens accepted
     prefill_batches: int = 0
     decode_batches: int = 0
+    mixed_batches: int = 0  # steps that carried decode rows and a prefill chunk together
     steps: int = 0  # batches launched
     overlap_steps: int = 0  # launches made while an earlier batch was still unprocessed
     retractions: int = 0
