@@ -94,6 +94,10 @@ class LocalExecutor:
             self.faults.before_forward(args.fault)
         if fb.mode is ForwardMode.DECODE:
             fb.input_ids = fmap.resolve(fb.req_pool_indices, args.expected)
+        elif args.mixed_rows:  # a mixed step: its decode rows' ids, after the prompt tokens
+            m = args.mixed_rows
+            last = fmap.resolve(fb.req_pool_indices[-m:], args.expected)
+            fb.input_ids = torch.cat([fb.input_ids[:-m], last])
         elif fb.mode is ForwardMode.VERIFY:
             fmap.resolve(fb.req_pool_indices, args.expected)  # debug: the stash check
             assert fb.verify is not None and self.spec is not None and args.spec is not None

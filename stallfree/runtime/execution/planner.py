@@ -29,6 +29,9 @@ class StepInput:
     reqs: list[Req]
     output_rows: list[bool]
     output_steps: list[int]
+    # a mixed step (an extend step that carries decode rows): its last rows' input ids are
+    # placeholders, resolved from the future map on the stream
+    mixed_rows: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -48,6 +51,7 @@ class StepArgs:
     plan: LogitsPlan | None = None
     logprobs: LogprobBuffers | None = None
     spec: SpecArgs | None = None  # speculative decoding's host facts (None: off)
+    mixed_rows: int = 0  # last rows of an extend step whose input id the future map holds
     # the stream's time for the step, appended by the in-process executor's worker when it
     # is done (a host list: read once the step's event fired)
     timing: list[float] = field(default_factory=list)
@@ -88,7 +92,7 @@ class StepPlanner:
                 rows = StepRows(step.reqs, step.output_rows, step.output_steps)
                 token_ids_cpu = stream.host_buffer((len(step.reqs),), _I64)
             plan, logprobs = self._plan_logits(fb, rows)
-            expected, generation = self._plan_future_map(fb, slots_cpu)
+            expected, generation = self._plan_future_map(fb, slots_cpu, step.mixed_rows)
         fault = self.faults.plan() if self.faults is not None else Fault.NONE
         return StepArgs(
             fb,
@@ -102,6 +106,7 @@ class StepPlanner:
             plan,
             logprobs,
             spec,
+            mixed_rows=step.mixed_rows,
         )
 
     def _plan_logits(
@@ -149,18 +154,24 @@ class StepPlanner:
         )
 
     def _plan_future_map(
-        self, fb: ForwardBatch, slots_cpu: torch.Tensor
+        self, fb: ForwardBatch, slots_cpu: torch.Tensor, mixed_rows: int = 0
     ) -> tuple[torch.Tensor | None, int | None]:
-        """Debug: the stash generations a decode step must resolve, and this step's own."""
+        """Debug: the stash generations a decode step (or a mixed step's decode rows) must
+        resolve, and this step's own."""
         fmap = self.ctx.future_map
         if not fmap.debug:
             return None, None
         rows: list[int] = fb.req_pool_indices_cpu.tolist()
-        expected = None
+        resolved: list[int] = []
         if fb.mode in (ForwardMode.DECODE, ForwardMode.VERIFY):
-            expected = self.ctx.stream.upload(torch.tensor(fmap.plan_resolve(rows), dtype=_I64))
+            resolved = rows
         else:
-            fmap.plan_prefill(rows)
+            split = len(rows) - mixed_rows
+            fmap.plan_prefill(rows[:split])
+            resolved = rows[split:]
+        expected = None
+        if resolved:
+            expected = self.ctx.stream.upload(torch.tensor(fmap.plan_resolve(resolved), dtype=_I64))
         return expected, fmap.plan_stash(slots_cpu.tolist())
 
 

@@ -45,16 +45,21 @@ class PrefillManager:
     building_records: list[CacheRecord] | None = None
 
     def new_batch(
-        self, retract: Callable[[Req], None], refuse: Callable[[Req, str], None]
+        self,
+        retract: Callable[[Req], None],
+        refuse: Callable[[Req, str], None],
+        decode_rows: int = 0,
     ) -> ScheduleBatch | None:
         """The next extend batch (None: nothing to prefill now). `retract` frees what a paused
-        request holds, for the queue's head; `refuse` fails a request that can never fit."""
+        request holds, for the queue's head; `refuse` fails a request that can never fit.
+        `decode_rows`: decode rows the same step carries (a mixed step); each takes one token
+        of the step's budget and of the chunk."""
         q = self.queues
         if q.num_waiting == 0:
             q.drop_finished_waiting()
             if q.chunked_req is None:
                 return None
-        adder = self.new_adder()
+        adder = self.new_adder(decode_rows)
         q.building = adder.reqs  # the same list, filled below
         chunked = q.chunked_req
         if chunked is not None:
@@ -65,7 +70,7 @@ class PrefillManager:
                 q.chunked_req = None
         self._admit_waiting(adder, refuse)
         while not adder.reqs and q.head_waits_for_room() and q.paused.evict(retract):
-            adder = self.new_adder()  # a paused request gave up its KV for the queue's head
+            adder = self.new_adder(decode_rows)  # a paused request gave up its KV for the head
             q.building = adder.reqs
             self._admit_waiting(adder, refuse)
         if not adder.reqs:
@@ -87,11 +92,11 @@ class PrefillManager:
             reserved += sum(min(self.spec_k, r.remaining_outputs()) for r in reqs)
         return reserved
 
-    def new_adder(self) -> PrefillAdder:
+    def new_adder(self, decode_rows: int = 0) -> PrefillAdder:
         allocator, q = self.ctx.allocator, self.queues
         return PrefillAdder(
             allocator=allocator,
-            budget=self.config.max_prefill_tokens,
+            budget=self.config.max_prefill_tokens - decode_rows,
             free_tokens=allocator.available_size() - self.reserved_tokens(),
             free_slots=self.ctx.req_to_token_pool.available_size(),
             running=q.num_running
@@ -99,7 +104,7 @@ class PrefillManager:
             - (len(q.paused) - len(q.paused.holding()))
             + len(q.imports),
             max_running=self.max_running_requests,
-            chunk_size=self.config.chunked_prefill_size,
+            chunk_size=self.config.chunked_prefill_size - decode_rows,
             new_token_ratio=self.config.new_token_ratio,
         )
 

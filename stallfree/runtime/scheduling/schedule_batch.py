@@ -83,6 +83,8 @@ class ScheduleBatch:
     reads: HostReads = field(init=False)
     # the layout of the verify step the batch was last prepared for (speculative decoding)
     _verify: VerifyLayout | None = None
+    # a mixed step (`mixed`): its last rows are decode rows whose input id the future map holds
+    mixed_rows: int = 0
 
     def __post_init__(self) -> None:
         self.reads = HostReads(self.ctx)
@@ -238,6 +240,73 @@ class ScheduleBatch:
                 self.req_pool_indices,
                 self.seq_lens_cpu if self.ctx.cpu_mirrors else None,
                 self.req_pool_indices_cpu if self.ctx.cpu_mirrors else None,
+            )
+
+    @classmethod
+    def mixed(cls, ext: ScheduleBatch, running: ScheduleBatch) -> ScheduleBatch:
+        """One step of both: the extend batch `ext`, then the decode batch `running` (already
+        prepared for this step by `prepare_for_decode`), each decode row an extend row of one
+        token whose prefix is its KV so far. The batches keep their own state; this one is
+        only launched. The decode rows' input ids are placeholders here: the executor puts in
+        the future map's tokens on the stream (`mixed_rows`), as a decode step resolves them."""
+        batch = cls.init_new(ext.reqs + running.reqs, ext.ctx)
+        batch._prepare_mixed(ext, running)
+        return batch
+
+    def _prepare_mixed(self, ext: ScheduleBatch, running: ScheduleBatch) -> None:
+        self.forward_mode = ForwardMode.EXTEND
+        ctx, stream = self.ctx, self.ctx.stream
+        n_dec = len(running.reqs)
+        n, n_tok = (len(self.reqs),), (sum(ext.extend_lens_cpu) + n_dec,)
+        assert ext.input_ids is not None and ext.positions is not None
+        assert running.positions is not None
+
+        def cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.cat([a, b])
+
+        rpi = stream.compute(
+            cat, ext.req_pool_indices, running.req_pool_indices, shape=n, dtype=_I64
+        )
+        # the host's allocation (extend) and the slots a decode launch reads anyway
+        rpi_cpu = torch.cat(
+            [
+                ext.host_req_pool_indices("launch.req_pool_indices"),
+                running.host_req_pool_indices("launch.req_pool_indices"),
+            ]
+        )
+        rows = ext._rows().concat(running._rows())
+        ends = torch.tensor(
+            [p + e for p, e in zip(rows.prefix_lens, rows.extend_lens, strict=True)], dtype=_I64
+        )
+        self._assign(
+            "prepare_for_mixed",
+            reqs=KEEP,
+            req_pool_indices=Mirrored(rpi, rpi_cpu),
+            seq_lens=Mirrored(
+                stream.compute(cat, ext.seq_lens, running.seq_lens, shape=n, dtype=_I64), ends
+            ),
+            committed=ends.clone(),
+            rows=rows,
+            step=StepTensors(
+                stream.compute(
+                    cat, ext.out_cache_loc, running.out_cache_loc, shape=n_tok, dtype=_I64
+                ),
+                stream.compute(
+                    lambda a: torch.cat([a, a.new_zeros(n_dec)]),
+                    ext.input_ids,
+                    shape=n_tok,
+                    dtype=_I64,
+                ),
+                stream.compute(cat, ext.positions, running.positions, shape=n_tok, dtype=_I64),
+            ),
+        )
+        self.reads.known(rpi, rpi_cpu)
+        self.mixed_rows = n_dec
+        if ctx.table_journal is not None:
+            # NOTE: a decode step's table entries are written by each worker itself
+            # (`worker_lengths.locate`), an extend step's are not: this step sends them
+            ctx.table_journal.append(
+                (running.req_pool_indices, running.positions, running.out_cache_loc)
             )
 
     def prepare_for_verify(self, ks: list[int], base: torch.Tensor | None = None) -> None:
@@ -476,7 +545,9 @@ class ScheduleBatch:
         """What launching this batch needs: its forward tensors and its row lists."""
         with self.ctx.monitor.schedule_path():
             fb = self.to_forward_batch()
-        return StepInput(fb, list(self.reqs), list(self.output_rows), list(self.output_steps))
+        return StepInput(
+            fb, list(self.reqs), list(self.output_rows), list(self.output_steps), self.mixed_rows
+        )
 
     def _sparse_plan(self) -> object:
         sparse = self.ctx.sparse

@@ -103,10 +103,10 @@ class Scheduler:
             # leave the decode batch, and rejoin it (or the queue) once their readers catch up
             self.stats.backpressure_pauses += q.paused.pause_behind(q.running_batch)
             q.paused.resume_caught_up(q.running_batch, q.waiting)
-            batch = self.prefill.new_batch(self._retract, self._refuse)
+            if self._may_mix():
+                return self._mixed_or_decode()
+            batch = self._extend_batch()
             if batch is not None:
-                q.last_extend = batch
-                self.stats.prefill_batches += 1
                 return batch
             running = q.running_batch
             if running.is_empty():
@@ -126,6 +126,52 @@ class Scheduler:
                 self.spec.launched(running.reqs, ks)
             self.stats.decode_batches += 1
             return running
+
+    def _extend_batch(self) -> ScheduleBatch | None:
+        """The next extend batch alone (the decode batch waits for it), if there is one."""
+        batch = self.prefill.new_batch(self._retract, self._refuse)
+        if batch is not None:
+            self.queues.last_extend = batch
+            self.stats.prefill_batches += 1
+        return batch
+
+    def _may_mix(self) -> bool:
+        """Whether the next step may carry the decode rows with a prefill chunk: mixing is on,
+        both have work, and the decode rows leave room in the step's budget and chunk. Not
+        with speculative decoding (verify steps, drafts in flight) or sparse attention."""
+        cfg, q = self.config, self.queues
+        if not cfg.enable_mixed_chunk or self.spec is not None or self.ctx.sparse is not None:
+            return False
+        if q.running_batch.is_empty() or (q.num_waiting == 0 and q.chunked_req is None):
+            return False
+        return len(q.running_batch) < min(cfg.max_prefill_tokens, cfg.chunked_prefill_size)
+
+    def _mixed_or_decode(self) -> ScheduleBatch | None:
+        """A mixed step: the decode rows get their pages first (retracting as a decode step
+        does), then a prefill chunk is admitted in what is left of the budget. Without one the
+        step is a plain decode; without a decode step that fits, it is a plain extend."""
+        q = self.queues
+        running = q.running_batch
+        q.building = list(running.reqs)
+        seq_lens_cpu, _, ready = self._make_room_for_decode(running)
+        if running.is_empty() or not ready:
+            return self._extend_batch()
+        q.building = list(running.reqs)
+        running.prepare_for_decode(seq_lens_cpu)
+        try:
+            ext = self.prefill.new_batch(self._retract, self._refuse, len(running.reqs))
+        except BaseException:
+            # the decode rows are prepared for a step that will not run: they fail with it
+            q.building = running.reqs + (q.building or [])
+            raise
+        if ext is None:
+            q.building = list(running.reqs)
+            self.stats.decode_batches += 1
+            return running
+        q.building = running.reqs + ext.reqs
+        q.last_extend = ext
+        self.stats.mixed_batches += 1
+        return ScheduleBatch.mixed(ext, running)
 
     # ------------------------------------------------------------------ prefix cache
 

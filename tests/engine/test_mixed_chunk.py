@@ -1,0 +1,160 @@
+"""Mixed steps (`scheduler.enable_mixed_chunk`): the running decode rows ride along with a
+prefill chunk in one step. Greedy outputs equal the engine's with mixing off, in every overlap x
+mirrors mode; the decode rows advance while a long prompt is prefilled in chunks (counted per
+launched step); every pool is back to full once the workload drains."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from stallfree import Engine, SamplingParams
+from tests.engine_util import MODES, engine_config, guarded, random_prompts
+
+NEW_TOKENS = 40
+SHORT = random_prompts(3, seed=5, lo=4, hi=10)
+LONG = random_prompts(2, seed=6, lo=70, hi=90)  # several chunks each
+SCHED = {"chunked_prefill_size": 16, "max_prefill_tokens": 24}
+
+
+@dataclass
+class Step:
+    rids: list[str]
+    extend_lens: list[int]
+    mixed_rows: int
+
+
+@dataclass
+class MixedRun:
+    outputs: list[list[int]]
+    counters: Any  # EngineCounters
+    steps: list[Step]
+
+
+def record_steps(engine: Engine) -> list[Step]:
+    """Every step the engine launches, as the host planned it."""
+    steps: list[Step] = []
+    runner = engine.core.runner
+    launch = runner.launch
+
+    def spy(step: Any, seq: int) -> Any:
+        fb = step.forward_batch
+        steps.append(Step([r.rid for r in step.reqs], list(fb.extend_lens_cpu), step.mixed_rows))
+        return launch(step, seq)
+
+    runner.launch = spy  # type: ignore[method-assign]
+    return steps
+
+
+async def run_workload(
+    path: str, mixed: bool, overlap: bool, mirrors: bool, **sections: dict[str, Any]
+) -> MixedRun:
+    """Short prompts start decoding; once each has two tokens, the long prompts arrive."""
+    runtime = {"overlap": overlap, "cpu_mirrors": mirrors, "strict": mirrors}
+    runtime |= sections.pop("runtime", {})
+    scheduler = SCHED | {"enable_mixed_chunk": mixed} | sections.pop("scheduler", {})
+    cfg = engine_config(path, runtime=runtime, scheduler=scheduler, **sections)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    async with guarded(Engine(cfg)) as engine:
+        steps = record_steps(engine)
+        decoding = [asyncio.Event() for _ in SHORT]
+
+        async def stream(i: int, prompt: list[int]) -> list[int]:
+            ids: list[int] = []
+            async for chunk in engine.generate(prompt, params, rid=f"short{i}"):
+                assert chunk.error is None, chunk.error
+                ids.extend(chunk.token_ids)
+                if len(ids) >= 2:
+                    decoding[i].set()
+            return ids
+
+        shorts = [asyncio.create_task(stream(i, p)) for i, p in enumerate(SHORT)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in decoding)), 30)
+        longs = await asyncio.gather(
+            *(engine.complete(p, params, rid=f"long{i}") for i, p in enumerate(LONG))
+        )
+        for r in longs:
+            assert r.error is None, r.error
+        outputs = list(await asyncio.gather(*shorts)) + [r.token_ids for r in longs]
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free
+        return MixedRun(outputs, engine.snapshot().counters, steps)
+
+
+def chunk_steps(steps: list[Step]) -> list[Step]:
+    """The steps that prefilled part of a long prompt."""
+    return [
+        s
+        for s in steps
+        if any(
+            rid.startswith("long") and n > 1 for rid, n in zip(s.rids, s.extend_lens, strict=True)
+        )
+    ]
+
+
+def decode_rows_of_shorts(step: Step) -> int:
+    """Rows of the short requests in `step`: decode rows, one token each."""
+    rows = [
+        n for rid, n in zip(step.rids, step.extend_lens, strict=True) if rid.startswith("short")
+    ]
+    assert all(n == 1 for n in rows)
+    return len(rows)
+
+
+@pytest.fixture(scope="module")
+def reference(llama):
+    """The workload's outputs with mixing off (overlap, mirrors): every mode must give them."""
+    run = asyncio.run(run_workload(llama, False, True, True))
+    assert run.counters.mixed_batches == 0
+    return run
+
+
+@pytest.mark.parametrize(("overlap", "mirrors"), MODES)
+async def test_mixed_equals_unmixed_and_decode_advances(llama, reference, overlap, mirrors):
+    off = await run_workload(llama, False, overlap, mirrors)
+    on = await run_workload(llama, True, overlap, mirrors)
+    assert off.outputs == reference.outputs
+    assert on.outputs == reference.outputs
+    assert on.counters.mixed_batches > 0
+    assert off.counters.mixed_batches == 0
+    # the long prompts were prefilled over several steps (each longer than a chunk)
+    on_chunks, off_chunks = chunk_steps(on.steps), chunk_steps(off.steps)
+    assert len(on_chunks) >= 2 * len(LONG)
+    assert len(off_chunks) >= 2 * len(LONG)
+    # off: the decode rows wait while the prompts are prefilled; on: every chunk step carries
+    # every short request's decode row (none finishes before the prompts are in)
+    assert sum(decode_rows_of_shorts(s) for s in off_chunks) == 0
+    for s in on_chunks:
+        assert decode_rows_of_shorts(s) == len(SHORT)
+        assert s.mixed_rows >= len(SHORT)
+        assert sum(s.extend_lens) <= SCHED["max_prefill_tokens"]  # the decode rows count
+    # the short requests made one token per chunk step of the prompts, not zero
+    assert on.counters.decode_batches + on.counters.mixed_batches > off.counters.decode_batches
+
+
+async def test_mixed_with_retraction_and_pages(llama, reference):
+    """Pages of 4 tokens and a pool small enough that decode rows are retracted while prompts
+    are admitted; the mirrors and the future map are checked after every batch op."""
+    run = await run_workload(
+        llama,
+        True,
+        True,
+        True,
+        cache={"page_size": 4, "max_total_tokens": 200, "max_running_requests": 8},
+        runtime={"check_mirrors": True},
+    )
+    assert run.outputs == reference.outputs
+    assert run.counters.mixed_batches > 0
+    assert run.counters.retractions > 0
+
+
+async def test_mixing_off_with_speculation(llama):
+    """Speculative decoding keeps today's steps: a verify step never carries a chunk."""
+    run = await run_workload(
+        llama, True, True, True, speculative={"method": "ngram", "num_speculative_tokens": 2}
+    )
+    assert run.counters.mixed_batches == 0
+    assert all(s.mixed_rows == 0 for s in run.steps)
