@@ -158,3 +158,18 @@ async def test_mixing_off_with_speculation(llama):
     )
     assert run.counters.mixed_batches == 0
     assert all(s.mixed_rows == 0 for s in run.steps)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param({"runtime": {"worker": "process"}}, id="worker-process"),
+        pytest.param({"parallel": {"tp_size": 2}}, id="tp2-gloo"),
+    ],
+)
+async def test_mixed_in_worker_processes(llama, reference, layout):
+    """The workers write a decode step's table entries themselves, not an extend step's: a
+    mixed step sends its decode rows' entries with it."""
+    run = await run_workload(llama, True, True, True, **layout)
+    assert run.outputs == reference.outputs
+    assert run.counters.mixed_batches > 0
