@@ -173,3 +173,42 @@ async def test_mixed_in_worker_processes(llama, reference, layout):
     run = await run_workload(llama, True, True, True, **layout)
     assert run.outputs == reference.outputs
     assert run.counters.mixed_batches > 0
+
+
+async def _logprob_run(path: str, mixed: bool) -> tuple[list[Any], int]:
+    """Every prompt at once with output and prompt logprobs and a repetition penalty: the short
+    ones decode while the long ones are prefilled in chunks."""
+    cfg = engine_config(
+        path, runtime={"strict": True}, scheduler=SCHED | {"enable_mixed_chunk": mixed}
+    )
+    params = SamplingParams(
+        max_new_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1, repetition_penalty=1.3
+    )
+    async with Engine(cfg) as engine:
+        results = await asyncio.gather(*(engine.complete(p, params) for p in SHORT + LONG))
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free
+        return list(results), engine.snapshot().counters.mixed_batches
+
+
+def _close(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is b
+    same_top = [t for t, _ in a.top] == [t for t, _ in b.top]
+    return a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4 and same_top
+
+
+async def test_mixed_logprobs_and_penalties_equal_unmixed(llama):
+    """A mixed step's logits processors and logprobs read each row at its own positions: the
+    prompt chunks' prompt logprobs and the decode rows' output logprobs."""
+    off, off_mixed = await _logprob_run(llama, False)
+    on, on_mixed = await _logprob_run(llama, True)
+    assert off_mixed == 0 and on_mixed > 0
+    for a, b in zip(off, on, strict=True):
+        assert a.error is None and b.error is None
+        assert a.token_ids == b.token_ids
+        assert a.logprobs is not None and b.logprobs is not None
+        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
+        assert all(_close(x, y) for x, y in zip(a.logprobs, b.logprobs, strict=True))
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        assert all(_close(x, y) for x, y in zip(a.prompt_logprobs, b.prompt_logprobs, strict=True))
