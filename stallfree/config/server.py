@@ -10,6 +10,12 @@ from pydantic import Field, field_validator, model_validator
 
 from stallfree.config.sections import Section as _Section
 
+# How long an HTTP server of ours (the API, the router, a prefill's bootstrap endpoint) keeps
+# an idle keep-alive connection: well past how long clients' pools keep theirs (httpx 5 s,
+# aiohttp 15 s, a load balancer's 60 s), so a client never sends on a connection the server is
+# closing at that moment (the request is lost unanswered: a reset, no log line). nginx's default.
+KEEP_ALIVE_S = 75
+
 
 class ServerConfig(_Section):
     host: str = Field("127.0.0.1", description="Bind address; loopback unless set")
@@ -53,7 +59,11 @@ class ServerConfig(_Section):
         "(/health and /metrics are exempt)",
     )
     keep_alive_s: float = Field(
-        5.0, gt=0, allow_inf_nan=False, description="Idle keep-alive connections close after this"
+        KEEP_ALIVE_S,
+        gt=0,
+        allow_inf_nan=False,
+        description="Idle keep-alive connections close after this; keep it above the clients' "
+        "pools' idle time",
     )
     header_timeout_s: float = Field(
         10.0,

@@ -84,8 +84,8 @@ _TRANSPORT = [
          unset="none: no tracing",
          help="export a span tree per request to this OpenTelemetry collector (OTLP/HTTP)"),
 ]
-# what one request may ask of the server, and how long a client may leave a response unread
-# (the other limits are settings only)
+# what one request may ask of the server, how long a client may leave a response unread, and
+# how long an idle connection is kept (the other limits are settings only)
 _LIMITS = [
     flag("--max-request-cost", type=positive_int, metavar="ENTRIES",
          sets="server.max_request_cost",
@@ -100,6 +100,10 @@ _LIMITS = [
          sets="server.write_timeout_s",
          help="a connection whose client accepts no byte of a response for this long is reset "
          "and its requests aborted"),
+    flag("--timeout-keep-alive", dest="keep_alive_s", type=positive_seconds, metavar="SECONDS",
+         sets="server.keep_alive_s",
+         help="an idle keep-alive connection is closed after this; keep it above how long "
+         "clients' pools keep idle connections (httpx 5 s, aiohttp 15 s)"),
 ]
 # the server's, uvicorn's, the access and the request logs
 _LOGS = [
