@@ -474,7 +474,6 @@ class StallfreeConfig(BaseSettings):
         if not self.lora.enable_lora:
             return
         for on, what in (
-            (self.uses_worker_processes, "worker processes (tensor parallelism)"),
             (self.runtime.torch_compile, "runtime.torch_compile"),
             (self.model.runner == "pooling", "the pooling runner"),
             (self.disaggregation.enabled, "disaggregation"),

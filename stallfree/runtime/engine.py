@@ -102,7 +102,8 @@ class Engine:
         """The LoRA registry with `lora.lora_modules` loaded; a refused one fails the build
         (its stream closed), naming why."""
         try:
-            lora = build_lora(self.config, self.core.loaded, self.core.stream)
+            core = self.core
+            lora = build_lora(self.config, core.loaded, core.ctx, core.arch, core.dtype)
             if lora is not None:
                 for module in self.config.lora.lora_modules:
                     lora.load_now(module.name, module.path, module.base_model_name)

@@ -34,8 +34,9 @@ class StepMessage:
         default_factory=list
     )
     # imported KV ("kv", layer, slot slices, k per rank, v per rank), first tokens
-    # ("stash", slots, tokens) and speculative histories ("history", rows, cols, tokens),
-    # applied in order after the table writes
+    # ("stash", slots, tokens), speculative histories ("history", rows, cols, tokens) and
+    # LoRA slot fills ("lora", slot, the whole adapter's weights), applied in order after the
+    # table writes
     imports: list[tuple[Any, ...]] = field(default_factory=list)
 
 

@@ -54,7 +54,10 @@ from stallfree.runtime.memory.pool import (
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
+from stallfree.runtime.model.llama import LlamaForCausalLM
 from stallfree.runtime.model.loader import LoadedModel
+from stallfree.runtime.model.lora import LoraSlots
+from stallfree.runtime.model.lora import install as install_lora
 from stallfree.runtime.text.grammar_cache import DEFAULT_MAX_BYTES
 from stallfree.runtime.text.grammar_compiler import MatcherFactory
 
@@ -90,6 +93,8 @@ class WorkerSpec:
     grammar_cache_bytes: int = DEFAULT_MAX_BYTES
     # speculative decoding's settings (`SpeculativeConfig` dumped); None: off
     speculative: dict[str, Any] | None = None
+    # LoRA: (slots, max rank) of every rank's adapter slots (model/lora.py); None: off
+    lora: tuple[int, int] | None = None
 
     @property
     def ranks_per_node(self) -> int:
@@ -145,6 +150,9 @@ def worker_spec(config: StallfreeConfig, num_kv_slots: int, max_context_len: int
         faults=config.faults.model_dump(),
         grammar_cache_bytes=config.runtime.grammar_cache_bytes,
         speculative=config.speculative.model_dump() if config.speculative.enabled else None,
+        lora=(config.lora.max_loras, config.lora.max_lora_rank)
+        if config.lora.enable_lora
+        else None,
     )
 
 
@@ -242,6 +250,14 @@ class _Worker:
         self.lengths = (
             DeviceLengths(spec.req_slots, self.device) if spec.speculative is not None else None
         )
+        self.lora = self._lora_slots(loaded)
+
+    def _lora_slots(self, loaded: LoadedModel) -> LoraSlots | None:
+        """LoRA: this rank's adapter slots, filled by the "lora" imports of step messages."""
+        if self.spec.lora is None:
+            return None
+        assert isinstance(loaded.model, LlamaForCausalLM)  # workers run native families
+        return install_lora(loaded.model, *self.spec.lora, loaded.dtype)
 
     def _spec_decoder(self, loaded: LoadedModel, sampler: Sampler) -> SpecDecoder | None:
         """Speculative decoding's stream side on this rank, built as the in-process engine
@@ -345,6 +361,10 @@ class _Worker:
                     cache.k_buffers[layer][s].copy_(k[at : at + n])
                     cache.v_buffers[layer][s].copy_(v[at : at + n])
                     at += n
+            elif op[0] == "lora":  # an adapter into a slot, whole: the rank cuts its shards
+                _, slot, weights = op
+                assert self.lora is not None
+                self.lora.write(slot, weights)
             elif op[0] == "history":  # speculative decoding: an extend step's tokens
                 _, rows, cols, tokens = op
                 assert fmap.history is not None

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from stallfree.runtime.model.lora import Weights
 from stallfree.runtime.request.errors import InvalidRequestError
 
 CONFIG = "adapter_config.json"
@@ -21,8 +22,6 @@ WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _KEY = re.compile(
     r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight"
 )
-
-Weights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
 
 
 class AdapterError(InvalidRequestError):

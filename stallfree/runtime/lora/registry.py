@@ -17,6 +17,7 @@ import asyncio
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -28,7 +29,17 @@ from stallfree.runtime.lora.checkpoint import (
     LoraAdapter,
     read_adapter,
 )
-from stallfree.runtime.model.lora import LoraSlots
+from stallfree.runtime.model.lora import Weights
+
+
+class SlotTable(Protocol):
+    """Where adapter slots live: the model's wrappers in this process (`model.lora.LoraSlots`)
+    or the worker processes' (`lora.workers.WorkerSlots`)."""
+
+    # (in, out) of every adaptable projection of the whole model, by (layer, target)
+    shapes: dict[tuple[int, str], tuple[int, int]]
+
+    def write(self, slot: int, weights: Weights) -> None: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,7 +61,7 @@ class Lease:
 
 @dataclass(slots=True, eq=False)
 class LoraRegistry:
-    table: LoraSlots
+    table: SlotTable
     stream: DeviceStream
     config: LoraConfig
     dtype: torch.dtype

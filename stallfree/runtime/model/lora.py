@@ -14,6 +14,12 @@ token's columns of other adapters masked to zero, times their B side by side (tw
 part, however many adapters). Past that, each adapter's rows run apart at its own rank. The
 slots are written only by work enqueued on the stream (`LoraSlots.write`), so a launched step
 never sees a slot change under it.
+
+Under tensor parallelism each rank holds A and B cut as their base layer is (`cut_for_rank`):
+a column-parallel projection (q, k, v, gate, up) keeps all of A and its rows of B, a
+row-parallel one (o, down) its columns of A and all of B. A row-parallel delta is added to the
+rank's partial product before the all-reduce (`LoraProjection.matmul`), so the sum over the
+ranks counts it once.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stallfree.runtime.model import native_layers
+from stallfree.runtime.model.arch import ModelArchConfig
 from stallfree.runtime.model.forward_batch import LoraBatch
 from stallfree.runtime.model.llama import (
     LlamaAttention,
@@ -34,6 +41,8 @@ from stallfree.runtime.model.llama import (
     LlamaForCausalLM,
     LlamaMLP,
 )
+from stallfree.runtime.model.parallel import TPGroup, apply_shard, shard_spec
+from stallfree.runtime.model.quant import Int4Linear, Int8Linear
 
 # the two-product path over the whole batch runs while the used slots' ranks side by side are
 # at most this share of the input width (its extra work over the base projection); past it,
@@ -42,6 +51,10 @@ DENSE_MAX_SHARE = 4
 
 # PEFT's module names for the projections an adapter may target
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+# an adapter's weights: (A [r, in], B [out, r], scale) by (layer, target)
+Weights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
 
 
 @dataclass(slots=True, eq=False)
@@ -109,6 +122,25 @@ class LoraProjection(nn.Module):
         assert self.base is not None
         return self.add_deltas(x, self.base(x))
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel rank's partial product without the bias, its deltas added: what
+        llama.py's `_row_parallel` all-reduces for a layer that is not a plain `nn.Linear`
+        (a quantized one has this method too). Each rank's A holds its input columns, so the
+        deltas sum over the ranks to the whole delta, added once."""
+        base = self.base
+        if isinstance(base, nn.Linear):
+            return self.add_deltas(x, F.linear(x, base.weight))
+        assert isinstance(base, Int8Linear | Int4Linear)
+        return self.add_deltas(x, base.matmul(x))
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The base layer's bias (replicated: added once, after the all-reduce)."""
+        assert isinstance(self.base, nn.Module)
+        bias = self.base.bias
+        assert bias is None or isinstance(bias, torch.Tensor)
+        return bias
+
     def add_deltas(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (the base projection of `x`, every part side by side) plus each token's
         adapter's deltas, in place."""
@@ -168,12 +200,33 @@ def _mask(batch: LoraBatch, rank: int, dtype: torch.dtype) -> torch.Tensor:
     return mask
 
 
+def cut_for_rank(weights: Weights, arch: ModelArchConfig, tp: TPGroup) -> Weights:
+    """A whole adapter's weights cut to a tensor-parallel rank's shards, as the base weights
+    are (`parallel.shard_spec`, zero-padded alike): a column-parallel target's B by its output
+    rows, a row-parallel target's A by its input columns; the other side whole."""
+    if tp.size == 1:
+        return weights
+    out: Weights = {}
+    for (layer, target), (a, b, scale) in weights.items():
+        block = "self_attn" if target in _ATTENTION else "mlp"
+        spec = shard_spec(f"model.layers.{layer}.{block}.{target}.weight", arch, tp.rank, tp.size)
+        if spec is not None and spec.dim == 0:
+            b = apply_shard(b, spec)
+        elif spec is not None:
+            a = apply_shard(a, spec)
+        out[(layer, target)] = (a, b, scale)
+    return out
+
+
 @dataclass(slots=True, eq=False)
 class LoraSlots:
     """Every wrapped projection of a model, by (layer, PEFT target name): the projection and
-    the index of that target's part in it."""
+    the index of that target's part in it. `arch` and `tp`: the model's, to cut a whole
+    adapter to this rank's shards."""
 
     context: LoraContext
+    arch: ModelArchConfig
+    tp: TPGroup
     targets: dict[tuple[int, str], tuple[LoraProjection, int]] = field(default_factory=dict)
     shapes: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)  # (in, out)
     # (module, attribute, its plain value, its wrapper): the wrappers are in place only for a
@@ -184,11 +237,11 @@ class LoraSlots:
     )
     wrapped: bool = False
 
-    def write(
-        self, slot: int, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
-    ) -> None:
+    def write(self, slot: int, weights: Weights) -> None:
         """Slot `slot` holds this adapter now: (A [r, in], B [out, r], scale) per target it
-        adapts; every other target's part is off. Runs on the stream."""
+        adapts, whole (this rank's shards are cut here); every other target's part is off.
+        Runs on the stream."""
+        weights = cut_for_rank(weights, self.arch, self.tp)
         for key, (proj, part) in self.targets.items():
             got = weights.get(key)
             if got is None:
@@ -239,8 +292,14 @@ class _MlpForward:
         if gate_up is None:
             gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
         gate_up = self.gate_up.add_deltas(x, gate_up)
-        out: torch.Tensor = mlp.down_proj(native_layers.silu_mul(gate_up))
-        return out
+        h = native_layers.silu_mul(gate_up)
+        down = mlp.down_proj  # its wrapper, in place while this is
+        if mlp.tp.size == 1:
+            out: torch.Tensor = down(h)
+            return out
+        assert isinstance(down, LoraProjection)
+        reduced = mlp.tp.all_reduce(down.matmul(h))
+        return reduced if down.bias is None else reduced + down.bias
 
 
 # (module owning the projection, its attribute, its parts (target, width), its input width)
@@ -251,7 +310,7 @@ def install(model: LlamaForCausalLM, slots: int, max_rank: int, dtype: torch.dty
     """A LoRA wrapper for every attention and dense MLP projection of a Llama-family model
     (fused ones included), in place for the forwards whose `fb.lora` has adapter rows."""
     context = LoraContext()
-    table = LoraSlots(context)
+    table = LoraSlots(context, model.arch, model.tp)
     # the activations' dtype: a quantized model's first weight may be int8
     factory = {"device": model.model.norm.weight.device, "dtype": dtype}
     for i, layer in enumerate(model.model.layers):
@@ -277,6 +336,18 @@ def install(model: LlamaForCausalLM, slots: int, max_rank: int, dtype: torch.dty
     model.register_forward_pre_hook(lambda _m, args: table.set_batch(args[0].lora))
     model.register_forward_hook(lambda _m, _args, _out: table.set_batch(None))
     return table
+
+
+def target_shapes(model: LlamaForCausalLM) -> dict[tuple[int, str], tuple[int, int]]:
+    """(in, out) of every projection an adapter may target, by (layer, target), as `model`
+    holds them: the whole model's on one rank (or built on the meta device), a rank's shards
+    under tensor parallelism."""
+    shapes: dict[tuple[int, str], tuple[int, int]] = {}
+    for i, layer in enumerate(model.model.layers):
+        assert isinstance(layer, LlamaDecoderLayer)
+        for _, _, parts, width in _groups(layer, model.arch.hidden_size):
+            shapes.update({(i, target): (width, out) for target, out in parts})
+    return shapes
 
 
 def _groups(layer: LlamaDecoderLayer, hidden: int) -> list[_Group]:
