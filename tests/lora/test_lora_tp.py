@@ -6,6 +6,7 @@ adapter); over HTTP, an adapter above the maximum rank is still a 400."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import openai
 import pytest
@@ -45,6 +46,32 @@ async def test_tp2_mixed_batch_equals_merged_peft(llama, adapters, overlap, mirr
     for i, (p, got) in enumerate(zip(PROMPTS, outputs, strict=True)):
         name = NAMES[i % len(NAMES)]
         assert got == merged_greedy(llama, adapters.get(name or ""), p, NEW_TOKENS), name
+
+
+async def test_tp2_speculation_and_structured_outputs_under_adapters(llama, adapters):
+    """Verify steps on the ranks run each row's adapter (prompt lookup's drafts change no
+    greedy token); a JSON schema's grammar holds under an adapter."""
+    spec = {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+        "cost_aware": False, "adaptive": False,
+    }  # fmt: skip
+    prompts = [[7, 8, 9, 10, 11] * 6, *PROMPTS[:3]]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    structured = SamplingParams(max_new_tokens=24, structured_outputs={"json": schema})
+    cfg = lora_config(llama, adapters, speculative=spec, parallel=TP2)
+    async with Engine(cfg) as engine:
+        outputs = await run_mixed(engine, prompts)
+        shaped = await engine.complete("x", structured, lora_name="fused-r8")
+        await engine.wait_idle()
+        snap = engine.snapshot()
+        assert engine.pool_usage().all_free and engine.lora.held() == 0
+    assert snap.spec is not None and snap.spec.num_accepted_tokens > 0  # verify steps ran
+    for i, (p, got) in enumerate(zip(prompts, outputs, strict=True)):
+        name = NAMES[i % len(NAMES)]
+        assert got == merged_greedy(llama, adapters.get(name or ""), p, NEW_TOKENS), name
+    assert shaped.error is None
+    if shaped.finish_reason == "stop":
+        assert isinstance(json.loads(shaped.text)["a"], int)
 
 
 async def test_one_worker_process_equals_merged_peft(llama, adapters):
