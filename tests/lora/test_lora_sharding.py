@@ -25,9 +25,9 @@ from tests.lora_models import ADAPTERS, make_adapter
 from tests.model_harness import CPU, PROMPT_A, PROMPT_B, Harness
 from tests.parallel.tp_harness import TP, spawn_ranks
 
-# an intermediate size that two ranks split unevenly (the last shard zero-padded) and one KV
-# head, which both ranks hold
-ODD = {"intermediate_size": 99, "num_key_value_heads": 1}
+# an intermediate size that two ranks split unevenly (the last shard zero-padded), one KV
+# head, which both ranks hold, and biases (o_proj's added once, after the all-reduce)
+ODD = {"intermediate_size": 99, "num_key_value_heads": 1, "attention_bias": True}
 PROMPTS = [PROMPT_A, PROMPT_B, PROMPT_A[:7], PROMPT_B[2:]]
 SLOTS = [0, 1, 2, -1]  # row i under ADAPTERS' i-th adapter; the last row the base model
 ATOL = 1e-4
