@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pydantic import BaseModel, Field, ValidationError
 
 from stallfree.config import DisaggregationConfig
+from stallfree.config.server import KEEP_ALIVE_S
 from stallfree.disagg.fingerprint import Fingerprint, HandshakeError
 from stallfree.disagg.guard import BootstrapGuard, secret_headers
 from stallfree.disagg.pair_store import MAX_KEY_LEN, MAX_VALUE_BYTES, StoreError
@@ -428,8 +429,14 @@ class BootstrapServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
+        # decode servers' httpx pools reuse connections idle up to 5 s: the endpoint keeps them
+        # well past that, or a call sent as it closes one is lost (a failed room)
         config = uvicorn.Config(
-            bootstrap_app(self.prefill), log_level="warning", access_log=False, lifespan="off"
+            bootstrap_app(self.prefill),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # the main server owns them

@@ -42,9 +42,9 @@ PREFILL_GRACE_S = 5.0
 # nginx's status for a request whose client left before the answer
 CLIENT_CLOSED_REQUEST = 499
 CONNECT_TIMEOUT_S = 10.0
-# NOTE: a server closes a connection idle for its keep-alive (5 s: ours, uvicorn's, vLLM's);
-# httpx keeps them 5 s too, so the router lets them go well before a server would (and sends a
-# leg that met a closed one again: stale_connections.py)
+# NOTE: a server closes a connection idle for its keep-alive (ours 75 s, but uvicorn's and
+# vLLM's default is 5 s, as long as httpx keeps them), so the router lets them go well before
+# any of them would (and sends a leg that met a closed one again: stale_connections.py)
 KEEPALIVE_S = 2.0
 # the fields each leg gets from the router, whatever the client sent in them
 LEG_FIELDS = frozenset(

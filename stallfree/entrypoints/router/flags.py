@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from stallfree.config.server import KEEP_ALIVE_S
 from stallfree.entrypoints.flags import HelpFormatter, Table, add_flags, flag
 
 # SGLang's default bootstrap port: where a prefill server's KV sender listens for decode servers
@@ -50,6 +51,7 @@ class RouterSettings:
     startup_timeout_s: float = 60.0
     request_timeout_s: float = 600.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    keep_alive_s: int = KEEP_ALIVE_S
 
 
 def server_url(text: str) -> str:
@@ -122,6 +124,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _whole_seconds(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number of seconds over 0, got {text}")
+    return value
+
+
 def _bytes(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -161,6 +170,11 @@ ROUTER_FLAGS: Table = (
              "of its body)"),
         flag("--max-body-bytes", type=_bytes, default=_DEFAULT.max_body_bytes, metavar="N",
              help="largest request body accepted (413 above it)"),
+        flag("--timeout-keep-alive", dest="keep_alive_s", type=_whole_seconds,
+             default=_DEFAULT.keep_alive_s, metavar="S",
+             help="a client's idle keep-alive connection is closed after this; keep it above "
+             "how long clients' pools keep idle connections (httpx 5 s, aiohttp 15 s), or a "
+             "request sent as the router closes the connection is lost"),
     ]),
 )
 # fmt: on
@@ -189,4 +203,5 @@ def router_settings(args: argparse.Namespace) -> RouterSettings:
         startup_timeout_s=args.startup_timeout_s,
         request_timeout_s=args.request_timeout_s,
         max_body_bytes=args.max_body_bytes,
+        keep_alive_s=args.keep_alive_s,
     )

@@ -120,6 +120,7 @@ async def start_router(
         lifespan="on",
         log_level=log_level,
         access_log=False,
+        timeout_keep_alive=settings.keep_alive_s,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
     server = RouterServer(config, handle_signals)
