@@ -15,7 +15,15 @@ A request fails when its status is not 200, its stream carries an error event, i
 `[DONE]`, or it brings fewer tokens than asked. Its progress gaps are the time from sending to
 its first event and between its events; the stall figures are over every request's longest
 gap. Afterwards both servers' `/metrics` must show nothing running and an empty KV pool.
-Exit status 1 when a request failed, a gap reached the deadline, or a pool is not free.
+
+The client is one httpx pool, as a real client's: it reuses connections that went idle (up to
+`CLIENT_KEEPALIVE_S`, httpx's 5 s; `reused_connections` counts the requests that went out on
+one), and a request lost on a reused connection before any answer (the router closed it as the
+request came) is sent once more, and counted in `resent`. With the router keeping idle
+connections longer than the pool (`--timeout-keep-alive`), that never happens.
+
+Exit status 1 when a request failed or was resent, a gap reached the deadline, or a pool is
+not free.
 """
 
 from __future__ import annotations
@@ -35,9 +43,78 @@ import httpx
 from pd_processes import metric, pd_deployment
 
 MODEL = "tiny"
+# how long the client's pool keeps an idle connection (httpx's default)
+CLIENT_KEEPALIVE_S = 5.0
+
+
+# what a request sent on a pooled connection the server was closing at that moment ends with,
+# before any answer
+_STALE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+class _Trace:
+    """What httpx's trace extension told of one try: whether it opened a connection of its own
+    or reused a pooled one, whether an answer's head came, and the last step it reached."""
+
+    def __init__(self) -> None:
+        self.new_connection = False
+        self.answered = False
+        self.step = "queued"
+
+    async def __call__(self, name: str, info: dict[str, Any]) -> None:
+        self.new_connection |= name.startswith("connection.connect_tcp")
+        self.answered |= name == "http11.receive_response_headers.complete"
+        self.step = name
+
+    def lost_on_a_pooled_connection(self, exc: Exception) -> bool:
+        """The try went out on a reused connection and ended before any answer, as when the
+        server closed that connection as the request came: a client sends it again."""
+        return isinstance(exc, _STALE) and not self.new_connection and not self.answered
+
+    def describe(self, elapsed_s: float) -> str:
+        kind = "a new connection" if self.new_connection else "a reused connection"
+        return f"{kind}, at {self.step}, {elapsed_s:.1f} s after sending"
+
+
+class _Progress:
+    """One request's events: the longest time without one, the tokens, `[DONE]`, an error."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.monotonic()
+        self.gap, self.tokens, self.done = 0.0, 0, False
+        self.error: str | None = None
+
+    def line(self, line: str) -> None:
+        if not line.startswith("data: "):
+            return
+        now = time.monotonic()
+        self.gap, self.last = max(self.gap, now - self.last), now
+        data = line[len("data: ") :]
+        if data == "[DONE]":
+            self.done = True
+            return
+        event = json.loads(data)
+        if "error" in event:
+            self.error = f"error event: {str(event['error'])[:200]}"
+        if event.get("usage"):
+            self.tokens = event["usage"]["completion_tokens"]
+
+
+async def _send(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], trace: _Trace, p: _Progress
+) -> None:
+    """One try of a streaming request, its events into `p`; httpx's errors propagate."""
+    async with client.stream("POST", url, json=body, extensions={"trace": trace}) as r:
+        if r.status_code != 200:
+            p.error = f"status {r.status_code}: {(await r.aread())[:200]!r}"
+            return
+        async for line in r.aiter_lines():
+            p.line(line)
 
 
 async def one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> dict[str, Any]:
+    """One streaming request, sent once more (as a well-behaved client does) when its first
+    try was lost on a pooled connection before any answer; `resent` says so."""
     body = {
         "model": MODEL,
         "prompt": f"request {i}: " + " ".join(str(i * 7 + k) for k in range(i % 13 + 3)),
@@ -47,36 +124,28 @@ async def one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> d
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    last = start = time.monotonic()
-    gap, tokens, error, done, status = 0.0, 0, None, False, 0
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            status = r.status_code
-            if status != 200:
-                error = f"status {status}: {(await r.aread())[:200]!r}"
-            else:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    now = time.monotonic()
-                    gap, last = max(gap, now - last), now
-                    data = line[len("data: ") :]
-                    if data == "[DONE]":
-                        done = True
-                        continue
-                    event = json.loads(data)
-                    if "error" in event:
-                        error = f"error event: {str(event['error'])[:200]}"
-                    if event.get("usage"):
-                        tokens = event["usage"]["completion_tokens"]
-    except httpx.HTTPError as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    gap = max(gap, time.monotonic() - last) if not done else gap
-    if error is None and not done:
+    p, resent, reused = _Progress(), False, False
+    for last_try in (False, True):
+        trace = _Trace()
+        try:
+            await _send(client, url + "/v1/completions", body, trace, p)
+        except httpx.HTTPError as exc:
+            if not last_try and trace.lost_on_a_pooled_connection(exc):
+                resent = True
+                continue
+            p.error = f"{type(exc).__name__}: {exc} [{trace.describe(time.monotonic() - p.start)}]"
+        finally:
+            reused |= not trace.new_connection
+        break
+    gap = max(p.gap, time.monotonic() - p.last) if not p.done else p.gap
+    error = p.error
+    if error is None and not p.done:
         error = "stream ended without [DONE]"
-    if error is None and tokens != max_tokens:
-        error = f"{tokens} tokens of {max_tokens}"
-    return {"error": error, "max_gap_s": gap, "latency_s": time.monotonic() - start}
+    if error is None and p.tokens != max_tokens:
+        error = f"{p.tokens} tokens of {max_tokens}"
+    latency = time.monotonic() - p.start
+    return {"error": error, "max_gap_s": gap, "latency_s": latency, "resent": resent,
+            "reused": reused}  # fmt: skip
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -86,7 +155,12 @@ def _pct(values: list[float], q: float) -> float:
 
 async def soak(url: str, requests: int, low: int, high: int, deadline: float) -> dict[str, Any]:
     rng = random.Random(0)
-    limits = httpx.Limits(max_connections=requests + 8, max_keepalive_connections=requests + 8)
+    # idle connections kept well under the router's keep-alive (`--timeout-keep-alive`, 75 s)
+    limits = httpx.Limits(
+        max_connections=requests + 8,
+        max_keepalive_connections=requests + 8,
+        keepalive_expiry=CLIENT_KEEPALIVE_S,
+    )
     timeout = httpx.Timeout(deadline * 2 + 60, connect=60)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         warm = await one(client, url, -1, 2)
@@ -103,6 +177,8 @@ async def soak(url: str, requests: int, low: int, high: int, deadline: float) ->
         "failed": sum(failures.values()),
         "failures": dict(failures),
         "first_errors": [r["error"] for r in results if r["error"]][:5],
+        "reused_connections": sum(r["reused"] for r in results),
+        "resent": sum(r["resent"] for r in results),
         "wall_s": round(wall, 2),
         "stall_timeout_s": deadline,
         "max_gap_s": round(max(gaps), 3),
@@ -153,7 +229,7 @@ def main() -> int:
     print(json.dumps(figures, indent=2))
     if args.json:
         args.json.write_text(json.dumps(figures))
-    ok = not figures["failed"] and not figures["gaps_at_deadline"]
+    ok = not figures["failed"] and not figures["resent"] and not figures["gaps_at_deadline"]
     return 0 if ok and not any(figures["left_running"].values()) else 1
 
 
