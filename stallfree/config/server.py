@@ -11,10 +11,11 @@ from pydantic import Field, field_validator, model_validator
 from stallfree.config.sections import Section as _Section
 
 # How long an HTTP server of ours (the API, the router, a prefill's bootstrap endpoint) keeps
-# an idle keep-alive connection: well past how long clients' pools keep theirs (httpx 5 s,
-# aiohttp 15 s, a load balancer's 60 s), so a client never sends on a connection the server is
-# closing at that moment (the request is lost unanswered: a reset, no log line). nginx's default.
-KEEP_ALIVE_S = 75
+# an idle keep-alive connection: past how long clients' pools keep theirs (httpx 5 s, aiohttp
+# 15 s, nginx's upstream pools 60 s, Go's and hyper's, so reqwest's and the Rust routers', 90 s),
+# so a client never sends on a connection the server is closing at that moment (the request is
+# lost unanswered: a reset, no log line)
+KEEP_ALIVE_S = 120
 
 
 class ServerConfig(_Section):
