@@ -155,7 +155,7 @@ def _pct(values: list[float], q: float) -> float:
 
 async def soak(url: str, requests: int, low: int, high: int, deadline: float) -> dict[str, Any]:
     rng = random.Random(0)
-    # idle connections kept well under the router's keep-alive (`--timeout-keep-alive`, 75 s)
+    # idle connections kept well under the router's keep-alive (`--timeout-keep-alive`, 120 s)
     limits = httpx.Limits(
         max_connections=requests + 8,
         max_keepalive_connections=requests + 8,

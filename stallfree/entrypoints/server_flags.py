@@ -103,7 +103,7 @@ _LIMITS = [
     flag("--timeout-keep-alive", dest="keep_alive_s", type=positive_seconds, metavar="SECONDS",
          sets="server.keep_alive_s",
          help="an idle keep-alive connection is closed after this; keep it above how long "
-         "clients' pools keep idle connections (httpx 5 s, aiohttp 15 s)"),
+         "clients' pools keep idle connections (httpx 5 s, aiohttp 15 s, Go and reqwest 90 s)"),
 ]
 # the server's, uvicorn's, the access and the request logs
 _LOGS = [

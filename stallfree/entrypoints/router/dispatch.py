@@ -42,7 +42,7 @@ PREFILL_GRACE_S = 5.0
 # nginx's status for a request whose client left before the answer
 CLIENT_CLOSED_REQUEST = 499
 CONNECT_TIMEOUT_S = 10.0
-# NOTE: a server closes a connection idle for its keep-alive (ours 75 s, but uvicorn's and
+# NOTE: a server closes a connection idle for its keep-alive (ours 120 s, but uvicorn's and
 # vLLM's default is 5 s, as long as httpx keeps them), so the router lets them go well before
 # any of them would (and sends a leg that met a closed one again: stale_connections.py)
 KEEPALIVE_S = 2.0

@@ -173,8 +173,8 @@ ROUTER_FLAGS: Table = (
         flag("--timeout-keep-alive", dest="keep_alive_s", type=_whole_seconds,
              default=_DEFAULT.keep_alive_s, metavar="S",
              help="a client's idle keep-alive connection is closed after this; keep it above "
-             "how long clients' pools keep idle connections (httpx 5 s, aiohttp 15 s), or a "
-             "request sent as the router closes the connection is lost"),
+             "how long clients' pools keep idle connections (httpx 5 s, aiohttp 15 s, Go and "
+             "reqwest 90 s), or a request sent as the router closes the connection is lost"),
     ]),
 )
 # fmt: on

@@ -1,7 +1,7 @@
 """Sending a leg again when the pooled connection it went out on was already closed.
 
 A server closes a keep-alive connection left idle past its timeout (uvicorn's and vLLM's
-default is 5 s; ours keep them 75 s, `server.keep_alive_s`). A request the router sends on such
+default is 5 s; ours keep them 120 s, `server.keep_alive_s`). A request the router sends on such
 a connection as the server closes it never reaches the application: the connection ends before
 any answer (httpx's RemoteProtocolError "Server disconnected without sending a response", or a
 ReadError or WriteError on it). The router keeps idle connections for less than that
