@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <vector>
 
 #include "kernels.h"
@@ -79,10 +80,11 @@ const float* opt_bias(const std::optional<at::Tensor>& bias, int64_t n) {
 constexpr int64_t kGrain = 64;
 
 // Dense bfloat16 products of kAmxMinRows to kAmxMaxRows rows go to the AMX tiles where
-// `set_amx` turned them on (isa_amx.cpp). Below, `vdpbf16ps` reads the weights faster (on a
-// quiet machine, SmolLM2's shapes at 4 rows: 2405 us a step on AVX-512, 2929 on the tiles; at
-// 8 rows 3262 and 3181; at 16, 5480 and 3291); above, oneDNN's blocked product (F.linear) wins.
-constexpr int64_t kAmxMinRows = 8;
+// `set_amx` turned them on (isa_amx.cpp). At one row `vdpbf16ps` streams the weights as fast;
+// from two rows the tiles, whose weight rows are prefetched, win (SmolLM2's four projection
+// shapes, 30 copies, one thread: 2 rows 415 us a step on the tiles against 484 on AVX-512, 4
+// rows 421 against 554, 8 rows 446 against 874); above, oneDNN's blocked product (F.linear).
+constexpr int64_t kAmxMinRows = 2;
 constexpr int64_t kAmxMaxRows = 16;
 bool g_amx = false;
 // products the tiles have taken since the library loaded (`amx_calls`: tests count them)
@@ -148,9 +150,10 @@ Q8Act quantize_act(const at::Tensor& x, int64_t k) {
 }
 
 // int8 weights on the tiles from this many rows: each block's scales are applied in AVX-512
-// lanes after its tile product, which costs as much as the AVX-512 kernel's own work up to
-// about 10 rows (measured: 12 rows 10-15% faster on the tiles, 16 rows 20-27%, 8 rows slower)
-constexpr int64_t kAmxQ8MinRows = 12;
+// lanes after its tile product, which costs as much as the AVX-512 kernel's own work at a few
+// rows (SmolLM2's four shapes, one thread: 4 rows 255 us on the tiles against 214 on AVX-512,
+// 6 rows 263 against 338, 8 rows 276 against 402, 12 rows 346 against 642)
+constexpr int64_t kAmxQ8MinRows = 6;
 
 bool amx_q8_applies(int64_t m) { return g_amx && m >= kAmxQ8MinRows && m <= kAmxMaxRows; }
 
