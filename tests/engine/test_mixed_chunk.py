@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from stallfree import Engine, SamplingParams
+from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
 from tests.engine_util import MODES, engine_config, guarded, random_prompts
 
 NEW_TOKENS = 40
@@ -50,9 +51,15 @@ def record_steps(engine: Engine) -> list[Step]:
 
 
 async def run_workload(
-    path: str, mixed: bool, overlap: bool, mirrors: bool, **sections: dict[str, Any]
+    path: str,
+    mixed: bool,
+    overlap: bool,
+    mirrors: bool,
+    bad: bool = False,
+    **sections: dict[str, Any],
 ) -> MixedRun:
-    """Short prompts start decoding; once each has two tokens, the long prompts arrive."""
+    """Short prompts start decoding; once each has two tokens, the long prompts arrive (`bad`:
+    and a prompt whose batch fails to build or launch, which must fail alone)."""
     runtime = {"overlap": overlap, "cpu_mirrors": mirrors, "strict": mirrors}
     runtime |= sections.pop("runtime", {})
     scheduler = SCHED | {"enable_mixed_chunk": mixed} | sections.pop("scheduler", {})
@@ -73,6 +80,9 @@ async def run_workload(
 
         shorts = [asyncio.create_task(stream(i, p)) for i, p in enumerate(SHORT)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in decoding)), 30)
+        if bad:
+            failed = await engine.complete(LONG[0], params, rid="bad")
+            assert failed.error is not None and "could not run" in failed.error
         longs = await asyncio.gather(
             *(engine.complete(p, params, rid=f"long{i}") for i, p in enumerate(LONG))
         )
@@ -212,3 +222,78 @@ async def test_mixed_logprobs_and_penalties_equal_unmixed(llama):
         assert all(_close(x, y) for x, y in zip(a.logprobs, b.logprobs, strict=True))
         assert len(a.prompt_logprobs) == len(b.prompt_logprobs)
         assert all(_close(x, y) for x, y in zip(a.prompt_logprobs, b.prompt_logprobs, strict=True))
+
+
+def _poison_forward_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = ScheduleBatch.to_forward_batch
+
+    def to_forward_batch(self: ScheduleBatch) -> Any:
+        if any(r.rid == "bad" for r in self.reqs):
+            raise RuntimeError("poisoned launch")
+        return original(self)
+
+    monkeypatch.setattr(ScheduleBatch, "to_forward_batch", to_forward_batch)
+
+
+def _poison_extend(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = ScheduleBatch.prepare_for_extend
+
+    def prepare_for_extend(self: ScheduleBatch, extend_lens: list[int]) -> None:
+        original(self, extend_lens)  # its slot and pages are taken: they must come back
+        if any(r.rid == "bad" for r in self.reqs):
+            raise RuntimeError("poisoned extend")
+
+    monkeypatch.setattr(ScheduleBatch, "prepare_for_extend", prepare_for_extend)
+
+
+@pytest.mark.parametrize("poison", [_poison_forward_batch, _poison_extend])
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_a_bad_prompt_in_a_mixed_step_fails_alone(
+    llama, reference, monkeypatch, poison, overlap
+):
+    """Building or launching a mixed step raises because of its prompt: the prompt fails, the
+    decode half (already prepared) runs alone, and the streams go on as if nothing happened."""
+    poison(monkeypatch)
+    run = await run_workload(llama, True, overlap, True, bad=True)
+    assert run.outputs == reference.outputs
+    assert run.counters.launch_failures == 1
+    assert run.counters.mixed_batches > 0
+
+
+async def test_a_bad_decode_row_in_a_mixed_step_fails_with_its_decode_batch(llama, monkeypatch):
+    """The culprit is a decode row: the mixed step fails (its prompt rows with it), then the
+    decode half alone fails too, as a decode step's failure does; nothing hangs, every pool
+    comes back, and the engine serves on."""
+    original = ScheduleBatch.to_forward_batch
+    armed = []  # once short0 shares a step with a prompt, every step of short0's fails
+
+    def to_forward_batch(self: ScheduleBatch) -> Any:
+        rids = {r.rid for r in self.reqs}
+        if "short0" in rids and (armed or any(rid.startswith("long") for rid in rids)):
+            armed.append(True)
+            raise RuntimeError("poisoned decode")
+        return original(self)
+
+    monkeypatch.setattr(ScheduleBatch, "to_forward_batch", to_forward_batch)
+    cfg = engine_config(
+        llama, runtime={"strict": True}, scheduler=SCHED | {"enable_mixed_chunk": True}
+    )
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    async with Engine(cfg) as engine:
+        short = asyncio.create_task(engine.complete(SHORT[0], params, rid="short0"))
+        while engine.snapshot().counters.generation_tokens < 3:
+            await asyncio.sleep(0.001)
+        longs = await asyncio.gather(
+            *(engine.complete(p, params, rid=f"long{i}") for i, p in enumerate(LONG))
+        )
+        bad = await short
+        assert bad.error is not None and "poisoned decode" in bad.error
+        for r in longs:  # each failed with a step that carried the bad row, or ran to its end
+            assert r.error is None or "poisoned decode" in r.error
+        assert any(r.error is not None for r in longs)  # the mixed step's prompt failed with it
+        counters = engine.snapshot().counters
+        assert counters.launch_failures >= 2 and counters.mixed_batches > 0
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free
+        again = await engine.complete(SHORT[1], params)
+        assert again.error is None and len(again.token_ids) == NEW_TOKENS

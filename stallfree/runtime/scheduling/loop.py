@@ -14,6 +14,7 @@ import time
 
 from stallfree.runtime.execution.model_runner import LaunchedBatch, ModelRunner
 from stallfree.runtime.model.forward_batch import ForwardMode
+from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
 from stallfree.runtime.scheduling.scheduler import Scheduler
 from stallfree.runtime.telemetry.observer import EngineObserver
 from stallfree.runtime.telemetry.request_log import describe_reqs
@@ -61,15 +62,16 @@ class SchedulerLoop:
         try:
             batch = scheduler.get_next_batch()
             if batch is not None:
-                # NOTE: the sequence number is taken only once the launch succeeded, so a failed
-                # launch leaves no number that no processed batch will ever release
-                launched = self.runner.launch(batch.step_input(), scheduler.launch_seq + 1)
-                scheduler.on_launched()
-                self.stats.steps += 1
+                launched = self._launch(batch)
             scheduler.queues.building = None
         except Exception as exc:
+            decode_half = scheduler.split_failed_mix()
             self._launch_failed(exc)
-            return None
+            if decode_half is None:
+                return None
+            launched = self._relaunch(decode_half)
+            if launched is None:
+                return None
         elapsed = time.perf_counter() - start
         if launched is not None:
             self.stats.schedule_seconds += elapsed
@@ -81,6 +83,27 @@ class SchedulerLoop:
             fb = launched.forward_batch
             plain = mode is ForwardMode.DECODE
             self.observer.on_step_tokens(len(launched.reqs) if plain else sum(fb.extend_lens_cpu))
+        return launched
+
+    def _launch(self, batch: ScheduleBatch) -> LaunchedBatch:
+        # NOTE: the sequence number is taken only once the launch succeeded, so a failed
+        # launch leaves no number that no processed batch will ever release
+        launched = self.runner.launch(batch.step_input(), self.scheduler.launch_seq + 1)
+        self.scheduler.on_launched()
+        self.stats.steps += 1
+        return launched
+
+    def _relaunch(self, decode: ScheduleBatch) -> LaunchedBatch | None:
+        """A mixed step failed to build or launch, and its prefill half's requests failed: its
+        decode half runs alone. If that raises too, its requests fail as well."""
+        queues = self.scheduler.queues
+        queues.building = list(decode.reqs)  # if this launch raises, these are what fail
+        try:
+            launched = self._launch(decode)
+            queues.building = None
+        except Exception as exc:
+            self._launch_failed(exc)
+            return None
         return launched
 
     def _launch_failed(self, exc: Exception) -> None:

@@ -59,6 +59,9 @@ class Scheduler:
     # speculative decoding: each decode step verifies drafts (None: off)
     spec: SpecPolicy | None = None
     last_processed_at: float | None = None  # when the last step was processed (speculation)
+    # a mixed step's decode half once it is prepared, until the step is launched: if building
+    # or launching the step raises, the decode half runs alone (`split_failed_mix`)
+    prepared_decode: ScheduleBatch | None = None
 
     def __post_init__(self) -> None:
         self.deferred = DeferredFrees(self.ctx, self.cache)
@@ -96,6 +99,7 @@ class Scheduler:
         q = self.queues
         q.building = None
         self.prefill.building_records = None
+        self.prepared_decode = None
         with self.ctx.monitor.schedule_path():
             q.merge_last_extend()
             q.filter_running()
@@ -158,13 +162,10 @@ class Scheduler:
             return self._extend_batch()
         q.building = list(running.reqs)
         running.prepare_for_decode(seq_lens_cpu)
-        try:
-            ext = self.prefill.new_batch(self._retract, self._refuse, len(running.reqs))
-        except BaseException:
-            # the decode rows are prepared for a step that will not run: they fail with it
-            q.building = running.reqs + (q.building or [])
-            raise
+        self.prepared_decode = running
+        ext = self.prefill.new_batch(self._retract, self._refuse, len(running.reqs))
         if ext is None:
+            self.prepared_decode = None  # the step is the decode batch itself
             q.building = list(running.reqs)
             self.stats.decode_batches += 1
             return running
@@ -172,6 +173,27 @@ class Scheduler:
         q.last_extend = ext
         self.stats.mixed_batches += 1
         return ScheduleBatch.mixed(ext, running)
+
+    def split_failed_mix(self) -> ScheduleBatch | None:
+        """Building or launching a mixed step raised. Its prefill half's requests are left in
+        `building` to fail (`fail_unlaunched`); its decode half, already prepared for this step,
+        is returned to run alone, so a bad prompt does not take the running streams with it.
+        None when there is no decode half, or when the prefill half picked no request (nothing
+        names a culprit: the decode half's requests fail)."""
+        decode, self.prepared_decode = self.prepared_decode, None
+        q = self.queues
+        if decode is None or decode.is_empty():
+            return None
+        ids = {id(r) for r in decode.reqs}
+        prefill = [r for r in q.building or [] if id(r) not in ids]
+        if not prefill:
+            # NOTE: rows prepared for a step that never runs cannot decode on: they fail
+            q.building = list(decode.reqs)
+            return None
+        q.building = prefill
+        self.prefill.building_records = None  # the prefill half is never launched
+        self.stats.decode_batches += 1
+        return decode
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -234,6 +256,7 @@ class Scheduler:
     # ------------------------------------------------------------------ results
 
     def on_launched(self) -> int:
+        self.prepared_decode = None
         self.launch_seq += 1
         self.prefill.launched(self.launch_seq)
         return self.launch_seq
