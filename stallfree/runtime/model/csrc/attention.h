@@ -11,8 +11,8 @@
 
 namespace sf {
 
-// How the cache stores a row (runtime/memory/kv_format.py): float32, bfloat16, int8 codes with
-// the row's float32 scale in its last 4 bytes, or one fp8 byte per element (no scale).
+// How the cache stores a row (runtime/memory/kv_format.py): float32, bfloat16, or one int8 or
+// fp8 code per element with the row's float32 scale in its last 4 bytes.
 enum class CacheKind : int { kF32, kBF16, kI8, kE4M3, kE5M2 };
 
 struct DecodeAttn {
@@ -21,7 +21,7 @@ struct DecodeAttn {
   // rotated, scaled queries in float32, [batch, heads, dim]
   const float* q = nullptr;
   // the cache [slots, kv_heads, row] of `kind` rows (the new step's K/V already written); `row`
-  // elements per stored row: dim, or dim + 4 for int8 (the scale's bytes)
+  // elements per stored row: dim, or dim + 4 for int8 and fp8 (the scale's bytes)
   const void* k_cache = nullptr;
   const void* v_cache = nullptr;
   CacheKind cache_kind = CacheKind::kF32;

@@ -29,12 +29,12 @@ struct RowsI8 {
 };
 struct RowsE4M3 {
   using E = uint8_t;
-  static constexpr bool scaled = false;
+  static constexpr bool scaled = true;
   static V::T load(const E* p) { return V::load_e4m3(p); }
 };
 struct RowsE5M2 {
   using E = uint8_t;
-  static constexpr bool scaled = false;
+  static constexpr bool scaled = true;
   static V::T load(const E* p) { return V::load_e5m2(p); }
 };
 
