@@ -297,3 +297,29 @@ async def test_a_bad_decode_row_in_a_mixed_step_fails_with_its_decode_batch(llam
         assert engine.pool_usage().all_free
         again = await engine.complete(SHORT[1], params)
         assert again.error is None and len(again.token_ids) == NEW_TOKENS
+
+
+async def test_mixed_rows_keep_their_lora_adapters(llama, tmp_path):
+    """Prompt rows and decode rows under different adapters in one mixed step: each row's
+    output equals transformers with its adapter merged."""
+    from tests.lora.test_lora_engine import NAMES, lora_config
+    from tests.lora_models import ADAPTERS, make_adapter, merged_greedy
+
+    adapters = {
+        name: str(make_adapter(llama, tmp_path / name, seed=i, **cfg))
+        for i, (name, cfg) in enumerate(ADAPTERS.items())
+    }
+    cfg = lora_config(llama, adapters, scheduler=SCHED | {"enable_mixed_chunk": True})
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompts = SHORT + LONG
+    async with Engine(cfg) as engine:
+        results = await asyncio.gather(
+            *(engine.complete(p, params, lora_name=NAMES[i % 4]) for i, p in enumerate(prompts))
+        )
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free and engine.lora.held() == 0
+        assert engine.snapshot().counters.mixed_batches > 0
+    for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
+        assert r.error is None, r.error
+        want = merged_greedy(llama, adapters.get(NAMES[i % 4] or ""), p, 12)
+        assert r.token_ids == want, f"prompt {i} under {NAMES[i % 4]} diverged"
