@@ -323,3 +323,42 @@ async def test_mixed_rows_keep_their_lora_adapters(llama, tmp_path):
         assert r.error is None, r.error
         want = merged_greedy(llama, adapters.get(NAMES[i % 4] or ""), p, 12)
         assert r.token_ids == want, f"prompt {i} under {NAMES[i % 4]} diverged"
+
+
+async def _structured_run(path: str, mixed: bool) -> tuple[list[str], int]:
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["n", "ok"],
+        "additionalProperties": False,
+    }
+    cfg = engine_config(path, scheduler=SCHED | {"enable_mixed_chunk": mixed})
+    constrained = [
+        SamplingParams(
+            max_new_tokens=60, temperature=1.0, seed=s, structured_outputs={"json": schema}
+        )
+        for s in range(len(SHORT))
+    ]
+    plain = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    async with Engine(cfg) as engine:
+        results = await asyncio.gather(
+            *(engine.complete(p, c) for p, c in zip(SHORT, constrained, strict=True)),
+            *(engine.complete(p, plain) for p in LONG),
+        )
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free
+        mixed_batches = engine.snapshot().counters.mixed_batches
+    for r in results:
+        assert r.error is None, r.error
+    return [r.text for r in results], mixed_batches
+
+
+async def test_mixed_rows_keep_their_grammars(llama):
+    """Seeded constrained decode rows beside prompt chunks: the same replies as mixing off."""
+    off, off_mixed = await _structured_run(llama, False)
+    on, on_mixed = await _structured_run(llama, True)
+    assert off_mixed == 0 and on_mixed > 0
+    assert on == off
