@@ -141,8 +141,6 @@ async def test_mixed_equals_unmixed_and_decode_advances(llama, reference, overla
         assert decode_rows_of_shorts(s) == len(SHORT)
         assert s.mixed_rows >= len(SHORT)
         assert sum(s.extend_lens) <= SCHED["max_prefill_tokens"]  # the decode rows count
-    # the short requests made one token per chunk step of the prompts, not zero
-    assert on.counters.decode_batches + on.counters.mixed_batches > off.counters.decode_batches
 
 
 async def test_mixed_with_retraction_and_pages(llama, reference):
