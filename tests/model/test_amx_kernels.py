@@ -1,7 +1,8 @@
-"""The AMX tile paths (csrc/isa_amx.cpp): dense bfloat16 at 2-16 rows and int8 weights at 6-16
-rows give the same results as the AVX-512 kernels within rounding, at every row count and
-weight height (whole blocks of 16 on the tiles, the rest on AVX-512), and are switched off by
-the environment, by another variant and on CPUs that do not report AMX."""
+"""The AMX tile paths (csrc/isa_amx.cpp): dense bfloat16 at 2-16 rows, int8 weights at 6-16
+rows and int4 codes at 9-16 rows give the same results as the AVX-512 kernels within rounding,
+at every row count and weight height (whole blocks of 16 on the tiles, the rest on AVX-512),
+and are switched off by the environment, by another variant and on CPUs that do not report
+AMX."""
 
 from __future__ import annotations
 
@@ -184,4 +185,52 @@ def test_bfloat16_tiles_run_from_two_rows(tiles: None) -> None:
     for m, taken in ((1, 0), (2, 1), (16, 1), (17, 0)):
         before = torch.ops.stallfree.amx_calls()
         torch.ops.stallfree.linear(torch.randn(m, 576).bfloat16(), w, None)
+        assert torch.ops.stallfree.amx_calls() - before == taken, m
+
+
+def _q4_weight(g: torch.Generator, n: int, groups: int) -> tuple[torch.Tensor, ...]:
+    codes = torch.randint(0, 256, (n, groups, 16), dtype=torch.uint8, generator=g)
+    scale = (torch.rand(n, groups, generator=g) / 10).half()
+    offset = (torch.rand(n, groups, generator=g) - 0.5).half()
+    return codes, scale, offset
+
+
+@needs_amx
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    m=st.integers(9, 16),
+    n=st.integers(16, 70),
+    groups=st.integers(1, 9),
+    bias=st.booleans(),
+    bf16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_int4_tiles_equal_the_avx512_kernel(
+    tiles: None, m: int, n: int, groups: int, bias: bool, bf16: bool, seed: int
+) -> None:
+    """9-16 rows of int4 groups on the tiles (odd group counts too): the same integer sums as
+    the AVX-512 kernel, the scale and offset applied in another order."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 32 * groups, generator=g)
+    if bf16:
+        x = x.bfloat16()
+    codes, scale, offset = _q4_weight(g, n, groups)
+    b = torch.randn(n, generator=g) if bias else None
+    on = torch.ops.stallfree.linear_q4(x, codes, scale, offset, b)
+    assert not torch.ops.stallfree.set_amx(False)
+    off = torch.ops.stallfree.linear_q4(x, codes, scale, offset, b)
+    assert torch.ops.stallfree.set_amx(True)
+    tol = 8e-3 if bf16 else 1e-5
+    assert _rel(on.float(), off.double()) < tol
+
+
+@needs_amx
+def test_int4_tiles_run_from_nine_rows(tiles: None) -> None:
+    g = torch.Generator().manual_seed(5)
+    codes, scale, offset = _q4_weight(g, 64, 8)
+    for m, taken in ((8, 0), (9, 1), (16, 1), (17, 0)):
+        before = torch.ops.stallfree.amx_calls()
+        torch.ops.stallfree.linear_q4(torch.randn(m, 256), codes, scale, offset, None)
         assert torch.ops.stallfree.amx_calls() - before == taken, m

@@ -299,6 +299,146 @@ void gemv_q8(const uint32_t* xp, const float* ad, int64_t m, int64_t k, const in
   _tile_release();
 }
 
+// ---- int4 codes against activations quantised to blocks of 32 (Q8Act) ------------------
+//
+// One group of 32 weights per block, as gemv_q4 reads them: w = code * scale + offset, so a
+// row's block contributes d_x * (scale * dot(codes, x codes) + offset * sum(x codes)). The
+// codes of 16 rows are unpacked to unsigned bytes in the tile's row order (a group's low
+// nibbles are its values 0-15, the high ones 16-31), one `tdpbusd` gives every activation
+// row's dot with them, and the scale and offset are applied in AVX-512 lanes, one lane per
+// activation row, as for int8.
+
+namespace {
+
+// the unpacked codes of two groups, 16 rows of 32 bytes each
+struct alignas(64) Q4Unpacked {
+  uint8_t g[2][16][32];
+};
+
+// groups b and b + 1 (b + 1 < groups) of 16 rows
+inline void unpack_two(const uint8_t* codes, int64_t row_bytes, int64_t b, Q4Unpacked& u) {
+  const __m256i low = _mm256_set1_epi8(0x0f);
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) {
+    const __m256i c =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + r * row_bytes + b * 16));
+    const __m256i lo = _mm256_and_si256(c, low);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u.g[0][r]), _mm256_permute2x128_si256(lo, hi, 0x20));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u.g[1][r]), _mm256_permute2x128_si256(lo, hi, 0x31));
+  }
+}
+
+// group b alone (the last of an odd count), into u.g[0]
+inline void unpack_one(const uint8_t* codes, int64_t row_bytes, int64_t b, Q4Unpacked& u) {
+  const __m128i low = _mm_set1_epi8(0x0f);
+  for (int r = 0; r < 16; ++r) {
+    const __m128i c =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * row_bytes + b * 16));
+    _mm_store_si128(reinterpret_cast<__m128i*>(u.g[0][r]), _mm_and_si128(c, low));
+    _mm_store_si128(reinterpret_cast<__m128i*>(u.g[0][r] + 16),
+                    _mm_and_si128(_mm_srli_epi16(c, 4), low));
+  }
+}
+
+// acc[r] += float(sums[r]) * scale[r, b] * d_x + offset[r, b] * d_x * sum(x codes)
+inline void scale_q4_block(const int32_t (&sums)[16][16], __m512 (&acc)[16], __m512 ad,
+                           __m512 xs, const uint16_t* gs, const uint16_t* go, int64_t groups,
+                           int64_t b) {
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) {
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(sums[r]));
+    const __m512 sc = _mm512_mul_ps(ad, _mm512_set1_ps(_cvtsh_ss(gs[r * groups + b])));
+    acc[r] = _mm512_fmadd_ps(v, sc, acc[r]);
+    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(go[r * groups + b])), xs, acc[r]);
+  }
+}
+
+void block_q4(const uint32_t* xp, const float* ad, const float* xs, int rows, int mc, int64_t k,
+              const uint8_t* codes, const uint16_t* gscale, const uint16_t* goffset,
+              const float* bias, int64_t n, int64_t m0, Out out) {
+  const int64_t groups = k / 32, row_bytes = groups * 16;
+  const uint8_t* cb = codes + n * row_bytes;
+  const uint16_t* gs = gscale + n * groups;
+  const uint16_t* go = goffset + n * groups;
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  Q4Unpacked u;
+  alignas(64) int32_t s0[16][16];
+  alignas(64) int32_t s1[16][16];
+  const int64_t bstride = 4 * mc;
+  int64_t b = 0;
+  for (; b + 2 <= groups; b += 2) {
+    // 32 bytes a row per step: a line every other step, prefetched 8 groups ahead
+    prefetch_rows(reinterpret_cast<const char*>(cb), row_bytes, groups, b, 8, 16);
+    unpack_two(cb, row_bytes, b, u);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, u.g[0], 32);
+    _tile_loadd(4, xp + b * 8 * mc, bstride);
+    _tile_loadd(3, u.g[1], 32);
+    _tile_loadd(5, xp + (b + 1) * 8 * mc, bstride);
+    _tile_dpbusd(0, 2, 4);
+    _tile_dpbusd(1, 3, 5);
+    _tile_stored(0, s0, 64);
+    _tile_stored(1, s1, 64);
+    scale_q4_block(s0, acc, _mm512_loadu_ps(ad + b * 16), _mm512_loadu_ps(xs + b * 16), gs, go,
+                   groups, b);
+    scale_q4_block(s1, acc, _mm512_loadu_ps(ad + (b + 1) * 16),
+                   _mm512_loadu_ps(xs + (b + 1) * 16), gs, go, groups, b + 1);
+  }
+  if (b < groups) {
+    unpack_one(cb, row_bytes, b, u);
+    _tile_zero(0);
+    _tile_loadd(2, u.g[0], 32);
+    _tile_loadd(4, xp + b * 8 * mc, bstride);
+    _tile_dpbusd(0, 2, 4);
+    _tile_stored(0, s0, 64);
+    scale_q4_block(s0, acc, _mm512_loadu_ps(ad + b * 16), _mm512_loadu_ps(xs + b * 16), gs, go,
+                   groups, b);
+  }
+  alignas(64) float c[16][16];
+  for (int r = 0; r < 16; ++r) _mm512_store_ps(c[r], acc[r]);
+  for (int i = 0; i < rows; ++i) {
+    float v[16];
+    for (int r = 0; r < 16; ++r) v[r] = c[r][i] + (bias ? bias[n + r] : 0.0f);
+    const int64_t at = (m0 + i) * out.ldo + n;
+    if (out.bf16) {
+      uint16_t* o = static_cast<uint16_t*>(out.ptr) + at;
+      for (int r = 0; r < 16; ++r) o[r] = f32_to_bf16(v[r]);
+    } else {
+      std::memcpy(static_cast<float*>(out.ptr) + at, v, sizeof v);
+    }
+  }
+}
+
+}  // namespace
+
+void pack_q4_sums(const Q8Act& a, float* xs) {
+  const int64_t m = a.m, mc = chunk_rows(m), blocks = a.k / 32;
+  for (int64_t m0 = 0; m0 < m; m0 += mc) {
+    float* dst = xs + m0 / mc * blocks * 16;
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t i = 0; i < 16; ++i)
+        dst[b * 16 + i] = (i < mc && m0 + i < m) ? a.bsum[(m0 + i) * (a.kp / 32) + b] : 0.0f;
+  }
+}
+
+void gemv_q4(const uint32_t* xp, const float* ad, const float* xs, int64_t m, int64_t k,
+             const uint8_t* codes, const uint16_t* gscale, const uint16_t* goffset,
+             const float* bias, int64_t n0, int64_t n1, Out out) {
+  const int mc = static_cast<int>(chunk_rows(m));
+  configure_q8(mc);
+  for (int64_t n = n0; n + 16 <= n1; n += 16)
+    for (int64_t m0 = 0; m0 < m; m0 += mc) {
+      const int64_t chunk = m0 / mc * (k / 32) * 16;
+      block_q4(xp + m0 * (k / 4), ad + chunk, xs + chunk,
+               static_cast<int>(std::min<int64_t>(mc, m - m0)), mc, k, codes, gscale, goffset,
+               bias, n, m0, out);
+    }
+  _tile_release();
+}
+
 }  // namespace amx
 }  // namespace sf
 
@@ -318,6 +458,9 @@ int64_t packed_q8_scales(int64_t, int64_t) { return 0; }
 void pack_q8(const Q8Act&, uint32_t*, float*) {}
 void gemv_q8(const uint32_t*, const float*, int64_t, int64_t, const int8_t*, const float*,
              const uint16_t*, const float*, int64_t, int64_t, Out) {}
+void pack_q4_sums(const Q8Act&, float*) {}
+void gemv_q4(const uint32_t*, const float*, const float*, int64_t, int64_t, const uint8_t*,
+             const uint16_t*, const uint16_t*, const float*, int64_t, int64_t, Out) {}
 }  // namespace amx
 }  // namespace sf
 
