@@ -1,20 +1,34 @@
 """The decode step's layer loop in C++ (`native_loop.py`, csrc/layers.cpp): the same logits bit
 for bit as the Python loop over the same native ops, in every weight format and at several
-batch sizes; layers it does not run (q/k norms, a mixture of experts) stay in Python with the
-same result; its fake gives the op's shapes; `STALLFREE_NATIVE_LOOP=0` turns it off."""
+batch sizes, for plain Llama layers, Qwen3's per-head q/k norms, Qwen2's biases, Mistral's
+sliding window and a soft-capped backend, each step counted to have made the one native call;
+layers it does not run (a mixture of experts) stay in Python with the same result; its fake
+gives the op's shapes; `STALLFREE_NATIVE_LOOP=0` turns it off."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from stallfree.runtime.model import cpu_kernels, native_loop
 from stallfree.runtime.model.compile import throwaway_batch
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.model.loader import load_model
-from tests.hf_models import make_llama, make_qwen2, make_qwen3
+from tests.hf_models import (
+    make_llama,
+    make_mistral,
+    make_phi3,
+    make_qwen2,
+    make_qwen3,
+    make_qwen3_moe,
+)
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="native CPU kernels unavailable here"
@@ -28,18 +42,35 @@ FORMATS = [
 ]
 
 
+class _Count(TorchDispatchMode):
+    """Native and aten calls by name (a native op counts once, its inner calls not at all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _step(path: Path, dtype: str, quantization: str, lens: list[int], loop: bool,
-          monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, dict]:  # fmt: skip
+          monkeypatch: pytest.MonkeyPatch,
+          backend: Callable[[Any], None] | None = None) -> tuple[torch.Tensor, dict, int]:  # fmt: skip
+    """(logits, the model's loop plans, how many `decode_layers` calls the step made)."""
     monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "1" if loop else "0")
     loaded = load_model(str(path), dtype, torch.device("cpu"), 0, quantization=quantization)
+    if backend is not None:
+        backend(loaded.model.attn_backend)
     fb = throwaway_batch(loaded, ForwardMode.DECODE, lens, 1)
     torch.manual_seed(0)
     # a cache with something in it: the prefix's keys and values drawn at random
     for k, v in zip(fb.kv_cache.k_buffers, fb.kv_cache.v_buffers, strict=True):
         k.copy_(torch.randn(k.shape).to(k.dtype))
         v.copy_(torch.randn(v.shape).to(v.dtype))
-    logits = loaded.model(fb)
-    return logits, dict(loaded.model._loop_plans)
+    with _Count() as counter:
+        logits = loaded.model(fb)
+    return logits, dict(loaded.model._loop_plans), counter.calls["stallfree.decode_layers"]
 
 
 @pytest.fixture(scope="module")
@@ -53,33 +84,73 @@ def test_loop_equals_the_python_loop_bit_for_bit(
     llama_dir: Path, dtype: str, quantization: str, lens: list[int],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    python, none = _step(llama_dir, dtype, quantization, lens, False, monkeypatch)
-    looped, plans = _step(llama_dir, dtype, quantization, lens, True, monkeypatch)
-    assert none == {}  # off: never planned
+    python, none, off = _step(llama_dir, dtype, quantization, lens, False, monkeypatch)
+    looped, plans, calls = _step(llama_dir, dtype, quantization, lens, True, monkeypatch)
+    assert none == {} and off == 0  # off: never planned
     planned = plans[(len(lens), getattr(torch, dtype))]
     # 20 rows: past the integer kernels' rows (a prompt-sized product in Python) and the
     # grouped float32 call's; bfloat16's projections go to F.linear in both loops
     loop_runs = len(lens) <= 16 or (dtype == "bfloat16" and quantization == "none")
     assert (planned is not None) == loop_runs
+    assert calls == int(loop_runs)
     assert torch.equal(python, looped)
 
 
-@pytest.mark.parametrize("make", [make_qwen3, make_qwen2])
-def test_other_layers_equal_with_the_loop_on(
-    tmp_path: Path, make: object, monkeypatch: pytest.MonkeyPatch
+def _softcap(backend: Any) -> None:
+    backend.softcap = 8.0  # Gemma 2's kind of cap, low enough to bite on these scores
+
+
+# Qwen3: per-head q/k norms (one row: the native norm on a contiguous view; more: torch's on a
+# strided one); Qwen2: the projections' biases; Mistral: a window of 8 that 17 and 33 outgrow;
+# Phi-3: its checkpoint's fused projections; a soft-capped backend on Llama layers
+FAMILIES: list[tuple[Callable[..., Path], dict[str, Any], Callable[[Any], None] | None]] = [
+    (make_qwen3, {}, None),
+    (make_qwen2, {}, None),
+    (make_mistral, {"sliding_window": 8}, None),
+    (make_phi3, {}, None),  # q/k/v and gate/up fused in the checkpoint
+    (make_llama, {}, _softcap),
+]
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), FORMATS)
+@pytest.mark.parametrize("lens", [[7], [5, 17, 33]])
+@pytest.mark.parametrize(("make", "config", "backend"), FAMILIES)
+def test_other_families_take_the_loop_bit_for_bit(
+    tmp_path: Path, make: Callable[..., Path], config: dict[str, Any],
+    backend: Callable[[Any], None] | None, dtype: str, quantization: str, lens: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    path = make(tmp_path, num_hidden_layers=2, **config)
+    python, _, off = _step(path, dtype, quantization, lens, False, monkeypatch, backend)
+    looped, plans, calls = _step(path, dtype, quantization, lens, True, monkeypatch, backend)
+    planned = plans[(len(lens), getattr(torch, dtype))]
+    assert torch.equal(python, looped)
+    if make is make_qwen2 and dtype == "float32":
+        # q, k and v kept apart (float32 keeps transformers' sums) with biases: three calls
+        # in Python, not a joint projection the loop reads
+        assert planned is None and off == calls == 0
+        return
+    assert planned is not None
+    assert off == 0 and calls == 1
+    assert bool(planned.qk_norms) == (make is make_qwen3)
+    assert planned.windows == ([8, 8] if make is make_mistral else [])
+    assert planned.softcap == (8.0 if backend is _softcap else None)
+
+
+def test_a_mixture_of_experts_stays_in_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Qwen3's q/k norms keep the step in Python (no plan); Qwen2's biases go through the
-    loop (the projections' bias epilogues). Either way the logits equal the Python loop's."""
-    path = make(tmp_path, num_hidden_layers=2)  # type: ignore[operator]
-    python, _ = _step(path, "bfloat16", "none", [9, 4], False, monkeypatch)
-    looped, plans = _step(path, "bfloat16", "none", [9, 4], True, monkeypatch)
+    path = make_qwen3_moe(tmp_path, num_hidden_layers=2)
+    python, _, _ = _step(path, "bfloat16", "none", [9, 4], False, monkeypatch)
+    looped, plans, calls = _step(path, "bfloat16", "none", [9, 4], True, monkeypatch)
+    assert plans[(2, torch.bfloat16)] is None and calls == 0
     assert torch.equal(python, looped)
-    planned = plans.get((2, torch.bfloat16))
-    assert (planned is None) == (make is make_qwen3)
 
 
-def test_the_fake_matches_the_op(llama_dir: Path) -> None:
-    loaded = load_model(str(llama_dir), "bfloat16", torch.device("cpu"), 0, quantization="none")
+@pytest.mark.parametrize("make", [make_llama, make_qwen3])
+def test_the_fake_matches_the_op(tmp_path: Path, make: Callable[..., Path]) -> None:
+    path = make(tmp_path, num_hidden_layers=2)
+    loaded = load_model(str(path), "bfloat16", torch.device("cpu"), 0, quantization="none")
     fb = throwaway_batch(loaded, ForwardMode.DECODE, [6, 3], 1)
     model = loaded.model
     layers = list(model.model.layers)
@@ -111,4 +182,14 @@ def test_a_malformed_plan_is_an_error_not_a_crash(llama_dir: Path) -> None:
     with pytest.raises(RuntimeError, match="unknown projection kind"):
         torch.ops.stallfree.decode_layers(
             *native_loop.arguments(layers, model.attn_backend, h, rope, fb, unknown)
+        )
+    windows = dataclasses.replace(step, windows=[4])  # 3 layers
+    with pytest.raises(RuntimeError, match="one per layer"):
+        torch.ops.stallfree.decode_layers(
+            *native_loop.arguments(layers, model.attn_backend, h, rope, fb, windows)
+        )
+    norms = dataclasses.replace(step, qk_norms=step.norms[:2])
+    with pytest.raises(RuntimeError, match="two per layer"):
+        torch.ops.stallfree.decode_layers(
+            *native_loop.arguments(layers, model.attn_backend, h, rope, fb, norms)
         )

@@ -341,14 +341,13 @@ class PagedAttention:
             and cpu_kernels.available()
         )
 
-    def plain(self, layers: int, cache_dtype: torch.dtype) -> bool:
-        """Whether none of `layers` layers has a window or a soft-cap and a cache in
-        `cache_dtype` is one the native op reads (`native_loop`'s conditions)."""
-        return (
-            self.softcap is None
-            and cache_dtype in _NATIVE_CACHE_DTYPES
-            and all(self._window(i) is None for i in range(layers))
-        )
+    def loop_windows(self, layers: int, cache_dtype: torch.dtype) -> list[int | None] | None:
+        """Each of `layers` layers' window (None: full attention) as the native decode ops
+        take it, or None where a cache in `cache_dtype` is not one they read (`native_loop`
+        hands them these, and the soft-cap, for every layer)."""
+        if cache_dtype not in _NATIVE_CACHE_DTYPES:
+            return None
+        return [self._window(i) for i in range(layers)]
 
     def _native_decode(
         self,

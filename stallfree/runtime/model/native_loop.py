@@ -3,19 +3,20 @@ csrc/layers.cpp): the loop of `LlamaDecoderLayer.fused_forward` driven from C++ 
 operators, so the result is bit for bit the Python loop's and only the Python between the
 calls (about 10 module calls, checks and frames per layer) is gone.
 
-It takes a step only where every layer would have run on native calls anyway: plain Llama
-layers (no q/k norm, no window, no soft-cap) with a joint q/k/v projection, a decode batch on
-the CPU with the kernels on, no LoRA rows, tensor-parallel size 1, not compiled. Each
-projection is described once per row count (`plan`) as a kind and its tensors; anything else
-(a projection that would not take its native kernel at this row count) leaves the step to
-Python. `STALLFREE_NATIVE_LOOP=0` turns it off.
+It takes a step only where every layer would have run on native calls anyway: Llama-family
+layers with a joint q/k/v projection, per-head q/k RMSNorms (Qwen3) or none, any sliding
+window or soft-cap the attention backend has (Mistral's window), a decode batch on the CPU with
+the kernels on, no LoRA rows, tensor-parallel size 1, not compiled, a dense MLP (a mixture of
+experts stays in Python). Each projection is described once per row count (`plan`) as a kind
+and its tensors; anything else (a projection that would not take its native kernel at this row
+count) leaves the step to Python. `STALLFREE_NATIVE_LOOP=0` turns it off.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -51,6 +52,12 @@ class Plan:
     norms: list[torch.Tensor]
     params: list[torch.Tensor | None]
     spec: list[int]
+    # each layer's q and k norm weights (Qwen3), none for layers without, and their epsilon
+    qk_norms: list[torch.Tensor] = field(default_factory=list)
+    qk_eps: float = 0.0
+    # each layer's window, 0 for none (empty: none anywhere), and the scores' soft-cap
+    windows: list[int] = field(default_factory=list)
+    softcap: float | None = None
 
 
 def _projection(
@@ -94,49 +101,92 @@ def _group(
     return [GROUP, len(weights)], list(weights)
 
 
+def _qk_norms(
+    layers: Sequence[Layer], dtype: torch.dtype
+) -> tuple[list[torch.Tensor], float] | None:
+    """Every layer's q and k norm weights and their one epsilon; ([], 0.0) where no layer has
+    them; None where some do and some do not, or a norm is not the Python loop's RMSNorm on the
+    native kernel's terms (a weight in the step's dtype, contiguous)."""
+    if all(layer.self_attn.q_norm is None and layer.self_attn.k_norm is None for layer in layers):
+        return [], 0.0
+    if layers[0].self_attn.q_norm is None:
+        return None
+    eps = float(layers[0].self_attn.q_norm.eps)
+    weights: list[torch.Tensor] = []
+    for layer in layers:
+        rms = type(layer.input_layernorm)  # llama.py's RMSNorm (`_fuses_residual` checks)
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            if type(norm) is not rms or norm.eps != eps:
+                return None
+            w = norm.weight
+            if w.dtype != dtype or not w.is_contiguous():
+                return None
+            weights.append(w)
+    return weights, eps
+
+
+def _parts(layer: Layer, rows: int, dtype: torch.dtype) -> list[Any] | None:
+    """The layer's q/k/v, o, gate/up and down projections as (kinds, tensors), or None."""
+    attn = layer.self_attn
+    mlp: Any = layer.mlp  # a dense MLP, or a mixture of experts (none of its projections)
+    qkv = (
+        _projection(attn.qkv_proj, rows, dtype)
+        if attn.qkv_proj is not None
+        else _group([attn.q_proj, attn.k_proj, attn.v_proj], rows, dtype)
+    )
+    fused, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
+    if down is None or (fused is None and not hasattr(mlp, "gate_proj")):
+        return None
+    gate_up = (
+        _projection(fused, rows, dtype)
+        if fused is not None
+        else _group([mlp.gate_proj, mlp.up_proj], rows, dtype)
+    )
+    parts = [qkv, _projection(attn.o_proj, rows, dtype), gate_up, _projection(down, rows, dtype)]
+    return None if any(part is None for part in parts) else parts
+
+
 def plan(layers: Sequence[Layer], rows: int, dtype: torch.dtype) -> Plan | None:
     """The step's plan for `rows` rows of `dtype`, or None when a layer is not one the loop
-    runs exactly as Python would."""
+    runs exactly as Python would (no windows or soft-cap: `run` adds the backend's)."""
     norms: list[torch.Tensor] = []
     params: list[torch.Tensor | None] = []
     spec: list[int] = []
     first = layers[0]
     shape = (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim)
+    qk = _qk_norms(layers, dtype)
+    if qk is None:
+        return None
     for layer in layers:
         attn = layer.self_attn
-        mlp: Any = layer.mlp  # a dense MLP, or a mixture of experts (none of its projections)
         if (
-            attn.q_norm is not None
-            or attn.tp.size != 1
-            or getattr(mlp, "tp", attn.tp).size != 1
+            attn.tp.size != 1
+            or getattr(layer.mlp, "tp", attn.tp).size != 1
             or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != shape
             or layer.input_layernorm.eps != first.input_layernorm.eps
             or layer.post_attention_layernorm.eps != first.input_layernorm.eps
         ):
             return None
-        qkv = (
-            _projection(attn.qkv_proj, rows, dtype)
-            if attn.qkv_proj is not None
-            else _group([attn.q_proj, attn.k_proj, attn.v_proj], rows, dtype)
-        )
-        # a dense MLP (a mixture of experts has none of these)
-        fused, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
-        if down is None or (fused is None and not hasattr(mlp, "gate_proj")):
+        parts = _parts(layer, rows, dtype)
+        if parts is None:
             return None
-        gate_up = (
-            _projection(fused, rows, dtype)
-            if fused is not None
-            else _group([mlp.gate_proj, mlp.up_proj], rows, dtype)
-        )
-        parts = [qkv, _projection(attn.o_proj, rows, dtype), gate_up]
-        parts.append(_projection(down, rows, dtype))
-        for part in parts:
-            if part is None:
-                return None
-            spec += part[0]
-            params += part[1]
+        for kinds, tensors in parts:
+            spec += kinds
+            params += tensors
         norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    return Plan(norms, params, spec)
+    return Plan(norms, params, spec, qk_norms=qk[0], qk_eps=qk[1])
+
+
+def _with_attention(
+    step: Plan | None, backend: PagedAttention, layers: int, cache: torch.dtype
+) -> Plan | None:
+    """`step` with the backend's windows and soft-cap, or None where the cache is not one the
+    native ops read (or a window is one they would not take as the Python loop passes it)."""
+    windows = backend.loop_windows(layers, cache)
+    if step is None or windows is None or any(w is not None and w <= 0 for w in windows):
+        return None
+    flat = [] if all(w is None for w in windows) else [w or 0 for w in windows]
+    return replace(step, windows=flat, softcap=backend.softcap)
 
 
 def run(
@@ -165,8 +215,8 @@ def run(
     key = (h.shape[0], h.dtype)
     if key not in plans:
         # windows, soft-cap and the cache's format are the model's own: asked once per plan
-        plain = backend.plain(len(layers), kv.k_buffers[0].dtype)
-        plans[key] = plan(layers, h.shape[0], h.dtype) if plain else None
+        step = plan(layers, h.shape[0], h.dtype)
+        plans[key] = _with_attention(step, backend, len(layers), kv.k_buffers[0].dtype)
     step = plans[key]
     if step is None:
         return None
@@ -202,4 +252,8 @@ def arguments(
         layers[0].input_layernorm.eps,
         step.params,
         step.spec,
+        step.softcap,
+        step.windows,
+        step.qk_norms,
+        step.qk_eps,
     )

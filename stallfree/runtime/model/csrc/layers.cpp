@@ -7,11 +7,15 @@
 //
 // Each layer is: RMSNorm (the first layer's) or add + RMSNorm, the q/k/v projection, the fused
 // RoPE + K/V write + attention (`decode_attention_qkv`), the output projection, add + RMSNorm,
-// gate/up, SiLU * up, down. A projection is one of the `Kind`s below, its tensors taken in
+// gate/up, SiLU * up, down. With per-head q/k norms (Qwen3) the projection's q and k are
+// normed apart and attention takes the three (`decode_attention`), as the Python layer does;
+// a soft-cap and each layer's window (0: none) go to the attention op as Python passes them. A projection is one of the `Kind`s below, its tensors taken in
 // order from `params` as `spec` says (runtime/model/native_loop.py builds both).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/rms_norm.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -74,6 +78,17 @@ struct Ops {
                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, std::optional<double>, std::optional<double>,
                                 std::optional<int64_t>)>("stallfree::decode_attention_qkv");
+  c10::TypedOperatorHandle<at::Tensor(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const at::Tensor&, const at::Tensor&, std::optional<double>, std::optional<double>,
+      std::optional<int64_t>)>
+      attention3 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const OptTensor&, const OptTensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, std::optional<double>,
+                                 std::optional<double>, std::optional<int64_t>)>(
+          "stallfree::decode_attention");
 };
 
 const Ops& ops() {
@@ -136,17 +151,34 @@ struct Projections {
   }
 };
 
+// `RMSNorm.forward` (llama.py) on q's or k's heads [T, heads, D], a view of the projection:
+// the native kernel where the view is contiguous (one row), else transformers' arithmetic
+// (native_layers.rms_norm_reference): float32 statistics, the weight applied in the dtype.
+at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  if (x.is_contiguous()) return ops().rms_norm.call(x, weight, eps);
+  if (x.scalar_type() == at::kFloat) return at::rms_norm(x, weight.sizes(), weight, eps);
+  const at::Tensor h = at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps);
+  return at::mul(weight, h.to(x.scalar_type()));
+}
+
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& h, const at::Tensor& cos, const at::Tensor& signed_sin,
     const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
     const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
     const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, int64_t num_heads,
     int64_t num_kv_heads, std::optional<double> scale, const std::vector<at::Tensor>& norms,
-    double eps, const c10::List<OptTensor>& params, const std::vector<int64_t>& spec) {
+    double eps, const c10::List<OptTensor>& params, const std::vector<int64_t>& spec,
+    std::optional<double> softcap, const std::vector<int64_t>& windows,
+    const std::vector<at::Tensor>& qk_norms, double qk_eps) {
   const size_t layers = k_caches.size();
   TORCH_CHECK(v_caches.size() == layers && norms.size() == 2 * layers,
               "decode_layers: expected a K and V cache and two norms per layer");
+  TORCH_CHECK(windows.empty() || windows.size() == layers,
+              "decode_layers: expected no windows or one per layer");
+  TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2 * layers,
+              "decode_layers: expected no q/k norms or two per layer");
   const Ops& o = ops();
+  const int64_t rows = h.size(0);
   Projections proj{params, spec};
   at::Tensor x, residual, out = h;
   for (size_t l = 0; l < layers; ++l) {
@@ -157,10 +189,27 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       std::tie(residual, x) = o.add_rms_norm.call(residual, out, norms[2 * l], eps);
     }
     const at::Tensor qkv = proj.apply(x);
-    const at::Tensor a = o.attention.call(qkv, num_heads, num_kv_heads, cos, signed_sin,
-                                          k_caches[l], v_caches[l], out_cache_loc, req_to_token,
-                                          req_pool_indices, seq_lens, scale, std::nullopt,
-                                          std::nullopt);
+    std::optional<int64_t> window;
+    if (!windows.empty() && windows[l] > 0) window = windows[l];
+    at::Tensor a;
+    if (qk_norms.empty()) {
+      a = o.attention.call(qkv, num_heads, num_kv_heads, cos, signed_sin, k_caches[l],
+                           v_caches[l], out_cache_loc, req_to_token, req_pool_indices, seq_lens,
+                           scale, softcap, window);
+    } else {
+      // LlamaAttention.project's split into head views, each of q and k normed per head
+      const int64_t dim = qkv.size(1) / (num_heads + 2 * num_kv_heads);
+      const int64_t qw = num_heads * dim, kw = num_kv_heads * dim;
+      const at::Tensor q = head_norm(qkv.narrow(1, 0, qw).view({rows, num_heads, dim}),
+                                     qk_norms[2 * l], qk_eps);
+      const at::Tensor k = head_norm(qkv.narrow(1, qw, kw).view({rows, num_kv_heads, dim}),
+                                     qk_norms[2 * l + 1], qk_eps);
+      const at::Tensor v = qkv.narrow(1, qw + kw, kw).view({rows, num_kv_heads, dim});
+      a = o.attention3
+              .call(q, k, v, cos, signed_sin, k_caches[l], v_caches[l], out_cache_loc,
+                    req_to_token, req_pool_indices, seq_lens, scale, softcap, window)
+              .reshape({rows, qw});
+    }
     const at::Tensor attn = proj.apply(a);
     std::tie(residual, x) = o.add_rms_norm.call(residual, attn, norms[2 * l + 1], eps);
     out = proj.apply(o.silu_mul.call(proj.apply(x)));
@@ -178,7 +227,8 @@ TORCH_LIBRARY_FRAGMENT(stallfree, m) {
       "decode_layers(Tensor h, Tensor cos, Tensor signed_sin, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, Tensor out_cache_loc, Tensor req_to_token, "
       "Tensor req_pool_indices, Tensor seq_lens, int num_heads, int num_kv_heads, "
-      "float? scale, Tensor[] norms, float eps, Tensor?[] params, int[] spec) "
+      "float? scale, Tensor[] norms, float eps, Tensor?[] params, int[] spec, "
+      "float? softcap, int[] windows, Tensor[] qk_norms, float qk_eps) "
       "-> (Tensor, Tensor)");
 }
 
