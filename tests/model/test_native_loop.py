@@ -137,6 +137,21 @@ def test_other_families_take_the_loop_bit_for_bit(
     assert planned.softcap == (8.0 if backend is _softcap else None)
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_qwen3_at_twenty_rows(
+    tmp_path: Path, quantization: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the native kernels' rows: bfloat16's projections go to F.linear in both loops (the
+    loop runs, q/k normed by torch's arithmetic), int8's to a prompt-sized product (Python)."""
+    path = make_qwen3(tmp_path, num_hidden_layers=2)
+    lens = [9 + i for i in range(20)]
+    python, _, _ = _step(path, "bfloat16", quantization, lens, False, monkeypatch)
+    looped, plans, calls = _step(path, "bfloat16", quantization, lens, True, monkeypatch)
+    assert calls == (quantization == "none")
+    assert (plans[(20, torch.bfloat16)] is not None) == (quantization == "none")
+    assert torch.equal(python, looped)
+
+
 def test_a_mixture_of_experts_stays_in_python(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
