@@ -101,10 +101,12 @@ def _softcap(backend: Any) -> None:
 
 
 # Qwen3: per-head q/k norms (one row: the native norm on a contiguous view; more: torch's on a
-# strided one); Qwen2: the projections' biases; Mistral: a window of 8 that 17 and 33 outgrow;
+# strided one), with biases too; Qwen2: the projections' biases (float32: q, k and v three
+# calls); Mistral: a window of 8 that 17 and 33 outgrow;
 # Phi-3: its checkpoint's fused projections; a soft-capped backend on Llama layers
 FAMILIES: list[tuple[Callable[..., Path], dict[str, Any], Callable[[Any], None] | None]] = [
     (make_qwen3, {}, None),
+    (make_qwen3, {"attention_bias": True}, None),
     (make_qwen2, {}, None),
     (make_mistral, {"sliding_window": 8}, None),
     (make_phi3, {}, None),  # q/k/v and gate/up fused in the checkpoint
@@ -125,12 +127,10 @@ def test_other_families_take_the_loop_bit_for_bit(
     looped, plans, calls = _step(path, dtype, quantization, lens, True, monkeypatch, backend)
     planned = plans[(len(lens), getattr(torch, dtype))]
     assert torch.equal(python, looped)
-    if make is make_qwen2 and dtype == "float32":
-        # q, k and v kept apart (float32 keeps transformers' sums) with biases: three calls
-        # in Python, not a joint projection the loop reads
-        assert planned is None and off == calls == 0
-        return
     assert planned is not None
+    # q, k and v kept apart (float32 keeps transformers' sums) with biases: three calls
+    apart = dtype == "float32" and (make is make_qwen2 or "attention_bias" in config)
+    assert (native_loop.APART in planned.spec) == apart
     assert off == 0 and calls == 1
     assert bool(planned.qk_norms) == (make is make_qwen3)
     assert planned.windows == ([8, 8] if make is make_mistral else [])

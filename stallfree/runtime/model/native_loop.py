@@ -32,8 +32,8 @@ from stallfree.runtime.model.quant import Int4Linear, Int8Linear
 # typed by what is read off them here, not by that class)
 Layer = Any
 
-# csrc/layers.cpp's projection kinds
-NATIVE, Q8_ROWS, Q8_BLOCKS, Q4, TORCH, GROUP = range(6)
+# csrc/layers.cpp's projection kinds (APART: q, k and v are the next three projections)
+NATIVE, Q8_ROWS, Q8_BLOCKS, Q4, TORCH, GROUP, APART = range(7)
 
 
 def enabled() -> bool:
@@ -101,6 +101,21 @@ def _group(
     return [GROUP, len(weights)], list(weights)
 
 
+def _apart(
+    layers: list[nn.Module], rows: int, dtype: torch.dtype
+) -> tuple[list[int], list[torch.Tensor | None]] | None:
+    """q, k and v as three calls (`LlamaAttention.project` where they are neither fused nor
+    grouped: float32 with biases), each as `_projection` runs it."""
+    spec, params = [APART], []
+    for layer in layers:
+        part = _projection(layer, rows, dtype)
+        if part is None:
+            return None
+        spec += part[0]
+        params += part[1]
+    return spec, params
+
+
 def _qk_norms(
     layers: Sequence[Layer], dtype: torch.dtype
 ) -> tuple[list[torch.Tensor], float] | None:
@@ -133,6 +148,7 @@ def _parts(layer: Layer, rows: int, dtype: torch.dtype) -> list[Any] | None:
         _projection(attn.qkv_proj, rows, dtype)
         if attn.qkv_proj is not None
         else _group([attn.q_proj, attn.k_proj, attn.v_proj], rows, dtype)
+        or _apart([attn.q_proj, attn.k_proj, attn.v_proj], rows, dtype)
     )
     fused, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
     if down is None or (fused is None and not hasattr(mlp, "gate_proj")):

@@ -8,8 +8,9 @@
 // Each layer is: RMSNorm (the first layer's) or add + RMSNorm, the q/k/v projection, the fused
 // RoPE + K/V write + attention (`decode_attention_qkv`), the output projection, add + RMSNorm,
 // gate/up, SiLU * up, down. With per-head q/k norms (Qwen3) the projection's q and k are
-// normed apart and attention takes the three (`decode_attention`), as the Python layer does;
-// a soft-cap and each layer's window (0: none) go to the attention op as Python passes them. A projection is one of the `Kind`s below, its tensors taken in
+// normed apart and attention takes the three (`decode_attention`), as the Python layer does,
+// and so where q, k and v are three projections (float32 with biases); a soft-cap and each
+// layer's window (0: none) go to the attention op as Python passes them. A projection is one of the `Kind`s below, its tensors taken in
 // order from `params` as `spec` says (runtime/model/native_loop.py builds both).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -40,6 +41,7 @@ enum Kind : int64_t {
   kQ4 = 3,          // stallfree::linear_q4(x, codes, scale, offset, bias_f32)
   kTorch = 4,       // at::linear(x, weight, bias)
   kGroup = 5,       // stallfree::linear_group(x, weights): spec's next value is the count
+  kApart = 6,       // not a projection: q, k and v are the next three, each its own call
 };
 
 struct Ops {
@@ -113,6 +115,13 @@ struct Projections {
     return params.get(p++);
   }
 
+  // whether q, k and v come as three projections (`kApart` taken off the spec)
+  bool apart() {
+    if (s >= spec.size() || spec[s] != kApart) return false;
+    ++s;
+    return true;
+  }
+
   at::Tensor apply(const at::Tensor& x) {
     TORCH_CHECK(s < spec.size(), "decode_layers: spec ran out");
     const Ops& o = ops();
@@ -161,6 +170,63 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) 
   return at::mul(weight, h.to(x.scalar_type()));
 }
 
+// A layer's attention, from its normed input to the heads' outputs [T, H * D], as
+// `LlamaAttention.forward` runs a decode step: the joint projection straight into
+// `decode_attention_qkv`; with q/k norms, or with q, k and v as three projections, the head
+// views (q and k normed per head) into `decode_attention`.
+struct Attention {
+  const at::Tensor& cos;
+  const at::Tensor& signed_sin;
+  const std::vector<at::Tensor>& k_caches;
+  const std::vector<at::Tensor>& v_caches;
+  const at::Tensor& out_cache_loc;
+  const at::Tensor& req_to_token;
+  const at::Tensor& req_pool_indices;
+  const at::Tensor& seq_lens;
+  int64_t num_heads, num_kv_heads;
+  std::optional<double> scale, softcap;
+  const std::vector<int64_t>& windows;  // empty, or each layer's (0: none)
+  const std::vector<at::Tensor>& qk_norms;  // empty, or each layer's q and k norm weights
+  double qk_eps;
+
+  at::Tensor operator()(Projections& proj, const at::Tensor& x, size_t l) const {
+    const Ops& o = ops();
+    std::optional<int64_t> window;
+    if (!windows.empty() && windows[l] > 0) window = windows[l];
+    at::Tensor q, k, v;
+    if (proj.apart()) {
+      q = proj.apply(x);
+      k = proj.apply(x);
+      v = proj.apply(x);
+    } else {
+      const at::Tensor qkv = proj.apply(x);
+      if (qk_norms.empty()) {
+        return o.attention.call(qkv, num_heads, num_kv_heads, cos, signed_sin, k_caches[l],
+                                v_caches[l], out_cache_loc, req_to_token, req_pool_indices,
+                                seq_lens, scale, softcap, window);
+      }
+      // LlamaAttention.project's split of the joint output
+      const int64_t kw = qkv.size(1) / (num_heads + 2 * num_kv_heads) * num_kv_heads;
+      const int64_t qw = qkv.size(1) - 2 * kw;
+      q = qkv.narrow(1, 0, qw);
+      k = qkv.narrow(1, qw, kw);
+      v = qkv.narrow(1, qw + kw, kw);
+    }
+    const int64_t rows = x.size(0), dim = q.size(1) / num_heads;
+    q = q.view({rows, num_heads, dim});
+    k = k.view({rows, num_kv_heads, dim});
+    v = v.view({rows, num_kv_heads, dim});
+    if (!qk_norms.empty()) {
+      q = head_norm(q, qk_norms[2 * l], qk_eps);
+      k = head_norm(k, qk_norms[2 * l + 1], qk_eps);
+    }
+    return o.attention3
+        .call(q, k, v, cos, signed_sin, k_caches[l], v_caches[l], out_cache_loc, req_to_token,
+              req_pool_indices, seq_lens, scale, softcap, window)
+        .reshape({rows, num_heads * dim});
+  }
+};
+
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& h, const at::Tensor& cos, const at::Tensor& signed_sin,
     const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
@@ -178,7 +244,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2 * layers,
               "decode_layers: expected no q/k norms or two per layer");
   const Ops& o = ops();
-  const int64_t rows = h.size(0);
+  const Attention attend{cos, signed_sin, k_caches, v_caches, out_cache_loc, req_to_token,
+                         req_pool_indices, seq_lens, num_heads, num_kv_heads, scale, softcap,
+                         windows, qk_norms, qk_eps};
   Projections proj{params, spec};
   at::Tensor x, residual, out = h;
   for (size_t l = 0; l < layers; ++l) {
@@ -188,29 +256,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     } else {
       std::tie(residual, x) = o.add_rms_norm.call(residual, out, norms[2 * l], eps);
     }
-    const at::Tensor qkv = proj.apply(x);
-    std::optional<int64_t> window;
-    if (!windows.empty() && windows[l] > 0) window = windows[l];
-    at::Tensor a;
-    if (qk_norms.empty()) {
-      a = o.attention.call(qkv, num_heads, num_kv_heads, cos, signed_sin, k_caches[l],
-                           v_caches[l], out_cache_loc, req_to_token, req_pool_indices, seq_lens,
-                           scale, softcap, window);
-    } else {
-      // LlamaAttention.project's split into head views, each of q and k normed per head
-      const int64_t dim = qkv.size(1) / (num_heads + 2 * num_kv_heads);
-      const int64_t qw = num_heads * dim, kw = num_kv_heads * dim;
-      const at::Tensor q = head_norm(qkv.narrow(1, 0, qw).view({rows, num_heads, dim}),
-                                     qk_norms[2 * l], qk_eps);
-      const at::Tensor k = head_norm(qkv.narrow(1, qw, kw).view({rows, num_kv_heads, dim}),
-                                     qk_norms[2 * l + 1], qk_eps);
-      const at::Tensor v = qkv.narrow(1, qw + kw, kw).view({rows, num_kv_heads, dim});
-      a = o.attention3
-              .call(q, k, v, cos, signed_sin, k_caches[l], v_caches[l], out_cache_loc,
-                    req_to_token, req_pool_indices, seq_lens, scale, softcap, window)
-              .reshape({rows, qw});
-    }
-    const at::Tensor attn = proj.apply(a);
+    const at::Tensor attn = proj.apply(attend(proj, x, l));
     std::tie(residual, x) = o.add_rms_norm.call(residual, attn, norms[2 * l + 1], eps);
     out = proj.apply(o.silu_mul.call(proj.apply(x)));
   }
