@@ -279,6 +279,10 @@ class PagedAttention:
                 q, k, v, rope, fb.kv_cache.k_buffers[layer_id], fb.req_to_token
             ):
                 return self._native_decode(q, k, v, layer_id, fb, rope)
+            if fb.mode is ForwardMode.EXTEND:
+                tail = self._one_token_tail(q, k, v, layer_id, fb, rope)
+                if tail:
+                    return self._extend_with_tail(q, k, v, layer_id, fb, rope, tail)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         fb.kv_cache.write(layer_id, fb.out_cache_loc, k, v)
         if fb.mode is ForwardMode.DECODE:
@@ -286,6 +290,68 @@ class PagedAttention:
         if fb.mode is ForwardMode.VERIFY:
             return self._verify(q, layer_id, fb)
         return self._extend(q, layer_id, fb)
+
+    def _one_token_tail(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        fb: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> int:
+        """How many of an extend step's last rows add one token each (a mixed step's decode
+        rows, last by construction): each is one query over its cached keys, a decode row, so
+        they take the native decode op together rather than one attention call each. 0 where
+        fewer than two rows would, or the op does not take this step."""
+        lens = fb.extend_lens_cpu
+        tail = 0
+        while tail < len(lens) and lens[len(lens) - 1 - tail] == 1:
+            tail += 1
+        if tail < 2 or not native_decode_supported(
+            q, k, v, rope, fb.kv_cache.k_buffers[layer_id], fb.req_to_token
+        ):
+            return 0
+        return tail
+
+    def _extend_with_tail(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        fb: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        tail: int,
+    ) -> torch.Tensor:
+        """The leading rows as any extend step's, the last `tail` one-token rows (tokens) in
+        one native call: RoPE, their K/V write and attention over each row's keys."""
+        head = q.shape[0] - tail
+        kv = fb.kv_cache
+        rows = slice(fb.batch_size - tail, None)
+        out_tail: torch.Tensor = torch.ops.stallfree.decode_attention(
+            q[head:],
+            k[head:],
+            v[head:],
+            rope[0][head:],
+            rope[1][head:],
+            kv.k_buffers[layer_id],
+            kv.v_buffers[layer_id],
+            fb.out_cache_loc[head:],
+            fb.req_to_token,
+            fb.req_pool_indices[rows],
+            fb.seq_lens[rows],
+            self.scale,
+            self.softcap,
+            self._window(layer_id),
+        )
+        if head == 0:
+            return out_tail
+        cos, sin = rope[0][:head], rope[1][:head]
+        qh, kh = apply_rope(q[:head], cos, sin), apply_rope(k[:head], cos, sin)
+        kv.write(layer_id, fb.out_cache_loc[:head], kh, v[:head])
+        out_head = self._extend(qh, layer_id, fb, fb.batch_size - tail)
+        return torch.cat([out_head, out_tail])
 
     def forward_qkv(
         self,
@@ -410,10 +476,13 @@ class PagedAttention:
         flat = out.transpose(1, 2).reshape(bsz * n_pos, *q.shape[1:])
         return flat[layout.flat_pos]
 
-    def _extend(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch) -> torch.Tensor:
+    def _extend(
+        self, q: torch.Tensor, layer_id: int, fb: ForwardBatch, rows: int | None = None
+    ) -> torch.Tensor:
+        """Attention of the first `rows` rows (all by default), whose tokens q holds."""
         outs = []
         start = 0
-        for i in range(fb.batch_size):
+        for i in range(fb.batch_size if rows is None else rows):
             n, prefix = fb.extend_lens_cpu[i], fb.prefix_lens_cpu[i]
             seq = prefix + n
             window = self._window(layer_id)
