@@ -226,7 +226,9 @@ class Engine:
             "asyncio.run_coroutine_threadsafe(engine.complete(...), engine.loop)"
         )
 
-    def _new_req(self, prompt: object, params: object, rid: object) -> Req:
+    def _check_admission(self, rid: object) -> None:
+        """The refusals before a request is read: closed, unhealthy, a full waiting queue, a
+        malformed id."""
         self._check_caller()
         if not self.accepting:
             state = "shut down" if self._state in ("closing", "closed") else "not started"
@@ -244,12 +246,15 @@ class Engine:
                 f"rid must be a non-empty string of at most {MAX_RID_CHARS} characters",
                 param="rid",
             )
+
+    def _new_req(self, prompt: object, params: object, rid: object) -> Req:
+        self._check_admission(rid)
         validator = self.validator
         sampling = validator.params(params)
         ids = validator.prompt_ids(prompt)
         validator.check_prompt(ids)
         sampling = validator.admit_params(ids, sampling)
-        rid = rid or f"req-{next(self._rid_counter)}"
+        rid = rid if isinstance(rid, str) else f"req-{next(self._rid_counter)}"
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
         return Req(

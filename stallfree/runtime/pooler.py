@@ -3,10 +3,11 @@ door as `Engine`.
 
 An encoder (`BertModel`, `BertForSequenceClassification`) attends both ways over its whole
 input in one pass and keeps no KV cache; a decoder embedder (a native family's hidden states,
-`decoder_embedder.py`) needs its KV only within the pass. Neither goes through the paged-KV
-scheduler. Their requests share the engine's admission rules instead (the waiting-queue limit,
-a request deadline, the closed and unhealthy refusals), its counters and its observers, and run
-as their own step type: a loop on the engine's event loop takes the waiting inputs, up to
+`decoder_embedder.py`) needs its KV only within the pass. `open_engine` serves a decoder
+embedder through the paged-KV scheduler (`scheduled_pooler.py`); an encoder does not go
+through it. An encoder's requests share the engine's admission rules instead (the
+waiting-queue limit, a request deadline, the closed and unhealthy refusals), its counters and
+its observers, and run as their own step type: a loop on the engine's event loop takes the waiting inputs, up to
 `scheduler.max_prefill_tokens` padded tokens a batch, and runs each batch off the event loop
 (one batch at a time), so the server keeps answering while a batch runs.
 
@@ -45,12 +46,14 @@ from stallfree.runtime.model.loader import load_model, load_tokenizer
 from stallfree.runtime.model.pooling import (
     Embedder,
     PoolingConfig,
+    check_dimensions,
     finish,
     pool,
     read_pooling_config,
     with_override,
 )
 from stallfree.runtime.plugins import load_metrics_plugin
+from stallfree.runtime.pooled import Pooled, PoolingAborted
 from stallfree.runtime.request.errors import (
     EngineClosedError,
     EngineOverloadedError,
@@ -59,6 +62,7 @@ from stallfree.runtime.request.errors import (
 )
 from stallfree.runtime.request.req import FinishReason, Req
 from stallfree.runtime.request.sampling_params import SamplingParams
+from stallfree.runtime.scheduled_pooler import ScheduledPoolingEngine
 from stallfree.runtime.scheduling.sizing import waiting_limit
 from stallfree.runtime.telemetry.observer import ObserverFanout
 from stallfree.runtime.telemetry.stats import (
@@ -115,22 +119,12 @@ def runner_for(config: StallfreeConfig) -> str:
 def open_engine(config: StallfreeConfig) -> Engine:
     """The engine for `config`'s runner: `PoolingEngine` or the generating `Engine`."""
     config = resolve_model_source(config)
-    if runner_for(config) == "pooling":
+    if runner_for(config) != "pooling":
+        return Engine(config)
+    if any(a in _ENCODERS for a in architectures(config.model.path)):
         return PoolingEngine(config)
-    return Engine(config)
-
-
-class PoolingAborted(RuntimeError):
-    """The request was aborted (`PoolingEngine.abort`) before its answer."""
-
-
-@dataclass(frozen=True, slots=True)
-class Pooled:
-    """One request's outputs, float32 on the host: its vectors ([inputs, dimensions]) from an
-    embedder, its scores ([inputs]) from a cross-encoder; and its token count."""
-
-    outputs: torch.Tensor
-    prompt_tokens: int
+    _check_settings(config)  # a decoder embedder: its inputs go through the scheduler
+    return ScheduledPoolingEngine(config)
 
 
 @dataclass(slots=True, eq=False)
@@ -355,21 +349,7 @@ class PoolingEngine(Engine):
     # ------------------------------------------------------------------ requests
 
     def check_dimensions(self, dimensions: int | None) -> None:
-        if dimensions is None:
-            return
-        full = self.pooling.dimension
-        if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
-            raise InvalidRequestError("dimensions must be a positive integer", param="dimensions")
-        if dimensions > full:
-            raise InvalidRequestError(
-                f"dimensions {dimensions} is more than the model's {full}", param="dimensions"
-            )
-        if dimensions < full and not self.pooling.matryoshka:
-            raise InvalidRequestError(
-                f"this model's embeddings cannot be shortened (it is not a Matryoshka "
-                f"model); dimensions must be {full} or left out",
-                param="dimensions",
-            )
+        check_dimensions(self.pooling, dimensions)
 
     async def embed(
         self,
@@ -575,6 +555,7 @@ def _check_settings(config: StallfreeConfig) -> None:
             ("parallel.tp_size > 1", config.parallel.tp_size > 1),
             ("hisparse.enabled", config.hisparse.enabled),
             ("speculative.enabled", config.speculative.enabled),
+            ("worker processes", config.uses_worker_processes),
         )
         if on
     ]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from stallfree.runtime.model.arch import ModelLoadError
-from stallfree.runtime.pooler import PoolingEngine, open_engine, runner_for
+from stallfree.runtime.pooler import open_engine, runner_for
+from stallfree.runtime.scheduled_pooler import ScheduledPoolingEngine
 from tests.engine_util import engine_config
 from tests.hf_models import make_gemma2, make_llama, make_qwen3
 
@@ -46,7 +47,7 @@ def _write_mean_pooling(path: Path) -> None:
 
 async def _embed(path: Path, rows: list[list[int]], **model: object) -> torch.Tensor:
     engine = open_engine(engine_config(str(path), model={"runner": "pooling", **model}))
-    assert isinstance(engine, PoolingEngine)
+    assert isinstance(engine, ScheduledPoolingEngine)  # through the scheduler
     await engine.start()
     try:
         return (await engine.embed(rows)).outputs

@@ -15,6 +15,7 @@ from stallfree.runtime.execution.planner import StepArgs
 from stallfree.runtime.execution.sampler import Sampler
 from stallfree.runtime.execution.speculative import SpecDecoder
 from stallfree.runtime.execution.step_sampler import StepSampler
+from stallfree.runtime.model.decoder_embedder import pooled_sums
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -64,19 +65,15 @@ class LocalExecutor:
         stashed = False
         try:
             self._resolve_inputs(args)
-            logits = self.model(fb)
-            if fb.mode is ForwardMode.VERIFY:
-                # the verify step stashes its own last tokens (by slot), and its drafts
-                host_out = self._verify(fb, logits, args)
-                fmap.mark(args.stash_slots, args.generation)
-                stashed = True
-            else:
-                host_out = self.sampler.sample(
-                    logits, args.sb, args.plan, args.logprobs, fb.batch_size
-                )
+            if args.pool is not None:  # a pooling step: sums of hidden states, no sampling
+                host_out = self._pool(args)
                 fmap.stash(args.stash_slots, args.stash_rows, host_out, args.generation)
                 stashed = True
-                self._propose(fb, host_out, args)
+            else:
+                host_out = self._sample(args)
+                stashed = True
+                if fb.mode is not ForwardMode.VERIFY:
+                    self._propose(fb, host_out, args)
         finally:
             if not stashed:
                 fmap.mark(args.stash_slots, args.generation)
@@ -85,6 +82,28 @@ class LocalExecutor:
             self.faults.before_copy(args.fault)
         args.token_ids_cpu.copy_(host_out, non_blocking=True)
         args.timing.append(time.perf_counter() - start)
+
+    def _sample(self, args: StepArgs) -> torch.Tensor:
+        """A generation step's forward, then its sampling (or verifying) and stash."""
+        fb, fmap = args.fb, self.ctx.future_map
+        logits = self.model(fb)
+        if fb.mode is ForwardMode.VERIFY:
+            # the verify step stashes its own last tokens (by slot), and its drafts
+            host_out = self._verify(fb, logits, args)
+            fmap.mark(args.stash_slots, args.generation)
+            return host_out
+        host_out = self.sampler.sample(logits, args.sb, args.plan, args.logprobs, fb.batch_size)
+        fmap.stash(args.stash_slots, args.stash_rows, host_out, args.generation)
+        return host_out
+
+    def _pool(self, args: StepArgs) -> torch.Tensor:
+        """A pooling step's forward: each row's sum into the plan's host buffer (copied with
+        the step's token ids, read after its event); its token ids are zeros, never kept."""
+        pool, fb = args.pool, args.fb
+        assert pool is not None
+        sums = pooled_sums(self.model, fb, pool.index, pool.segment)
+        pool.pooled_cpu.copy_(sums, non_blocking=True)
+        return torch.zeros(fb.batch_size, dtype=torch.int64, device=sums.device)
 
     def _resolve_inputs(self, args: StepArgs) -> None:
         """Before the forward: an injected fault, then the input ids the future map holds."""

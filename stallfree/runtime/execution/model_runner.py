@@ -53,6 +53,8 @@ class StepOutput:
     verify: VerifyOutput | None = None
     seconds: float | None = None  # the stream's time for the step, where it was measured
     mode: ForwardMode | None = None
+    # a pooling step: each row's sum of pooled hidden states, [batch, width] float32 on the host
+    pooled: torch.Tensor | None = None
 
     @property
     def ok(self) -> bool:
@@ -73,6 +75,7 @@ class LaunchedBatch:
     logits_plan: LogitsPlan | None = None
     logprobs: LogprobBuffers | None = None  # host; valid once `event` has fired
     timing: list[float] | None = None  # host; the step's time, once `event` has fired
+    pooled_cpu: torch.Tensor | None = None  # host; a pooling step's sums, once `event` fired
 
     async def result(self) -> StepOutput:
         """Wait for the step without blocking the event loop; a failed step is an output too."""
@@ -105,6 +108,7 @@ class LaunchedBatch:
             self.logits_plan,
             seconds=seconds,
             mode=self.mode,
+            pooled=self.pooled_cpu,
         )
 
 
@@ -141,4 +145,5 @@ class ModelRunner:
             logits_plan=args.plan,
             logprobs=args.logprobs,
             timing=args.timing,
+            pooled_cpu=args.pool.pooled_cpu if args.pool is not None else None,
         )

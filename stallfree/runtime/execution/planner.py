@@ -35,6 +35,19 @@ class StepInput:
 
 
 @dataclass(slots=True, eq=False)
+class PoolPlan:
+    """A pooling step's rows to sum (docs/embeddings.md): the flat token rows whose final
+    hidden state is added (`index`, device) into which batch row's vector (`segment`,
+    device), and the host buffer the [batch, width] sums land in, valid once the step's event
+    has fired. Mean pooling adds every token of each chunk; last-token pooling adds the
+    prompt's last token, in its final chunk, and nothing before; CLS pooling its first."""
+
+    index: torch.Tensor
+    segment: torch.Tensor
+    pooled_cpu: torch.Tensor
+
+
+@dataclass(slots=True, eq=False)
 class StepArgs:
     """What one step hands the stream side: built at launch from host facts, run by
     `LocalExecutor.run_step` (in process) or carried to the workers in a step message
@@ -52,6 +65,7 @@ class StepArgs:
     logprobs: LogprobBuffers | None = None
     spec: SpecArgs | None = None  # speculative decoding's host facts (None: off)
     mixed_rows: int = 0  # last rows of an extend step whose input id the future map holds
+    pool: PoolPlan | None = None  # a pooling step: what it sums, instead of sampling
     # the stream's time for the step, appended by the in-process executor's worker when it
     # is done (a host list: read once the step's event fired)
     timing: list[float] = field(default_factory=list)
@@ -93,6 +107,7 @@ class StepPlanner:
                 token_ids_cpu = stream.host_buffer((len(step.reqs),), _I64)
             plan, logprobs = self._plan_logits(fb, rows)
             expected, generation = self._plan_future_map(fb, slots_cpu, step.mixed_rows)
+            pool = self._plan_pool(fb, step)
         fault = self.faults.plan() if self.faults is not None else Fault.NONE
         return StepArgs(
             fb,
@@ -107,6 +122,38 @@ class StepPlanner:
             logprobs,
             spec,
             mixed_rows=step.mixed_rows,
+            pool=pool,
+        )
+
+    def _plan_pool(self, fb: ForwardBatch, step: StepInput) -> PoolPlan | None:
+        """A step of pooling requests: the rows each one sums (None: a generation step). A
+        step is all pooling rows or none (the pooling runner admits nothing else)."""
+        modes = [r.pooling for r in step.reqs]
+        if all(m is None for m in modes):
+            return None
+        if fb.mode is not ForwardMode.EXTEND or step.mixed_rows or None in modes:
+            raise ValueError("a pooling step carries prompt chunks of pooling requests only")
+        index: list[int] = []
+        segment: list[int] = []
+        start = 0
+        for row, (mode, n) in enumerate(zip(modes, fb.extend_lens_cpu, strict=True)):
+            if mode in ("mean", "mean_sqrt_len"):
+                index.extend(range(start, start + n))
+                segment.extend([row] * n)
+            elif mode == "cls":  # the first token: the first chunk's first row
+                if fb.prefix_lens_cpu[row] == 0:
+                    index.append(start)
+                    segment.append(row)
+            elif step.output_rows[row]:  # last token: the final chunk's last row
+                index.append(start + n - 1)
+                segment.append(row)
+            start += n
+        stream = self.ctx.stream
+        pooled_cpu = stream.host_buffer((len(modes), self.ctx.pool_width), torch.float32)
+        return PoolPlan(
+            stream.upload(torch.tensor(index, dtype=_I64)),
+            stream.upload(torch.tensor(segment, dtype=_I64)),
+            pooled_cpu,
         )
 
     def _plan_logits(

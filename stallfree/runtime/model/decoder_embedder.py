@@ -1,9 +1,11 @@
 """A decoder embedder: a native causal-LM family's final hidden states (after its last norm),
 for last-token or mean pooling, as Qwen3-Embedding is served.
 
-The LM head is never applied. Each batch runs the family's own layers and paged attention
-(causal, as the model was trained) over a KV cache of its own that lives for the batch only:
-nothing is kept between batches, so an embedding request holds no KV of the engine's.
+The LM head is never applied. The pooling runner schedules these requests as prompts
+(runtime/scheduled_pooler.py): each step runs `pooled_sums` on the engine's stream over the
+engine's paged KV, and the request's pages are freed when its last chunk is done.
+`DecoderEmbedder.hidden_states` runs a whole batch over a KV cache of its own instead (the
+reference the tests check the scheduled path against).
 """
 
 from __future__ import annotations
@@ -81,6 +83,24 @@ class DecoderEmbedder:
             kv_cache=kv,
             prompt_lens_cpu=lens,
         )
+
+
+@torch.inference_mode()
+def pooled_sums(
+    model: torch.nn.Module, fb: ForwardBatch, index: torch.Tensor, segment: torch.Tensor
+) -> torch.Tensor:
+    """A step of pooling rows on the stream: the family's layers over `fb` (writing the
+    chunk's KV into the engine's pool, as a prompt chunk does), its last norm on the token rows
+    `index`, added into their batch rows `segment`: [batch, hidden] float32."""
+    if not isinstance(model, LlamaForCausalLM):
+        raise ModelLoadError("pooling steps run on stallfree's native families only")
+    h = model.embed(fb.input_ids)
+    rope = model.model.rotary_emb(fb.positions, h.dtype)
+    for layer in model.model.layers:
+        h = layer(h, rope, fb, model.attn_backend)
+    picked = model.model.norm(h.index_select(0, index)).float()
+    out = torch.zeros(fb.batch_size, picked.shape[-1], dtype=torch.float32, device=h.device)
+    return out.index_add_(0, segment, picked)
 
 
 def _padded(

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from stallfree.runtime.model.arch import ModelLoadError
+from stallfree.runtime.request.errors import InvalidRequestError
 
 PoolingMode = Literal["mean", "cls", "last", "max", "mean_sqrt_len"]
 POOLING_MODES: tuple[PoolingMode, ...] = ("mean", "cls", "last", "max", "mean_sqrt_len")
@@ -157,3 +158,23 @@ def finish(pooled: torch.Tensor, cfg: PoolingConfig, dimensions: int | None) -> 
         if cfg.normalize:
             out = F.normalize(out, p=2.0, dim=-1)
     return out
+
+
+def check_dimensions(cfg: PoolingConfig, dimensions: int | None) -> None:
+    """A request's `dimensions`: a positive count up to the model's, below it only for a
+    Matryoshka model; anything else is the request's error (a 400)."""
+    if dimensions is None:
+        return
+    full = cfg.dimension
+    if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
+        raise InvalidRequestError("dimensions must be a positive integer", param="dimensions")
+    if dimensions > full:
+        raise InvalidRequestError(
+            f"dimensions {dimensions} is more than the model's {full}", param="dimensions"
+        )
+    if dimensions < full and not cfg.matryoshka:
+        raise InvalidRequestError(
+            f"this model's embeddings cannot be shortened (it is not a Matryoshka "
+            f"model); dimensions must be {full} or left out",
+            param="dimensions",
+        )

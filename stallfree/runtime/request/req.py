@@ -12,6 +12,8 @@ from stallfree.runtime.request.errors import InvalidRequestError
 from stallfree.runtime.request.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from stallfree.runtime.memory.radix_cache import TreeNode
     from stallfree.runtime.request.outputs import TokenLogprobs
 
@@ -90,6 +92,12 @@ class Req:
     # which keys its prefix-cache entries apart from every other adapter's
     lora_slot: int = -1
     lora_id: int = 0
+    # pooling (a prefill-only request of the pooling runner, runtime/scheduled_pooler.py): how
+    # its prompt's final hidden states are pooled, "last" or "mean" (None: a generation
+    # request); and, once its chunks are processed, their sum (host float32; divided by the
+    # prompt's length at the end for "mean"): the pooled vector once it has finished
+    pooling: str | None = None
+    pooled: torch.Tensor | None = None
     # read per row per step, so taken once from the (immutable) params
     needs_logits_plan: bool = field(init=False, default=False)
 

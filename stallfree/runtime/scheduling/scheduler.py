@@ -290,6 +290,10 @@ class Scheduler:
         now = time.perf_counter()
         flat_row = 0  # the row's first position in the flattened logprobs
         for row, req in enumerate(out.reqs):
+            if req.pooling is not None:  # a pooling step's row: its sum, no token
+                self._apply_pooled(req, out, row)
+                flat_row += 1
+                continue
             k = 0 if verify is None else verify.ks[row]
             if verify is not None:
                 count_verify_row(self.stats, verify.offered(row), verify.accepted(row))
@@ -313,6 +317,22 @@ class Scheduler:
                 self.spec.settle(req, k, verify.accepted(row), self.stats)
         if verify is not None:
             self.queues.running_batch.settle_spec()
+
+    def _apply_pooled(self, req: Req, out: StepOutput, row: int) -> None:
+        """A pooling request's chunk: its sum added to the request's; after its final chunk it
+        finishes (no token is sampled or kept), its pooled vector the mean or the last row."""
+        if req.finished:
+            return
+        assert out.pooled is not None
+        part = out.pooled[row]
+        req.pooled = part.clone() if req.pooled is None else req.pooled + part
+        if out.output_rows[row]:
+            n = len(req.origin_input_ids)
+            if req.pooling == "mean":
+                req.pooled /= n
+            elif req.pooling == "mean_sqrt_len":
+                req.pooled /= n**0.5
+            self._finish(req, FinishReason.STOP)
 
     def _accept_row(
         self,

@@ -30,8 +30,10 @@ from stallfree.entrypoints.server.base.errors import (
 from stallfree.entrypoints.server.base.state import ServerState, request_id, server_state
 from stallfree.entrypoints.server.intake.requests import read_body
 from stallfree.entrypoints.server.intake.screening import check_model, check_runner
-from stallfree.runtime.pooler import Pooled, PoolingAborted, PoolingEngine
+from stallfree.runtime.pooled import Pooled, PoolingAborted
+from stallfree.runtime.pooler import PoolingEngine
 from stallfree.runtime.request.errors import EngineClosedError
+from stallfree.runtime.scheduled_pooler import ScheduledPoolingEngine
 
 
 async def embeddings(request: Request) -> Response:
@@ -84,7 +86,7 @@ class _Admitted:
     """A pooling request as the server's lifecycle sees it: `/abort_requests` names it by the
     HTTP request's id, and the drain's grace period ends it."""
 
-    engine: PoolingEngine
+    engine: PoolingEngine | ScheduledPoolingEngine
     rid: str
 
     def abort(self) -> None:
@@ -95,12 +97,14 @@ class _Admitted:
 
 
 @contextlib.contextmanager
-def pooling_request(state: ServerState, rid: str) -> Iterator[PoolingEngine]:
+def pooling_request(
+    state: ServerState, rid: str
+) -> Iterator[PoolingEngine | ScheduledPoolingEngine]:
     """The pooling engine for one request with id `rid`, admitted into the server's lifecycle
     while it runs; its refusals as the server's answers: 503 while closing or once aborted,
     504 past the request's deadline, the other engine errors as every route answers them."""
     engine = state.engine
-    assert isinstance(engine, PoolingEngine)
+    assert isinstance(engine, (PoolingEngine, ScheduledPoolingEngine))
     admitted = _Admitted(engine, rid)
     state.lifecycle.admitted.add(admitted)
     try:

@@ -24,7 +24,7 @@ from stallfree.entrypoints.server.base.score_protocol import (
 from stallfree.entrypoints.server.base.state import ServerState, request_id, server_state
 from stallfree.entrypoints.server.intake.requests import read_body
 from stallfree.entrypoints.server.intake.screening import check_model, check_runner
-from stallfree.runtime.pooler import Pooled
+from stallfree.runtime.pooled import Pooled
 
 
 async def score(request: Request) -> Response:
