@@ -17,7 +17,7 @@ import torch
 from stallfree.entrypoints.server import create_app, start_server
 from stallfree.runtime.model.arch import ModelLoadError
 from stallfree.runtime.pooler import open_engine
-from stallfree.runtime.request.errors import InvalidRequestError
+from stallfree.runtime.request.errors import EngineUnhealthyError, InvalidRequestError
 from stallfree.runtime.scheduled_pooler import ScheduledPoolingEngine
 from tests.engine_util import MODES, engine_config, guarded, random_prompts
 from tests.hf_models import make_qwen3
@@ -214,4 +214,38 @@ async def test_served_embeddings_route_through_the_scheduler(qwen3: Path) -> Non
         assert engine.pool_usage().all_free
     finally:
         await server.stop()
+        await engine.shutdown()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["fail_step_rate", "fail_copy_rate"])
+async def test_a_failed_pooling_step_fails_its_inputs_alone(qwen3: Path, kind: str) -> None:
+    """Injected step failures: the calls whose inputs were in a failed step fail (a 500's
+    error, naming the failure); the others' vectors are exact; every pool ends full."""
+    rows = random_prompts(12, seed=13, lo=10, hi=40)
+    cfg = engine_config(
+        str(qwen3),
+        model={"runner": "pooling", "override_pooler_config": {"normalize": False}},
+        runtime={"max_consecutive_step_failures": 1000},
+        scheduler=SCHED,
+        faults={"enabled": True, "seed": 5, kind: 0.3},
+    )
+    engine = open_engine(cfg)
+    assert isinstance(engine, ScheduledPoolingEngine)
+    await engine.start()
+    try:
+        results = await asyncio.gather(
+            *(engine.embed([row]) for row in rows), return_exceptions=True
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert failed and len(failed) < len(rows)
+        assert all(isinstance(e, EngineUnhealthyError) and "injected" in str(e) for e in failed)
+        expected = _reference(qwen3, rows, "last")
+        for i, r in enumerate(results):
+            if not isinstance(r, BaseException):
+                assert (r.outputs[0] - expected[i]).abs().max().item() < 1e-4
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free
+        assert engine.healthy
+    finally:
         await engine.shutdown()
