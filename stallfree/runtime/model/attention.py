@@ -218,6 +218,29 @@ def native_decode_supported(
     )
 
 
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rope` on q [T, H, D] and k [T, KVH, D]; one pass over both where they are
+    neighbouring heads of one projection's rows (a joint q/k/v output), as the same elementwise
+    arithmetic on [T, H + KVH, D], so half the calls."""
+    t, heads, dim = q.shape
+    if (
+        k.dtype == q.dtype
+        and k.shape[0] == t
+        and k.shape[2] == dim
+        and q.stride(2) == k.stride(2) == 1
+        and q.stride(1) == k.stride(1) == dim
+        and q.stride(0) == k.stride(0)
+        and k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+        and k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()
+    ):
+        both = q.as_strided((t, heads + k.shape[1], dim), (q.stride(0), dim, 1))
+        out = apply_rope(both, *rope)
+        return out[:, :heads], out[:, heads:]
+    return apply_rope(q, *rope), apply_rope(k, *rope)
+
+
 class PagedAttention:
     """Default attention backend. q [T, H, D], k/v [T, KVH, D] -> out [T, H, D].
 
@@ -283,13 +306,13 @@ class PagedAttention:
                 tail = self._one_token_tail(q, k, v, layer_id, fb, rope)
                 if tail:
                     return self._extend_with_tail(q, k, v, layer_id, fb, rope, tail)
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = rope_qk(q, k, rope)
         fb.kv_cache.write(layer_id, fb.out_cache_loc, k, v)
         if fb.mode is ForwardMode.DECODE:
             return self._decode(q, layer_id, fb)
         if fb.mode is ForwardMode.VERIFY:
             return self._verify(q, layer_id, fb)
-        return self._extend(q, layer_id, fb)
+        return self._extend(q, layer_id, fb, new_kv=(k, v))
 
     def _one_token_tail(
         self,
@@ -347,10 +370,9 @@ class PagedAttention:
         )
         if head == 0:
             return out_tail
-        cos, sin = rope[0][:head], rope[1][:head]
-        qh, kh = apply_rope(q[:head], cos, sin), apply_rope(k[:head], cos, sin)
+        qh, kh = rope_qk(q[:head], k[:head], (rope[0][:head], rope[1][:head]))
         kv.write(layer_id, fb.out_cache_loc[:head], kh, v[:head])
-        out_head = self._extend(qh, layer_id, fb, fb.batch_size - tail)
+        out_head = self._extend(qh, layer_id, fb, fb.batch_size - tail, (kh, v[:head]))
         return torch.cat([out_head, out_tail])
 
     def forward_qkv(
@@ -477,22 +499,40 @@ class PagedAttention:
         return flat[layout.flat_pos]
 
     def _extend(
-        self, q: torch.Tensor, layer_id: int, fb: ForwardBatch, rows: int | None = None
+        self,
+        q: torch.Tensor,
+        layer_id: int,
+        fb: ForwardBatch,
+        rows: int | None = None,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Attention of the first `rows` rows (all by default), whose tokens q holds."""
+        """Attention of the first `rows` rows (all by default), whose tokens q holds. `new_kv`:
+        those tokens' keys and values as written; a row with no prefix attends over them
+        straight where the cache stores them unchanged (its dtype, unquantized), rather than
+        over a gathered copy of the same values."""
         outs = []
         start = 0
+        cache = fb.kv_cache
+        if new_kv is not None and (
+            cache.format.quantized or cache.k_buffers[layer_id].dtype != new_kv[0].dtype
+        ):
+            new_kv = None
         for i in range(fb.batch_size if rows is None else rows):
             n, prefix = fb.extend_lens_cpu[i], fb.prefix_lens_cpu[i]
             seq = prefix + n
             window = self._window(layer_id)
             if window is not None and seq <= window:
                 window = None  # no query reaches past its window
+            chunk = q[start : start + n]
+            if prefix == 0 and window is None and new_kv is not None:
+                k, v = new_kv[0][start : start + n], new_kv[1][start : start + n]
+                outs.append(attend(chunk, k, v, None, self.scale, self.softcap))
+                start += n
+                continue
             # keys before the first query's window are never seen
             first = 0 if window is None else max(0, prefix + 1 - window)
             row = int(fb.req_pool_indices_cpu[i])
             slots = fb.req_to_token[row, first:seq]
-            chunk = q[start : start + n]
             k, v = self._gather_kv(layer_id, fb, slots)
             if prefix == 0 and window is None:
                 outs.append(attend(chunk, k, v, None, self.scale, self.softcap))

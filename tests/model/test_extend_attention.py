@@ -1,0 +1,76 @@
+"""A prompt step's attention: q and k of one joint projection rotated in one pass (the same
+bits as rotating each), and a prompt with no cached prefix attending over its new keys and
+values as written, with no gather back out of a plain cache."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from stallfree.runtime.model.attention import rope_qk
+from stallfree.runtime.model.compile import throwaway_batch
+from stallfree.runtime.model.forward_batch import ForwardMode
+from stallfree.runtime.model.loader import load_model
+from stallfree.runtime.model.rope import apply_rope
+from tests.hf_models import make_llama
+
+LAYERS = 2
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_joint_rotation_equals_each_bit_for_bit(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    t, heads, kv_heads, dim = 7, 6, 2, 32
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(t, heads, dim), k.view(t, kv_heads, dim)
+    cos = torch.randn(t, 1, dim, generator=g).to(dtype)
+    sin = torch.randn(t, 1, dim, generator=g).to(dtype)
+    qr, kr = rope_qk(q, k, (cos, sin))
+    assert torch.equal(qr, apply_rope(q, cos, sin))
+    assert torch.equal(kr, apply_rope(k, cos, sin))
+    # not neighbours (k from another tensor): each rotated on its own, same result
+    k2 = k.clone()
+    qr2, kr2 = rope_qk(q, k2, (cos, sin))
+    assert torch.equal(qr2, qr) and torch.equal(kr2, kr)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_llama(tmp_path_factory.mktemp("extend"), num_hidden_layers=LAYERS)
+
+
+def _prompt_calls(path: Path) -> collections.Counter[str]:
+    loaded = load_model(str(path), "float32", torch.device("cpu"), 0, quantization="none")
+    # two fresh prompts of 9 and 5 tokens
+    fb = throwaway_batch(loaded, ForwardMode.EXTEND, [9, 5], 9)
+    fb.extend_lens_cpu, fb.prefix_lens_cpu = [9, 5], [0, 0]
+    fb.input_ids = torch.arange(14) + 3
+    fb.positions = torch.cat([torch.arange(9), torch.arange(5)])
+    fb.out_cache_loc = torch.cat([fb.req_to_token[0, :9], fb.req_to_token[1, :5]])
+    with _Count() as counter:
+        loaded.model(fb)
+    return counter.calls
+
+
+def test_fresh_prompts_attend_without_a_gather(llama_dir: Path) -> None:
+    calls = _prompt_calls(llama_dir)
+    assert calls["aten.index_select"] == 0
+    # RoPE's roll(x) for q and k together: one per layer, not two
+    assert calls["aten.roll"] == LAYERS
+    assert calls["aten.scaled_dot_product_attention"] == 2 * LAYERS
