@@ -20,11 +20,14 @@ import torch
 from stallfree.config import StallfreeConfig, load_config
 from stallfree.overlap.stream import StreamError
 from stallfree.runtime.core import EngineCore, build_core, describe_engine
+from stallfree.runtime.embed_requests import EmbedRequests, build_embed_requests
 from stallfree.runtime.handoff import KVExport, KVImport
 from stallfree.runtime.lora.checkpoint import AdapterNotFoundError
 from stallfree.runtime.lora.registry import Lease, LoraRegistry
 from stallfree.runtime.lora.setup import build_lora
+from stallfree.runtime.model.arch import ModelLoadError
 from stallfree.runtime.plugins import load_metrics_plugin
+from stallfree.runtime.pooled import Pooled
 from stallfree.runtime.request.errors import (
     EngineClosedError,
     EngineOverloadedError,
@@ -64,6 +67,10 @@ class Engine:
     runner = "generate"
     # LoRA adapters by name and their slots (runtime/lora/); None: off (and on the pooling runner)
     lora: LoraRegistry | None = None
+    # embeddings of a native decoder family on this engine's scheduler, beside its generation
+    # (runtime/embed_requests.py); None: its model cannot pool, for `embed_refusal`'s reason
+    embeddings: EmbedRequests | None = None
+    embed_refusal = "this engine runs no model that pools"
 
     def __init__(self, config: StallfreeConfig | None = None, **overrides: Any) -> None:
         """`Engine(config)`, or `Engine(model={"path": ...}, runtime={...})` to build one.
@@ -97,6 +104,7 @@ class Engine:
         # every live request by id, and the steps of its life (runtime/request_table.py)
         self.requests = RequestTable(self.core)
         self.lora = self._build_lora()
+        self._build_embeddings()
 
     def _build_lora(self) -> LoraRegistry | None:
         """The LoRA registry with `lora.lora_modules` loaded; a refused one fails the build
@@ -111,6 +119,16 @@ class Engine:
             self.core.stream.close()
             raise
         return lora
+
+    def _build_embeddings(self) -> None:
+        """Embeddings beside generation, where the model pools (a plain native family in this
+        process); otherwise `embed` is a 400 that says why."""
+        try:
+            self.embeddings = build_embed_requests(
+                self.config, self.core, self.requests, self.max_context_len
+            )
+        except ModelLoadError as exc:
+            self.embed_refusal = str(exc)
 
     def add_observer(self, observer: EngineObserver) -> None:
         """Subscribe to the engine's events (e.g. a metrics collector)."""
@@ -255,7 +273,7 @@ class Engine:
         validator.check_prompt(ids)
         sampling = validator.admit_params(ids, sampling)
         rid = rid if isinstance(rid, str) else f"req-{next(self._rid_counter)}"
-        if rid in self.requests:
+        if rid in self.requests or (self.embeddings is not None and rid in self.embeddings):
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
         return Req(
             rid=rid,
@@ -442,9 +460,35 @@ class Engine:
             cached_tokens=last.cached_tokens,
         )
 
+    async def embed(
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        timeout: float | None = None,
+        rid: str | None = None,
+    ) -> Pooled:
+        """One vector per input (strings or token lists), pooled from the model's final hidden
+        states as its checkpoint says (default: the last token, normalised); each input is a
+        prefill-only request on this engine's scheduler, beside its generation requests.
+        `InvalidRequestError` naming the runner where the model cannot pool."""
+        self._check_admission(rid)
+        embeddings = self.embeddings
+        if embeddings is None:
+            raise InvalidRequestError(
+                f"this server runs the {self.runner} runner and its model cannot pool "
+                f"({self.embed_refusal}); serve an embedder with --runner pooling"
+            )
+        timeout = self._timeout(timeout)
+        rid = rid if isinstance(rid, str) else f"embd-{next(self._rid_counter)}"
+        return await embeddings.embed(inputs, dimensions, truncate_prompt_tokens, timeout, rid)
+
     def abort(self, rid: str) -> bool:
-        """Abort a request by id; False if it is unknown or already finished."""
+        """Abort a request, or every input of an `embed` call, by id; False if it is unknown
+        or already finished."""
         self._check_caller()
+        if self.embeddings is not None and rid in self.embeddings:
+            return self.embeddings.abort(rid)
         return self.requests.abort(rid)
 
     def _on_loop_exit(self, task: asyncio.Task[None]) -> None:

@@ -1,5 +1,6 @@
 """What a pooling request answers (`Pooled`), and how an aborted one ends, for both pooling
-runners (`pooler.py`'s encoder loop and `scheduled_pooler.py`'s scheduled decoder embedder)."""
+runners (`pooler.py`'s encoder loop, and `embed_requests.py`'s scheduled decoder embedder on
+the pooling runner or beside generation)."""
 
 from __future__ import annotations
 

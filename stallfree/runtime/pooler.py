@@ -4,10 +4,11 @@ door as `Engine`.
 An encoder (`BertModel`, `BertForSequenceClassification`) attends both ways over its whole
 input in one pass and keeps no KV cache; a decoder embedder (a native family's hidden states,
 `decoder_embedder.py`) needs its KV only within the pass. `open_engine` serves a decoder
-embedder through the paged-KV scheduler (`scheduled_pooler.py`); an encoder does not go
-through it. An encoder's requests share the engine's admission rules instead (the
-waiting-queue limit, a request deadline, the closed and unhealthy refusals), its counters and
-its observers, and run as their own step type: a loop on the engine's event loop takes the waiting inputs, up to
+embedder through the paged-KV scheduler (`scheduled_pooler.py`, `embed_requests.py`); an
+encoder does not go through it. An encoder's requests share the engine's admission rules
+instead (the waiting-queue limit, a request deadline, the closed and unhealthy refusals), its
+counters and its observers, and run as their own step type: a loop on the engine's event loop
+takes the waiting inputs, up to
 `scheduler.max_prefill_tokens` padded tokens a batch, and runs each batch off the event loop
 (one batch at a time), so the server keeps answering while a batch runs.
 
@@ -33,6 +34,7 @@ import torch
 from stallfree.config import StallfreeConfig, load_config
 from stallfree.config.model_source import resolve_model_source
 from stallfree.overlap.stream import resolve_device
+from stallfree.runtime.embed_requests import pooling_refusals
 from stallfree.runtime.engine import Engine
 from stallfree.runtime.model.arch import SUPPORTED_ARCHITECTURES, ModelLoadError
 from stallfree.runtime.model.bert import ENCODER_ARCHITECTURES, BertEncoder, load_bert
@@ -548,17 +550,7 @@ class PoolingEngine(Engine):
 
 def _check_settings(config: StallfreeConfig) -> None:
     """What the generating engine offers and the pooling runner does not, refused at start."""
-    refused = [
-        name
-        for name, on in (
-            ("disaggregation.mode", config.disaggregation.mode != "null"),
-            ("parallel.tp_size > 1", config.parallel.tp_size > 1),
-            ("hisparse.enabled", config.hisparse.enabled),
-            ("speculative.enabled", config.speculative.enabled),
-            ("worker processes", config.uses_worker_processes),
-        )
-        if on
-    ]
+    refused = pooling_refusals(config)
     if refused:
         raise ModelLoadError(f"the pooling runner does not take {', '.join(refused)}")
 

@@ -182,11 +182,17 @@ async def test_generation_routes_name_the_runner(minilm: Any) -> None:
 
 
 @pytest.mark.asyncio
-async def test_generation_server_refuses_embeddings(llama: str) -> None:
-    async with serving(llama) as live:
-        with pytest.raises(openai.BadRequestError, match="this server runs the generate runner"):
+async def test_generation_server_refuses_embeddings_its_model_cannot_pool(llama: str) -> None:
+    """A native family's generating server embeds too (tests/engine/test_mixed_pool_generate.py);
+    one whose model runs through the transformers fallback cannot pool: a 400 naming the runner
+    and why."""
+    async with serving(llama, model={"model_impl": "transformers"}) as live:
+        with pytest.raises(
+            openai.BadRequestError, match=r"this server runs the generate runner.*cannot pool"
+        ):
             await live.client.embeddings.create(model="test-model", input="hi")
-        assert live.engine.runner == "generate"
+        assert live.engine.runner == "generate" and live.engine.embeddings is None
+        assert live.engine.pool_usage().all_free
 
 
 @pytest.mark.asyncio

@@ -34,6 +34,6 @@ class BatchContext:
     # and speculative decoding's history writes (scheduling/alloc.py) for the next step
     # message, in order; None in process
     import_journal: list[tuple[Any, ...]] | None = None
-    # the pooling runner (runtime/scheduled_pooler.py): the width of a pooled vector (the
-    # model's hidden size); 0: the engine pools nothing
+    # embeddings (runtime/embed_requests.py): the width of a pooled vector (the model's
+    # hidden size); 0: the engine pools nothing
     pool_width: int = 0

@@ -127,7 +127,7 @@ class StepPlanner:
 
     def _plan_pool(self, fb: ForwardBatch, step: StepInput) -> PoolPlan | None:
         """A step of pooling requests: the rows each one sums (None: a generation step). A
-        step is all pooling rows or none (the pooling runner admits nothing else)."""
+        step is all pooling rows or none (admission keeps the kinds apart)."""
         modes = [r.pooling for r in step.reqs]
         if all(m is None for m in modes):
             return None

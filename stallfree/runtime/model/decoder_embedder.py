@@ -1,8 +1,8 @@
 """A decoder embedder: a native causal-LM family's final hidden states (after its last norm),
 for last-token or mean pooling, as Qwen3-Embedding is served.
 
-The LM head is never applied. The pooling runner schedules these requests as prompts
-(runtime/scheduled_pooler.py): each step runs `pooled_sums` on the engine's stream over the
+The LM head is never applied. The engine schedules these requests as prompts
+(runtime/embed_requests.py), on the pooling runner or beside generation: each step runs `pooled_sums` on the engine's stream over the
 engine's paged KV, and the request's pages are freed when its last chunk is done.
 `DecoderEmbedder.hidden_states` runs a whole batch over a KV cache of its own instead (the
 reference the tests check the scheduled path against).

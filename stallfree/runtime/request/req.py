@@ -92,9 +92,10 @@ class Req:
     # which keys its prefix-cache entries apart from every other adapter's
     lora_slot: int = -1
     lora_id: int = 0
-    # pooling (a prefill-only request of the pooling runner, runtime/scheduled_pooler.py): how
-    # its prompt's final hidden states are pooled, "last" or "mean" (None: a generation
-    # request); and, once its chunks are processed, their sum (host float32; divided by the
+    # pooling (a prefill-only embedding input, runtime/embed_requests.py): how its prompt's
+    # final hidden states are pooled, "last", "mean", "cls" or "mean_sqrt_len" (None: a
+    # generation request; a step never carries both kinds, and pooling requests bypass the
+    # prefix cache); and, once its chunks are processed, their sum (host float32; divided by the
     # prompt's length at the end for "mean"): the pooled vector once it has finished
     pooling: str | None = None
     pooled: torch.Tensor | None = None

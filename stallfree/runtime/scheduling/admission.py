@@ -1,7 +1,8 @@
 """Admission: which waiting requests join the next prefill batch, and how much of each.
 
 A `PrefillAdder` holds one round's budget (prefill tokens), the KV tokens free after what the
-running requests may still need, the free request slots and the number running. Each request it
+running requests may still need, the free request slots, the number running, and the batch's
+kind (pooling or generation requests: a step never mixes them). Each request it
 is offered gets one named outcome; the scheduler acts on it (start the request, stop admitting,
 or fail a request that can never fit). Nothing here reads a device tensor or changes a request.
 """
@@ -41,6 +42,9 @@ class PrefillAdder:
     new_token_ratio: float
     reqs: list[Req] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
+    # the batch's kind: pooling requests (True) or generation ones (False); None until the
+    # first request joins. A step holds one kind only (docs/embeddings.md)
+    pooling: bool | None = None
 
     @property
     def page_size(self) -> int:
@@ -53,6 +57,10 @@ class PrefillAdder:
             and self.running + len(self.reqs) < self.max_running
             and self.free_slots > 0
         )
+
+    def takes_kind(self, req: Req) -> bool:
+        """Whether `req` is of the batch's kind (any kind, while nothing has set it)."""
+        return self.pooling is None or self.pooling == (req.pooling is not None)
 
     def add_chunked(self, req: Req) -> Admit:
         """The next chunk of the request being chunked; it holds its slot already."""
@@ -91,6 +99,8 @@ class PrefillAdder:
         return pages_for(req.fill_len + 1, self.page_size) > self.allocator.num_pages
 
     def _add(self, req: Req, ext: int, cost: int) -> None:
+        if self.pooling is None:
+            self.pooling = req.pooling is not None
         self.reqs.append(req)
         self.extend_lens.append(ext)
         self.budget -= ext

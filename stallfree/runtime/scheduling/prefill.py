@@ -1,7 +1,9 @@
 """`PrefillManager`: the next extend batch. It admits waiting requests (and the chunked one)
 within the round's budget through a `PrefillAdder`, starting each after its longest cached
-prefix, and keeps the prefix-cache records of the extend batches in flight: the cache takes a
-batch's whole pages once it is processed without failing. Host state only.
+prefix, all of one kind (pooling requests or generation ones: the chunked request's kind, else
+the first admitted one's; the others keep their place in the queue), and keeps the prefix-cache
+records of the extend batches in flight: the cache takes a batch's whole pages once it is
+processed without failing. Host state only.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from stallfree.runtime.scheduling.queues import RequestQueues
 from stallfree.runtime.scheduling.schedule_batch import ScheduleBatch
 from stallfree.runtime.telemetry.observer import EngineObserver
 from stallfree.runtime.telemetry.stats import EngineCounters
+
+# waiting requests of the other kind one round passes over before it stops looking further
+MAX_OTHER_KIND = 64
 
 
 @dataclass(slots=True)
@@ -63,6 +68,8 @@ class PrefillManager:
         q.building = adder.reqs  # the same list, filled below
         chunked = q.chunked_req
         if chunked is not None:
+            if not adder.takes_kind(chunked):
+                return None  # a mixed step's prefill is of generation requests only
             outcome = adder.add_chunked(chunked)
             if outcome is Admit.NO_ROOM:
                 return None
@@ -81,9 +88,20 @@ class PrefillManager:
         if self.cache is not None:
             ends = batch.seq_lens_cpu.tolist()
             self.building_records = [
-                (r, end, r.num_retractions) for r, end in zip(batch.reqs, ends, strict=True)
+                (r, end, r.num_retractions)
+                for r, end in zip(batch.reqs, ends, strict=True)
+                if r.pooling is None  # a pooling request's KV is never cached
             ]
         return batch
+
+    def next_pools(self) -> bool:
+        """Whether the next extend batch is of pooling requests: the chunked request's kind,
+        else the waiting queue's head's."""
+        q = self.queues
+        head = q.chunked_req
+        if head is None:
+            head = next((r for r in q.waiting if not r.finished), None)
+        return head is not None and head.pooling is not None
 
     def reserved_tokens(self) -> int:
         reqs = self.queues.holding()
@@ -93,6 +111,8 @@ class PrefillManager:
         return reserved
 
     def new_adder(self, decode_rows: int = 0) -> PrefillAdder:
+        """The round's adder; a mixed step's (`decode_rows` > 0) admits generation requests
+        only, as its decode rows are."""
         allocator, q = self.ctx.allocator, self.queues
         return PrefillAdder(
             allocator=allocator,
@@ -106,6 +126,7 @@ class PrefillManager:
             max_running=self.max_running_requests,
             chunk_size=self.config.chunked_prefill_size - decode_rows,
             new_token_ratio=self.config.new_token_ratio,
+            pooling=False if decode_rows else None,
         )
 
     def _admit_waiting(self, adder: PrefillAdder, refuse: Callable[[Req, str], None]) -> None:
@@ -115,11 +136,22 @@ class PrefillManager:
         if lpm and q.chunked_req is None:
             assert self.cache is not None
             q.order_lpm(self.cache, self.config.lpm_max_wait_s)
-        deferred: list[Req] = []  # lpm: skipped this round, back at the head afterwards
+        # skipped this round (lpm: waiting for a prefix; either policy: of the other kind),
+        # back at the head afterwards, in their order
+        deferred: list[Req] = []
+        other_kind = 0
         while waiting and adder.budget > 0 and q.chunked_req is None:
             if q.pop_finished_head():
                 continue
             req = waiting[0]
+            if not adder.takes_kind(req):
+                # a step holds one kind: it waits for a step of its kind (the head's kind
+                # leads the next step that admits from the queue, so neither kind starves)
+                other_kind += 1
+                if other_kind > MAX_OTHER_KIND:
+                    break
+                deferred.append(waiting.popleft())
+                continue
             if req.in_flight_outputs:
                 break  # a retracted request waits for its in-flight token before re-prefill
             if not adder.has_room():
@@ -152,7 +184,7 @@ class PrefillManager:
             req.first_scheduled_time = time.perf_counter()
             self.stats.prompt_tokens += len(req.origin_input_ids)
             self.observer.on_request_scheduled(req)
-        if self.cache is not None:
+        if self.cache is not None and req.pooling is None:  # pooling bypasses the cache
             self.stats.prefix_cache_queries += req.fill_len
             self.stats.prefix_cache_hits += match.tokens
             match.start(req)

@@ -68,6 +68,8 @@ def shares_with_prefill(
     for other, end in prefills:
         if end < upto or other is req or other.lora_id != req.lora_id:
             continue
+        if other.pooling is not None:
+            continue  # a pooling request's pages never reach the cache
         theirs = _tokens(other, upto)
         if (
             theirs[cached] == first  # one int first; most prompts differ right here
@@ -94,6 +96,10 @@ def match_prefix(
     `prefills` that shares more with it (`shares_with_prefill`)."""
     if cache is None or req.sampling_params.prompt_logprobs is not None:
         # prompt logprobs need every prompt position computed: no cached prefix
+        return PrefixMatch()
+    if req.pooling is not None:
+        # pooling needs every prompt position's hidden state (a mean), and a pooling request
+        # shares no KV with anyone: no cached prefix
         return PrefixMatch()
     pages, node = cache.match_prefix(matchable(req))
     tokens = len(pages) * page_size
@@ -124,7 +130,7 @@ def order_lpm(live: list[Req], cache: RadixCache, max_wait_s: float) -> list[Req
             return (0, 0, i)
         if now - r.arrival_time > max_wait_s:
             return (1, 0, i)
-        return (2, -cache.match_len(matchable(r)), i)
+        return (2, 0 if r.pooling is not None else -cache.match_len(matchable(r)), i)
 
     return [r for _, r in sorted(enumerate(live), key=key)]
 
@@ -136,8 +142,11 @@ def cache_prefill(cache: RadixCache, req: Req, end: int, retractions: int) -> No
         req.num_retractions != retractions
         or req.req_pool_idx is None
         or req.finished_reason is FinishReason.ERROR
+        or req.pooling is not None
     ):
-        return  # its pages changed hands since, or their content is in doubt
+        # its pages changed hands since, or their content is in doubt, or they are a pooling
+        # request's (its KV is its own: never shared)
+        return
     page_size = cache.page_size
     keep = min(end // page_size, len(req.kv_pages))
     shared = req.cached_pages
@@ -159,10 +168,12 @@ def cache_prefill(cache: RadixCache, req: Req, end: int, retractions: int) -> No
 def cacheable_tokens(req: Req) -> int:
     """Tokens of a finished request whose KV the cache may take at release.
 
-    Only a request that finished through a token it accepted (stop or length): every step
-    before that token succeeded. The last token's KV is left out: at most the batch that was in
+    Only a generation request that finished through a token it accepted (stop or length): every
+    step before that token succeeded. The last token's KV is left out: at most the batch that was in
     flight computed it, and that batch may have failed.
     """
+    if req.pooling is not None:
+        return 0  # a pooling request's KV is its own: never shared
     if req.finished_reason not in (FinishReason.STOP, FinishReason.LENGTH):
         return 0
     return min(req.num_computed_tokens, req.fill_len - 1)

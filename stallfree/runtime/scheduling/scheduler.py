@@ -141,13 +141,16 @@ class Scheduler:
 
     def _may_mix(self) -> bool:
         """Whether the next step may carry the decode rows with a prefill chunk: mixing is on,
-        both have work, and the decode rows leave room in the step's budget and chunk. Not
-        with speculative decoding (verify steps, drafts in flight) or sparse attention."""
+        both have work, the next prefill is of generation requests, and the decode rows leave
+        room in the step's budget and chunk. Not with speculative decoding (verify steps, drafts
+        in flight) or sparse attention."""
         cfg, q = self.config, self.queues
         if not cfg.enable_mixed_chunk or self.spec is not None or self.ctx.sparse is not None:
             return False
         if q.running_batch.is_empty() or (q.num_waiting == 0 and q.chunked_req is None):
             return False
+        if self.prefill.next_pools():
+            return False  # pooling requests run in steps of their own, never with decode rows
         return len(q.running_batch) < min(cfg.max_prefill_tokens, cfg.chunked_prefill_size)
 
     def _mixed_or_decode(self) -> ScheduleBatch | None:

@@ -1,5 +1,5 @@
 """`/v1/embeddings` (OpenAI's) and `/pooling` (vLLM's): an embedder's vectors, served by the
-pooling runner."""
+pooling runner, and by a generating server whose model pools (a native decoder family)."""
 
 from __future__ import annotations
 
@@ -29,11 +29,10 @@ from stallfree.entrypoints.server.base.errors import (
 )
 from stallfree.entrypoints.server.base.state import ServerState, request_id, server_state
 from stallfree.entrypoints.server.intake.requests import read_body
-from stallfree.entrypoints.server.intake.screening import check_model, check_runner
+from stallfree.entrypoints.server.intake.screening import check_embedder, check_model
+from stallfree.runtime.engine import Engine
 from stallfree.runtime.pooled import Pooled, PoolingAborted
-from stallfree.runtime.pooler import PoolingEngine
 from stallfree.runtime.request.errors import EngineClosedError
-from stallfree.runtime.scheduled_pooler import ScheduledPoolingEngine
 
 
 async def embeddings(request: Request) -> Response:
@@ -72,7 +71,7 @@ async def _pool(request: Request, route: str) -> tuple[EmbeddingRequest, ServerS
     body = await read_body(request, EmbeddingRequest)
     state = server_state(request)
     check_model(state.model_name, body.model)
-    check_runner(state.engine, "pooling", route)
+    check_embedder(state.engine, route)
     rid = request_id(request)
     with pooling_request(state, rid) as engine:
         result = await engine.embed(
@@ -86,7 +85,7 @@ class _Admitted:
     """A pooling request as the server's lifecycle sees it: `/abort_requests` names it by the
     HTTP request's id, and the drain's grace period ends it."""
 
-    engine: PoolingEngine | ScheduledPoolingEngine
+    engine: Engine
     rid: str
 
     def abort(self) -> None:
@@ -97,14 +96,11 @@ class _Admitted:
 
 
 @contextlib.contextmanager
-def pooling_request(
-    state: ServerState, rid: str
-) -> Iterator[PoolingEngine | ScheduledPoolingEngine]:
+def pooling_request(state: ServerState, rid: str) -> Iterator[Engine]:
     """The pooling engine for one request with id `rid`, admitted into the server's lifecycle
     while it runs; its refusals as the server's answers: 503 while closing or once aborted,
     504 past the request's deadline, the other engine errors as every route answers them."""
     engine = state.engine
-    assert isinstance(engine, (PoolingEngine, ScheduledPoolingEngine))
     admitted = _Admitted(engine, rid)
     state.lifecycle.admitted.add(admitted)
     try:

@@ -25,6 +25,8 @@ from stallfree.entrypoints.server.base.state import ServerState, request_id, ser
 from stallfree.entrypoints.server.intake.requests import read_body
 from stallfree.entrypoints.server.intake.screening import check_model, check_runner
 from stallfree.runtime.pooled import Pooled
+from stallfree.runtime.pooler import PoolingEngine
+from stallfree.runtime.scheduled_pooler import ScheduledPoolingEngine
 
 
 async def score(request: Request) -> Response:
@@ -97,4 +99,6 @@ async def _score(
 ) -> Pooled:
     rid = request_id(request)
     with pooling_request(state, rid) as engine:
+        # the pooling runner's engines score (a cross-encoder) or refuse with a 400
+        assert isinstance(engine, (PoolingEngine, ScheduledPoolingEngine))
         return await engine.score(pairs, truncate, rid=rid)

@@ -411,8 +411,9 @@ def close_screening() -> None:
         pool.shutdown(wait=True)
 
 
-def check_runner(engine: Engine, wanted: str, route: str) -> None:
-    """A route of the other runner is a 400 naming the runner this server has."""
+def check_runner(engine: Engine, wanted: str, route: str, why: str | None = None) -> None:
+    """A route of the other runner is a 400 naming the runner this server has (and `why` its
+    model does not serve the route, where that is known)."""
     if engine.runner == wanted:
         return
     serves = (
@@ -420,9 +421,19 @@ def check_runner(engine: Engine, wanted: str, route: str) -> None:
         if engine.runner == "pooling"
         else "completions and chat"
     )
+    reason = f"; its model cannot pool here: {why}" if why else ""
     raise ApiError(
         400,
         f"{route} needs the {wanted} runner; this server runs the {engine.runner} runner "
-        f"(it serves {serves}); start it with --runner {wanted} and a model that fits",
+        f"(it serves {serves}){reason}; start it with --runner {wanted} and a model that fits",
         code="wrong_runner",
     )
+
+
+def check_embedder(engine: Engine, route: str) -> None:
+    """An embeddings route: the pooling runner serves it, and so does a generating engine
+    whose model pools (`Engine.embeddings`); anything else is `check_runner`'s 400."""
+    if engine.runner == "generate" and engine.embeddings is not None:
+        return
+    why = engine.embed_refusal if engine.runner == "generate" else None
+    check_runner(engine, "pooling", route, why)
