@@ -21,12 +21,13 @@ import torch
 from openai import AsyncOpenAI
 
 from stallfree.entrypoints.server import create_app, start_server
+from stallfree.runtime.engine import Engine
 from stallfree.runtime.model.arch import ModelLoadError
 from stallfree.runtime.pooler import PoolingEngine, open_engine, runner_for
 from tests.engine_util import engine_config
 from tests.http_util import MODEL, ROOT, stallfree_serve
 from tests.minilm import matryoshka_copy, require_minilm
-from tests.server_util import module_loop, serving
+from tests.server_util import module_loop
 
 TEXTS = [
     "A man is eating food.",
@@ -186,13 +187,21 @@ async def test_generation_server_refuses_embeddings_its_model_cannot_pool(llama:
     """A native family's generating server embeds too (tests/engine/test_mixed_pool_generate.py);
     one whose model runs through the transformers fallback cannot pool: a 400 naming the runner
     and why."""
-    async with serving(llama, model={"model_impl": "transformers"}) as live:
+    sections: dict[str, Any] = {"model": {"model_impl": "transformers"}}
+    engine = Engine(engine_config(llama, server={"served_model_name": "test-model"}, **sections))
+    assert engine.runner == "generate" and engine.embeddings is None
+    server = await start_server(create_app(engine))
+    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    try:
         with pytest.raises(
             openai.BadRequestError, match=r"this server runs the generate runner.*cannot pool"
         ):
-            await live.client.embeddings.create(model="test-model", input="hi")
-        assert live.engine.runner == "generate" and live.engine.embeddings is None
-        assert live.engine.pool_usage().all_free
+            await client.embeddings.create(model="test-model", input="hi")
+        assert engine.pool_usage().all_free
+    finally:
+        await client.close()
+        await server.stop()
+        await engine.shutdown()
 
 
 @pytest.mark.asyncio
