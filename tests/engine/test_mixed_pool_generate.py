@@ -240,3 +240,34 @@ async def test_one_server_answers_chat_and_embeddings(qwen3: Path) -> None:
     finally:
         await server.stop()
         await engine.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_embeddings_beside_lora_generation_run_on_the_base_model(
+    llama: str, tmp_path: Path
+) -> None:
+    """Adapters in use by generation rows never reach a pooling step's rows: the vectors equal
+    the base model's hidden states."""
+    from tests.lora.test_lora_engine import NAMES, lora_config
+    from tests.lora_models import ADAPTERS, make_adapter
+
+    adapters = {
+        name: str(make_adapter(llama, tmp_path / name, seed=i, **cfg))
+        for i, (name, cfg) in enumerate(ADAPTERS.items())
+    }
+    cfg = lora_config(llama, adapters, scheduler=SCHED, model=MEAN)
+    engine = guarded(Engine(cfg))
+    assert engine.embeddings is not None and engine.lora is not None
+    await engine.start()
+    try:
+        gens = [
+            engine.complete(p, GREEDY, lora_name=NAMES[i % len(NAMES)]) for i, p in enumerate(GEN)
+        ]
+        results = await asyncio.gather(engine.embed(LONG + SHORT), *gens)
+        assert all(r.error is None for r in results[1:])
+        await engine.wait_idle()
+        assert engine.pool_usage().all_free
+    finally:
+        await engine.shutdown()
+    expected = _reference(Path(llama), LONG + SHORT, "mean")
+    assert (results[0].outputs - expected).abs().max().item() < 1e-4
