@@ -81,7 +81,7 @@ class EmbedRequests:
         check_dimensions(self.pooling, dimensions)
 
     def __contains__(self, rid: object) -> bool:
-        return rid in self.groups
+        return isinstance(rid, str) and rid in self.groups  # a list would not even hash
 
     def abort(self, rid: str) -> bool:
         """Abort an `embed` call by its id (it raises `PoolingAborted`)."""
