@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from stallfree.runtime.model import cpu_kernels
 from stallfree.runtime.model.attention import rope_qk
 from stallfree.runtime.model.compile import throwaway_batch
 from stallfree.runtime.model.forward_batch import ForwardMode
@@ -57,12 +58,13 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _prompt_calls(path: Path) -> collections.Counter[str]:
     loaded = load_model(str(path), "float32", torch.device("cpu"), 0, quantization="none")
-    # two fresh prompts of 9 and 5 tokens
-    fb = throwaway_batch(loaded, ForwardMode.EXTEND, [9, 5], 9)
-    fb.extend_lens_cpu, fb.prefix_lens_cpu = [9, 5], [0, 0]
-    fb.input_ids = torch.arange(14) + 3
-    fb.positions = torch.cat([torch.arange(9), torch.arange(5)])
-    fb.out_cache_loc = torch.cat([fb.req_to_token[0, :9], fb.req_to_token[1, :5]])
+    # two fresh prompts of 5 and 3 tokens: 8 rows, which every kernel variant's grouped q/k/v
+    # call takes (one joint output); without the kernels q, k and v are three products
+    fb = throwaway_batch(loaded, ForwardMode.EXTEND, [5, 3], 5)
+    fb.extend_lens_cpu, fb.prefix_lens_cpu = [5, 3], [0, 0]
+    fb.input_ids = torch.arange(8) + 3
+    fb.positions = torch.cat([torch.arange(5), torch.arange(3)])
+    fb.out_cache_loc = torch.cat([fb.req_to_token[0, :5], fb.req_to_token[1, :3]])
     with _Count() as counter:
         loaded.model(fb)
     return counter.calls
@@ -71,6 +73,9 @@ def _prompt_calls(path: Path) -> collections.Counter[str]:
 def test_fresh_prompts_attend_without_a_gather(llama_dir: Path) -> None:
     calls = _prompt_calls(llama_dir)
     assert calls["aten.index_select"] == 0
-    # RoPE's roll(x) for q and k together: one per layer, not two
-    assert calls["aten.roll"] == LAYERS
     assert calls["aten.scaled_dot_product_attention"] == 2 * LAYERS
+    # RoPE's roll(x): q and k of the joint q/k/v output together, one per layer; two where
+    # they come from separate products (the torch path)
+    joint = calls["stallfree.linear_group"] > 0  # q/k/v (and gate/up) as grouped calls
+    assert joint == cpu_kernels.available()
+    assert calls["aten.roll"] == (LAYERS if joint else 2 * LAYERS)
