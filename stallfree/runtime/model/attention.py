@@ -268,6 +268,10 @@ class PagedAttention:
         self._plan_layer = -1
         self._plans: dict[int | None, list[_Bucket]] = {}
         self._k_ws, self._v_ws = _GatherWorkspace(), _GatherWorkspace()
+        # an extend step's trailing one-token rows (`_one_token_tail`), for the step it counted
+        self._tail_fb: ForwardBatch | None = None
+        self._tail_layer = -1
+        self._tail = 0
 
     def _window(self, layer_id: int) -> int | None:
         if self.layer_windows is None:
@@ -327,10 +331,16 @@ class PagedAttention:
         rows, last by construction): each is one query over its cached keys, a decode row, so
         they take the native decode op together rather than one attention call each. 0 where
         fewer than two rows would, or the op does not take this step."""
-        lens = fb.extend_lens_cpu
-        tail = 0
-        while tail < len(lens) and lens[len(lens) - 1 - tail] == 1:
-            tail += 1
+        # the same for every layer of a pass: counted at its first layer (a layer id not above
+        # the last one is a new pass, as for the decode plans)
+        if fb is not self._tail_fb or layer_id <= self._tail_layer:
+            lens = fb.extend_lens_cpu
+            tail = 0
+            while tail < len(lens) and lens[len(lens) - 1 - tail] == 1:
+                tail += 1
+            self._tail_fb, self._tail = fb, tail
+        self._tail_layer = layer_id
+        tail = self._tail
         if tail < 2 or not native_decode_supported(
             q, k, v, rope, fb.kv_cache.k_buffers[layer_id], fb.req_to_token
         ):
@@ -350,28 +360,13 @@ class PagedAttention:
         """The leading rows as any extend step's, the last `tail` one-token rows (tokens) in
         one native call: RoPE, their K/V write and attention over each row's keys."""
         head = q.shape[0] - tail
-        kv = fb.kv_cache
-        rows = slice(fb.batch_size - tail, None)
         out_tail: torch.Tensor = torch.ops.stallfree.decode_attention(
-            q[head:],
-            k[head:],
-            v[head:],
-            rope[0][head:],
-            rope[1][head:],
-            kv.k_buffers[layer_id],
-            kv.v_buffers[layer_id],
-            fb.out_cache_loc[head:],
-            fb.req_to_token,
-            fb.req_pool_indices[rows],
-            fb.seq_lens[rows],
-            self.scale,
-            self.softcap,
-            self._window(layer_id),
+            q[head:], k[head:], v[head:], *self._native_args(layer_id, fb, rope, head, tail)
         )
         if head == 0:
             return out_tail
         qh, kh = rope_qk(q[:head], k[:head], (rope[0][:head], rope[1][:head]))
-        kv.write(layer_id, fb.out_cache_loc[:head], kh, v[:head])
+        fb.kv_cache.write(layer_id, fb.out_cache_loc[:head], kh, v[:head])
         out_head = self._extend(qh, layer_id, fb, fb.batch_size - tail, (kh, v[:head]))
         return torch.cat([out_head, out_tail])
 
@@ -454,19 +449,32 @@ class PagedAttention:
         return out
 
     def _native_args(
-        self, layer_id: int, fb: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]
+        self,
+        layer_id: int,
+        fb: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        first_token: int = 0,
+        rows: int | None = None,
     ) -> tuple[object, ...]:
         """The native decode ops' arguments after q/k/v: the RoPE tables, the layer's cache,
-        the batch's slots and rows, and the layer's scale, soft-cap and window."""
+        the batch's slots and rows, and the layer's scale, soft-cap and window. With `rows`:
+        the batch's last `rows` rows only, one token each from `first_token` on (an extend
+        step's one-token tail)."""
         kv = fb.kv_cache
+        cos, sin, locs = rope[0], rope[1], fb.out_cache_loc
+        pool, lens = fb.req_pool_indices, fb.seq_lens
+        if rows is not None:
+            cos, sin, locs = cos[first_token:], sin[first_token:], locs[first_token:]
+            pool, lens = pool[fb.batch_size - rows :], lens[fb.batch_size - rows :]
         return (
-            *rope,
+            cos,
+            sin,
             kv.k_buffers[layer_id],
             kv.v_buffers[layer_id],
-            fb.out_cache_loc,
+            locs,
             fb.req_to_token,
-            fb.req_pool_indices,
-            fb.seq_lens,
+            pool,
+            lens,
             self.scale,
             self.softcap,
             self._window(layer_id),
