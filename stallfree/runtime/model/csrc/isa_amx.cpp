@@ -83,6 +83,23 @@ inline void prefetch_rows(const char* wb, int64_t stride, int64_t blocks, int64_
 
 
 
+// A block's outputs, c[r][i] for weight row n + r and activation row m0 + i: the first `rows`
+// activation rows, plus the bias, written in the output's dtype
+void write_block(const float (&c)[16][16], int rows, const float* bias, int64_t n, int64_t m0,
+                 Out out) {
+  for (int i = 0; i < rows; ++i) {
+    float v[16];
+    for (int r = 0; r < 16; ++r) v[r] = c[r][i] + (bias ? bias[n + r] : 0.0f);
+    const int64_t at = (m0 + i) * out.ldo + n;
+    if (out.bf16) {
+      uint16_t* o = static_cast<uint16_t*>(out.ptr) + at;
+      for (int r = 0; r < 16; ++r) o[r] = f32_to_bf16(v[r]);
+    } else {
+      std::memcpy(static_cast<float*>(out.ptr) + at, v, sizeof v);
+    }
+  }
+}
+
 // One block of 16 weight rows against one chunk of `mc` activation rows.
 // `rows` of the chunk's `mc` (packed) rows are written out
 void block(const uint32_t* xp, int rows, int mc, int64_t k, const uint16_t* w, const float* bias,
@@ -113,17 +130,9 @@ void block(const uint32_t* xp, int rows, int mc, int64_t k, const uint16_t* w, c
   alignas(64) float c1[16][16];
   _tile_stored(0, c0, 64);
   _tile_stored(1, c1, 64);
-  for (int i = 0; i < rows; ++i) {
-    float v[16];
-    for (int r = 0; r < 16; ++r) v[r] = c0[r][i] + c1[r][i] + (bias ? bias[n + r] : 0.0f);
-    const int64_t at = (m0 + i) * out.ldo + n;
-    if (out.bf16) {
-      uint16_t* o = static_cast<uint16_t*>(out.ptr) + at;
-      for (int r = 0; r < 16; ++r) o[r] = f32_to_bf16(v[r]);
-    } else {
-      std::memcpy(static_cast<float*>(out.ptr) + at, v, sizeof v);
-    }
-  }
+  for (int r = 0; r < 16; ++r)
+    for (int i = 0; i < 16; ++i) c0[r][i] += c1[r][i];
+  write_block(c0, rows, bias, n, m0, out);
 }
 
 }  // namespace
@@ -244,17 +253,7 @@ void block_q8(const uint32_t* xp, const float* ad, int rows, int mc, int64_t k, 
     const float rs = scale ? scale[n + r] : 1.0f;
     _mm512_store_ps(c[r], _mm512_mul_ps(acc[r], _mm512_set1_ps(rs)));
   }
-  for (int i = 0; i < rows; ++i) {
-    float v[16];
-    for (int r = 0; r < 16; ++r) v[r] = c[r][i] + (bias ? bias[n + r] : 0.0f);
-    const int64_t at = (m0 + i) * out.ldo + n;
-    if (out.bf16) {
-      uint16_t* o = static_cast<uint16_t*>(out.ptr) + at;
-      for (int r = 0; r < 16; ++r) o[r] = f32_to_bf16(v[r]);
-    } else {
-      std::memcpy(static_cast<float*>(out.ptr) + at, v, sizeof v);
-    }
-  }
+  write_block(c, rows, bias, n, m0, out);
 }
 
 }  // namespace
@@ -399,17 +398,7 @@ void block_q4(const uint32_t* xp, const float* ad, const float* xs, int rows, in
   }
   alignas(64) float c[16][16];
   for (int r = 0; r < 16; ++r) _mm512_store_ps(c[r], acc[r]);
-  for (int i = 0; i < rows; ++i) {
-    float v[16];
-    for (int r = 0; r < 16; ++r) v[r] = c[r][i] + (bias ? bias[n + r] : 0.0f);
-    const int64_t at = (m0 + i) * out.ldo + n;
-    if (out.bf16) {
-      uint16_t* o = static_cast<uint16_t*>(out.ptr) + at;
-      for (int r = 0; r < 16; ++r) o[r] = f32_to_bf16(v[r]);
-    } else {
-      std::memcpy(static_cast<float*>(out.ptr) + at, v, sizeof v);
-    }
-  }
+  write_block(c, rows, bias, n, m0, out);
 }
 
 }  // namespace
