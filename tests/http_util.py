@@ -4,6 +4,7 @@ what they share: request bodies, the slow-step fault, counting finishes, catchin
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -132,3 +133,21 @@ def stallfree_serve(*flags: str, **env: str) -> Iterator[tuple[subprocess.Popen[
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+async def get_on(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: str, timeout: float
+) -> int | str:
+    """GET `path` on an open (kept-alive) connection: the answer's status, or the name of how
+    the connection ended without one (a reset, an incomplete read)."""
+    writer.write(f"GET {path} HTTP/1.1\r\nhost: test\r\n\r\n".encode())
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+        length = next(
+            int(line.split(b":")[1]) for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )  # fmt: skip
+        await asyncio.wait_for(reader.readexactly(length), timeout)
+    except (ConnectionError, asyncio.IncompleteReadError) as exc:
+        return type(exc).__name__
+    return int(head.split(b" ", 2)[1])

@@ -9,25 +9,11 @@ import asyncio
 from urllib.parse import urlsplit
 
 from tests.disagg.test_disagg_bootstrap_limits import bootstrap
+from tests.http_util import get_on
 
 # httpx's default keepalive_expiry: how long the decode server's pool keeps an idle connection
 HTTPX_KEEPALIVE_S = 5.0
 LIVENESS_S = 30.0
-
-
-async def _health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int | str:
-    """GET /health on a kept-alive connection: the status, or how the connection ended."""
-    writer.write(b"GET /health HTTP/1.1\r\nhost: prefill\r\n\r\n")
-    try:
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), LIVENESS_S)
-        length = next(
-            int(line.split(b":")[1]) for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
-        )  # fmt: skip
-        await asyncio.wait_for(reader.readexactly(length), LIVENESS_S)
-    except (ConnectionError, asyncio.IncompleteReadError) as exc:
-        return type(exc).__name__
-    return int(head.split(b" ", 2)[1])
 
 
 async def test_a_connection_idle_past_a_clients_pool_expiry_is_still_answered(llama: str) -> None:
@@ -36,8 +22,8 @@ async def test_a_connection_idle_past_a_clients_pool_expiry_is_still_answered(ll
         assert url.hostname is not None and url.port is not None
         reader, writer = await asyncio.open_connection(url.hostname, url.port)
         try:
-            assert await _health(reader, writer) == 200
+            assert await get_on(reader, writer, "/health", LIVENESS_S) == 200
             await asyncio.sleep(HTTPX_KEEPALIVE_S + 1.0)
-            assert await _health(reader, writer) == 200
+            assert await get_on(reader, writer, "/health", LIVENESS_S) == 200
         finally:
             writer.close()

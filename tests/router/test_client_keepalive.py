@@ -30,6 +30,7 @@ from stallfree.entrypoints.cli import config_from_args
 from stallfree.entrypoints.router.flags import RouterSettings, router_settings
 from stallfree.entrypoints.router.launch import start_router
 from stallfree.entrypoints.server.launch import uvicorn_config
+from tests.http_util import get_on
 
 # how long clients' pools keep an idle connection by default: httpx; Go's and hyper's (reqwest,
 # the Rust routers), the longest of the common ones
@@ -84,22 +85,6 @@ class RouterThread:
         return busy
 
 
-async def _get(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int | str:
-    """GET /metrics on a kept-alive connection: the answer's status, or how the connection
-    ended without one."""
-    writer.write(b"GET /metrics HTTP/1.1\r\nhost: router\r\n\r\n")
-    try:
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), LIVENESS_S)
-        length = next(
-            int(line.split(b":")[1]) for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
-        )  # fmt: skip
-        await asyncio.wait_for(reader.readexactly(length), LIVENESS_S)
-    except (ConnectionError, asyncio.IncompleteReadError) as exc:
-        return type(exc).__name__
-    return int(head.split(b" ", 2)[1])
-
-
 async def test_a_connection_reused_at_a_clients_keep_alive_expiry_is_answered(cluster) -> None:
     c = await cluster(start=False)
     router = RouterThread(c.settings())
@@ -109,7 +94,9 @@ async def test_a_connection_reused_at_a_clients_keep_alive_expiry_is_answered(cl
         assert await asyncio.to_thread(router.ready.wait, LIVENESS_S)
         port = int(router.url.rsplit(":", 1)[1])
         conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(CONNECTIONS)]
-        assert [await _get(*conn) for conn in conns] == [200] * CONNECTIONS
+        assert [await get_on(*conn, "/metrics", LIVENESS_S) for conn in conns] == [
+            200
+        ] * CONNECTIONS
         answered = time.monotonic()  # each keep-alive timer started before this
         await asyncio.sleep(HTTPX_KEEPALIVE_S - 1.0)
         # busy past the moment httpx's pool would let the connections go
@@ -118,7 +105,7 @@ async def test_a_connection_reused_at_a_clients_keep_alive_expiry_is_answered(cl
         assert await asyncio.to_thread(busy.wait, LIVENESS_S)
         # sent as httpx's pool reuses them: just under 5 s idle
         await asyncio.sleep(max(0.0, answered + HTTPX_KEEPALIVE_S - 0.2 - time.monotonic()))
-        requests = [asyncio.create_task(_get(*conn)) for conn in conns]
+        requests = [asyncio.create_task(get_on(*conn, "/metrics", LIVENESS_S)) for conn in conns]
         await asyncio.sleep(0.05)  # written
         sent.set()
         assert await asyncio.gather(*requests) == [200] * CONNECTIONS
