@@ -17,7 +17,7 @@ from stallfree.runtime.model.attention import rope_qk
 from stallfree.runtime.model.compile import throwaway_batch
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.model.loader import load_model
-from stallfree.runtime.model.rope import apply_rope
+from stallfree.runtime.model.rope import apply_rope, rope_rows
 from tests.hf_models import make_llama
 
 LAYERS = 2
@@ -78,4 +78,37 @@ def test_fresh_prompts_attend_without_a_gather(llama_dir: Path) -> None:
     # they come from separate products (the torch path)
     joint = calls["stallfree.linear_group"] > 0  # q/k/v (and gate/up) as grouped calls
     assert joint == cpu_kernels.available()
-    assert calls["aten.roll"] == (LAYERS if joint else 2 * LAYERS)
+    # RoPE: q and k of the joint q/k/v output in one native call per layer; apply_rope's four
+    # kernels on each of q and k where they come from separate products (the torch path)
+    assert calls["stallfree.rope"] == (LAYERS if joint else 0)
+    assert calls["aten.roll"] == (0 if joint else 2 * LAYERS)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("t", "heads", "dim"), [(1, 2, 128), (7, 12, 64), (5, 3, 80), (3, 4, 40)])
+def test_native_rope_equals_apply_rope_bit_for_bit(
+    dtype: torch.dtype, t: int, heads: int, dim: int
+) -> None:
+    g = torch.Generator().manual_seed(t * heads + dim)
+    # heads of a wider projection row (the joint q/k/v output's q and k), as the model has them
+    rows = torch.randn(t, (heads + 3) * dim, generator=g).to(dtype)
+    x = rows.as_strided((t, heads, dim), (rows.stride(0), dim, 1))
+    cos = torch.randn(t, 1, dim, generator=g).to(dtype)
+    sin = torch.randn(t, 1, dim, generator=g).to(dtype)
+    rows[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e38])
+    want = apply_rope(x, cos, sin)
+    got = torch.ops.stallfree.rope(x, cos, sin)
+    assert got.is_contiguous() and got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(rope_rows(x, cos, sin).nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels not built")
+def test_native_rope_refuses_mismatched_tables() -> None:
+    x = torch.randn(4, 2, 8)
+    with pytest.raises(RuntimeError, match="cos and signed_sin must be"):
+        torch.ops.stallfree.rope(x, torch.randn(3, 1, 8), torch.randn(3, 1, 8))
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        torch.ops.stallfree.rope(x, torch.randn(4, 1, 8).bfloat16(), torch.randn(4, 1, 8))

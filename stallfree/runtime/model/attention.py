@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from stallfree.runtime.model import cpu_kernels
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
-from stallfree.runtime.model.rope import apply_rope
+from stallfree.runtime.model.rope import rope_rows
 
 
 def _probe_enable_gqa() -> bool:
@@ -236,9 +236,9 @@ def rope_qk(
         and k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()
     ):
         both = q.as_strided((t, heads + k.shape[1], dim), (q.stride(0), dim, 1))
-        out = apply_rope(both, *rope)
+        out = rope_rows(both, *rope)
         return out[:, :heads], out[:, heads:]
-    return apply_rope(q, *rope), apply_rope(k, *rope)
+    return rope_rows(q, *rope), rope_rows(k, *rope)
 
 
 class PagedAttention:

@@ -113,6 +113,10 @@ def _decode_attention_qkv(
     return qkv.new_empty((qkv.shape[0], num_heads * dim))
 
 
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
 def _decode_layers(h: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The last layer's output and the residual stream, each the shape of `h`."""
     return h.new_empty(h.shape), h.new_empty(h.shape)
@@ -132,4 +136,5 @@ FAKES: dict[str, Callable[..., Any]] = {
     "decode_attention": _decode_attention,
     "decode_attention_qkv": _decode_attention_qkv,
     "decode_layers": _decode_layers,
+    "rope": _rope,
 }

@@ -47,6 +47,7 @@ _SOURCES = (
     "attention_avx512.cpp",
     "attention_avx2.cpp",
     "layers.cpp",
+    "rope.cpp",
 )
 _HEADERS = ("vec_exp.h", "kernels.h", "attention.h", "attention_impl.h")
 _CSRC = Path(__file__).with_name("csrc")

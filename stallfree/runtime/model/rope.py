@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from stallfree.runtime.model import cpu_kernels
+
 if TYPE_CHECKING:
     from stallfree.runtime.model.arch import ModelArchConfig
 
@@ -138,3 +140,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     `rotate_half(x) = cat(-x2, x1)` and `sin = cat(s, s)`, `rotate_half(x) * sin` is
     `roll(x, half) * cat(-s, s)` (negating is exact)."""
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` on x [T, H, D] (a view with any row and head strides), the same bits, in
+    one native call where the kernels run (a prompt step's q and k: apply_rope's four kernels
+    are each a pass over them); `apply_rope` otherwise, and while torch.compile traces."""
+    if (
+        x.device.type == "cpu"
+        and x.dim() == 3
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and cos.dtype == signed_sin.dtype == x.dtype
+        and x.stride(2) == 1
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and not torch.compiler.is_compiling()
+        and cpu_kernels.available()
+    ):
+        return torch.ops.stallfree.rope(x, cos, signed_sin)
+    return apply_rope(x, cos, signed_sin)
