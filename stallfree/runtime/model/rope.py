@@ -156,5 +156,6 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> t
         and not torch.compiler.is_compiling()
         and cpu_kernels.available()
     ):
-        return torch.ops.stallfree.rope(x, cos, signed_sin)
+        out: torch.Tensor = torch.ops.stallfree.rope(x, cos, signed_sin)
+        return out
     return apply_rope(x, cos, signed_sin)
