@@ -19,7 +19,8 @@ namespace {
 
 // AVX2 without FMA (the kernels only load on CPUs with AVX2, cpu_kernels.py): wider vectors
 // for the loops below, and still no fused multiply-add. After the headers, which are compiled
-// for the baseline.
+// for the baseline; the torch-facing code below the pop is too.
+#pragma GCC push_options
 #pragma GCC target("avx2")
 
 // kernels.h's conversions without its early return, so the loops below vectorize: round to
@@ -100,6 +101,8 @@ void rotate_head8(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, i
     store8(y + i, _mm256_add_ps(a, b));
   }
 }
+
+#pragma GCC pop_options
 
 template <typename T>
 void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
