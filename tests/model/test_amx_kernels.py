@@ -179,10 +179,10 @@ def test_int8_tiles_run_from_six_rows(tiles: None) -> None:
 
 
 @needs_amx
-def test_bfloat16_tiles_run_from_two_rows(tiles: None) -> None:
-    """At one row the AVX-512 kernel reads the weights as fast and takes the call."""
+def test_bfloat16_tiles_run_from_three_rows(tiles: None) -> None:
+    """At one and two rows the AVX-512 kernel reads the weights faster and takes the call."""
     w = torch.randn(64, 576).bfloat16()
-    for m, taken in ((1, 0), (2, 1), (16, 1), (17, 0)):
+    for m, taken in ((1, 0), (2, 0), (3, 1), (16, 1), (17, 0)):
         before = torch.ops.stallfree.amx_calls()
         torch.ops.stallfree.linear(torch.randn(m, 576).bfloat16(), w, None)
         assert torch.ops.stallfree.amx_calls() - before == taken, m

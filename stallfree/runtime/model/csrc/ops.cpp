@@ -80,11 +80,12 @@ const float* opt_bias(const std::optional<at::Tensor>& bias, int64_t n) {
 constexpr int64_t kGrain = 64;
 
 // Dense bfloat16 products of kAmxMinRows to kAmxMaxRows rows go to the AMX tiles where
-// `set_amx` turned them on (isa_amx.cpp). At one row `vdpbf16ps` streams the weights as fast;
-// from two rows the tiles, whose weight rows are prefetched, win (SmolLM2's four projection
-// shapes, 30 copies, one thread: 2 rows 415 us a step on the tiles against 484 on AVX-512, 4
-// rows 421 against 554, 8 rows 446 against 874); above, oneDNN's blocked product (F.linear).
-constexpr int64_t kAmxMinRows = 2;
+// `set_amx` turned them on (isa_amx.cpp); above, oneDNN's blocked product (F.linear). At one
+// and two rows `vdpbf16ps` streams the weights faster than the tiles load them: SmolLM2's five
+// projection shapes, 30 copies, two threads on a quiet machine, 2 rows 1981 / 2044 us a step
+// on AVX-512 against 2220 / 2268 on the tiles, 3 rows even (2268 / 2296 against 2254 / 2287),
+// 4 rows 2449 / 2382 against 2267 / 2344. (One thread had put the tiles ahead from 2 rows.)
+constexpr int64_t kAmxMinRows = 3;
 constexpr int64_t kAmxMaxRows = 16;
 bool g_amx = false;
 // products the tiles have taken since the library loaded (`amx_calls`: tests count them)
