@@ -16,8 +16,8 @@ attention, residuals, dispatch. The breakdown runs the layers in Python
 also timed with the loop, whose linears are the same calls, and "outside linears" is given
 for it too. At batch 1 the weights a step reads (every linear weight once,
 packed bytes for quantized layers) over the linears' time is the achieved read bandwidth,
-printed beside the machine's own (best of 5 `sum`s over 256 MB at the same threads). The
-first round also records every format's next-token distributions over a fixed English text
+printed beside the machine's own (read_probe.py: a streaming read of 1 GiB at the same
+threads). The first round also records every format's next-token distributions over a fixed English text
 (one prefill, every position) and reports each against f32's: KL divergence, top-1 agreement
 and the mean log-probability difference of f32's top token. Peak RSS is the child's.
 
@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from read_probe import read_bandwidth
 
 FORMATS = {
     "f32": ("float32", "none"),
@@ -54,18 +55,6 @@ def default_model() -> str:
     dirs = list(spec.submodule_search_locations or []) if spec is not None else []
     files = sorted(f for d in dirs for f in Path(d).glob("*.gguf"))
     return str(files[0]) if files else "bench-cpu"
-
-
-def read_bandwidth() -> float:
-    """GB/s of a `sum` over 256 MB (float32), best of 5."""
-    buf = torch.ones(64 * 1024 * 1024)
-    buf.sum()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t0)
-    return buf.numel() * 4 / best / 1e9
 
 
 def linear_bytes(module: torch.nn.Module) -> int:

@@ -26,71 +26,9 @@ import subprocess
 import sys
 import time
 
+from read_probe import on_huge_pages, read_bandwidth
+
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
-
-_PROBE = r"""
-#include <torch/extension.h>
-#include <immintrin.h>
-#include <omp.h>
-__attribute__((target("avx2"))) static long long read_avx2(const char* p, long long n) {
-  __m256i acc = _mm256_setzero_si256();
-  for (long long i = 0; i + 128 <= n; i += 128) {
-    acc = _mm256_xor_si256(acc, _mm256_load_si256((const __m256i*)(p + i)));
-    acc = _mm256_xor_si256(acc, _mm256_load_si256((const __m256i*)(p + i + 32)));
-    acc = _mm256_xor_si256(acc, _mm256_load_si256((const __m256i*)(p + i + 64)));
-    acc = _mm256_xor_si256(acc, _mm256_load_si256((const __m256i*)(p + i + 96)));
-  }
-  return _mm256_extract_epi64(acc, 0);
-}
-double probe(torch::Tensor buf, int64_t repeats) {
-  const char* p = (const char*)buf.data_ptr();
-  const long long n = buf.numel();
-  double best = 1e30;
-  for (int r = 0; r < repeats; ++r) {
-    long long sink = 0;
-    double t0 = omp_get_wtime();
-#pragma omp parallel reduction(^ : sink)
-    {
-      int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      long long chunk = (n / nt) & ~127LL;
-      sink ^= read_avx2(p + t * chunk, chunk);
-    }
-    double dt = omp_get_wtime() - t0;
-    if (sink == 42) dt += 1e-9;
-    if (dt < best) best = dt;
-  }
-  return (double)n / best / 1e9;
-}
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("probe", &probe); }
-"""
-
-
-def read_bandwidth() -> float:
-    """GB/s of a streaming read over 1 GiB on every thread (best of 5)."""
-    import torch
-    from torch.utils.cpp_extension import load_inline
-
-    mod = load_inline(
-        "stallfree_bench_read_probe",
-        cpp_sources=_PROBE,
-        extra_cflags=["-O3", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-    )
-    buf = _on_huge_pages([torch.ones(1 << 30, dtype=torch.uint8)])[0]
-    return float(mod.probe(buf, 5))
-
-
-def _on_huge_pages(tensors: list) -> list:  # type: ignore[type-arg]
-    """The tensors moved to 2 MB pages as the engine moves a model's weights (unless
-    STALLFREE_HUGE_PAGES=0)."""
-    import torch
-
-    from stallfree.runtime.memory.huge_pages import move_to_huge_pages
-
-    holder = torch.nn.Module()
-    holder.tensors = tensors
-    move_to_huge_pages(holder)
-    return tensors
 
 
 def child(fmt: str, rows: list[int], copies: int, threads: int) -> None:
@@ -113,14 +51,14 @@ def child(fmt: str, rows: list[int], copies: int, threads: int) -> None:
             if fmt in ("bf16", "f32"):
                 dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
                 x = x.to(dtype)
-                ws = _on_huge_pages(
+                ws = on_huge_pages(
                     [torch.randn(n, k, generator=gen).to(dtype) for _ in range(count)]
                 )
                 native = [lambda w=w, x=x: ops.linear(x, w, None) for w in ws]
                 ref = [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in ws]
                 nbytes += n * k * ws[0].element_size()
             elif fmt == "int8":
-                qs = _on_huge_pages(
+                qs = on_huge_pages(
                     [
                         torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
                         for _ in range(count)
@@ -135,7 +73,7 @@ def child(fmt: str, rows: list[int], copies: int, threads: int) -> None:
                 nbytes += n * k + n * 4
             else:  # int4: codes plus float16 scale and offset per group of 32
                 g = k // 32
-                cs = _on_huge_pages(
+                cs = on_huge_pages(
                     [
                         torch.randint(0, 256, (n, g, 16), dtype=torch.uint8, generator=gen)
                         for _ in range(count)
