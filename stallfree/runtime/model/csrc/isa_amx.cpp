@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
 
@@ -340,17 +341,28 @@ inline void unpack_one(const uint8_t* codes, int64_t row_bytes, int64_t b, Q4Unp
   }
 }
 
-// acc[r] += float(sums[r]) * scale[r, b] * d_x + offset[r, b] * d_x * sum(x codes)
+// acc[r] += float(sums[r]) * scale[r, b] * d_x + offset[r, b] * d_x * sum(x codes), with the
+// block's scales and offsets already in float32 (`widen_groups`): one broadcast from memory
+// each instead of a half-precision load, convert and broadcast
 inline void scale_q4_block(const int32_t (&sums)[16][16], __m512 (&acc)[16], __m512 ad,
-                           __m512 xs, const uint16_t* gs, const uint16_t* go, int64_t groups,
+                           __m512 xs, const float* gs, const float* go, int64_t groups,
                            int64_t b) {
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) {
     const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(sums[r]));
-    const __m512 sc = _mm512_mul_ps(ad, _mm512_set1_ps(_cvtsh_ss(gs[r * groups + b])));
+    const __m512 sc = _mm512_mul_ps(ad, _mm512_set1_ps(gs[r * groups + b]));
     acc[r] = _mm512_fmadd_ps(v, sc, acc[r]);
-    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(go[r * groups + b])), xs, acc[r]);
+    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(go[r * groups + b]), xs, acc[r]);
   }
+}
+
+// 16 rows of float16 values, `groups` a row, to float32 in the same order (exact)
+inline void widen_groups(const uint16_t* h, int64_t groups, float* f) {
+  const int64_t n = 16 * groups;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+  for (; i < n; ++i) f[i] = _cvtsh_ss(h[i]);
 }
 
 void block_q4(const uint32_t* xp, const float* ad, const float* xs, int rows, int mc, int64_t k,
@@ -358,8 +370,13 @@ void block_q4(const uint32_t* xp, const float* ad, const float* xs, int rows, in
               const float* bias, int64_t n, int64_t m0, Out out) {
   const int64_t groups = k / 32, row_bytes = groups * 16;
   const uint8_t* cb = codes + n * row_bytes;
-  const uint16_t* gs = gscale + n * groups;
-  const uint16_t* go = goffset + n * groups;
+  // the block's scales and offsets in float32, once (each is used once per activation chunk)
+  thread_local std::vector<float> widened;
+  widened.resize(32 * groups);
+  float* gs = widened.data();
+  float* go = gs + 16 * groups;
+  widen_groups(gscale + n * groups, groups, gs);
+  widen_groups(goffset + n * groups, groups, go);
   __m512 acc[16];
   for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
   Q4Unpacked u;
