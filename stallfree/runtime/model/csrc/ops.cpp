@@ -178,11 +178,13 @@ void q8_amx(const Q8Act& a, const int8_t* w, const float* scale, const uint16_t*
 }
 
 // int4 codes on the tiles from this many rows, whole blocks of 16 output rows (the rest on the
-// AVX-512 kernel). The int8 path's per-block epilogue plus the unpacking of the codes cost
-// about the same at any row count, so the tiles win only where the AVX-512 kernel's work per
-// row has grown past it (SmolLM2's four shapes, one thread: 4 rows 534 us on the tiles against
-// 258 on AVX-512, 8 rows 577 against 560, 16 rows 574 against 1118)
-constexpr int64_t kAmxQ4MinRows = 9;
+// AVX-512 kernel). The tiles' per-block epilogue plus the unpacking of the codes cost about the
+// same at any row count, so the tiles win only where the AVX-512 kernel's work per row has
+// grown past it. With the epilogue's scales widened once per block (isa_amx.cpp), SmolLM2's five
+// shapes, 30 copies, one thread, us a step on the tiles against AVX-512 over two rounds: 5 rows
+// on AVX-512 either way, 6 rows 3366 / 3097 against 3569 / 3379, 7 rows 3401 / 3310 against
+// 3916 / 3751, 8 rows 3274 / 3305 against 4561 / 4174.
+constexpr int64_t kAmxQ4MinRows = 6;
 
 bool amx_q4_applies(int64_t m) { return g_amx && m >= kAmxQ4MinRows && m <= kAmxMaxRows; }
 
