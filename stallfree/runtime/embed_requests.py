@@ -37,7 +37,11 @@ from stallfree.runtime.model.pooling import (
     with_override,
 )
 from stallfree.runtime.pooled import Pooled, PoolingAborted
-from stallfree.runtime.request.errors import EngineUnhealthyError, InvalidRequestError
+from stallfree.runtime.request.errors import (
+    EngineUnhealthyError,
+    InvalidRequestError,
+    check_waiting_room,
+)
 from stallfree.runtime.request.req import FinishReason, Req
 from stallfree.runtime.request.sampling_params import SamplingParams
 from stallfree.runtime.request_table import RequestTable
@@ -101,6 +105,10 @@ class EmbedRequests:
         ids = self.inputs.singles(inputs, truncate_prompt_tokens)
         if rid in self.groups or rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
+        core = self.requests.core  # each input waits as one request: all fit, or none is queued
+        check_waiting_room(
+            core.scheduler.queues.num_waiting, len(ids.ids), core.max_waiting_requests
+        )
         reqs = [self._pool_req(f"{rid}#{i}", row) for i, row in enumerate(ids.ids)]
         streams: list[RequestStream] = []
         self.groups[rid] = reqs

@@ -61,6 +61,7 @@ from stallfree.runtime.request.errors import (
     EngineOverloadedError,
     EngineUnhealthyError,
     InvalidRequestError,
+    check_waiting_room,
 )
 from stallfree.runtime.request.req import FinishReason, Req
 from stallfree.runtime.request.sampling_params import SamplingParams
@@ -371,6 +372,7 @@ class PoolingEngine(Engine):
             )
         self.check_dimensions(dimensions)
         ids = self.inputs.singles(inputs, truncate_prompt_tokens)
+        check_waiting_room(self._waiting_inputs(), len(ids.ids), self.max_waiting_requests)
         return await self._enqueue(ids, dimensions, self._timeout(timeout), rid)
 
     async def score(
@@ -390,6 +392,7 @@ class PoolingEngine(Engine):
         if not pairs:
             raise InvalidRequestError("there are no texts to score", param="input")
         ids = self.inputs.pairs(pairs, truncate_prompt_tokens)
+        check_waiting_room(self._waiting_inputs(), len(ids.ids), self.max_waiting_requests)
         return await self._enqueue(ids, None, self._timeout(timeout), rid)
 
     async def _enqueue(
@@ -432,10 +435,14 @@ class PoolingEngine(Engine):
             raise EngineClosedError(f"engine is not running ({state})")
         if not self.healthy:
             raise EngineUnhealthyError("the pooling loop stopped; it takes no new requests")
-        if len(self._waiting) >= self.max_waiting_requests:
+        if self._waiting_inputs() >= self.max_waiting_requests:
             raise EngineOverloadedError(
                 f"waiting queue is full ({self.max_waiting_requests} requests)"
             )
+
+    def _waiting_inputs(self) -> int:
+        """The inputs not yet batched: each one a waiting request, as on the generate engine."""
+        return sum(len(p.inputs.ids) - p.taken for p in self._waiting if not p.done.done())
 
     # ------------------------------------------------------------------ the step loop
 

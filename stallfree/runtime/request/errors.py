@@ -26,5 +26,15 @@ class EngineClosedError(EngineOverloadedError):
     so code that treats both as "try elsewhere" keeps working.)"""
 
 
+def check_waiting_room(waiting: int, inputs: int, limit: int) -> None:
+    """`EngineOverloadedError` for a call whose `inputs` (one waiting request each) would take
+    a waiting queue of `waiting` requests past its `limit`: a call is queued whole or not."""
+    if waiting + inputs > limit:
+        raise EngineOverloadedError(
+            f"this call's {inputs} inputs would take the waiting queue past its limit of "
+            f"{limit} requests ({waiting} waiting)"
+        )
+
+
 class EngineUnhealthyError(RuntimeError):
     """The engine failed closed (repeated step failures, or a lost worker) and takes no new work."""

@@ -181,9 +181,8 @@ def from_engine_error(exc: EngineError, retry_after_s: int, request_id: str) -> 
     if isinstance(exc, InvalidRequestError):
         return from_invalid_request(exc)
     if isinstance(exc, EngineOverloadedError):
-        return overloaded(
-            retry_after_s, "the server is overloaded: too many requests are waiting; retry later"
-        )
+        why = str(exc) or "too many requests are waiting"  # the engine's counts, where named
+        return overloaded(retry_after_s, f"the server is overloaded: {why}; retry later")
     logger.warning("request %s refused: the engine is unhealthy: %s", request_id, exc)
     return ApiError(
         503,
