@@ -1,7 +1,8 @@
 """The waiting-queue limit counts every input of a pooling call (issue 43): an embeddings,
 score or rerank call of n inputs queues n requests, so it is refused whole, with the
-overloaded 503, when they would take the waiting queue past `scheduler.max_waiting_requests`;
-nothing of it is queued, and a call that fits is served. On the generate engine (each input a
+overloaded 503, when they would take the waiting queue past `scheduler.max_waiting_requests`,
+and with a 400 naming the limit when n alone is over it (no retry could fit it); nothing of
+it is queued, and a call that fits is served. On the generate engine (each input a
 scheduled request) and on the pooling runner (BERT embedder and cross-encoder)."""
 
 from __future__ import annotations
@@ -55,12 +56,16 @@ def _config(path: Path, **sections: Any) -> Any:
     )
 
 
-def _assert_overloaded(r: httpx.Response, inputs: int) -> None:
-    assert r.status_code == 503, r.text[:300]
-    assert r.headers["retry-after"] == "1"
+def _assert_too_many(r: httpx.Response, inputs: int) -> None:
+    """More inputs than the whole queue holds: a 400 (retrying would never fit), not a 503."""
+    assert r.status_code == 400, r.text[:300]
+    assert "retry-after" not in r.headers
     error = r.json()["error"]
-    assert error["code"] == "overloaded" and error["type"] == "service_unavailable"
-    assert _refusal(inputs, 0) in error["message"]
+    assert error["code"] == "too_many_inputs" and error["param"] == "input"
+    assert f"this call has {inputs} inputs, more than the waiting queue holds ({LIMIT}" in (
+        error["message"]
+    )
+    assert f"send at most {LIMIT} inputs per call" in error["message"]
 
 
 async def _two_then_three(engine: Engine) -> tuple[Pooled, BaseException | Pooled]:
@@ -85,7 +90,7 @@ async def test_generate_engine_embeddings_count_each_input_against_the_queue(
     assert engine.embeddings is not None
     async with _served(engine) as http:
         r = await http.post("/v1/embeddings", json={"model": "m", "input": TEXTS})
-        _assert_overloaded(r, len(TEXTS))
+        _assert_too_many(r, len(TEXTS))
         assert engine.snapshot().waiting == 0 and len(engine.requests) == 0
         assert engine.snapshot().counters.finished == {}
         assert engine.pool_usage().all_free
@@ -113,7 +118,7 @@ async def test_pooling_runner_embeddings_count_each_input_against_the_queue(
     async with _served(engine) as http:
         for route in ("/v1/embeddings", "/pooling"):
             r = await http.post(route, json={"model": "m", "input": TEXTS})
-            _assert_overloaded(r, len(TEXTS))
+            _assert_too_many(r, len(TEXTS))
             assert engine.snapshot().waiting == 0 and not engine._live
         fits = await http.post("/v1/embeddings", json={"model": "m", "input": TEXTS[:LIMIT]})
         assert fits.status_code == 200, fits.text[:300]
@@ -139,7 +144,7 @@ async def test_score_and_rerank_count_each_pair_against_the_queue(tmp_path: Path
         score = {"model": "m", "text_1": "query", "text_2": docs}
         rerank = {"model": "m", "query": "query", "documents": docs}
         for route, body in (("/v1/score", score), ("/v1/rerank", rerank)):
-            _assert_overloaded(await http.post(route, json=body), len(docs))
+            _assert_too_many(await http.post(route, json=body), len(docs))
             assert engine.snapshot().waiting == 0 and not engine._live
         fits = await http.post("/v1/rerank", json=rerank | {"documents": docs[:LIMIT]})
         assert fits.status_code == 200, fits.text[:300]

@@ -28,7 +28,16 @@ class EngineClosedError(EngineOverloadedError):
 
 def check_waiting_room(waiting: int, inputs: int, limit: int) -> None:
     """`EngineOverloadedError` for a call whose `inputs` (one waiting request each) would take
-    a waiting queue of `waiting` requests past its `limit`: a call is queued whole or not."""
+    a waiting queue of `waiting` requests past its `limit`: a call is queued whole or not. A
+    call of more inputs than the whole queue holds could never be queued, so it is an
+    `InvalidRequestError` (a 400 the client must act on) rather than a 503 to retry."""
+    if inputs > limit:
+        raise InvalidRequestError(
+            f"this call has {inputs} inputs, more than the waiting queue holds ({limit} "
+            f"requests, scheduler.max_waiting_requests); send at most {limit} inputs per call",
+            param="input",
+            code="too_many_inputs",
+        )
     if waiting + inputs > limit:
         raise EngineOverloadedError(
             f"this call's {inputs} inputs would take the waiting queue past its limit of "
