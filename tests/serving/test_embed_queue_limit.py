@@ -62,8 +62,9 @@ def _assert_too_many(r: httpx.Response, inputs: int) -> None:
     assert "retry-after" not in r.headers
     error = r.json()["error"]
     assert error["code"] == "too_many_inputs" and error["param"] == "input"
-    assert f"this call has {inputs} inputs, more than the waiting queue holds ({LIMIT}" in (
-        error["message"]
+    assert (
+        f"this call has {inputs} inputs, more than the waiting queue holds ({LIMIT}"
+        in (error["message"])
     )
     assert f"send at most {LIMIT} inputs per call" in error["message"]
 
