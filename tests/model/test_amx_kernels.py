@@ -172,7 +172,7 @@ def test_int8_tiles_equal_the_avx512_kernel(
 def test_int8_tiles_run_from_six_rows(tiles: None) -> None:
     q = torch.randint(-127, 128, (64, 256), dtype=torch.int8)
     bscale = (torch.rand(64, 8) / 50).half()
-    for m, taken in ((5, 0), (6, 1), (16, 1), (17, 0)):
+    for m, taken in ((5, 0), (6, 1), (16, 1), (17, 1), (64, 1), (65, 0)):
         before = torch.ops.stallfree.amx_calls()
         torch.ops.stallfree.linear_q8_blocks(torch.randn(m, 256), q, bscale, None)
         assert torch.ops.stallfree.amx_calls() - before == taken, m
@@ -230,7 +230,36 @@ def test_int4_tiles_equal_the_avx512_kernel(
 def test_int4_tiles_run_from_six_rows(tiles: None) -> None:
     g = torch.Generator().manual_seed(5)
     codes, scale, offset = _q4_weight(g, 64, 8)
-    for m, taken in ((5, 0), (6, 1), (16, 1), (17, 0)):
+    for m, taken in ((5, 0), (6, 1), (16, 1), (17, 1), (64, 1), (65, 0)):
         before = torch.ops.stallfree.amx_calls()
         torch.ops.stallfree.linear_q4(torch.randn(m, 256), codes, scale, offset, None)
         assert torch.ops.stallfree.amx_calls() - before == taken, m
+
+
+@needs_amx
+@pytest.mark.parametrize("blocks", [False, True])
+def test_a_decode_steps_twenty_rows_take_the_integer_tiles_and_a_prompts_do_not(
+    tiles: None, blocks: bool
+) -> None:
+    """A quantized layer sends a decode step's rows to the tiles up to
+    quant.AMX_NATIVE_MAX_ROWS; a prompt's rows past NATIVE_MAX_ROWS keep the dense path, whose
+    activations are not quantised."""
+    from stallfree.runtime.model import quant
+
+    w = torch.randn(64, 256)
+    weight = quant.quantize_int8_blocks(w) if blocks else quant.quantize_int8(w)
+    layer = quant.Int8Linear(weight, None, torch.bfloat16)
+    assert layer.native
+    x = torch.randn(20, 256).bfloat16()
+    before = torch.ops.stallfree.amx_calls()
+    prompt = layer(x)
+    assert torch.ops.stallfree.amx_calls() == before  # 20 prompt rows: dense
+    with quant.decode_rows():
+        assert quant.native_max_rows() == quant.AMX_NATIVE_MAX_ROWS >= 20
+        decode = layer(x)
+        assert torch.ops.stallfree.amx_calls() == before + 1
+        layer(torch.randn(quant.AMX_NATIVE_MAX_ROWS + 1, 256).bfloat16())
+        assert torch.ops.stallfree.amx_calls() == before + 1  # past it: dense again
+    assert quant.native_max_rows() == quant.NATIVE_MAX_ROWS
+    # the same product either way, within the activations' quantisation
+    assert _rel(decode.float(), prompt.double()) < 2e-2

@@ -398,7 +398,7 @@ async def test_smollm2_gguf_greedy_matches_transformers(
 
 # the generate engine's embeddings on the GGUF: one call of short inputs (11 rows, a step the
 # native int4 kernels run with their activations quantised to blocks of 32) and one of longer
-# inputs (48 rows, past NATIVE_MAX_ROWS: the layers dequantised into the dense matmul)
+# inputs (48 rows, past native_max_rows(): the layers dequantised into the dense matmul)
 EMBED_SHORT = ["Hi", "Hello there, friend", "The capital of France is Paris"]
 EMBED_LONG = [
     "Hi",
@@ -421,7 +421,7 @@ async def test_smollm2_gguf_embeddings_match_transformers_last_token(
     final normed hidden state, L2-normalised; per input it matches transformers' dequantised
     model within the kernels' rounding, each call's inputs in one prefill step."""
     from stallfree.config import load_config
-    from stallfree.runtime.model.quant import NATIVE_MAX_ROWS, Int4Linear
+    from stallfree.runtime.model.quant import Int4Linear, native_max_rows
 
     _, hf_model = smollm2_hf
     config = load_config(model={"path": str(smollm2)}, runtime={"device": "cpu"})
@@ -441,7 +441,7 @@ async def test_smollm2_gguf_embeddings_match_transformers_last_token(
         await engine.wait_idle()
         assert engine.pool_usage().all_free
     assert (
-        sum(len(i) for i in results[0][0]) <= NATIVE_MAX_ROWS < sum(len(i) for i in results[1][0])
+        sum(len(i) for i in results[0][0]) <= native_max_rows() < sum(len(i) for i in results[1][0])
     )
     for ids, ours in results:
         with torch.no_grad():

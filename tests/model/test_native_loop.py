@@ -21,6 +21,7 @@ from stallfree.runtime.model import cpu_kernels, native_loop
 from stallfree.runtime.model.compile import throwaway_batch
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.model.loader import load_model
+from stallfree.runtime.model.quant import decode_rows, native_max_rows
 from tests.hf_models import (
     make_llama,
     make_mistral,
@@ -88,9 +89,12 @@ def test_loop_equals_the_python_loop_bit_for_bit(
     looped, plans, calls = _step(llama_dir, dtype, quantization, lens, True, monkeypatch)
     assert none == {} and off == 0  # off: never planned
     planned = plans[(len(lens), getattr(torch, dtype))]
-    # 20 rows: past the integer kernels' rows (a prompt-sized product in Python) and the
-    # grouped float32 call's; bfloat16's projections go to F.linear in both loops
-    loop_runs = len(lens) <= 16 or (dtype == "bfloat16" and quantization == "none")
+    # 20 rows: past the grouped float32 call's rows, and past the integer kernels' (a
+    # prompt-sized product in Python) unless the AMX tiles take a decode step's rows (up to
+    # quant.native_max_rows() there); bfloat16's projections go to F.linear in both loops
+    with decode_rows():
+        most = native_max_rows() if quantization != "none" else 16
+    loop_runs = len(lens) <= most or (dtype == "bfloat16" and quantization == "none")
     assert (planned is not None) == loop_runs
     assert calls == int(loop_runs)
     assert torch.equal(python, looped)
@@ -142,13 +146,16 @@ def test_qwen3_at_twenty_rows(
     tmp_path: Path, quantization: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past the native kernels' rows: bfloat16's projections go to F.linear in both loops (the
-    loop runs, q/k normed by torch's arithmetic), int8's to a prompt-sized product (Python)."""
+    loop runs, q/k normed by torch's arithmetic); int8's to a prompt-sized product (Python),
+    unless the AMX tiles take a decode step's 20 rows (then the loop runs them too)."""
     path = make_qwen3(tmp_path, num_hidden_layers=2)
     lens = [9 + i for i in range(20)]
     python, _, _ = _step(path, "bfloat16", quantization, lens, False, monkeypatch)
     looped, plans, calls = _step(path, "bfloat16", quantization, lens, True, monkeypatch)
-    assert calls == (quantization == "none")
-    assert (plans[(20, torch.bfloat16)] is not None) == (quantization == "none")
+    with decode_rows():
+        runs = quantization == "none" or native_max_rows() >= 20
+    assert calls == runs
+    assert (plans[(20, torch.bfloat16)] is not None) == runs
     assert torch.equal(python, looped)
 
 

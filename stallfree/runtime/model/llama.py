@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stallfree.runtime.model import native_layers, native_loop
+from stallfree.runtime.model import native_layers, native_loop, quant
 from stallfree.runtime.model.attention import PagedAttention
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.moe import add_mlp
@@ -359,6 +359,22 @@ class LlamaForCausalLM(nn.Module):
             return torch.empty((0, self.arch.vocab_size), dtype=torch.float32, device=device)
         h = self.embed(fb.input_ids)
         rope = self.model.rotary_emb(fb.positions, h.dtype)
+        with quant.decode_rows(fb.mode is ForwardMode.DECODE):
+            h = self._layers(h, rope, fb)
+        last = _last_tokens(h, fb) if fb.logit_rows is None else h.index_select(0, fb.logit_rows)
+        if fb.logit_positions is not None:
+            last = torch.cat([last, h.index_select(0, fb.logit_positions)])
+        logits = self._output(self.model.norm(last))
+        if self.tp.size > 1:
+            # each rank's vocab slice (the last one zero-padded), in rank order
+            logits = self.tp.all_gather(logits, dim=-1)[:, : self.arch.vocab_size]
+        return logits.float()
+
+    def _layers(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch
+    ) -> torch.Tensor:
+        """Every decoder layer over `h`: compiled halves, the fused loop (in C++ where it
+        runs), or each layer's own forward."""
         backend = self.attn_backend
         if self.compiled is not None:
             before, after = self.compiled
@@ -384,14 +400,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             for layer in self.model.layers:
                 h = layer(h, rope, fb, backend)
-        last = _last_tokens(h, fb) if fb.logit_rows is None else h.index_select(0, fb.logit_rows)
-        if fb.logit_positions is not None:
-            last = torch.cat([last, h.index_select(0, fb.logit_positions)])
-        logits = self._output(self.model.norm(last))
-        if self.tp.size > 1:
-            # each rank's vocab slice (the last one zero-padded), in rank order
-            logits = self.tp.all_gather(logits, dim=-1)[:, : self.arch.vocab_size]
-        return logits.float()
+        return h
 
     def _fuses_residual(self, h: torch.Tensor) -> bool:
         """Whether the layers run `fused_forward`: plain Llama-family layers (their norms
