@@ -182,7 +182,7 @@ def test_int8_tiles_run_from_six_rows(tiles: None) -> None:
 def test_bfloat16_tiles_run_from_three_rows(tiles: None) -> None:
     """At one and two rows the AVX-512 kernel reads the weights faster and takes the call."""
     w = torch.randn(64, 576).bfloat16()
-    for m, taken in ((1, 0), (2, 0), (3, 1), (16, 1), (17, 0)):
+    for m, taken in ((1, 0), (2, 0), (3, 1), (16, 1), (17, 1), (64, 1), (65, 0)):
         before = torch.ops.stallfree.amx_calls()
         torch.ops.stallfree.linear(torch.randn(m, 576).bfloat16(), w, None)
         assert torch.ops.stallfree.amx_calls() - before == taken, m
@@ -245,6 +245,7 @@ def test_a_decode_steps_twenty_rows_take_the_integer_tiles_and_a_prompts_do_not(
     quant.AMX_NATIVE_MAX_ROWS; a prompt's rows past NATIVE_MAX_ROWS keep the dense path, whose
     activations are not quantised."""
     from stallfree.runtime.model import quant
+    from stallfree.runtime.model.decode_rows import decode_rows
 
     w = torch.randn(64, 256)
     weight = quant.quantize_int8_blocks(w) if blocks else quant.quantize_int8(w)
@@ -254,7 +255,7 @@ def test_a_decode_steps_twenty_rows_take_the_integer_tiles_and_a_prompts_do_not(
     before = torch.ops.stallfree.amx_calls()
     prompt = layer(x)
     assert torch.ops.stallfree.amx_calls() == before  # 20 prompt rows: dense
-    with quant.decode_rows():
+    with decode_rows():
         assert quant.native_max_rows() == quant.AMX_NATIVE_MAX_ROWS >= 20
         decode = layer(x)
         assert torch.ops.stallfree.amx_calls() == before + 1
@@ -263,3 +264,27 @@ def test_a_decode_steps_twenty_rows_take_the_integer_tiles_and_a_prompts_do_not(
     assert quant.native_max_rows() == quant.NATIVE_MAX_ROWS
     # the same product either way, within the activations' quantisation
     assert _rel(decode.float(), prompt.double()) < 2e-2
+
+
+@needs_amx
+def test_a_decode_steps_twenty_bfloat16_rows_take_the_tiles_and_a_prompts_do_not(
+    tiles: None,
+) -> None:
+    """A dense bfloat16 linear sends a decode step's rows to the tiles up to
+    native_layers.AMX_DECODE_MAX_ROWS, a prompt's past AMX_MAX_ROWS to F.linear; float32 has
+    no tiles and keeps AMX_MAX_ROWS either way."""
+    from stallfree.runtime.model.decode_rows import decode_rows
+
+    w = torch.randn(64, 256).bfloat16()
+    x = torch.randn(20, 256).bfloat16()
+    before = torch.ops.stallfree.amx_calls()
+    prompt = native_layers.linear(x, w)
+    assert torch.ops.stallfree.amx_calls() == before
+    with decode_rows():
+        assert native_layers.dense_max_rows(torch.bfloat16) == native_layers.AMX_DECODE_MAX_ROWS
+        assert native_layers.dense_max_rows(torch.float32) == native_layers.AMX_MAX_ROWS
+        decode = native_layers.linear(x, w)
+        assert torch.ops.stallfree.amx_calls() == before + 1
+        native_layers.linear(torch.randn(native_layers.AMX_DECODE_MAX_ROWS + 1, 256).bfloat16(), w)
+        assert torch.ops.stallfree.amx_calls() == before + 1
+    assert _rel(decode.float(), prompt.double()) < 1.6e-2

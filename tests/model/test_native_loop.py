@@ -19,9 +19,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from stallfree.runtime.model import cpu_kernels, native_loop
 from stallfree.runtime.model.compile import throwaway_batch
+from stallfree.runtime.model.decode_rows import decode_rows
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.model.loader import load_model
-from stallfree.runtime.model.quant import decode_rows, native_max_rows
+from stallfree.runtime.model.quant import native_max_rows
 from tests.hf_models import (
     make_llama,
     make_mistral,

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stallfree.runtime.model import native_layers, native_loop, quant
+from stallfree.runtime.model import native_layers, native_loop
 from stallfree.runtime.model.attention import PagedAttention
+from stallfree.runtime.model.decode_rows import decode_rows
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.moe import add_mlp
 from stallfree.runtime.model.parallel import (
@@ -359,7 +360,7 @@ class LlamaForCausalLM(nn.Module):
             return torch.empty((0, self.arch.vocab_size), dtype=torch.float32, device=device)
         h = self.embed(fb.input_ids)
         rope = self.model.rotary_emb(fb.positions, h.dtype)
-        with quant.decode_rows(fb.mode is ForwardMode.DECODE):
+        with decode_rows(fb.mode is ForwardMode.DECODE):
             h = self._layers(h, rope, fb)
         last = _last_tokens(h, fb) if fb.logit_rows is None else h.index_select(0, fb.logit_rows)
         if fb.logit_positions is not None:

@@ -69,7 +69,7 @@ def _projection(
         if (
             dtype == torch.bfloat16
             and module.weight.is_contiguous()
-            and rows <= native_layers.dense_max_rows()
+            and rows <= native_layers.dense_max_rows(dtype)
         ):
             return [NATIVE], [module.weight, module.bias_f32]
         # more rows: NativeLinear.forward's own fallback, F.linear with the layer's bias
@@ -93,7 +93,7 @@ def _group(
     layers: list[nn.Module], rows: int, dtype: torch.dtype
 ) -> tuple[list[int], list[torch.Tensor | None]] | None:
     """`native_layers.grouped`'s one call for projections kept apart, where it applies."""
-    if rows > native_layers.dense_max_rows():
+    if rows > native_layers.dense_max_rows(dtype):
         return None
     weights = native_layers.group_weights(layers, dtype)
     if weights is None:

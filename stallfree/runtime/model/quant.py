@@ -23,10 +23,7 @@ An int4 layer the kernel cannot take (output rows in multiples of 16, inputs in 
 from __future__ import annotations
 
 import abc
-import contextlib
 import os
-from collections.abc import Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +31,7 @@ import torch
 from torch import nn
 
 from stallfree.runtime.model import cpu_kernels
+from stallfree.runtime.model.decode_rows import in_decode
 
 QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf")
 GROUP_SIZE = 32
@@ -233,24 +231,12 @@ def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
 # 96.7%), which the dense path does not.
 NATIVE_MAX_ROWS = 16
 AMX_NATIVE_MAX_ROWS = 32
-_DECODE_ROWS: ContextVar[bool] = ContextVar("stallfree_quant_decode_rows", default=False)
-
-
-@contextlib.contextmanager
-def decode_rows(on: bool = True) -> Iterator[None]:
-    """Within (`on`): the rows a quantized layer sees are a decode step's, one per stream, and
-    may go to the tiles up to AMX_NATIVE_MAX_ROWS (`native_max_rows`)."""
-    token = _DECODE_ROWS.set(on)
-    try:
-        yield
-    finally:
-        _DECODE_ROWS.reset(token)
 
 
 def native_max_rows() -> int:
     """The most rows an int8 / int4 layer sends to the native kernels on this CPU, in this
-    step (`decode_rows`)."""
-    if _DECODE_ROWS.get() and cpu_kernels.amx():
+    step (`decode_rows.in_decode`)."""
+    if in_decode() and cpu_kernels.amx():
         return AMX_NATIVE_MAX_ROWS
     return NATIVE_MAX_ROWS
 

@@ -86,7 +86,10 @@ constexpr int64_t kGrain = 64;
 // on AVX-512 against 2220 / 2268 on the tiles, 3 rows even (2268 / 2296 against 2254 / 2287),
 // 4 rows 2449 / 2382 against 2267 / 2344. (One thread had put the tiles ahead from 2 rows.)
 constexpr int64_t kAmxMinRows = 3;
-constexpr int64_t kAmxMaxRows = 16;
+// the most rows a call takes on the tiles (chunks of 16 activation rows over each block of 16
+// weight rows while it is in L1); native_layers.py sends up to AMX_DECODE_MAX_ROWS of a decode
+// step's rows here (the tiles beat F.linear up to about 48 rows)
+constexpr int64_t kAmxMaxRows = 64;
 bool g_amx = false;
 // products the tiles have taken since the library loaded (`amx_calls`: tests count them)
 std::atomic<int64_t> g_amx_calls{0};
