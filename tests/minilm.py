@@ -62,40 +62,41 @@ def make_embedder(tmp_path: Path) -> Path:
     """A tiny random `BertModel` with all-MiniLM-L6-v2's WordPiece tokenizer: an embedder for
     the pooling runner that loads in a moment."""
     import torch
-    from transformers import BertConfig, BertModel
+    from transformers import BertModel
 
     source = require_minilm()
     torch.manual_seed(0)
-    config = BertConfig(
+    out = tmp_path / "embedder"
+    BertModel(_tiny_bert_config()).eval().save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        shutil.copy(source / name, out / name)
+    return out
+
+
+def _tiny_bert_config(**extra: object) -> Any:
+    """A 2-layer, 32-wide BERT over MiniLM's 30,522-token vocabulary."""
+    from transformers import BertConfig
+
+    return BertConfig(
         vocab_size=30522,
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=4,
         intermediate_size=64,
         max_position_embeddings=128,
+        **extra,
     )
-    out = tmp_path / "embedder"
-    BertModel(config).eval().save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        shutil.copy(source / name, out / name)
-    return out
 
 
 def make_cross_encoder(tmp_path: Path, num_labels: int = 1) -> Path:
     """A tiny random `BertForSequenceClassification` with all-MiniLM-L6-v2's WordPiece
     tokenizer (so pairs encode as [CLS] a [SEP] b [SEP] with segment ids)."""
     import torch
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
     source = require_minilm()
     torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=30522,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=128,
+    config = _tiny_bert_config(
         num_labels=num_labels,
         initializer_range=0.4,  # wide weights, so different pairs score apart
     )
