@@ -31,15 +31,17 @@ def descendants(pid: int) -> set[int]:
         return set()
 
 
-def running(pid: int) -> bool:
+def running(pid: int, proc: Path = Path("/proc")) -> bool:
     """Alive and not a zombie; the multiprocessing resource tracker does not count (it outlives
-    the workers by design and holds no model)."""
+    the workers by design and holds no model). A process whose command line reads empty is
+    exiting: its memory is already released (the tracker reads so for a moment after its
+    parent exits, before it turns zombie)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        state = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        cmdline = (proc / str(pid) / "cmdline").read_bytes()
     except (OSError, IndexError):
         return False
-    return state != "Z" and b"resource_tracker" not in cmdline
+    return state not in ("Z", "X") and cmdline != b"" and b"resource_tracker" not in cmdline
 
 
 def leave_group() -> None:
