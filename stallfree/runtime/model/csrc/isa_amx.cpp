@@ -184,20 +184,21 @@ void gemv_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, cons
 // Per block of 32 inputs, one `tdpbssd` gives the integer dot products of 16 weight rows with
 // every activation row; the block's scales (the activation's per row, the weight's per row or
 // per block) are applied to those sums in AVX-512 lanes, one lane per activation row, as the
-// AVX-512 kernel applies them per block. Two accumulator tiles alternate so a block's product
-// runs while the previous one is scaled.
+// AVX-512 kernel applies them per block. Four sum tiles hold two pairs of blocks: a pair is
+// multiplied while the pair before it is stored and scaled.
 
 namespace {
 
-// tiles: 0, 1 the blocks' integer sums, 2, 3 the weights (16 rows x 32 bytes), 4, 5 the
-// activations (8 rows of 4-byte groups, one group per activation row)
+// tiles: 0-3 the blocks' integer sums (two pairs of blocks in flight), 4, 5 the weights (16
+// rows x 32 bytes), 6, 7 the activations (8 rows of 4-byte groups, one group per activation
+// row)
 void configure_q8(int mc) {
   TileConfig cfg;
-  for (int t = 0; t < 4; ++t) cfg.rows[t] = 16;
-  cfg.rows[4] = cfg.rows[5] = 8;
-  cfg.colsb[0] = cfg.colsb[1] = static_cast<uint16_t>(4 * mc);
-  cfg.colsb[2] = cfg.colsb[3] = 32;
-  cfg.colsb[4] = cfg.colsb[5] = static_cast<uint16_t>(4 * mc);
+  for (int t = 0; t < 6; ++t) cfg.rows[t] = 16;
+  cfg.rows[6] = cfg.rows[7] = 8;
+  for (int t = 0; t < 4; ++t) cfg.colsb[t] = static_cast<uint16_t>(4 * mc);
+  cfg.colsb[4] = cfg.colsb[5] = 32;
+  cfg.colsb[6] = cfg.colsb[7] = static_cast<uint16_t>(4 * mc);
   _tile_loadconfig(&cfg);
 }
 
@@ -213,6 +214,42 @@ inline void scale_block(const int32_t (&sums)[16][16], __m512 (&acc)[16], __m512
   }
 }
 
+// the GCC tile intrinsics name their tile in the instruction text, so each pair of sum tiles
+// gets its own copy of these functions (a macro, not a template)
+// blocks b and b + 1 multiplied into the sum tiles S0 and S1
+// the sums of blocks b and b + 1 (tiles S0, S1) scaled into acc
+// one line a row: two blocks of 32 bytes
+#define SF_Q8_PAIR(S0, S1) \
+inline void issue_q8_##S0##S1(const char* wb, int64_t k, const uint32_t* xp, int mc, int64_t blocks, \
+                     int64_t b) { \
+  prefetch_rows(wb, k, blocks, b, 2 * kPrefetchBlocks, 32); \
+  const int64_t bstride = 4 * mc; \
+  _tile_zero(S0); \
+  _tile_zero(S1); \
+  _tile_loadd(4, wb + b * 32, k); \
+  _tile_loadd(6, xp + b * 8 * mc, bstride); \
+  _tile_loadd(5, wb + (b + 1) * 32, k); \
+  _tile_loadd(7, xp + (b + 1) * 8 * mc, bstride); \
+  _tile_dpbssd(S0, 4, 6); \
+  _tile_dpbssd(S1, 5, 7); \
+} \
+ \
+inline void drain_q8_##S0##S1(__m512 (&acc)[16], const float* ad, const uint16_t* bs, int64_t blocks, \
+                     int64_t b) { \
+  alignas(64) int32_t s0[16][16]; \
+  alignas(64) int32_t s1[16][16]; \
+  _tile_stored(S0, s0, 64); \
+  _tile_stored(S1, s1, 64); \
+  scale_block(s0, acc, _mm512_loadu_ps(ad + b * 16), bs, blocks, b); \
+  scale_block(s1, acc, _mm512_loadu_ps(ad + (b + 1) * 16), bs, blocks, b + 1); \
+}
+SF_Q8_PAIR(0, 1)
+SF_Q8_PAIR(2, 3)
+#undef SF_Q8_PAIR
+
+// Pairs of blocks alternate between the sum tiles 0, 1 and 2, 3: a pair's products are
+// issued before the pair before it is stored and scaled, so the tiles multiply while the
+// vector units scale (stored right after their multiply, each pair waited for it)
 void block_q8(const uint32_t* xp, const float* ad, int rows, int mc, int64_t k, const int8_t* w,
               const float* scale, const uint16_t* bscale, const float* bias, int64_t n,
               int64_t m0, Out out) {
@@ -221,31 +258,31 @@ void block_q8(const uint32_t* xp, const float* ad, int rows, int mc, int64_t k, 
   const uint16_t* bs = bscale ? bscale + n * blocks : nullptr;
   __m512 acc[16];
   for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-  alignas(64) int32_t s0[16][16];
-  alignas(64) int32_t s1[16][16];
-  const int64_t bstride = 4 * mc;
-  int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {
-    // one line a row: two blocks of 32 bytes
-    prefetch_rows(wb, k, blocks, b, 2 * kPrefetchBlocks, 32);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(2, wb + b * 32, k);
-    _tile_loadd(4, xp + b * 8 * mc, bstride);
-    _tile_loadd(3, wb + (b + 1) * 32, k);
-    _tile_loadd(5, xp + (b + 1) * 8 * mc, bstride);
-    _tile_dpbssd(0, 2, 4);
-    _tile_dpbssd(1, 3, 5);
-    _tile_stored(0, s0, 64);
-    _tile_stored(1, s1, 64);
-    scale_block(s0, acc, _mm512_loadu_ps(ad + b * 16), bs, blocks, b);
-    scale_block(s1, acc, _mm512_loadu_ps(ad + (b + 1) * 16), bs, blocks, b + 1);
+  const int64_t pairs = blocks / 2;
+  if (pairs > 0) {
+    issue_q8_01(wb, k, xp, mc, blocks, 0);
+    int64_t p = 1;  // the next pair to issue; pair p - 1 waits in tiles 0, 1
+    for (; p + 2 <= pairs; p += 2) {
+      issue_q8_23(wb, k, xp, mc, blocks, 2 * p);
+      drain_q8_01(acc, ad, bs, blocks, 2 * (p - 1));
+      issue_q8_01(wb, k, xp, mc, blocks, 2 * (p + 1));
+      drain_q8_23(acc, ad, bs, blocks, 2 * p);
+    }
+    if (p < pairs) {
+      issue_q8_23(wb, k, xp, mc, blocks, 2 * p);
+      drain_q8_01(acc, ad, bs, blocks, 2 * (p - 1));
+      drain_q8_23(acc, ad, bs, blocks, 2 * p);
+    } else {
+      drain_q8_01(acc, ad, bs, blocks, 2 * (p - 1));
+    }
   }
-  if (b < blocks) {
+  if (blocks % 2) {
+    const int64_t b = blocks - 1;
+    alignas(64) int32_t s0[16][16];
     _tile_zero(0);
-    _tile_loadd(2, wb + b * 32, k);
-    _tile_loadd(4, xp + b * 8 * mc, bstride);
-    _tile_dpbssd(0, 2, 4);
+    _tile_loadd(4, wb + b * 32, k);
+    _tile_loadd(6, xp + b * 8 * mc, 4 * mc);
+    _tile_dpbssd(0, 4, 6);
     _tile_stored(0, s0, 64);
     scale_block(s0, acc, _mm512_loadu_ps(ad + b * 16), bs, blocks, b);
   }
@@ -365,6 +402,41 @@ inline void widen_groups(const uint16_t* h, int64_t groups, float* f) {
   for (; i < n; ++i) f[i] = _cvtsh_ss(h[i]);
 }
 
+// groups b and b + 1 unpacked into `u` and multiplied into the sum tiles S0 and S1
+  // 32 bytes a row per step: a line every other step, prefetched 8 groups ahead
+// the sums of groups b and b + 1 (tiles S0, S1) scaled into acc
+#define SF_Q4_PAIR(S0, S1) \
+inline void issue_q4_##S0##S1(const uint8_t* cb, int64_t row_bytes, int64_t groups, const uint32_t* xp, \
+                     int mc, int64_t b, Q4Unpacked& u) { \
+  prefetch_rows(reinterpret_cast<const char*>(cb), row_bytes, groups, b, 8, 16); \
+  unpack_two(cb, row_bytes, b, u); \
+  const int64_t bstride = 4 * mc; \
+  _tile_zero(S0); \
+  _tile_zero(S1); \
+  _tile_loadd(4, u.g[0], 32); \
+  _tile_loadd(6, xp + b * 8 * mc, bstride); \
+  _tile_loadd(5, u.g[1], 32); \
+  _tile_loadd(7, xp + (b + 1) * 8 * mc, bstride); \
+  _tile_dpbusd(S0, 4, 6); \
+  _tile_dpbusd(S1, 5, 7); \
+} \
+ \
+inline void drain_q4_##S0##S1(__m512 (&acc)[16], const float* ad, const float* xs, const float* gs, \
+                     const float* go, int64_t groups, int64_t b) { \
+  alignas(64) int32_t s0[16][16]; \
+  alignas(64) int32_t s1[16][16]; \
+  _tile_stored(S0, s0, 64); \
+  _tile_stored(S1, s1, 64); \
+  scale_q4_block(s0, acc, _mm512_loadu_ps(ad + b * 16), _mm512_loadu_ps(xs + b * 16), gs, go, \
+                 groups, b); \
+  scale_q4_block(s1, acc, _mm512_loadu_ps(ad + (b + 1) * 16), \
+                 _mm512_loadu_ps(xs + (b + 1) * 16), gs, go, groups, b + 1); \
+}
+SF_Q4_PAIR(0, 1)
+SF_Q4_PAIR(2, 3)
+#undef SF_Q4_PAIR
+
+// pairs of groups in flight as in block_q8
 void block_q4(const uint32_t* xp, const float* ad, const float* xs, int rows, int mc, int64_t k,
               const uint8_t* codes, const uint16_t* gscale, const uint16_t* goffset,
               const float* bias, int64_t n, int64_t m0, Out out) {
@@ -380,35 +452,32 @@ void block_q4(const uint32_t* xp, const float* ad, const float* xs, int rows, in
   __m512 acc[16];
   for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
   Q4Unpacked u;
-  alignas(64) int32_t s0[16][16];
-  alignas(64) int32_t s1[16][16];
-  const int64_t bstride = 4 * mc;
-  int64_t b = 0;
-  for (; b + 2 <= groups; b += 2) {
-    // 32 bytes a row per step: a line every other step, prefetched 8 groups ahead
-    prefetch_rows(reinterpret_cast<const char*>(cb), row_bytes, groups, b, 8, 16);
-    unpack_two(cb, row_bytes, b, u);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(2, u.g[0], 32);
-    _tile_loadd(4, xp + b * 8 * mc, bstride);
-    _tile_loadd(3, u.g[1], 32);
-    _tile_loadd(5, xp + (b + 1) * 8 * mc, bstride);
-    _tile_dpbusd(0, 2, 4);
-    _tile_dpbusd(1, 3, 5);
-    _tile_stored(0, s0, 64);
-    _tile_stored(1, s1, 64);
-    scale_q4_block(s0, acc, _mm512_loadu_ps(ad + b * 16), _mm512_loadu_ps(xs + b * 16), gs, go,
-                   groups, b);
-    scale_q4_block(s1, acc, _mm512_loadu_ps(ad + (b + 1) * 16),
-                   _mm512_loadu_ps(xs + (b + 1) * 16), gs, go, groups, b + 1);
+  const int64_t pairs = groups / 2;
+  if (pairs > 0) {
+    issue_q4_01(cb, row_bytes, groups, xp, mc, 0, u);
+    int64_t p = 1;  // the next pair to issue; pair p - 1 waits in tiles 0, 1
+    for (; p + 2 <= pairs; p += 2) {
+      issue_q4_23(cb, row_bytes, groups, xp, mc, 2 * p, u);
+      drain_q4_01(acc, ad, xs, gs, go, groups, 2 * (p - 1));
+      issue_q4_01(cb, row_bytes, groups, xp, mc, 2 * (p + 1), u);
+      drain_q4_23(acc, ad, xs, gs, go, groups, 2 * p);
+    }
+    if (p < pairs) {
+      issue_q4_23(cb, row_bytes, groups, xp, mc, 2 * p, u);
+      drain_q4_01(acc, ad, xs, gs, go, groups, 2 * (p - 1));
+      drain_q4_23(acc, ad, xs, gs, go, groups, 2 * p);
+    } else {
+      drain_q4_01(acc, ad, xs, gs, go, groups, 2 * (p - 1));
+    }
   }
-  if (b < groups) {
+  if (groups % 2) {
+    const int64_t b = groups - 1;
+    alignas(64) int32_t s0[16][16];
     unpack_one(cb, row_bytes, b, u);
     _tile_zero(0);
-    _tile_loadd(2, u.g[0], 32);
-    _tile_loadd(4, xp + b * 8 * mc, bstride);
-    _tile_dpbusd(0, 2, 4);
+    _tile_loadd(4, u.g[0], 32);
+    _tile_loadd(6, xp + b * 8 * mc, 4 * mc);
+    _tile_dpbusd(0, 4, 6);
     _tile_stored(0, s0, 64);
     scale_q4_block(s0, acc, _mm512_loadu_ps(ad + b * 16), _mm512_loadu_ps(xs + b * 16), gs, go,
                    groups, b);
