@@ -84,20 +84,50 @@ inline void prefetch_rows(const char* wb, int64_t stride, int64_t blocks, int64_
 
 
 
-// A block's outputs, c[r][i] for weight row n + r and activation row m0 + i: the first `rows`
-// activation rows, plus the bias, written in the output's dtype
-void write_block(const float (&c)[16][16], int rows, const float* bias, int64_t n, int64_t m0,
-                 Out out) {
+// r[i] <- column i of the 16 x 16 matrix whose rows are r[0..15]
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // in each 128-bit lane L, u[4 i + j] holds column 4 L + j of rows 4 i .. 4 i + 3
+  __m512 u[16];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    const __m512 a = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88);
+    const __m512 b = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD);
+    const __m512 c = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512 d = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
+    r[j] = _mm512_shuffle_f32x4(a, c, 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(a, c, 0xDD);
+    r[4 + j] = _mm512_shuffle_f32x4(b, d, 0x88);
+    r[12 + j] = _mm512_shuffle_f32x4(b, d, 0xDD);
+  }
+}
+
+// A block's outputs, r[w] lane i for weight row n + w and activation row m0 + i: the first
+// `rows` activation rows, plus the bias, written in the output's dtype (transposed in
+// registers, one vector store per activation row)
+void write_block(__m512 (&r)[16], int rows, const float* bias, int64_t n, int64_t m0, Out out) {
+  transpose16(r);
+  const __m512 bv = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
   for (int i = 0; i < rows; ++i) {
-    float v[16];
-    for (int r = 0; r < 16; ++r) v[r] = c[r][i] + (bias ? bias[n + r] : 0.0f);
+    const __m512 v = _mm512_add_ps(r[i], bv);
     const int64_t at = (m0 + i) * out.ldo + n;
-    if (out.bf16) {
-      uint16_t* o = static_cast<uint16_t*>(out.ptr) + at;
-      for (int r = 0; r < 16; ++r) o[r] = f32_to_bf16(v[r]);
-    } else {
-      std::memcpy(static_cast<float*>(out.ptr) + at, v, sizeof v);
-    }
+    if (out.bf16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out.ptr) + at),
+                          (__m256i)_mm512_cvtneps_pbh(v));
+    else
+      _mm512_storeu_ps(static_cast<float*>(out.ptr) + at, v);
   }
 }
 
@@ -131,9 +161,10 @@ void block(const uint32_t* xp, int rows, int mc, int64_t k, const uint16_t* w, c
   alignas(64) float c1[16][16];
   _tile_stored(0, c0, 64);
   _tile_stored(1, c1, 64);
-  for (int r = 0; r < 16; ++r)
-    for (int i = 0; i < 16; ++i) c0[r][i] += c1[r][i];
-  write_block(c0, rows, bias, n, m0, out);
+  __m512 r[16];
+#pragma GCC unroll 16
+  for (int w = 0; w < 16; ++w) r[w] = _mm512_add_ps(_mm512_load_ps(c0[w]), _mm512_load_ps(c1[w]));
+  write_block(r, rows, bias, n, m0, out);
 }
 
 }  // namespace
@@ -286,12 +317,9 @@ void block_q8(const uint32_t* xp, const float* ad, int rows, int mc, int64_t k, 
     _tile_stored(0, s0, 64);
     scale_block(s0, acc, _mm512_loadu_ps(ad + b * 16), bs, blocks, b);
   }
-  alignas(64) float c[16][16];
-  for (int r = 0; r < 16; ++r) {
-    const float rs = scale ? scale[n + r] : 1.0f;
-    _mm512_store_ps(c[r], _mm512_mul_ps(acc[r], _mm512_set1_ps(rs)));
-  }
-  write_block(c, rows, bias, n, m0, out);
+  if (scale)
+    for (int r = 0; r < 16; ++r) acc[r] = _mm512_mul_ps(acc[r], _mm512_set1_ps(scale[n + r]));
+  write_block(acc, rows, bias, n, m0, out);
 }
 
 }  // namespace
@@ -402,8 +430,8 @@ inline void widen_groups(const uint16_t* h, int64_t groups, float* f) {
   for (; i < n; ++i) f[i] = _cvtsh_ss(h[i]);
 }
 
-// groups b and b + 1 unpacked into `u` and multiplied into the sum tiles S0 and S1
-  // 32 bytes a row per step: a line every other step, prefetched 8 groups ahead
+// groups b and b + 1 unpacked into `u` and multiplied into the sum tiles S0 and S1 (32 bytes
+// a row per step: a line every other step, prefetched 8 groups ahead)
 // the sums of groups b and b + 1 (tiles S0, S1) scaled into acc
 #define SF_Q4_PAIR(S0, S1) \
 inline void issue_q4_##S0##S1(const uint8_t* cb, int64_t row_bytes, int64_t groups, const uint32_t* xp, \
@@ -482,9 +510,7 @@ void block_q4(const uint32_t* xp, const float* ad, const float* xs, int rows, in
     scale_q4_block(s0, acc, _mm512_loadu_ps(ad + b * 16), _mm512_loadu_ps(xs + b * 16), gs, go,
                    groups, b);
   }
-  alignas(64) float c[16][16];
-  for (int r = 0; r < 16; ++r) _mm512_store_ps(c[r], acc[r]);
-  write_block(c, rows, bias, n, m0, out);
+  write_block(acc, rows, bias, n, m0, out);
 }
 
 }  // namespace
