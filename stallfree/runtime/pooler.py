@@ -9,8 +9,9 @@ encoder does not go through it. An encoder's requests share the engine's admissi
 instead (the waiting-queue limit, a request deadline, the closed and unhealthy refusals), its
 counters and its observers, and run as their own step type: a loop on the engine's event loop
 takes the waiting inputs, up to
-`scheduler.max_prefill_tokens` padded tokens a batch, and runs each batch off the event loop
-(one batch at a time), so the server keeps answering while a batch runs.
+`scheduler.max_prefill_tokens` tokens a batch, and runs each batch off the event loop (one
+batch at a time), so the server keeps answering while a batch runs. The encoder runs a batch
+packed, its inputs one after another without padding (`BertEncoder.packed`).
 
 `open_engine(config)` picks the runner: `model.runner`, or from the checkpoint's architecture.
 """
@@ -177,7 +178,7 @@ class PoolingEngine(Engine):
         self.inputs = InputReader(self.tokenizer, self.vocab_size, self.max_context_len)
         self.max_waiting_requests = waiting_limit(self.config)
         # the generation engine's counters and events, so /metrics reads the same families:
-        # a pooling step counts as a prefill batch, its padded tokens as prefill tokens
+        # a pooling step counts as a prefill batch, its tokens as prefill tokens
         self.counters = EngineCounters()
         self.observers = ObserverFanout()
         self.activity = ActivityClock()
@@ -483,22 +484,22 @@ class PoolingEngine(Engine):
             self._current = []
 
     def _take_batch(self) -> list[tuple[_Pending, int]]:
-        """Inputs in arrival order while the padded batch fits `max_prefill_tokens` (at least
-        one input); a request may span batches."""
+        """Inputs in arrival order while their tokens fit `max_prefill_tokens` (at least one
+        input); a request may span batches. The BERT models run a batch packed, so its cost
+        is its tokens, not its longest input times its size."""
         budget = self.config.scheduler.max_prefill_tokens
         batch: list[tuple[_Pending, int]] = []
-        longest = 0
+        tokens = 0
         while self._waiting:
             pending = self._waiting[0]
             if pending.done.done():  # its caller gave up
                 self._waiting.pop(0)
                 continue
             ids = pending.inputs.ids[pending.taken]
-            width = max(longest, len(ids))
-            if batch and width * (len(batch) + 1) > budget:
+            if batch and tokens + len(ids) > budget:
                 break
             batch.append((pending, pending.taken))
-            longest = width
+            tokens += len(ids)
             if pending.taken == 0:
                 pending.req.first_scheduled_time = time.perf_counter()
                 self.counters.prompt_tokens += len(pending.req.origin_input_ids)
@@ -517,12 +518,12 @@ class PoolingEngine(Engine):
         return pool(hidden, mask, self.pooling.mode).float().cpu()
 
     def _count_step(self, rows: list[list[int]]) -> None:
-        padded = len(rows) * max(len(ids) for ids in rows)
+        tokens = sum(len(ids) for ids in rows)
         self.counters.steps += 1
         self.counters.prefill_batches += 1
-        self.counters.prefill_tokens += padded
+        self.counters.prefill_tokens += tokens
         self.observers.on_step(len(rows), decode=False, overlapped=False)
-        self.observers.on_step_tokens(padded)
+        self.observers.on_step_tokens(tokens)
 
     def _finish(self, pending: _Pending, reason: FinishReason) -> None:
         """A request's end, counted once, as the generation engine counts its own."""

@@ -120,6 +120,37 @@ def test_random_bert_equals_transformers_hidden_states(tmp_path: Path, act: str)
     assert (pool(got, mask, "last") - last).abs().max().item() < 1e-5
 
 
+def test_a_packed_batch_equals_transformers_and_multiplies_only_real_tokens(
+    tmp_path: Path,
+) -> None:
+    """`hidden_states` runs the inputs one after another without padding: each input's states
+    equal transformers' on the padded batch, and the layers' products see the real tokens
+    only (padded, this batch would put 4 x 13 rows through each)."""
+    from transformers import BertModel
+
+    path = _tiny_bert(tmp_path)
+    reference_model = BertModel.from_pretrained(path).eval()
+    config = json.loads((path / "config.json").read_text())
+    ours = load_bert(path, config, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(2)
+    lengths = [5, 13, 1, 8]
+    rows = [torch.randint(0, 120, (n,), generator=gen).tolist() for n in lengths]
+    seen: list[int] = []
+    ours.encoder.layer[0].attention.self.query.register_forward_hook(
+        lambda module, args, out: seen.append(args[0].shape[0])
+    )
+    hidden, mask = ours.hidden_states(rows)
+    assert seen == [sum(lengths)]
+    assert mask.sum(1).tolist() == lengths and hidden.shape == (4, 13, 64)
+    ids = torch.zeros(4, 13, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+    with torch.inference_mode():
+        expected = reference_model(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+    assert (hidden - expected)[mask].abs().max().item() < 1e-5
+    assert hidden[~mask].abs().max().item() == 0.0
+
+
 def test_a_checkpoint_short_of_a_tensor_is_refused(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 

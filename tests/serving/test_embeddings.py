@@ -259,6 +259,29 @@ async def test_metrics_count_pooling_requests() -> None:
         assert engine.pool_usage().all_free
 
 
+@pytest.mark.asyncio
+async def test_a_batch_is_as_large_as_its_real_tokens() -> None:
+    """The batch budget counts each input's own tokens (a batch runs packed): one long and
+    three short inputs that fit `max_prefill_tokens` together run as one step and count their
+    tokens, not four times the longest."""
+    path = require_minilm()
+    engine = open_engine(engine_config(str(path), scheduler={"max_prefill_tokens": 32}))
+    assert isinstance(engine, PoolingEngine)
+    texts = [TEXTS[1], "a", "a", "a"]
+    ids = [engine.tokenizer.encode(t) for t in texts]
+    lengths = [len(i) for i in ids]
+    assert sum(lengths) <= 32 < len(ids) * max(lengths)  # padded, it would not fit
+    await engine.start()
+    try:
+        got = await engine.embed(texts)
+        assert engine.counters.prefill_batches == 1
+        assert engine.counters.prefill_tokens == sum(lengths)
+        alone = await engine.embed([TEXTS[1]])
+        assert (got.outputs[0] - alone.outputs[0]).abs().max().item() < 1e-5
+    finally:
+        await engine.shutdown()
+
+
 def test_pooling_refuses_what_it_does_not_run() -> None:
     path = str(require_minilm())
     config = engine_config(path, parallel={"tp_size": 2}, disaggregation={"mode": "decode"})

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +97,19 @@ class _Embeddings(nn.Module):
         out: torch.Tensor = self.LayerNorm(x)
         return out
 
+    def packed(
+        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """`input_ids` [N]: the inputs one after another, `positions` each token's place in
+        its own input."""
+        x = (
+            self.word_embeddings(input_ids)
+            + self.token_type_embeddings(token_type_ids)
+            + self.position_embeddings(positions)
+        )
+        out: torch.Tensor = self.LayerNorm(x)
+        return out
+
 
 class _SelfAttention(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
@@ -119,6 +132,29 @@ class _SelfAttention(nn.Module):
             q, k, v, attn_mask=key_mask, scale=1.0 / math.sqrt(head_dim)
         )
         return out.transpose(1, 2).reshape(batch, length, hidden)
+
+    def packed(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """`x` [N, hidden]: the inputs one after another, `lengths` long; each attends over
+        its own tokens only, so no token is padding."""
+        total, hidden = x.shape
+        head_dim = hidden // self.num_heads
+        # [heads, N, head_dim] each: an input's rows are a slice of the token axis
+        q, k, v = (
+            t.view(total, self.num_heads, head_dim).transpose(0, 1)
+            for t in (self.query(x), self.key(x), self.value(x))
+        )
+        out = torch.empty_like(q)
+        start = 0
+        for length in lengths:
+            end = start + length
+            out[:, start:end] = F.scaled_dot_product_attention(
+                q[None, :, start:end],
+                k[None, :, start:end],
+                v[None, :, start:end],
+                scale=1.0 / math.sqrt(head_dim),
+            )[0]
+            start = end
+        return out.transpose(0, 1).reshape(total, hidden)
 
 
 class _Projection(nn.Module):
@@ -144,6 +180,10 @@ class _Attention(nn.Module):
         out: torch.Tensor = self.output(self.self(x, key_mask), x)
         return out
 
+    def packed(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        out: torch.Tensor = self.output(self.self.packed(x, lengths), x)
+        return out
+
 
 class _Intermediate(nn.Module):
     def __init__(self, cfg: BertConfig) -> None:
@@ -164,6 +204,11 @@ class _Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         x = self.attention(x, key_mask)
+        out: torch.Tensor = self.output(self.intermediate(x), x)
+        return out
+
+    def packed(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        x = self.attention.packed(x, lengths)
         out: torch.Tensor = self.output(self.intermediate(x), x)
         return out
 
@@ -201,18 +246,39 @@ class BertEncoder(nn.Module):
         out: torch.Tensor = x
         return out
 
+    def packed(self, rows: list[list[int]], types: list[list[int]] | None = None) -> torch.Tensor:
+        """The rows' hidden states one after another, [sum of lengths, hidden]: every matrix
+        product runs over the real tokens only (a padded batch of inputs of mixed lengths
+        multiplies its padding too), and attention runs per input. `types`: each row's token
+        type ids (segment A 0, B 1); zeros without."""
+        device = self.embeddings.word_embeddings.weight.device
+        lengths = [len(r) for r in rows]
+        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long)
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        kinds = (
+            torch.tensor([t for r in types for t in r], dtype=torch.long)
+            if types is not None
+            else torch.zeros_like(ids)
+        )
+        x = self.embeddings.packed(ids.to(device), kinds.to(device), positions.to(device))
+        for layer in self.encoder.layer:
+            x = cast(_Layer, layer).packed(x, lengths)
+        return x
+
     @torch.inference_mode()
     def hidden_states(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows padded on the right into one batch: ([B, T, hidden] float, mask [B, T])."""
+        """The rows' hidden states (computed packed, without padding), laid out padded on the
+        right for pooling: ([B, T, hidden] float, mask [B, T])."""
         device = self.embeddings.word_embeddings.weight.device
+        flat = self.packed(rows).float()
         longest = max(len(r) for r in rows)
-        ids_cpu = torch.zeros(len(rows), longest, dtype=torch.long)
         mask_cpu = torch.zeros(len(rows), longest, dtype=torch.bool)
         for i, row in enumerate(rows):
-            ids_cpu[i, : len(row)] = torch.tensor(row)
             mask_cpu[i, : len(row)] = True
         mask = mask_cpu.to(device)
-        return self(ids_cpu.to(device), mask).float(), mask
+        hidden = flat.new_zeros(len(rows), longest, flat.shape[-1])
+        hidden[mask] = flat  # the mask's True cells, row after row: the packed order
+        return hidden, mask
 
 
 def load_bert(

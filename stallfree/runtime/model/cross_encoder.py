@@ -45,19 +45,17 @@ class BertCrossEncoder(nn.Module):
 
     @torch.inference_mode()
     def logits(self, rows: list[list[int]], second: list[int]) -> torch.Tensor:
-        """[B, num_labels] float for rows padded on the right; `second[i]` is where row i's
-        segment B starts (its length when it has none)."""
+        """[B, num_labels] float; `second[i]` is where row i's segment B starts (its length
+        when it has none). The rows run packed, without padding (`BertEncoder.packed`)."""
         device = self.classifier.weight.device
-        longest = max(len(r) for r in rows)
-        ids_cpu = torch.zeros(len(rows), longest, dtype=torch.long)
-        types_cpu = torch.zeros(len(rows), longest, dtype=torch.long)
-        mask_cpu = torch.zeros(len(rows), longest, dtype=torch.bool)
-        for i, row in enumerate(rows):
-            ids_cpu[i, : len(row)] = torch.tensor(row)
-            types_cpu[i, second[i] : len(row)] = 1
-            mask_cpu[i, : len(row)] = True
-        hidden = self.bert(ids_cpu.to(device), mask_cpu.to(device), types_cpu.to(device))
-        out: torch.Tensor = self.classifier(self.bert.pooler(hidden[:, 0]))
+        types = [[0] * s + [1] * (len(r) - s) for r, s in zip(rows, second, strict=True)]
+        hidden = self.bert.packed(rows, types)
+        starts, at = [], 0
+        for row in rows:
+            starts.append(at)
+            at += len(row)
+        first = hidden[torch.tensor(starts, device=device)]  # each row's [CLS] state
+        out: torch.Tensor = self.classifier(self.bert.pooler(first))
         return out.float()
 
 
