@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ import torch
 
 from stallfree.config import StallfreeConfig, load_config
 from stallfree.config.model_source import resolve_model_source
+from stallfree.overlap.omp_pool import release_caller_pool
 from stallfree.overlap.stream import resolve_device
 from stallfree.runtime.embed_requests import pooling_refusals
 from stallfree.runtime.engine import Engine
@@ -189,6 +191,7 @@ class PoolingEngine(Engine):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread_id: int | None = None
         self._loop_task: asyncio.Task[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self._waiting: list[_Pending] = []
         self._live: dict[str, _Pending] = {}  # every request not yet answered, by id
         self._wake = asyncio.Event()
@@ -248,6 +251,13 @@ class PoolingEngine(Engine):
         self._loop = asyncio.get_running_loop()
         self._thread_id = threading.get_ident()
         self._wake = asyncio.Event()
+        # one thread runs every batch, with its own OpenMP pool; the event loop's thread gives
+        # up the pool the model's load made, so the two never share the cores' spin
+        # (overlap/omp_pool.py: a second live pool made the generate engine's steps 4x slower)
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="stallfree-pooling", initializer=self._init_thread
+        )
+        release_caller_pool()
         self._loop_task = asyncio.create_task(self._run(), name="stallfree-pooler")
         self._loop_task.add_done_callback(self._on_loop_exit)
         self._state = "running"
@@ -277,6 +287,8 @@ class PoolingEngine(Engine):
         # a loop that died has failed its requests and logged why (_on_loop_exit)
         with contextlib.suppress(Exception):
             await self._loop_task
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         self._state = "closed"
 
     def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
@@ -464,7 +476,10 @@ class PoolingEngine(Engine):
             rows = [pending.inputs.ids[i] for pending, i in batch]
             second = [pending.inputs.second[i] for pending, i in batch]
             try:
-                outputs = await asyncio.to_thread(self._forward, rows, second)
+                assert self._executor is not None
+                outputs = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._forward, rows, second
+                )
             except Exception as exc:  # a failed batch fails its requests, not the server
                 logger.exception("pooling batch failed")
                 self.counters.step_failures += 1
@@ -508,6 +523,10 @@ class PoolingEngine(Engine):
             if pending.taken == len(pending.inputs.ids):
                 self._waiting.pop(0)
         return batch
+
+    def _init_thread(self) -> None:
+        if self.config.runtime.stream_threads:
+            torch.set_num_threads(self.config.runtime.stream_threads)
 
     @torch.inference_mode()
     def _forward(self, rows: list[list[int]], second: list[int]) -> torch.Tensor:

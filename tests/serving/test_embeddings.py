@@ -282,6 +282,37 @@ async def test_a_batch_is_as_large_as_its_real_tokens() -> None:
         await engine.shutdown()
 
 
+@pytest.mark.asyncio
+async def test_batches_run_on_one_thread_and_the_loop_gives_up_its_openmp_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every batch runs on the engine's one pooling thread, and the event loop's thread gives
+    up the OpenMP pool the model's load made (two live pools on few cores make each parallel
+    region wait on a futex: the embedded API ran 10% slower, asyncio.to_thread's threads
+    each making a pool of their own)."""
+    import threading
+
+    engine = open_engine(engine_config(str(require_minilm()), scheduler={"max_prefill_tokens": 8}))
+    assert isinstance(engine, PoolingEngine)
+    threads: list[str] = []
+    real_forward = engine._forward
+
+    def forward(*args: Any) -> torch.Tensor:
+        threads.append(threading.current_thread().name)
+        return real_forward(*args)
+
+    monkeypatch.setattr(engine, "_forward", forward)
+    await engine.start()
+    try:
+        assert torch.get_num_threads() == 1  # this thread's later regions run on itself
+        await engine.embed(TEXTS)  # a budget of 8 tokens: a batch per input
+        await engine.embed(["one more"])
+        assert len(threads) == len(TEXTS) + 1
+        assert set(threads) == {threads[0]} and threads[0].startswith("stallfree-pooling")
+    finally:
+        await engine.shutdown()
+
+
 def test_pooling_refuses_what_it_does_not_run() -> None:
     path = str(require_minilm())
     config = engine_config(path, parallel={"tp_size": 2}, disaggregation={"mode": "decode"})

@@ -138,23 +138,27 @@ class _SelfAttention(nn.Module):
         its own tokens only, so no token is padding."""
         total, hidden = x.shape
         head_dim = hidden // self.num_heads
-        # [heads, N, head_dim] each: an input's rows are a slice of the token axis
+        # [N, heads, head_dim] views: an input's rows are a slice of the token axis
         q, k, v = (
-            t.view(total, self.num_heads, head_dim).transpose(0, 1)
+            t.view(total, self.num_heads, head_dim)
             for t in (self.query(x), self.key(x), self.value(x))
         )
-        out = torch.empty_like(q)
+        outs = []
         start = 0
         for length in lengths:
             end = start + length
-            out[:, start:end] = F.scaled_dot_product_attention(
-                q[None, :, start:end],
-                k[None, :, start:end],
-                v[None, :, start:end],
-                scale=1.0 / math.sqrt(head_dim),
-            )[0]
+            # [1, heads, L, head_dim] views in, [L, heads, head_dim] views out: the one copy
+            # is the concatenation
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[None, start:end].transpose(1, 2),
+                    k[None, start:end].transpose(1, 2),
+                    v[None, start:end].transpose(1, 2),
+                    scale=1.0 / math.sqrt(head_dim),
+                )[0].transpose(0, 1)
+            )
             start = end
-        return out.transpose(0, 1).reshape(total, hidden)
+        return torch.cat(outs).view(total, hidden)
 
 
 class _Projection(nn.Module):
