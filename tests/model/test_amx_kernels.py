@@ -1,5 +1,5 @@
-"""The AMX tile paths (csrc/isa_amx.cpp): dense bfloat16 at 2-16 rows, int8 weights at 6-16
-rows and int4 codes at 6-16 rows give the same results as the AVX-512 kernels within rounding,
+"""The AMX tile paths (csrc/isa_amx.cpp): dense bfloat16 at 2-16 rows, int8 weights at 5-16
+rows and int4 codes at 5-16 rows give the same results as the AVX-512 kernels within rounding,
 at every row count and weight height (whole blocks of 16 on the tiles, the rest on AVX-512),
 and are switched off by the environment, by another variant and on CPUs that do not report
 AMX."""
@@ -135,7 +135,7 @@ def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
-    m=st.integers(6, 16),
+    m=st.integers(5, 16),
     n=st.integers(16, 70),
     blocks=st.integers(1, 8),
     per_block=st.booleans(),
@@ -144,7 +144,7 @@ def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_int8_tiles_equal_the_avx512_kernel(
     tiles: None, m: int, n: int, blocks: int, per_block: bool, seed: int
 ) -> None:
-    """6-16 rows of int8 weights on the tiles: the same integer block sums as the AVX-512
+    """5-16 rows of int8 weights on the tiles: the same integer block sums as the AVX-512
     kernel, scaled in another order (float32 outputs, so that order shows)."""
     g = torch.Generator().manual_seed(seed)
     k = 32 * blocks
@@ -169,10 +169,10 @@ def test_int8_tiles_equal_the_avx512_kernel(
 
 
 @needs_amx
-def test_int8_tiles_run_from_six_rows(tiles: None) -> None:
+def test_int8_tiles_run_from_five_rows(tiles: None) -> None:
     q = torch.randint(-127, 128, (64, 256), dtype=torch.int8)
     bscale = (torch.rand(64, 8) / 50).half()
-    for m, taken in ((5, 0), (6, 1), (16, 1), (17, 1), (64, 1), (65, 0)):
+    for m, taken in ((4, 0), (5, 1), (16, 1), (17, 1), (64, 1), (65, 0)):
         before = torch.ops.stallfree.amx_calls()
         torch.ops.stallfree.linear_q8_blocks(torch.randn(m, 256), q, bscale, None)
         assert torch.ops.stallfree.amx_calls() - before == taken, m
@@ -200,7 +200,7 @@ def _q4_weight(g: torch.Generator, n: int, groups: int) -> tuple[torch.Tensor, .
     max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
-    m=st.integers(6, 16),
+    m=st.integers(5, 16),
     n=st.integers(16, 70),
     groups=st.integers(1, 9),
     bias=st.booleans(),
@@ -210,7 +210,7 @@ def _q4_weight(g: torch.Generator, n: int, groups: int) -> tuple[torch.Tensor, .
 def test_int4_tiles_equal_the_avx512_kernel(
     tiles: None, m: int, n: int, groups: int, bias: bool, bf16: bool, seed: int
 ) -> None:
-    """6-16 rows of int4 groups on the tiles (odd group counts too): the same integer sums as
+    """5-16 rows of int4 groups on the tiles (odd group counts too): the same integer sums as
     the AVX-512 kernel, the scale and offset applied in another order."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, 32 * groups, generator=g)
@@ -227,10 +227,10 @@ def test_int4_tiles_equal_the_avx512_kernel(
 
 
 @needs_amx
-def test_int4_tiles_run_from_six_rows(tiles: None) -> None:
+def test_int4_tiles_run_from_five_rows(tiles: None) -> None:
     g = torch.Generator().manual_seed(5)
     codes, scale, offset = _q4_weight(g, 64, 8)
-    for m, taken in ((5, 0), (6, 1), (16, 1), (17, 1), (64, 1), (65, 0)):
+    for m, taken in ((4, 0), (5, 1), (16, 1), (17, 1), (64, 1), (65, 0)):
         before = torch.ops.stallfree.amx_calls()
         torch.ops.stallfree.linear_q4(torch.randn(m, 256), codes, scale, offset, None)
         assert torch.ops.stallfree.amx_calls() - before == taken, m

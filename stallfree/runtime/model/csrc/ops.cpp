@@ -156,8 +156,11 @@ Q8Act quantize_act(const at::Tensor& x, int64_t k) {
 // int8 weights on the tiles from this many rows: each block's scales are applied in AVX-512
 // lanes after its tile product, which costs as much as the AVX-512 kernel's own work at a few
 // rows (SmolLM2's four shapes, one thread: 4 rows 255 us on the tiles against 214 on AVX-512,
-// 6 rows 263 against 338, 8 rows 276 against 402, 12 rows 346 against 642)
-constexpr int64_t kAmxQ8MinRows = 6;
+// 6 rows 263 against 338, 8 rows 276 against 402, 12 rows 346 against 642). With two pairs
+// of blocks in flight and the outputs written from registers (isa_amx.cpp), five shapes, 30
+// copies, two threads, two alternating rounds, us a step on the tiles against AVX-512: 5 rows
+// 1303 / 1298 against 1752 / 1472, 4 rows 1340 / 1301 against 1296 / 1226.
+constexpr int64_t kAmxQ8MinRows = 5;
 
 // int8 and int4 products take the tiles up to this many rows (the kernels run chunks of 16
 // activation rows over each block of weight rows while it is in L1); quant.py sends a layer
@@ -193,8 +196,10 @@ void q8_amx(const Q8Act& a, const int8_t* w, const float* scale, const uint16_t*
 // grown past it. With the epilogue's scales widened once per block (isa_amx.cpp), SmolLM2's five
 // shapes, 30 copies, one thread, us a step on the tiles against AVX-512 over two rounds: 5 rows
 // on AVX-512 either way, 6 rows 3366 / 3097 against 3569 / 3379, 7 rows 3401 / 3310 against
-// 3916 / 3751, 8 rows 3274 / 3305 against 4561 / 4174.
-constexpr int64_t kAmxQ4MinRows = 6;
+// 3916 / 3751, 8 rows 3274 / 3305 against 4561 / 4174. After the changes named at
+// kAmxQ8MinRows, two threads, two rounds: 5 rows 1476 / 1600 against 1687 / 1642, 4 rows
+// 1483 / 1579 against 1265 / 1283.
+constexpr int64_t kAmxQ4MinRows = 5;
 
 bool amx_q4_applies(int64_t m) { return g_amx && m >= kAmxQ4MinRows && m <= kAmxIntMaxRows; }
 
