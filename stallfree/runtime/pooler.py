@@ -77,7 +77,7 @@ from stallfree.runtime.telemetry.stats import (
     EngineSnapshot,
     PoolUsage,
 )
-from stallfree.runtime.text.pooling_inputs import InputReader, PoolingInputs
+from stallfree.runtime.text.pooling_inputs import MAX_INPUTS, InputReader, PoolingInputs
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,12 @@ class PoolingEngine(Engine):
             limits.append(self.config.model.max_context_len)
         self.max_context_len = min(limits)
         self.inputs = InputReader(self.tokenizer, self.vocab_size, self.max_context_len)
+        # An input waiting here costs its token ids and nothing else, so the default limit
+        # holds two calls of the most inputs a call may have (MAX_INPUTS, OpenAI's 2,048): a
+        # client that batches to OpenAI's limit is never refused for its call's size.
         self.max_waiting_requests = waiting_limit(self.config)
+        if self.config.scheduler.max_waiting_requests is None:
+            self.max_waiting_requests = max(self.max_waiting_requests, 2 * MAX_INPUTS)
         # the generation engine's counters and events, so /metrics reads the same families:
         # a pooling step counts as a prefill batch, its tokens as prefill tokens
         self.counters = EngineCounters()

@@ -21,6 +21,8 @@ from stallfree.runtime.engine import Engine
 from stallfree.runtime.pooled import Pooled
 from stallfree.runtime.pooler import PoolingEngine, open_engine
 from stallfree.runtime.request.errors import EngineOverloadedError
+from stallfree.runtime.scheduling.sizing import waiting_limit
+from stallfree.runtime.text.pooling_inputs import MAX_INPUTS
 from tests.engine_util import engine_config
 from tests.hf_models import make_qwen3
 from tests.minilm import make_cross_encoder, make_embedder
@@ -152,4 +154,24 @@ async def test_score_and_rerank_count_each_pair_against_the_queue(tmp_path: Path
         assert len(fits.json()["results"]) == LIMIT
         await engine.wait_idle()
         assert engine.counters.finished == {"stop": 1}
+        assert engine.pool_usage().all_free
+
+
+@pytest.mark.asyncio
+async def test_the_encoders_default_queue_takes_a_call_of_openais_most_inputs(
+    tmp_path: Path,
+) -> None:
+    """Without `scheduler.max_waiting_requests` the encoder's queue holds two calls of 2,048
+    inputs (OpenAI's most per call), so a client batching to that limit is served; the
+    scheduler's own default (4 per request slot, 1,024) would have refused it with a 400."""
+    engine = open_engine(
+        engine_config(str(make_embedder(tmp_path)), server={"served_model_name": "m"})
+    )
+    assert isinstance(engine, PoolingEngine)
+    assert engine.max_waiting_requests == 2 * MAX_INPUTS > waiting_limit(engine.config)
+    async with _served(engine) as http:
+        texts = [f"text number {i}" for i in range(MAX_INPUTS)]
+        r = await http.post("/v1/embeddings", json={"model": "m", "input": texts})
+        assert r.status_code == 200, r.text[:300]
+        assert [d["index"] for d in r.json()["data"]] == list(range(MAX_INPUTS))
         assert engine.pool_usage().all_free
