@@ -52,13 +52,31 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// GCC 12's tile-load intrinsics do not tell the compiler all they read: `_tile_loadd` names no
+// memory at all and `_tile_loadconfig` only the configuration's first 8 bytes. The compiler
+// may then move the stores that fill what a tile loads past the load, or drop them as dead
+// (an int4 block unpacked into a buffer the tiles read came out wrong once the code around it
+// was rearranged; a configuration filled in a loop lost its row and width stores). A
+// compiler barrier on each side of every load keeps them in program order; it emits nothing.
+#define SF_TILE_LOADD(tile, base, stride)  \
+  do {                                     \
+    asm volatile("" ::: "memory");         \
+    _tile_loadd(tile, base, stride);       \
+    asm volatile("" ::: "memory");         \
+  } while (0)
+
+inline void load_config(const TileConfig& cfg) {
+  asm volatile("" ::: "memory");
+  _tile_loadconfig(&cfg);
+}
+
 // tiles: 0, 1 the accumulators (even and odd blocks), 2, 3 the activations, 4, 5 the weights
 void configure(int mc) {
   TileConfig cfg;
   for (int t = 0; t < 6; ++t) cfg.rows[t] = 16;
   for (int t = 0; t < 4; ++t) cfg.colsb[t] = static_cast<uint16_t>(4 * mc);
   cfg.colsb[4] = cfg.colsb[5] = 64;
-  _tile_loadconfig(&cfg);
+  load_config(cfg);
 }
 
 // Software prefetch distance, in blocks of 32 values of every row in a block of 16 rows:
@@ -145,16 +163,16 @@ void block(const uint32_t* xp, int rows, int mc, int64_t k, const uint16_t* w, c
   for (; b + 2 <= blocks; b += 2) {
     prefetch_rows(wb, stride, blocks, b, kPrefetchBlocks, 64);
     prefetch_rows(wb, stride, blocks, b + 1, kPrefetchBlocks, 64);
-    _tile_loadd(4, wb + b * 64, stride);
-    _tile_loadd(2, xp + b * 16 * mc, bstride);
-    _tile_loadd(5, wb + (b + 1) * 64, stride);
-    _tile_loadd(3, xp + (b + 1) * 16 * mc, bstride);
+    SF_TILE_LOADD(4, wb + b * 64, stride);
+    SF_TILE_LOADD(2, xp + b * 16 * mc, bstride);
+    SF_TILE_LOADD(5, wb + (b + 1) * 64, stride);
+    SF_TILE_LOADD(3, xp + (b + 1) * 16 * mc, bstride);
     _tile_dpbf16ps(0, 4, 2);
     _tile_dpbf16ps(1, 5, 3);
   }
   if (b < blocks) {
-    _tile_loadd(4, wb + b * 64, stride);
-    _tile_loadd(2, xp + b * 16 * mc, bstride);
+    SF_TILE_LOADD(4, wb + b * 64, stride);
+    SF_TILE_LOADD(2, xp + b * 16 * mc, bstride);
     _tile_dpbf16ps(0, 4, 2);
   }
   alignas(64) float c0[16][16];
@@ -230,7 +248,7 @@ void configure_q8(int mc) {
   for (int t = 0; t < 4; ++t) cfg.colsb[t] = static_cast<uint16_t>(4 * mc);
   cfg.colsb[4] = cfg.colsb[5] = 32;
   cfg.colsb[6] = cfg.colsb[7] = static_cast<uint16_t>(4 * mc);
-  _tile_loadconfig(&cfg);
+  load_config(cfg);
 }
 
 // acc[r] += float(sums[r]) * scale of row r's block b, over the activation rows' lanes
@@ -245,11 +263,26 @@ inline void scale_block(const int32_t (&sums)[16][16], __m512 (&acc)[16], __m512
   }
 }
 
-// the GCC tile intrinsics name their tile in the instruction text, so each pair of sum tiles
-// gets its own copy of these functions (a macro, not a template)
-// blocks b and b + 1 multiplied into the sum tiles S0 and S1
-// the sums of blocks b and b + 1 (tiles S0, S1) scaled into acc
-// one line a row: two blocks of 32 bytes
+// Pairs of blocks b, b + 1 (b = 0, 2, 4, ...) alternate between the sum tiles 0, 1 and 2, 3:
+// pair p is issued before pair p - 1 is drained, so the tiles multiply while the vector units
+// scale (a pair drained right after its own multiply waited for it). `issue(hi, b)` and
+// `drain(hi, b)` take the pair at block b in tiles 2, 3 (hi) or 0, 1.
+template <class Issue, class Drain>
+inline void pairs_in_flight(int64_t pairs, Issue issue, Drain drain) {
+  if (pairs == 0) return;
+  issue(false, 0);
+  for (int64_t p = 1; p < pairs; ++p) {
+    const bool hi = p % 2;
+    issue(hi, 2 * p);
+    drain(!hi, 2 * (p - 1));
+  }
+  drain((pairs - 1) % 2 == 1, 2 * (pairs - 1));
+}
+
+// The GCC tile intrinsics name their tile in the instruction text, so each pair of sum tiles
+// gets its own copy of these two (a macro, not a template): `issue_q8_S0S1` multiplies blocks
+// b and b + 1 into the sum tiles S0 and S1 (one line a row: two blocks of 32 bytes),
+// `drain_q8_S0S1` scales their sums into acc.
 #define SF_Q8_PAIR(S0, S1) \
 inline void issue_q8_##S0##S1(const char* wb, int64_t k, const uint32_t* xp, int mc, int64_t blocks, \
                      int64_t b) { \
@@ -257,10 +290,10 @@ inline void issue_q8_##S0##S1(const char* wb, int64_t k, const uint32_t* xp, int
   const int64_t bstride = 4 * mc; \
   _tile_zero(S0); \
   _tile_zero(S1); \
-  _tile_loadd(4, wb + b * 32, k); \
-  _tile_loadd(6, xp + b * 8 * mc, bstride); \
-  _tile_loadd(5, wb + (b + 1) * 32, k); \
-  _tile_loadd(7, xp + (b + 1) * 8 * mc, bstride); \
+  SF_TILE_LOADD(4, wb + b * 32, k); \
+  SF_TILE_LOADD(6, xp + b * 8 * mc, bstride); \
+  SF_TILE_LOADD(5, wb + (b + 1) * 32, k); \
+  SF_TILE_LOADD(7, xp + (b + 1) * 8 * mc, bstride); \
   _tile_dpbssd(S0, 4, 6); \
   _tile_dpbssd(S1, 5, 7); \
 } \
@@ -278,9 +311,6 @@ SF_Q8_PAIR(0, 1)
 SF_Q8_PAIR(2, 3)
 #undef SF_Q8_PAIR
 
-// Pairs of blocks alternate between the sum tiles 0, 1 and 2, 3: a pair's products are
-// issued before the pair before it is stored and scaled, so the tiles multiply while the
-// vector units scale (stored right after their multiply, each pair waited for it)
 void block_q8(const uint32_t* xp, const float* ad, int rows, int mc, int64_t k, const int8_t* w,
               const float* scale, const uint16_t* bscale, const float* bias, int64_t n,
               int64_t m0, Out out) {
@@ -289,30 +319,26 @@ void block_q8(const uint32_t* xp, const float* ad, int rows, int mc, int64_t k, 
   const uint16_t* bs = bscale ? bscale + n * blocks : nullptr;
   __m512 acc[16];
   for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t pairs = blocks / 2;
-  if (pairs > 0) {
-    issue_q8_01(wb, k, xp, mc, blocks, 0);
-    int64_t p = 1;  // the next pair to issue; pair p - 1 waits in tiles 0, 1
-    for (; p + 2 <= pairs; p += 2) {
-      issue_q8_23(wb, k, xp, mc, blocks, 2 * p);
-      drain_q8_01(acc, ad, bs, blocks, 2 * (p - 1));
-      issue_q8_01(wb, k, xp, mc, blocks, 2 * (p + 1));
-      drain_q8_23(acc, ad, bs, blocks, 2 * p);
-    }
-    if (p < pairs) {
-      issue_q8_23(wb, k, xp, mc, blocks, 2 * p);
-      drain_q8_01(acc, ad, bs, blocks, 2 * (p - 1));
-      drain_q8_23(acc, ad, bs, blocks, 2 * p);
-    } else {
-      drain_q8_01(acc, ad, bs, blocks, 2 * (p - 1));
-    }
-  }
+  pairs_in_flight(
+      blocks / 2,
+      [&](bool hi, int64_t b) {
+        if (hi)
+          issue_q8_23(wb, k, xp, mc, blocks, b);
+        else
+          issue_q8_01(wb, k, xp, mc, blocks, b);
+      },
+      [&](bool hi, int64_t b) {
+        if (hi)
+          drain_q8_23(acc, ad, bs, blocks, b);
+        else
+          drain_q8_01(acc, ad, bs, blocks, b);
+      });
   if (blocks % 2) {
     const int64_t b = blocks - 1;
     alignas(64) int32_t s0[16][16];
     _tile_zero(0);
-    _tile_loadd(4, wb + b * 32, k);
-    _tile_loadd(6, xp + b * 8 * mc, 4 * mc);
+    SF_TILE_LOADD(4, wb + b * 32, k);
+    SF_TILE_LOADD(6, xp + b * 8 * mc, 4 * mc);
     _tile_dpbssd(0, 4, 6);
     _tile_stored(0, s0, 64);
     scale_block(s0, acc, _mm512_loadu_ps(ad + b * 16), bs, blocks, b);
@@ -430,9 +456,9 @@ inline void widen_groups(const uint16_t* h, int64_t groups, float* f) {
   for (; i < n; ++i) f[i] = _cvtsh_ss(h[i]);
 }
 
-// groups b and b + 1 unpacked into `u` and multiplied into the sum tiles S0 and S1 (32 bytes
-// a row per step: a line every other step, prefetched 8 groups ahead)
-// the sums of groups b and b + 1 (tiles S0, S1) scaled into acc
+// As SF_Q8_PAIR: `issue_q4_S0S1` unpacks groups b and b + 1 into `u` and multiplies them into
+// the sum tiles S0 and S1 (32 bytes a row per step: a line every other step, prefetched 8
+// groups ahead), `drain_q4_S0S1` scales their sums into acc.
 #define SF_Q4_PAIR(S0, S1) \
 inline void issue_q4_##S0##S1(const uint8_t* cb, int64_t row_bytes, int64_t groups, const uint32_t* xp, \
                      int mc, int64_t b, Q4Unpacked& u) { \
@@ -441,10 +467,10 @@ inline void issue_q4_##S0##S1(const uint8_t* cb, int64_t row_bytes, int64_t grou
   const int64_t bstride = 4 * mc; \
   _tile_zero(S0); \
   _tile_zero(S1); \
-  _tile_loadd(4, u.g[0], 32); \
-  _tile_loadd(6, xp + b * 8 * mc, bstride); \
-  _tile_loadd(5, u.g[1], 32); \
-  _tile_loadd(7, xp + (b + 1) * 8 * mc, bstride); \
+  SF_TILE_LOADD(4, u.g[0], 32); \
+  SF_TILE_LOADD(6, xp + b * 8 * mc, bstride); \
+  SF_TILE_LOADD(5, u.g[1], 32); \
+  SF_TILE_LOADD(7, xp + (b + 1) * 8 * mc, bstride); \
   _tile_dpbusd(S0, 4, 6); \
   _tile_dpbusd(S1, 5, 7); \
 } \
@@ -464,7 +490,6 @@ SF_Q4_PAIR(0, 1)
 SF_Q4_PAIR(2, 3)
 #undef SF_Q4_PAIR
 
-// pairs of groups in flight as in block_q8
 void block_q4(const uint32_t* xp, const float* ad, const float* xs, int rows, int mc, int64_t k,
               const uint8_t* codes, const uint16_t* gscale, const uint16_t* goffset,
               const float* bias, int64_t n, int64_t m0, Out out) {
@@ -480,31 +505,27 @@ void block_q4(const uint32_t* xp, const float* ad, const float* xs, int rows, in
   __m512 acc[16];
   for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
   Q4Unpacked u;
-  const int64_t pairs = groups / 2;
-  if (pairs > 0) {
-    issue_q4_01(cb, row_bytes, groups, xp, mc, 0, u);
-    int64_t p = 1;  // the next pair to issue; pair p - 1 waits in tiles 0, 1
-    for (; p + 2 <= pairs; p += 2) {
-      issue_q4_23(cb, row_bytes, groups, xp, mc, 2 * p, u);
-      drain_q4_01(acc, ad, xs, gs, go, groups, 2 * (p - 1));
-      issue_q4_01(cb, row_bytes, groups, xp, mc, 2 * (p + 1), u);
-      drain_q4_23(acc, ad, xs, gs, go, groups, 2 * p);
-    }
-    if (p < pairs) {
-      issue_q4_23(cb, row_bytes, groups, xp, mc, 2 * p, u);
-      drain_q4_01(acc, ad, xs, gs, go, groups, 2 * (p - 1));
-      drain_q4_23(acc, ad, xs, gs, go, groups, 2 * p);
-    } else {
-      drain_q4_01(acc, ad, xs, gs, go, groups, 2 * (p - 1));
-    }
-  }
+  pairs_in_flight(
+      groups / 2,
+      [&](bool hi, int64_t b) {
+        if (hi)
+          issue_q4_23(cb, row_bytes, groups, xp, mc, b, u);
+        else
+          issue_q4_01(cb, row_bytes, groups, xp, mc, b, u);
+      },
+      [&](bool hi, int64_t b) {
+        if (hi)
+          drain_q4_23(acc, ad, xs, gs, go, groups, b);
+        else
+          drain_q4_01(acc, ad, xs, gs, go, groups, b);
+      });
   if (groups % 2) {
     const int64_t b = groups - 1;
     alignas(64) int32_t s0[16][16];
     unpack_one(cb, row_bytes, b, u);
     _tile_zero(0);
-    _tile_loadd(4, u.g[0], 32);
-    _tile_loadd(6, xp + b * 8 * mc, 4 * mc);
+    SF_TILE_LOADD(4, u.g[0], 32);
+    SF_TILE_LOADD(6, xp + b * 8 * mc, 4 * mc);
     _tile_dpbusd(0, 4, 6);
     _tile_stored(0, s0, 64);
     scale_q4_block(s0, acc, _mm512_loadu_ps(ad + b * 16), _mm512_loadu_ps(xs + b * 16), gs, go,
