@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -87,17 +87,7 @@ class _Embeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = (
-            self.word_embeddings(input_ids)
-            + self.token_type_embeddings(token_type_ids)
-            + self.position_embeddings(positions)[None]
-        )
-        out: torch.Tensor = self.LayerNorm(x)
-        return out
-
-    def packed(
+    def forward(
         self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         """`input_ids` [N]: the inputs one after another, `positions` each token's place in
@@ -119,21 +109,7 @@ class _SelfAttention(nn.Module):
         self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        batch, length, hidden = x.shape
-        head_dim = hidden // self.num_heads
-
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(batch, length, self.num_heads, head_dim).transpose(1, 2)
-
-        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
-        # bidirectional: no causal mask; only the padding is hidden, as keys
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=key_mask, scale=1.0 / math.sqrt(head_dim)
-        )
-        return out.transpose(1, 2).reshape(batch, length, hidden)
-
-    def packed(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """`x` [N, hidden]: the inputs one after another, `lengths` long; each attends over
         its own tokens only, so no token is padding."""
         total, hidden = x.shape
@@ -180,12 +156,8 @@ class _Attention(nn.Module):
         self.self = _SelfAttention(cfg)
         self.output = _Projection(cfg, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.output(self.self(x, key_mask), x)
-        return out
-
-    def packed(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        out: torch.Tensor = self.output(self.self.packed(x, lengths), x)
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        out: torch.Tensor = self.output(self.self(x, lengths), x)
         return out
 
 
@@ -206,13 +178,8 @@ class _Layer(nn.Module):
         self.intermediate = _Intermediate(cfg)
         self.output = _Projection(cfg, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        x = self.attention(x, key_mask)
-        out: torch.Tensor = self.output(self.intermediate(x), x)
-        return out
-
-    def packed(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        x = self.attention.packed(x, lengths)
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        x = self.attention(x, lengths)
         out: torch.Tensor = self.output(self.intermediate(x), x)
         return out
 
@@ -224,7 +191,9 @@ class _Encoder(nn.Module):
 
 
 class BertEncoder(nn.Module):
-    """`forward(input_ids [B, T], mask [B, T] bool) -> hidden states [B, T, hidden]`."""
+    """`forward(input_ids [B, T], mask [B, T] bool) -> hidden states [B, T, hidden]` for a
+    batch padded on the right; `packed(rows)` -> [sum of lengths, hidden]. Both run the real
+    tokens only."""
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
@@ -241,14 +210,11 @@ class BertEncoder(nn.Module):
         mask: torch.Tensor,
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        x = self.embeddings(input_ids, token_type_ids)
-        key_mask = mask[:, None, None, :]  # [B, 1 (heads), 1 (queries), T (keys)]
-        for layer in self.encoder.layer:
-            x = layer(x, key_mask)
-        out: torch.Tensor = x
-        return out
+        """A batch padded on the right ([B, T], `mask` True on the real tokens), run packed:
+        [B, T, hidden], zeros where the mask is False."""
+        lengths = mask.sum(1).tolist()
+        kinds = token_type_ids[mask] if token_type_ids is not None else None
+        return _padded(self._encode(input_ids[mask], kinds, lengths), mask)
 
     def packed(self, rows: list[list[int]], types: list[list[int]] | None = None) -> torch.Tensor:
         """The rows' hidden states one after another, [sum of lengths, hidden]: every matrix
@@ -256,17 +222,23 @@ class BertEncoder(nn.Module):
         multiplies its padding too), and attention runs per input. `types`: each row's token
         type ids (segment A 0, B 1); zeros without."""
         device = self.embeddings.word_embeddings.weight.device
-        lengths = [len(r) for r in rows]
-        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long)
-        positions = torch.cat([torch.arange(n) for n in lengths])
+        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=device)
         kinds = (
-            torch.tensor([t for r in types for t in r], dtype=torch.long)
+            torch.tensor([t for r in types for t in r], dtype=torch.long, device=device)
             if types is not None
-            else torch.zeros_like(ids)
+            else None
         )
-        x = self.embeddings.packed(ids.to(device), kinds.to(device), positions.to(device))
+        return self._encode(ids, kinds, [len(r) for r in rows])
+
+    def _encode(
+        self, ids: torch.Tensor, kinds: torch.Tensor | None, lengths: list[int]
+    ) -> torch.Tensor:
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(ids.device)
+        x: torch.Tensor = self.embeddings(
+            ids, torch.zeros_like(ids) if kinds is None else kinds, positions
+        )
         for layer in self.encoder.layer:
-            x = cast(_Layer, layer).packed(x, lengths)
+            x = layer(x, lengths)
         return x
 
     @torch.inference_mode()
@@ -274,15 +246,17 @@ class BertEncoder(nn.Module):
         """The rows' hidden states (computed packed, without padding), laid out padded on the
         right for pooling: ([B, T, hidden] float, mask [B, T])."""
         device = self.embeddings.word_embeddings.weight.device
-        flat = self.packed(rows).float()
-        longest = max(len(r) for r in rows)
-        mask_cpu = torch.zeros(len(rows), longest, dtype=torch.bool)
-        for i, row in enumerate(rows):
-            mask_cpu[i, : len(row)] = True
-        mask = mask_cpu.to(device)
-        hidden = flat.new_zeros(len(rows), longest, flat.shape[-1])
-        hidden[mask] = flat  # the mask's True cells, row after row: the packed order
-        return hidden, mask
+        lengths = torch.tensor([len(r) for r in rows])
+        mask = (torch.arange(int(lengths.max()))[None] < lengths[:, None]).to(device)
+        return _padded(self.packed(rows).float(), mask), mask
+
+
+def _padded(flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[N, hidden] states in the order of `mask`'s True cells, row after row, into [B, T,
+    hidden] with zeros elsewhere."""
+    out = flat.new_zeros(*mask.shape, flat.shape[-1])
+    out[mask] = flat
+    return out
 
 
 def load_bert(

@@ -50,11 +50,8 @@ class BertCrossEncoder(nn.Module):
         device = self.classifier.weight.device
         types = [[0] * s + [1] * (len(r) - s) for r, s in zip(rows, second, strict=True)]
         hidden = self.bert.packed(rows, types)
-        starts, at = [], 0
-        for row in rows:
-            starts.append(at)
-            at += len(row)
-        first = hidden[torch.tensor(starts, device=device)]  # each row's [CLS] state
+        lengths = torch.tensor([len(r) for r in rows], device=device)
+        first = hidden[lengths.cumsum(0) - lengths]  # each row's first token: its [CLS] state
         out: torch.Tensor = self.classifier(self.bert.pooler(first))
         return out.float()
 
