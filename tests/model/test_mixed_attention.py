@@ -116,8 +116,10 @@ def test_decode_rows_of_a_mixed_step_take_one_native_call(
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
     # one native call per layer takes the three decode rows; each prompt row its own attention
     assert counter.calls["stallfree.decode_attention"] == LAYERS
+    # (a float32 prompt's on the native prompt kernel, a bfloat16 one's on SDPA)
     sdpa = sum(n for name, n in counter.calls.items() if "scaled_dot_product" in name)
-    assert sdpa == n_p * LAYERS
+    native = counter.calls["stallfree.prefill_attention"]
+    assert (native, sdpa) == ((n_p * LAYERS, 0) if dtype == "float32" else (0, n_p * LAYERS))
 
 
 def test_one_trailing_decode_row_stays_on_the_extend_path(llama_dir: Path) -> None:

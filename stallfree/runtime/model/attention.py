@@ -10,7 +10,9 @@ Decode groups rows into length buckets so that no row is padded far past its own
 On CPU, a decode step given its RoPE tables (`rope=`) is one native call instead
 (`torch.ops.stallfree.decode_attention`, runtime/model/csrc/attention.cpp): RoPE, the K/V
 write and split-KV attention read straight through `req_to_token`; the torch path stays as
-its reference and as the fallback for everything it does not take.
+its reference and as the fallback for everything it does not take. A float32 prompt's
+attention is native too (`torch.ops.stallfree.prefill_attention`, `attend_prompt`): SDPA's CPU
+kernel computes a prompt shorter than its 512-key split in full, above the diagonal included.
 """
 
 from __future__ import annotations
@@ -216,6 +218,50 @@ def native_decode_supported(
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
         and cpu_kernels.available()
     )
+
+
+def _native_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `torch.ops.stallfree.prefill_attention` takes a prompt's attention: CPU float32
+    tensors with whole heads per row (any row stride), head dims in multiples of 16, no
+    autograd, not while torch.compile traces, and the kernels built for this machine. bfloat16
+    stays on SDPA, whose CPU kernel runs bfloat16 products (AMX tiles where the CPU has them)
+    about twice as fast as this kernel's float32 multiply-adds."""
+    dim = q.shape[-1]
+    return (
+        q.device.type == "cpu"
+        and q.dim() == k.dim() == v.dim() == 3
+        and dim % 16 == 0
+        and q.dtype == k.dtype == v.dtype == torch.float32
+        and q.shape[1] % k.shape[1] == 0
+        and all(t.stride(-1) == 1 and t.stride(-2) == dim for t in (q, k, v))
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+        and not torch.compiler.is_compiling()
+        and cpu_kernels.available()
+    )
+
+
+def attend_prompt(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix: int,
+    first: int = 0,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """One request's prompt: q [n, H, D] at positions prefix .. prefix + n - 1, k/v [seq -
+    first, KVH, D] at positions first .. seq - 1 -> [n, H, D], causal, each query seeing only
+    its last `window` keys when given."""
+    if _native_prompt(q, k, v):
+        out: torch.Tensor = torch.ops.stallfree.prefill_attention(
+            q, k, v, prefix, first, scale, softcap, window
+        )
+        return out
+    if prefix == 0 and first == 0 and window is None:
+        return attend(q, k, v, None, scale, softcap)
+    mask = causal_mask(prefix, prefix + q.shape[0], q.device, window, first)
+    return attend(q, k, v, mask, scale, softcap)
 
 
 def rope_qk(
@@ -534,7 +580,7 @@ class PagedAttention:
             chunk = q[start : start + n]
             if prefix == 0 and window is None and new_kv is not None:
                 k, v = new_kv[0][start : start + n], new_kv[1][start : start + n]
-                outs.append(attend(chunk, k, v, None, self.scale, self.softcap))
+                outs.append(attend_prompt(chunk, k, v, 0, scale=self.scale, softcap=self.softcap))
                 start += n
                 continue
             # keys before the first query's window are never seen
@@ -542,11 +588,7 @@ class PagedAttention:
             row = int(fb.req_pool_indices_cpu[i])
             slots = fb.req_to_token[row, first:seq]
             k, v = self._gather_kv(layer_id, fb, slots)
-            if prefix == 0 and window is None:
-                outs.append(attend(chunk, k, v, None, self.scale, self.softcap))
-            else:
-                mask = causal_mask(prefix, seq, q.device, window, first)
-                outs.append(attend(chunk, k, v, mask, self.scale, self.softcap))
+            outs.append(attend_prompt(chunk, k, v, prefix, first, window, self.scale, self.softcap))
             start += n
         if len(outs) == 1:
             return outs[0]

@@ -113,6 +113,19 @@ def _decode_attention_qkv(
     return qkv.new_empty((qkv.shape[0], num_heads * dim))
 
 
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix: int = 0,
+    first: int = 0,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape)
 
@@ -135,6 +148,7 @@ FAKES: dict[str, Callable[..., Any]] = {
     "silu_mul": _silu_mul,
     "decode_attention": _decode_attention,
     "decode_attention_qkv": _decode_attention_qkv,
+    "prefill_attention": _prefill_attention,
     "decode_layers": _decode_layers,
     "rope": _rope,
 }

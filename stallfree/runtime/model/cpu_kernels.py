@@ -46,10 +46,17 @@ _SOURCES = (
     "attention.cpp",
     "attention_avx512.cpp",
     "attention_avx2.cpp",
+    "prefill_attention.cpp",
     "layers.cpp",
     "rope.cpp",
 )
-_HEADERS = ("vec_exp.h", "kernels.h", "attention.h", "attention_impl.h")
+_HEADERS = (
+    "vec_exp.h",
+    "kernels.h",
+    "attention.h",
+    "attention_impl.h",
+    "prefill_attention_impl.h",
+)
 _CSRC = Path(__file__).with_name("csrc")
 
 _lock = threading.Lock()

@@ -1,5 +1,6 @@
-// Paged decode attention: the raw-pointer interface of its instruction-set variants
-// (attention_avx512.cpp, attention_avx2.cpp); attention.cpp binds them to torch.
+// Paged decode attention and prompt attention: the raw-pointer interface of their
+// instruction-set variants (attention_avx512.cpp, attention_avx2.cpp); attention.cpp and
+// prefill_attention.cpp bind them to torch.
 //
 // One query per request attends over keys read straight from the cache through its
 // `req_to_token` row (no gather). The work items are (request, KV head, split): a KV head's
@@ -44,11 +45,45 @@ struct DecodeAttn {
 // items [i0, i1) of batch * kv_heads * splits
 using DecodeAttnFn = void (*)(const DecodeAttn& a, int64_t i0, int64_t i1);
 
+// One request's prompt: n queries at positions prefix .. prefix + n - 1 over its keys at
+// positions first .. prefix + n - 1, causal, optionally only the last `window` keys of each
+// query (prefill_attention_impl.h).
+constexpr int64_t kPromptKeys = 32;  // keys per block
+constexpr int64_t kPromptRows = 16;  // query rows per work item
+
+struct PrefillAttn {
+  int64_t n = 0, heads = 0, kv_heads = 0, dim = 0;
+  int64_t prefix = 0, first = 0;
+  int64_t window = 0;  // 0: every earlier key
+  float scale = 1, softcap = 0;  // softcap 0: none
+  bool bf16 = false;             // q, k, v and the output: bfloat16, else float32
+  // q [n, heads, dim], k and v [keys, kv_heads, dim]: rows `*_stride` elements apart, heads
+  // `dim` apart within a row
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t q_stride = 0, k_stride = 0, v_stride = 0;
+  // workspace [kv_heads, dim, kt_stride] float32: the keys transposed (kt_stride >= keys, a
+  // whole number of key blocks, zeros past the keys)
+  float* kt = nullptr;
+  int64_t kt_stride = 0;
+  void* out = nullptr;  // [n, heads, dim], contiguous
+};
+
+// key rows [t0, t1) into the transposed workspace
+using PrefillTransposeFn = void (*)(const PrefillAttn& a, int64_t t0, int64_t t1);
+// work items i0, i0 + step, ... below i1 of kv_heads * ceil(n / kPromptRows)
+using PrefillAttnFn = void (*)(const PrefillAttn& a, int64_t i0, int64_t i1, int64_t step);
+
 namespace avx512 {
 extern const DecodeAttnFn decode_attention;
-}
+extern const PrefillTransposeFn prefill_transpose;
+extern const PrefillAttnFn prefill_attention;
+}  // namespace avx512
 namespace avx2 {
 extern const DecodeAttnFn decode_attention;
-}
+extern const PrefillTransposeFn prefill_transpose;
+extern const PrefillAttnFn prefill_attention;
+}  // namespace avx2
 
 }  // namespace sf

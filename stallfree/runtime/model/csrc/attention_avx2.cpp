@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
@@ -77,14 +78,36 @@ struct V {
     return _mm256_and_ps(v, _mm256_castsi256_ps(keep));
   }
   // exp(x): 2^n * p(r), |r| <= ln2 / 2, degree-6 polynomial (relative error about 1e-7)
+  // p where x is a score (finite), 0 where x is a masked score (-inf)
+  static T keep_finite(T x, T p) {
+    return _mm256_and_ps(_mm256_cmp_ps(x, set1(-INFINITY), _CMP_NEQ_OQ), p);
+  }
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static float reduce_max(T v) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+  // x in lanes [lo, hi) (clamped to the vector), -inf in the others
+  static T lanes_or_minus_inf(T x, int64_t lo, int64_t hi) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i a = _mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(lo, 0, W)));
+    const __m256i b = _mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(hi, 0, W)));
+    // lane >= a and lane < b
+    const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(a, lane), _mm256_cmpgt_epi32(b, lane));
+    return _mm256_blendv_ps(set1(-INFINITY), x, _mm256_castsi256_ps(in));
+  }
   static T exp(T x) { return exp_avx2(x); }
 };
 
 #include "attention_impl.h"
+#include "prefill_attention_impl.h"
 
 }  // namespace
 
 const DecodeAttnFn decode_attention = decode_attention_impl;
+const PrefillTransposeFn prefill_transpose = prefill_transpose_impl;
+const PrefillAttnFn prefill_attention = prefill_attention_impl;
 
 }  // namespace avx2
 }  // namespace sf

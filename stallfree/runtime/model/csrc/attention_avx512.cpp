@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
@@ -71,14 +72,29 @@ struct V {
   static T keep_first(T v, int64_t n) {
     return _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << n) - 1), v);
   }
+  // p where x is a score (finite), 0 where x is a masked score (-inf)
+  static T keep_finite(T x, T p) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, set1(-INFINITY), _CMP_NEQ_OQ), p);
+  }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static float reduce_max(T v) { return _mm512_reduce_max_ps(v); }
+  // x in lanes [lo, hi) (clamped to the vector), -inf in the others
+  static T lanes_or_minus_inf(T x, int64_t lo, int64_t hi) {
+    const int64_t a = std::clamp<int64_t>(lo, 0, W), b = std::clamp<int64_t>(hi, 0, W);
+    const uint32_t keep = ((1u << b) - 1) & ~((1u << a) - 1);
+    return _mm512_mask_mov_ps(set1(-INFINITY), static_cast<__mmask16>(keep), x);
+  }
   static T exp(T x) { return exp_avx512(x); }
 };
 
 #include "attention_impl.h"
+#include "prefill_attention_impl.h"
 
 }  // namespace
 
 const DecodeAttnFn decode_attention = decode_attention_impl;
+const PrefillTransposeFn prefill_transpose = prefill_transpose_impl;
+const PrefillAttnFn prefill_attention = prefill_attention_impl;
 
 }  // namespace avx512
 }  // namespace sf

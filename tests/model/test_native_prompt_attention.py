@@ -1,0 +1,202 @@
+"""`torch.ops.stallfree.prefill_attention`, a prompt's causal attention on the native kernel,
+against attention computed in float64 from the same inputs: query counts that are not whole
+blocks, cached prefixes, windows, soft caps, GQA ratios, head dims of 1-8 vectors and query,
+key and value rows that are views of a wider projection row; on every instruction-set variant
+this CPU has. The torch path (SDPA, and the mask it is given) is checked against the same
+reference, so the two agree with each other through it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from stallfree.runtime.model import attention
+from tests.model.native_util import each_isa, needs_kernels, set_isa
+
+pytestmark = [needs_kernels, pytest.mark.usefixtures("restore_variant")]
+
+
+@dataclass(frozen=True)
+class Case:
+    n: int
+    prefix: int
+    first: int
+    heads: int
+    kv_heads: int
+    dim: int
+    window: int | None
+    softcap: float | None
+    scale: float | None
+    dtype: torch.dtype
+
+
+@st.composite
+def cases(
+    draw: st.DrawFn,
+    max_n: int = 80,
+    max_prefix: int = 120,
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+) -> Case:
+    kv_heads = draw(st.integers(1, 4))
+    n = draw(st.integers(1, max_n))
+    prefix = draw(st.integers(0, max_prefix))
+    window = draw(st.none() | st.integers(1, prefix + n + 5))
+    # keys before the first query's window are never seen: the caller may leave them out
+    first = 0 if window is None else draw(st.integers(0, max(0, prefix + 1 - window)))
+    return Case(
+        n=n,
+        prefix=prefix,
+        first=first,
+        heads=kv_heads * draw(st.sampled_from((1, 2, 3, 4, 8))),
+        kv_heads=kv_heads,
+        dim=16 * draw(st.integers(1, 8)),
+        window=window,
+        softcap=draw(st.none() | st.floats(5.0, 50.0)),
+        scale=draw(st.none() | st.floats(0.02, 0.3)),
+        dtype=draw(st.sampled_from(dtypes)),
+    )
+
+
+def inputs(case: Case, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [n, H, D], k/v [keys, KVH, D]: q a view of a joint q/k/v row, k and v views of rows
+    wider than their heads (strided, heads contiguous), as the model hands them over."""
+    g = torch.Generator().manual_seed(seed)
+    h, kvh, d = case.heads, case.kv_heads, case.dim
+    keys = case.prefix + case.n - case.first
+    qkv = (torch.randn(case.n, (h + 2 * kvh) * d, generator=g) * 1.5).to(case.dtype)
+    q = qkv[:, : h * d].view(case.n, h, d)
+    kv = torch.randn(keys, 3 * kvh * d, generator=g).to(case.dtype)
+    k = kv[:, : kvh * d].view(keys, kvh, d)
+    v = kv[:, 2 * kvh * d :].view(keys, kvh, d)
+    return q, k, v
+
+
+def exact(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention in float64: scale, soft cap, causal (and window) mask, softmax, values."""
+    group = case.heads // case.kv_heads
+    qd = q.double().transpose(0, 1)  # [H, n, D]
+    kd = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, keys, D]
+    vd = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scale = case.scale if case.scale is not None else case.dim**-0.5
+    s = qd @ kd.transpose(-1, -2) * scale
+    if case.softcap is not None:
+        s = torch.tanh(s / case.softcap) * case.softcap
+    pos = torch.arange(case.prefix, case.prefix + case.n)[:, None]
+    key = torch.arange(case.first, case.prefix + case.n)[None, :]
+    seen = key <= pos
+    if case.window is not None:
+        seen &= key > pos - case.window
+    s = s.masked_fill(~seen, -math.inf)
+    return (s.softmax(-1) @ vd).transpose(0, 1)
+
+
+def assert_near(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """float32: float32 sums; bfloat16: float32 sums and one rounding of the output."""
+    err = (got.double() - want).abs()
+    rel, floor = (2e-5, 2e-5) if dtype == torch.float32 else (2**-8, 1e-3)
+    bound = floor + rel * want.abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3g}"
+
+
+class CountNative(TorchDispatchMode):
+    """Counts the native prompt kernel's calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += str(func.overloadpacket) == "stallfree.prefill_attention"
+        return func(*args, **(kwargs or {}))
+
+
+def native(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.stallfree.prefill_attention(
+        q, k, v, case.prefix, case.first, case.scale, case.softcap, case.window
+    )
+    return out
+
+
+@each_isa
+@settings(max_examples=40, deadline=None)
+@given(case=cases(), seed=st.integers(0, 2**16))
+def test_prefill_attention_equals_exact_attention(isa: str, case: Case, seed: int) -> None:
+    set_isa(isa)
+    q, k, v = inputs(case, seed)
+    got = native(case, q, k, v)
+    assert got.shape == q.shape and got.dtype == q.dtype and got.is_contiguous()
+    assert_near(got, exact(case, q, k, v), case.dtype)
+
+
+@pytest.mark.slow
+@each_isa
+@settings(max_examples=10, deadline=None)
+@given(case=cases(max_n=700, max_prefix=1400), seed=st.integers(0, 2**16))
+def test_prefill_attention_long_prompts(isa: str, case: Case, seed: int) -> None:
+    set_isa(isa)
+    q, k, v = inputs(case, seed)
+    assert_near(native(case, q, k, v), exact(case, q, k, v), case.dtype)
+
+
+@each_isa
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_thread_and_two_give_the_same_bits(isa: str, dtype: torch.dtype) -> None:
+    """Each query block is one thread's whole work, so the thread count changes no sum."""
+    set_isa(isa)
+    case = Case(200, 30, 0, 12, 4, 64, None, None, None, dtype)
+    q, k, v = inputs(case, 7)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native(case, q, k, v)
+        torch.set_num_threads(2)
+        two = native(case, q, k, v)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=cases(max_n=40, max_prefix=40, dtypes=(torch.float32,)), seed=st.integers(0, 2**16))
+def test_attend_prompt_on_either_path_equals_exact_attention(case: Case, seed: int) -> None:
+    """`attend_prompt` (the model's entry) gives the same float32 attention with the kernels
+    and on SDPA with its mask (bfloat16 prompts stay on SDPA)."""
+    q, k, v = inputs(case, seed)
+    want = exact(case, q, k, v)
+    args = (case.prefix, case.first, case.window, case.scale, case.softcap)
+    with CountNative() as native_calls:
+        assert_near(attention.attend_prompt(q, k, v, *args), want, case.dtype)
+    assert native_calls.count == 1
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention.cpu_kernels, "available", lambda: False)
+        with CountNative() as native_calls:
+            assert_near(attention.attend_prompt(q, k, v, *args), want, case.dtype)
+        assert native_calls.count == 0
+
+
+def test_bad_arguments_are_errors_not_crashes() -> None:
+    q, k = torch.randn(4, 2, 32), torch.randn(4, 1, 32)
+    op = torch.ops.stallfree.prefill_attention
+    with pytest.raises(RuntimeError, match="not a multiple of 16"):
+        op(torch.randn(4, 2, 24), torch.randn(4, 1, 24), torch.randn(4, 1, 24))
+    with pytest.raises(RuntimeError, match="k must be a CPU"):
+        op(q, torch.randn(5, 1, 32), k)  # 5 keys for 4 queries and no prefix
+    with pytest.raises(RuntimeError, match="v must be a CPU"):
+        op(q, k, k.double())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        op(q.half(), k.half(), k.half())
+    with pytest.raises(RuntimeError, match="heads over"):
+        op(torch.randn(4, 3, 32), torch.randn(4, 2, 32), torch.randn(4, 2, 32))
+    with pytest.raises(RuntimeError, match="first <= prefix"):
+        op(q, k, k, 0, 2)
+    with pytest.raises(RuntimeError, match="window must be positive"):
+        op(q, k, k, 0, 0, None, None, 0)
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        op(q.transpose(0, 1).contiguous().transpose(0, 1), k, k)
