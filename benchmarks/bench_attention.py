@@ -2,11 +2,18 @@
 
     python benchmarks/bench_attention.py [--repeats 5] [--threads 1] [--seed 0]
     python benchmarks/bench_attention.py --native [--threads 2]
+    python benchmarks/bench_attention.py --prompt [--threads 2]
 
 `--native`: one decode layer on the torch path (`apply_rope` on q and k, `KVCache.write`,
 bucketed `PagedAttention._decode` with the plan already built) against the native op
 (`torch.ops.stallfree.decode_attention` through `PagedAttention.forward(..., rope=)`), in
 microseconds per layer at batch 1, 4 and 16 and contexts 256 and 2048, float32 and bfloat16.
+
+`--prompt`: one request's prompt attention (causal, no mask tensor) on SDPA against the native
+prompt kernel (`torch.ops.stallfree.prefill_attention`), q, k and v views of one joint
+projection row as the model has them, in microseconds per layer: SmolLM2-135M's heads (9 over
+3, dim 64) and a 1B Llama's (32 over 8, dim 64), 64 to 1024 tokens, float32 and bfloat16 (the
+model runs float32 prompts on the kernel, bfloat16 ones on SDPA), and the causal work's rate.
 
 Old (reimplemented here as the baseline): decode gathers every row's K/V padded to the longest
 row and repeats K/V once per query head; prefill repeats K/V too and runs 3-D SDPA with a mask.
@@ -32,6 +39,7 @@ from stallfree.runtime.model.attention import (
     BUCKET_MERGE_ELEMS,
     BUCKET_PAD_RATIO,
     PagedAttention,
+    attend,
     causal_mask,
     plan_buckets,
 )
@@ -246,16 +254,63 @@ def main_native(repeats: int) -> None:
     print("torch: apply_rope on q and k, KVCache.write, bucketed decode (plan reused)")
 
 
+def bench_prompt(
+    tokens: int, heads: int, kv_heads: int, dtype: torch.dtype, repeats: int, gen: torch.Generator
+) -> None:
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+
+    def sdpa() -> torch.Tensor:
+        return attend(q, k, v, None)
+
+    def native() -> torch.Tensor:
+        out: torch.Tensor = torch.ops.stallfree.prefill_attention(q, k, v, 0, 0)
+        return out
+
+    t_sdpa, t_native = interleaved_us(sdpa, native, repeats)
+    diff = (sdpa().float() - native().float()).abs().max().item()
+    # the causal work: each query's keys up to its own position, q.k and p.v
+    flop = 4 * heads * HEAD_DIM * tokens * (tokens + 1) / 2
+    label = f"{tokens:5d} tok {heads:2d}/{kv_heads} {str(dtype).removeprefix('torch.'):8s}"
+    print(
+        f"{label:28s} {t_sdpa:10.1f} {t_native:10.1f} {t_sdpa / t_native:7.2f}x "
+        f"{flop / t_native / 1e3:8.1f}  {diff:.1e}"
+    )
+
+
+def main_prompt(repeats: int) -> None:
+    isa = cpu_kernels.isa()
+    if isa is None:
+        print("native CPU kernels unavailable here: nothing to compare")
+        return
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), native {isa}, D={HEAD_DIM}, "
+        f"one prompt's attention, median of {repeats} (us)"
+    )
+    print(f"{'case':28s} {'SDPA':>10s} {'native':>10s} {'ratio':>8s} {'GFLOP/s':>8s}  maxdiff")
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            for heads, kv_heads in ((9, 3), (32, 8)):
+                for tokens in (64, 256, 1024):
+                    bench_prompt(tokens, heads, kv_heads, dtype, repeats, gen)
+    print("GFLOP/s: the native kernel's rate on the causal half (4 * H * D * n(n+1)/2)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--native", action="store_true", help="native decode op against torch")
+    p.add_argument("--prompt", action="store_true", help="native prompt attention against SDPA")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.native:
         main_native(max(args.repeats, 50))
+        return
+    if args.prompt:
+        main_prompt(max(args.repeats, 20))
         return
     gen = torch.Generator().manual_seed(args.seed)
     print(

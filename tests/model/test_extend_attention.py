@@ -1,6 +1,7 @@
 """A prompt step's attention: q and k of one joint projection rotated in one pass (the same
 bits as rotating each), and a prompt with no cached prefix attending over its new keys and
-values as written, with no gather back out of a plain cache."""
+values as written, with no gather back out of a plain cache (on the native prompt kernel in
+float32); a float32 prompt's gate and up side by side for one SiLU * up pass."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from stallfree.runtime.model import cpu_kernels
+from stallfree.runtime.model import cpu_kernels, native_layers
 from stallfree.runtime.model.attention import rope_qk
 from stallfree.runtime.model.compile import throwaway_batch
 from stallfree.runtime.model.forward_batch import ForwardMode
@@ -115,3 +116,34 @@ def test_native_rope_refuses_mismatched_tables() -> None:
         torch.ops.stallfree.rope(x, torch.randn(3, 1, 8), torch.randn(3, 1, 8))
     with pytest.raises(RuntimeError, match="x's dtype"):
         torch.ops.stallfree.rope(x, torch.randn(4, 1, 8).bfloat16(), torch.randn(4, 1, 8))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels not built")
+@pytest.mark.parametrize("rows", [1, 17, 40])
+def test_side_by_side_columns_keep_each_linears_bits(rows: int) -> None:
+    """A float32 prompt's gate and up go into one tensor, each its own product: the same bits
+    as each F.linear (float32 keeps transformers' sums), and none for bfloat16."""
+    g = torch.Generator().manual_seed(rows)
+    gate, up = torch.nn.Linear(48, 40, bias=False), torch.nn.Linear(48, 24, bias=False)
+    x = torch.randn(2, rows, 48, generator=g)
+    with torch.no_grad():
+        both = native_layers.side_by_side([gate, up], x)
+        assert both is not None and both.shape == (2, rows, 64)
+        assert torch.equal(both[..., :40], gate(x)) and torch.equal(both[..., 40:], up(x))
+        assert native_layers.side_by_side([gate.bfloat16(), up.bfloat16()], x.bfloat16()) is None
+        biased = torch.nn.Linear(48, 24)
+        assert native_layers.side_by_side([gate.float(), biased], x) is None
+
+
+def test_a_long_float32_prompt_makes_one_silu_mul_call_per_layer(llama_dir: Path) -> None:
+    """Past the grouped call's rows, gate and up still reach `silu_mul` side by side (one pass
+    over both) instead of F.silu and a multiply."""
+    loaded = load_model(str(llama_dir), "float32", torch.device("cpu"), 0, quantization="none")
+    n = 40
+    fb = throwaway_batch(loaded, ForwardMode.EXTEND, [n], n)
+    fb.input_ids = torch.arange(n) + 3
+    with _Count() as counter:
+        loaded.model(fb)
+    native = cpu_kernels.available()
+    assert counter.calls["stallfree.silu_mul"] == (LAYERS if native else 0)
+    assert counter.calls["aten.silu"] == (0 if native else LAYERS)

@@ -197,6 +197,8 @@ class LlamaMLP(nn.Module):
             x = native_layers.silu_mul(self.gate_up_proj(x))
         elif (gate_up := native_layers.grouped([self.gate_proj, self.up_proj], x)) is not None:
             x = native_layers.silu_mul(gate_up)
+        elif (gate_up := native_layers.side_by_side([self.gate_proj, self.up_proj], x)) is not None:
+            x = native_layers.silu_mul(gate_up)
         else:
             x = F.silu(self.gate_proj(x)) * self.up_proj(x)
         if self.tp.size == 1:
