@@ -186,6 +186,8 @@ def test_bad_arguments_are_errors_not_crashes() -> None:
     op = torch.ops.stallfree.prefill_attention
     with pytest.raises(RuntimeError, match="not a multiple of 16"):
         op(torch.randn(4, 2, 24), torch.randn(4, 1, 24), torch.randn(4, 1, 24))
+    with pytest.raises(RuntimeError, match="up to 256"):
+        op(torch.randn(4, 2, 272), torch.randn(4, 1, 272), torch.randn(4, 1, 272))
     with pytest.raises(RuntimeError, match="k must be a CPU"):
         op(q, torch.randn(5, 1, 32), k)  # 5 keys for 4 queries and no prefix
     with pytest.raises(RuntimeError, match="v must be a CPU"):

@@ -222,7 +222,7 @@ def native_decode_supported(
 
 def _native_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether `torch.ops.stallfree.prefill_attention` takes a prompt's attention: CPU float32
-    tensors with whole heads per row (any row stride), head dims in multiples of 16, no
+    tensors with whole heads per row (any row stride), head dims in multiples of 16 up to 256, no
     autograd, not while torch.compile traces, and the kernels built for this machine. bfloat16
     stays on SDPA, whose CPU kernel runs bfloat16 products (AMX tiles where the CPU has them)
     about twice as fast as this kernel's float32 multiply-adds."""
@@ -231,6 +231,7 @@ def _native_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         q.device.type == "cpu"
         and q.dim() == k.dim() == v.dim() == 3
         and dim % 16 == 0
+        and dim <= 256
         and q.dtype == k.dtype == v.dtype == torch.float32
         and q.shape[1] % k.shape[1] == 0
         and all(t.stride(-1) == 1 and t.stride(-2) == dim for t in (q, k, v))

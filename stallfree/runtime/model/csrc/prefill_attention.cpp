@@ -42,7 +42,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const int64_t keys = prefix + n - first;
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "prefill_attention: ", H, " heads over ", KVH,
               " KV heads");
-  TORCH_CHECK(D % 16 == 0, "prefill_attention: head dim ", D, " is not a multiple of 16");
+  TORCH_CHECK(D % 16 == 0 && D <= 256, "prefill_attention: head dim ", D,
+              " is not a multiple of 16 up to 256");
   check_rows(q, "q", n, H, D, dtype);
   check_rows(k, "k", keys, KVH, D, dtype);
   check_rows(v, "v", keys, KVH, D, dtype);

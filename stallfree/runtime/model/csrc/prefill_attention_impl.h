@@ -93,6 +93,7 @@ void prompt_values(const float* p, int64_t nb, const T* vp, int64_t v_stride, in
 template <typename T>
 void prompt_item(const PrefillAttn& a, int64_t item, float* qs, float* acc, float* s, float* m,
                  float* l) {
+  // l: each query vector's running sum of probabilities, kept in V::W lanes (summed at the end)
   const int64_t D = a.dim, H = a.heads, KVH = a.kv_heads, G = H / KVH;
   const int64_t blocks = (a.n + kRows - 1) / kRows;
   const int64_t kvh = item / blocks;
@@ -114,7 +115,7 @@ void prompt_item(const PrefillAttn& a, int64_t item, float* qs, float* acc, floa
     }
   for (int64_t i = 0; i < nq; ++i) {
     m[i] = -INFINITY;
-    l[i] = 0;
+    V::store(l + i * V::W, V::zero());
   }
   for (int64_t i = 0; i < nq * D; i += V::W) V::store(acc + i, V::zero());
 
@@ -161,23 +162,22 @@ void prompt_item(const PrefillAttn& a, int64_t item, float* qs, float* acc, floa
           bmv = V::max(bmv, x[c]);
         }
         const float mnew = std::max(m[i], V::reduce_max(bmv));
-        if (mnew > m[i] && l[i] > 0) {
-          const float alpha = std::exp(m[i] - mnew);
-          const typename V::T av = V::set1(alpha);
+        typename V::T sum = V::load(l + i * V::W);
+        if (mnew > m[i] && m[i] > -INFINITY) {
+          const typename V::T av = V::set1(std::exp(m[i] - mnew));
           float* ai = acc + i * D;
           for (int64_t c = 0; c < D; c += V::W) V::store(ai + c, V::mul(V::load(ai + c), av));
-          l[i] *= alpha;
+          sum = V::mul(sum, av);
         }
         m[i] = mnew;
         const typename V::T mv = V::set1(mnew);
-        typename V::T sum = V::zero();
         for (int c = 0; c < NV; ++c) {
           // a masked score (-inf) gives 0 by definition; the vector exp is not relied on for it
           const typename V::T pc = V::keep_finite(x[c], V::exp(V::sub(x[c], mv)));
           V::store(si + c * V::W, pc);
           sum = V::add(sum, pc);
         }
-        l[i] += V::sum(sum);
+        V::store(l + i * V::W, sum);
       }
     }
     const T* vb = v + tb * a.v_stride;
@@ -193,7 +193,8 @@ void prompt_item(const PrefillAttn& a, int64_t item, float* qs, float* acc, floa
   for (int64_t r = 0; r < nr; ++r)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t i = r * G + g;
-      const typename V::T inv = V::set1(l[i] > 0 ? 1.0f / l[i] : 0.0f);
+      const float li = V::sum(V::load(l + i * V::W));
+      const typename V::T inv = V::set1(li > 0 ? 1.0f / li : 0.0f);
       const int64_t o = ((r0 + r) * H + kvh * G + g) * D;
       for (int64_t c = 0; c < D; c += V::W) {
         const typename V::T y = V::mul(V::load(acc + i * D + c), inv);
@@ -206,22 +207,31 @@ void prompt_item(const PrefillAttn& a, int64_t item, float* qs, float* acc, floa
     }
 }
 
-// phase 1: rows [t0, t1) of every KV head's keys, transposed into float32
+// phase 1: rows [t0, t1) of every KV head's keys, transposed into float32: 16 keys at a time
+// are read row by row (contiguous) into a small float32 tile, whose columns are then written
+// as contiguous runs of the transposed rows
 template <typename T>
 void transpose_keys(const PrefillAttn& a, int64_t t0, int64_t t1) {
+  constexpr int64_t kTile = 16;
   const int64_t D = a.dim;
   const T* k = static_cast<const T*>(a.k);
+  float tile[kTile * 256];  // D <= 256 (checked by the binding)
   for (int64_t h = 0; h < a.kv_heads; ++h)
-    for (int64_t t = t0; t < t1; ++t) {
-      const T* src = k + t * a.k_stride + h * D;
-      float* dst = a.kt + h * D * a.kt_stride + t;
-      for (int64_t d = 0; d < D; ++d) {
-        if constexpr (std::is_same_v<T, float>) {
-          dst[d * a.kt_stride] = src[d];
-        } else {
-          dst[d * a.kt_stride] = bf16_to_f32(src[d]);
+    for (int64_t tb = t0; tb < t1; tb += kTile) {
+      const int64_t nt = std::min(kTile, t1 - tb);
+      for (int64_t i = 0; i < nt; ++i) {
+        const T* src = k + (tb + i) * a.k_stride + h * D;
+        for (int64_t d = 0; d < D; ++d) {
+          if constexpr (std::is_same_v<T, float>) {
+            tile[d * kTile + i] = src[d];
+          } else {
+            tile[d * kTile + i] = bf16_to_f32(src[d]);
+          }
         }
       }
+      float* dst = a.kt + h * D * a.kt_stride + tb;
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t i = 0; i < nt; ++i) dst[d * a.kt_stride + i] = tile[d * kTile + i];
     }
 }
 
@@ -234,7 +244,7 @@ void prompt_items(const PrefillAttn& a, int64_t i0, int64_t i1, int64_t step) {
   acc.resize(nq * a.dim);
   s.resize(nq * kKeys);
   m.resize(nq);
-  l.resize(nq);
+  l.resize(nq * V::W);
   for (int64_t i = i0; i < i1; i += step)
     prompt_item<T>(a, i, qs.data(), acc.data(), s.data(), m.data(), l.data());
 }
