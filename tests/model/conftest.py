@@ -12,9 +12,12 @@ from stallfree.runtime.model import cpu_kernels
 
 @pytest.fixture
 def restore_variant() -> Iterator[None]:
-    """A test that switches the native kernels' variant (native_util.set_isa) leaves the
-    process on the usual one."""
+    """A test that switches the native kernels' variant (native_util.set_isa) or the AMX tiles
+    leaves the process on the usual ones."""
     yield
     usual = cpu_kernels.isa()
     if usual is not None:
         torch.ops.stallfree.set_isa(usual)
+        # a variant starts without the tiles: back on where the process uses them, so the
+        # layers that route by `cpu_kernels.amx()` find them
+        torch.ops.stallfree.set_amx(cpu_kernels.amx())

@@ -7,11 +7,13 @@ AMX."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from stallfree.runtime.model import cpu_kernels, native_layers
 from tests.model.native_util import VARIANTS, set_isa
@@ -241,9 +243,10 @@ def test_int4_tiles_run_from_five_rows(tiles: None) -> None:
 def test_a_decode_steps_twenty_rows_take_the_integer_tiles_and_a_prompts_do_not(
     tiles: None, blocks: bool
 ) -> None:
-    """A quantized layer sends a decode step's rows to the tiles up to
-    quant.AMX_NATIVE_MAX_ROWS; a prompt's rows past NATIVE_MAX_ROWS keep the dense path, whose
-    activations are not quantised."""
+    """A quantized layer sends a decode step's rows to the integer tiles (quantised
+    activations) up to quant.AMX_NATIVE_MAX_ROWS; a prompt's rows past NATIVE_MAX_ROWS keep
+    the dense path's numerics, on the tiles' prompt product (`linear_q8_prompt`: the weight
+    dequantised as it goes, the activations not quantised)."""
     from stallfree.runtime.model import quant
     from stallfree.runtime.model.decode_rows import decode_rows
 
@@ -251,19 +254,34 @@ def test_a_decode_steps_twenty_rows_take_the_integer_tiles_and_a_prompts_do_not(
     weight = quant.quantize_int8_blocks(w) if blocks else quant.quantize_int8(w)
     layer = quant.Int8Linear(weight, None, torch.bfloat16)
     assert layer.native
+    w8a8 = "stallfree.linear_q8_blocks" if blocks else "stallfree.linear_q8"
     x = torch.randn(20, 256).bfloat16()
-    before = torch.ops.stallfree.amx_calls()
-    prompt = layer(x)
-    assert torch.ops.stallfree.amx_calls() == before  # 20 prompt rows: dense
+    with _Ops() as ops:
+        prompt = layer(x)
+    assert ops.calls == ["stallfree.linear_q8_prompt"]  # 20 prompt rows: dense numerics
     with decode_rows():
         assert quant.native_max_rows() == quant.AMX_NATIVE_MAX_ROWS >= 20
-        decode = layer(x)
-        assert torch.ops.stallfree.amx_calls() == before + 1
-        layer(torch.randn(quant.AMX_NATIVE_MAX_ROWS + 1, 256).bfloat16())
-        assert torch.ops.stallfree.amx_calls() == before + 1  # past it: dense again
+        with _Ops() as ops:
+            decode = layer(x)
+            layer(torch.randn(quant.AMX_NATIVE_MAX_ROWS + 1, 256).bfloat16())
+        assert ops.calls == [w8a8, "stallfree.linear_q8_prompt"]  # past it: dense again
     assert quant.native_max_rows() == quant.NATIVE_MAX_ROWS
     # the same product either way, within the activations' quantisation
     assert _rel(decode.float(), prompt.double()) < 2e-2
+
+
+class _Ops(TorchDispatchMode):
+    """The stallfree ops called, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = str(func.overloadpacket)
+        if name.startswith("stallfree."):
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
 
 
 @needs_amx

@@ -35,6 +35,26 @@ def _linear_q8_blocks(
     return _rows_out(x, qweight.shape[0])
 
 
+def _linear_q8_prompt(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor | None,
+    bscale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return _rows_out(x, qweight.shape[0])
+
+
+def _linear_q4_prompt(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    gscale: torch.Tensor,
+    goffset: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return _rows_out(x, codes.shape[0])
+
+
 def _dequantize_q8(
     qweight: torch.Tensor,
     scale: torch.Tensor | None,
@@ -140,6 +160,8 @@ FAKES: dict[str, Callable[..., Any]] = {
     "linear_group": _linear_group,
     "linear_q8": _linear_q8,
     "linear_q8_blocks": _linear_q8_blocks,
+    "linear_q8_prompt": _linear_q8_prompt,
+    "linear_q4_prompt": _linear_q4_prompt,
     "dequantize_q8": _dequantize_q8,
     "dequantize_q4": _dequantize_q4,
     "linear_q4": _linear_q4,

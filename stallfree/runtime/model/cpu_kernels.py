@@ -43,6 +43,7 @@ _SOURCES = (
     "isa_avx512.cpp",
     "isa_avx2.cpp",
     "isa_amx.cpp",
+    "amx_gemm.cpp",
     "attention.cpp",
     "attention_avx512.cpp",
     "attention_avx2.cpp",

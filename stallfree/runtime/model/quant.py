@@ -228,7 +228,9 @@ def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
 # ms, int4 16.5 against 22.7), so 32 streams decode on them. Prompt rows keep NATIVE_MAX_ROWS:
 # quantised activations cost a prompt accuracy (SmolLM2's Q8_0 file against its float32, 512
 # tokens read in chunks of 256: KL 0.0013, top-1 98.6%; in chunks of 32 on the kernels: 0.0046,
-# 96.7%), which the dense path does not.
+# 96.7%), which the dense path does not. Where the tiles are in use, an int8 layer's prompt rows
+# keep the dense path's numerics on the tiles' prompt product (`Int8Linear._prompt`), which
+# dequantises the weight as it goes instead of into a workspace (`Int4Linear._prompt` too).
 NATIVE_MAX_ROWS = 16
 AMX_NATIVE_MAX_ROWS = 32
 
@@ -303,9 +305,16 @@ class _QuantLinearBase(nn.Module, abc.ABC):
         flat = x.reshape(-1, self.in_features)
         if not self.native and flat.shape[0] <= self.kernel_max_rows:
             out = self._kernel(flat.to(self.kernel_dtype).contiguous()).to(self.dtype)
+        elif (prompt := self._prompt(flat)) is not None:
+            out = prompt
         else:
             out = torch.nn.functional.linear(flat, self.dequantize())
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _prompt(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """`flat @ W.T` for a prompt's many rows on a native product that dequantises the
+        weight as it goes, or None where the layer has none (the dense path runs)."""
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._on_native(x):
@@ -384,6 +393,25 @@ class Int8Linear(_QuantLinearBase):
         out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         return out
 
+    def _prompt(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """On the AMX tiles where the process has them (`linear_q8_prompt`): bfloat16 rows as
+        they are, the weight dequantised block by block into L1 to the dense path's values,
+        instead of whole into a workspace that oneDNN then re-lays out. Whole blocks of 16
+        output rows and 32 inputs only."""
+        if not (
+            self.native
+            and flat.dtype == torch.bfloat16
+            and self.out_features % 16 == 0
+            and not torch.compiler.is_compiling()
+            and cpu_kernels.amx()
+        ):
+            return None
+        scale = self.scale_f32 if self.block_scale is None else None
+        out: torch.Tensor = torch.ops.stallfree.linear_q8_prompt(
+            flat.contiguous(), self.qweight, scale, self.block_scale, None
+        )
+        return out
+
     def dequantize(self) -> torch.Tensor:
         out = _workspace(self.out_features, self.in_features, self.dtype)
         if _native_dequantize(self):
@@ -459,6 +487,22 @@ class Int4Linear(_QuantLinearBase):
     def _native(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out: torch.Tensor = torch.ops.stallfree.linear_q4(
             x, self.codes, self.q4_scale, self.q4_offset, bias
+        )
+        return out
+
+    def _prompt(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """On the AMX tiles where the process has them (`linear_q4_prompt`), as Int8Linear's:
+        the codes dequantised block by block into L1 to the dense path's values."""
+        if not (
+            self.native
+            and flat.dtype == torch.bfloat16
+            and self.out_features % 16 == 0
+            and not torch.compiler.is_compiling()
+            and cpu_kernels.amx()
+        ):
+            return None
+        out: torch.Tensor = torch.ops.stallfree.linear_q4_prompt(
+            flat.contiguous(), self.codes, self.q4_scale, self.q4_offset, None
         )
         return out
 

@@ -283,6 +283,93 @@ at::Tensor linear_q8_blocks(const at::Tensor& x, const at::Tensor& qweight,
   return out;
 }
 
+// A prompt's product with an integer weight on the AMX tiles (amx_gemm.cpp): bfloat16
+// activations as they are (not quantised: the dense path's numerics), the weight dequantised
+// block by block into L1 instead of whole into a workspace that oneDNN then re-lays out.
+// `gemm(xp, m, n0, n1, out)` runs the blocks of output rows [n0, n1).
+template <typename Gemm>
+at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int64_t k,
+                           Gemm gemm) {
+  TORCH_CHECK(g_amx, name, ": the AMX tiles are not in use in this process");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
+                  x.dim() >= 1,
+              name, ": x must be a contiguous CPU bfloat16 tensor");
+  TORCH_CHECK(x.size(-1) == k, name, ": input has ", x.size(-1), " features, weight ", k);
+  TORCH_CHECK(k % 32 == 0 && n % 16 == 0, name,
+              ": in_features must be a multiple of 32 and out_features of 16, got ", k, " and ",
+              n);
+  at::Tensor out = at::empty(out_shape(x, n), x.options());
+  const int64_t m = x.numel() / k;
+  if (m == 0) return out;
+  g_amx_calls.fetch_add(1, std::memory_order_relaxed);
+  const Out o = out_of(out, n);
+  thread_local std::vector<uint32_t> buf;
+  buf.resize(amx::packed_gemm_size(m, k) + 16);
+  // 64-byte aligned: the packing stores whole vectors
+  auto* xp = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) &
+                                         ~uintptr_t{63});
+  amx::pack_x_gemm(static_cast<const uint16_t*>(x.data_ptr()), m, k, xp);
+  // blocks of 32 weight rows, a thread's share contiguous
+  at::parallel_for(0, (n + 31) / 32, 1, [&](int64_t b0, int64_t b1) {
+    gemm(xp, m, b0 * 32, std::min(n, b1 * 32), o);
+  });
+  return out;
+}
+
+// int8 weights with one of `scale` (float32 [out]) or `bscale` (float16 [out, in / 32])
+at::Tensor linear_q8_prompt(const at::Tensor& x, const at::Tensor& qweight,
+                            const std::optional<at::Tensor>& scale,
+                            const std::optional<at::Tensor>& bscale,
+                            const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous(),
+              "linear_q8_prompt: qweight must be a contiguous int8 [out, in] tensor");
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  TORCH_CHECK(scale.has_value() != bscale.has_value(),
+              "linear_q8_prompt: one of scale and bscale");
+  const float* s = nullptr;
+  const uint16_t* bs = nullptr;
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() == n && scale->is_contiguous(),
+                "linear_q8_prompt: scale must be float32 [out]");
+    s = scale->data_ptr<float>();
+  } else {
+    TORCH_CHECK(k % 32 == 0 && bscale->scalar_type() == at::kHalf &&
+                    bscale->numel() == n * (k / 32) && bscale->is_contiguous(),
+                "linear_q8_prompt: block scales must be float16 [out, in / 32]");
+    bs = static_cast<const uint16_t*>(bscale->data_ptr());
+  }
+  const int8_t* w = qweight.data_ptr<int8_t>();
+  const float* b = opt_bias(bias, n);
+  return prompt_on_tiles("linear_q8_prompt", x, n, k,
+                         [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, Out o) {
+                           amx::gemm_q8(xp, m, k, w, s, bs, b, n0, n1, o);
+                         });
+}
+
+// int4 codes ([out, in / 32, 16]: 16 bytes per group of 32) with float16 scale and offset per
+// group
+at::Tensor linear_q4_prompt(const at::Tensor& x, const at::Tensor& codes,
+                            const at::Tensor& gscale, const at::Tensor& goffset,
+                            const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 16 &&
+                  codes.is_contiguous(),
+              "linear_q4_prompt: codes must be a contiguous uint8 [out, in / 32, 16] tensor");
+  const int64_t n = codes.size(0), k = codes.size(1) * 32;
+  const int64_t groups = n * (k / 32);
+  TORCH_CHECK(gscale.scalar_type() == at::kHalf && gscale.numel() == groups &&
+                  gscale.is_contiguous() && goffset.scalar_type() == at::kHalf &&
+                  goffset.numel() == groups && goffset.is_contiguous(),
+              "linear_q4_prompt: scales and offsets must be float16 [out, in / 32]");
+  const auto* c = codes.data_ptr<uint8_t>();
+  const auto* gs = static_cast<const uint16_t*>(gscale.data_ptr());
+  const auto* go = static_cast<const uint16_t*>(goffset.data_ptr());
+  const float* b = opt_bias(bias, n);
+  return prompt_on_tiles("linear_q4_prompt", x, n, k,
+                         [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, Out o) {
+                           amx::gemm_q4(xp, m, k, c, gs, go, b, n0, n1, o);
+                         });
+}
+
 // A quantized weight written dense into `out` [n, k] (float32 or bfloat16, contiguous): the
 // prompt path of the integer layers, one pass instead of torch's convert, scale and add.
 void dequantize_q8(const at::Tensor& qweight, const std::optional<at::Tensor>& scale,
@@ -510,6 +597,8 @@ TORCH_LIBRARY(stallfree, m) {
   m.def("linear_q8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("linear_q8_blocks(Tensor x, Tensor qweight, Tensor bscale, Tensor? bias) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor codes, Tensor gscale, Tensor goffset, Tensor? bias) -> Tensor");
+  m.def("linear_q8_prompt(Tensor x, Tensor qweight, Tensor? scale, Tensor? bscale, Tensor? bias) -> Tensor");
+  m.def("linear_q4_prompt(Tensor x, Tensor codes, Tensor gscale, Tensor goffset, Tensor? bias) -> Tensor");
   m.def("dequantize_q8(Tensor qweight, Tensor? scale, Tensor? bscale, Tensor(a!) out) -> ()");
   m.def("dequantize_q4(Tensor codes, Tensor gscale, Tensor goffset, Tensor(a!) out) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -525,6 +614,8 @@ TORCH_LIBRARY_IMPL(stallfree, CPU, m) {
   m.impl("linear_group", &sf::linear_group);
   m.impl("linear_q8", &sf::linear_q8);
   m.impl("linear_q8_blocks", &sf::linear_q8_blocks);
+  m.impl("linear_q8_prompt", &sf::linear_q8_prompt);
+  m.impl("linear_q4_prompt", &sf::linear_q4_prompt);
   m.impl("linear_q4", &sf::linear_q4);
   m.impl("dequantize_q8", &sf::dequantize_q8);
   m.impl("dequantize_q4", &sf::dequantize_q4);

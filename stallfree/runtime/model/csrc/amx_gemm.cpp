@@ -1,0 +1,397 @@
+// Prompt-sized products of int8 weights on AMX tiles: y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n])
+// for many bfloat16 activation rows (a prefill chunk), w the int8 weight times its scale (one
+// per row, or a float16 scale per block of 32: GGUF's Q8_0), dequantised block by block into
+// L1 as the product walks it.
+//
+// The integer layers' prompt path otherwise dequantises the whole weight into a bfloat16
+// workspace and hands it to F.linear, whose oneDNN re-lays it out into its blocked order: the
+// weight is read as int8, written and read as bfloat16, written and read again. Here each block
+// of 32 weight rows by kKBlock values is read once as int8 and written once, dequantised, into
+// the L1 buffer the tiles read; the values are the dense path's (q * scale rounded to
+// bfloat16), so only the order of the float32 sums differs.
+//
+// As in isa_amx.cpp the product is computed transposed, C[n, m] = W[n, :] . X[m, :]: a weight
+// tile is 16 rows of 32 values, and the activations are packed once per call into the
+// pair-interleaved order the instruction reads (chunks of 16 rows). Each step multiplies two
+// weight tiles into two activation chunks (four accumulators, the most that eight tiles allow),
+// so each tile loaded feeds two multiplies. The weight is walked in blocks of 32 rows by
+// kKBlock values: a block stays in L1 while every chunk of activation rows passes over it, the
+// accumulators parked in a buffer between blocks of k, and the next block's lines are
+// prefetched meanwhile, a share per chunk pair. A finished accumulator is transposed in
+// AVX-512 registers and written as 16 output rows.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "kernels.h"
+
+#if (defined(__clang__) && __clang_major__ >= 12) || \
+    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define SF_HAVE_AMX_GEMM 1
+#else
+#define SF_HAVE_AMX_GEMM 0
+#endif
+
+#if SF_HAVE_AMX_GEMM
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")
+
+namespace sf {
+namespace amx {
+namespace {
+
+// values of k per block: 32 weight rows x 256 values (16 KB) and an activation chunk pair's
+// 16 KB share L1
+constexpr int64_t kKBlock = 256;
+// activation rows per pass over the weights: their packed values for one block of k (16 KB a
+// chunk pair) and their parked accumulators (2 KB per chunk) stay in L2
+constexpr int64_t kMBlock = 256;
+// blocks of 32 weight rows that take turns over one block of k of the activations (128 KB at
+// kMBlock rows) while it is in L2; their parked accumulators take 32 KB each
+constexpr int64_t kNGroup = 8;
+
+// GCC's tile intrinsics name no memory in their asm (_tile_loadconfig names only the
+// configuration's first bytes), so the compiler may move the stores that fill what a tile
+// loads, or the loads that read what a tile stored, across them: a compiler barrier on each
+// side of every tile memory operation (no instruction)
+#define SF_GEMM_TILE(op)            \
+  do {                              \
+    asm volatile("" ::: "memory");  \
+    op;                             \
+    asm volatile("" ::: "memory");  \
+  } while (0)
+
+struct alignas(64) GemmTileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-3: accumulators C[weight tile][chunk] at 2 * t + c; 4, 5: weights; 6, 7: activations.
+// Every tile is 16 rows of 64 bytes.
+void configure_gemm() {
+  GemmTileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  SF_GEMM_TILE(_tile_loadconfig(&cfg));
+}
+
+// r[i] <- column i of the 16 x 16 matrix whose rows are r[0..15]
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // in each 128-bit lane L, u[4 i + j] holds column 4 L + j of rows 4 i .. 4 i + 3
+  __m512 u[16];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    const __m512 a = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88);
+    const __m512 b = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD);
+    const __m512 c = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512 d = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
+    r[j] = _mm512_shuffle_f32x4(a, c, 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(a, c, 0xDD);
+    r[4 + j] = _mm512_shuffle_f32x4(b, d, 0x88);
+    r[12 + j] = _mm512_shuffle_f32x4(b, d, 0xDD);
+  }
+}
+
+// A finished accumulator c[r][i] (weight row n + r, activation row m0 + i) into the output's
+// rows m0 .. m0 + rows - 1, columns n .. n + 15, the bias added, in the output's dtype
+void write_tile(const float* c, int rows, const float* bias, int64_t n, int64_t m0, Out out) {
+  __m512 r[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c + 16 * i);
+  transpose16(r);
+  const __m512 bv = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+  for (int i = 0; i < rows; ++i) {
+    const __m512 v = _mm512_add_ps(r[i], bv);
+    const int64_t at = (m0 + i) * out.ldo + n;
+    if (out.bf16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out.ptr) + at),
+                          (__m256i)_mm512_cvtneps_pbh(v));
+    else
+      _mm512_storeu_ps(static_cast<float*>(out.ptr) + at, v);
+  }
+}
+
+// Prefetches the lines of one block of weights (`rows` rows from `base`, `bytes` of each) a
+// share at a time, while the block before it is multiplied
+struct BlockPrefetch {
+  const char* base = nullptr;
+  int64_t stride = 0;
+  int rows = 0;
+  int64_t lines = 0;  // per row
+  int row = 0;        // the next line to fetch: `line` of row `row`
+  int64_t line = 0;
+
+  void start(const char* b, int64_t s, int r, int64_t bytes) {
+    base = b;
+    stride = s;
+    rows = r;
+    lines = bytes / 64;
+    row = 0;
+    line = 0;
+  }
+  void fetch(int64_t count) {
+    for (; count > 0 && row < rows; --count) {
+      _mm_prefetch(base + row * stride + line * 64, _MM_HINT_T1);
+      if (++line == lines) {
+        line = 0;
+        ++row;
+      }
+    }
+  }
+  int64_t left() const { return (rows - row) * lines - line; }
+};
+
+// One block of k (`nb` blocks of 32 values) of WT weight tiles (`wpk`, from pack_block)
+// against XC activation chunks (`x0`, `x1` at the block's first 32 values, `chunks` tiles
+// from one block of 32 to the next, pack_x_gemm's order): the accumulators
+// start from zero (`first`) or from `park`, and end in `park`
+template <int WT, int XC>
+inline void step_block(const char* wpk, const uint32_t* x0, const uint32_t* x1, int64_t nb,
+                       int64_t chunks, bool first, float* park) {
+  if (first) {
+    _tile_zero(0);
+    if (XC == 2) _tile_zero(1);
+    if (WT == 2) _tile_zero(2);
+    if (WT == 2 && XC == 2) _tile_zero(3);
+  } else {
+    SF_GEMM_TILE(_tile_loadd(0, park, 64));
+    if (XC == 2) SF_GEMM_TILE(_tile_loadd(1, park + 256, 64));
+    if (WT == 2) SF_GEMM_TILE(_tile_loadd(2, park + 512, 64));
+    if (WT == 2 && XC == 2) SF_GEMM_TILE(_tile_loadd(3, park + 768, 64));
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    SF_GEMM_TILE(_tile_loadd(4, wpk + b * 2048, 64));
+    SF_GEMM_TILE(_tile_loadd(6, x0 + b * chunks * 256, 64));
+    if (XC == 2) SF_GEMM_TILE(_tile_loadd(7, x1 + b * chunks * 256, 64));
+    _tile_dpbf16ps(0, 4, 6);
+    if (XC == 2) _tile_dpbf16ps(1, 4, 7);
+    if (WT == 2) {
+      SF_GEMM_TILE(_tile_loadd(5, wpk + b * 2048 + 1024, 64));
+      _tile_dpbf16ps(2, 5, 6);
+      if (XC == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  SF_GEMM_TILE(_tile_stored(0, park, 64));
+  if (XC == 2) SF_GEMM_TILE(_tile_stored(1, park + 256, 64));
+  if (WT == 2) SF_GEMM_TILE(_tile_stored(2, park + 512, 64));
+  if (WT == 2 && XC == 2) SF_GEMM_TILE(_tile_stored(3, park + 768, 64));
+}
+
+// 32 int8 weights times their scale, rounded to bfloat16 (round to nearest even, as the dense
+// path's dequantisation rounds them), as the 64 bytes of one tile row
+inline __m512i dequant32(const int8_t* q, __m512 s) {
+  const __m512 lo = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))), s);
+  const __m512 hi = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))), s);
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// The int8 weight and its scales: one float32 per row (`scale`) or a float16 per block of 32
+// (`bscale`, [n, k / 32])
+struct Q8Weight {
+  static constexpr int64_t kBlockBytes = 32;  // stored bytes per block of 32 values
+  const int8_t* w;
+  const float* scale;
+  const uint16_t* bscale;
+  int64_t k;
+
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(w + n * k); }
+  // the 32 values of block b of row n, dequantised and rounded to bfloat16
+  __m512i block(int64_t n, int64_t b) const {
+    const __m512 s =
+        _mm512_set1_ps(bscale ? _cvtsh_ss(bscale[n * (k / 32) + b]) : scale[n]);
+    return dequant32(w + n * k + b * 32, s);
+  }
+};
+
+// int4 codes (16 bytes per group of 32: byte j holds value j in its low nibble and value
+// j + 16 in its high one) with a float16 scale and offset per group: code * scale + offset,
+// fused as the dense path's dequantisation computes it, rounded to bfloat16
+struct Q4Weight {
+  static constexpr int64_t kBlockBytes = 16;
+  const uint8_t* codes;
+  const uint16_t* gscale;
+  const uint16_t* goffset;
+  int64_t k;
+
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(codes + n * (k / 2)); }
+  __m512i block(int64_t n, int64_t b) const {
+    const int64_t g = n * (k / 32) + b;
+    const __m512i c = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16)));
+    const __m512 sc = _mm512_set1_ps(_cvtsh_ss(gscale[g]));
+    const __m512 of = _mm512_set1_ps(_cvtsh_ss(goffset[g]));
+    const __m512 lo = _mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(0x0f))), sc, of);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), sc, of);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  }
+};
+
+// A block of weights, `rows` (16 or 32) rows from row n by `nb` blocks of 32 values from block
+// kb, dequantised contiguous in the order step_block reads (piece, tile, row): in place the
+// weight's rows lie a power of two apart in the models' shapes, so they would all fall in a
+// few L1 sets and leave L1 before the next chunk of activations comes back to them
+template <typename Wt>
+inline void pack_block(const Wt& q, int64_t n, int rows, int64_t kb, int64_t nb, char* wpk) {
+  for (int r = 0; r < rows; ++r) {
+    char* dst = wpk + (r / 16) * 1024 + (r % 16) * 64;
+    for (int64_t b = 0; b < nb; ++b) _mm512_store_si512(dst + b * 2048, q.block(n + r, kb + b));
+  }
+}
+
+using StepFn = void (*)(const char*, const uint32_t*, const uint32_t*, int64_t, int64_t, bool,
+                        float*);
+
+StepFn step_for(int wt, int xc) {
+  if (wt == 2) return xc == 2 ? step_block<2, 2> : step_block<2, 1>;
+  return xc == 2 ? step_block<1, 2> : step_block<1, 1>;
+}
+
+}  // namespace
+
+int64_t packed_gemm_size(int64_t m, int64_t k) { return (m + 15) / 16 * 16 * (k / 2); }
+
+void pack_x_gemm(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp) {
+  const int64_t chunks = (m + 15) / 16;
+  for (int64_t b = 0; b < k / 32; ++b)
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m512 r[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i)
+        r[i] = c * 16 + i < m
+                   ? _mm512_loadu_ps(reinterpret_cast<const float*>(x + (c * 16 + i) * k + b * 32))
+                   : _mm512_setzero_ps();
+      transpose16(r);  // r[p]: value pair p of each of the 16 rows
+      uint32_t* dst = xp + (b * chunks + c) * 256;
+#pragma GCC unroll 16
+      for (int p = 0; p < 16; ++p) _mm512_store_ps(reinterpret_cast<float*>(dst + p * 16), r[p]);
+    }
+}
+
+namespace {
+
+template <typename Wt>
+void gemm_impl(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const float* bias,
+               int64_t n0, int64_t n1, Out out) {
+  if (n0 >= n1) return;
+  configure_gemm();
+  constexpr int64_t bb = Wt::kBlockBytes;  // stored bytes per block of 32 values
+  const int64_t stride = k / 32 * bb;       // bytes per weight row
+  const int64_t kblocks = k / 32;
+  const int64_t kstep = kKBlock / 32;
+  const int64_t chunks = (m + 15) / 16;
+  const int64_t mchunks = kMBlock / 16;
+  const int64_t pairs_max = (mchunks + 1) / 2;
+  // parked accumulators: 4 tiles (1 KB each) per chunk pair of one M block, per block of 32
+  // weight rows of a group
+  thread_local std::vector<float> park_buf;
+  park_buf.resize(static_cast<size_t>(kNGroup * pairs_max * 1024 + 16));
+  float* park = reinterpret_cast<float*>(
+      (reinterpret_cast<uintptr_t>(park_buf.data()) + 63) & ~uintptr_t{63});
+  thread_local std::vector<char> wpk_buf;
+  wpk_buf.resize(kstep * 2048 + 64);
+  char* wpk = reinterpret_cast<char*>(
+      (reinterpret_cast<uintptr_t>(wpk_buf.data()) + 63) & ~uintptr_t{63});
+  const auto rows_at = [&](int64_t n) { return n1 - n >= 32 ? 32 : 16; };
+  BlockPrefetch pf;
+  for (int64_t c0 = 0; c0 < chunks; c0 += mchunks) {
+    const int64_t c1 = std::min(chunks, c0 + mchunks);
+    const int64_t pairs = (c1 - c0 + 1) / 2;
+    // a group of weight rows shares each block of k of the activations while it is in L2
+    for (int64_t g0 = n0; g0 < n1; g0 += 32 * kNGroup) {
+      const int64_t g1 = std::min(n1, g0 + 32 * kNGroup);
+      for (int64_t kb = 0; kb < kblocks; kb += kstep) {
+        const int64_t kb1 = std::min(kblocks, kb + kstep);
+        for (int64_t n = g0; n < g1; n += 32) {
+          const int wt = rows_at(n) / 16;
+          // the block after this one: the group's next rows, else its first rows' next k,
+          // else the next group's first
+          if (n + 32 < g1)
+            pf.start(q.row(n + 32) + kb * bb, stride, rows_at(n + 32), (kb1 - kb) * bb);
+          else if (kb1 < kblocks)
+            pf.start(q.row(g0) + kb1 * bb, stride, rows_at(g0),
+                     std::min(kstep, kblocks - kb1) * bb);
+          else if (g1 < n1)
+            pf.start(q.row(g1), stride, rows_at(g1), std::min(kstep, kblocks) * bb);
+          else
+            pf.start(nullptr, 0, 0, 0);
+          pack_block(q, n, 16 * wt, kb, kb1 - kb, wpk);
+          const int64_t share = (pf.left() + pairs - 1) / pairs;
+          float* gpark = park + (n - g0) / 32 * pairs_max * 1024;
+          for (int64_t c = c0; c < c1; c += 2) {
+            const int xc = c1 - c >= 2 ? 2 : 1;
+            float* pk = gpark + (c - c0) / 2 * 1024;
+            const uint32_t* x0 = xp + (kb * chunks + c) * 256;
+            step_for(wt, xc)(wpk, x0, x0 + 256, kb1 - kb, chunks, kb == 0, pk);
+            pf.fetch(share);
+            if (kb1 == kblocks) {
+              for (int t = 0; t < wt; ++t)
+                for (int i = 0; i < xc; ++i) {
+                  const int64_t m0 = (c + i) * 16;
+                  const int rows = static_cast<int>(std::min<int64_t>(16, m - m0));
+                  write_tile(pk + (2 * t + i) * 256, rows, bias, n + 16 * t, m0, out);
+                }
+            }
+          }
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+void gemm_q8(const uint32_t* xp, int64_t m, int64_t k, const int8_t* w, const float* scale,
+             const uint16_t* bscale, const float* bias, int64_t n0, int64_t n1, Out out) {
+  gemm_impl(xp, m, k, Q8Weight{w, scale, bscale, k}, bias, n0, n1, out);
+}
+
+void gemm_q4(const uint32_t* xp, int64_t m, int64_t k, const uint8_t* codes,
+             const uint16_t* gscale, const uint16_t* goffset, const float* bias, int64_t n0,
+             int64_t n1, Out out) {
+  gemm_impl(xp, m, k, Q4Weight{codes, gscale, goffset, k}, bias, n0, n1, out);
+}
+
+}  // namespace amx
+}  // namespace sf
+
+#pragma GCC pop_options
+
+#else  // no AMX intrinsics in this compiler: the tiles are never granted (isa_amx.cpp)
+
+namespace sf {
+namespace amx {
+int64_t packed_gemm_size(int64_t, int64_t) { return 0; }
+void pack_x_gemm(const uint16_t*, int64_t, int64_t, uint32_t*) {}
+void gemm_q8(const uint32_t*, int64_t, int64_t, const int8_t*, const float*, const uint16_t*,
+             const float*, int64_t, int64_t, Out) {}
+void gemm_q4(const uint32_t*, int64_t, int64_t, const uint8_t*, const uint16_t*,
+             const uint16_t*, const float*, int64_t, int64_t, Out) {}
+}  // namespace amx
+}  // namespace sf
+
+#endif  // SF_HAVE_AMX_GEMM

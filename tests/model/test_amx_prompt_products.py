@@ -1,0 +1,172 @@
+"""A prompt's integer products on the AMX tiles (csrc/amx_gemm.cpp, `linear_q8_prompt` and
+`linear_q4_prompt`): the weight dequantised block by block into L1 gives the dense path's
+product (the same bfloat16 weight values, float32 sums in another order) for int8 with row and
+block scales and for int4 groups, every row count past the decode kernels', weights whose
+height is not a whole block of 32 rows and inputs of one to many blocks of k; `Int8Linear` and
+`Int4Linear` take it for a bfloat16 prompt where the tiles are in use, and the dense path
+otherwise."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stallfree.runtime.model import cpu_kernels, quant
+from tests.model.native_util import VARIANTS, set_isa
+
+needs_amx = pytest.mark.skipif(
+    "avx512" not in VARIANTS or not cpu_kernels.amx(),
+    reason="no AMX tiles in use (none granted here, or the environment chose otherwise)",
+)
+
+
+@pytest.fixture
+def tiles(restore_variant: None) -> Iterator[None]:
+    set_isa("avx512")
+    assert torch.ops.stallfree.set_amx(True)
+    yield
+    torch.ops.stallfree.set_amx(cpu_kernels.amx())
+
+
+KINDS = ("int8 rows", "int8 blocks", "int4")
+
+
+def layer(n: int, k: int, kind: str | bool, seed: int) -> quant.QuantLinear:
+    """`kind` one of KINDS (True / False: int8 with block / row scales)."""
+    if isinstance(kind, bool):
+        kind = "int8 blocks" if kind else "int8 rows"
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    if kind == "int4":
+        return quant.Int4Linear(quant.quantize_int4(w), None, torch.bfloat16)
+    weight = quant.quantize_int8_blocks(w) if kind == "int8 blocks" else quant.quantize_int8(w)
+    return quant.Int8Linear(weight, None, torch.bfloat16)
+
+
+def prompt_op(
+    lin: quant.QuantLinear, x: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    out: torch.Tensor
+    if isinstance(lin, quant.Int4Linear):
+        out = torch.ops.stallfree.linear_q4_prompt(x, lin.codes, lin.q4_scale, lin.q4_offset, bias)
+    else:
+        scale = lin.scale_f32 if lin.block_scale is None else None
+        out = torch.ops.stallfree.linear_q8_prompt(x, lin.qweight, scale, lin.block_scale, bias)
+    return out
+
+
+def dense(lin: quant.QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """The exact product of x with the dense path's bfloat16 weight values."""
+    return x.double() @ lin.dequantize().double().T
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(((out.double() - ref).abs() / ref.abs().max().clamp_min(1e-30)).max())
+
+
+@needs_amx
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    m=st.integers(1, 300),
+    n16=st.integers(1, 40),
+    kblocks=st.integers(1, 20),
+    kind=st.sampled_from(KINDS),
+    seed=st.integers(0, 2**16),
+)
+def test_prompt_product_equals_the_dense_one(
+    tiles: None, m: int, n16: int, kblocks: int, kind: str, seed: int
+) -> None:
+    n, k = 16 * n16, 32 * kblocks  # heights of 16-row blocks that are not whole 32-row blocks too
+    lin = layer(n, k, kind, seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    out = prompt_op(lin, x)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    # float32 sums of exact bfloat16 products, rounded once to bfloat16
+    assert rel(out, dense(lin, x)) < 8e-3
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", KINDS)
+def test_bias_is_added_in_float32(tiles: None, kind: str) -> None:
+    lin = layer(64, 96, kind, 0)
+    x = torch.randn(40, 96).bfloat16()
+    bias = torch.randn(64)
+    assert rel(prompt_op(lin, x, bias), dense(lin, x) + bias.double()) < 8e-3
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bfloat16_prompt_takes_the_tiles_and_a_float32_one_does_not(
+    tiles: None, kind: str
+) -> None:
+    lin = layer(96, 128, kind, 3)
+    x = torch.randn(2, 30, 128).bfloat16()  # 60 rows: past the decode kernels' 16
+    before = torch.ops.stallfree.amx_calls()
+    out = lin(x)
+    assert torch.ops.stallfree.amx_calls() == before + 1
+    assert out.shape == (2, 30, 96)
+    assert rel(out.reshape(60, 96), dense(lin, x.reshape(60, 128))) < 8e-3
+    f32 = quant.Int8Linear(quant.quantize_int8(torch.randn(96, 128) * 0.05), None, torch.float32)
+    if kind == "int4":
+        f32 = quant.Int4Linear(
+            quant.quantize_int4(torch.randn(96, 128) * 0.05), None, torch.float32
+        )
+    before = torch.ops.stallfree.amx_calls()
+    f32(torch.randn(60, 128))
+    assert torch.ops.stallfree.amx_calls() == before  # the dense path: float32 numerics
+
+
+@needs_amx
+def test_bad_arguments_are_errors_not_crashes(tiles: None) -> None:
+    lin = layer(32, 64, False, 0)
+    op = torch.ops.stallfree.linear_q8_prompt
+    x = torch.randn(20, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="one of scale and bscale"):
+        op(x, lin.qweight, None, None, None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        op(x.float(), lin.qweight, lin.scale_f32, None, None)
+    with pytest.raises(RuntimeError, match="multiple of 32 and out_features of 16"):
+        op(torch.randn(20, 48).bfloat16(), torch.zeros(32, 48, dtype=torch.int8), lin.scale_f32,
+           None, None)  # fmt: skip
+    with pytest.raises(RuntimeError, match="multiple of 32 and out_features of 16"):
+        op(x, torch.zeros(24, 64, dtype=torch.int8), torch.ones(24), None, None)
+    with pytest.raises(RuntimeError, match="features"):
+        op(torch.randn(20, 96).bfloat16(), lin.qweight, lin.scale_f32, None, None)
+    q4 = layer(32, 64, "int4", 0)
+    assert isinstance(q4, quant.Int4Linear)
+    op4 = torch.ops.stallfree.linear_q4_prompt
+    with pytest.raises(
+        RuntimeError, match=r"codes must be a contiguous uint8 \[out, in / 32, 16\]"
+    ):
+        op4(x, q4.codes.view(32, 32), q4.q4_scale, q4.q4_offset, None)
+    with pytest.raises(RuntimeError, match="scales and offsets must be float16"):
+        op4(x, q4.codes, q4.q4_scale.float(), q4.q4_offset, None)
+
+
+def test_without_the_tiles_the_prompt_runs_dense(
+    restore_variant: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the tiles are not in use (the AVX2 variant, a CPU without AMX, or
+    STALLFREE_CPU_AMX=0) the layer keeps the dense path, and the op refuses rather than run
+    without tiles (restore_variant puts the process's tiles back)."""
+    if not VARIANTS:
+        pytest.skip("native CPU kernels unavailable here")
+    monkeypatch.setattr(cpu_kernels, "amx", lambda: False)
+    for kind in KINDS:
+        lin = layer(64, 64, kind, 1)
+        x = torch.randn(40, 64).bfloat16()
+        before = torch.ops.stallfree.amx_calls()
+        out = lin(x)
+        assert torch.ops.stallfree.amx_calls() == before
+        assert rel(out, dense(lin, x)) < 8e-3
+    monkeypatch.undo()
+    lin = layer(64, 64, True, 1)
+    torch.ops.stallfree.set_amx(False)
+    with pytest.raises(RuntimeError, match="AMX tiles are not in use"):
+        torch.ops.stallfree.linear_q8_prompt(x, lin.qweight, None, lin.block_scale, None)
