@@ -112,6 +112,11 @@ def test_a_bfloat16_prompt_takes_the_tiles_and_a_float32_one_does_not(
     assert torch.ops.stallfree.amx_calls() == before + 1
     assert out.shape == (2, 30, 96)
     assert rel(out.reshape(60, 96), dense(lin, x.reshape(60, 128))) < 8e-3
+    # past PROMPT_TILES_MAX_ROWS rows: the dense path
+    before = torch.ops.stallfree.amx_calls()
+    long = torch.randn(quant.PROMPT_TILES_MAX_ROWS + 1, 128).bfloat16()
+    assert rel(lin(long), dense(lin, long)) < 8e-3
+    assert torch.ops.stallfree.amx_calls() == before
     f32 = quant.Int8Linear(quant.quantize_int8(torch.randn(96, 128) * 0.05), None, torch.float32)
     if kind == "int4":
         f32 = quant.Int4Linear(

@@ -233,6 +233,13 @@ def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
 # dequantises the weight as it goes instead of into a workspace (`Int4Linear._prompt` too).
 NATIVE_MAX_ROWS = 16
 AMX_NATIVE_MAX_ROWS = 32
+# Up to this many prompt rows an integer layer runs on the tiles' prompt product
+# (`linear_q8_prompt`, `linear_q4_prompt`), above it on the dense path: the product walks the
+# weight once per 256 rows (csrc/amx_gemm.cpp, kMBlock), dequantising it again each time, and
+# oneDNN's product on the dense copy is faster by then. bench_prefill.py, SmolLM2's four shapes,
+# share of the bf16 peak, tiles against dense: Q8_0 at 64 rows 38 / 22%, 256 rows 62 / 49%,
+# 512 rows 58 / 73%; int4 39 / 21%, 56 / 48%, 54 / 69%; at 320 rows int4 already lost.
+PROMPT_TILES_MAX_ROWS = 256
 
 
 def native_max_rows() -> int:
@@ -401,6 +408,7 @@ class Int8Linear(_QuantLinearBase):
         if not (
             self.native
             and flat.dtype == torch.bfloat16
+            and flat.shape[0] <= PROMPT_TILES_MAX_ROWS
             and self.out_features % 16 == 0
             and not torch.compiler.is_compiling()
             and cpu_kernels.amx()
@@ -496,6 +504,7 @@ class Int4Linear(_QuantLinearBase):
         if not (
             self.native
             and flat.dtype == torch.bfloat16
+            and flat.shape[0] <= PROMPT_TILES_MAX_ROWS
             and self.out_features % 16 == 0
             and not torch.compiler.is_compiling()
             and cpu_kernels.amx()
