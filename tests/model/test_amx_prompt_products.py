@@ -4,18 +4,21 @@ product (the same bfloat16 weight values, float32 sums in another order) for int
 block scales and for int4 groups, every row count past the decode kernels', weights whose
 height is not a whole block of 32 rows and inputs of one to many blocks of k; `Int8Linear` and
 `Int4Linear` take it for a bfloat16 prompt where the tiles are in use, and the dense path
-otherwise."""
+otherwise. A dense bfloat16 prompt's product reads its row-major weight in place there
+(`linear_bf16_prompt`, `NativeLinear`) between the decode kernels' rows and 256."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from stallfree.runtime.model import cpu_kernels, quant
+from stallfree.runtime.model import cpu_kernels, native_layers, quant
 from tests.model.native_util import VARIANTS, set_isa
 
 needs_amx = pytest.mark.skipif(
@@ -175,3 +178,72 @@ def test_without_the_tiles_the_prompt_runs_dense(
     torch.ops.stallfree.set_amx(False)
     with pytest.raises(RuntimeError, match="AMX tiles are not in use"):
         torch.ops.stallfree.linear_q8_prompt(x, lin.qweight, None, lin.block_scale, None)
+
+
+@needs_amx
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    m=st.integers(1, 300),
+    n16=st.integers(1, 40),
+    kblocks=st.integers(1, 20),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_bfloat16_prompt_product_equals_the_exact_one(
+    tiles: None, m: int, n16: int, kblocks: int, bias: bool, seed: int
+) -> None:
+    """`linear_bf16_prompt`: the row-major bfloat16 weight read in place (no re-layout)."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = 16 * n16, 32 * kblocks
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None
+    out = torch.ops.stallfree.linear_bf16_prompt(x, w, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert rel(out, want) < 8e-3
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@needs_amx
+def test_a_bfloat16_prompt_layer_takes_the_tiles_between_the_decode_kernels_and_256_rows(
+    tiles: None,
+) -> None:
+    layer = torch.nn.Linear(96, 64).bfloat16()
+    assert native_layers.use_native_linears(layer) == 1
+    with torch.no_grad():
+        for rows, op in (
+            (native_layers.dense_max_rows(torch.bfloat16), "stallfree.linear"),
+            (native_layers.dense_max_rows(torch.bfloat16) + 1, "stallfree.linear_bf16_prompt"),
+            (native_layers.PROMPT_TILES_MAX_ROWS, "stallfree.linear_bf16_prompt"),
+            (native_layers.PROMPT_TILES_MAX_ROWS + 1, "aten.addmm"),  # F.linear
+        ):
+            x = torch.randn(1, rows, 96).bfloat16()
+            with _Ops() as ops:
+                out = layer(x)
+            assert op in ops.calls and out.shape == (1, rows, 64)
+            want = x[0].double() @ layer.weight.double().T + layer.bias.double()
+            assert rel(out[0], want) < 8e-3
+
+
+@needs_amx
+def test_bfloat16_prompt_bad_arguments_are_errors(tiles: None) -> None:
+    op = torch.ops.stallfree.linear_bf16_prompt
+    x = torch.randn(20, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="weight must be a contiguous bfloat16"):
+        op(x, torch.randn(32, 64), None)
+    with pytest.raises(RuntimeError, match="out_features of 16"):
+        op(x, torch.randn(24, 64).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="features"):
+        op(x, torch.randn(32, 96).bfloat16(), None)

@@ -55,6 +55,12 @@ def _linear_q4_prompt(
     return _rows_out(x, codes.shape[0])
 
 
+def _linear_bf16_prompt(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return _rows_out(x, weight.shape[0])
+
+
 def _dequantize_q8(
     qweight: torch.Tensor,
     scale: torch.Tensor | None,
@@ -162,6 +168,7 @@ FAKES: dict[str, Callable[..., Any]] = {
     "linear_q8_blocks": _linear_q8_blocks,
     "linear_q8_prompt": _linear_q8_prompt,
     "linear_q4_prompt": _linear_q4_prompt,
+    "linear_bf16_prompt": _linear_bf16_prompt,
     "dequantize_q8": _dequantize_q8,
     "dequantize_q4": _dequantize_q4,
     "linear_q4": _linear_q4,

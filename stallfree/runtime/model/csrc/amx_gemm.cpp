@@ -1,14 +1,14 @@
-// Prompt-sized products of int8 weights on AMX tiles: y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n])
-// for many bfloat16 activation rows (a prefill chunk), w the int8 weight times its scale (one
-// per row, or a float16 scale per block of 32: GGUF's Q8_0), dequantised block by block into
-// L1 as the product walks it.
+// Prompt-sized products on AMX tiles: y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for many
+// bfloat16 activation rows (a prefill chunk), w a bfloat16 weight read in place, or an int8 or
+// int4 weight dequantised block by block into L1 as the product walks it.
 //
-// The integer layers' prompt path otherwise dequantises the whole weight into a bfloat16
-// workspace and hands it to F.linear, whose oneDNN re-lays it out into its blocked order: the
-// weight is read as int8, written and read as bfloat16, written and read again. Here each block
-// of 32 weight rows by kKBlock values is read once as int8 and written once, dequantised, into
-// the L1 buffer the tiles read; the values are the dense path's (q * scale rounded to
-// bfloat16), so only the order of the float32 sums differs.
+// torch's F.linear hands oneDNN a plain weight, which it re-lays out into its blocked order on
+// every call: the whole weight is read, written and read again (and an integer layer's prompt
+// path first dequantised its whole weight into a bfloat16 workspace). Keeping oneDNN's blocked
+// copy as well would hold the weights twice (the decode kernels read the row-major weight).
+// Here each block of 32 weight rows by kKBlock values is read once (an integer one dequantised
+// to the dense path's values: q * scale, or code * scale + offset, rounded to bfloat16) into
+// the L1 buffer the tiles read; only the order of the float32 sums differs from the dense path.
 //
 // As in isa_amx.cpp the product is computed transposed, C[n, m] = W[n, :] . X[m, :]: a weight
 // tile is 16 rows of 32 values, and the activations are packed once per call into the
@@ -250,6 +250,16 @@ struct Q4Weight {
   }
 };
 
+// A bfloat16 weight as it is: a block is its 64 bytes
+struct BF16Weight {
+  static constexpr int64_t kBlockBytes = 64;
+  const uint16_t* w;
+  int64_t k;
+
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(w + n * k); }
+  __m512i block(int64_t n, int64_t b) const { return _mm512_loadu_si512(w + n * k + b * 32); }
+};
+
 // A block of weights, `rows` (16 or 32) rows from row n by `nb` blocks of 32 values from block
 // kb, dequantised contiguous in the order step_block reads (piece, tile, row): in place the
 // weight's rows lie a power of two apart in the models' shapes, so they would all fall in a
@@ -376,6 +386,11 @@ void gemm_q4(const uint32_t* xp, int64_t m, int64_t k, const uint8_t* codes,
   gemm_impl(xp, m, k, Q4Weight{codes, gscale, goffset, k}, bias, n0, n1, out);
 }
 
+void gemm_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, const float* bias,
+               int64_t n0, int64_t n1, Out out) {
+  gemm_impl(xp, m, k, BF16Weight{w, k}, bias, n0, n1, out);
+}
+
 }  // namespace amx
 }  // namespace sf
 
@@ -391,6 +406,8 @@ void gemm_q8(const uint32_t*, int64_t, int64_t, const int8_t*, const float*, con
              const float*, int64_t, int64_t, Out) {}
 void gemm_q4(const uint32_t*, int64_t, int64_t, const uint8_t*, const uint16_t*,
              const uint16_t*, const float*, int64_t, int64_t, Out) {}
+void gemm_bf16(const uint32_t*, int64_t, int64_t, const uint16_t*, const float*, int64_t,
+               int64_t, Out) {}
 }  // namespace amx
 }  // namespace sf
 

@@ -283,9 +283,10 @@ at::Tensor linear_q8_blocks(const at::Tensor& x, const at::Tensor& qweight,
   return out;
 }
 
-// A prompt's product with an integer weight on the AMX tiles (amx_gemm.cpp): bfloat16
-// activations as they are (not quantised: the dense path's numerics), the weight dequantised
-// block by block into L1 instead of whole into a workspace that oneDNN then re-lays out.
+// A prompt's product on the AMX tiles (amx_gemm.cpp): bfloat16 activations as they are (not
+// quantised: the dense path's numerics), the weight read in place (bfloat16) or dequantised
+// block by block into L1 (int8, int4) instead of whole into a workspace, and never re-laid out
+// as oneDNN does on every F.linear call.
 // `gemm(xp, m, n0, n1, out)` runs the blocks of output rows [n0, n1).
 template <typename Gemm>
 at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int64_t k,
@@ -367,6 +368,20 @@ at::Tensor linear_q4_prompt(const at::Tensor& x, const at::Tensor& codes,
   return prompt_on_tiles("linear_q4_prompt", x, n, k,
                          [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, Out o) {
                            amx::gemm_q4(xp, m, k, c, gs, go, b, n0, n1, o);
+                         });
+}
+
+// a bfloat16 weight [out, in] as it is
+at::Tensor linear_bf16_prompt(const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
+              "linear_bf16_prompt: weight must be a contiguous bfloat16 [out, in] tensor");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const auto* w = static_cast<const uint16_t*>(weight.data_ptr());
+  const float* b = opt_bias(bias, n);
+  return prompt_on_tiles("linear_bf16_prompt", x, n, k,
+                         [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, Out o) {
+                           amx::gemm_bf16(xp, m, k, w, b, n0, n1, o);
                          });
 }
 
@@ -599,6 +614,7 @@ TORCH_LIBRARY(stallfree, m) {
   m.def("linear_q4(Tensor x, Tensor codes, Tensor gscale, Tensor goffset, Tensor? bias) -> Tensor");
   m.def("linear_q8_prompt(Tensor x, Tensor qweight, Tensor? scale, Tensor? bscale, Tensor? bias) -> Tensor");
   m.def("linear_q4_prompt(Tensor x, Tensor codes, Tensor gscale, Tensor goffset, Tensor? bias) -> Tensor");
+  m.def("linear_bf16_prompt(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("dequantize_q8(Tensor qweight, Tensor? scale, Tensor? bscale, Tensor(a!) out) -> ()");
   m.def("dequantize_q4(Tensor codes, Tensor gscale, Tensor goffset, Tensor(a!) out) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -616,6 +632,7 @@ TORCH_LIBRARY_IMPL(stallfree, CPU, m) {
   m.impl("linear_q8_blocks", &sf::linear_q8_blocks);
   m.impl("linear_q8_prompt", &sf::linear_q8_prompt);
   m.impl("linear_q4_prompt", &sf::linear_q4_prompt);
+  m.impl("linear_bf16_prompt", &sf::linear_bf16_prompt);
   m.impl("linear_q4", &sf::linear_q4);
   m.impl("dequantize_q8", &sf::dequantize_q8);
   m.impl("dequantize_q4", &sf::dequantize_q4);
