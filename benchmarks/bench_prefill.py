@@ -6,7 +6,8 @@
 A prompt's projections are matrix-matrix products: SmolLM2-135M's five shapes (q/k/v 960x576,
 o 576x576, gate/up 3072x576, down 576x1536, the tied output 49152x576; the output only on the
 last row, so it is left out here) at `--rows` tokens, through the layers the engine uses for
-each format: `nn.Linear` (bf16, f32: oneDNN), `Int8Linear` with one scale per row (int8) or per
+each format: `nn.Linear` as the engine has it (bf16: `NativeLinear`, whose prompts of up to
+256 rows run on the AMX tiles' product where the CPU has it, else oneDNN; f32: oneDNN), `Int8Linear` with one scale per row (int8) or per
 block of 32 (q8_0, a GGUF's Q8_0), `Int4Linear` (int4). Above 16 rows the integer layers
 dequantise into a workspace and run the dense product, so their figure counts that too. The
 peak is the best of a 2048 x 2048 x 2048 product in the format's activation dtype (bf16 for
@@ -40,7 +41,7 @@ def _best(fn, repeats: int = 5) -> float:  # type: ignore[no-untyped-def]
 def child(fmt: str, rows: list[int], threads: int) -> None:
     import torch
 
-    from stallfree.runtime.model import quant
+    from stallfree.runtime.model import native_layers, quant
 
     torch.set_num_threads(threads)
     dtype = torch.float32 if fmt == "f32" else torch.bfloat16
@@ -54,6 +55,7 @@ def child(fmt: str, rows: list[int], threads: int) -> None:
         if fmt in ("bf16", "f32"):
             layer: torch.nn.Module = torch.nn.Linear(k, n, bias=False).to(dtype)
             layer.weight.data.copy_(w)
+            native_layers.use_native_linears(layer)  # as the engine loads it (bf16: NativeLinear)
         elif fmt == "int8":
             layer = quant.Int8Linear(quant.quantize_int8(w), None, dtype)
         elif fmt == "q8_0":
