@@ -98,9 +98,11 @@ def exact(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 
 
 def assert_near(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    """float32: float32 sums; bfloat16: float32 sums and one rounding of the output."""
+    """float32: float32 sums; bfloat16: float32 sums and one rounding of the output (half a
+    unit in the last place, 2^-8 relative, at most: the bound allows a whole unit, since the
+    sums' own error can push a value across a rounding boundary)."""
     err = (got.double() - want).abs()
-    rel, floor = (2e-5, 2e-5) if dtype == torch.float32 else (2**-8, 1e-3)
+    rel, floor = (2e-5, 2e-5) if dtype == torch.float32 else (2**-7, 1e-3)
     bound = floor + rel * want.abs()
     assert bool((err <= bound).all()), f"max error {err.max().item():.3g}"
 
