@@ -56,6 +56,7 @@ _HEADERS = (
     "kernels.h",
     "attention.h",
     "attention_impl.h",
+    "amx_tiles.h",
     "prefill_attention_impl.h",
 )
 _CSRC = Path(__file__).with_name("csrc")

@@ -53,64 +53,17 @@ constexpr int64_t kMBlock = 256;
 // kMBlock rows) while it is in L2; their parked accumulators take 32 KB each
 constexpr int64_t kNGroup = 8;
 
-// GCC's tile intrinsics name no memory in their asm (_tile_loadconfig names only the
-// configuration's first bytes), so the compiler may move the stores that fill what a tile
-// loads, or the loads that read what a tile stored, across them: a compiler barrier on each
-// side of every tile memory operation (no instruction)
-#define SF_GEMM_TILE(op)            \
-  do {                              \
-    asm volatile("" ::: "memory");  \
-    op;                             \
-    asm volatile("" ::: "memory");  \
-  } while (0)
-
-struct alignas(64) GemmTileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+#include "amx_tiles.h"
 
 // tiles 0-3: accumulators C[weight tile][chunk] at 2 * t + c; 4, 5: weights; 6, 7: activations.
 // Every tile is 16 rows of 64 bytes.
 void configure_gemm() {
-  GemmTileConfig cfg;
+  TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
-  SF_GEMM_TILE(_tile_loadconfig(&cfg));
-}
-
-// r[i] <- column i of the 16 x 16 matrix whose rows are r[0..15]
-inline void transpose16(__m512 (&r)[16]) {
-  __m512 t[16];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  // in each 128-bit lane L, u[4 i + j] holds column 4 L + j of rows 4 i .. 4 i + 3
-  __m512 u[16];
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
-    u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) {
-    const __m512 a = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88);
-    const __m512 b = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD);
-    const __m512 c = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
-    const __m512 d = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
-    r[j] = _mm512_shuffle_f32x4(a, c, 0x88);
-    r[8 + j] = _mm512_shuffle_f32x4(a, c, 0xDD);
-    r[4 + j] = _mm512_shuffle_f32x4(b, d, 0x88);
-    r[12 + j] = _mm512_shuffle_f32x4(b, d, 0xDD);
-  }
+  load_config(cfg);
 }
 
 // A finished accumulator c[r][i] (weight row n + r, activation row m0 + i) into the output's
@@ -119,17 +72,7 @@ void write_tile(const float* c, int rows, const float* bias, int64_t n, int64_t 
   __m512 r[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c + 16 * i);
-  transpose16(r);
-  const __m512 bv = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
-  for (int i = 0; i < rows; ++i) {
-    const __m512 v = _mm512_add_ps(r[i], bv);
-    const int64_t at = (m0 + i) * out.ldo + n;
-    if (out.bf16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out.ptr) + at),
-                          (__m256i)_mm512_cvtneps_pbh(v));
-    else
-      _mm512_storeu_ps(static_cast<float*>(out.ptr) + at, v);
-  }
+  write_block(r, rows, bias, n, m0, out);
 }
 
 // Prefetches the lines of one block of weights (`rows` rows from `base`, `bytes` of each) a
@@ -175,27 +118,27 @@ inline void step_block(const char* wpk, const uint32_t* x0, const uint32_t* x1, 
     if (WT == 2) _tile_zero(2);
     if (WT == 2 && XC == 2) _tile_zero(3);
   } else {
-    SF_GEMM_TILE(_tile_loadd(0, park, 64));
-    if (XC == 2) SF_GEMM_TILE(_tile_loadd(1, park + 256, 64));
-    if (WT == 2) SF_GEMM_TILE(_tile_loadd(2, park + 512, 64));
-    if (WT == 2 && XC == 2) SF_GEMM_TILE(_tile_loadd(3, park + 768, 64));
+    SF_TILE_LOADD(0, park, 64);
+    if (XC == 2) SF_TILE_LOADD(1, park + 256, 64);
+    if (WT == 2) SF_TILE_LOADD(2, park + 512, 64);
+    if (WT == 2 && XC == 2) SF_TILE_LOADD(3, park + 768, 64);
   }
   for (int64_t b = 0; b < nb; ++b) {
-    SF_GEMM_TILE(_tile_loadd(4, wpk + b * 2048, 64));
-    SF_GEMM_TILE(_tile_loadd(6, x0 + b * chunks * 256, 64));
-    if (XC == 2) SF_GEMM_TILE(_tile_loadd(7, x1 + b * chunks * 256, 64));
+    SF_TILE_LOADD(4, wpk + b * 2048, 64);
+    SF_TILE_LOADD(6, x0 + b * chunks * 256, 64);
+    if (XC == 2) SF_TILE_LOADD(7, x1 + b * chunks * 256, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (XC == 2) _tile_dpbf16ps(1, 4, 7);
     if (WT == 2) {
-      SF_GEMM_TILE(_tile_loadd(5, wpk + b * 2048 + 1024, 64));
+      SF_TILE_LOADD(5, wpk + b * 2048 + 1024, 64);
       _tile_dpbf16ps(2, 5, 6);
       if (XC == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  SF_GEMM_TILE(_tile_stored(0, park, 64));
-  if (XC == 2) SF_GEMM_TILE(_tile_stored(1, park + 256, 64));
-  if (WT == 2) SF_GEMM_TILE(_tile_stored(2, park + 512, 64));
-  if (WT == 2 && XC == 2) SF_GEMM_TILE(_tile_stored(3, park + 768, 64));
+  SF_TILE_STORED(0, park, 64);
+  if (XC == 2) SF_TILE_STORED(1, park + 256, 64);
+  if (WT == 2) SF_TILE_STORED(2, park + 512, 64);
+  if (WT == 2 && XC == 2) SF_TILE_STORED(3, park + 768, 64);
 }
 
 // 32 int8 weights times their scale, rounded to bfloat16 (round to nearest even, as the dense

@@ -43,32 +43,7 @@ namespace sf {
 namespace amx {
 namespace {
 
-// the tile configuration `ldtilecfg` reads: palette 1, then bytes per row and rows per tile
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// GCC 12's tile-load intrinsics do not tell the compiler all they read: `_tile_loadd` names no
-// memory at all and `_tile_loadconfig` only the configuration's first 8 bytes. The compiler
-// may then move the stores that fill what a tile loads past the load, or drop them as dead
-// (an int4 block unpacked into a buffer the tiles read came out wrong once the code around it
-// was rearranged; a configuration filled in a loop lost its row and width stores). A
-// compiler barrier on each side of every load keeps them in program order; it emits nothing.
-#define SF_TILE_LOADD(tile, base, stride)  \
-  do {                                     \
-    asm volatile("" ::: "memory");         \
-    _tile_loadd(tile, base, stride);       \
-    asm volatile("" ::: "memory");         \
-  } while (0)
-
-inline void load_config(const TileConfig& cfg) {
-  asm volatile("" ::: "memory");
-  _tile_loadconfig(&cfg);
-}
+#include "amx_tiles.h"
 
 // tiles: 0, 1 the accumulators (even and odd blocks), 2, 3 the activations, 4, 5 the weights
 void configure(int mc) {
@@ -102,53 +77,6 @@ inline void prefetch_rows(const char* wb, int64_t stride, int64_t blocks, int64_
 
 
 
-// r[i] <- column i of the 16 x 16 matrix whose rows are r[0..15]
-inline void transpose16(__m512 (&r)[16]) {
-  __m512 t[16];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  // in each 128-bit lane L, u[4 i + j] holds column 4 L + j of rows 4 i .. 4 i + 3
-  __m512 u[16];
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
-    u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) {
-    const __m512 a = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88);
-    const __m512 b = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD);
-    const __m512 c = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
-    const __m512 d = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
-    r[j] = _mm512_shuffle_f32x4(a, c, 0x88);
-    r[8 + j] = _mm512_shuffle_f32x4(a, c, 0xDD);
-    r[4 + j] = _mm512_shuffle_f32x4(b, d, 0x88);
-    r[12 + j] = _mm512_shuffle_f32x4(b, d, 0xDD);
-  }
-}
-
-// A block's outputs, r[w] lane i for weight row n + w and activation row m0 + i: the first
-// `rows` activation rows, plus the bias, written in the output's dtype (transposed in
-// registers, one vector store per activation row)
-void write_block(__m512 (&r)[16], int rows, const float* bias, int64_t n, int64_t m0, Out out) {
-  transpose16(r);
-  const __m512 bv = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
-  for (int i = 0; i < rows; ++i) {
-    const __m512 v = _mm512_add_ps(r[i], bv);
-    const int64_t at = (m0 + i) * out.ldo + n;
-    if (out.bf16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out.ptr) + at),
-                          (__m256i)_mm512_cvtneps_pbh(v));
-    else
-      _mm512_storeu_ps(static_cast<float*>(out.ptr) + at, v);
-  }
-}
-
 // One block of 16 weight rows against one chunk of `mc` activation rows.
 // `rows` of the chunk's `mc` (packed) rows are written out
 void block(const uint32_t* xp, int rows, int mc, int64_t k, const uint16_t* w, const float* bias,
@@ -177,8 +105,8 @@ void block(const uint32_t* xp, int rows, int mc, int64_t k, const uint16_t* w, c
   }
   alignas(64) float c0[16][16];
   alignas(64) float c1[16][16];
-  _tile_stored(0, c0, 64);
-  _tile_stored(1, c1, 64);
+  SF_TILE_STORED(0, c0, 64);
+  SF_TILE_STORED(1, c1, 64);
   __m512 r[16];
 #pragma GCC unroll 16
   for (int w = 0; w < 16; ++w) r[w] = _mm512_add_ps(_mm512_load_ps(c0[w]), _mm512_load_ps(c1[w]));
@@ -302,8 +230,8 @@ inline void drain_q8_##S0##S1(__m512 (&acc)[16], const float* ad, const uint16_t
                      int64_t b) { \
   alignas(64) int32_t s0[16][16]; \
   alignas(64) int32_t s1[16][16]; \
-  _tile_stored(S0, s0, 64); \
-  _tile_stored(S1, s1, 64); \
+  SF_TILE_STORED(S0, s0, 64); \
+  SF_TILE_STORED(S1, s1, 64); \
   scale_block(s0, acc, _mm512_loadu_ps(ad + b * 16), bs, blocks, b); \
   scale_block(s1, acc, _mm512_loadu_ps(ad + (b + 1) * 16), bs, blocks, b + 1); \
 }
@@ -340,7 +268,7 @@ void block_q8(const uint32_t* xp, const float* ad, int rows, int mc, int64_t k, 
     SF_TILE_LOADD(4, wb + b * 32, k);
     SF_TILE_LOADD(6, xp + b * 8 * mc, 4 * mc);
     _tile_dpbssd(0, 4, 6);
-    _tile_stored(0, s0, 64);
+    SF_TILE_STORED(0, s0, 64);
     scale_block(s0, acc, _mm512_loadu_ps(ad + b * 16), bs, blocks, b);
   }
   if (scale)
@@ -479,8 +407,8 @@ inline void drain_q4_##S0##S1(__m512 (&acc)[16], const float* ad, const float* x
                      const float* go, int64_t groups, int64_t b) { \
   alignas(64) int32_t s0[16][16]; \
   alignas(64) int32_t s1[16][16]; \
-  _tile_stored(S0, s0, 64); \
-  _tile_stored(S1, s1, 64); \
+  SF_TILE_STORED(S0, s0, 64); \
+  SF_TILE_STORED(S1, s1, 64); \
   scale_q4_block(s0, acc, _mm512_loadu_ps(ad + b * 16), _mm512_loadu_ps(xs + b * 16), gs, go, \
                  groups, b); \
   scale_q4_block(s1, acc, _mm512_loadu_ps(ad + (b + 1) * 16), \
@@ -527,7 +455,7 @@ void block_q4(const uint32_t* xp, const float* ad, const float* xs, int rows, in
     SF_TILE_LOADD(4, u.g[0], 32);
     SF_TILE_LOADD(6, xp + b * 8 * mc, 4 * mc);
     _tile_dpbusd(0, 4, 6);
-    _tile_stored(0, s0, 64);
+    SF_TILE_STORED(0, s0, 64);
     scale_q4_block(s0, acc, _mm512_loadu_ps(ad + b * 16), _mm512_loadu_ps(xs + b * 16), gs, go,
                    groups, b);
   }
