@@ -198,12 +198,13 @@ class NativeLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-# A bfloat16 prompt of up to this many rows runs on the AMX tiles' blocked product
-# (`linear_bf16_prompt`, csrc/amx_gemm.cpp), which reads the row-major weight in place, rather
-# than F.linear, whose oneDNN re-lays the weight out into its blocked order on every call. One
-# layer, two threads, 64 / 128 / 256 rows, tiles against F.linear: SmolLM2's shapes 1.10-1.31x
-# / 1.04-1.31x / 0.91-1.30x, a 1B Llama's 3072 x 2048 and 2048 x 8192 0.99-1.19x / 1.05-1.07x /
-# 1.03-1.11x; past 256 rows the product walks the weight again per 256 rows.
+# A prompt of up to this many rows runs on the AMX tiles' blocked product (csrc/amx_gemm.cpp:
+# `linear_bf16_prompt` here, reading the row-major weight in place; the integer layers' in
+# quant.py), rather than F.linear, whose oneDNN re-lays the weight out into its blocked order
+# on every call. One bfloat16 layer, two threads, 64 / 128 / 256 rows, tiles against F.linear:
+# SmolLM2's shapes 1.10-1.31x / 1.04-1.31x / 0.91-1.30x, a 1B Llama's 3072 x 2048 and 2048 x
+# 8192 0.99-1.19x / 1.05-1.07x / 1.03-1.11x. The product walks the weight once per 256 rows
+# (kMBlock), so past that oneDNN wins.
 PROMPT_TILES_MAX_ROWS = 256
 
 

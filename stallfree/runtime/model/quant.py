@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stallfree.runtime.model import cpu_kernels
+from stallfree.runtime.model import cpu_kernels, native_layers
 from stallfree.runtime.model.decode_rows import in_decode
 
 QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf")
@@ -230,16 +230,9 @@ def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
 # tokens read in chunks of 256: KL 0.0013, top-1 98.6%; in chunks of 32 on the kernels: 0.0046,
 # 96.7%), which the dense path does not. Where the tiles are in use, an int8 layer's prompt rows
 # keep the dense path's numerics on the tiles' prompt product (`Int8Linear._prompt`), which
-# dequantises the weight as it goes instead of into a workspace (`Int4Linear._prompt` too).
+# dequantises the weight as it goes instead of into a workspace (`_QuantLinearBase._prompt`).
 NATIVE_MAX_ROWS = 16
 AMX_NATIVE_MAX_ROWS = 32
-# Up to this many prompt rows an integer layer runs on the tiles' prompt product
-# (`linear_q8_prompt`, `linear_q4_prompt`), above it on the dense path: the product walks the
-# weight once per 256 rows (csrc/amx_gemm.cpp, kMBlock), dequantising it again each time, and
-# oneDNN's product on the dense copy is faster by then. bench_prefill.py, SmolLM2's four shapes,
-# share of the bf16 peak, tiles against dense: Q8_0 at 64 rows 38 / 22%, 256 rows 62 / 49%,
-# 512 rows 58 / 73%; int4 39 / 21%, 56 / 48%, 54 / 69%; at 320 rows int4 already lost.
-PROMPT_TILES_MAX_ROWS = 256
 
 
 def native_max_rows() -> int:
@@ -319,9 +312,28 @@ class _QuantLinearBase(nn.Module, abc.ABC):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _prompt(self, flat: torch.Tensor) -> torch.Tensor | None:
-        """`flat @ W.T` for a prompt's many rows on a native product that dequantises the
-        weight as it goes, or None where the layer has none (the dense path runs)."""
-        return None
+        """`flat @ W.T` for a prompt's many rows on the AMX tiles' prompt product, which
+        dequantises the weight block by block into L1 to the dense path's values (bfloat16
+        rows as they are, so the dense path's accuracy) instead of whole into a workspace that
+        oneDNN then re-lays out; None where it does not apply and the dense path runs: up to
+        native_layers.PROMPT_TILES_MAX_ROWS rows (integer layers, per format: Q8_0 at 64 rows 38
+        against 22% of the bf16 peak, 256 rows 62 against 49%, 512 rows 58 against 73% on the
+        dense path; int4 39 / 21%, 56 / 48%, 54 / 69%; at 320 rows int4 already lost), whole
+        blocks of 16 outputs, the tiles in use."""
+        if not (
+            self.native
+            and flat.dtype == torch.bfloat16
+            and flat.shape[0] <= native_layers.PROMPT_TILES_MAX_ROWS
+            and self.out_features % 16 == 0
+            and not torch.compiler.is_compiling()
+            and cpu_kernels.amx()
+        ):
+            return None
+        return self._on_tiles(flat.contiguous())
+
+    @abc.abstractmethod
+    def _on_tiles(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat @ W.T` on the tiles' prompt product (flat contiguous bfloat16)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._on_native(x):
@@ -400,23 +412,10 @@ class Int8Linear(_QuantLinearBase):
         out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         return out
 
-    def _prompt(self, flat: torch.Tensor) -> torch.Tensor | None:
-        """On the AMX tiles where the process has them (`linear_q8_prompt`): bfloat16 rows as
-        they are, the weight dequantised block by block into L1 to the dense path's values,
-        instead of whole into a workspace that oneDNN then re-lays out. Whole blocks of 16
-        output rows and 32 inputs only."""
-        if not (
-            self.native
-            and flat.dtype == torch.bfloat16
-            and flat.shape[0] <= PROMPT_TILES_MAX_ROWS
-            and self.out_features % 16 == 0
-            and not torch.compiler.is_compiling()
-            and cpu_kernels.amx()
-        ):
-            return None
+    def _on_tiles(self, flat: torch.Tensor) -> torch.Tensor:
         scale = self.scale_f32 if self.block_scale is None else None
         out: torch.Tensor = torch.ops.stallfree.linear_q8_prompt(
-            flat.contiguous(), self.qweight, scale, self.block_scale, None
+            flat, self.qweight, scale, self.block_scale, None
         )
         return out
 
@@ -498,20 +497,9 @@ class Int4Linear(_QuantLinearBase):
         )
         return out
 
-    def _prompt(self, flat: torch.Tensor) -> torch.Tensor | None:
-        """On the AMX tiles where the process has them (`linear_q4_prompt`), as Int8Linear's:
-        the codes dequantised block by block into L1 to the dense path's values."""
-        if not (
-            self.native
-            and flat.dtype == torch.bfloat16
-            and flat.shape[0] <= PROMPT_TILES_MAX_ROWS
-            and self.out_features % 16 == 0
-            and not torch.compiler.is_compiling()
-            and cpu_kernels.amx()
-        ):
-            return None
+    def _on_tiles(self, flat: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.stallfree.linear_q4_prompt(
-            flat.contiguous(), self.codes, self.q4_scale, self.q4_offset, None
+            flat, self.codes, self.q4_scale, self.q4_offset, None
         )
         return out
 
