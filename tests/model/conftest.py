@@ -21,3 +21,13 @@ def restore_variant() -> Iterator[None]:
         # a variant starts without the tiles: back on where the process uses them, so the
         # layers that route by `cpu_kernels.amx()` find them
         torch.ops.stallfree.set_amx(cpu_kernels.amx())
+
+
+@pytest.fixture
+def tiles(restore_variant: None) -> Iterator[None]:
+    """The AVX-512 variant with the AMX tiles on (tests marked native_util.needs_amx); the usual
+    state afterwards (set once for all of a property test's examples, which only read it)."""
+    torch.ops.stallfree.set_isa("avx512")
+    assert torch.ops.stallfree.set_amx(True)
+    yield
+    torch.ops.stallfree.set_amx(cpu_kernels.amx())

@@ -1,10 +1,15 @@
 """The native CPU kernels' variants for tests: which this CPU has, a parametrize mark over
-them, switching to one, and a fixture that puts the process back on the usual one."""
+them, switching to one (tests/model/conftest.py has the fixtures that put the process back
+and turn the AMX tiles on), a mark for tests that need the tiles, and a recorder of the ops a
+piece of code calls."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from stallfree.runtime.model import cpu_kernels
 
@@ -29,3 +34,26 @@ each_isa = pytest.mark.parametrize("isa", VARIANTS)
 
 def set_isa(isa: str) -> None:
     assert torch.ops.stallfree.set_isa(isa) == isa
+
+
+needs_amx = pytest.mark.skipif(
+    "avx512" not in VARIANTS or not cpu_kernels.amx(),
+    reason="no AMX tiles in use (none granted here, or the environment chose otherwise)",
+)
+
+
+class OpCalls(TorchDispatchMode):
+    """Every op called inside the `with` block, by name ("aten.addmm", "stallfree.linear"), in
+    order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+    def native(self) -> list[str]:
+        """The stallfree ops among them, in order."""
+        return [name for name in self.calls if name.startswith("stallfree.")]

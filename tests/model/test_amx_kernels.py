@@ -6,32 +6,13 @@ AMX."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from stallfree.runtime.model import cpu_kernels, native_layers
-from tests.model.native_util import VARIANTS, set_isa
-
-needs_amx = pytest.mark.skipif(
-    "avx512" not in VARIANTS or not cpu_kernels.amx(),
-    reason="no AMX tiles in use (none granted here, or the environment chose otherwise)",
-)
-
-
-@pytest.fixture
-def tiles(restore_variant: None) -> Iterator[None]:
-    """The AVX-512 variant with the tiles on; the usual state afterwards (set once for all of a
-    property test's examples, which only read it)."""
-    set_isa("avx512")
-    assert torch.ops.stallfree.set_amx(True)
-    yield
-    torch.ops.stallfree.set_amx(cpu_kernels.amx())
+from tests.model.native_util import VARIANTS, OpCalls, needs_amx, set_isa
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -256,32 +237,18 @@ def test_a_decode_steps_twenty_rows_take_the_integer_tiles_and_a_prompts_do_not(
     assert layer.native
     w8a8 = "stallfree.linear_q8_blocks" if blocks else "stallfree.linear_q8"
     x = torch.randn(20, 256).bfloat16()
-    with _Ops() as ops:
+    with OpCalls() as ops:
         prompt = layer(x)
-    assert ops.calls == ["stallfree.linear_q8_prompt"]  # 20 prompt rows: dense numerics
+    assert ops.native() == ["stallfree.linear_q8_prompt"]  # 20 prompt rows: dense numerics
     with decode_rows():
         assert quant.native_max_rows() == quant.AMX_NATIVE_MAX_ROWS >= 20
-        with _Ops() as ops:
+        with OpCalls() as ops:
             decode = layer(x)
             layer(torch.randn(quant.AMX_NATIVE_MAX_ROWS + 1, 256).bfloat16())
-        assert ops.calls == [w8a8, "stallfree.linear_q8_prompt"]  # past it: dense again
+        assert ops.native() == [w8a8, "stallfree.linear_q8_prompt"]  # past it: dense again
     assert quant.native_max_rows() == quant.NATIVE_MAX_ROWS
     # the same product either way, within the activations' quantisation
     assert _rel(decode.float(), prompt.double()) < 2e-2
-
-
-class _Ops(TorchDispatchMode):
-    """The stallfree ops called, in order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = str(func.overloadpacket)
-        if name.startswith("stallfree."):
-            self.calls.append(name)
-        return func(*args, **(kwargs or {}))
 
 
 @needs_amx

@@ -9,31 +9,13 @@ otherwise. A dense bfloat16 prompt's product reads its row-major weight in place
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from stallfree.runtime.model import cpu_kernels, native_layers, quant
-from tests.model.native_util import VARIANTS, set_isa
-
-needs_amx = pytest.mark.skipif(
-    "avx512" not in VARIANTS or not cpu_kernels.amx(),
-    reason="no AMX tiles in use (none granted here, or the environment chose otherwise)",
-)
-
-
-@pytest.fixture
-def tiles(restore_variant: None) -> Iterator[None]:
-    set_isa("avx512")
-    assert torch.ops.stallfree.set_amx(True)
-    yield
-    torch.ops.stallfree.set_amx(cpu_kernels.amx())
-
+from tests.model.native_util import VARIANTS, OpCalls, needs_amx
 
 KINDS = ("int8 rows", "int8 blocks", "int4")
 
@@ -117,7 +99,7 @@ def test_a_bfloat16_prompt_takes_the_tiles_and_a_float32_one_does_not(
     assert rel(out.reshape(60, 96), dense(lin, x.reshape(60, 128))) < 8e-3
     # past PROMPT_TILES_MAX_ROWS rows: the dense path
     before = torch.ops.stallfree.amx_calls()
-    long = torch.randn(quant.PROMPT_TILES_MAX_ROWS + 1, 128).bfloat16()
+    long = torch.randn(native_layers.PROMPT_TILES_MAX_ROWS + 1, 128).bfloat16()
     assert rel(lin(long), dense(lin, long)) < 8e-3
     assert torch.ops.stallfree.amx_calls() == before
     f32 = quant.Int8Linear(quant.quantize_int8(torch.randn(96, 128) * 0.05), None, torch.float32)
@@ -206,16 +188,6 @@ def test_bfloat16_prompt_product_equals_the_exact_one(
     assert rel(out, want) < 8e-3
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.calls.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 @needs_amx
 def test_a_bfloat16_prompt_layer_takes_the_tiles_between_the_decode_kernels_and_256_rows(
     tiles: None,
@@ -230,7 +202,7 @@ def test_a_bfloat16_prompt_layer_takes_the_tiles_between_the_decode_kernels_and_
             (native_layers.PROMPT_TILES_MAX_ROWS + 1, "aten.addmm"),  # F.linear
         ):
             x = torch.randn(1, rows, 96).bfloat16()
-            with _Ops() as ops:
+            with OpCalls() as ops:
                 out = layer(x)
             assert op in ops.calls and out.shape == (1, rows, 64)
             want = x[0].double() @ layer.weight.double().T + layer.bias.double()

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from stallfree.runtime.model import attention
-from tests.model.native_util import each_isa, needs_kernels, set_isa
+from tests.model.native_util import OpCalls, each_isa, needs_kernels, set_isa
 
 pytestmark = [needs_kernels, pytest.mark.usefixtures("restore_variant")]
 
@@ -107,18 +105,6 @@ def assert_near(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> No
     assert bool((err <= bound).all()), f"max error {err.max().item():.3g}"
 
 
-class CountNative(TorchDispatchMode):
-    """Counts the native prompt kernel's calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += str(func.overloadpacket) == "stallfree.prefill_attention"
-        return func(*args, **(kwargs or {}))
-
-
 def native(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     out: torch.Tensor = torch.ops.stallfree.prefill_attention(
         q, k, v, case.prefix, case.first, case.scale, case.softcap, case.window
@@ -173,14 +159,14 @@ def test_attend_prompt_on_either_path_equals_exact_attention(case: Case, seed: i
     q, k, v = inputs(case, seed)
     want = exact(case, q, k, v)
     args = (case.prefix, case.first, case.window, case.scale, case.softcap)
-    with CountNative() as native_calls:
+    with OpCalls() as ops:
         assert_near(attention.attend_prompt(q, k, v, *args), want, case.dtype)
-    assert native_calls.count == 1
+    assert ops.calls.count("stallfree.prefill_attention") == 1
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(attention.cpu_kernels, "available", lambda: False)
-        with CountNative() as native_calls:
+        with OpCalls() as ops:
             assert_near(attention.attend_prompt(q, k, v, *args), want, case.dtype)
-        assert native_calls.count == 0
+        assert ops.calls.count("stallfree.prefill_attention") == 0
 
 
 def test_bad_arguments_are_errors_not_crashes() -> None:
