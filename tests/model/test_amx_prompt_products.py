@@ -189,6 +189,29 @@ def test_bfloat16_prompt_product_equals_the_exact_one(
 
 
 @needs_amx
+@pytest.mark.parametrize("m", [1, 16, 17, 33, 49, 64, 65, 80, 113, 256])
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 288), (96, 576), (160, 2048)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bfloat16_prompt_product_at_every_width_of_its_first_pass(
+    tiles: None, m: int, n: int, k: int, threads: int
+) -> None:
+    """The first pass over each block of k loads the weight tiles from the weight itself into
+    one to four chunks of 16 rows at once (17, 33, 49, 64 rows), storing them for the chunks
+    after it when there are more (65 rows on); heights with a 16-row tail (48, 160) and k with
+    a short last block (288, 576: 256 + 32, 2 x 256 + 64)."""
+    g = torch.Generator().manual_seed(m * 7919 + n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.ops.stallfree.linear_bf16_prompt(x, w, None)
+    finally:
+        torch.set_num_threads(before)
+    assert rel(out, x.double() @ w.double().T) < 8e-3
+
+
+@needs_amx
 def test_a_bfloat16_prompt_layer_takes_the_tiles_between_the_decode_kernels_and_256_rows(
     tiles: None,
 ) -> None:

@@ -19,6 +19,13 @@
 // accumulators parked in a buffer between blocks of k, and the next block's lines are
 // prefetched meanwhile, a share per chunk pair. A finished accumulator is transposed in
 // AVX-512 registers and written as 16 output rows.
+//
+// A bfloat16 weight is not copied first: its tiles load straight from the weight, 16 rows at
+// a stride, into the first four chunks at once, with each row's line a few blocks ahead
+// prefetched as the decode tiles do, and are stored to the L1 buffer only when more chunks
+// follow. Copying it first read it at about 10 GB/s a core, the decode tiles' way reads it
+// at about 19. Up to 64 rows (four chunks) each block of 32 weight rows walks its whole k
+// before the next, so its rows are read in order.
 
 #include <immintrin.h>
 
@@ -52,6 +59,9 @@ constexpr int64_t kMBlock = 256;
 // blocks of 32 weight rows that take turns over one block of k of the activations (128 KB at
 // kMBlock rows) while it is in L2; their parked accumulators take 32 KB each
 constexpr int64_t kNGroup = 8;
+// activation chunks a bfloat16 weight tile loaded from memory is multiplied into at once
+// (accumulator tiles 0-3)
+constexpr int64_t kDirectChunks = 4;
 
 #include "amx_tiles.h"
 
@@ -141,6 +151,82 @@ inline void step_block(const char* wpk, const uint32_t* x0, const uint32_t* x1, 
   if (WT == 2 && XC == 2) SF_TILE_STORED(3, park + 768, 64);
 }
 
+// The first pass over a block of k (`nb` blocks of 32 values) for a bfloat16 weight read in
+// place: one weight tile of 16 rows (`w` at the block's first value, `stride` bytes a row)
+// against XC (1-4) activation chunks at once (`x` at the first chunk's block, pack_x_gemm's
+// order), so each tile loaded from memory feeds XC multiplies. Each row's line `kPf` blocks
+// ahead is prefetched as the decode tiles do, running on into `next`, the 16 rows visited
+// after these; when later chunks reuse the tiles (`keep`), they are stored to `wpk` in
+// step_block's order. Accumulator i starts from zero (`first`) or `park[i]` and ends there.
+constexpr int64_t kPf = 4;
+template <int XC>
+inline void step_direct(const char* w, int64_t stride, const char* next, char* wpk, bool keep,
+                        const uint32_t* x, int64_t nb, int64_t chunks, bool first,
+                        float* const* park) {
+  if (first) {
+    _tile_zero(0);
+    if (XC > 1) _tile_zero(1);
+    if (XC > 2) _tile_zero(2);
+    if (XC > 3) _tile_zero(3);
+  } else {
+    SF_TILE_LOADD(0, park[0], 64);
+    if (XC > 1) SF_TILE_LOADD(1, park[1], 64);
+    if (XC > 2) SF_TILE_LOADD(2, park[2], 64);
+    if (XC > 3) SF_TILE_LOADD(3, park[3], 64);
+  }
+  // weight tiles alternate between 4 and 5 and activation tiles between 6 and 7, so no load
+  // replaces a tile that the multiply just before it reads
+#define SF_DIRECT_ONE(B, W)                                                               \
+  do {                                                                                    \
+    const int64_t at = (B) + kPf;                                                         \
+    const char* pbase = at < nb ? w + at * 64 : (next ? next + (at - nb) * 64 : nullptr);   \
+    if (pbase) {                                                                          \
+      _Pragma("GCC unroll 16") for (int r = 0; r < 16; ++r)                               \
+          _mm_prefetch(pbase + r * stride, _MM_HINT_T0);                                  \
+    }                                                                                     \
+    const uint32_t* xb = x + (B) * chunks * 256;                                          \
+    SF_TILE_LOADD(W, w + (B) * 64, stride);                                               \
+    SF_TILE_LOADD(6, xb, 64);                                                             \
+    _tile_dpbf16ps(0, W, 6);                                                              \
+    if (XC > 1) {                                                                         \
+      SF_TILE_LOADD(7, xb + 256, 64);                                                     \
+      _tile_dpbf16ps(1, W, 7);                                                            \
+    }                                                                                     \
+    if (XC > 2) {                                                                         \
+      SF_TILE_LOADD(6, xb + 512, 64);                                                     \
+      _tile_dpbf16ps(2, W, 6);                                                            \
+    }                                                                                     \
+    if (XC > 3) {                                                                         \
+      SF_TILE_LOADD(7, xb + 768, 64);                                                     \
+      _tile_dpbf16ps(3, W, 7);                                                            \
+    }                                                                                     \
+    if (keep) SF_TILE_STORED(W, wpk + (B) * 2048, 64);                                    \
+  } while (0)
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    SF_DIRECT_ONE(b, 4);
+    SF_DIRECT_ONE(b + 1, 5);
+  }
+  if (b < nb) SF_DIRECT_ONE(b, 4);
+#undef SF_DIRECT_ONE
+  SF_TILE_STORED(0, park[0], 64);
+  if (XC > 1) SF_TILE_STORED(1, park[1], 64);
+  if (XC > 2) SF_TILE_STORED(2, park[2], 64);
+  if (XC > 3) SF_TILE_STORED(3, park[3], 64);
+}
+
+using DirectFn = void (*)(const char*, int64_t, const char*, char*, bool, const uint32_t*,
+                          int64_t, int64_t, bool, float* const*);
+
+DirectFn direct_for(int xc) {
+  switch (xc) {
+    case 1: return step_direct<1>;
+    case 2: return step_direct<2>;
+    case 3: return step_direct<3>;
+    default: return step_direct<4>;
+  }
+}
+
 // 32 int8 weights times their scale, rounded to bfloat16 (round to nearest even, as the dense
 // path's dequantisation rounds them), as the 64 bytes of one tile row
 inline __m512i dequant32(const int8_t* q, __m512 s) {
@@ -155,6 +241,7 @@ inline __m512i dequant32(const int8_t* q, __m512 s) {
 // (`bscale`, [n, k / 32])
 struct Q8Weight {
   static constexpr int64_t kBlockBytes = 32;  // stored bytes per block of 32 values
+  static constexpr bool kDirect = false;
   const int8_t* w;
   const float* scale;
   const uint16_t* bscale;
@@ -174,6 +261,7 @@ struct Q8Weight {
 // fused as the dense path's dequantisation computes it, rounded to bfloat16
 struct Q4Weight {
   static constexpr int64_t kBlockBytes = 16;
+  static constexpr bool kDirect = false;
   const uint8_t* codes;
   const uint16_t* gscale;
   const uint16_t* goffset;
@@ -196,6 +284,7 @@ struct Q4Weight {
 // A bfloat16 weight as it is: a block is its 64 bytes
 struct BF16Weight {
   static constexpr int64_t kBlockBytes = 64;
+  static constexpr bool kDirect = true;
   const uint16_t* w;
   int64_t k;
 
@@ -257,11 +346,15 @@ void gemm_impl(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const floa
   const int64_t kstep = kKBlock / 32;
   const int64_t chunks = (m + 15) / 16;
   const int64_t mchunks = kMBlock / 16;
-  const int64_t pairs_max = (mchunks + 1) / 2;
-  // parked accumulators: 4 tiles (1 KB each) per chunk pair of one M block, per block of 32
-  // weight rows of a group
+  const int64_t pairs_max = (std::min(chunks, mchunks) + 1) / 2;
+  // up to kDirectChunks chunks of activations stay in L1 and L2 anyway, so each block of 32
+  // weight rows walks its whole k before the next (its rows are read in order), else groups
+  // of kNGroup blocks share each block of k of the activations
+  const int64_t ngroup = chunks <= kDirectChunks ? 1 : kNGroup;
+  // parked accumulators: 4 tiles (1 KB each) per chunk pair of one M block (of at most
+  // kMBlock rows), per block of 32 weight rows of a group
   thread_local std::vector<float> park_buf;
-  park_buf.resize(static_cast<size_t>(kNGroup * pairs_max * 1024 + 16));
+  park_buf.resize(static_cast<size_t>(ngroup * pairs_max * 1024 + 16));
   float* park = reinterpret_cast<float*>(
       (reinterpret_cast<uintptr_t>(park_buf.data()) + 63) & ~uintptr_t{63});
   thread_local std::vector<char> wpk_buf;
@@ -274,15 +367,20 @@ void gemm_impl(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const floa
     const int64_t c1 = std::min(chunks, c0 + mchunks);
     const int64_t pairs = (c1 - c0 + 1) / 2;
     // a group of weight rows shares each block of k of the activations while it is in L2
-    for (int64_t g0 = n0; g0 < n1; g0 += 32 * kNGroup) {
-      const int64_t g1 = std::min(n1, g0 + 32 * kNGroup);
+    for (int64_t g0 = n0; g0 < n1; g0 += 32 * ngroup) {
+      const int64_t g1 = std::min(n1, g0 + 32 * ngroup);
       for (int64_t kb = 0; kb < kblocks; kb += kstep) {
         const int64_t kb1 = std::min(kblocks, kb + kstep);
         for (int64_t n = g0; n < g1; n += 32) {
           const int wt = rows_at(n) / 16;
+          // a bfloat16 weight's tiles load from the weight itself in the first pass (which
+          // stores them for the later chunks); an integer one is dequantised first
+          const bool direct = Wt::kDirect;
           // the block after this one: the group's next rows, else its first rows' next k,
           // else the next group's first
-          if (n + 32 < g1)
+          if (direct)
+            pf.start(nullptr, 0, 0, 0);
+          else if (n + 32 < g1)
             pf.start(q.row(n + 32) + kb * bb, stride, rows_at(n + 32), (kb1 - kb) * bb);
           else if (kb1 < kblocks)
             pf.start(q.row(g0) + kb1 * bb, stride, rows_at(g0),
@@ -291,15 +389,41 @@ void gemm_impl(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const floa
             pf.start(q.row(g1), stride, rows_at(g1), std::min(kstep, kblocks) * bb);
           else
             pf.start(nullptr, 0, 0, 0);
-          pack_block(q, n, 16 * wt, kb, kb1 - kb, wpk);
+          if (!direct) pack_block(q, n, 16 * wt, kb, kb1 - kb, wpk);
           const int64_t share = (pf.left() + pairs - 1) / pairs;
           float* gpark = park + (n - g0) / 32 * pairs_max * 1024;
-          for (int64_t c = c0; c < c1; c += 2) {
+          int64_t cstart = c0;
+          if (direct) {
+            // the first (up to) kDirectChunks chunks take each weight tile from memory, 16 rows
+            // at a time
+            const int xq = static_cast<int>(std::min<int64_t>(kDirectChunks, c1 - c0));
+            for (int t = 0; t < wt; ++t) {
+              float* pks[4];
+              for (int i = 0; i < xq; ++i) pks[i] = gpark + i / 2 * 1024 + (2 * t + i % 2) * 256;
+              // the slab visited after this one, whose first lines the prefetch runs into
+              const char* next = nullptr;
+              if (t + 1 < wt) next = q.row(n + 16) + kb * bb;
+              else if (n + 32 < g1) next = q.row(n + 32) + kb * bb;
+              else if (kb1 < kblocks) next = q.row(g0) + kb1 * bb;
+              else if (g1 < n1) next = q.row(g1);
+              direct_for(xq)(q.row(n + 16 * t) + kb * bb, stride, next, wpk + t * 1024,
+                             c1 - c0 > xq, xp + (kb * chunks + c0) * 256, kb1 - kb, chunks,
+                             kb == 0, pks);
+              if (kb1 == kblocks)
+                for (int i = 0; i < xq; ++i) {
+                  const int64_t m0 = (c0 + i) * 16;
+                  const int rows = static_cast<int>(std::min<int64_t>(16, m - m0));
+                  write_tile(pks[i], rows, bias, n + 16 * t, m0, out);
+                }
+            }
+            cstart = c0 + xq;
+          }
+          for (int64_t c = cstart; c < c1; c += 2) {
             const int xc = c1 - c >= 2 ? 2 : 1;
             float* pk = gpark + (c - c0) / 2 * 1024;
             const uint32_t* x0 = xp + (kb * chunks + c) * 256;
             step_for(wt, xc)(wpk, x0, x0 + 256, kb1 - kb, chunks, kb == 0, pk);
-            pf.fetch(share);
+            if (!direct) pf.fetch(share);
             if (kb1 == kblocks) {
               for (int t = 0; t < wt; ++t)
                 for (int i = 0; i < xc; ++i) {
