@@ -365,7 +365,6 @@ void gemm_impl(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const floa
   BlockPrefetch pf;
   for (int64_t c0 = 0; c0 < chunks; c0 += mchunks) {
     const int64_t c1 = std::min(chunks, c0 + mchunks);
-    const int64_t pairs = (c1 - c0 + 1) / 2;
     // a group of weight rows shares each block of k of the activations while it is in L2
     for (int64_t g0 = n0; g0 < n1; g0 += 32 * ngroup) {
       const int64_t g1 = std::min(n1, g0 + 32 * ngroup);
@@ -377,8 +376,12 @@ void gemm_impl(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const floa
           // stores them for the later chunks); an integer one is dequantised first
           const bool direct = Wt::kDirect;
           // the block after this one: the group's next rows, else its first rows' next k,
-          // else the next group's first
-          if (direct)
+          // else the next group's first. It is prefetched while the chunk pairs multiply this
+          // one, a share per pair; a bfloat16 weight's first pass prefetches for itself, so
+          // only what pairs follow it fetch for the next block's
+          const int64_t later = direct ? std::max<int64_t>(0, c1 - c0 - kDirectChunks) : c1 - c0;
+          const int64_t fetchers = (later + 1) / 2;
+          if (fetchers == 0)
             pf.start(nullptr, 0, 0, 0);
           else if (n + 32 < g1)
             pf.start(q.row(n + 32) + kb * bb, stride, rows_at(n + 32), (kb1 - kb) * bb);
@@ -390,7 +393,7 @@ void gemm_impl(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const floa
           else
             pf.start(nullptr, 0, 0, 0);
           if (!direct) pack_block(q, n, 16 * wt, kb, kb1 - kb, wpk);
-          const int64_t share = (pf.left() + pairs - 1) / pairs;
+          const int64_t share = fetchers ? (pf.left() + fetchers - 1) / fetchers : 0;
           float* gpark = park + (n - g0) / 32 * pairs_max * 1024;
           int64_t cstart = c0;
           if (direct) {
@@ -423,7 +426,7 @@ void gemm_impl(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const floa
             float* pk = gpark + (c - c0) / 2 * 1024;
             const uint32_t* x0 = xp + (kb * chunks + c) * 256;
             step_for(wt, xc)(wpk, x0, x0 + 256, kb1 - kb, chunks, kb == 0, pk);
-            if (!direct) pf.fetch(share);
+            pf.fetch(share);
             if (kb1 == kblocks) {
               for (int t = 0; t < wt; ++t)
                 for (int i = 0; i < xc; ++i) {
