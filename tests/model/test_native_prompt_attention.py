@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stallfree.runtime.model import attention
-from tests.model.native_util import OpCalls, each_isa, needs_kernels, set_isa
+from tests.model.native_util import OpCalls, each_isa, needs_amx, needs_kernels, set_isa
 
 pytestmark = [needs_kernels, pytest.mark.usefixtures("restore_variant")]
 
@@ -41,6 +41,7 @@ def cases(
     max_n: int = 80,
     max_prefix: int = 120,
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+    dim_unit: int = 16,
 ) -> Case:
     kv_heads = draw(st.integers(1, 4))
     n = draw(st.integers(1, max_n))
@@ -54,7 +55,7 @@ def cases(
         first=first,
         heads=kv_heads * draw(st.sampled_from((1, 2, 3, 4, 8))),
         kv_heads=kv_heads,
-        dim=16 * draw(st.integers(1, 8)),
+        dim=dim_unit * draw(st.integers(1, 256 // dim_unit)),
         window=window,
         softcap=draw(st.none() | st.floats(5.0, 50.0)),
         scale=draw(st.none() | st.floats(0.02, 0.3)),
@@ -155,7 +156,7 @@ def test_one_thread_and_two_give_the_same_bits(isa: str, dtype: torch.dtype) -> 
 @given(case=cases(max_n=40, max_prefix=40, dtypes=(torch.float32,)), seed=st.integers(0, 2**16))
 def test_attend_prompt_on_either_path_equals_exact_attention(case: Case, seed: int) -> None:
     """`attend_prompt` (the model's entry) gives the same float32 attention with the kernels
-    and on SDPA with its mask (bfloat16 prompts stay on SDPA)."""
+    and on SDPA with its mask."""
     q, k, v = inputs(case, seed)
     want = exact(case, q, k, v)
     args = (case.prefix, case.first, case.window, case.scale, case.softcap)
@@ -167,6 +168,112 @@ def test_attend_prompt_on_either_path_equals_exact_attention(case: Case, seed: i
         with OpCalls() as ops:
             assert_near(attention.attend_prompt(q, k, v, *args), want, case.dtype)
         assert ops.calls.count("stallfree.prefill_attention") == 0
+
+
+# A bfloat16 prompt whose head dim is a multiple of 32 runs on the AMX tiles where they are in
+# use (amx_prefill_attention.cpp): its keys walked in chunks of 512 with an online softmax
+# across chunks, its probabilities rounded to bfloat16 for the second product.
+tiles_cases = cases(dtypes=(torch.bfloat16,), dim_unit=32)
+
+
+@needs_amx
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(case=tiles_cases, seed=st.integers(0, 2**16))
+def test_bfloat16_prompt_attention_on_the_tiles_equals_exact_attention(
+    tiles: None, case: Case, seed: int
+) -> None:
+    q, k, v = inputs(case, seed)
+    got = native(case, q, k, v)
+    assert got.shape == q.shape and got.dtype == q.dtype and got.is_contiguous()
+    assert_near(got, exact(case, q, k, v), case.dtype)
+
+
+@pytest.mark.slow
+@needs_amx
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    case=cases(max_n=700, max_prefix=1400, dtypes=(torch.bfloat16,), dim_unit=32),
+    seed=st.integers(0, 2**16),
+)
+def test_bfloat16_prompt_attention_on_the_tiles_long_prompts(
+    tiles: None, case: Case, seed: int
+) -> None:
+    q, k, v = inputs(case, seed)
+    assert_near(native(case, q, k, v), exact(case, q, k, v), case.dtype)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "n, prefix, first, window, softcap",
+    [
+        (40, 1100, 0, None, None),  # three chunks of keys: the running max rescales the output
+        (33, 1300, 500, 700, None),  # a window: the first chunks hold keys no query sees
+        (700, 0, 0, None, 30.0),  # a long prompt of its own, soft-capped
+        (17, 2040, 1000, 1030, None),  # the window starts mid-chunk
+    ],
+)
+def test_bfloat16_prompt_attention_on_the_tiles_across_chunks_of_keys(
+    tiles: None, n: int, prefix: int, first: int, window: int | None, softcap: float | None
+) -> None:
+    case = Case(n, prefix, first, 8, 2, 64, window, softcap, None, torch.bfloat16)
+    q, k, v = inputs(case, n + prefix)
+    assert_near(native(case, q, k, v), exact(case, q, k, v), case.dtype)
+
+
+@needs_amx
+def test_bfloat16_prompt_attention_on_the_tiles_gives_the_same_bits_on_one_thread_or_two(
+    tiles: None,
+) -> None:
+    case = Case(200, 30, 0, 12, 4, 64, None, None, None, torch.bfloat16)
+    q, k, v = inputs(case, 7)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native(case, q, k, v)
+        torch.set_num_threads(2)
+        two = native(case, q, k, v)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@needs_amx
+def test_a_bfloat16_prompt_takes_the_tiles_where_they_are_in_use_else_sdpa(tiles: None) -> None:
+    """`attend_prompt`: a bfloat16 prompt with a head dim a multiple of 32 goes to the native
+    op with the tiles on, to SDPA with them off or with a head dim of 16 x odd; both agree."""
+    args = (0, 0, None, None, None)
+    case = Case(50, 0, 0, 8, 2, 64, None, None, None, torch.bfloat16)
+    q, k, v = inputs(case, 3)
+    want = exact(case, q, k, v)
+    with OpCalls() as ops:
+        assert_near(attention.attend_prompt(q, k, v, *args), want, torch.bfloat16)
+    assert ops.calls.count("stallfree.prefill_attention") == 1
+    assert not any("scaled_dot_product" in c for c in ops.calls)
+    odd = Case(50, 0, 0, 8, 2, 48, None, None, None, torch.bfloat16)
+    q48, k48, v48 = inputs(odd, 3)
+    with OpCalls() as ops:
+        sdpa_near(attention.attend_prompt(q48, k48, v48, *args), exact(odd, q48, k48, v48))
+    assert ops.calls.count("stallfree.prefill_attention") == 0
+    assert any("scaled_dot_product" in c for c in ops.calls)
+    torch.ops.stallfree.set_amx(False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention.cpu_kernels, "amx", lambda: False)
+        with OpCalls() as ops:
+            sdpa_near(attention.attend_prompt(q, k, v, *args), want)
+    assert ops.calls.count("stallfree.prefill_attention") == 0
+    assert any("scaled_dot_product" in c for c in ops.calls)
+
+
+def sdpa_near(got: torch.Tensor, want: torch.Tensor) -> None:
+    """SDPA's bfloat16 kernel rounds its probabilities to bfloat16 before the values' product
+    (8 bits where the native kernels keep about 16), so it is held to a looser bound: errors
+    of 0.003-0.008 at these sizes against assert_near's 0.001 floor."""
+    err = (got.double() - want).abs()
+    assert bool((err <= 0.03 + 2**-6 * want.abs()).all()), f"max error {err.max().item():.3g}"
 
 
 def test_bad_arguments_are_errors_not_crashes() -> None:

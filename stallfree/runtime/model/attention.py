@@ -221,23 +221,27 @@ def native_decode_supported(
 
 
 def _native_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether `torch.ops.stallfree.prefill_attention` takes a prompt's attention: CPU float32
-    tensors with whole heads per row (any row stride), head dims in multiples of 16 up to 256, no
-    autograd, not while torch.compile traces, and the kernels built for this machine. bfloat16
-    stays on SDPA, whose CPU kernel runs bfloat16 products (AMX tiles where the CPU has them)
-    about twice as fast as this kernel's float32 multiply-adds."""
+    """Whether `torch.ops.stallfree.prefill_attention` takes a prompt's attention: CPU tensors
+    with whole heads per row (any row stride), head dims in multiples of 16 up to 256, no
+    autograd, not while torch.compile traces, and the kernels built for this machine; float32,
+    or bfloat16 with head dims a multiple of 32 where the AMX tiles are in use (the kernel's
+    products then run on them). Other bfloat16 prompts stay on SDPA, whose CPU kernel runs
+    bfloat16 products about twice as fast as the float32 kernel's multiply-adds."""
     dim = q.shape[-1]
+    dtype = q.dtype
     return (
         q.device.type == "cpu"
         and q.dim() == k.dim() == v.dim() == 3
         and dim % 16 == 0
         and dim <= 256
-        and q.dtype == k.dtype == v.dtype == torch.float32
+        and dtype == k.dtype == v.dtype
+        and (dtype == torch.float32 or (dtype == torch.bfloat16 and dim % 32 == 0))
         and q.shape[1] % k.shape[1] == 0
         and all(t.stride(-1) == 1 and t.stride(-2) == dim for t in (q, k, v))
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
         and not torch.compiler.is_compiling()
         and cpu_kernels.available()
+        and (dtype == torch.float32 or cpu_kernels.amx())
     )
 
 

@@ -48,6 +48,7 @@ _SOURCES = (
     "attention_avx512.cpp",
     "attention_avx2.cpp",
     "prefill_attention.cpp",
+    "amx_prefill_attention.cpp",
     "layers.cpp",
     "rope.cpp",
 )

@@ -75,6 +75,21 @@ using PrefillTransposeFn = void (*)(const PrefillAttn& a, int64_t t0, int64_t t1
 // work items i0, i0 + step, ... below i1 of kv_heads * ceil(n / kPromptRows)
 using PrefillAttnFn = void (*)(const PrefillAttn& a, int64_t i0, int64_t i1, int64_t step);
 
+// A bfloat16 prompt on the AMX tiles (amx_prefill_attention.cpp; head dims a multiple of 32,
+// only where tiles_in_use()): the keys and values packed once into the tiles' order (`kb`
+// and `vb`, each kv_heads * dim * prefill_packed_keys(keys) bfloat16 values, 64-byte
+// aligned) from key rows [t0, t1) (t0 a multiple of 32, t1 up to the padded count), then the
+// work items i0, i0 + step, ... below i1 of kv_heads * ceil(n / 16)
+namespace amx {
+int64_t prefill_packed_keys(int64_t keys);
+void prefill_pack_keys_bf16(const PrefillAttn& a, uint32_t* kb, uint32_t* vb, int64_t t0,
+                            int64_t t1);
+void prefill_items_bf16(const PrefillAttn& a, const uint32_t* kb, const uint32_t* vb,
+                        int64_t i0, int64_t i1, int64_t step);
+}  // namespace amx
+// whether the AMX tiles are in use in this process (ops.cpp)
+bool tiles_in_use();
+
 namespace avx512 {
 extern const DecodeAttnFn decode_attention;
 extern const PrefillTransposeFn prefill_transpose;

@@ -601,6 +601,7 @@ bool set_amx(bool want) {
 }  // namespace
 
 const char* selected_isa() { return g_kernels ? g_kernels->name : nullptr; }
+bool tiles_in_use() { return g_amx; }
 }  // namespace sf
 
 TORCH_LIBRARY(stallfree, m) {

@@ -1,13 +1,16 @@
 // torch.ops.stallfree.prefill_attention: one request's prompt attention (causal, optionally
 // windowed and soft-capped) on the native kernel of the selected instruction set
 // (prefill_attention_impl.h), instead of SDPA, whose CPU kernel computes every key block of a
-// prompt shorter than its 512-key split in full, the half above the diagonal included.
+// prompt shorter than its 512-key split in full, the half above the diagonal included. A
+// bfloat16 prompt whose head dim is a multiple of 32 runs on the AMX tiles where they are in
+// use (amx_prefill_attention.cpp).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -26,6 +29,34 @@ void check_rows(const at::Tensor& t, const char* what, int64_t rows, int64_t hea
               "prefill_attention: ", what, " must be a CPU [", rows, ", ", heads, ", ", d,
               "] tensor of ", dtype, " with contiguous heads, got ", t.sizes(), " ",
               t.scalar_type(), " strides ", t.strides());
+}
+
+// the work items of kv_heads * ceil(n / rows) a thread takes: every threads-th one, since an
+// item's work grows with its query block (one contiguous range would give one thread the
+// short blocks)
+template <typename F>
+void striped(int64_t items, F&& f) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) f(t, items, threads);
+  });
+}
+
+// a bfloat16 prompt on the AMX tiles (amx_prefill_attention.cpp)
+at::Tensor on_tiles(const at::Tensor& q, const PrefillAttn& a, at::Tensor out) {
+  const int64_t keys_pad = amx::prefill_packed_keys(a.prefix + a.n - a.first);
+  const auto opts = q.options().dtype(at::kInt);
+  at::Tensor kb = at::empty({a.kv_heads * a.dim * keys_pad / 2}, opts);
+  at::Tensor vb = at::empty({a.kv_heads * a.dim * keys_pad / 2}, opts);
+  uint32_t* kp = reinterpret_cast<uint32_t*>(kb.data_ptr<int32_t>());
+  uint32_t* vp = reinterpret_cast<uint32_t*>(vb.data_ptr<int32_t>());
+  at::parallel_for(0, keys_pad / 32, 4, [&](int64_t b0, int64_t b1) {
+    amx::prefill_pack_keys_bf16(a, kp, vp, b0 * 32, b1 * 32);
+  });
+  striped(a.kv_heads * ((a.n + 15) / 16), [&](int64_t t, int64_t items, int64_t threads) {
+    amx::prefill_items_bf16(a, kp, vp, t, items, threads);
+  });
+  return out;
 }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -55,10 +86,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const PrefillTransposeFn transpose = wide ? avx512::prefill_transpose : avx2::prefill_transpose;
   const PrefillAttnFn attend = wide ? avx512::prefill_attention : avx2::prefill_attention;
 
-  at::Tensor out = at::empty({n, H, D}, q.options());
-  if (n == 0) return out;
-  const int64_t kt_stride = (keys + kPromptKeys - 1) / kPromptKeys * kPromptKeys;
-  at::Tensor kt = at::zeros({KVH, D, kt_stride}, q.options().dtype(at::kFloat));
   PrefillAttn a;
   a.n = n;
   a.heads = H;
@@ -76,17 +103,17 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   a.q_stride = q.stride(0);
   a.k_stride = k.stride(0);
   a.v_stride = v.stride(0);
+  at::Tensor out = at::empty({n, H, D}, q.options());
+  a.out = out.data_ptr();
+  if (n == 0) return out;
+  if (dtype == at::kBFloat16 && D % 32 == 0 && tiles_in_use()) return on_tiles(q, a, out);
+  const int64_t kt_stride = (keys + kPromptKeys - 1) / kPromptKeys * kPromptKeys;
+  at::Tensor kt = at::zeros({KVH, D, kt_stride}, q.options().dtype(at::kFloat));
   a.kt = kt.data_ptr<float>();
   a.kt_stride = kt_stride;
-  a.out = out.data_ptr();
   at::parallel_for(0, keys, 64, [&](int64_t t0, int64_t t1) { transpose(a, t0, t1); });
-  // item i's work grows with its query block, so each thread takes every threads-th item
-  // (not one contiguous range, which would give one thread the short blocks)
-  const int64_t items = KVH * ((n + kPromptRows - 1) / kPromptRows);
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) attend(a, t, items, threads);
-  });
+  striped(KVH * ((n + kPromptRows - 1) / kPromptRows),
+          [&](int64_t t, int64_t items, int64_t threads) { attend(a, t, items, threads); });
   return out;
 }
 
