@@ -242,3 +242,109 @@ def test_bfloat16_prompt_bad_arguments_are_errors(tiles: None) -> None:
         op(x, torch.randn(24, 64).bfloat16(), None)
     with pytest.raises(RuntimeError, match="features"):
         op(x, torch.randn(32, 96).bfloat16(), None)
+
+
+# A gate and up projection stacked in one layer ([gate | up] rows): with `silu` the prompt
+# product writes silu(gate) * up in its epilogue (16 gate rows and their up rows per block),
+# where silu_mul would make a second pass over the product.
+def fused_and_plain(
+    kind: str, m: int, inter: int, k: int, bias: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    b = torch.randn(2 * inter, generator=g) if bias else None
+    if kind == "bf16":
+        w = (torch.randn(2 * inter, k, generator=g) * 0.05).bfloat16()
+        op = torch.ops.stallfree.linear_bf16_prompt
+        fused, plain = op(x, w, b, True), op(x, w, b)
+    else:
+        lin = layer(2 * inter, k, kind, seed)
+        if isinstance(lin, quant.Int4Linear):
+            args = (x, lin.codes, lin.q4_scale, lin.q4_offset, b)
+            op = torch.ops.stallfree.linear_q4_prompt
+        else:
+            scale = lin.scale_f32 if lin.block_scale is None else None
+            args = (x, lin.qweight, scale, lin.block_scale, b)
+            op = torch.ops.stallfree.linear_q8_prompt
+        fused, plain = op(*args, True), op(*args)
+    return fused, torch.ops.stallfree.silu_mul(plain)
+
+
+@needs_amx
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    kind=st.sampled_from(("bf16", *KINDS)),
+    m=st.integers(1, 300),
+    inter16=st.integers(1, 40),
+    kblocks=st.integers(1, 20),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_silu_in_the_epilogue_gives_the_bits_of_silu_mul_after_the_product(
+    tiles: None, kind: str, m: int, inter16: int, kblocks: int, bias: bool, seed: int
+) -> None:
+    fused, plain = fused_and_plain(kind, m, 16 * inter16, 32 * kblocks, bias, seed)
+    assert fused.shape == plain.shape == (m, 16 * inter16)
+    assert torch.equal(fused, plain)
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", ["bf16", *KINDS])
+@pytest.mark.parametrize("m", [17, 64, 65, 256])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_silu_in_the_epilogue_at_every_pass_width(
+    tiles: None, kind: str, m: int, threads: int
+) -> None:
+    """Whole chunk passes, the first pass alone (up to 64 rows) and with chunk pairs after it;
+    an intermediate size with an odd number of 16-row blocks (48 x 16 = 768 gate rows, split
+    over two threads unevenly)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused, plain = fused_and_plain(kind, m, 768, 576, True, m)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(fused, plain)
+
+
+@needs_amx
+def test_silu_needs_whole_blocks_of_gate_rows(tiles: None) -> None:
+    x = torch.randn(20, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="silu needs gate and up of a multiple of 16 rows"):
+        torch.ops.stallfree.linear_bf16_prompt(x, torch.randn(48, 64).bfloat16(), None, True)
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", ["bf16", *KINDS])
+def test_a_stacked_gate_up_layer_takes_silu_in_its_prompt_product(tiles: None, kind: str) -> None:
+    """`native_layers.gate_up_silu`: a prompt on the tiles makes one product call and no
+    silu_mul, with the bits of the product then silu_mul; a decode step's few rows, and a
+    prompt with the tiles off, keep the separate silu_mul."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(2 * 96, 128, generator=g) * 0.05
+    lin: torch.nn.Module
+    if kind == "bf16":
+        lin = torch.nn.Linear(128, 2 * 96, bias=False).bfloat16()
+        lin.weight.data.copy_(w)
+        assert native_layers.use_native_linears(lin) == 1
+    else:
+        lin = layer(2 * 96, 128, kind, 5)
+    x = torch.randn(40, 128, generator=g).bfloat16()
+    with torch.inference_mode(), OpCalls() as ops:
+        got = native_layers.gate_up_silu(lin, x)
+    assert "stallfree.silu_mul" not in ops.calls
+    assert len([c for c in ops.calls if c.endswith("_prompt")]) == 1
+    with torch.inference_mode():
+        assert torch.equal(got, torch.ops.stallfree.silu_mul(lin(x)))
+    with torch.inference_mode(), OpCalls() as ops:
+        native_layers.gate_up_silu(lin, x[:2])
+    assert "stallfree.silu_mul" in ops.calls
+    torch.ops.stallfree.set_amx(False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_kernels, "amx", lambda: False)
+        with torch.inference_mode(), OpCalls() as ops:
+            native_layers.gate_up_silu(lin, x)
+    assert "stallfree.silu_mul" in ops.calls
+    assert not any(c.endswith("_prompt") for c in ops.calls)

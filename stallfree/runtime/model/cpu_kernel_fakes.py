@@ -41,8 +41,9 @@ def _linear_q8_prompt(
     scale: torch.Tensor | None,
     bscale: torch.Tensor | None,
     bias: torch.Tensor | None,
+    silu: bool = False,
 ) -> torch.Tensor:
-    return _rows_out(x, qweight.shape[0])
+    return _rows_out(x, qweight.shape[0] // (2 if silu else 1))
 
 
 def _linear_q4_prompt(
@@ -51,14 +52,15 @@ def _linear_q4_prompt(
     gscale: torch.Tensor,
     goffset: torch.Tensor,
     bias: torch.Tensor | None,
+    silu: bool = False,
 ) -> torch.Tensor:
-    return _rows_out(x, codes.shape[0])
+    return _rows_out(x, codes.shape[0] // (2 if silu else 1))
 
 
 def _linear_bf16_prompt(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool = False
 ) -> torch.Tensor:
-    return _rows_out(x, weight.shape[0])
+    return _rows_out(x, weight.shape[0] // (2 if silu else 1))
 
 
 def _dequantize_q8(

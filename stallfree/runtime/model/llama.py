@@ -194,7 +194,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            x = native_layers.silu_mul(self.gate_up_proj(x))
+            x = native_layers.gate_up_silu(self.gate_up_proj, x)
         elif (gate_up := native_layers.grouped([self.gate_proj, self.up_proj], x)) is not None:
             x = native_layers.silu_mul(gate_up)
         elif (gate_up := native_layers.side_by_side([self.gate_proj, self.up_proj], x)) is not None:

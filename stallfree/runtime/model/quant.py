@@ -320,20 +320,36 @@ class _QuantLinearBase(nn.Module, abc.ABC):
         against 22% of the bf16 peak, 256 rows 62 against 49%, 512 rows 58 against 73% on the
         dense path; int4 39 / 21%, 56 / 48%, 54 / 69%; at 320 rows int4 already lost), whole
         blocks of 16 outputs, the tiles in use."""
-        if not (
+        if not self._prompt_on_tiles(flat):
+            return None
+        return self._on_tiles(flat.contiguous())
+
+    def _prompt_on_tiles(self, flat: torch.Tensor) -> bool:
+        return (
             self.native
             and flat.dtype == torch.bfloat16
             and flat.shape[0] <= native_layers.PROMPT_TILES_MAX_ROWS
             and self.out_features % 16 == 0
             and not torch.compiler.is_compiling()
             and cpu_kernels.amx()
-        ):
+        )
+
+    def silu_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up for this layer as a stacked gate and up projection, where a prompt
+        runs on the tiles' prompt product (native_layers.gate_up_silu): in its epilogue, the
+        bias (if any) added in float32 before the activation; None elsewhere."""
+        flat = x.reshape(-1, self.in_features)
+        if self._on_native(x) or self.out_features % 32 != 0 or not self._prompt_on_tiles(flat):
             return None
-        return self._on_tiles(flat.contiguous())
+        out = self._on_tiles(flat.contiguous(), self.bias_f32, silu=True)
+        return out.view(*x.shape[:-1], self.out_features // 2)
 
     @abc.abstractmethod
-    def _on_tiles(self, flat: torch.Tensor) -> torch.Tensor:
-        """`flat @ W.T` on the tiles' prompt product (flat contiguous bfloat16)."""
+    def _on_tiles(
+        self, flat: torch.Tensor, bias: torch.Tensor | None = None, silu: bool = False
+    ) -> torch.Tensor:
+        """`flat @ W.T` on the tiles' prompt product (flat contiguous bfloat16); with `silu`,
+        silu(gate) * up of the product's two halves (`bias` in float32, added first)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._on_native(x):
@@ -412,10 +428,12 @@ class Int8Linear(_QuantLinearBase):
         out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         return out
 
-    def _on_tiles(self, flat: torch.Tensor) -> torch.Tensor:
+    def _on_tiles(
+        self, flat: torch.Tensor, bias: torch.Tensor | None = None, silu: bool = False
+    ) -> torch.Tensor:
         scale = self.scale_f32 if self.block_scale is None else None
         out: torch.Tensor = torch.ops.stallfree.linear_q8_prompt(
-            flat, self.qweight, scale, self.block_scale, None
+            flat, self.qweight, scale, self.block_scale, bias, silu
         )
         return out
 
@@ -497,9 +515,11 @@ class Int4Linear(_QuantLinearBase):
         )
         return out
 
-    def _on_tiles(self, flat: torch.Tensor) -> torch.Tensor:
+    def _on_tiles(
+        self, flat: torch.Tensor, bias: torch.Tensor | None = None, silu: bool = False
+    ) -> torch.Tensor:
         out: torch.Tensor = torch.ops.stallfree.linear_q4_prompt(
-            flat, self.codes, self.q4_scale, self.q4_offset, None
+            flat, self.codes, self.q4_scale, self.q4_offset, bias, silu
         )
         return out
 

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "vec_exp.h"
 
 #if (defined(__clang__) && __clang_major__ >= 12) || \
     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
@@ -85,6 +86,46 @@ void write_tile(const float* c, int rows, const float* bias, int64_t n, int64_t 
   write_block(r, rows, bias, n, m0, out);
 }
 
+// A gate/up pair's finished accumulators (g and u: c[r][i] for weight row n + r, activation
+// row m0 + i) as silu(gate) * up into the output's rows m0 .. m0 + rows - 1, columns n .. n +
+// 15, each bias added first. A bfloat16 output takes the unfused path's roundings exactly
+// (silu_mul on a bfloat16 gate_up): gate and up rounded, silu(gate) rounded, the product
+// rounded.
+void write_silu(const float* g, const float* u, int rows, const float* bias, int64_t n,
+                int64_t pair, int64_t m0, Out out) {
+  __m512 rg[16], ru[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    rg[i] = _mm512_load_ps(g + 16 * i);
+    ru[i] = _mm512_load_ps(u + 16 * i);
+  }
+  transpose16(rg);
+  transpose16(ru);
+  const __m512 bg = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+  const __m512 bu = bias ? _mm512_loadu_ps(bias + pair + n) : _mm512_setzero_ps();
+  const __m512 one = _mm512_set1_ps(1.f);
+  const auto round = [](__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+  };
+  for (int i = 0; i < rows; ++i) {
+    __m512 gv = _mm512_add_ps(rg[i], bg), uv = _mm512_add_ps(ru[i], bu);
+    if (out.bf16) {
+      gv = round(gv);
+      uv = round(uv);
+    }
+    __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+    if (out.bf16) sv = round(sv);
+    const __m512 v = _mm512_mul_ps(sv, uv);
+    const int64_t at = (m0 + i) * out.ldo + n;
+    if (out.bf16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out.ptr) + at),
+                          (__m256i)_mm512_cvtneps_pbh(v));
+    else
+      _mm512_storeu_ps(static_cast<float*>(out.ptr) + at, v);
+  }
+}
+
 // Prefetches the lines of one block of weights (`rows` rows from `base`, `bytes` of each) a
 // share at a time, while the block before it is multiplied
 struct BlockPrefetch {
@@ -95,17 +136,20 @@ struct BlockPrefetch {
   int row = 0;        // the next line to fetch: `line` of row `row`
   int64_t line = 0;
 
-  void start(const char* b, int64_t s, int r, int64_t bytes) {
+  int64_t jump = 0;  // bytes added to the address of rows 16 and on (a gate/up pair's up rows)
+
+  void start(const char* b, int64_t s, int r, int64_t bytes, int64_t j) {
     base = b;
     stride = s;
     rows = r;
+    jump = j;
     lines = bytes / 64;
     row = 0;
     line = 0;
   }
   void fetch(int64_t count) {
     for (; count > 0 && row < rows; --count) {
-      _mm_prefetch(base + row * stride + line * 64, _MM_HINT_T1);
+      _mm_prefetch(base + row * stride + (row >= 16 ? jump : 0) + line * 64, _MM_HINT_T1);
       if (++line == lines) {
         line = 0;
         ++row;
@@ -337,7 +381,7 @@ namespace {
 
 template <typename Wt>
 void gemm_impl(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const float* bias,
-               int64_t n0, int64_t n1, Out out) {
+               int64_t n0, int64_t n1, int64_t pair, Out out) {
   if (n0 >= n1) return;
   configure_gemm();
   constexpr int64_t bb = Wt::kBlockBytes;  // stored bytes per block of 32 values
@@ -347,12 +391,18 @@ void gemm_impl(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const floa
   const int64_t chunks = (m + 15) / 16;
   const int64_t mchunks = kMBlock / 16;
   const int64_t pairs_max = (std::min(chunks, mchunks) + 1) / 2;
-  // up to kDirectChunks chunks of activations stay in L1 and L2 anyway, so each block of 32
+  // a block is 32 weight rows, n .. n + 31; paired (`pair` > 0: a gate and up projection's
+  // stacked weight), the 16 gate rows n .. n + 15 and their up rows pair + n .. pair + n + 15,
+  // whose outputs meet in write_silu
+  const int64_t step = pair ? 16 : 32;
+  const auto row_of = [&](int64_t n, int t) { return pair ? (t ? pair + n : n) : n + 16 * t; };
+  const auto tiles_at = [&](int64_t n) { return pair || n1 - n >= 32 ? 2 : 1; };
+  // up to kDirectChunks chunks of activations stay in L1 and L2 anyway, so each block of
   // weight rows walks its whole k before the next (its rows are read in order), else groups
   // of kNGroup blocks share each block of k of the activations
   const int64_t ngroup = chunks <= kDirectChunks ? 1 : kNGroup;
   // parked accumulators: 4 tiles (1 KB each) per chunk pair of one M block (of at most
-  // kMBlock rows), per block of 32 weight rows of a group
+  // kMBlock rows), per block of weight rows of a group
   thread_local std::vector<float> park_buf;
   park_buf.resize(static_cast<size_t>(ngroup * pairs_max * 1024 + 16));
   float* park = reinterpret_cast<float*>(
@@ -361,17 +411,26 @@ void gemm_impl(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const floa
   wpk_buf.resize(kstep * 2048 + 64);
   char* wpk = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(wpk_buf.data()) + 63) & ~uintptr_t{63});
-  const auto rows_at = [&](int64_t n) { return n1 - n >= 32 ? 32 : 16; };
+  // a finished block's outputs for chunk c + i: tile t's accumulator at acc(t)
+  const auto finish = [&](int wt, int64_t n, int64_t c, const auto& acc) {
+    const int64_t m0 = c * 16;
+    const int rows = static_cast<int>(std::min<int64_t>(16, m - m0));
+    if (pair) {
+      write_silu(acc(0), acc(1), rows, bias, n, pair, m0, out);
+    } else {
+      for (int t = 0; t < wt; ++t) write_tile(acc(t), rows, bias, n + 16 * t, m0, out);
+    }
+  };
   BlockPrefetch pf;
   for (int64_t c0 = 0; c0 < chunks; c0 += mchunks) {
     const int64_t c1 = std::min(chunks, c0 + mchunks);
     // a group of weight rows shares each block of k of the activations while it is in L2
-    for (int64_t g0 = n0; g0 < n1; g0 += 32 * ngroup) {
-      const int64_t g1 = std::min(n1, g0 + 32 * ngroup);
+    for (int64_t g0 = n0; g0 < n1; g0 += step * ngroup) {
+      const int64_t g1 = std::min(n1, g0 + step * ngroup);
       for (int64_t kb = 0; kb < kblocks; kb += kstep) {
         const int64_t kb1 = std::min(kblocks, kb + kstep);
-        for (int64_t n = g0; n < g1; n += 32) {
-          const int wt = rows_at(n) / 16;
+        for (int64_t n = g0; n < g1; n += step) {
+          const int wt = tiles_at(n);
           // a bfloat16 weight's tiles load from the weight itself in the first pass (which
           // stores them for the later chunks); an integer one is dequantised first
           const bool direct = Wt::kDirect;
@@ -381,44 +440,42 @@ void gemm_impl(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const floa
           // only what pairs follow it fetch for the next block's
           const int64_t later = direct ? std::max<int64_t>(0, c1 - c0 - kDirectChunks) : c1 - c0;
           const int64_t fetchers = (later + 1) / 2;
-          if (fetchers == 0)
-            pf.start(nullptr, 0, 0, 0);
-          else if (n + 32 < g1)
-            pf.start(q.row(n + 32) + kb * bb, stride, rows_at(n + 32), (kb1 - kb) * bb);
-          else if (kb1 < kblocks)
-            pf.start(q.row(g0) + kb1 * bb, stride, rows_at(g0),
-                     std::min(kstep, kblocks - kb1) * bb);
-          else if (g1 < n1)
-            pf.start(q.row(g1), stride, rows_at(g1), std::min(kstep, kblocks) * bb);
+          int64_t nn = -1, nkb = 0, nkb1 = 0;  // the next block: rows from nn, k nkb .. nkb1
+          if (n + step < g1) {
+            nn = n + step, nkb = kb, nkb1 = kb1;
+          } else if (kb1 < kblocks) {
+            nn = g0, nkb = kb1, nkb1 = std::min(kblocks, kb1 + kstep);
+          } else if (g1 < n1) {
+            nn = g1, nkb = 0, nkb1 = std::min(kstep, kblocks);
+          }
+          if (fetchers == 0 || nn < 0)
+            pf.start(nullptr, 0, 0, 0, 0);
           else
-            pf.start(nullptr, 0, 0, 0);
-          if (!direct) pack_block(q, n, 16 * wt, kb, kb1 - kb, wpk);
+            pf.start(q.row(row_of(nn, 0)) + nkb * bb, stride, 16 * tiles_at(nn), (nkb1 - nkb) * bb,
+                     (row_of(nn, 1) - row_of(nn, 0) - 16) * stride);
+          if (!direct)
+            for (int t = 0; t < wt; ++t) pack_block(q, row_of(n, t), 16, kb, kb1 - kb, wpk + t * 1024);
           const int64_t share = fetchers ? (pf.left() + fetchers - 1) / fetchers : 0;
-          float* gpark = park + (n - g0) / 32 * pairs_max * 1024;
+          float* gpark = park + (n - g0) / step * pairs_max * 1024;
           int64_t cstart = c0;
           if (direct) {
             // the first (up to) kDirectChunks chunks take each weight tile from memory, 16 rows
             // at a time
             const int xq = static_cast<int>(std::min<int64_t>(kDirectChunks, c1 - c0));
+            const auto acc = [&](int t, int i) { return gpark + i / 2 * 1024 + (2 * t + i % 2) * 256; };
             for (int t = 0; t < wt; ++t) {
               float* pks[4];
-              for (int i = 0; i < xq; ++i) pks[i] = gpark + i / 2 * 1024 + (2 * t + i % 2) * 256;
+              for (int i = 0; i < xq; ++i) pks[i] = acc(t, i);
               // the slab visited after this one, whose first lines the prefetch runs into
               const char* next = nullptr;
-              if (t + 1 < wt) next = q.row(n + 16) + kb * bb;
-              else if (n + 32 < g1) next = q.row(n + 32) + kb * bb;
-              else if (kb1 < kblocks) next = q.row(g0) + kb1 * bb;
-              else if (g1 < n1) next = q.row(g1);
-              direct_for(xq)(q.row(n + 16 * t) + kb * bb, stride, next, wpk + t * 1024,
+              if (t + 1 < wt) next = q.row(row_of(n, t + 1)) + kb * bb;
+              else if (nn >= 0) next = q.row(row_of(nn, 0)) + nkb * bb;
+              direct_for(xq)(q.row(row_of(n, t)) + kb * bb, stride, next, wpk + t * 1024,
                              c1 - c0 > xq, xp + (kb * chunks + c0) * 256, kb1 - kb, chunks,
                              kb == 0, pks);
-              if (kb1 == kblocks)
-                for (int i = 0; i < xq; ++i) {
-                  const int64_t m0 = (c0 + i) * 16;
-                  const int rows = static_cast<int>(std::min<int64_t>(16, m - m0));
-                  write_tile(pks[i], rows, bias, n + 16 * t, m0, out);
-                }
             }
+            if (kb1 == kblocks)
+              for (int i = 0; i < xq; ++i) finish(wt, n, c0 + i, [&](int t) { return acc(t, i); });
             cstart = c0 + xq;
           }
           for (int64_t c = cstart; c < c1; c += 2) {
@@ -427,14 +484,9 @@ void gemm_impl(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const floa
             const uint32_t* x0 = xp + (kb * chunks + c) * 256;
             step_for(wt, xc)(wpk, x0, x0 + 256, kb1 - kb, chunks, kb == 0, pk);
             pf.fetch(share);
-            if (kb1 == kblocks) {
-              for (int t = 0; t < wt; ++t)
-                for (int i = 0; i < xc; ++i) {
-                  const int64_t m0 = (c + i) * 16;
-                  const int rows = static_cast<int>(std::min<int64_t>(16, m - m0));
-                  write_tile(pk + (2 * t + i) * 256, rows, bias, n + 16 * t, m0, out);
-                }
-            }
+            if (kb1 == kblocks)
+              for (int i = 0; i < xc; ++i)
+                finish(wt, n, c + i, [&](int t) { return pk + (2 * t + i) * 256; });
           }
         }
       }
@@ -446,19 +498,20 @@ void gemm_impl(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const floa
 }  // namespace
 
 void gemm_q8(const uint32_t* xp, int64_t m, int64_t k, const int8_t* w, const float* scale,
-             const uint16_t* bscale, const float* bias, int64_t n0, int64_t n1, Out out) {
-  gemm_impl(xp, m, k, Q8Weight{w, scale, bscale, k}, bias, n0, n1, out);
+             const uint16_t* bscale, const float* bias, int64_t n0, int64_t n1, int64_t pair,
+             Out out) {
+  gemm_impl(xp, m, k, Q8Weight{w, scale, bscale, k}, bias, n0, n1, pair, out);
 }
 
 void gemm_q4(const uint32_t* xp, int64_t m, int64_t k, const uint8_t* codes,
              const uint16_t* gscale, const uint16_t* goffset, const float* bias, int64_t n0,
-             int64_t n1, Out out) {
-  gemm_impl(xp, m, k, Q4Weight{codes, gscale, goffset, k}, bias, n0, n1, out);
+             int64_t n1, int64_t pair, Out out) {
+  gemm_impl(xp, m, k, Q4Weight{codes, gscale, goffset, k}, bias, n0, n1, pair, out);
 }
 
 void gemm_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, const float* bias,
-               int64_t n0, int64_t n1, Out out) {
-  gemm_impl(xp, m, k, BF16Weight{w, k}, bias, n0, n1, out);
+               int64_t n0, int64_t n1, int64_t pair, Out out) {
+  gemm_impl(xp, m, k, BF16Weight{w, k}, bias, n0, n1, pair, out);
 }
 
 }  // namespace amx
@@ -473,11 +526,11 @@ namespace amx {
 int64_t packed_gemm_size(int64_t, int64_t) { return 0; }
 void pack_x_gemm(const uint16_t*, int64_t, int64_t, uint32_t*) {}
 void gemm_q8(const uint32_t*, int64_t, int64_t, const int8_t*, const float*, const uint16_t*,
-             const float*, int64_t, int64_t, Out) {}
+             const float*, int64_t, int64_t, int64_t, Out) {}
 void gemm_q4(const uint32_t*, int64_t, int64_t, const uint8_t*, const uint16_t*,
-             const uint16_t*, const float*, int64_t, int64_t, Out) {}
+             const uint16_t*, const float*, int64_t, int64_t, int64_t, Out) {}
 void gemm_bf16(const uint32_t*, int64_t, int64_t, const uint16_t*, const float*, int64_t,
-               int64_t, Out) {}
+               int64_t, int64_t, Out) {}
 }  // namespace amx
 }  // namespace sf
 

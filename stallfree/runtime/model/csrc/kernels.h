@@ -102,15 +102,19 @@ void gemv_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, cons
 // every chunk's next 32, ...
 int64_t packed_gemm_size(int64_t m, int64_t k);
 void pack_x_gemm(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp);
+// With `pair` > 0 the weight is a gate and up projection's stacked rows (up row j at pair +
+// j), [n0, n1) are gate rows, and the output [m, pair] is silu(gate) * up (a bfloat16 one with
+// silu_mul's roundings).
 void gemm_q8(const uint32_t* xp, int64_t m, int64_t k, const int8_t* w, const float* scale,
-             const uint16_t* bscale, const float* bias, int64_t n0, int64_t n1, Out out);
+             const uint16_t* bscale, const float* bias, int64_t n0, int64_t n1, int64_t pair,
+             Out out);
 // the same for a bfloat16 weight as it is
 void gemm_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, const float* bias,
-               int64_t n0, int64_t n1, Out out);
+               int64_t n0, int64_t n1, int64_t pair, Out out);
 // the same for int4 codes (16 bytes per group of 32, float16 scale and offset per group)
 void gemm_q4(const uint32_t* xp, int64_t m, int64_t k, const uint8_t* codes,
              const uint16_t* gscale, const uint16_t* goffset, const float* bias, int64_t n0,
-             int64_t n1, Out out);
+             int64_t n1, int64_t pair, Out out);
 // the quantised activations' codes in the int8 tiles' order (`packed_q8_size` uint32 values)
 // and their block scales, 16 lanes per block and chunk (`packed_q8_scales` floats)
 int64_t packed_q8_size(int64_t m, int64_t k);

@@ -287,9 +287,12 @@ at::Tensor linear_q8_blocks(const at::Tensor& x, const at::Tensor& qweight,
 // quantised: the dense path's numerics), the weight read in place (bfloat16) or dequantised
 // block by block into L1 (int8, int4) instead of whole into a workspace, and never re-laid out
 // as oneDNN does on every F.linear call.
-// `gemm(xp, m, n0, n1, out)` runs the blocks of output rows [n0, n1).
+// `gemm(xp, m, n0, n1, pair, out)` runs the blocks of output rows [n0, n1). With `silu` the
+// weight's n rows are a gate and up projection's stacked, and the output is silu(gate) * up
+// [.., n / 2] (the gate's rows [n0, n1), its up rows n / 2 further: `pair`), in the epilogue,
+// where silu_mul would make another pass over the product.
 template <typename Gemm>
-at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int64_t k,
+at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int64_t k, bool silu,
                            Gemm gemm) {
   TORCH_CHECK(g_amx, name, ": the AMX tiles are not in use in this process");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
@@ -299,21 +302,30 @@ at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int
   TORCH_CHECK(k % 32 == 0 && n % 16 == 0, name,
               ": in_features must be a multiple of 32 and out_features of 16, got ", k, " and ",
               n);
-  at::Tensor out = at::empty(out_shape(x, n), x.options());
+  TORCH_CHECK(!silu || n % 32 == 0, name, ": silu needs gate and up of a multiple of 16 rows each, got ",
+              n, " rows");
+  const int64_t width = silu ? n / 2 : n;
+  at::Tensor out = at::empty(out_shape(x, width), x.options());
   const int64_t m = x.numel() / k;
   if (m == 0) return out;
   g_amx_calls.fetch_add(1, std::memory_order_relaxed);
-  const Out o = out_of(out, n);
+  const Out o = out_of(out, width);
   thread_local std::vector<uint32_t> buf;
   buf.resize(amx::packed_gemm_size(m, k) + 16);
   // 64-byte aligned: the packing stores whole vectors
   auto* xp = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) &
                                          ~uintptr_t{63});
   amx::pack_x_gemm(static_cast<const uint16_t*>(x.data_ptr()), m, k, xp);
-  // blocks of 32 weight rows, a thread's share contiguous
-  at::parallel_for(0, (n + 31) / 32, 1, [&](int64_t b0, int64_t b1) {
-    gemm(xp, m, b0 * 32, std::min(n, b1 * 32), o);
-  });
+  // blocks of 32 weight rows (16 gate rows and their up rows), a thread's share contiguous
+  if (silu) {
+    at::parallel_for(0, width / 16, 1, [&](int64_t b0, int64_t b1) {
+      gemm(xp, m, b0 * 16, b1 * 16, width, o);
+    });
+  } else {
+    at::parallel_for(0, (n + 31) / 32, 1, [&](int64_t b0, int64_t b1) {
+      gemm(xp, m, b0 * 32, std::min(n, b1 * 32), 0, o);
+    });
+  }
   return out;
 }
 
@@ -321,7 +333,7 @@ at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int
 at::Tensor linear_q8_prompt(const at::Tensor& x, const at::Tensor& qweight,
                             const std::optional<at::Tensor>& scale,
                             const std::optional<at::Tensor>& bscale,
-                            const std::optional<at::Tensor>& bias) {
+                            const std::optional<at::Tensor>& bias, bool silu) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous(),
               "linear_q8_prompt: qweight must be a contiguous int8 [out, in] tensor");
   const int64_t n = qweight.size(0), k = qweight.size(1);
@@ -341,9 +353,10 @@ at::Tensor linear_q8_prompt(const at::Tensor& x, const at::Tensor& qweight,
   }
   const int8_t* w = qweight.data_ptr<int8_t>();
   const float* b = opt_bias(bias, n);
-  return prompt_on_tiles("linear_q8_prompt", x, n, k,
-                         [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, Out o) {
-                           amx::gemm_q8(xp, m, k, w, s, bs, b, n0, n1, o);
+  return prompt_on_tiles("linear_q8_prompt", x, n, k, silu,
+                         [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, int64_t pair,
+                             Out o) {
+                           amx::gemm_q8(xp, m, k, w, s, bs, b, n0, n1, pair, o);
                          });
 }
 
@@ -351,7 +364,7 @@ at::Tensor linear_q8_prompt(const at::Tensor& x, const at::Tensor& qweight,
 // group
 at::Tensor linear_q4_prompt(const at::Tensor& x, const at::Tensor& codes,
                             const at::Tensor& gscale, const at::Tensor& goffset,
-                            const std::optional<at::Tensor>& bias) {
+                            const std::optional<at::Tensor>& bias, bool silu) {
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 16 &&
                   codes.is_contiguous(),
               "linear_q4_prompt: codes must be a contiguous uint8 [out, in / 32, 16] tensor");
@@ -365,23 +378,25 @@ at::Tensor linear_q4_prompt(const at::Tensor& x, const at::Tensor& codes,
   const auto* gs = static_cast<const uint16_t*>(gscale.data_ptr());
   const auto* go = static_cast<const uint16_t*>(goffset.data_ptr());
   const float* b = opt_bias(bias, n);
-  return prompt_on_tiles("linear_q4_prompt", x, n, k,
-                         [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, Out o) {
-                           amx::gemm_q4(xp, m, k, c, gs, go, b, n0, n1, o);
+  return prompt_on_tiles("linear_q4_prompt", x, n, k, silu,
+                         [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, int64_t pair,
+                             Out o) {
+                           amx::gemm_q4(xp, m, k, c, gs, go, b, n0, n1, pair, o);
                          });
 }
 
 // a bfloat16 weight [out, in] as it is
 at::Tensor linear_bf16_prompt(const at::Tensor& x, const at::Tensor& weight,
-                              const std::optional<at::Tensor>& bias) {
+                              const std::optional<at::Tensor>& bias, bool silu) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
               "linear_bf16_prompt: weight must be a contiguous bfloat16 [out, in] tensor");
   const int64_t n = weight.size(0), k = weight.size(1);
   const auto* w = static_cast<const uint16_t*>(weight.data_ptr());
   const float* b = opt_bias(bias, n);
-  return prompt_on_tiles("linear_bf16_prompt", x, n, k,
-                         [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, Out o) {
-                           amx::gemm_bf16(xp, m, k, w, b, n0, n1, o);
+  return prompt_on_tiles("linear_bf16_prompt", x, n, k, silu,
+                         [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, int64_t pair,
+                             Out o) {
+                           amx::gemm_bf16(xp, m, k, w, b, n0, n1, pair, o);
                          });
 }
 
@@ -613,9 +628,13 @@ TORCH_LIBRARY(stallfree, m) {
   m.def("linear_q8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("linear_q8_blocks(Tensor x, Tensor qweight, Tensor bscale, Tensor? bias) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor codes, Tensor gscale, Tensor goffset, Tensor? bias) -> Tensor");
-  m.def("linear_q8_prompt(Tensor x, Tensor qweight, Tensor? scale, Tensor? bscale, Tensor? bias) -> Tensor");
-  m.def("linear_q4_prompt(Tensor x, Tensor codes, Tensor gscale, Tensor goffset, Tensor? bias) -> Tensor");
-  m.def("linear_bf16_prompt(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def(
+      "linear_q8_prompt(Tensor x, Tensor qweight, Tensor? scale, Tensor? bscale, Tensor? bias, "
+      "bool silu=False) -> Tensor");
+  m.def(
+      "linear_q4_prompt(Tensor x, Tensor codes, Tensor gscale, Tensor goffset, Tensor? bias, "
+      "bool silu=False) -> Tensor");
+  m.def("linear_bf16_prompt(Tensor x, Tensor weight, Tensor? bias, bool silu=False) -> Tensor");
   m.def("dequantize_q8(Tensor qweight, Tensor? scale, Tensor? bscale, Tensor(a!) out) -> ()");
   m.def("dequantize_q4(Tensor codes, Tensor gscale, Tensor goffset, Tensor(a!) out) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
