@@ -90,7 +90,9 @@ def test_fresh_prompts_attend_without_a_gather(llama_dir: Path) -> None:
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("t", "heads", "dim"), [(1, 2, 128), (7, 12, 64), (5, 3, 80), (3, 4, 40)])
+@pytest.mark.parametrize(
+    ("t", "heads", "dim"), [(1, 2, 128), (7, 12, 64), (5, 3, 80), (3, 4, 40), (4, 5, 32)]
+)
 def test_native_rope_equals_apply_rope_bit_for_bit(
     dtype: torch.dtype, t: int, heads: int, dim: int
 ) -> None:
@@ -101,6 +103,7 @@ def test_native_rope_equals_apply_rope_bit_for_bit(
     cos = torch.randn(t, 1, dim, generator=g).to(dtype)
     sin = torch.randn(t, 1, dim, generator=g).to(dtype)
     rows[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e38])
+    rows[-1, :4] = torch.tensor([1e-38, -3e-39, 2e-30, 5e-20])  # subnormal products
     want = apply_rope(x, cos, sin)
     got = torch.ops.stallfree.rope(x, cos, sin)
     assert got.is_contiguous() and got.shape == want.shape

@@ -2,8 +2,9 @@
 // prompt steps (a decode step rotates inside decode_attention). apply_rope is four torch
 // kernels (x * cos, roll, * signed_sin, +), each a pass over the prompt's q and k; here each
 // value is read once, with the same arithmetic: both products and the sum rounded to the
-// dtype as torch rounds each elementwise result, in that order. This file has no target
-// pragma with FMA, so no multiply-add is fused and the bits equal torch's.
+// dtype as torch rounds each elementwise result, in that order. No multiply-add is fused, so
+// the bits equal torch's: the AVX2 part's target has no FMA, and the AVX-512 part (bfloat16,
+// where that variant is in use) rounds each product with integer operations before the sum.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -12,6 +13,9 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
+
+#include "kernels.h"
 
 
 namespace sf {
@@ -104,6 +108,45 @@ void rotate_head8(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, i
 
 #pragma GCC pop_options
 
+// bfloat16 heads with half % 16 == 0 where the AVX-512 variant is in use: the same arithmetic,
+// sixteen values a step. Still no fused multiply-add: each product is rounded (integer
+// operations) before the sum, so no multiply feeds an add.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw")
+
+inline __m512 load16(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+// to_bf16 on sixteen values, as 32-bit lanes holding the 16 bits
+inline __m512i round16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i nearest =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_blend_epi32(nan, nearest, quiet);
+}
+
+inline __m512 rounded16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(round16(v), 16)); }
+
+void rotate_head16(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t dim,
+                   uint16_t* y) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < dim; i += 16) {
+    const int64_t j = i < half ? i + half : i - half;
+    const __m512 a = rounded16(_mm512_mul_ps(load16(x + i), load16(cos + i)));
+    const __m512 b = rounded16(_mm512_mul_ps(load16(x + j), load16(sin + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i),
+                        _mm512_cvtepi32_epi16(round16(_mm512_add_ps(a, b))));
+  }
+}
+
+#pragma GCC pop_options
+
 template <typename T>
 void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                  at::Tensor& out, int64_t t0, int64_t t1) {
@@ -112,9 +155,16 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
   const T* cp = static_cast<const T*>(cos.data_ptr());
   const T* sp = static_cast<const T*>(sin.data_ptr());
   T* op = static_cast<T*>(out.data_ptr());
+  const char* isa = selected_isa();
+  const bool wide = isa != nullptr && std::strcmp(isa, "avx512") == 0;
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t h = 0; h < heads; ++h) {
       if constexpr (sizeof(T) == 2) {
+        if (wide && dim % 32 == 0) {
+          rotate_head16(xp + t * x.stride(0) + h * x.stride(1), cp + t * cos.stride(0),
+                        sp + t * sin.stride(0), dim, op + (t * heads + h) * dim);
+          continue;
+        }
         if (dim % 16 == 0) {
           rotate_head8(xp + t * x.stride(0) + h * x.stride(1), cp + t * cos.stride(0),
                        sp + t * sin.stride(0), dim, op + (t * heads + h) * dim);
