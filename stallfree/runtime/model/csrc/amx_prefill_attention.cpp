@@ -14,7 +14,7 @@
 //   2. per query row, the chunk's scores are scaled, soft-capped, masked to the row's visible
 //      run of keys and turned into probabilities against the row's running max (an online
 //      softmax across chunks; the accumulated output is rescaled when the max grows), then
-//      rounded to bfloat16 as the A operand of the next product;
+//      split into two bfloat16 parts as the A operands of the next product;
 //   3. O[q, d] += P V: the values are packed once per call with consecutive keys' values
 //      interleaved (the B order); the output accumulators start from the rescaled running
 //      output and are stored back to it.
