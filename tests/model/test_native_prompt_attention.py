@@ -139,7 +139,10 @@ def test_prefill_attention_long_prompts(isa: str, case: Case, seed: int) -> None
 def test_one_thread_and_two_give_the_same_bits(isa: str, dtype: torch.dtype) -> None:
     """Each query block is one thread's whole work, so the thread count changes no sum."""
     set_isa(isa)
-    case = Case(200, 30, 0, 12, 4, 64, None, None, None, dtype)
+    assert_same_bits_on_one_thread_or_two(Case(200, 30, 0, 12, 4, 64, None, None, None, dtype))
+
+
+def assert_same_bits_on_one_thread_or_two(case: Case) -> None:
     q, k, v = inputs(case, 7)
     threads = torch.get_num_threads()
     try:
@@ -228,17 +231,9 @@ def test_bfloat16_prompt_attention_on_the_tiles_across_chunks_of_keys(
 def test_bfloat16_prompt_attention_on_the_tiles_gives_the_same_bits_on_one_thread_or_two(
     tiles: None,
 ) -> None:
-    case = Case(200, 30, 0, 12, 4, 64, None, None, None, torch.bfloat16)
-    q, k, v = inputs(case, 7)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = native(case, q, k, v)
-        torch.set_num_threads(2)
-        two = native(case, q, k, v)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    assert_same_bits_on_one_thread_or_two(
+        Case(200, 30, 0, 12, 4, 64, None, None, None, torch.bfloat16)
+    )
 
 
 @needs_amx

@@ -36,14 +36,7 @@
 #include "kernels.h"
 #include "vec_exp.h"
 
-#if (defined(__clang__) && __clang_major__ >= 12) || \
-    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
-#define SF_HAVE_AMX_GEMM 1
-#else
-#define SF_HAVE_AMX_GEMM 0
-#endif
-
-#if SF_HAVE_AMX_GEMM
+#if SF_HAVE_AMX
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")
 
@@ -104,10 +97,7 @@ void write_silu(const float* g, const float* u, int rows, const float* bias, int
   const __m512 bg = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
   const __m512 bu = bias ? _mm512_loadu_ps(bias + pair + n) : _mm512_setzero_ps();
   const __m512 one = _mm512_set1_ps(1.f);
-  const auto round = [](__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-  };
+  const auto round = [](__m512 v) { return widen_bf16((__m256i)_mm512_cvtneps_pbh(v)); };
   for (int i = 0; i < rows; ++i) {
     __m512 gv = _mm512_add_ps(rg[i], bg), uv = _mm512_add_ps(ru[i], bu);
     if (out.bf16) {
@@ -116,13 +106,7 @@ void write_silu(const float* g, const float* u, int rows, const float* bias, int
     }
     __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
     if (out.bf16) sv = round(sv);
-    const __m512 v = _mm512_mul_ps(sv, uv);
-    const int64_t at = (m0 + i) * out.ldo + n;
-    if (out.bf16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out.ptr) + at),
-                          (__m256i)_mm512_cvtneps_pbh(v));
-    else
-      _mm512_storeu_ps(static_cast<float*>(out.ptr) + at, v);
+    store_row(out, (m0 + i) * out.ldo + n, _mm512_mul_ps(sv, uv));
   }
 }
 
@@ -534,4 +518,4 @@ void gemm_bf16(const uint32_t*, int64_t, int64_t, const uint16_t*, const float*,
 }  // namespace amx
 }  // namespace sf
 
-#endif  // SF_HAVE_AMX_GEMM
+#endif  // SF_HAVE_AMX

@@ -34,14 +34,7 @@
 #include "kernels.h"
 #include "vec_exp.h"
 
-#if (defined(__clang__) && __clang_major__ >= 12) || \
-    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
-#define SF_HAVE_AMX_ATTN 1
-#else
-#define SF_HAVE_AMX_ATTN 0
-#endif
-
-#if SF_HAVE_AMX_ATTN
+#if SF_HAVE_AMX
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16")
 
@@ -150,24 +143,6 @@ struct ItemBuffers {
     l = reinterpret_cast<float*>(take(mb));
   }
 };
-
-// exp(x) for x <= 0 (a score less the running max): exp_avx512 without its clamps, since
-// scalef takes an exponent below -126 to the subnormals or zero itself; -inf (a masked
-// score) gives NaN here, which the caller masks
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 // tanh(x / cap) * cap in lanes: tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2 |y|)
 inline __m512 softcap16(__m512 x, float cap) {
@@ -337,7 +312,7 @@ void item(const PrefillAttn& a, const Packed& pk, int64_t it, ItemBuffers& buf) 
               const __m512 x = _mm512_load_ps(sr + jj);
               // a masked score (-inf) gives 0 by definition, not by the exponential
               const __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-              pj[h] = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(x, mv)));
+              pj[h] = _mm512_maskz_mov_ps(seen, exp_avx512_unclamped(_mm512_sub_ps(x, mv)));
             } else {
               pj[h] = _mm512_setzero_ps();
             }
@@ -346,8 +321,8 @@ void item(const PrefillAttn& a, const Packed& pk, int64_t it, ItemBuffers& buf) 
           const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(pj[1], pj[0]);
           _mm512_storeu_si512(pr + j, hi);
           // what the rounding left out: p - hi, exact in float32
-          const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16));
-          const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16));
+          const __m512 h0 = widen_bf16(_mm512_castsi512_si256(hi));
+          const __m512 h1 = widen_bf16(_mm512_extracti64x4_epi64(hi, 1));
           _mm512_storeu_si512(plo + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(pj[1], h1), _mm512_sub_ps(pj[0], h0)));
         }
         buf.l[i] = buf.l[i] * alpha + _mm512_reduce_add_ps(sum);
@@ -378,15 +353,22 @@ void item(const PrefillAttn& a, const Packed& pk, int64_t it, ItemBuffers& buf) 
 
 int64_t prefill_packed_keys(int64_t keys) { return (keys + 31) / 32 * 32; }
 
-// work items i0, i0 + step, ... below i1 of kv_heads * ceil(n / 16)
-void prefill_items_bf16(const PrefillAttn& a, const uint32_t* kb, const uint32_t* vb,
-                        int64_t i0, int64_t i1, int64_t step) {
-  configure();
+namespace {
+Packed packed(const PrefillAttn& a, const uint32_t* kb, const uint32_t* vb) {
   Packed pk;
   pk.keys_pad = prefill_packed_keys(a.prefix + a.n - a.first);
   pk.dchunks = a.dim / 32;
   pk.kb = const_cast<uint32_t*>(kb);
   pk.vb = const_cast<uint32_t*>(vb);
+  return pk;
+}
+}  // namespace
+
+// work items i0, i0 + step, ... below i1 of kv_heads * ceil(n / 16)
+void prefill_items_bf16(const PrefillAttn& a, const uint32_t* kb, const uint32_t* vb,
+                        int64_t i0, int64_t i1, int64_t step) {
+  configure();
+  const Packed pk = packed(a, kb, vb);
   thread_local ItemBuffers buf;
   buf.ensure(a.heads / a.kv_heads, a.dim);
   for (int64_t i = i0; i < i1; i += step) item(a, pk, i, buf);
@@ -395,12 +377,7 @@ void prefill_items_bf16(const PrefillAttn& a, const uint32_t* kb, const uint32_t
 
 void prefill_pack_keys_bf16(const PrefillAttn& a, uint32_t* kb, uint32_t* vb, int64_t t0,
                             int64_t t1) {
-  Packed pk;
-  pk.keys_pad = prefill_packed_keys(a.prefix + a.n - a.first);
-  pk.dchunks = a.dim / 32;
-  pk.kb = kb;
-  pk.vb = vb;
-  prefill_pack_bf16(a, pk, t0, t1);
+  prefill_pack_bf16(a, packed(a, kb, vb), t0, t1);
 }
 
 }  // namespace amx
@@ -419,4 +396,4 @@ void prefill_pack_keys_bf16(const PrefillAttn&, uint32_t*, uint32_t*, int64_t, i
 }  // namespace amx
 }  // namespace sf
 
-#endif  // SF_HAVE_AMX_ATTN
+#endif  // SF_HAVE_AMX

@@ -1,7 +1,8 @@
-// What the AMX translation units share (isa_amx.cpp, amx_gemm.cpp): the tile configuration,
-// tile memory operations kept in program order, and writing a finished 16 x 16 block of
-// outputs. Included by each unit after its target pragma and inside its own namespace, so it
-// is compiled for that unit's instruction set; includes nothing itself.
+// What the AMX translation units share (isa_amx.cpp, amx_gemm.cpp, amx_prefill_attention.cpp):
+// the tile configuration, tile memory operations kept in program order, bfloat16 widened and
+// stored, and writing a finished 16 x 16 block of outputs. Included by each unit after its
+// target pragma and inside its own namespace, so it is compiled for that unit's instruction
+// set; includes nothing itself.
 
 // the tile configuration `ldtilecfg` reads: palette 1, then bytes per row and rows per tile
 struct alignas(64) TileConfig {
@@ -63,20 +64,26 @@ inline void transpose16(__m512 (&r)[16]) {
   }
 }
 
+// 16 bfloat16 values widened to float32 (exactly)
+inline __m512 widen_bf16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// 16 outputs at element `at` of the output, in its dtype (bfloat16: round to nearest even)
+inline void store_row(Out out, int64_t at, __m512 v) {
+  if (out.bf16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out.ptr) + at),
+                        (__m256i)_mm512_cvtneps_pbh(v));
+  else
+    _mm512_storeu_ps(static_cast<float*>(out.ptr) + at, v);
+}
+
 // A block's outputs, r[w] lane i for weight row n + w and activation row m0 + i: the first
 // `rows` activation rows, plus the bias, written in the output's dtype (transposed in
 // registers, one vector store per activation row)
 void write_block(__m512 (&r)[16], int rows, const float* bias, int64_t n, int64_t m0, Out out) {
   transpose16(r);
   const __m512 bv = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
-  for (int i = 0; i < rows; ++i) {
-    const __m512 v = _mm512_add_ps(r[i], bv);
-    const int64_t at = (m0 + i) * out.ldo + n;
-    if (out.bf16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out.ptr) + at),
-                          (__m256i)_mm512_cvtneps_pbh(v));
-    else
-      _mm512_storeu_ps(static_cast<float*>(out.ptr) + at, v);
-  }
+  for (int i = 0; i < rows; ++i) store_row(out, (m0 + i) * out.ldo + n, _mm512_add_ps(r[i], bv));
 }
 

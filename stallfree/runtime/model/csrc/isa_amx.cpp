@@ -26,15 +26,6 @@
 
 #include "kernels.h"
 
-// GCC 11 and Clang 12 were the first to know the AMX intrinsics; an older compiler builds the
-// rest of the library with the tiles reported missing (request_tiles below) rather than fail.
-#if (defined(__clang__) && __clang_major__ >= 12) || \
-    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
-#define SF_HAVE_AMX 1
-#else
-#define SF_HAVE_AMX 0
-#endif
-
 #if SF_HAVE_AMX
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,amx-tile,amx-bf16,amx-int8")

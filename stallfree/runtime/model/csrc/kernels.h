@@ -8,6 +8,16 @@
 
 #include <cstdint>
 
+// GCC 11 and Clang 12 were the first to know the AMX intrinsics; with an older compiler the
+// AMX units (isa_amx.cpp, amx_gemm.cpp, amx_prefill_attention.cpp) build as stubs and the
+// tiles are reported missing (amx::request_tiles) rather than the library failing to build.
+#if (defined(__clang__) && __clang_major__ >= 12) || \
+    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define SF_HAVE_AMX 1
+#else
+#define SF_HAVE_AMX 0
+#endif
+
 namespace sf {
 
 // Activations quantised once per call, llama.cpp's Q8_0 way: blocks of 32 values, one float

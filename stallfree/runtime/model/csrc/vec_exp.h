@@ -8,9 +8,9 @@
 
 namespace sf {
 
-__attribute__((target("avx512f"))) inline __m512 exp_avx512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
-                    _mm512_set1_ps(-87.3365478515625f));
+// exp(x) without the clamp to float32's range: for x <= 0 (a score less its running max) scalef
+// takes an exponent below -126 to the subnormals or zero itself; -inf gives NaN
+__attribute__((target("avx512f"))) inline __m512 exp_avx512_unclamped(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -23,6 +23,12 @@ __attribute__((target("avx512f"))) inline __m512 exp_avx512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
+}
+
+__attribute__((target("avx512f"))) inline __m512 exp_avx512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
+                    _mm512_set1_ps(-87.3365478515625f));
+  return exp_avx512_unclamped(x);
 }
 
 __attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
