@@ -23,10 +23,6 @@ pytestmark = pytest.mark.slow  # subprocess servers (see pyproject)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
-# liveness bounds, named as such: a killed prefill fails its request well before the 10 s
-# transfer deadline, and a killed decode server ends its stream promptly
-FAILS_BEFORE_DEADLINE_S = 8.0
-STREAM_END_TIMEOUT_S = 5.0
 
 
 def free_port() -> int:
@@ -219,10 +215,11 @@ def test_three_commands_serve_and_bench(tmp_path: Path) -> None:
 def test_prefill_killed_mid_transfer_then_restarted() -> None:
     with deployment(STALLFREE_FAULTS__ENABLED="true", STALLFREE_FAULTS__KV_KILL_RATE="1.0") as dep:
         router, decode = dep.url(dep.r_port), dep.url(dep.d_port)
-        started = time.monotonic()
         r = httpx.post(router + "/v1/completions", json=completion(), timeout=60)
         assert r.status_code in (502, 503), r.text
-        assert time.monotonic() - started < FAILS_BEFORE_DEADLINE_S
+        # the prefill's loss ends the request, not the 10 s transfer deadline ("... deadline
+        # passed"): the answer names the prefill server that failed
+        assert "prefill server" in r.text and "deadline" not in r.text, r.text
         assert dep.procs["prefill"].wait(timeout=10) == 17  # the injected death
         assert httpx.get(decode + "/health", timeout=5).status_code == 200
         assert_pool_free(decode)
@@ -249,11 +246,13 @@ def test_decode_killed_mid_stream_then_restarted() -> None:
                     seen += 1
                     if seen == 3:
                         dep.kill("decode")
-                        started = time.monotonic()
                         break
             rest = list(lines)
-        assert time.monotonic() - started < STREAM_END_TIMEOUT_S
-        assert any('"error"' in line for line in rest), rest[-3:]
+        # the stream ends on the decode server's loss, not a deadline: its error names the
+        # decode server whose stream broke off
+        errors = [line for line in rest if '"error"' in line]
+        assert errors, rest[-3:]
+        assert "decode server" in errors[-1] and "deadline" not in errors[-1], errors[-1]
         assert httpx.get(prefill + "/health", timeout=5).status_code == 200
         assert_pool_free(prefill)
         dep.start_decode()

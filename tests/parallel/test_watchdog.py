@@ -1,6 +1,6 @@
 """The step watchdog: a worker that stops answering (SIGSTOP: a wedged driver or a deadlocked
 kernel in practice) fails the engine closed within `runtime.step_timeout_s`, and shutdown then
-ends within its own deadline, leaving no process."""
+terminates and kills the workers, leaving no process."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from tests.engine_util import engine_config
 
 TIMEOUT_S = 2.0
 # liveness bound: shutdown terminates, then kills, a lost group's stopped workers within this
-SHUTDOWN_TIMEOUT_S = 8.0
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP"),
@@ -57,10 +56,12 @@ async def test_a_stopped_worker_fails_the_engine_closed_within_the_step_timeout(
             assert result.finish_reason == "error" and "hung" in (result.error or "")
             assert noticed >= TIMEOUT_S * 0.9  # a quiet worker is not declared hung early
             assert not engine.healthy  # /health answers 503
-            shutdown_started = time.monotonic()
-        # the group was lost: shutdown terminates, then kills, the stopped workers
-        assert time.monotonic() - shutdown_started < SHUTDOWN_TIMEOUT_S
+        # the group was lost: shutdown terminates, then kills, the stopped workers (a stopped
+        # process keeps SIGTERM pending, so only the kill ends it; a shutdown that waited on
+        # it instead would never return)
         assert all(not p.is_alive() for p in stream.processes)
+        exits = {p.pid: p.exitcode for p in stream.processes}
+        assert exits[stopped] == -signal.SIGKILL, exits
     finally:
         _resume(pids)
 
