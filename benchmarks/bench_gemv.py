@@ -1,11 +1,14 @@
 """The native matrix-vector kernels against the machine's read bandwidth and torch's kernels.
 
     python benchmarks/bench_gemv.py [--formats bf16 int8 int4 f32] [--rows 1 2 4 8 16]
-        [--copies 30] [--repeats 3] [--threads 2]
+        [--copies N] [--repeats 3] [--threads 2]
 
 SmolLM2-135M's five projection shapes (q/k/v 960x576, o 576x576, gate/up 3072x576, down
-576x1536, the tied output 49152x576), each held in `--copies` distinct weights so that every
-call reads its weight from memory, not cache. For each format and row count: the time per
+576x1536, the tied output 49152x576), each held in distinct copies so that every call reads
+its weight from memory, not cache: by default at least 30, and as many as it takes for one
+step's copies to fill twice the machine's L3 cache in the format measured (a 300 MB L3 holds
+30 copies of every format but float32, and the figures then came from the cache, above the
+memory's bandwidth); `--copies N` sets the least count. For each format and row count: the time per
 step's worth of the five shapes (one call each), the bytes they read over that time, and that
 as a share of the machine's read bandwidth, measured in the same process by a plain streaming
 read over 1 GiB (AVX-512 or AVX2 loads, both threads, best of 5). torch's own kernel for the
@@ -20,15 +23,50 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from read_probe import on_huge_pages, read_bandwidth
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+
+
+# bytes of one copy of the five shapes, per weight format (int8: a float32 scale a row; int4:
+# half a byte a value plus a float16 scale and offset per 32 values); the output layer counts
+# a sixth, as `child` holds a sixth as many copies of it
+_BYTES_PER_VALUE = {"bf16": 2.0, "f32": 4.0, "int8": 1.0, "int4": 0.5 + 4 / 32}
+
+
+def copy_bytes(fmt: str) -> float:
+    total = 0.0
+    for n, k in SHAPES:
+        share = 1.0 if n < 10000 else 1 / 6
+        total += share * n * k * _BYTES_PER_VALUE[fmt]
+    return total
+
+
+def l3_bytes() -> int:
+    """The largest cache's size, from sysfs (0 where the machine does not say)."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        value = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+        best = max(best, value)
+    return best
+
+
+def copies_for(fmt: str, least: int) -> int:
+    """Copies enough that one step's weights fill twice the L3 cache, at least `least`."""
+    return max(least, math.ceil(2 * l3_bytes() / copy_bytes(fmt)))
 
 
 def child(fmt: str, rows: list[int], copies: int, threads: int) -> None:
@@ -40,7 +78,13 @@ def child(fmt: str, rows: list[int], copies: int, threads: int) -> None:
     isa = cpu_kernels.isa()
     ops = torch.ops.stallfree
     bandwidth = read_bandwidth()
-    result: dict[str, object] = {"format": fmt, "isa": isa, "bandwidth": bandwidth}
+    copies = copies_for(fmt, copies)
+    result: dict[str, object] = {
+        "format": fmt,
+        "isa": isa,
+        "bandwidth": bandwidth,
+        "copies": copies,
+    }
     for m in rows:
         native_s = torch_s = 0.0
         nbytes = 0
@@ -142,6 +186,8 @@ def main() -> None:
                 f"| {fmt} | {m} | {nat * 1e6:.0f} | {gbs:.1f} | {100 * gbs / bw:.0f}% of {bw:.1f} | {tcol} | {ratio} |"
             )
     print(f"\nISA: {runs[args.formats[0]][0]['isa']}")
+    held = ", ".join(f"{fmt} {rs[0]['copies']}" for fmt, rs in runs.items())
+    print(f"L3 cache: {l3_bytes() / 2**20:.0f} MB; copies of each shape held: {held}")
 
 
 if __name__ == "__main__":
