@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/silu.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -74,6 +75,19 @@ const float* opt_bias(const std::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
               "bias: expected a contiguous float32 tensor of ", n, " values");
   return bias->data_ptr<float>();
+}
+
+// `out` for an input with no elements: nothing when it has no rows either; with rows but no
+// features (in_features 0) every row is the bias, or zeros, as F.linear gives it, and with
+// `silu` silu(gate) * up of the bias's two halves. The kernels are never entered with k = 0
+// (the prompt's divided the input's size by it; the others returned `out` unwritten).
+at::Tensor without_inputs(at::Tensor out, const std::optional<at::Tensor>& bias, bool silu) {
+  if (out.numel() == 0) return out;
+  if (!bias.has_value()) return out.zero_();
+  const at::Tensor full = bias->to(out.scalar_type());
+  if (!silu) return out.copy_(full.expand_as(out));
+  const int64_t width = out.size(-1);
+  return out.copy_(at::silu(full.narrow(0, 0, width)).mul(full.narrow(0, width, width)).expand_as(out));
 }
 
 // rows of work per thread chunk: enough to stream (and a multiple of the 4-row tile)
@@ -238,11 +252,11 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::T
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n && scale.is_contiguous(),
               "linear_q8: scale must be float32 [out]");
   at::Tensor out = at::empty(out_shape(x, n), x.options());
-  if (x.numel() == 0) return out;
+  const float* b = opt_bias(bias, n);
+  if (x.numel() == 0) return without_inputs(out, bias, false);
   const Q8Act a = quantize_act(x, k);
   const int8_t* w = qweight.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
-  const float* b = opt_bias(bias, n);
   const Out o = out_of(out, n);
   if (amx_q8_applies(a.m)) {
     q8_amx(a, w, s, nullptr, b, n, o);
@@ -267,11 +281,11 @@ at::Tensor linear_q8_blocks(const at::Tensor& x, const at::Tensor& qweight,
                   bscale.is_contiguous(),
               "linear_q8_blocks: block scales must be float16 [out, in / 32]");
   at::Tensor out = at::empty(out_shape(x, n), x.options());
-  if (x.numel() == 0) return out;
+  const float* b = opt_bias(bias, n);
+  if (x.numel() == 0) return without_inputs(out, bias, false);
   const Q8Act a = quantize_act(x, k);
   const int8_t* w = qweight.data_ptr<int8_t>();
   const auto* bs = static_cast<const uint16_t*>(bscale.data_ptr());
-  const float* b = opt_bias(bias, n);
   const Out o = out_of(out, n);
   if (amx_q8_applies(a.m)) {
     q8_amx(a, w, nullptr, bs, b, n, o);
@@ -293,7 +307,7 @@ at::Tensor linear_q8_blocks(const at::Tensor& x, const at::Tensor& qweight,
 // where silu_mul would make another pass over the product.
 template <typename Gemm>
 at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int64_t k, bool silu,
-                           Gemm gemm) {
+                           const std::optional<at::Tensor>& bias, Gemm gemm) {
   TORCH_CHECK(g_amx, name, ": the AMX tiles are not in use in this process");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
                   x.dim() >= 1,
@@ -306,8 +320,8 @@ at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int
               n, " rows");
   const int64_t width = silu ? n / 2 : n;
   at::Tensor out = at::empty(out_shape(x, width), x.options());
+  if (x.numel() == 0) return without_inputs(out, bias, silu);
   const int64_t m = x.numel() / k;
-  if (m == 0) return out;
   g_amx_calls.fetch_add(1, std::memory_order_relaxed);
   const Out o = out_of(out, width);
   thread_local std::vector<uint32_t> buf;
@@ -353,7 +367,7 @@ at::Tensor linear_q8_prompt(const at::Tensor& x, const at::Tensor& qweight,
   }
   const int8_t* w = qweight.data_ptr<int8_t>();
   const float* b = opt_bias(bias, n);
-  return prompt_on_tiles("linear_q8_prompt", x, n, k, silu,
+  return prompt_on_tiles("linear_q8_prompt", x, n, k, silu, bias,
                          [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, int64_t pair,
                              Out o) {
                            amx::gemm_q8(xp, m, k, w, s, bs, b, n0, n1, pair, o);
@@ -378,7 +392,7 @@ at::Tensor linear_q4_prompt(const at::Tensor& x, const at::Tensor& codes,
   const auto* gs = static_cast<const uint16_t*>(gscale.data_ptr());
   const auto* go = static_cast<const uint16_t*>(goffset.data_ptr());
   const float* b = opt_bias(bias, n);
-  return prompt_on_tiles("linear_q4_prompt", x, n, k, silu,
+  return prompt_on_tiles("linear_q4_prompt", x, n, k, silu, bias,
                          [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, int64_t pair,
                              Out o) {
                            amx::gemm_q4(xp, m, k, c, gs, go, b, n0, n1, pair, o);
@@ -393,7 +407,7 @@ at::Tensor linear_bf16_prompt(const at::Tensor& x, const at::Tensor& weight,
   const int64_t n = weight.size(0), k = weight.size(1);
   const auto* w = static_cast<const uint16_t*>(weight.data_ptr());
   const float* b = opt_bias(bias, n);
-  return prompt_on_tiles("linear_bf16_prompt", x, n, k, silu,
+  return prompt_on_tiles("linear_bf16_prompt", x, n, k, silu, bias,
                          [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, int64_t pair,
                              Out o) {
                            amx::gemm_bf16(xp, m, k, w, b, n0, n1, pair, o);
@@ -462,12 +476,12 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->numel() == n * groups && t->is_contiguous(),
                 "linear_q4: group scales and offsets must be float16 [out, in / 32]");
   at::Tensor out = at::empty(out_shape(x, n), x.options());
-  if (x.numel() == 0) return out;
+  const float* b = opt_bias(bias, n);
+  if (x.numel() == 0) return without_inputs(out, bias, false);
   const Q8Act a = quantize_act(x, k);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const auto* gs = static_cast<const uint16_t*>(gscale.data_ptr());
   const auto* go = static_cast<const uint16_t*>(goffset.data_ptr());
-  const float* b = opt_bias(bias, n);
   const Out o = out_of(out, n);
   if (amx_q4_applies(a.m)) {
     q4_amx(a, c, gs, go, b, n, o);
@@ -487,11 +501,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(x.size(-1) == k, "linear: input has ", x.size(-1), " features, weight ", k);
   at::Tensor out = at::empty(out_shape(x, n), x.options());
-  if (x.numel() == 0) return out;
+  const float* b = opt_bias(bias, n);
+  if (x.numel() == 0) return without_inputs(out, bias, false);
   const int64_t m = x.numel() / k;
   const void* xp = x.data_ptr();
   const void* w = weight.data_ptr();
-  const float* b = opt_bias(bias, n);
   const Out o = out_of(out, n);
   if (amx_applies(x, m, k)) {
     dense_bf16_amx(x, m, k, w, n, b, o);
@@ -517,7 +531,7 @@ at::Tensor linear_group(const at::Tensor& x, const std::vector<at::Tensor>& weig
     total += w.size(0);
   }
   at::Tensor out = at::empty(out_shape(x, total), x.options());
-  if (x.numel() == 0) return out;
+  if (x.numel() == 0) return without_inputs(out, std::nullopt, false);
   const int64_t m = x.numel() / k;
   const void* xp = x.data_ptr();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
