@@ -8,10 +8,11 @@ SmolLM2-135M's five projection shapes (q/k/v 960x576, o 576x576, gate/up 3072x57
 its weight from memory, not cache: by default at least 30, and as many as it takes for one
 step's copies to fill twice the machine's L3 cache in the format measured (a 300 MB L3 holds
 30 copies of every format but float32, and the figures then came from the cache, above the
-memory's bandwidth); `--copies N` sets the least count. For each format and row count: the time per
-step's worth of the five shapes (one call each), the bytes they read over that time, and that
-as a share of the machine's read bandwidth, measured in the same process by a plain streaming
-read over 1 GiB (AVX-512 or AVX2 loads, both threads, best of 5). torch's own kernel for the
+memory's bandwidth); `--copies N` sets the least count. For each format and row count: the
+time per step's worth of the five shapes (one call each), the bytes they read over that time,
+and that as a share of the machine's read bandwidth (read_probe.py: a streaming AVX2 read of
+1 GiB on both threads, plain and with a software prefetch, the faster of the two, best of 5,
+in a child process). torch's own kernel for the
 format is timed beside it (bf16: F.linear; int8: _weight_int8pack_mm; f32: F.linear; int4: the
 native kernel only: torch's int4 weight kernel needs its own packing). Each (format, repeat)
 runs in a fresh process; formats interleave; medians are printed with the load average.
