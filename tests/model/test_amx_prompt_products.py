@@ -309,6 +309,40 @@ def test_silu_in_the_epilogue_at_every_pass_width(
     assert torch.equal(fused, plain)
 
 
+# The product walks each block of weight rows over the whole of k with its accumulators
+# resident in their tiles while the packed activations fit in 1 MB (rows x in_features x 2
+# bytes, rows rounded up to 16), and any prompt of up to 64 rows; past that it walks k in
+# blocks with the accumulators parked between them. The cases above stay on the resident
+# walk (up to 304 x 640 features); these cross over to the parked one (144 x 4128 x 2 bytes
+# is 1.13 MB), with the last block of k short (4128 = 16 x 256 + 32).
+@needs_amx
+@pytest.mark.parametrize("kind", ["bf16", *KINDS])
+@pytest.mark.parametrize("m", [64, 129, 144, 256])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prompt_products_past_half_of_l2_walk_k_in_blocks(
+    tiles: None, kind: str, m: int, threads: int
+) -> None:
+    n, k = 48, 4128
+    g = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if kind == "bf16":
+            w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+            out = torch.ops.stallfree.linear_bf16_prompt(x, w, None)
+            want = x.double() @ w.double().T
+        else:
+            lin = layer(n, k, kind, m)
+            out, want = prompt_op(lin, x), dense(lin, x)
+        fused, plain = fused_and_plain(kind, m, 48, k, True, m)
+    finally:
+        torch.set_num_threads(before)
+    assert out.shape == (m, n)
+    assert rel(out, want) < 8e-3
+    assert torch.equal(fused, plain)
+
+
 @needs_amx
 def test_silu_needs_whole_blocks_of_gate_rows(tiles: None) -> None:
     x = torch.randn(20, 64).bfloat16()
