@@ -204,6 +204,29 @@ void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, const floa
   }
 }
 
+// comb[(i * kTileN + j) * blocks + b] = d[m0 + i, b] * scale[j][b] (float16 scales): the
+// product each block's integer sum is scaled by, 8 blocks a vector, so the loops broadcast it
+// from memory instead of converting and multiplying a scalar per block
+template <int MB>
+const float* combined_scales(const Q8Act& a, const uint16_t* const* scale, int64_t m0,
+                             int64_t blocks) {
+  thread_local std::vector<float> comb;
+  comb.resize(static_cast<size_t>(MB * kTileN * blocks));
+  const int64_t dstride = a.kp / 32;
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < kTileN; ++j) {
+      const float* d = a.d + (m0 + i) * dstride;
+      float* c = comb.data() + (i * kTileN + j) * blocks;
+      int64_t b = 0;
+      for (; b + 8 <= blocks; b += 8)
+        _mm256_storeu_ps(c + b, _mm256_mul_ps(_mm256_loadu_ps(d + b),
+                                              _mm256_cvtph_ps(_mm_loadu_si128(
+                                                  reinterpret_cast<const __m128i*>(scale[j] + b)))));
+      for (; b < blocks; ++b) c[b] = d[b] * _cvtsh_ss(scale[j][b]);
+    }
+  return comb.data();
+}
+
 // int8: per block of 32, each weight row's codes against each activation row's, llama.cpp's
 // way without VNNI (|x| times w with x's sign, `vpmaddubsw` then `vpmaddwd`), scaled by the
 // activation's block scale (and a Q8_0 weight's) into float lanes. Up to 2 activation rows a
@@ -215,30 +238,29 @@ void q8_tile(const Q8Act& a, const Tile4& t, const uint16_t* const* bs, int64_t 
              int64_t ahead, const float* scale, const float* bias, Out out) {
   const int64_t blocks = a.k / 32, dstride = a.kp / 32;
   const __m256i ones = _mm256_set1_epi16(1);
+  const float* comb = Blocked ? combined_scales<MB>(a, bs, m0, blocks) : nullptr;
   __m256 acc[MB][kTileN];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < kTileN; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i wv[kTileN];
-    float sj[kTileN];
 #pragma GCC unroll 4
     for (int j = 0; j < kTileN; ++j) {
       const char* p = t.w[j] + b * 32;
       wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
       if ((b & 1) == 0) _mm_prefetch(p + ahead, _MM_HINT_T0);
-      if constexpr (Blocked) sj[j] = _cvtsh_ss(bs[j][b]);
     }
 #pragma GCC unroll 2
     for (int i = 0; i < MB; ++i) {
       const int64_t r = m0 + i;
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + r * a.kp + b * 32));
       const __m256i ax = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.absq + r * a.kp + b * 32));
-      const float d = a.d[r * dstride + b];
-      const __m256 dv = _mm256_set1_ps(d);
+      const __m256 dv = _mm256_set1_ps(a.d[r * dstride + b]);
 #pragma GCC unroll 4
       for (int j = 0; j < kTileN; ++j) {
         const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[j], xq)), ones);
-        const __m256 sc = Blocked ? _mm256_set1_ps(d * sj[j]) : dv;
+        const __m256 sc =
+            Blocked ? _mm256_broadcast_ss(comb + (i * kTileN + j) * blocks + b) : dv;
         acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), sc, acc[i][j]);
       }
     }
@@ -300,35 +322,37 @@ inline float offset_sum(const uint16_t* go, const float* bsum, int64_t groups) {
 template <int MB>
 void q4_tile(const Q8Act& a, const Tile4& t, const uint16_t* const* gs, const uint16_t* const* go,
              int64_t m0, int64_t ahead, const float* bias, Out out) {
-  const int64_t groups = a.k / 32, dstride = a.kp / 32;
-  const __m128i low = _mm_set1_epi8(0x0f);
+  const int64_t groups = a.k / 32;
+  // a group's 16 bytes in both lanes, the upper shifted down a nibble: low nibbles (values
+  // 0-15) then high (16-31) after the mask
+  const __m256i shift = _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0);
+  const __m256i low = _mm256_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1);
+  const float* comb = combined_scales<MB>(a, gs, m0, groups);
   __m256 acc[MB][kTileN];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < kTileN; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m256i wv[kTileN];
-    float sj[kTileN];
 #pragma GCC unroll 4
     for (int j = 0; j < kTileN; ++j) {
       const char* p = t.w[j] + g * 16;
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      wv[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), low), _mm_and_si128(c, low));
+      const __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      wv[j] = _mm256_and_si256(_mm256_srlv_epi32(c, shift), low);
       if ((g & 3) == 0) _mm_prefetch(p + ahead, _MM_HINT_T0);
-      sj[j] = _cvtsh_ss(gs[j][g]);
     }
 #pragma GCC unroll 2
     for (int i = 0; i < MB; ++i) {
-      const int64_t r = m0 + i;
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + r * a.kp + g * 32));
-      const float d = a.d[r * dstride + g];
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (m0 + i) * a.kp + g * 32));
 #pragma GCC unroll 4
       for (int j = 0; j < kTileN; ++j) {
         const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j], xq), ones);
-        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(d * sj[j]), acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32),
+                                    _mm256_broadcast_ss(comb + (i * kTileN + j) * groups + g), acc[i][j]);
       }
     }
   }
+  const int64_t dstride = a.kp / 32;
   for (int i = 0; i < MB; ++i) {
     const float* bsum = a.bsum + (m0 + i) * dstride;
     alignas(16) float v[4];
