@@ -299,3 +299,31 @@ def test_every_block_count_keeps_its_pairs_in_order(tiles: None, blocks: int) ->
         off = run()
         assert torch.ops.stallfree.set_amx(True)
         assert _rel(on, off.double()) < 1e-5
+
+
+@pytest.mark.skipif("avx2" not in VARIANTS, reason="no AVX2 variant of the native kernels here")
+def test_a_bfloat16_layer_on_the_avx2_variant_keeps_every_row_count_native(
+    monkeypatch: pytest.MonkeyPatch, restore_variant: None
+) -> None:
+    """Without AVX512-BF16, torch's bfloat16 product is several times slower than the AVX2
+    kernel at any row count, so a bfloat16 layer never leaves it there; float32 still does
+    past DENSE_MAX_ROWS."""
+    monkeypatch.setenv("STALLFREE_CPU_ISA", "avx2")
+    cpu_kernels.reset()
+    try:
+        assert cpu_kernels.isa() == "avx2" and not cpu_kernels.amx()
+        assert native_layers.dense_max_rows(torch.float32) == native_layers.DENSE_MAX_ROWS
+        layer = torch.nn.Linear(96, 64).bfloat16()
+        assert native_layers.use_native_linears(layer) == 1
+        with torch.no_grad():
+            for rows in (1, native_layers.DENSE_MAX_ROWS + 1, 300):
+                x = torch.randn(rows, 96).bfloat16()
+                with OpCalls() as ops:
+                    out = layer(x)
+                assert "stallfree.linear" in ops.calls and "aten.addmm" not in ops.calls
+                want = x.double() @ layer.weight.double().T + layer.bias.double()
+                assert _rel(out, want) < 8e-3
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.reset()
+        cpu_kernels.isa()

@@ -28,12 +28,20 @@ from stallfree.runtime.model.decode_rows import in_decode
 DENSE_MAX_ROWS = 8
 AMX_MAX_ROWS = 16
 AMX_DECODE_MAX_ROWS = 32
+# On the AVX2 variant (no AVX512-BF16) torch has no fast bfloat16 product: held to AVX2, its
+# F.linear took 3.5-4.0x the native kernel's time at every row count measured, 8 to 128
+# (SmolLM2's five shapes, 2 threads: 128 rows 477 against 119 ms a step). A bfloat16 model
+# there (only by asking: `--dtype auto` picks float32 on such CPUs) sends every dense call to
+# the native kernel.
+AVX2_BF16_MAX_ROWS = 1 << 30
 
 
 def dense_max_rows(dtype: torch.dtype | None = None) -> int:
     """The most rows a dense linear of `dtype` takes to the native kernel on this CPU, in this
     step (a decode step's bfloat16 rows go further: float32 has no tiles)."""
     if not cpu_kernels.amx():
+        if dtype == torch.bfloat16 and cpu_kernels.isa() == "avx2":
+            return AVX2_BF16_MAX_ROWS
         return DENSE_MAX_ROWS
     if dtype == torch.bfloat16 and in_decode():
         return AMX_DECODE_MAX_ROWS
