@@ -30,7 +30,9 @@ AMX_MAX_ROWS = 16
 AMX_DECODE_MAX_ROWS = 32
 # On the AVX2 variant (no AVX512-BF16) torch has no fast bfloat16 product: held to AVX2, its
 # F.linear took 3.5-4.0x the native kernel's time at every row count measured, 8 to 128
-# (SmolLM2's five shapes, 2 threads: 128 rows 477 against 119 ms a step). A bfloat16 model
+# (SmolLM2's five shapes, 2 threads: 128 rows 477 against 119 ms a step), and 3.6x at 512;
+# allowed AVX-512 without BF16 (a Cascade Lake's set, which gets this variant too), 1.16-2.93x
+# at 8-512 rows. A bfloat16 model
 # there (only by asking: `--dtype auto` picks float32 on such CPUs) sends every dense call to
 # the native kernel.
 AVX2_BF16_MAX_ROWS = 1 << 30
