@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "kernels.h"
@@ -57,30 +58,56 @@ inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
 inline __m256 exp_ps(__m256 x) { return exp_avx2(x); }
 
+// One row of activations to Q8Act's blocks of 32: the block's largest |x| over 127 as its
+// scale, each value times 127 / amax rounded to nearest even (the scalar emulation's
+// nearbyint under the default rounding mode), 8 values a vector
 void quantize(const void* x, bool x_bf16, int64_t row, Q8Act& a) {
   const int64_t k = a.k, kp = a.kp;
   int8_t* q = a.q + row * kp;
   uint8_t* absq = a.absq + row * kp;
   float* d = a.d + row * (kp / 32);
   float* bsum = a.bsum + row * (kp / 32);
-  const void* xr = static_cast<const char*>(x) + row * k * (x_bf16 ? 2 : 4);
+  const char* xr = static_cast<const char*>(x) + row * k * (x_bf16 ? 2 : 4);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < kp / 32; ++b) {
     const int64_t k0 = b * 32;
-    float amax = 0.f;
-    if (k0 < k)
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xval(xr, x_bf16, k0 + i)));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
-    for (int i = 0; i < 32; ++i) {
-      int v = 0;
-      if (k0 < k) v = static_cast<int>(std::nearbyint(xval(xr, x_bf16, k0 + i) * inv));
-      v = std::min(127, std::max(-127, v));
-      q[k0 + i] = static_cast<int8_t>(v);
-      absq[k0 + i] = static_cast<uint8_t>(v < 0 ? -v : v);
-      sum += v;
+    if (k0 >= k) {  // padding: zeros
+      std::memset(q + k0, 0, 32);
+      std::memset(absq + k0, 0, 32);
+      d[b] = 0.f;
+      bsum[b] = 0.f;
+      continue;
     }
+    __m256 v[4];
+    for (int h = 0; h < 4; ++h)
+      v[h] = x_bf16 ? load_bf16x8(reinterpret_cast<const uint16_t*>(xr) + k0 + 8 * h)
+                    : _mm256_loadu_ps(reinterpret_cast<const float*>(xr) + k0 + 8 * h);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m256 iv = _mm256_set1_ps(inv);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    __m256i c[4];
+    for (int h = 0; h < 4; ++h)
+      c[h] = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(v[h], iv))));
+    const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    // 32 int32 to 32 int8 in order: the packs work within 128-bit lanes, a permute puts the
+    // lanes back
+    const __m256i p16a = _mm256_packs_epi32(c[0], c[1]);
+    const __m256i p16b = _mm256_packs_epi32(c[2], c[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                                   _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0), p8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(absq + k0), _mm256_abs_epi8(p8));
     d[b] = amax / 127.f;
-    bsum[b] = d[b] * static_cast<float>(sum);
+    bsum[b] = d[b] * static_cast<float>(_mm_cvtsi128_si32(s4));
   }
 }
 
