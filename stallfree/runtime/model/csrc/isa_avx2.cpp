@@ -424,32 +424,96 @@ void gemv_dense_f32(const void* x, int64_t m, int64_t k, const void* w, const fl
   gemv_dense_t<false>(x, m, k, w, bias, n0, n1, out);
 }
 
+// 8 float32 values to bfloat16, rounded to nearest even (as f32_to_bf16 rounds a finite value)
+inline __m128i to_bf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+inline __m256 widen_bf16x8(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// float32: x * rsqrt(mean(x^2) + eps) * w; bfloat16: transformers' order, w * bf16(float(x) *
+// rsqrt(mean + eps)), the sum x + delta rounded to bfloat16 before its statistics. The squares
+// are summed in 8 lanes (value i in lane i % 8), then the lanes in order: the scalar loop's
+// order, 8 values a vector and the last dim % 8 one at a time.
 void rms_norm(const void* x, const void* delta, void* sum, const void* w, void* out, int64_t r0,
               int64_t r1, int64_t dim, float eps, bool bf16) {
+  const int64_t d8 = dim - dim % 8;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t base = r * dim;
-    const void* src = x;
-    if (delta) {
-      for (int64_t i = 0; i < dim; ++i) {
-        const float s = xval(x, bf16, base + i) + xval(delta, bf16, base + i);
-        if (bf16) static_cast<uint16_t*>(sum)[base + i] = f32_to_bf16(s);
-        else static_cast<float*>(sum)[base + i] = s;
+    __m256 ss = _mm256_setzero_ps();
+    if (bf16) {
+      const uint16_t* xr = static_cast<const uint16_t*>(x) + base;
+      const uint16_t* dr = delta ? static_cast<const uint16_t*>(delta) + base : nullptr;
+      uint16_t* sr = dr ? static_cast<uint16_t*>(sum) + base : nullptr;
+      for (int64_t k0 = 0; k0 < d8; k0 += 8) {
+        __m256 v = load_bf16x8(xr + k0);
+        if (dr) {
+          const __m128i s8 = to_bf16x8(_mm256_add_ps(v, load_bf16x8(dr + k0)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(sr + k0), s8);
+          v = widen_bf16x8(s8);
+        }
+        ss = _mm256_fmadd_ps(v, v, ss);
       }
-      src = sum;
+    } else {
+      const float* xr = static_cast<const float*>(x) + base;
+      const float* dr = delta ? static_cast<const float*>(delta) + base : nullptr;
+      float* sr = dr ? static_cast<float*>(sum) + base : nullptr;
+      for (int64_t k0 = 0; k0 < d8; k0 += 8) {
+        __m256 v = _mm256_loadu_ps(xr + k0);
+        if (dr) {
+          v = _mm256_add_ps(v, _mm256_loadu_ps(dr + k0));
+          _mm256_storeu_ps(sr + k0, v);
+        }
+        ss = _mm256_fmadd_ps(v, v, ss);
+      }
     }
-    float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int64_t i = 0; i < dim; ++i) {
-      const float v = xval(src, bf16, base + i);
-      part[i % 8] += v * v;
+    alignas(32) float part[8];
+    _mm256_store_ps(part, ss);
+    for (int64_t i = d8; i < dim; ++i) {
+      float v = xval(x, bf16, base + i);
+      if (delta) {
+        v += xval(delta, bf16, base + i);
+        if (bf16) {
+          static_cast<uint16_t*>(sum)[base + i] = f32_to_bf16(v);
+          v = round_bf16(v);
+        } else {
+          static_cast<float*>(sum)[base + i] = v;
+        }
+      }
+      part[i - d8] += v * v;
     }
-    float ss = 0.f;
-    for (float p : part) ss += p;
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
-    for (int64_t i = 0; i < dim; ++i) {
+    float total = 0.f;
+    for (float p : part) total += p;
+    const float inv = 1.f / std::sqrt(total / static_cast<float>(dim) + eps);
+    const __m256 iv = _mm256_set1_ps(inv);
+    const void* src = delta ? sum : x;
+    if (bf16) {
+      const uint16_t* sv = static_cast<const uint16_t*>(src) + base;
+      const uint16_t* wv = static_cast<const uint16_t*>(w);
+      uint16_t* o = static_cast<uint16_t*>(out) + base;
+      for (int64_t k0 = 0; k0 < d8; k0 += 8) {
+        const __m256 h = widen_bf16x8(to_bf16x8(_mm256_mul_ps(load_bf16x8(sv + k0), iv)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + k0),
+                         to_bf16x8(_mm256_mul_ps(load_bf16x8(wv + k0), h)));
+      }
+    } else {
+      const float* sv = static_cast<const float*>(src) + base;
+      const float* wv = static_cast<const float*>(w);
+      float* o = static_cast<float*>(out) + base;
+      for (int64_t k0 = 0; k0 < d8; k0 += 8)
+        _mm256_storeu_ps(o + k0, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(sv + k0), iv),
+                                               _mm256_loadu_ps(wv + k0)));
+    }
+    for (int64_t i = d8; i < dim; ++i) {
       const float h = xval(src, bf16, base + i) * inv;
       if (bf16) {
-        const float v = xval(w, true, i) * round_bf16(h);
-        static_cast<uint16_t*>(out)[base + i] = f32_to_bf16(v);
+        static_cast<uint16_t*>(out)[base + i] = f32_to_bf16(xval(w, true, i) * round_bf16(h));
       } else {
         static_cast<float*>(out)[base + i] = h * static_cast<const float*>(w)[i];
       }
@@ -473,14 +537,11 @@ void silu_mul(const void* gu, void* out, int64_t r0, int64_t r1, int64_t inter, 
         u = _mm256_loadu_ps(static_cast<const float*>(gu) + g0 + inter + i);
       }
       const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-      alignas(32) float sv[8];
-      _mm256_store_ps(sv, s);
-      alignas(32) float uv[8];
-      _mm256_store_ps(uv, u);
-      for (int j = 0; j < 8; ++j) {
-        if (bf16) static_cast<uint16_t*>(out)[r * inter + i + j] = f32_to_bf16(round_bf16(sv[j]) * uv[j]);
-        else static_cast<float*>(out)[r * inter + i + j] = sv[j] * uv[j];
-      }
+      if (bf16)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + r * inter + i),
+                         to_bf16x8(_mm256_mul_ps(widen_bf16x8(to_bf16x8(s)), u)));
+      else
+        _mm256_storeu_ps(static_cast<float*>(out) + r * inter + i, _mm256_mul_ps(s, u));
     }
     for (; i < inter; ++i) {
       const float g = xval(gu, bf16, g0 + i), u = xval(gu, bf16, g0 + inter + i);
