@@ -106,7 +106,7 @@ void pack_x(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp);
 void gemv_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, const float* bias,
                int64_t n0, int64_t n1, Out out);
 // the prompt product of int8 weights (amx_gemm.cpp): y = x @ (w * scale).T (+ bias), the weight
-// dequantised to bfloat16 block by block into L1 (bfloat16 and int4 weights below), for blocks of 16 output rows in [n0, n1)
+// dequantised to bfloat16 block by block into cache (bfloat16 and int4 weights below), for blocks of 16 output rows in [n0, n1)
 // (n1 - n0 a multiple of 16); `xp` from pack_x_gemm (`packed_gemm_size` uint32 values, 64-byte
 // aligned): chunks of 16 rows, value pairs interleaved, every chunk's first 32 values, then
 // every chunk's next 32, ...
