@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stallfree.runtime.model import cpu_kernels, native_layers
+from stallfree.runtime.model import cpu_kernels, native_layers, quant
 from tests.model.native_util import VARIANTS, OpCalls, needs_amx, set_isa
 
 
@@ -323,6 +323,17 @@ def test_a_bfloat16_layer_on_the_avx2_variant_keeps_every_row_count_native(
                 assert "stallfree.linear" in ops.calls and "aten.addmm" not in ops.calls
                 want = x.double() @ layer.weight.double().T + layer.bias.double()
                 assert _rel(out, want) < 8e-3
+            # an integer layer's prompt rows past its kernels' dequantise, then the same
+            for lin in (
+                quant.Int8Linear(quant.quantize_int8(torch.randn(64, 96)), None, torch.bfloat16),
+                quant.Int4Linear(quant.quantize_int4(torch.randn(64, 96)), None, torch.bfloat16),
+            ):
+                x = torch.randn(300, 96).bfloat16()
+                with OpCalls() as ops:
+                    out = lin(x)
+                assert "stallfree.linear" in ops.calls
+                assert not {"aten.mm", "aten.addmm", "aten.linear"} & set(ops.calls)
+                assert _rel(out, x.double() @ lin.dequantize().double().T) < 8e-3
     finally:
         monkeypatch.undo()
         cpu_kernels.reset()

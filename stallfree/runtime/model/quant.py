@@ -308,7 +308,9 @@ class _QuantLinearBase(nn.Module, abc.ABC):
         elif (prompt := self._prompt(flat)) is not None:
             out = prompt
         else:
-            out = torch.nn.functional.linear(flat, self.dequantize())
+            # the dense product: torch's, except where the native kernel beats it at this many
+            # rows (bfloat16 on the AVX2 variant, native_layers.dense_max_rows)
+            out = native_layers.linear(flat, self.dequantize())
         return out.view(*x.shape[:-1], self.out_features)
 
     def _prompt(self, flat: torch.Tensor) -> torch.Tensor | None:
