@@ -152,6 +152,23 @@ def test_dense_linear_equals_torch(isa: str, m: int, n: int, k: int, bias: bool,
 
 
 @each_isa
+@pytest.mark.parametrize("m", [47, 48, 49, 97, 150])
+def test_dense_linear_over_many_rows_equals_torch(isa: str, m: int) -> None:
+    """More rows than one pass of the AVX2 kernel splits at a time (48), with a k that is no
+    whole number of its 16-value steps: a bfloat16 prompt stays on that kernel."""
+    set_isa(isa)
+    g = torch.Generator().manual_seed(m)
+    for dtype, tol in ((torch.bfloat16, 8e-3), (torch.float32, 1e-5)):
+        x = torch.randn(m, 37, generator=g).to(dtype)
+        w = torch.randn(22, 37, generator=g).to(dtype)
+        b = torch.randn(22, generator=g)
+        out = torch.ops.stallfree.linear(x, w, b)
+        ref = x.double() @ w.double().T + b.double()
+        bound = x.double().abs() @ w.double().abs().T + b.double().abs()
+        assert _rel(out, ref, bound if dtype == torch.float32 else None) < tol
+
+
+@each_isa
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 20), dim=st.integers(1, 300), seed=st.integers(0, 2**16))
 def test_rms_norm_and_fused_add_equal_transformers_order(

@@ -196,36 +196,45 @@ void dense_tile(const float* xs, int64_t xs_stride, const void* x, int64_t k, co
   }
 }
 
+// activation rows per pass over the weights: a bfloat16 prompt (which stays on this kernel,
+// native_layers.AVX2_BF16_MAX_ROWS) is split into float32 this many rows at a time (1.5 MB
+// at 8192 features, not the whole chunk's), the weights re-read once per pass
+constexpr int64_t kPassRows = 16 * kTileM;
+
 template <bool BF16>
 void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, const float* bias,
                   int64_t n0, int64_t n1, Out out) {
   constexpr int64_t es = BF16 ? 2 : 4;
   const int64_t k16 = k - k % 16;
-  const float* xs = static_cast<const float*>(x);
-  int64_t xs_stride = k;
-  if constexpr (BF16) {
-    thread_local std::vector<float> split;
-    split.resize(static_cast<size_t>(m * k16 + 8));
-    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t k0 = 0; k0 < k16; k0 += 16) {
-        const __m256i v = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i * k + k0));
-        _mm256_storeu_ps(split.data() + i * k16 + k0, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-        _mm256_storeu_ps(split.data() + i * k16 + k0 + 8, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
-      }
-    xs = split.data();
-    xs_stride = k16;
-  }
   const int64_t ahead = kTileN * k * es;  // the next tile's rows, at the same column
-  for (int64_t n = n0; n < n1; n += kTileN) {
-    const Tile4 t = tile_at(w, k * es, n, n1);
-    for (int64_t m0 = 0; m0 < m; m0 += kTileM) {
-      const float* xm = xs + m0 * xs_stride;
-      switch (std::min<int64_t>(kTileM, m - m0)) {
-        case 1: dense_tile<BF16, 1>(xm, xs_stride, x, k, t, m0, ahead, bias, out); break;
-        case 2: dense_tile<BF16, 2>(xm, xs_stride, x, k, t, m0, ahead, bias, out); break;
-        default: dense_tile<BF16, 3>(xm, xs_stride, x, k, t, m0, ahead, bias, out); break;
+  for (int64_t p0 = 0; p0 < m; p0 += kPassRows) {
+    const int64_t p1 = std::min(m, p0 + kPassRows);
+    const float* xs = static_cast<const float*>(x) + p0 * k;  // row p0 of the pass
+    int64_t xs_stride = k;
+    if constexpr (BF16) {
+      thread_local std::vector<float> split;
+      split.resize(static_cast<size_t>((p1 - p0) * k16 + 8));
+      const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+      for (int64_t i = p0; i < p1; ++i)
+        for (int64_t k0 = 0; k0 < k16; k0 += 16) {
+          const __m256i v = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i * k + k0));
+          float* dst = split.data() + (i - p0) * k16 + k0;
+          _mm256_storeu_ps(dst, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+          _mm256_storeu_ps(dst + 8, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
+        }
+      xs = split.data();
+      xs_stride = k16;
+    }
+    for (int64_t n = n0; n < n1; n += kTileN) {
+      const Tile4 t = tile_at(w, k * es, n, n1);
+      for (int64_t m0 = p0; m0 < p1; m0 += kTileM) {
+        const float* xm = xs + (m0 - p0) * xs_stride;
+        switch (std::min<int64_t>(kTileM, p1 - m0)) {
+          case 1: dense_tile<BF16, 1>(xm, xs_stride, x, k, t, m0, ahead, bias, out); break;
+          case 2: dense_tile<BF16, 2>(xm, xs_stride, x, k, t, m0, ahead, bias, out); break;
+          default: dense_tile<BF16, 3>(xm, xs_stride, x, k, t, m0, ahead, bias, out); break;
+        }
       }
     }
   }
