@@ -156,6 +156,36 @@ struct BlockPrefetch {
   int64_t left() const { return (rows - row) * lines - line; }
 };
 
+// A call's weight rows [n0, n1) in blocks of 32 rows, n .. n + 31, two tiles of 16; paired
+// (`pair` > 0: a gate and up projection's stacked weight), the 16 gate rows n .. n + 15 and
+// their up rows pair + n .. pair + n + 15, whose outputs meet in write_silu. Both walks take
+// the blocks this way and write a finished block's outputs with `finish`.
+struct BlockRows {
+  int64_t m;  // activation rows
+  int64_t n1;
+  int64_t pair;
+  const float* bias;
+  Out out;
+
+  int64_t step() const { return pair ? 16 : 32; }
+  // the first weight row of tile t of the block at n
+  int64_t row(int64_t n, int t) const { return pair ? (t ? pair + n : n) : n + 16 * t; }
+  // its tiles: one where a last block has only 16 rows
+  int tiles(int64_t n) const { return pair || n1 - n >= 32 ? 2 : 1; }
+  // the outputs of the block at n for chunk c (activation rows 16c ..): tile t's finished
+  // accumulator at acc(t)
+  template <class Acc>
+  void finish(int wt, int64_t n, int64_t c, const Acc& acc) const {
+    const int64_t m0 = c * 16;
+    const int rows = static_cast<int>(std::min<int64_t>(16, m - m0));
+    if (pair) {
+      write_silu(acc(0), acc(1), rows, bias, n, pair, m0, out);
+    } else {
+      for (int t = 0; t < wt; ++t) write_tile(acc(t), rows, bias, n + 16 * t, m0, out);
+    }
+  }
+};
+
 // One block of k (`nb` blocks of 32 values) of WT weight tiles (`wpk`, from pack_block)
 // against XC activation chunks (`x0`, `x1` at the block's first 32 values, `chunks` tiles
 // from one block of 32 to the next, pack_x_gemm's order): the accumulators
@@ -391,16 +421,11 @@ void gemm_parked(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const fl
   const int64_t chunks = (m + 15) / 16;
   const int64_t mchunks = kMBlock / 16;
   const int64_t pairs_max = (std::min(chunks, mchunks) + 1) / 2;
-  // a block is 32 weight rows, n .. n + 31; paired (`pair` > 0: a gate and up projection's
-  // stacked weight), the 16 gate rows n .. n + 15 and their up rows pair + n .. pair + n + 15,
-  // whose outputs meet in write_silu
-  const int64_t step = pair ? 16 : 32;
-  const auto row_of = [&](int64_t n, int t) { return pair ? (t ? pair + n : n) : n + 16 * t; };
-  const auto tiles_at = [&](int64_t n) { return pair || n1 - n >= 32 ? 2 : 1; };
-  // up to kDirectChunks chunks of activations stay in L1 and L2 anyway, so each block of
-  // weight rows walks its whole k before the next (its rows are read in order), else groups
-  // of kNGroup blocks share each block of k of the activations
-  const int64_t ngroup = chunks <= kDirectChunks ? 1 : kNGroup;
+  const BlockRows br{m, n1, pair, bias, out};
+  const int64_t step = br.step();
+  // groups of kNGroup blocks share each block of k of the activations (more than
+  // kDirectChunks chunks come here: fewer take the resident walk)
+  const int64_t ngroup = kNGroup;
   // parked accumulators: 4 tiles (1 KB each) per chunk pair of one M block (of at most
   // kMBlock rows), per block of weight rows of a group
   thread_local std::vector<float> park_buf;
@@ -411,16 +436,6 @@ void gemm_parked(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const fl
   wpk_buf.resize(kstep * 2048 + 64);
   char* wpk = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(wpk_buf.data()) + 63) & ~uintptr_t{63});
-  // a finished block's outputs for chunk c + i: tile t's accumulator at acc(t)
-  const auto finish = [&](int wt, int64_t n, int64_t c, const auto& acc) {
-    const int64_t m0 = c * 16;
-    const int rows = static_cast<int>(std::min<int64_t>(16, m - m0));
-    if (pair) {
-      write_silu(acc(0), acc(1), rows, bias, n, pair, m0, out);
-    } else {
-      for (int t = 0; t < wt; ++t) write_tile(acc(t), rows, bias, n + 16 * t, m0, out);
-    }
-  };
   BlockPrefetch pf;
   for (int64_t c0 = 0; c0 < chunks; c0 += mchunks) {
     const int64_t c1 = std::min(chunks, c0 + mchunks);
@@ -430,7 +445,7 @@ void gemm_parked(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const fl
       for (int64_t kb = 0; kb < kblocks; kb += kstep) {
         const int64_t kb1 = std::min(kblocks, kb + kstep);
         for (int64_t n = g0; n < g1; n += step) {
-          const int wt = tiles_at(n);
+          const int wt = br.tiles(n);
           // a bfloat16 weight's tiles load from the weight itself in the first pass (which
           // stores them for the later chunks); an integer one is dequantised first
           const bool direct = Wt::kDirect;
@@ -451,10 +466,10 @@ void gemm_parked(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const fl
           if (fetchers == 0 || nn < 0)
             pf.start(nullptr, 0, 0, 0, 0);
           else
-            pf.start(q.row(row_of(nn, 0)) + nkb * bb, stride, 16 * tiles_at(nn), (nkb1 - nkb) * bb,
-                     (row_of(nn, 1) - row_of(nn, 0) - 16) * stride);
+            pf.start(q.row(br.row(nn, 0)) + nkb * bb, stride, 16 * br.tiles(nn), (nkb1 - nkb) * bb,
+                     (br.row(nn, 1) - br.row(nn, 0) - 16) * stride);
           if (!direct)
-            for (int t = 0; t < wt; ++t) pack_block(q, row_of(n, t), 16, kb, kb1 - kb, wpk + t * 1024);
+            for (int t = 0; t < wt; ++t) pack_block(q, br.row(n, t), 16, kb, kb1 - kb, wpk + t * 1024);
           const int64_t share = fetchers ? (pf.left() + fetchers - 1) / fetchers : 0;
           float* gpark = park + (n - g0) / step * pairs_max * 1024;
           int64_t cstart = c0;
@@ -468,14 +483,14 @@ void gemm_parked(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const fl
               for (int i = 0; i < xq; ++i) pks[i] = acc(t, i);
               // the slab visited after this one, whose first lines the prefetch runs into
               const char* next = nullptr;
-              if (t + 1 < wt) next = q.row(row_of(n, t + 1)) + kb * bb;
-              else if (nn >= 0) next = q.row(row_of(nn, 0)) + nkb * bb;
-              direct_for(xq)(q.row(row_of(n, t)) + kb * bb, stride, next, wpk + t * 1024,
+              if (t + 1 < wt) next = q.row(br.row(n, t + 1)) + kb * bb;
+              else if (nn >= 0) next = q.row(br.row(nn, 0)) + nkb * bb;
+              direct_for(xq)(q.row(br.row(n, t)) + kb * bb, stride, next, wpk + t * 1024,
                              c1 - c0 > xq, xp + (kb * chunks + c0) * 256, kb1 - kb, chunks,
                              kb == 0, pks);
             }
             if (kb1 == kblocks)
-              for (int i = 0; i < xq; ++i) finish(wt, n, c0 + i, [&](int t) { return acc(t, i); });
+              for (int i = 0; i < xq; ++i) br.finish(wt, n, c0 + i, [&](int t) { return acc(t, i); });
             cstart = c0 + xq;
           }
           for (int64_t c = cstart; c < c1; c += 2) {
@@ -486,7 +501,7 @@ void gemm_parked(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const fl
             pf.fetch(share);
             if (kb1 == kblocks)
               for (int i = 0; i < xc; ++i)
-                finish(wt, n, c + i, [&](int t) { return pk + (2 * t + i) * 256; });
+                br.finish(wt, n, c + i, [&](int t) { return pk + (2 * t + i) * 256; });
           }
         }
       }
@@ -508,10 +523,8 @@ void gemm_resident(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const 
   const int64_t stride = k / 32 * bb;  // bytes per weight row
   const int64_t kblocks = k / 32;
   const int64_t chunks = (m + 15) / 16;
-  // as in gemm_parked: 32 weight rows, or 16 gate rows and their up rows
-  const int64_t step = pair ? 16 : 32;
-  const auto row_of = [&](int64_t n, int t) { return pair ? (t ? pair + n : n) : n + 16 * t; };
-  const auto tiles_at = [&](int64_t n) { return pair || n1 - n >= 32 ? 2 : 1; };
+  const BlockRows br{m, n1, pair, bias, out};
+  const int64_t step = br.step();
   // the block's weight tiles, step_block's order: 2 KB per block of 32 values
   thread_local std::vector<char> slab_buf;
   slab_buf.resize(kblocks * 2048 + 64);
@@ -520,17 +533,8 @@ void gemm_resident(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const 
   // finished accumulators: the direct pass's C[t][i] at (4 * t + i) * 256, a pair's at
   // (2 * t + i) * 256
   alignas(64) float acc[8 * 256];
-  const auto finish = [&](int wt, int64_t n, int64_t c, const auto& at) {
-    const int64_t m0 = c * 16;
-    const int rows = static_cast<int>(std::min<int64_t>(16, m - m0));
-    if (pair) {
-      write_silu(at(0), at(1), rows, bias, n, pair, m0, out);
-    } else {
-      for (int t = 0; t < wt; ++t) write_tile(at(t), rows, bias, n + 16 * t, m0, out);
-    }
-  };
   for (int64_t n = n0; n < n1; n += step) {
-    const int wt = tiles_at(n);
+    const int wt = br.tiles(n);
     const int64_t nn = n + step < n1 ? n + step : -1;  // the next block's first row
     int64_t cstart = 0;
     if (Wt::kDirect) {
@@ -540,16 +544,16 @@ void gemm_resident(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const 
         for (int i = 0; i < xq; ++i) at[i] = acc + (4 * t + i) * 256;
         // the slab visited after this one, whose first lines the prefetch runs into
         const char* next = nullptr;
-        if (t + 1 < wt) next = q.row(row_of(n, t + 1));
-        else if (nn >= 0) next = q.row(row_of(nn, 0));
-        direct_for(xq)(q.row(row_of(n, t)), stride, next, slab + t * 1024, chunks > xq, xp,
+        if (t + 1 < wt) next = q.row(br.row(n, t + 1));
+        else if (nn >= 0) next = q.row(br.row(nn, 0));
+        direct_for(xq)(q.row(br.row(n, t)), stride, next, slab + t * 1024, chunks > xq, xp,
                        kblocks, chunks, true, at);
       }
       for (int i = 0; i < xq; ++i)
-        finish(wt, n, i, [&](int t) { return acc + (4 * t + i) * 256; });
+        br.finish(wt, n, i, [&](int t) { return acc + (4 * t + i) * 256; });
       cstart = xq;
     } else {
-      for (int t = 0; t < wt; ++t) pack_block(q, row_of(n, t), 16, 0, kblocks, slab + t * 1024);
+      for (int t = 0; t < wt; ++t) pack_block(q, br.row(n, t), 16, 0, kblocks, slab + t * 1024);
     }
     // an integer weight's next block is fetched a share per block of 32 of the pairs' walk (a
     // bfloat16 one's direct pass prefetches its own)
@@ -557,8 +561,8 @@ void gemm_resident(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const 
     const int64_t walks = (chunks - cstart + 1) / 2 * kblocks;
     const bool fetch = !Wt::kDirect && nn >= 0 && walks > 0;
     if (fetch)
-      pf.start(q.row(row_of(nn, 0)), stride, 16 * tiles_at(nn), stride,
-               (row_of(nn, 1) - row_of(nn, 0) - 16) * stride);
+      pf.start(q.row(br.row(nn, 0)), stride, 16 * br.tiles(nn), stride,
+               (br.row(nn, 1) - br.row(nn, 0) - 16) * stride);
     const int64_t per = fetch ? (pf.left() + walks - 1) / walks : 0;
     for (int64_t c = cstart; c < chunks; c += 2) {
       const int xc = chunks - c >= 2 ? 2 : 1;
@@ -566,7 +570,7 @@ void gemm_resident(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const 
       step_for(wt, xc)(slab, x0, x0 + 256, kblocks, chunks, true, acc, fetch ? &pf : nullptr,
                        per);
       for (int i = 0; i < xc; ++i)
-        finish(wt, n, c + i, [&](int t) { return acc + (2 * t + i) * 256; });
+        br.finish(wt, n, c + i, [&](int t) { return acc + (2 * t + i) * 256; });
     }
   }
   _tile_release();
