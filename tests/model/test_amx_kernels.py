@@ -1,5 +1,5 @@
 """The AMX tile paths (csrc/isa_amx.cpp): dense bfloat16 at 2-16 rows, int8 weights at 5-16
-rows and int4 codes at 5-16 rows give the same results as the AVX-512 kernels within rounding,
+rows and int4 codes at 4-64 rows give the same results as the AVX-512 kernels within rounding,
 at every row count and weight height (whole blocks of 16 on the tiles, the rest on AVX-512),
 and are switched off by the environment, by another variant and on CPUs that do not report
 AMX."""
@@ -183,7 +183,7 @@ def _q4_weight(g: torch.Generator, n: int, groups: int) -> tuple[torch.Tensor, .
     max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
-    m=st.integers(5, 16),
+    m=st.integers(4, 40),
     n=st.integers(16, 70),
     groups=st.integers(1, 9),
     bias=st.booleans(),
@@ -193,8 +193,9 @@ def _q4_weight(g: torch.Generator, n: int, groups: int) -> tuple[torch.Tensor, .
 def test_int4_tiles_equal_the_avx512_kernel(
     tiles: None, m: int, n: int, groups: int, bias: bool, bf16: bool, seed: int
 ) -> None:
-    """5-16 rows of int4 groups on the tiles (odd group counts too): the same integer sums as
-    the AVX-512 kernel, the scale and offset applied in another order."""
+    """4-40 rows of int4 groups on the tiles (odd group counts, one group, a last chunk of
+    fewer than 16 rows past 16): the same integer sums as the AVX-512 kernel, the scale and
+    offset applied in another order."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, 32 * groups, generator=g)
     if bf16:
@@ -210,10 +211,28 @@ def test_int4_tiles_equal_the_avx512_kernel(
 
 
 @needs_amx
-def test_int4_tiles_run_from_five_rows(tiles: None) -> None:
+@pytest.mark.parametrize("m", [4, 15, 16, 17, 31, 33, 64])
+@pytest.mark.parametrize("groups", [1, 2, 3, 18])
+def test_int4_tiles_cover_each_chunk_and_group_count(tiles: None, m: int, groups: int) -> None:
+    """The tiles read the activation rows in chunks of 16 (a last chunk past m reads the rows
+    quantize_act pads) and the scales two groups at a time (a last odd group, a lone group):
+    every case equals the AVX-512 kernel."""
+    g = torch.Generator().manual_seed(m * 100 + groups)
+    x = torch.randn(m, 32 * groups, generator=g)
+    codes, scale, offset = _q4_weight(g, 48, groups)
+    b = torch.randn(48, generator=g)
+    on = torch.ops.stallfree.linear_q4(x, codes, scale, offset, b)
+    assert not torch.ops.stallfree.set_amx(False)
+    off = torch.ops.stallfree.linear_q4(x, codes, scale, offset, b)
+    assert torch.ops.stallfree.set_amx(True)
+    assert _rel(on, off.double()) < 1e-5
+
+
+@needs_amx
+def test_int4_tiles_run_from_four_rows(tiles: None) -> None:
     g = torch.Generator().manual_seed(5)
     codes, scale, offset = _q4_weight(g, 64, 8)
-    for m, taken in ((4, 0), (5, 1), (16, 1), (17, 1), (64, 1), (65, 0)):
+    for m, taken in ((3, 0), (4, 1), (16, 1), (17, 1), (64, 1), (65, 0)):
         before = torch.ops.stallfree.amx_calls()
         torch.ops.stallfree.linear_q4(torch.randn(m, 256), codes, scale, offset, None)
         assert torch.ops.stallfree.amx_calls() - before == taken, m

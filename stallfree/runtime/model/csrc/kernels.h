@@ -135,13 +135,12 @@ void pack_q8(const Q8Act& a, uint32_t* xp, float* ad);
 void gemv_q8(const uint32_t* xp, const float* ad, int64_t m, int64_t k, const int8_t* w,
              const float* scale, const uint16_t* bscale, const float* bias, int64_t n0,
              int64_t n1, Out out);
-// the activations' d * sum(codes) per block, in the layout of pack_q8's block scales
-void pack_q4_sums(const Q8Act& a, float* xs);
 // gemv_q4's product (int4 groups of 32 with float16 scale and offset) for the whole blocks of
-// 16 output rows in [n0, n1); `xp` and `ad` from pack_q8, `xs` from pack_q4_sums
-void gemv_q4(const uint32_t* xp, const float* ad, const float* xs, int64_t m, int64_t k,
-             const uint8_t* codes, const uint16_t* gscale, const uint16_t* goffset,
-             const float* bias, int64_t n0, int64_t n1, Out out);
+// 16 output rows in [n0, n1), the activations read from `a` as they are (past 16 rows, whole
+// chunks of 16: its rows up to the next multiple of 16 must be readable, as quantize_act
+// allocates them)
+void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
+             const uint16_t* goffset, const float* bias, int64_t n0, int64_t n1, Out out);
 }  // namespace amx
 
 // the variant set_isa selected ("avx512", "avx2"), or nullptr when none is (ops.cpp)

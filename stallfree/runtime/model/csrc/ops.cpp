@@ -148,7 +148,10 @@ Q8Act quantize_act(const at::Tensor& x, int64_t k) {
   a.m = x.numel() / k;
   a.k = k;
   a.kp = (k + 127) / 128 * 128;
-  buf.q.resize(a.m * a.kp);
+  // the int4 tiles read whole chunks of 16 rows past 16 (amx::gemv_q4t): rows up to the next
+  // multiple of 16 are allocated, their contents never reach an output
+  const int64_t rows = a.m > 16 ? (a.m + 15) / 16 * 16 : a.m;
+  buf.q.resize(rows * a.kp);
   buf.absq.resize(a.m * a.kp);
   buf.neg.resize(a.m * a.kp / 64);
   buf.d.resize(a.m * a.kp / 32);
@@ -205,34 +208,21 @@ void q8_amx(const Q8Act& a, const int8_t* w, const float* scale, const uint16_t*
 }
 
 // int4 codes on the tiles from this many rows, whole blocks of 16 output rows (the rest on the
-// AVX-512 kernel). The tiles' per-block epilogue plus the unpacking of the codes cost about the
-// same at any row count, so the tiles win only where the AVX-512 kernel's work per row has
-// grown past it. With the epilogue's scales widened once per block (isa_amx.cpp), SmolLM2's five
-// shapes, 30 copies, one thread, us a step on the tiles against AVX-512 over two rounds: 5 rows
-// on AVX-512 either way, 6 rows 3366 / 3097 against 3569 / 3379, 7 rows 3401 / 3310 against
-// 3916 / 3751, 8 rows 3274 / 3305 against 4561 / 4174. After the changes named at
-// kAmxQ8MinRows, two threads, two rounds: 5 rows 1476 / 1600 against 1687 / 1642, 4 rows
-// 1483 / 1579 against 1265 / 1283.
-constexpr int64_t kAmxQ4MinRows = 5;
+// AVX-512 kernel). The tiles' unpacking of the codes and widening of the scales cost the same
+// at any row count and their epilogue grows with the rows, so they win where the AVX-512
+// kernel's work per row has grown past that. 3072 x 576 int4 weights, 300 copies (from
+// memory), two threads, the tiles against AVX-512, the median of 100-170 alternating rounds:
+// 2 rows 1.19x the time, 3 rows 1.00x, 4 rows 0.78x.
+constexpr int64_t kAmxQ4MinRows = 4;
 
 bool amx_q4_applies(int64_t m) { return g_amx && m >= kAmxQ4MinRows && m <= kAmxIntMaxRows; }
 
 void q4_amx(const Q8Act& a, const uint8_t* codes, const uint16_t* gs, const uint16_t* go,
             const float* bias, int64_t n, Out o) {
   g_amx_calls.fetch_add(1, std::memory_order_relaxed);
-  thread_local std::vector<uint32_t> xbuf;
-  thread_local std::vector<float> sbuf, xsbuf;
-  xbuf.resize(amx::packed_q8_size(a.m, a.k));
-  sbuf.resize(amx::packed_q8_scales(a.m, a.k));
-  xsbuf.resize(amx::packed_q8_scales(a.m, a.k));
-  amx::pack_q8(a, xbuf.data(), sbuf.data());
-  amx::pack_q4_sums(a, xsbuf.data());
-  const uint32_t* xp = xbuf.data();
-  const float* ad = sbuf.data();
-  const float* xs = xsbuf.data();
   const int64_t whole = n / 16 * 16;
   at::parallel_for(0, whole / 16, kGrain / 16, [&](int64_t b0, int64_t b1) {
-    amx::gemv_q4(xp, ad, xs, a.m, a.k, codes, gs, go, bias, b0 * 16, b1 * 16, o);
+    amx::gemv_q4(a, codes, gs, go, bias, b0 * 16, b1 * 16, o);
   });
   if (whole < n) K().gemv_q4(a, codes, gs, go, bias, whole, n, o);
 }
