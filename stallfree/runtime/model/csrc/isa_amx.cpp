@@ -357,7 +357,7 @@ struct alignas(64) Q4Unpacked {
 // permutations take the 16 x 8 dwords to t[j] = dword j of rows 0-15 in order; the B operand's
 // row kk < 4 of group b is then t[kk]'s low nibbles and row 4 + kk its high nibbles.
 inline void unpack_pair(const uint8_t* cb, int64_t row_bytes, int64_t b, bool one,
-                          Q4Unpacked& u) {
+                        Q4Unpacked& u) {
   // round 1, from rows 4q, 4q + 1 (z[2q]) and 4q + 2, 4q + 3 (z[2q + 1]): lane 4 (j - 4s) + r
   // holds dword j (4s <= j < 4s + 4) of row 4q + r
   static const __m512i idx1[2] = {
@@ -383,7 +383,8 @@ inline void unpack_pair(const uint8_t* cb, int64_t row_bytes, int64_t b, bool on
   __m512i y[4][2];
 #pragma GCC unroll 4
   for (int q = 0; q < 4; ++q)
-    for (int s = 0; s < 2; ++s) y[q][s] = _mm512_permutex2var_epi32(z[2 * q], idx1[s], z[2 * q + 1]);
+    for (int s = 0; s < 2; ++s)
+      y[q][s] = _mm512_permutex2var_epi32(z[2 * q], idx1[s], z[2 * q + 1]);
   __m512i x[2][2][2];
   for (int h = 0; h < 2; ++h)
     for (int s = 0; s < 2; ++s)
@@ -425,8 +426,8 @@ inline __m512 scales_last(const uint16_t* h, __m512i rows, int64_t groups, int64
 // acc[m] += float(sums[m]) * scale[:, b] * d_x[m, b] + offset[:, b] * bsum_x[m, b] for the
 // chunk's first `rows` activation rows (lanes: the block's 16 weight rows)
 inline void scale_q4(const int32_t (&sums)[16][16], __m512 (&acc)[16], int rows,
-                      const float* d, const float* bsum, int64_t ld, __m512 ws, __m512 wo,
-                      int64_t b) {
+                     const float* d, const float* bsum, int64_t ld, __m512 ws, __m512 wo,
+                     int64_t b) {
 #pragma GCC unroll 16
   for (int m = 0; m < 16; ++m)
     if (m < rows) {
@@ -441,7 +442,7 @@ inline void scale_q4(const int32_t (&sums)[16][16], __m512 (&acc)[16], int rows,
 // sums into acc.
 #define SF_Q4_PAIR(S0, S1) \
 inline void issue_q4_##S0##S1(const uint8_t* cb, int64_t row_bytes, int64_t groups, \
-                               const int8_t* xq, int64_t kp, int64_t b, Q4Unpacked& u) { \
+                              const int8_t* xq, int64_t kp, int64_t b, Q4Unpacked& u) { \
   prefetch_rows(reinterpret_cast<const char*>(cb), row_bytes, groups, b, 8, 16); \
   unpack_pair(cb, row_bytes, b, false, u); \
   _tile_zero(S0); \
@@ -455,8 +456,8 @@ inline void issue_q4_##S0##S1(const uint8_t* cb, int64_t row_bytes, int64_t grou
 } \
  \
 inline void drain_q4_##S0##S1(__m512 (&acc)[16], int rows, const float* d, const float* bsum, \
-                               int64_t ld, const uint16_t* gs, const uint16_t* go, \
-                               __m512i srows, int64_t b) { \
+                              int64_t ld, const uint16_t* gs, const uint16_t* go, \
+                              __m512i srows, int64_t b) { \
   alignas(64) int32_t s0[16][16]; \
   alignas(64) int32_t s1[16][16]; \
   __m512 ws0, ws1, wo0, wo1; \
