@@ -170,16 +170,27 @@ void configure_q8(int mc) {
   load_config(cfg);
 }
 
-// acc[r] += float(sums[r]) * scale of row r's block b, over the activation rows' lanes
+// acc[r] += float(sums[r]) * scale of row r's block b, over the activation rows' lanes; the
+// weight's block scales (`bsf`, Q8_0's) already in float32, a row of `row_stride` a weight row
+// (one broadcast from memory each, not a float16 load, convert and broadcast)
 inline void scale_block(const int32_t (&sums)[16][16], __m512 (&acc)[16], __m512 ad,
-                        const uint16_t* bscale, int64_t row_stride, int64_t b) {
+                        const float* bsf, int64_t row_stride, int64_t b) {
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) {
     const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(sums[r]));
-    const __m512 sc =
-        bscale ? _mm512_mul_ps(ad, _mm512_set1_ps(_cvtsh_ss(bscale[r * row_stride + b]))) : ad;
+    const __m512 sc = bsf ? _mm512_mul_ps(ad, _mm512_set1_ps(bsf[r * row_stride + b])) : ad;
     acc[r] = _mm512_fmadd_ps(v, sc, acc[r]);
   }
+}
+
+// 16 rows of `blocks` float16 values to float32 in the same order (exact)
+inline void widen_rows(const uint16_t* h, int64_t blocks, float* f) {
+  const int64_t n = 16 * blocks;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(
+        f + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+  for (; i < n; ++i) f[i] = _cvtsh_ss(h[i]);
 }
 
 // Pairs of blocks b, b + 1 (b = 0, 2, 4, ...) alternate between the sum tiles 0, 1 and 2, 3:
@@ -217,7 +228,7 @@ inline void issue_q8_##S0##S1(const char* wb, int64_t k, const uint32_t* xp, int
   _tile_dpbssd(S1, 5, 7); \
 } \
  \
-inline void drain_q8_##S0##S1(__m512 (&acc)[16], const float* ad, const uint16_t* bs, int64_t blocks, \
+inline void drain_q8_##S0##S1(__m512 (&acc)[16], const float* ad, const float* bs, int64_t blocks, \
                      int64_t b) { \
   alignas(64) int32_t s0[16][16]; \
   alignas(64) int32_t s1[16][16]; \
@@ -231,11 +242,10 @@ SF_Q8_PAIR(2, 3)
 #undef SF_Q8_PAIR
 
 void block_q8(const uint32_t* xp, const float* ad, int rows, int mc, int64_t k, const int8_t* w,
-              const float* scale, const uint16_t* bscale, const float* bias, int64_t n,
-              int64_t m0, Out out) {
+              const float* scale, const float* bs, const float* bias, int64_t n, int64_t m0,
+              Out out) {
   const int64_t blocks = k / 32;
   const char* wb = reinterpret_cast<const char*>(w + n * k);
-  const uint16_t* bs = bscale ? bscale + n * blocks : nullptr;
   __m512 acc[16];
   for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
   pairs_in_flight(
@@ -300,12 +310,18 @@ void gemv_q8(const uint32_t* xp, const float* ad, int64_t m, int64_t k, const in
              const float* scale, const uint16_t* bscale, const float* bias, int64_t n0,
              int64_t n1, Out out) {
   const int mc = static_cast<int>(chunk_rows(m));
+  const int64_t blocks = k / 32;
+  // a block of 16 rows' scales in float32, once per block (each is used once per chunk)
+  thread_local std::vector<float> widened;
+  widened.resize(16 * blocks);
   configure_q8(mc);
-  for (int64_t n = n0; n + 16 <= n1; n += 16)
+  for (int64_t n = n0; n + 16 <= n1; n += 16) {
+    if (bscale) widen_rows(bscale + n * blocks, blocks, widened.data());
     for (int64_t m0 = 0; m0 < m; m0 += mc)
-      block_q8(xp + m0 * (k / 4), ad + m0 / mc * (k / 32) * 16,
-               static_cast<int>(std::min<int64_t>(mc, m - m0)), mc, k, w, scale, bscale, bias, n,
-               m0, out);
+      block_q8(xp + m0 * (k / 4), ad + m0 / mc * blocks * 16,
+               static_cast<int>(std::min<int64_t>(mc, m - m0)), mc, k, w, scale,
+               bscale ? widened.data() : nullptr, bias, n, m0, out);
+  }
   _tile_release();
 }
 
