@@ -1,6 +1,6 @@
 """The native matrix-vector kernels against the machine's read bandwidth and torch's kernels.
 
-    python benchmarks/bench_gemv.py [--formats bf16 int8 int4 f32] [--rows 1 2 4 8 16]
+    python benchmarks/bench_gemv.py [--formats bf16 int8 q8_0 int4 f32] [--rows 1 2 4 8 16]
         [--copies N] [--repeats 3] [--threads 2]
 
 SmolLM2-135M's five projection shapes (q/k/v 960x576, o 576x576, gate/up 3072x576, down
@@ -13,8 +13,10 @@ time per step's worth of the five shapes (one call each), the bytes they read ov
 and that as a share of the machine's read bandwidth (read_probe.py: a streaming AVX2 read of
 1 GiB on both threads, plain and with a software prefetch, the faster of the two, best of 5,
 in a child process). torch's own kernel for the
-format is timed beside it (bf16: F.linear; int8: _weight_int8pack_mm; f32: F.linear; int4: the
-native kernel only: torch's int4 weight kernel needs its own packing). Each (format, repeat)
+format is timed beside it (bf16: F.linear; int8: _weight_int8pack_mm; f32: F.linear; q8_0, a
+GGUF's Q8_0 with a float16 scale per block of 32, and int4: the native kernel only, torch has no
+kernel for block scales and its int4 weight kernel needs its own packing). Every copy has its
+own scales, so they are read from memory with the weight. Each (format, repeat)
 runs in a fresh process; formats interleave; medians are printed with the load average.
 The weights and the probe's buffer sit on 2 MB pages, as the engine puts a model's weights
 (runtime/memory/huge_pages.py); `STALLFREE_HUGE_PAGES=0` measures 4 KB pages instead.
@@ -37,10 +39,16 @@ from read_probe import on_huge_pages, read_bandwidth
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 
 
-# bytes of one copy of the five shapes, per weight format (int8: a float32 scale a row; int4:
-# half a byte a value plus a float16 scale and offset per 32 values); the output layer counts
-# a sixth, as `child` holds a sixth as many copies of it
-_BYTES_PER_VALUE = {"bf16": 2.0, "f32": 4.0, "int8": 1.0, "int4": 0.5 + 4 / 32}
+# bytes of one copy of the five shapes, per weight format (int8: a float32 scale a row; q8_0: a
+# float16 scale per 32 values; int4: half a byte a value plus a float16 scale and offset per 32
+# values); the output layer counts a sixth, as `child` holds a sixth as many copies of it
+_BYTES_PER_VALUE = {
+    "bf16": 2.0,
+    "f32": 4.0,
+    "int8": 1.0,
+    "q8_0": 1.0 + 2 / 32,
+    "int4": 0.5 + 4 / 32,
+}
 
 
 def copy_bytes(fmt: str) -> float:
@@ -102,20 +110,34 @@ def child(fmt: str, rows: list[int], copies: int, threads: int) -> None:
                 native = [lambda w=w, x=x: ops.linear(x, w, None) for w in ws]
                 ref = [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in ws]
                 nbytes += n * k * ws[0].element_size()
-            elif fmt == "int8":
+            elif fmt in ("int8", "q8_0"):
                 qs = on_huge_pages(
                     [
                         torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
                         for _ in range(count)
                     ]
                 )
-                scale = torch.rand(n, generator=gen) / 100
-                sb = scale.bfloat16()
-                native = [lambda q=q, x=x, s=scale: ops.linear_q8(x, q, s, None) for q in qs]
-                ref = [
-                    lambda q=q, x=x, s=sb: torch.ops.aten._weight_int8pack_mm(x, q, s) for q in qs
-                ]
-                nbytes += n * k + n * 4
+                if fmt == "int8":
+                    scales = [torch.rand(n, generator=gen) / 100 for _ in qs]
+                    native = [
+                        lambda q=q, x=x, s=s: ops.linear_q8(x, q, s, None)
+                        for q, s in zip(qs, scales, strict=True)
+                    ]
+                    ref = [
+                        lambda q=q, x=x, s=s.bfloat16(): torch.ops.aten._weight_int8pack_mm(x, q, s)
+                        for q, s in zip(qs, scales, strict=True)
+                    ]
+                    nbytes += n * k + n * 4
+                else:
+                    blocks = on_huge_pages(
+                        [(torch.rand(n, k // 32, generator=gen) / 100).half() for _ in qs]
+                    )
+                    native = [
+                        lambda q=q, x=x, b=b: ops.linear_q8_blocks(x, q, b, None)
+                        for q, b in zip(qs, blocks, strict=True)
+                    ]
+                    ref = []
+                    nbytes += n * k + n * (k // 32) * 2
             else:  # int4: codes plus float16 scale and offset per group of 32
                 g = k // 32
                 cs = on_huge_pages(
@@ -124,9 +146,12 @@ def child(fmt: str, rows: list[int], copies: int, threads: int) -> None:
                         for _ in range(count)
                     ]
                 )
-                sc = torch.rand(n, g, generator=gen).half()
-                of = torch.rand(n, g, generator=gen).half()
-                native = [lambda c=c, x=x, s=sc, o=of: ops.linear_q4(x, c, s, o, None) for c in cs]
+                scs = on_huge_pages([torch.rand(n, g, generator=gen).half() for _ in cs])
+                ofs = on_huge_pages([torch.rand(n, g, generator=gen).half() for _ in cs])
+                native = [
+                    lambda c=c, x=x, s=s, o=o: ops.linear_q4(x, c, s, o, None)
+                    for c, s, o in zip(cs, scs, ofs, strict=True)
+                ]
                 ref = []
                 nbytes += n * k // 2 + n * g * 4
             native_s += _per_call(native)
