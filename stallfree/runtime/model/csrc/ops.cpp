@@ -148,7 +148,7 @@ Q8Act quantize_act(const at::Tensor& x, int64_t k) {
   a.m = x.numel() / k;
   a.k = k;
   a.kp = (k + 127) / 128 * 128;
-  // the int4 tiles read whole chunks of 16 rows past 16 (amx::gemv_q4t): rows up to the next
+  // the int4 tiles read whole chunks of 16 rows past 16 (amx::gemv_q4): rows up to the next
   // multiple of 16 are allocated, their contents never reach an output
   const int64_t rows = a.m > 16 ? (a.m + 15) / 16 * 16 : a.m;
   buf.q.resize(rows * a.kp);
@@ -208,7 +208,7 @@ void q8_amx(const Q8Act& a, const int8_t* w, const float* scale, const uint16_t*
 }
 
 // int4 codes on the tiles from this many rows, whole blocks of 16 output rows (the rest on the
-// AVX-512 kernel). The tiles' unpacking of the codes and widening of the scales cost the same
+// AVX-512 kernel). The tiles' unpacking of the codes and gathering of the scales cost the same
 // at any row count and their epilogue grows with the rows, so they win where the AVX-512
 // kernel's work per row has grown past that. 3072 x 576 int4 weights, 300 copies (from
 // memory), two threads, the tiles against AVX-512, the median of 100-170 alternating rounds:
