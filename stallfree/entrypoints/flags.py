@@ -308,6 +308,10 @@ _MODEL = [
          sets="model.quantization",
          help="linear weights kept packed: int8, int4, gguf (a GGUF file's own blocks); "
          "auto: gguf for a GGUF file on a CPU"),
+    flag("--prepack-prompt-weights", **SWITCH, sets="model.prepack_prompt_weights",
+         help="keep a second copy of each dense bfloat16 projection in oneDNN's blocked order "
+         "for prompts of more than 64 tokens (CPUs with AMX): faster prompts, the dense weights' "
+         "memory twice"),
     flag("--model-impl", choices=["auto", "native", "transformers"], sets="model.model_impl",
          help="modelling code: native, or transformers (any causal LM it can build, with "
          "stallfree's paged attention; slower); auto: native for a supported architecture, "

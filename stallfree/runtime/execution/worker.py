@@ -75,6 +75,7 @@ class WorkerSpec:
     tokenizer_path: str
     dtype: str
     quantization: str
+    prepack_prompt_weights: bool
     device: str  # "cpu" or "cuda"
     seed: int
     page_size: int
@@ -133,6 +134,7 @@ def worker_spec(config: StallfreeConfig, num_kv_slots: int, max_context_len: int
         tokenizer_path=config.model.tokenizer or config.model.path,
         dtype=config.model.dtype,
         quantization=config.model.quantization,
+        prepack_prompt_weights=config.model.prepack_prompt_weights,
         device=device,
         seed=config.model.seed,
         page_size=config.cache.page_size,
@@ -206,6 +208,7 @@ class _Worker:
         self.tp = self._join_group()
         kwargs: dict[str, Any] = {"tp": self.tp} if self.tp is not None else {}
         kwargs["quantization"] = spec.quantization
+        kwargs["prepack_prompt_weights"] = spec.prepack_prompt_weights
         loaded = load_model(spec.model_path, spec.dtype, self.device, spec.seed, **kwargs)
         arch = loaded.arch
         kv_heads = arch.num_kv_heads

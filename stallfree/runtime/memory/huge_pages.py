@@ -74,7 +74,8 @@ def move_to_huge_pages(model: nn.Module) -> int:
     storages: dict[int, torch.UntypedStorage] = {}
     seen: set[int] = set()
     for t in _module_tensors(model):
-        if id(t) in seen or t.device.type != "cpu" or t.is_sparse:
+        # an opaque oneDNN copy (`--prepack-prompt-weights`) has no storage to move
+        if id(t) in seen or t.device.type != "cpu" or t.is_sparse or t.is_mkldnn:
             continue
         seen.add(id(t))
         storage = t.untyped_storage()

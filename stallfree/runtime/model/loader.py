@@ -141,11 +141,13 @@ def load_model(
     quantization: str = "none",
     model_impl: str = "auto",
     trust_remote_code: bool = False,
+    prepack_prompt_weights: bool = False,
 ) -> LoadedModel:
     """The model through transformers' modelling code when `model_impl` says so (hf_fallback.py:
     `transformers`, or `auto` for an architecture with no native family; a checkpoint's own
     code only with `trust_remote_code`), else `_load`; then a native family's dense bfloat16
-    linears switched to the native kernels (native_layers.py) where the CPU has them, a CPU
+    linears switched to the native kernels (native_layers.py) where the CPU has them (with
+    `prepack_prompt_weights`, each beside a oneDNN copy for prompts), a CPU
     model's weights moved to huge pages (memory/huge_pages.py), and the load's freed memory
     handed back."""
     if model_impl_for(path_or_preset, model_impl) == "transformers":
@@ -154,7 +156,7 @@ def load_model(
     else:
         loaded = _load(path_or_preset, dtype, device, seed, tp, quantization)
     if isinstance(loaded.model, LlamaForCausalLM):
-        use_native_linears(loaded.model)
+        use_native_linears(loaded.model, prepack=prepack_prompt_weights)
     release_free_heap()  # the load's temporaries (memory/heap.py)
     if torch.device(device).type == "cpu" and move_to_huge_pages(loaded.model):
         release_free_heap()  # the storages the weights were moved from
