@@ -22,6 +22,16 @@ pytestmark = pytest.mark.skipif(
 ROWS = native_layers.PREPACKED_MIN_ROWS
 
 
+@pytest.fixture(autouse=True)
+def as_with_the_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy is made only where the CPU has the AMX tiles, whose decode kernels take at most
+    AMX_DECODE_MAX_ROWS rows; the AVX2 variant (`STALLFREE_CPU_ISA=avx2`) takes every bfloat16
+    row count itself and would never reach the copy."""
+    real = native_layers.dense_max_rows
+    cap = native_layers.AMX_DECODE_MAX_ROWS
+    monkeypatch.setattr(native_layers, "dense_max_rows", lambda dtype=None: min(real(dtype), cap))
+
+
 def bf16_linear(n: int, k: int, bias: bool, seed: int = 0) -> nn.Linear:
     g = torch.Generator().manual_seed(seed)
     layer = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
