@@ -47,3 +47,24 @@ async def test_torch_compile_with_worker_processes_is_refused() -> None:
     with pytest.raises(ValueError, match="in-process model only"):
         async with Engine(cfg):
             pass
+
+
+async def test_compiled_layers_beside_prepacked_prompt_weights() -> None:
+    """`--prepack-prompt-weights` with torch.compile: the traced layers never touch the opaque
+    oneDNN copy (it would not pass tracing) and serve prompts past its row limit, compiling
+    exactly the graphs that the same bfloat16 model without the copy compiles."""
+    from stallfree.runtime.model import native_layers
+
+    long = [(7 * i) % 250 + 3 for i in range(native_layers.PREPACKED_MIN_ROWS + 40)]
+    prompts = [*random_prompts(4, seed=5), long]
+    graphs = {}
+    for prepack in (True, False):
+        torch._dynamo.reset()
+        before = _graphs()  # the counter runs on over resets
+        model = {"dtype": "bfloat16", "prepack_prompt_weights": prepack}
+        results, at_start, at_end = await _serve(
+            engine_config("tiny", model=model, runtime={"torch_compile": True}), prompts
+        )
+        assert [len(r) for r in results] == [12] * len(prompts)
+        graphs[prepack] = (at_start - before, at_end - at_start)
+    assert graphs[True] == graphs[False]

@@ -246,10 +246,10 @@ class NativeLinear(nn.Linear):
         """Whether `x` takes the prepacked copy: a bfloat16 prompt of PREPACKED_MIN_ROWS rows
         or more, outside torch.compile's tracing (which the opaque copy would not pass)."""
         return (
-            self.weight_prepacked is not None
+            not torch.compiler.is_compiling()
+            and self.weight_prepacked is not None
             and x.dtype == torch.bfloat16
             and x.numel() >= PREPACKED_MIN_ROWS * self.in_features
-            and not torch.compiler.is_compiling()
         )
 
 
