@@ -177,3 +177,13 @@ def test_the_loader_prepacks_a_native_family_when_asked(monkeypatch: pytest.Monk
             {name for name, _ in layers if not name.endswith("lm_head")} if prepack else set()
         )
         assert packed == expected
+
+
+def test_worker_processes_are_told_to_prepack() -> None:
+    """A model in worker processes (or tensor-parallel ranks) loads with the same setting."""
+    from stallfree.runtime.execution.worker import worker_spec
+    from tests.engine_util import engine_config
+
+    for prepack in (True, False):
+        cfg = engine_config("tiny", model={"prepack_prompt_weights": prepack})
+        assert worker_spec(cfg, 64, 128).prepack_prompt_weights is prepack

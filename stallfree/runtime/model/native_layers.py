@@ -262,17 +262,17 @@ class NativeLinear(nn.Linear):
 # (kMBlock), so past that oneDNN wins.
 PROMPT_TILES_MAX_ROWS = 256
 
-# With `--prepack-prompt-weights` each dense bfloat16 projection keeps a second copy of its
-# weight in oneDNN's blocked order (torch's `mkldnn._reorder_linear_weight`, what inductor's
-# frozen graphs and vLLM's CPU backend use), and a prompt of this many rows or more multiplies
-# that copy: no per-call re-layout, and oneDNN's own AMX kernel, with F.linear's bits. Time
-# against F.linear, one process alternating, 2 threads, the copy / the tiles: SmolLM2's four
-# shapes (8 copies) at 48 rows 0.72 / 0.61, 64 rows 0.78 / 0.69, 80 rows 0.82 / 0.85, 128
-# rows 0.76 / 0.93, 256 rows 0.81 / 1.02, 272 rows 0.82 (past the tiles' 256: F.linear's
-# turn); a 1B Llama's four at 64 rows 0.81 / 0.71, 80 rows 0.83 / 1.00, 128 rows 0.78 / 0.95,
-# 256 rows 0.80 / 0.94. Up to 64 rows the tiles' first pass serves every chunk of the prompt
-# at once and stays ahead. The decode kernels keep reading the row-major weight, so the copy
-# costs the dense weights' bytes once more; it is off by default.
+# With `--prepack-prompt-weights` each dense bfloat16 projection keeps a second copy of its weight
+# in oneDNN's blocked order (torch's `mkldnn._reorder_linear_weight`, as inductor's frozen graphs
+# use it; vLLM's CPU backend keeps only such a copy), and a prompt of this many rows or more
+# multiplies that copy: no per-call re-layout, and oneDNN's own AMX kernel, with F.linear's bits.
+# Time against F.linear, one process alternating, 2 threads, the copy / the tiles: SmolLM2's four
+# shapes (8 copies) at 48 rows 0.72 / 0.61, 64 rows 0.78 / 0.69, 80 rows 0.82 / 0.85, 128 rows
+# 0.76 / 0.93, 256 rows 0.81 / 1.02, 272 rows 0.82 (past the tiles' 256: F.linear's turn); a 1B
+# Llama's four at 64 rows 0.81 / 0.71, 80 rows 0.83 / 1.00, 128 rows 0.78 / 0.95, 256 rows 0.80 /
+# 0.94. Up to 64 rows the tiles' first pass serves every chunk of the prompt at once and stays
+# ahead. The decode kernels keep reading the row-major weight, so the copy costs the dense
+# weights' bytes once more; it is off by default.
 PREPACKED_MIN_ROWS = 65
 
 
