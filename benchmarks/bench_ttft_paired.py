@@ -127,7 +127,7 @@ def one_format(fmt: str, files: dict[str, Path], args: argparse.Namespace, llama
             port = free_port()
             log = args.cache_dir / f"server-paired-{args.model}-{system}-{fmt}.log"
             logs[system] = open(log, "w")  # noqa: SIM115
-            base = PREPACK if system == PREPACK else system
+            base = "stallfree" if system == PREPACK else system
             cmd, env = server_command(base, fmt, files, port, args, llama)
             if system == PREPACK:
                 cmd = [*cmd, "--prepack-prompt-weights"]

@@ -190,6 +190,7 @@ class NativeLinear(nn.Linear):
     matrix-vector kernel (bias added in its epilogue); anything else is F.linear."""
 
     bias_f32: torch.Tensor | None
+    weight_prepacked: torch.Tensor | None  # oneDNN's blocked copy (`adopt(prepack=True)`)
 
     @classmethod
     def adopt(cls, layer: nn.Linear, prepack: bool = False) -> NativeLinear:
@@ -203,12 +204,9 @@ class NativeLinear(nn.Linear):
         native.register_buffer("bias_f32", bias, persistent=False)
         packed = None
         if prepack:
-            with torch.no_grad():
-                packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
+            packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
         native.register_buffer("weight_prepacked", packed, persistent=False)
         return native
-
-    weight_prepacked: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the weight is bfloat16 on the CPU (`use_native_linears` checked): the input's facts
