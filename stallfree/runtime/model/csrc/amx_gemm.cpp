@@ -389,9 +389,9 @@ StepFn step_for(int wt, int xc) {
 
 int64_t packed_gemm_size(int64_t m, int64_t k) { return (m + 15) / 16 * 16 * (k / 2); }
 
-void pack_x_gemm(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp) {
+void pack_x_gemm(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp, int64_t b0, int64_t b1) {
   const int64_t chunks = (m + 15) / 16;
-  for (int64_t b = 0; b < k / 32; ++b)
+  for (int64_t b = b0; b < b1; ++b)
     for (int64_t c = 0; c < chunks; ++c) {
       __m512 r[16];
 #pragma GCC unroll 16
@@ -616,7 +616,7 @@ void gemm_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, cons
 namespace sf {
 namespace amx {
 int64_t packed_gemm_size(int64_t, int64_t) { return 0; }
-void pack_x_gemm(const uint16_t*, int64_t, int64_t, uint32_t*) {}
+void pack_x_gemm(const uint16_t*, int64_t, int64_t, uint32_t*, int64_t, int64_t) {}
 void gemm_q8(const uint32_t*, int64_t, int64_t, const int8_t*, const float*, const uint16_t*,
              const float*, int64_t, int64_t, int64_t, Out) {}
 void gemm_q4(const uint32_t*, int64_t, int64_t, const uint8_t*, const uint16_t*,

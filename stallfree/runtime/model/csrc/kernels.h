@@ -111,7 +111,8 @@ void gemv_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, cons
 // aligned): chunks of 16 rows, value pairs interleaved, every chunk's first 32 values, then
 // every chunk's next 32, ...
 int64_t packed_gemm_size(int64_t m, int64_t k);
-void pack_x_gemm(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp);
+// (blocks of 32 values [b0, b1) of every chunk: threads share the packing by blocks)
+void pack_x_gemm(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp, int64_t b0, int64_t b1);
 // With `pair` > 0 the weight is a gate and up projection's stacked rows (up row j at pair +
 // j), [n0, n1) are gate rows, and the output [m, pair] is silu(gate) * up (a bfloat16 one with
 // silu_mul's roundings).
