@@ -429,11 +429,11 @@ void gemm_parked(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const fl
   // parked accumulators: 4 tiles (1 KB each) per chunk pair of one M block (of at most
   // kMBlock rows), per block of weight rows of a group
   thread_local std::vector<float> park_buf;
-  park_buf.resize(static_cast<size_t>(ngroup * pairs_max * 1024 + 16));
+  scratch(park_buf, static_cast<size_t>(ngroup * pairs_max * 1024 + 16));
   float* park = reinterpret_cast<float*>(
       (reinterpret_cast<uintptr_t>(park_buf.data()) + 63) & ~uintptr_t{63});
   thread_local std::vector<char> wpk_buf;
-  wpk_buf.resize(kstep * 2048 + 64);
+  scratch(wpk_buf, kstep * 2048 + 64);
   char* wpk = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(wpk_buf.data()) + 63) & ~uintptr_t{63});
   BlockPrefetch pf;
@@ -527,7 +527,7 @@ void gemm_resident(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const 
   const int64_t step = br.step();
   // the block's weight tiles, step_block's order: 2 KB per block of 32 values
   thread_local std::vector<char> slab_buf;
-  slab_buf.resize(kblocks * 2048 + 64);
+  scratch(slab_buf, kblocks * 2048 + 64);
   char* slab = reinterpret_cast<char*>(
       (reinterpret_cast<uintptr_t>(slab_buf.data()) + 63) & ~uintptr_t{63});
   // finished accumulators: the direct pass's C[t][i] at (4 * t + i) * 256, a pair's at

@@ -128,7 +128,7 @@ struct ItemBuffers {
   void ensure(int64_t G, int64_t D) {
     const int64_t qb = G * 16 * D * 2, sb = G * 16 * kRowS * 4, pb = 2 * G * 16 * kRowP * 2;
     const int64_t ob = G * 16 * D * 4, mb = G * 16 * 4;
-    raw.resize(static_cast<size_t>(qb + sb + pb + ob + 2 * mb + 6 * 64));
+    scratch(raw, static_cast<size_t>(qb + sb + pb + ob + 2 * mb + 6 * 64));
     char* at = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t{63});
     const auto take = [&](int64_t bytes) {
       char* r = at;

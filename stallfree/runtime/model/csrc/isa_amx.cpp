@@ -313,7 +313,7 @@ void gemv_q8(const uint32_t* xp, const float* ad, int64_t m, int64_t k, const in
   const int64_t blocks = k / 32;
   // a block of 16 rows' scales in float32, once per block (each is used once per chunk)
   thread_local std::vector<float> widened;
-  widened.resize(16 * blocks);
+  scratch(widened, 16 * blocks);
   configure_q8(mc);
   for (int64_t n = n0; n + 16 <= n1; n += 16) {
     if (bscale) widen_rows(bscale + n * blocks, blocks, widened.data());

@@ -213,7 +213,7 @@ void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, const floa
     int64_t xs_stride = k;
     if constexpr (BF16) {
       thread_local std::vector<float> split;
-      split.resize(static_cast<size_t>((p1 - p0) * k16 + 8));
+      scratch(split, static_cast<size_t>((p1 - p0) * k16 + 8));
       const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
       for (int64_t i = p0; i < p1; ++i)
         for (int64_t k0 = 0; k0 < k16; k0 += 16) {
@@ -247,7 +247,7 @@ template <int MB>
 const float* combined_scales(const Q8Act& a, const uint16_t* const* scale, int64_t m0,
                              int64_t blocks) {
   thread_local std::vector<float> comb;
-  comb.resize(static_cast<size_t>(MB * kTileN * blocks));
+  scratch(comb, static_cast<size_t>(MB * kTileN * blocks));
   const int64_t dstride = a.kp / 32;
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < kTileN; ++j) {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 // GCC 11 and Clang 12 were the first to know the AMX intrinsics; with an older compiler the
 // AMX units (isa_amx.cpp, amx_gemm.cpp, amx_prefill_attention.cpp) build as stubs and the
@@ -19,6 +20,15 @@
 #endif
 
 namespace sf {
+
+// A thread's scratch buffer `v` holding at least `n` values, grown and never shrunk: a resize
+// to each call's size would zero-fill again whatever a call of another shape had shrunk away
+// (the prompt products' packed activations alternate between widths layer by layer)
+template <class T>
+T* scratch(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
 
 // Activations quantised once per call, llama.cpp's Q8_0 way: blocks of 32 values, one float
 // scale each, codes in [-127, 127]. Rows are padded with zeros to `kp` (a multiple of 64).

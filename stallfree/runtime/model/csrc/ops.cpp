@@ -118,7 +118,7 @@ bool amx_applies(const at::Tensor& x, int64_t m, int64_t k) {
 // x [m, k] in the tiles' order, in a buffer of the calling thread's
 const uint32_t* packed_x(const at::Tensor& x, int64_t m, int64_t k) {
   thread_local std::vector<uint32_t> buf;
-  buf.resize(amx::packed_size(m, k));
+  scratch(buf, amx::packed_size(m, k));
   amx::pack_x(static_cast<const uint16_t*>(x.data_ptr()), m, k, buf.data());
   return buf.data();
 }
@@ -153,12 +153,12 @@ Q8Act quantize_act(const at::Tensor& x, int64_t k) {
   // the int4 tiles read whole chunks of 16 rows past 16 (amx::gemv_q4): rows up to the next
   // multiple of 16 are allocated, their contents never reach an output
   const int64_t rows = a.m > 16 ? (a.m + 15) / 16 * 16 : a.m;
-  buf.q.resize(rows * a.kp);
-  buf.absq.resize(a.m * a.kp);
-  buf.neg.resize(a.m * a.kp / 64);
-  buf.d.resize(a.m * a.kp / 32);
-  buf.bsum.resize(a.m * a.kp / 32);
-  buf.dvec.resize(a.m * a.kp / 64 * 16);
+  scratch(buf.q, rows * a.kp);
+  scratch(buf.absq, a.m * a.kp);
+  scratch(buf.neg, a.m * a.kp / 64);
+  scratch(buf.d, a.m * a.kp / 32);
+  scratch(buf.bsum, a.m * a.kp / 32);
+  scratch(buf.dvec, a.m * a.kp / 64 * 16);
   a.q = buf.q.data();
   a.absq = buf.absq.data();
   a.neg = buf.neg.data();
@@ -197,8 +197,8 @@ void q8_amx(const Q8Act& a, const int8_t* w, const float* scale, const uint16_t*
   g_amx_calls.fetch_add(1, std::memory_order_relaxed);
   thread_local std::vector<uint32_t> xbuf;
   thread_local std::vector<float> sbuf;
-  xbuf.resize(amx::packed_q8_size(a.m, a.k));
-  sbuf.resize(amx::packed_q8_scales(a.m, a.k));
+  scratch(xbuf, amx::packed_q8_size(a.m, a.k));
+  scratch(sbuf, amx::packed_q8_scales(a.m, a.k));
   amx::pack_q8(a, xbuf.data(), sbuf.data());
   const uint32_t* xp = xbuf.data();
   const float* ad = sbuf.data();
@@ -317,7 +317,7 @@ at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int
   g_amx_calls.fetch_add(1, std::memory_order_relaxed);
   const Out o = out_of(out, width);
   thread_local std::vector<uint32_t> buf;
-  buf.resize(amx::packed_gemm_size(m, k) + 16);
+  scratch(buf, amx::packed_gemm_size(m, k) + 16);
   // 64-byte aligned: the packing stores whole vectors
   auto* xp = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) &
                                          ~uintptr_t{63});
