@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
+from stallfree.runtime.execution import sampler as sampler_mod
 from stallfree.runtime.execution.sampler import Sampler, SamplingBatch, noise_seed
 from stallfree.runtime.request.sampling_params import SamplingParams
 
@@ -165,3 +167,64 @@ def test_min_p_off_uploads_nothing_and_one_keeps_only_the_top() -> None:
     sampler = Sampler(0, "cpu")
     assert sampler.probs(logits, sb).tolist() == [[0.0, 1.0, 0.0, 0.0]]
     assert {int(sampler.sample(logits, sb)[0]) for _ in range(20)} == {1}
+
+
+def _filters(
+    rows: int, vocab: int, spread: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * spread
+    ks = torch.tensor([[-1, 1, 5, 50, 700, vocab + 3][i % 6] for i in range(rows)])
+    ps = torch.tensor([[1.0, 0.9, 0.5, 0.99, 1e-6, 0.3][(i * 5 + seed) % 6] for i in range(rows)])
+    return logits, ks, ps
+
+
+def test_a_cpu_batch_cuts_from_its_top_candidates_as_the_full_sort_does() -> None:
+    """The CPU's filter from each row's top candidates (then more, then the full sort) keeps
+    what the full sort keeps: the same tokens for every top-k, and for a top-p nucleus the
+    same up to the float rounding of the mass at its edge (the probabilities are summed in
+    another order): the smaller kept set inside the larger, a token or two apart."""
+    vocab = 6000
+    for seed in range(12):
+        logits, ks, ps = _filters(12, vocab, spread=1.0 + seed, seed=seed)
+        want = sampler_mod._filter_sorted(logits, ks, ps)
+        got = sampler_mod._filter_top_k_top_p(logits, ks, ps)
+        for row in range(12):
+            kept_w, kept_g = ~torch.isinf(want[row]), ~torch.isinf(got[row])
+            if ps[row] >= 1.0:
+                assert torch.equal(got[row], want[row])
+                continue
+            small, large = sorted((kept_w, kept_g), key=lambda k: int(k.sum()))
+            assert bool((small <= large).all())
+            assert int(large.sum() - small.sum()) <= 3
+            assert torch.equal(got[row][small & large], want[row][small & large])
+
+
+def test_a_peaked_cpu_batch_filters_without_a_full_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    sorts: list[int] = []
+    real = torch.sort
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        sorts.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "sort", counted)
+    peaked, ks, ps = _filters(8, 49152, spread=12.0, seed=1)
+    out = sampler_mod._filter_top_k_top_p(peaked, ks, ps)
+    assert sorts == []
+    assert torch.equal(out, sampler_mod._filter_sorted(peaked, ks, ps))
+    # a flat row at top_p 0.99 keeps more than the candidates hold: the full sort decides it
+    flat = torch.zeros(1, 49152)
+    out = sampler_mod._filter_top_k_top_p(flat, torch.tensor([-1]), torch.tensor([0.99]))
+    assert len(sorts) == 2  # the call above compared against, and this one
+    assert int((~torch.isinf(out)).sum()) > sampler_mod.CANDIDATES[-1]
+
+
+def test_sampling_noise_is_exponential() -> None:
+    """-log(U) noise: positive, finite almost surely, mean and variance 1."""
+    sampler = Sampler(3, "cpu")
+    sb = _batch([SamplingParams(temperature=1.0)] * 4)
+    noise = sampler.exponential(torch.zeros(4, 50000), sb)
+    assert bool((noise > 0).all())
+    assert abs(float(noise.mean()) - 1.0) < 0.01
+    assert abs(float(noise.var()) - 1.0) < 0.03
