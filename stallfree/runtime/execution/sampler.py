@@ -1,7 +1,9 @@
 """Token sampling on the device stream.
 
 Nothing here may synchronise with the device: every branch is on host fields of
-`SamplingBatch`, and device values only flow into further device ops.
+`SamplingBatch`, and device values only flow into further device ops. The one branch on
+values, how many top candidates a top-k/top-p cut needs, is taken only for a batch on the
+CPU, where reading a value is no device sync.
 """
 
 from __future__ import annotations
