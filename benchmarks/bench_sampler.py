@@ -1,4 +1,4 @@
-"""The sampler on the CPU: a sampled row's top-k/top-p cut and its noise, two ways each.
+"""The sampler on the CPU: a sampled row's top-k/top-p cut and its draw, two ways each.
 
     python benchmarks/bench_sampler.py [--vocab 49152] [--rows 1 4 16] [--rounds 15]
         [--spread 4.0] [--threads 2]
@@ -9,8 +9,10 @@ machine's speed drifts between minutes, so each round's pair is compared):
   cut     `_filter_top_k_top_p` (the CPU's cut from each row's top candidates, a full sort
           only where a top-p nucleus reaches past them) against `_filter_sorted` (every row
           sorted whole, as on a GPU)
-  noise   `Sampler.exponential` (-log of uniforms) against torch's `exponential_`
-  sample  `Sampler.sample` whole, with each of the two cuts
+  draw    `Sampler.inverse_cdf` (one uniform a row against the cumulative sum) against the
+          GPU's draw with torch's `exponential_` (a noise value per token, then the argmax)
+  sample  `Sampler.sample` whole against the sampler as it was (the full sort, then the
+          noise and argmax)
 
 Logits are N(0, 1) times `--spread` (4: a few hundred tokens hold most of the mass at
 temperature 0.7; lower is flatter, and a flat row's nucleus sends the cut to the full sort).
@@ -72,21 +74,25 @@ def one_setting(
             rounds,
         )))  # fmt: skip
     probs = torch.softmax(scaled, dim=-1)
-    figures.append(("noise", paired(
-        lambda: torch.empty_like(probs).exponential_(generator=sampler._gen),
-        lambda: sampler.exponential(probs, sb),
-        rounds,
-    )))  # fmt: skip
+
+    def noise_argmax() -> torch.Tensor:
+        noise = torch.empty_like(probs).exponential_(generator=sampler._gen)
+        return (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
+
+    figures.append(("draw", paired(noise_argmax, lambda: sampler.inverse_cdf(probs, sb), rounds)))
     real = sampler_mod._filter_top_k_top_p
 
-    def with_sort() -> object:
+    def before() -> torch.Tensor:
+        """The sampler as it was: every row sorted whole, a noise value per token."""
         sampler_mod._filter_top_k_top_p = sampler_mod._filter_sorted
         try:
-            return sampler.sample(logits, sb)
+            p = sampler.probs(logits, sb)
         finally:
             sampler_mod._filter_top_k_top_p = real
+        noise = torch.empty_like(p).exponential_(generator=sampler._gen)
+        return (p / noise.clamp_min_(torch.finfo(p.dtype).tiny)).argmax(dim=-1)
 
-    figures.append(("sample", paired(with_sort, lambda: sampler.sample(logits, sb), rounds)))
+    figures.append(("sample", paired(before, lambda: sampler.sample(logits, sb), rounds)))
     return figures
 
 
@@ -103,7 +109,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]
     print(f"vocab {args.vocab}, spread {args.spread}, {args.threads} threads; load {load:.2f}")
-    print("| rows | setting | what | full sort / exponential_: ms | this: ms | this / that |")
+    print("| rows | setting | what | before: ms | now: ms | now / before |")
     print("| --- | --- | --- | --- | --- | --- |")
     gen = torch.Generator().manual_seed(0)
     for rows in args.rows:
