@@ -66,10 +66,18 @@ async def test_a_bound_no_integer_within_2_53_meets_is_a_400_naming_it(live, sch
     ids=["min", "exclusive-min", "max", "exclusive-max"],
 )
 async def test_the_bounds_just_inside_are_served_exactly(live, schema, meets):
-    answer = await _complete(live, schema)
-    assert answer.status_code == 200, answer.text
-    choice = answer.json()["choices"][0]
-    assert choice["finish_reason"] == "stop" and meets(json.loads(choice["text"])), choice
+    # the random test model may run a one-sided bound's digits past max_tokens for a given
+    # seed (which one does depends on the sampler's draws), so a few seeds are asked: every
+    # answer that stops meets the bound, and one at least stops
+    stopped = 0
+    for seed in range(3, 9):
+        answer = await _complete(live, schema, seed)
+        assert answer.status_code == 200, answer.text
+        choice = answer.json()["choices"][0]
+        if choice["finish_reason"] == "stop":
+            stopped += 1
+            assert meets(json.loads(choice["text"])), choice
+    assert stopped
 
 
 @module_loop
