@@ -240,11 +240,11 @@ template <typename T>
 void prompt_items(const PrefillAttn& a, int64_t i0, int64_t i1, int64_t step) {
   const int64_t G = a.heads / a.kv_heads, nq = kRows * G;
   thread_local std::vector<float> qs, acc, s, m, l;
-  qs.resize(nq * a.dim);
-  acc.resize(nq * a.dim);
-  s.resize(nq * kKeys);
-  m.resize(nq);
-  l.resize(nq * V::W);
+  scratch(qs, nq * a.dim);
+  scratch(acc, nq * a.dim);
+  scratch(s, nq * kKeys);
+  scratch(m, nq);
+  scratch(l, nq * V::W);
   for (int64_t i = i0; i < i1; i += step)
     prompt_item<T>(a, i, qs.data(), acc.data(), s.data(), m.data(), l.data());
 }
