@@ -185,7 +185,7 @@ def _filter_candidates(
     None where a row's top-p nucleus may reach past them. A row without a top-k takes its
     probabilities over the whole vocabulary, as there."""
     vocab = logits.shape[-1]
-    ks = torch.where(top_ks > 0, top_ks, vocab).clamp_max(vocab)
+    ks = _row_ks(top_ks, vocab)
     whole = ks >= vocab  # rows without a top-k
     count = min(vocab, max(count, int(torch.where(whole, 0, ks).max())))
     top, order = torch.topk(logits, count, dim=-1, sorted=True)
@@ -205,13 +205,18 @@ def _filter_candidates(
     return torch.where((whole & ~cuts).unsqueeze(1), logits, out)
 
 
+def _row_ks(top_ks: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each row's top-k as a count of tokens kept (the whole vocabulary where unset)."""
+    return torch.where(top_ks > 0, top_ks, vocab).clamp_max(vocab)
+
+
 def _filter_sorted(
     logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
 ) -> torch.Tensor:
     """`_filter_top_k_top_p` from each row's full sort."""
     vocab = logits.shape[-1]
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    ks = torch.where(top_ks > 0, top_ks, vocab).clamp_max(vocab).unsqueeze(1)
+    ks = _row_ks(top_ks, vocab).unsqueeze(1)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     sorted_logits = sorted_logits.masked_fill(ranks >= ks, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)

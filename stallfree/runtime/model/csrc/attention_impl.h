@@ -237,9 +237,9 @@ template <typename Slot, typename R>
 void attend_items(const DecodeAttn& a, int64_t i0, int64_t i1) {
   const int64_t G = a.heads / a.kv_heads;
   thread_local std::vector<float> acc, scores;
-  scratch(acc, G * a.dim);
-  scratch(scores, G * kBlock);
-  for (int64_t i = i0; i < i1; ++i) attend_item<Slot, R>(a, i, acc.data(), scores.data());
+  float* ap = scratch(acc, G * a.dim);
+  float* sp = scratch(scores, G * kBlock);
+  for (int64_t i = i0; i < i1; ++i) attend_item<Slot, R>(a, i, ap, sp);
 }
 
 template <typename Slot>

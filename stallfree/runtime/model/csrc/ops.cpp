@@ -118,9 +118,9 @@ bool amx_applies(const at::Tensor& x, int64_t m, int64_t k) {
 // x [m, k] in the tiles' order, in a buffer of the calling thread's
 const uint32_t* packed_x(const at::Tensor& x, int64_t m, int64_t k) {
   thread_local std::vector<uint32_t> buf;
-  scratch(buf, amx::packed_size(m, k));
-  amx::pack_x(static_cast<const uint16_t*>(x.data_ptr()), m, k, buf.data());
-  return buf.data();
+  uint32_t* xp = scratch(buf, amx::packed_size(m, k));
+  amx::pack_x(static_cast<const uint16_t*>(x.data_ptr()), m, k, xp);
+  return xp;
 }
 
 // One weight's rows [0, n) on the tiles, 16 at a time over the threads; the last n % 16 rows
@@ -153,18 +153,12 @@ Q8Act quantize_act(const at::Tensor& x, int64_t k) {
   // the int4 tiles read whole chunks of 16 rows past 16 (amx::gemv_q4): rows up to the next
   // multiple of 16 are allocated, their contents never reach an output
   const int64_t rows = a.m > 16 ? (a.m + 15) / 16 * 16 : a.m;
-  scratch(buf.q, rows * a.kp);
-  scratch(buf.absq, a.m * a.kp);
-  scratch(buf.neg, a.m * a.kp / 64);
-  scratch(buf.d, a.m * a.kp / 32);
-  scratch(buf.bsum, a.m * a.kp / 32);
-  scratch(buf.dvec, a.m * a.kp / 64 * 16);
-  a.q = buf.q.data();
-  a.absq = buf.absq.data();
-  a.neg = buf.neg.data();
-  a.d = buf.d.data();
-  a.bsum = buf.bsum.data();
-  a.dvec = buf.dvec.data();
+  a.q = scratch(buf.q, rows * a.kp);
+  a.absq = scratch(buf.absq, a.m * a.kp);
+  a.neg = scratch(buf.neg, a.m * a.kp / 64);
+  a.d = scratch(buf.d, a.m * a.kp / 32);
+  a.bsum = scratch(buf.bsum, a.m * a.kp / 32);
+  a.dvec = scratch(buf.dvec, a.m * a.kp / 64 * 16);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const void* xp = x.data_ptr();
   const Kernels& kern = K();
@@ -197,11 +191,9 @@ void q8_amx(const Q8Act& a, const int8_t* w, const float* scale, const uint16_t*
   g_amx_calls.fetch_add(1, std::memory_order_relaxed);
   thread_local std::vector<uint32_t> xbuf;
   thread_local std::vector<float> sbuf;
-  scratch(xbuf, amx::packed_q8_size(a.m, a.k));
-  scratch(sbuf, amx::packed_q8_scales(a.m, a.k));
-  amx::pack_q8(a, xbuf.data(), sbuf.data());
-  const uint32_t* xp = xbuf.data();
-  const float* ad = sbuf.data();
+  uint32_t* xp = scratch(xbuf, amx::packed_q8_size(a.m, a.k));
+  float* ad = scratch(sbuf, amx::packed_q8_scales(a.m, a.k));
+  amx::pack_q8(a, xp, ad);
   const int64_t whole = n / 16 * 16;
   at::parallel_for(0, whole / 16, kGrain / 16, [&](int64_t b0, int64_t b1) {
     amx::gemv_q8(xp, ad, a.m, a.k, w, scale, bscale, bias, b0 * 16, b1 * 16, o);
@@ -317,10 +309,10 @@ at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int
   g_amx_calls.fetch_add(1, std::memory_order_relaxed);
   const Out o = out_of(out, width);
   thread_local std::vector<uint32_t> buf;
-  scratch(buf, amx::packed_gemm_size(m, k) + 16);
   // 64-byte aligned: the packing stores whole vectors
-  auto* xp = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) &
-                                         ~uintptr_t{63});
+  auto* xp = reinterpret_cast<uint32_t*>(
+      (reinterpret_cast<uintptr_t>(scratch(buf, amx::packed_gemm_size(m, k) + 16)) + 63) &
+      ~uintptr_t{63});
   // the packing shared by the threads, by blocks of 32 values: done by the calling thread
   // alone, it left the others waiting (5% of a 256-token prompt's time on the calling thread,
   // SmolLM2 bf16); shared, the products took 0.95-0.97 of the time at 128-256 rows and the

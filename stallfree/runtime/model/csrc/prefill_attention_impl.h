@@ -240,13 +240,12 @@ template <typename T>
 void prompt_items(const PrefillAttn& a, int64_t i0, int64_t i1, int64_t step) {
   const int64_t G = a.heads / a.kv_heads, nq = kRows * G;
   thread_local std::vector<float> qs, acc, s, m, l;
-  scratch(qs, nq * a.dim);
-  scratch(acc, nq * a.dim);
-  scratch(s, nq * kKeys);
-  scratch(m, nq);
-  scratch(l, nq * V::W);
-  for (int64_t i = i0; i < i1; i += step)
-    prompt_item<T>(a, i, qs.data(), acc.data(), s.data(), m.data(), l.data());
+  float* qp = scratch(qs, nq * a.dim);
+  float* ap = scratch(acc, nq * a.dim);
+  float* sp = scratch(s, nq * kKeys);
+  float* mp = scratch(m, nq);
+  float* lp = scratch(l, nq * V::W);
+  for (int64_t i = i0; i < i1; i += step) prompt_item<T>(a, i, qp, ap, sp, mp, lp);
 }
 
 void prefill_transpose_impl(const PrefillAttn& a, int64_t t0, int64_t t1) {
