@@ -96,31 +96,32 @@ void write_tile(const float* c, int rows, const float* bias, int64_t n, int64_t 
 // row m0 + i) as silu(gate) * up into the output's rows m0 .. m0 + rows - 1, columns n .. n +
 // 15, each bias added first. A bfloat16 output takes the unfused path's roundings exactly
 // (silu_mul on a bfloat16 gate_up): gate and up rounded, silu(gate) rounded, the product
-// rounded.
+// rounded. The arithmetic is elementwise, so it runs before the transpose (a weight row's
+// bias is a broadcast there) and only the product is transposed: one transpose where gate
+// and up took one each. A 256-row SmolLM2 gate/up product took 0.93 of the time, a 1B
+// Llama's 0.97 (one process, alternating).
 void write_silu(const float* g, const float* u, int rows, const float* bias, int64_t n,
                 int64_t pair, int64_t m0, Out out) {
-  __m512 rg[16], ru[16];
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) {
-    rg[i] = _mm512_load_ps(g + 16 * i);
-    ru[i] = _mm512_load_ps(u + 16 * i);
-  }
-  transpose16(rg);
-  transpose16(ru);
-  const __m512 bg = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
-  const __m512 bu = bias ? _mm512_loadu_ps(bias + pair + n) : _mm512_setzero_ps();
+  __m512 r[16];
   const __m512 one = _mm512_set1_ps(1.f);
   const auto round = [](__m512 v) { return widen_bf16((__m256i)_mm512_cvtneps_pbh(v)); };
-  for (int i = 0; i < rows; ++i) {
-    __m512 gv = _mm512_add_ps(rg[i], bg), uv = _mm512_add_ps(ru[i], bu);
+#pragma GCC unroll 16
+  for (int w = 0; w < 16; ++w) {
+    __m512 gv = _mm512_load_ps(g + 16 * w), uv = _mm512_load_ps(u + 16 * w);
+    if (bias) {
+      gv = _mm512_add_ps(gv, _mm512_set1_ps(bias[n + w]));
+      uv = _mm512_add_ps(uv, _mm512_set1_ps(bias[pair + n + w]));
+    }
     if (out.bf16) {
       gv = round(gv);
       uv = round(uv);
     }
     __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
     if (out.bf16) sv = round(sv);
-    store_row(out, (m0 + i) * out.ldo + n, _mm512_mul_ps(sv, uv));
+    r[w] = _mm512_mul_ps(sv, uv);
   }
+  transpose16(r);
+  for (int i = 0; i < rows; ++i) store_row(out, (m0 + i) * out.ldo + n, r[i]);
 }
 
 // Prefetches the lines of one block of weights (`rows` rows from `base`, `bytes` of each) a
