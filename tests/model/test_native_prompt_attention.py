@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from stallfree.runtime.model import attention
@@ -77,12 +77,19 @@ def inputs(case: Case, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return q, k, v
 
 
-def exact(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The attention in float64: scale, soft cap, causal (and window) mask, softmax, values."""
+def exact(
+    case: Case,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """The attention in float64 (or `dtype`): scale, soft cap, causal (and window) mask,
+    softmax, values."""
     group = case.heads // case.kv_heads
-    qd = q.double().transpose(0, 1)  # [H, n, D]
-    kd = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, keys, D]
-    vd = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    qd = q.to(dtype).transpose(0, 1)  # [H, n, D]
+    kd = k.to(dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, keys, D]
+    vd = v.to(dtype).repeat_interleave(group, dim=1).transpose(0, 1)
     scale = case.scale if case.scale is not None else case.dim**-0.5
     s = qd @ kd.transpose(-1, -2) * scale
     if case.softcap is not None:
@@ -96,13 +103,20 @@ def exact(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     return (s.softmax(-1) @ vd).transpose(0, 1)
 
 
-def assert_near(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+def assert_near(
+    got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, peer: torch.Tensor | None = None
+) -> None:
     """float32: float32 sums; bfloat16: float32 sums and one rounding of the output (half a
     unit in the last place, 2^-8 relative, at most: the bound allows a whole unit, since the
-    sums' own error can push a value across a rounding boundary)."""
+    sums' own error can push a value across a rounding boundary). `peer`: the same attention
+    in plain float32 arithmetic (`exact(..., torch.float32)`), whose error, twice over, the
+    bound also allows: large scores (head dim 256, queries at 1.5 sigma) take float32 SDPA
+    and this formula past the fixed bound alone (2.3e-5 against 2.2e-5)."""
     err = (got.double() - want).abs()
     rel, floor = (2e-5, 2e-5) if dtype == torch.float32 else (2**-7, 1e-3)
     bound = floor + rel * want.abs()
+    if peer is not None:
+        bound = bound + 2 * (peer.double() - want).abs()
     assert bool((err <= bound).all()), f"max error {err.max().item():.3g}"
 
 
@@ -116,12 +130,18 @@ def native(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
 @each_isa
 @settings(max_examples=40, deadline=None)
 @given(case=cases(), seed=st.integers(0, 2**16))
+@example(case=Case(38, 14, 0, 24, 3, 256, None, None, 0.25634002805793177, torch.float32), seed=180)
 def test_prefill_attention_equals_exact_attention(isa: str, case: Case, seed: int) -> None:
     set_isa(isa)
     q, k, v = inputs(case, seed)
     got = native(case, q, k, v)
     assert got.shape == q.shape and got.dtype == q.dtype and got.is_contiguous()
-    assert_near(got, exact(case, q, k, v), case.dtype)
+    assert_near(got, exact(case, q, k, v), case.dtype, peer32(case, q, k, v))
+
+
+def peer32(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """A float32 case's attention in plain float32 arithmetic (assert_near's `peer`)."""
+    return exact(case, q, k, v, torch.float32) if case.dtype == torch.float32 else None
 
 
 @pytest.mark.slow
@@ -131,7 +151,7 @@ def test_prefill_attention_equals_exact_attention(isa: str, case: Case, seed: in
 def test_prefill_attention_long_prompts(isa: str, case: Case, seed: int) -> None:
     set_isa(isa)
     q, k, v = inputs(case, seed)
-    assert_near(native(case, q, k, v), exact(case, q, k, v), case.dtype)
+    assert_near(native(case, q, k, v), exact(case, q, k, v), case.dtype, peer32(case, q, k, v))
 
 
 @each_isa
@@ -190,7 +210,7 @@ def test_bfloat16_prompt_attention_on_the_tiles_equals_exact_attention(
     q, k, v = inputs(case, seed)
     got = native(case, q, k, v)
     assert got.shape == q.shape and got.dtype == q.dtype and got.is_contiguous()
-    assert_near(got, exact(case, q, k, v), case.dtype)
+    assert_near(got, exact(case, q, k, v), case.dtype, peer32(case, q, k, v))
 
 
 @pytest.mark.slow
@@ -206,7 +226,7 @@ def test_bfloat16_prompt_attention_on_the_tiles_long_prompts(
     tiles: None, case: Case, seed: int
 ) -> None:
     q, k, v = inputs(case, seed)
-    assert_near(native(case, q, k, v), exact(case, q, k, v), case.dtype)
+    assert_near(native(case, q, k, v), exact(case, q, k, v), case.dtype, peer32(case, q, k, v))
 
 
 @needs_amx
@@ -224,7 +244,7 @@ def test_bfloat16_prompt_attention_on_the_tiles_across_chunks_of_keys(
 ) -> None:
     case = Case(n, prefix, first, 8, 2, 64, window, softcap, None, torch.bfloat16)
     q, k, v = inputs(case, n + prefix)
-    assert_near(native(case, q, k, v), exact(case, q, k, v), case.dtype)
+    assert_near(native(case, q, k, v), exact(case, q, k, v), case.dtype, peer32(case, q, k, v))
 
 
 @needs_amx
