@@ -35,6 +35,18 @@ def _linear_q8_blocks(
     return _rows_out(x, qweight.shape[0])
 
 
+def _prompt_out(x: torch.Tensor, n: int, silu: bool, pack: bool, rows: int) -> torch.Tensor:
+    """A prompt product's output: rows of its width, or (`pack`) the next product's packed
+    activations; `x` is rows, or (int32) a product's packed output of `rows` rows."""
+    width = n // (2 if silu else 1)
+    m = rows if x.dtype == torch.int32 else x.numel() // max(x.shape[-1], 1)
+    if pack:
+        return x.new_empty((width // 32, (m + 15) // 16, 16, 16), dtype=torch.int32)
+    if x.dtype == torch.int32:
+        return x.new_empty((m, width), dtype=torch.bfloat16)
+    return _rows_out(x, width)
+
+
 def _linear_q8_prompt(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -42,8 +54,10 @@ def _linear_q8_prompt(
     bscale: torch.Tensor | None,
     bias: torch.Tensor | None,
     silu: bool = False,
+    pack: bool = False,
+    rows: int = 0,
 ) -> torch.Tensor:
-    return _rows_out(x, qweight.shape[0] // (2 if silu else 1))
+    return _prompt_out(x, qweight.shape[0], silu, pack, rows)
 
 
 def _linear_q4_prompt(
@@ -53,14 +67,21 @@ def _linear_q4_prompt(
     goffset: torch.Tensor,
     bias: torch.Tensor | None,
     silu: bool = False,
+    pack: bool = False,
+    rows: int = 0,
 ) -> torch.Tensor:
-    return _rows_out(x, codes.shape[0] // (2 if silu else 1))
+    return _prompt_out(x, codes.shape[0], silu, pack, rows)
 
 
 def _linear_bf16_prompt(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu: bool = False,
+    pack: bool = False,
+    rows: int = 0,
 ) -> torch.Tensor:
-    return _rows_out(x, weight.shape[0] // (2 if silu else 1))
+    return _prompt_out(x, weight.shape[0], silu, pack, rows)
 
 
 def _dequantize_q8(

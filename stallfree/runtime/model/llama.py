@@ -193,6 +193,13 @@ class LlamaMLP(nn.Module):
         self.inter = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.gate_up_proj is not None
+            and self.tp.size == 1
+            and (fused := native_layers.mlp_on_tiles(self.gate_up_proj, self.down_proj, x))
+            is not None
+        ):
+            return fused
         if self.gate_up_proj is not None:
             x = native_layers.gate_up_silu(self.gate_up_proj, x)
         elif (gate_up := native_layers.grouped([self.gate_proj, self.up_proj], x)) is not None:

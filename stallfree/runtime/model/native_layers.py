@@ -10,6 +10,8 @@ weights as fast as the native one, and a float32 model keeps transformers' sums 
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -118,6 +120,33 @@ def gate_up_silu(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if fused is not None and (out := fused(x)) is not None:
         return out  # type: ignore[no-any-return]
     return silu_mul(layer(x))
+
+
+def mlp_on_tiles(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """down(silu(gate) * up) of a stacked gate and up projection and its down projection, where
+    a prompt's two products both run on the AMX tiles (each layer's `tiles_take`): the first
+    writes silu(gate) * up straight in the packed order the second multiplies (`pack=True`,
+    rounded to the dtype as the row-major output is), so the first transposes no output and
+    the second packs no input. The same bits as `gate_up_silu` then `down`; None where it does
+    not apply (the caller runs them apart). The 256-row MLP of SmolLM2 took 0.90 of the time,
+    a 1B Llama's 0.97, 64-128 rows 0.94-0.96 (two threads, one process alternating)."""
+    first, second = getattr(gate_up, "tiles_take", None), getattr(down, "tiles_take", None)
+    if first is None or second is None or not applies(x):
+        return None
+    width = x.shape[-1]
+    rows = x.numel() // max(width, 1)
+    inter = getattr(down, "in_features", -1)
+    if (
+        getattr(gate_up, "in_features", -1) != width
+        or getattr(gate_up, "out_features", -1) != 2 * inter
+        or inter % 32 != 0
+        or not first(rows, x.dtype)
+        or not second(rows, x.dtype)
+    ):
+        return None
+    packed = cast(Any, gate_up).tile_product(x.reshape(rows, width), silu=True, pack=True)
+    out: torch.Tensor = cast(Any, down).tile_product(packed, rows=rows)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def linear(
@@ -240,6 +269,27 @@ class NativeLinear(nn.Linear):
         )
         return out.view(*x.shape[:-1], self.out_features // 2)
 
+    def tiles_take(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether `forward` runs a contiguous CPU prompt of `rows` rows in `dtype` on the
+        tiles' prompt product (`mlp_on_tiles`)."""
+        return (
+            not (self.weight_prepacked is not None and rows >= PREPACKED_MIN_ROWS)
+            and dtype == self.weight.dtype == torch.bfloat16
+            and _tiles_rows(rows, self.weight)
+            and not torch.compiler.is_compiling()
+            and cpu_kernels.available()
+        )
+
+    def tile_product(
+        self, x: torch.Tensor, silu: bool = False, pack: bool = False, rows: int = 0
+    ) -> torch.Tensor:
+        """`forward`'s tiles product on flat rows `x`, or on a product's packed output of
+        `rows` rows; with `silu`, as `silu_product`; with `pack`, packed for the next one."""
+        out: torch.Tensor = torch.ops.stallfree.linear_bf16_prompt(
+            x, self.weight, self.bias_f32, silu, pack, rows
+        )
+        return out
+
     def prepacked_prompt(self, x: torch.Tensor) -> bool:
         """Whether `x` takes the prepacked copy: a bfloat16 prompt of PREPACKED_MIN_ROWS rows
         or more, outside torch.compile's tracing (which the opaque copy would not pass)."""
@@ -287,13 +337,16 @@ def prompt_on_tiles(x: torch.Tensor, weight: torch.Tensor) -> bool:
     more rows than the matrix-vector kernels take, up to PROMPT_TILES_MAX_ROWS, whole blocks of
     16 outputs and 32 inputs, the AMX tiles in use."""
     rows = x.numel() // max(weight.shape[-1], 1)
+    return x.dtype == weight.dtype == torch.bfloat16 and _tiles_rows(rows, weight) and applies(x)
+
+
+def _tiles_rows(rows: int, weight: torch.Tensor) -> bool:
+    """`prompt_on_tiles` without the input's own checks: the row count and the weight."""
     return (
-        x.dtype == weight.dtype == torch.bfloat16
-        and dense_max_rows(x.dtype) < rows <= PROMPT_TILES_MAX_ROWS
+        dense_max_rows(weight.dtype) < rows <= PROMPT_TILES_MAX_ROWS
         and weight.shape[0] % 16 == 0
         and weight.shape[1] % 32 == 0
         and weight.is_contiguous()
-        and applies(x)
         and cpu_kernels.amx()
     )
 

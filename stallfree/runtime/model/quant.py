@@ -346,12 +346,43 @@ class _QuantLinearBase(nn.Module, abc.ABC):
         out = self._on_tiles(flat.contiguous(), self.bias_f32, silu=True)
         return out.view(*x.shape[:-1], self.out_features // 2)
 
+    def tiles_take(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether `forward` runs a contiguous CPU prompt of `rows` rows in `dtype` on the
+        tiles' prompt product (native_layers.mlp_on_tiles)."""
+        return (
+            self.native
+            and not self.takes_native(rows, dtype)
+            and dtype == torch.bfloat16
+            and rows <= native_layers.PROMPT_TILES_MAX_ROWS
+            and self.out_features % 16 == 0
+            and not torch.compiler.is_compiling()
+            and cpu_kernels.amx()
+        )
+
+    def tile_product(
+        self, x: torch.Tensor, silu: bool = False, pack: bool = False, rows: int = 0
+    ) -> torch.Tensor:
+        """`forward`'s tiles product on flat rows `x`, or on a product's packed output of
+        `rows` rows: with `silu`, `silu_product`'s (the bias in its epilogue); with `pack`,
+        packed for the next product (the bias in the epilogue too, in float32); else the
+        product, then the bias as `forward` adds it."""
+        if silu or pack:
+            return self._on_tiles(x, self.bias_f32, silu, pack, rows)
+        out = self._on_tiles(x, None, False, pack, rows)
+        return out if self.bias is None else out + self.bias
+
     @abc.abstractmethod
     def _on_tiles(
-        self, flat: torch.Tensor, bias: torch.Tensor | None = None, silu: bool = False
+        self,
+        flat: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        silu: bool = False,
+        pack: bool = False,
+        rows: int = 0,
     ) -> torch.Tensor:
-        """`flat @ W.T` on the tiles' prompt product (flat contiguous bfloat16); with `silu`,
-        silu(gate) * up of the product's two halves (`bias` in float32, added first)."""
+        """`flat @ W.T` on the tiles' prompt product (flat contiguous bfloat16, or a product's
+        packed output of `rows` rows); with `silu`, silu(gate) * up of the product's two halves
+        (`bias` in float32, added first); with `pack`, packed for the next product."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._on_native(x):
@@ -431,11 +462,16 @@ class Int8Linear(_QuantLinearBase):
         return out
 
     def _on_tiles(
-        self, flat: torch.Tensor, bias: torch.Tensor | None = None, silu: bool = False
+        self,
+        flat: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        silu: bool = False,
+        pack: bool = False,
+        rows: int = 0,
     ) -> torch.Tensor:
         scale = self.scale_f32 if self.block_scale is None else None
         out: torch.Tensor = torch.ops.stallfree.linear_q8_prompt(
-            flat, self.qweight, scale, self.block_scale, bias, silu
+            flat, self.qweight, scale, self.block_scale, bias, silu, pack, rows
         )
         return out
 
@@ -518,10 +554,15 @@ class Int4Linear(_QuantLinearBase):
         return out
 
     def _on_tiles(
-        self, flat: torch.Tensor, bias: torch.Tensor | None = None, silu: bool = False
+        self,
+        flat: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        silu: bool = False,
+        pack: bool = False,
+        rows: int = 0,
     ) -> torch.Tensor:
         out: torch.Tensor = torch.ops.stallfree.linear_q4_prompt(
-            flat, self.codes, self.q4_scale, self.q4_offset, bias, silu
+            flat, self.codes, self.q4_scale, self.q4_offset, bias, silu, pack, rows
         )
         return out
 

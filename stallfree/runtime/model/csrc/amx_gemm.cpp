@@ -83,12 +83,37 @@ void configure_gemm() {
   load_config(cfg);
 }
 
+// Outputs r[w] lane i (output feature n + w, activation row m0 + i; n a multiple of 16) as
+// the next prompt product's packed activations (`out.packed_chunks`): rounded to bfloat16,
+// features 2p and 2p + 1 in one 32-bit value, 16 rows to a vector, which is pack_x_gemm's
+// order as it is, so no transpose; rows past the prompt's are zero there, as pack_x_gemm
+// leaves them.
+void write_packed(const __m512 (&r)[16], int rows, int64_t n, int64_t m0, Out out) {
+  const __mmask16 live = rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
+  auto* dst = static_cast<uint32_t*>(out.ptr) + (n / 32 * out.packed_chunks + m0 / 16) * 256 +
+              (n % 32) / 2 * 16;
+#pragma GCC unroll 8
+  for (int w = 0; w < 16; w += 2) {
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(r[w]));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(r[w + 1]));
+    const __m512i v = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+    _mm512_store_si512(dst + w / 2 * 16, _mm512_maskz_mov_epi32(live, v));
+  }
+}
+
 // A finished accumulator c[r][i] (weight row n + r, activation row m0 + i) into the output's
 // rows m0 .. m0 + rows - 1, columns n .. n + 15, the bias added, in the output's dtype
 void write_tile(const float* c, int rows, const float* bias, int64_t n, int64_t m0, Out out) {
   __m512 r[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c + 16 * i);
+  if (out.packed_chunks) {
+#pragma GCC unroll 16
+    for (int w = 0; w < 16; ++w)
+      if (bias) r[w] = _mm512_add_ps(r[w], _mm512_set1_ps(bias[n + w]));
+    write_packed(r, rows, n, m0, out);
+    return;
+  }
   write_block(r, rows, bias, n, m0, out);
 }
 
@@ -119,6 +144,10 @@ void write_silu(const float* g, const float* u, int rows, const float* bias, int
     __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
     if (out.bf16) sv = round(sv);
     r[w] = _mm512_mul_ps(sv, uv);
+  }
+  if (out.packed_chunks) {
+    write_packed(r, rows, n, m0, out);
+    return;
   }
   transpose16(r);
   for (int i = 0; i < rows; ++i) store_row(out, (m0 + i) * out.ldo + n, r[i]);

@@ -49,6 +49,9 @@ struct Out {
   void* ptr = nullptr;
   int64_t ldo = 0;
   bool bf16 = false;
+  // > 0: the output is the next prompt product's packed activations (pack_x_gemm's order, the
+  // values rounded to bfloat16) for this many chunks of 16 rows, not rows of `ldo` values
+  int64_t packed_chunks = 0;
 };
 
 using QuantizeFn = void (*)(const void* x, bool x_bf16, int64_t row, Q8Act& a);

@@ -288,39 +288,77 @@ at::Tensor linear_q8_blocks(const at::Tensor& x, const at::Tensor& qweight,
 // `gemm(xp, m, n0, n1, pair, out)` runs the blocks of output rows [n0, n1). With `silu` the
 // weight's n rows are a gate and up projection's stacked, and the output is silu(gate) * up
 // [.., n / 2] (the gate's rows [n0, n1), its up rows n / 2 further: `pair`), in the epilogue,
-// where silu_mul would make another pass over the product.
+// where silu_mul would make another pass over the product. With `pack` the output is the next
+// product's packed activations (int32 [width / 32, ceil(m / 16), 16, 16], pack_x_gemm's order,
+// bfloat16 values), written without the transpose a row-major output takes; that product
+// takes them as its `x` with their row count (`rows`), and packs nothing (an MLP's gate/up
+// product feeding its down product: native_layers.mlp_on_tiles).
 template <typename Gemm>
 at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int64_t k, bool silu,
-                           const std::optional<at::Tensor>& bias, Gemm gemm) {
+                           const std::optional<at::Tensor>& bias, bool pack, int64_t rows,
+                           Gemm gemm) {
   TORCH_CHECK(g_amx, name, ": the AMX tiles are not in use in this process");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
-                  x.dim() >= 1,
-              name, ": x must be a contiguous CPU bfloat16 tensor");
-  TORCH_CHECK(x.size(-1) == k, name, ": input has ", x.size(-1), " features, weight ", k);
   TORCH_CHECK(k % 32 == 0 && n % 16 == 0, name,
               ": in_features must be a multiple of 32 and out_features of 16, got ", k, " and ",
               n);
   TORCH_CHECK(!silu || n % 32 == 0, name, ": silu needs gate and up of a multiple of 16 rows each, got ",
               n, " rows");
   const int64_t width = silu ? n / 2 : n;
-  at::Tensor out = at::empty(out_shape(x, width), x.options());
-  if (x.numel() == 0) return without_inputs(out, bias, silu);
-  const int64_t m = x.numel() / k;
-  g_amx_calls.fetch_add(1, std::memory_order_relaxed);
-  const Out o = out_of(out, width);
-  thread_local std::vector<uint32_t> buf;
-  // 64-byte aligned: the packing stores whole vectors
-  auto* xp = reinterpret_cast<uint32_t*>(
-      (reinterpret_cast<uintptr_t>(scratch(buf, amx::packed_gemm_size(m, k) + 16)) + 63) &
-      ~uintptr_t{63});
-  // the packing shared by the threads, by blocks of 32 values: done by the calling thread
-  // alone, it left the others waiting (5% of a 256-token prompt's time on the calling thread,
-  // SmolLM2 bf16); shared, the products took 0.95-0.97 of the time at 128-256 rows and the
-  // same at 32-64 (SmolLM2's and a 1B Llama's shapes, one process alternating)
-  const auto* xd = static_cast<const uint16_t*>(x.data_ptr());
+  TORCH_CHECK(!pack || width % 32 == 0, name, ": pack needs outputs in whole blocks of 32, got ",
+              width);
+  // x: bfloat16 rows, or (`rows` > 0) a product's packed output (`pack`) of that many rows
+  const bool packed_in = x.scalar_type() == at::kInt;
+  int64_t m;
+  if (packed_in) {
+    TORCH_CHECK(rows > 0 && x.device().is_cpu() && x.is_contiguous() && x.dim() == 4 &&
+                    x.size(0) == k / 32 && x.size(1) == (rows + 15) / 16 && x.size(2) == 16 &&
+                    x.size(3) == 16,
+                name, ": packed activations must be the int32 [in / 32, ceil(rows / 16), 16, 16] "
+                "tensor a product with pack=True made, with their row count");
+    m = rows;
+  } else {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
+                    x.dim() >= 1,
+                name, ": x must be a contiguous CPU bfloat16 tensor");
+    TORCH_CHECK(x.size(-1) == k, name, ": input has ", x.size(-1), " features, weight ", k);
+    TORCH_CHECK(k > 0 || !pack, name, ": pack needs inputs of at least one feature");
+    if (x.numel() == 0) {
+      if (pack) return at::empty({width / 32, 0, 16, 16}, x.options().dtype(at::kInt));
+      return without_inputs(at::empty(out_shape(x, width), x.options()), bias, silu);
+    }
+    m = x.numel() / k;
+  }
   const int64_t chunks = (m + 15) / 16;
-  at::parallel_for(0, k / 32, std::max<int64_t>(1, kPackGrain / chunks),
-                   [&](int64_t b0, int64_t b1) { amx::pack_x_gemm(xd, m, k, xp, b0, b1); });
+  at::Tensor out;
+  if (pack) {
+    out = at::empty({width / 32, chunks, 16, 16}, x.options().dtype(at::kInt));
+  } else if (packed_in) {
+    out = at::empty({m, width}, x.options().dtype(at::kBFloat16));
+  } else {
+    out = at::empty(out_shape(x, width), x.options());
+  }
+  g_amx_calls.fetch_add(1, std::memory_order_relaxed);
+  Out o = out_of(out, width);
+  o.bf16 = true;
+  if (pack) o.packed_chunks = chunks;
+  const uint32_t* xp;
+  if (packed_in) {
+    xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  } else {
+    thread_local std::vector<uint32_t> buf;
+    // 64-byte aligned: the packing stores whole vectors
+    auto* mine = reinterpret_cast<uint32_t*>(
+        (reinterpret_cast<uintptr_t>(scratch(buf, amx::packed_gemm_size(m, k) + 16)) + 63) &
+        ~uintptr_t{63});
+    // the packing shared by the threads, by blocks of 32 values: done by the calling thread
+    // alone, it left the others waiting (5% of a 256-token prompt's time on the calling
+    // thread, SmolLM2 bf16); shared, the products took 0.95-0.97 of the time at 128-256 rows
+    // and the same at 32-64 (SmolLM2's and a 1B Llama's shapes, one process alternating)
+    const auto* xd = static_cast<const uint16_t*>(x.data_ptr());
+    at::parallel_for(0, k / 32, std::max<int64_t>(1, kPackGrain / chunks),
+                     [&](int64_t b0, int64_t b1) { amx::pack_x_gemm(xd, m, k, mine, b0, b1); });
+    xp = mine;
+  }
   // blocks of 32 weight rows (16 gate rows and their up rows), a thread's share contiguous
   if (silu) {
     at::parallel_for(0, width / 16, 1, [&](int64_t b0, int64_t b1) {
@@ -338,7 +376,8 @@ at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int
 at::Tensor linear_q8_prompt(const at::Tensor& x, const at::Tensor& qweight,
                             const std::optional<at::Tensor>& scale,
                             const std::optional<at::Tensor>& bscale,
-                            const std::optional<at::Tensor>& bias, bool silu) {
+                            const std::optional<at::Tensor>& bias, bool silu, bool pack,
+                            int64_t rows) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous(),
               "linear_q8_prompt: qweight must be a contiguous int8 [out, in] tensor");
   const int64_t n = qweight.size(0), k = qweight.size(1);
@@ -358,7 +397,7 @@ at::Tensor linear_q8_prompt(const at::Tensor& x, const at::Tensor& qweight,
   }
   const int8_t* w = qweight.data_ptr<int8_t>();
   const float* b = opt_bias(bias, n);
-  return prompt_on_tiles("linear_q8_prompt", x, n, k, silu, bias,
+  return prompt_on_tiles("linear_q8_prompt", x, n, k, silu, bias, pack, rows,
                          [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, int64_t pair,
                              Out o) {
                            amx::gemm_q8(xp, m, k, w, s, bs, b, n0, n1, pair, o);
@@ -369,7 +408,8 @@ at::Tensor linear_q8_prompt(const at::Tensor& x, const at::Tensor& qweight,
 // group
 at::Tensor linear_q4_prompt(const at::Tensor& x, const at::Tensor& codes,
                             const at::Tensor& gscale, const at::Tensor& goffset,
-                            const std::optional<at::Tensor>& bias, bool silu) {
+                            const std::optional<at::Tensor>& bias, bool silu, bool pack,
+                            int64_t rows) {
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 16 &&
                   codes.is_contiguous(),
               "linear_q4_prompt: codes must be a contiguous uint8 [out, in / 32, 16] tensor");
@@ -383,7 +423,7 @@ at::Tensor linear_q4_prompt(const at::Tensor& x, const at::Tensor& codes,
   const auto* gs = static_cast<const uint16_t*>(gscale.data_ptr());
   const auto* go = static_cast<const uint16_t*>(goffset.data_ptr());
   const float* b = opt_bias(bias, n);
-  return prompt_on_tiles("linear_q4_prompt", x, n, k, silu, bias,
+  return prompt_on_tiles("linear_q4_prompt", x, n, k, silu, bias, pack, rows,
                          [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, int64_t pair,
                              Out o) {
                            amx::gemm_q4(xp, m, k, c, gs, go, b, n0, n1, pair, o);
@@ -392,13 +432,14 @@ at::Tensor linear_q4_prompt(const at::Tensor& x, const at::Tensor& codes,
 
 // a bfloat16 weight [out, in] as it is
 at::Tensor linear_bf16_prompt(const at::Tensor& x, const at::Tensor& weight,
-                              const std::optional<at::Tensor>& bias, bool silu) {
+                              const std::optional<at::Tensor>& bias, bool silu, bool pack,
+                              int64_t rows) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
               "linear_bf16_prompt: weight must be a contiguous bfloat16 [out, in] tensor");
   const int64_t n = weight.size(0), k = weight.size(1);
   const auto* w = static_cast<const uint16_t*>(weight.data_ptr());
   const float* b = opt_bias(bias, n);
-  return prompt_on_tiles("linear_bf16_prompt", x, n, k, silu, bias,
+  return prompt_on_tiles("linear_bf16_prompt", x, n, k, silu, bias, pack, rows,
                          [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, int64_t pair,
                              Out o) {
                            amx::gemm_bf16(xp, m, k, w, b, n0, n1, pair, o);
@@ -635,11 +676,13 @@ TORCH_LIBRARY(stallfree, m) {
   m.def("linear_q4(Tensor x, Tensor codes, Tensor gscale, Tensor goffset, Tensor? bias) -> Tensor");
   m.def(
       "linear_q8_prompt(Tensor x, Tensor qweight, Tensor? scale, Tensor? bscale, Tensor? bias, "
-      "bool silu=False) -> Tensor");
+      "bool silu=False, bool pack=False, int rows=0) -> Tensor");
   m.def(
       "linear_q4_prompt(Tensor x, Tensor codes, Tensor gscale, Tensor goffset, Tensor? bias, "
-      "bool silu=False) -> Tensor");
-  m.def("linear_bf16_prompt(Tensor x, Tensor weight, Tensor? bias, bool silu=False) -> Tensor");
+      "bool silu=False, bool pack=False, int rows=0) -> Tensor");
+  m.def(
+      "linear_bf16_prompt(Tensor x, Tensor weight, Tensor? bias, bool silu=False, "
+      "bool pack=False, int rows=0) -> Tensor");
   m.def("dequantize_q8(Tensor qweight, Tensor? scale, Tensor? bscale, Tensor(a!) out) -> ()");
   m.def("dequantize_q4(Tensor codes, Tensor gscale, Tensor goffset, Tensor(a!) out) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
