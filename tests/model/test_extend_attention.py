@@ -82,9 +82,12 @@ def test_fresh_prompts_attend_without_a_gather(llama_dir: Path) -> None:
     # they come from separate products (the torch path)
     joint = calls["stallfree.linear_group"] > 0  # q/k/v (and gate/up) as grouped calls
     assert joint == cpu_kernels.available()
-    # RoPE: q and k of the joint q/k/v output in one native call per layer; apply_rope's four
-    # kernels on each of q and k where they come from separate products (the torch path)
-    assert calls["stallfree.rope"] == (LAYERS if joint else 0)
+    # RoPE: q and k of the joint q/k/v output in one native call per layer, which also writes
+    # the layer's K and V into the cache (no index_put); apply_rope's four kernels on each of q
+    # and k where they come from separate products (the torch path), then KVCache.write
+    assert calls["stallfree.rope_write"] == (LAYERS if joint else 0)
+    assert calls["stallfree.rope"] == 0
+    assert calls["aten.index_put_"] == (0 if joint else 2 * LAYERS)
     assert calls["aten.roll"] == (0 if joint else 2 * LAYERS)
 
 

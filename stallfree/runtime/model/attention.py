@@ -18,6 +18,7 @@ kernel computes a prompt shorter than its 512-key split in full, above the diago
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,9 @@ import torch.nn.functional as F
 from stallfree.runtime.model import cpu_kernels
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.rope import rope_rows
+
+if TYPE_CHECKING:
+    from stallfree.runtime.memory.pool import KVCache
 
 
 def _probe_enable_gqa() -> bool:
@@ -292,6 +296,59 @@ def rope_qk(
     return rope_rows(q, *rope), rope_rows(k, *rope)
 
 
+def rope_and_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    cache: KVCache,
+    layer_id: int,
+    loc: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`rope_qk` and `cache.write(layer_id, loc, k, v)` as one native call
+    (`torch.ops.stallfree.rope_write`: each token's rotated k heads and v rows copied into the
+    cache as the threads rotate them, in place of two index_put calls), with the same bits;
+    None where it does not apply: q and k not neighbouring heads of one projection's rows, a
+    cache not stored in their dtype (quantized, or another dtype), the kernels off."""
+    t, heads, dim = q.shape
+    k_cache, v_cache = cache.k_buffers[layer_id], cache.v_buffers[layer_id]
+    cos, signed_sin = rope
+    if not (
+        q.device.type == "cpu"
+        and q.dtype in _NATIVE_DTYPES
+        and k.dtype == v.dtype == cos.dtype == signed_sin.dtype == q.dtype
+        and not cache.format.quantized
+        and k_cache.dtype == v_cache.dtype == q.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and k_cache.shape[1:] == v_cache.shape[1:] == k.shape[1:]
+        and k.shape[0] == v.shape[0] == t
+        and k.shape[2] == dim
+        and q.stride(2) == k.stride(2) == v.stride(2) == 1
+        and q.stride(1) == dim
+        and (k.shape[1] == 1 or k.stride(1) == v.stride(1) == dim)
+        and (t == 1 or q.stride(0) == k.stride(0))
+        and k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+        and k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()
+        and cos.dim() == 3
+        and cos.shape == signed_sin.shape == (t, 1, dim)
+        and cos.stride(2) == signed_sin.stride(2) == 1
+        and loc.dtype == torch.int64
+        and loc.device.type == "cpu"
+        and loc.dim() == 1
+        and loc.is_contiguous()
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+        and not torch.compiler.is_compiling()
+        and cpu_kernels.available()
+    ):
+        return None
+    both = q.as_strided((t, heads + k.shape[1], dim), (q.stride(0), dim, 1))
+    out: torch.Tensor = torch.ops.stallfree.rope_write(
+        both, cos, signed_sin, heads, v, k_cache, v_cache, loc
+    )
+    return out[:, :heads], out[:, heads:]
+
+
 class PagedAttention:
     """Default attention backend. q [T, H, D], k/v [T, KVH, D] -> out [T, H, D].
 
@@ -361,8 +418,14 @@ class PagedAttention:
                 tail = self._one_token_tail(q, k, v, layer_id, fb, rope)
                 if tail:
                     return self._extend_with_tail(q, k, v, layer_id, fb, rope, tail)
-            q, k = rope_qk(q, k, rope)
-        fb.kv_cache.write(layer_id, fb.out_cache_loc, k, v)
+            joint = rope_and_write(q, k, v, rope, fb.kv_cache, layer_id, fb.out_cache_loc)
+            if joint is not None:  # rotated, and K and V written
+                q, k = joint
+            else:
+                q, k = rope_qk(q, k, rope)
+                fb.kv_cache.write(layer_id, fb.out_cache_loc, k, v)
+        else:
+            fb.kv_cache.write(layer_id, fb.out_cache_loc, k, v)
         if fb.mode is ForwardMode.DECODE:
             return self._decode(q, layer_id, fb)
         if fb.mode is ForwardMode.VERIFY:

@@ -179,6 +179,19 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     return x.new_empty(x.shape)
 
 
+def _rope_write(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    heads: int,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
 def _decode_layers(h: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The last layer's output and the residual stream, each the shape of `h`."""
     return h.new_empty(h.shape), h.new_empty(h.shape)
@@ -203,4 +216,5 @@ FAKES: dict[str, Callable[..., Any]] = {
     "prefill_attention": _prefill_attention,
     "decode_layers": _decode_layers,
     "rope": _rope,
+    "rope_write": _rope_write,
 }

@@ -178,7 +178,7 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
 
 // x [T, H, D] (any row and head strides, contiguous values), cos and signed_sin [T, 1, D]
 // (rope.RotaryEmbedding's tables) -> rotated [T, H, D], contiguous
-at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
               "rope: x must be a CPU [tokens, heads, dim] tensor with contiguous values and an "
               "even dim");
@@ -191,6 +191,10 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
                 "rope: cos and signed_sin must be [tokens, 1, dim] tensors of x's dtype with "
                 "contiguous values");
   }
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  check_rope(x, cos, signed_sin);
   at::Tensor out = at::empty(x.sizes(), x.options());
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::parallel_for(0, x.size(0), 16, [&](int64_t t0, int64_t t1) {
@@ -202,11 +206,67 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return out;
 }
 
+// `rope` on a prompt's joint q and k heads x [T, heads + kv, D], then the rotated k heads and
+// v's rows [T, kv, D] written into the caches [slots, kv, D] at slots `loc` [T] (int64), each
+// token's rows as the threads rotate them: KVCache.write's two index_put calls and their
+// dispatch, for a cache stored in x's dtype. Returns the rotated x, as `rope` does.
+at::Tensor rope_write(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin,
+                      int64_t heads, const at::Tensor& v, at::Tensor& k_cache,
+                      at::Tensor& v_cache, const at::Tensor& loc) {
+  check_rope(x, cos, signed_sin);
+  const int64_t tokens = x.size(0), kv = x.size(1) - heads, dim = x.size(2);
+  TORCH_CHECK(heads >= 0 && kv > 0, "rope_write: x has ", x.size(1), " heads, q ", heads);
+  TORCH_CHECK(v.scalar_type() == x.scalar_type() && v.dim() == 3 && v.size(0) == tokens &&
+                  v.size(1) == kv && v.size(2) == dim && v.stride(2) == 1 && (kv == 1 || v.stride(1) == dim),
+              "rope_write: v must be [tokens, kv heads, dim] of x's dtype, each row's heads "
+              "contiguous");
+  for (const at::Tensor* c : {&k_cache, &v_cache}) {
+    TORCH_CHECK(c->device().is_cpu() && c->scalar_type() == x.scalar_type() &&
+                    c->is_contiguous() && c->dim() == 3 && c->size(1) == kv && c->size(2) == dim,
+                "rope_write: the caches must be contiguous [slots, kv heads, dim] tensors of "
+                "x's dtype");
+  }
+  TORCH_CHECK(k_cache.size(0) == v_cache.size(0), "rope_write: the caches differ in slots");
+  TORCH_CHECK(loc.device().is_cpu() && loc.scalar_type() == at::kLong && loc.dim() == 1 &&
+                  loc.numel() == tokens && loc.is_contiguous(),
+              "rope_write: loc must be a contiguous int64 [tokens] tensor");
+  const int64_t slots = k_cache.size(0);
+  const int64_t* where = loc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(where[t] >= 0 && where[t] < slots, "rope_write: slot ", where[t],
+                " outside the cache's ", slots);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t bytes = kv * dim * static_cast<int64_t>(x.element_size());
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* oc = static_cast<const char*>(out.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t es = x.element_size();
+  at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+    if (bf16)
+      rotate_rows<uint16_t>(x, cos, signed_sin, out, t0, t1);
+    else
+      rotate_rows<float>(x, cos, signed_sin, out, t0, t1);
+    for (int64_t t = t0; t < t1; ++t) {
+      std::memcpy(kc + where[t] * bytes, oc + (t * (heads + kv) + heads) * dim * es, bytes);
+      std::memcpy(vc + where[t] * bytes, vs + t * v.stride(0) * es, bytes);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace sf
 
 TORCH_LIBRARY_FRAGMENT(stallfree, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
+  m.def(
+      "rope_write(Tensor x, Tensor cos, Tensor signed_sin, int heads, Tensor v, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor loc) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(stallfree, CPU, m) { m.impl("rope", &sf::rope); }
+TORCH_LIBRARY_IMPL(stallfree, CPU, m) {
+  m.impl("rope", &sf::rope);
+  m.impl("rope_write", &sf::rope_write);
+}
