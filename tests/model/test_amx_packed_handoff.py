@@ -36,6 +36,15 @@ def projection(n: int, k: int, kind: str, seed: int, bias: bool = False) -> torc
     return quant.Int8Linear(weight, b, torch.bfloat16)
 
 
+def unpacked(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """The packed tensor [width / 32, chunks, 16 pairs, 16 rows] of two bfloat16 values each
+    (feature 2p low, 2p + 1 high) as rows [chunks * 16, width]."""
+    chunks = packed.shape[1]
+    halves = packed.view(torch.int16).view(width // 32, chunks, 16, 16, 2)
+    # [block, chunk, pair, row, low/high] -> [chunk * 16 + row, block * 32 + 2 pair + half]
+    return halves.permute(1, 3, 0, 2, 4).reshape(chunks * 16, width).view(torch.bfloat16)
+
+
 def apart(gate_up: torch.nn.Module, down: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The two products as the MLP ran them before: silu in the first one's epilogue, written
     row-major, then the second."""
@@ -101,9 +110,7 @@ def test_the_packed_output_is_pack_x_gemm_order_with_empty_rows_zero(
         rows = native_layers.gate_up_silu(gate_up, x)
     chunks = (m + 15) // 16
     assert packed.dtype == torch.int32 and packed.shape == (inter // 32, chunks, 16, 16)
-    halves = packed.view(torch.int16).view(inter // 32, chunks, 16, 16, 2)
-    # [block, chunk, pair, row, low/high] -> [chunk * 16 + row, block * 32 + 2 pair + half]
-    values = halves.permute(1, 3, 0, 2, 4).reshape(chunks * 16, inter).view(torch.bfloat16)
+    values = unpacked(packed, inter)
     assert torch.equal(values[:m], rows)
     assert not values[m:].view(torch.int16).any()
 
@@ -117,9 +124,8 @@ def test_a_plain_product_packs_its_output_the_same_way(tiles: None, m: int) -> N
     b = torch.randn(64, generator=g)
     op = torch.ops.stallfree.linear_bf16_prompt
     packed = op(x, w, b, False, True)
-    chunks = (m + 15) // 16
-    halves = packed.view(torch.int16).view(2, chunks, 16, 16, 2)
-    values = halves.permute(1, 3, 0, 2, 4).reshape(chunks * 16, 64).view(torch.bfloat16)
+    assert packed.shape == (2, (m + 15) // 16, 16, 16)
+    values = unpacked(packed, 64)
     assert torch.equal(values[:m], op(x, w, b))
     assert not values[m:].view(torch.int16).any()
     assert torch.equal(

@@ -273,24 +273,35 @@ def attend_prompt(
     return attend(q, k, v, mask, scale, softcap)
 
 
-def rope_qk(
-    q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`apply_rope` on q [T, H, D] and k [T, KVH, D]; one pass over both where they are
-    neighbouring heads of one projection's rows (a joint q/k/v output), as the same elementwise
-    arithmetic on [T, H + KVH, D], so half the calls."""
+def joint_qk(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q [T, H, D] and k [T, KVH, D] as one view [T, H + KVH, D] where they are neighbouring
+    heads of one projection's rows (a joint q/k/v output); None where they are not. A
+    dimension of size 1 may carry any stride."""
     t, heads, dim = q.shape
     if (
         k.dtype == q.dtype
         and k.shape[0] == t
         and k.shape[2] == dim
         and q.stride(2) == k.stride(2) == 1
-        and q.stride(1) == k.stride(1) == dim
-        and q.stride(0) == k.stride(0)
+        and q.stride(1) == dim
+        and (k.shape[1] == 1 or k.stride(1) == dim)
+        and (t == 1 or q.stride(0) == k.stride(0))
         and k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
         and k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()
     ):
-        both = q.as_strided((t, heads + k.shape[1], dim), (q.stride(0), dim, 1))
+        return q.as_strided((t, heads + k.shape[1], dim), (q.stride(0), dim, 1))
+    return None
+
+
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rope` on q [T, H, D] and k [T, KVH, D]; one pass over both where they are
+    neighbouring heads of one projection's rows (`joint_qk`), as the same elementwise
+    arithmetic on [T, H + KVH, D], so half the calls."""
+    both = joint_qk(q, k)
+    if both is not None:
+        heads = q.shape[1]
         out = rope_rows(both, *rope)
         return out[:, :heads], out[:, heads:]
     return rope_rows(q, *rope), rope_rows(k, *rope)
@@ -313,23 +324,20 @@ def rope_and_write(
     t, heads, dim = q.shape
     k_cache, v_cache = cache.k_buffers[layer_id], cache.v_buffers[layer_id]
     cos, signed_sin = rope
+    both = joint_qk(q, k)
     if not (
-        q.device.type == "cpu"
+        both is not None
+        and q.device.type == "cpu"
         and q.dtype in _NATIVE_DTYPES
-        and k.dtype == v.dtype == cos.dtype == signed_sin.dtype == q.dtype
+        and v.dtype == cos.dtype == signed_sin.dtype == q.dtype
         and not cache.format.quantized
         and k_cache.dtype == v_cache.dtype == q.dtype
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and k_cache.shape[1:] == v_cache.shape[1:] == k.shape[1:]
-        and k.shape[0] == v.shape[0] == t
-        and k.shape[2] == dim
-        and q.stride(2) == k.stride(2) == v.stride(2) == 1
-        and q.stride(1) == dim
-        and (k.shape[1] == 1 or k.stride(1) == v.stride(1) == dim)
-        and (t == 1 or q.stride(0) == k.stride(0))
-        and k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
-        and k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()
+        and v.shape[0] == t
+        and v.stride(2) == 1
+        and (v.shape[1] == 1 or v.stride(1) == dim)
         and cos.dim() == 3
         and cos.shape == signed_sin.shape == (t, 1, dim)
         and cos.stride(2) == signed_sin.stride(2) == 1
@@ -342,7 +350,6 @@ def rope_and_write(
         and cpu_kernels.available()
     ):
         return None
-    both = q.as_strided((t, heads + k.shape[1], dim), (q.stride(0), dim, 1))
     out: torch.Tensor = torch.ops.stallfree.rope_write(
         both, cos, signed_sin, heads, v, k_cache, v_cache, loc
     )

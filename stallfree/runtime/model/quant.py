@@ -327,10 +327,14 @@ class _QuantLinearBase(nn.Module, abc.ABC):
         return self._on_tiles(flat.contiguous())
 
     def _prompt_on_tiles(self, flat: torch.Tensor) -> bool:
+        return self._tiles_rows(flat.shape[0], flat.dtype)
+
+    def _tiles_rows(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether `rows` rows in `dtype` that reach the prompt path take the tiles."""
         return (
             self.native
-            and flat.dtype == torch.bfloat16
-            and flat.shape[0] <= native_layers.PROMPT_TILES_MAX_ROWS
+            and dtype == torch.bfloat16
+            and rows <= native_layers.PROMPT_TILES_MAX_ROWS
             and self.out_features % 16 == 0
             and not torch.compiler.is_compiling()
             and cpu_kernels.amx()
@@ -349,15 +353,7 @@ class _QuantLinearBase(nn.Module, abc.ABC):
     def tiles_take(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether `forward` runs a contiguous CPU prompt of `rows` rows in `dtype` on the
         tiles' prompt product (native_layers.mlp_on_tiles)."""
-        return (
-            self.native
-            and not self.takes_native(rows, dtype)
-            and dtype == torch.bfloat16
-            and rows <= native_layers.PROMPT_TILES_MAX_ROWS
-            and self.out_features % 16 == 0
-            and not torch.compiler.is_compiling()
-            and cpu_kernels.amx()
-        )
+        return not self.takes_native(rows, dtype) and self._tiles_rows(rows, dtype)
 
     def tile_product(
         self, x: torch.Tensor, silu: bool = False, pack: bool = False, rows: int = 0

@@ -178,6 +178,15 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
 
 // x [T, H, D] (any row and head strides, contiguous values), cos and signed_sin [T, 1, D]
 // (rope.RotaryEmbedding's tables) -> rotated [T, H, D], contiguous
+// rotate_rows in x's dtype
+void rotate_any(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                at::Tensor& out, int64_t t0, int64_t t1) {
+  if (x.scalar_type() == at::kBFloat16)
+    rotate_rows<uint16_t>(x, cos, sin, out, t0, t1);
+  else
+    rotate_rows<float>(x, cos, sin, out, t0, t1);
+}
+
 void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
               "rope: x must be a CPU [tokens, heads, dim] tensor with contiguous values and an "
@@ -196,12 +205,8 @@ void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
   check_rope(x, cos, signed_sin);
   at::Tensor out = at::empty(x.sizes(), x.options());
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::parallel_for(0, x.size(0), 16, [&](int64_t t0, int64_t t1) {
-    if (bf16)
-      rotate_rows<uint16_t>(x, cos, signed_sin, out, t0, t1);
-    else
-      rotate_rows<float>(x, cos, signed_sin, out, t0, t1);
+    rotate_any(x, cos, signed_sin, out, t0, t1);
   });
   return out;
 }
@@ -236,7 +241,6 @@ at::Tensor rope_write(const at::Tensor& x, const at::Tensor& cos, const at::Tens
     TORCH_CHECK(where[t] >= 0 && where[t] < slots, "rope_write: slot ", where[t],
                 " outside the cache's ", slots);
   at::Tensor out = at::empty(x.sizes(), x.options());
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
   const int64_t bytes = kv * dim * static_cast<int64_t>(x.element_size());
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());
@@ -244,10 +248,7 @@ at::Tensor rope_write(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   const auto* vs = static_cast<const char*>(v.data_ptr());
   const int64_t es = x.element_size();
   at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
-    if (bf16)
-      rotate_rows<uint16_t>(x, cos, signed_sin, out, t0, t1);
-    else
-      rotate_rows<float>(x, cos, signed_sin, out, t0, t1);
+    rotate_any(x, cos, signed_sin, out, t0, t1);
     for (int64_t t = t0; t < t1; ++t) {
       std::memcpy(kc + where[t] * bytes, oc + (t * (heads + kv) + heads) * dim * es, bytes);
       std::memcpy(vc + where[t] * bytes, vs + t * v.stride(0) * es, bytes);
