@@ -193,7 +193,8 @@ def _rope_write(
 
 
 def _decode_layers(h: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last layer's output and the residual stream, each the shape of `h`."""
+    """The last layer's output and the residual stream, each the shape of `h` (a decode
+    step's `decode_layers` and a prompt's `prefill_layers` alike)."""
     return h.new_empty(h.shape), h.new_empty(h.shape)
 
 
@@ -215,6 +216,7 @@ FAKES: dict[str, Callable[..., Any]] = {
     "decode_attention_qkv": _decode_attention_qkv,
     "prefill_attention": _prefill_attention,
     "decode_layers": _decode_layers,
+    "prefill_layers": _decode_layers,
     "rope": _rope,
     "rope_write": _rope_write,
 }

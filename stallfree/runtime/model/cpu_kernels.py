@@ -50,6 +50,7 @@ _SOURCES = (
     "prefill_attention.cpp",
     "amx_prefill_attention.cpp",
     "layers.cpp",
+    "prompt_layers.cpp",
     "rope.cpp",
 )
 _HEADERS = (

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stallfree.runtime.model import native_layers, native_loop
+from stallfree.runtime.model import native_layers, native_loop, native_prompt_loop
 from stallfree.runtime.model.attention import PagedAttention
 from stallfree.runtime.model.decode_rows import decode_rows
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
@@ -353,6 +353,8 @@ class LlamaForCausalLM(nn.Module):
         self._plain_layers: bool | None = None
         # native_loop's plans per (rows, dtype) of a decode step
         self._loop_plans: dict[tuple[int, torch.dtype], native_loop.Plan | None] = {}
+        # native_prompt_loop's plans per row count of a bfloat16 prompt
+        self._prompt_plans: dict[int, native_prompt_loop.Plan | None] = {}
         # compile_layers' two compiled halves of a decoder layer; None: eager
         self.compiled: tuple[Callable[..., Any], Callable[..., Any]] | None = None
 
@@ -398,6 +400,10 @@ class LlamaForCausalLM(nn.Module):
             if native_loop.enabled():
                 layers = list(self.model.layers)
                 looped = native_loop.run(layers, backend, h, rope, fb, self._loop_plans)
+                if looped is None:
+                    looped = native_prompt_loop.run(
+                        layers, backend, h, rope, fb, self._prompt_plans
+                    )
             if looped is not None:
                 h, residual = looped
             else:

@@ -1,0 +1,243 @@
+// A prompt's decoder layers in one call (`prefill_layers`): the loop that
+// `LlamaDecoderLayer.fused_forward` runs in Python for an extend step whose products all run on
+// the AMX tiles' prompt product, driven from C++ over the same operators in the same order on the
+// same inputs, so its result is bit for bit the Python loop's. What it removes is the Python
+// between the calls (module calls, the checks each op's wrapper makes, views and frames), during
+// which the other compute thread waits.
+//
+// Each layer is: RMSNorm (the first layer's) or add + RMSNorm; the joint q/k/v projection; RoPE
+// on q and k with the K/V write (`rope_write`); each request's attention over its own new keys,
+// or over its keys gathered from the cache where it has a prefix or outgrows its window
+// (`prefill_attention`); the output projection; add + RMSNorm; gate/up with SiLU * up written
+// packed for the down projection, which reads it as it is (`native_layers.mlp_on_tiles`).
+// A projection is one of the `Kind`s below, its tensors taken in order from `params` as `spec`
+// says (runtime/model/native_prompt_loop.py builds both).
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/index_select.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace sf {
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+template <class Sig>
+c10::TypedOperatorHandle<Sig> find(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+// how a projection runs on the tiles, and the tensors it takes off `params`
+enum Kind : int64_t {
+  kBf16 = 0,  // linear_bf16_prompt: weight, bias_f32
+  kQ8 = 1,    // linear_q8_prompt: qweight, row scales?, block scales?, bias_f32?, bias?
+  kQ4 = 2,    // linear_q4_prompt: codes, group scales, group offsets, bias_f32?, bias?
+};
+
+using Prompt8 = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                           const OptTensor&, const OptTensor&, bool, bool, int64_t);
+using Prompt4 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, const OptTensor&, bool, bool, int64_t);
+using PromptBf16 = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
+                              bool, int64_t);
+using Norm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
+using AddNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                   const at::Tensor&, double);
+using RopeWrite = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                             const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&);
+using Attend = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                          int64_t, std::optional<double>, std::optional<double>,
+                          std::optional<int64_t>);
+
+struct Ops {
+  c10::TypedOperatorHandle<PromptBf16> bf16 = find<PromptBf16>("stallfree::linear_bf16_prompt");
+  c10::TypedOperatorHandle<Prompt8> q8 = find<Prompt8>("stallfree::linear_q8_prompt");
+  c10::TypedOperatorHandle<Prompt4> q4 = find<Prompt4>("stallfree::linear_q4_prompt");
+  c10::TypedOperatorHandle<Norm> rms_norm = find<Norm>("stallfree::rms_norm");
+  c10::TypedOperatorHandle<AddNorm> add_rms_norm = find<AddNorm>("stallfree::add_rms_norm");
+  c10::TypedOperatorHandle<RopeWrite> rope_write = find<RopeWrite>("stallfree::rope_write");
+  c10::TypedOperatorHandle<Attend> attend = find<Attend>("stallfree::prefill_attention");
+};
+
+const Ops& ops() {
+  static const Ops o;
+  return o;
+}
+
+// Reads projections off `params` / `spec` in order and runs them as the Python layers do:
+// plain (q/k/v, o), with SiLU * up written packed (gate/up), or on such a packed input of
+// `rows` rows (down). An integer layer's bias goes in the epilogue (float32) with SiLU or
+// packing, else it is added to the product in the dtype (`QuantLinear.tile_product`).
+struct Projections {
+  const c10::List<OptTensor>& params;
+  const std::vector<int64_t>& spec;
+  size_t p = 0, s = 0;
+
+  at::Tensor need(const char* what) {
+    OptTensor t = maybe(what);
+    TORCH_CHECK(t.has_value(), "prefill_layers: ", what, " is missing");
+    return *t;
+  }
+  OptTensor maybe(const char* what) {
+    TORCH_CHECK(p < params.size(), "prefill_layers: params ran out at ", what);
+    return params.get(p++);
+  }
+
+  at::Tensor apply(const at::Tensor& x, bool silu = false, bool pack = false, int64_t rows = 0) {
+    TORCH_CHECK(s < spec.size(), "prefill_layers: spec ran out");
+    const Ops& o = ops();
+    const bool epilogue = silu || pack;
+    switch (spec[s++]) {
+      case kBf16: {
+        const at::Tensor w = need("a weight");
+        return o.bf16.call(x, w, maybe("a bias"), silu, pack, rows);
+      }
+      case kQ8: {
+        const at::Tensor q = need("int8 codes");
+        const OptTensor scale = maybe("row scales"), blocks = maybe("block scales");
+        const OptTensor bias_f32 = maybe("a bias"), bias = maybe("a bias");
+        const at::Tensor out =
+            o.q8.call(x, q, scale, blocks, epilogue ? bias_f32 : std::nullopt, silu, pack, rows);
+        return epilogue || !bias ? out : at::add(out, *bias);
+      }
+      case kQ4: {
+        const at::Tensor c = need("int4 codes"), scale = need("group scales"),
+                         offset = need("group offsets");
+        const OptTensor bias_f32 = maybe("a bias"), bias = maybe("a bias");
+        const at::Tensor out =
+            o.q4.call(x, c, scale, offset, epilogue ? bias_f32 : std::nullopt, silu, pack, rows);
+        return epilogue || !bias ? out : at::add(out, *bias);
+      }
+      default:
+        TORCH_CHECK(false, "prefill_layers: unknown projection kind ", spec[s - 1]);
+    }
+  }
+};
+
+// A layer's attention from the joint q/k/v projection [T, (H + 2 KVH) * D] to the heads'
+// outputs [T, H * D], as `PagedAttention.forward` and `_extend` run an extend step: q and k
+// rotated and K/V written in one call, then each request's rows attend over their own new keys
+// (no prefix, no window they outgrow) or over their keys gathered from the cache.
+struct Attention {
+  const at::Tensor& cos;
+  const at::Tensor& signed_sin;
+  const std::vector<at::Tensor>& k_caches;
+  const std::vector<at::Tensor>& v_caches;
+  const at::Tensor& out_cache_loc;
+  const at::Tensor& req_to_token;
+  const std::vector<int64_t>& extend_lens;
+  const std::vector<int64_t>& prefix_lens;
+  const std::vector<int64_t>& pool_rows;
+  int64_t num_heads, num_kv_heads;
+  std::optional<double> scale, softcap;
+  const std::vector<int64_t>& windows;  // empty, or each layer's (0: none)
+
+  at::Tensor operator()(const at::Tensor& qkv, size_t l) const {
+    const Ops& o = ops();
+    const int64_t t = qkv.size(0), width = num_heads + 2 * num_kv_heads;
+    TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) % width == 0,
+                "prefill_layers: the q/k/v projection's width is not a whole number of heads");
+    const int64_t dim = qkv.size(1) / width;
+    const at::Tensor heads = qkv.view({t, width, dim});
+    const at::Tensor v = heads.narrow(1, num_heads + num_kv_heads, num_kv_heads);
+    at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+    const at::Tensor rotated =
+        o.rope_write.call(heads.narrow(1, 0, num_heads + num_kv_heads), cos, signed_sin,
+                          num_heads, v, k_cache, v_cache, out_cache_loc);
+    const at::Tensor q = rotated.narrow(1, 0, num_heads);
+    const at::Tensor k = rotated.narrow(1, num_heads, num_kv_heads);
+    const int64_t layer_window = windows.empty() ? 0 : windows[l];
+    std::vector<at::Tensor> outs;
+    int64_t start = 0;
+    for (size_t i = 0; i < extend_lens.size(); ++i) {
+      const int64_t n = extend_lens[i], prefix = prefix_lens[i], seq = prefix + n;
+      std::optional<int64_t> window;
+      if (layer_window > 0 && seq > layer_window) window = layer_window;
+      const at::Tensor chunk = q.narrow(0, start, n);
+      if (prefix == 0 && !window) {
+        outs.push_back(o.attend.call(chunk, k.narrow(0, start, n), v.narrow(0, start, n), 0, 0,
+                                     scale, softcap, std::nullopt));
+      } else {
+        // keys before the first query's window are never seen
+        const int64_t first = window ? std::max<int64_t>(0, prefix + 1 - *window) : 0;
+        const at::Tensor slots = req_to_token.select(0, pool_rows[i]).narrow(0, first, seq - first);
+        outs.push_back(o.attend.call(chunk, at::index_select(k_cache, 0, slots),
+                                     at::index_select(v_cache, 0, slots), prefix, first, scale,
+                                     softcap, window));
+      }
+      start += n;
+    }
+    TORCH_CHECK(start == t, "prefill_layers: the requests' lengths do not add up to the rows");
+    const at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs);
+    return out.reshape({t, num_heads * dim});
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> prefill_layers(
+    const at::Tensor& h, const at::Tensor& cos, const at::Tensor& signed_sin,
+    const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+    const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
+    const std::vector<int64_t>& extend_lens, const std::vector<int64_t>& prefix_lens,
+    const std::vector<int64_t>& pool_rows, int64_t num_heads, int64_t num_kv_heads,
+    std::optional<double> scale, const std::vector<at::Tensor>& norms, double eps,
+    const c10::List<OptTensor>& params, const std::vector<int64_t>& spec,
+    std::optional<double> softcap, const std::vector<int64_t>& windows) {
+  const size_t layers = k_caches.size();
+  TORCH_CHECK(v_caches.size() == layers && norms.size() == 2 * layers,
+              "prefill_layers: expected a K and V cache and two norms per layer");
+  TORCH_CHECK(windows.empty() || windows.size() == layers,
+              "prefill_layers: expected no windows or one per layer");
+  TORCH_CHECK(prefix_lens.size() == extend_lens.size() && pool_rows.size() == extend_lens.size(),
+              "prefill_layers: expected a prefix length and a pool row per request");
+  TORCH_CHECK(h.dim() == 2, "prefill_layers: expected h as [rows, hidden]");
+  for (size_t i = 0; i < extend_lens.size(); ++i) {
+    TORCH_CHECK(extend_lens[i] > 0 && prefix_lens[i] >= 0, "prefill_layers: request ", i,
+                " has no new tokens or a negative prefix");
+    TORCH_CHECK(pool_rows[i] >= 0 && pool_rows[i] < req_to_token.size(0) &&
+                    prefix_lens[i] + extend_lens[i] <= req_to_token.size(1),
+                "prefill_layers: request ", i, "'s pool row or length is outside req_to_token");
+  }
+  const Ops& o = ops();
+  const Attention attend{cos,         signed_sin,  k_caches,  v_caches,     out_cache_loc,
+                         req_to_token, extend_lens, prefix_lens, pool_rows, num_heads,
+                         num_kv_heads, scale,       softcap,   windows};
+  Projections proj{params, spec};
+  const int64_t rows = h.size(0);
+  at::Tensor x, residual, out = h;
+  for (size_t l = 0; l < layers; ++l) {
+    if (l == 0) {
+      residual = out;
+      x = o.rms_norm.call(out, norms[0], eps);
+    } else {
+      std::tie(residual, x) = o.add_rms_norm.call(residual, out, norms[2 * l], eps);
+    }
+    const at::Tensor attn = proj.apply(attend(proj.apply(x), l));
+    std::tie(residual, x) = o.add_rms_norm.call(residual, attn, norms[2 * l + 1], eps);
+    const at::Tensor packed = proj.apply(x, /*silu=*/true, /*pack=*/true);
+    out = proj.apply(packed, false, false, rows);
+  }
+  TORCH_CHECK(proj.p == params.size() && proj.s == spec.size(),
+              "prefill_layers: params or spec left over after the last layer");
+  return {out, residual};
+}
+
+}  // namespace
+}  // namespace sf
+
+TORCH_LIBRARY_FRAGMENT(stallfree, m) {
+  m.def(
+      "prefill_layers(Tensor h, Tensor cos, Tensor signed_sin, Tensor(a!)[] k_caches, "
+      "Tensor(b!)[] v_caches, Tensor out_cache_loc, Tensor req_to_token, int[] extend_lens, "
+      "int[] prefix_lens, int[] pool_rows, int num_heads, int num_kv_heads, float? scale, "
+      "Tensor[] norms, float eps, Tensor?[] params, int[] spec, float? softcap, int[] windows) "
+      "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(stallfree, CPU, m) { m.impl("prefill_layers", &sf::prefill_layers); }

@@ -1,0 +1,231 @@
+"""A prompt's decoder layers as one native call (`torch.ops.stallfree.prefill_layers`,
+csrc/prompt_layers.cpp): the loop of `LlamaDecoderLayer.fused_forward` over an extend step,
+driven from C++ over the same operators, so the result is bit for bit the Python loop's and only
+the Python between the calls is gone: about 10 module calls, their checks and frames per layer,
+during which the second compute thread waits for the first.
+
+It takes an extend step only where every layer would have run on the AMX tiles' prompt products
+and the native prompt ops anyway: bfloat16 Llama-family layers with a joint q/k/v projection and
+a stacked gate/up projection (`fuse_projections`), no per-head q/k norms, each projection on the
+tiles at this row count (`tiles_take`: more rows than the matrix-vector kernels take, up to
+native_layers.PROMPT_TILES_MAX_ROWS, none of them `--prepack-prompt-weights`' copies past its
+threshold), head dims the tiles' prompt attention takes, a cache in the model's dtype, no LoRA
+rows, tensor-parallel size 1, not compiled, and no mixed step's one-token tail (two or more
+trailing decode rows, which `PagedAttention` runs as a decode batch). Everything else stays in
+Python. `STALLFREE_NATIVE_LOOP=0` turns it off, with the decode step's loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from stallfree.runtime.model import cpu_kernels
+from stallfree.runtime.model.attention import PagedAttention
+from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.model.native_layers import NativeLinear
+from stallfree.runtime.model.quant import Int4Linear, Int8Linear
+
+Layer = Any  # llama.py's `LlamaDecoderLayer` (llama.py imports this module)
+
+# csrc/prompt_layers.cpp's projection kinds
+BF16, Q8, Q4 = range(3)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every layer's norms and projections for one row count, in `prefill_layers`' order, with
+    each layer's window (0: none; empty: none anywhere) and the scores' soft-cap."""
+
+    norms: list[torch.Tensor]
+    params: list[torch.Tensor | None]
+    spec: list[int]
+    windows: list[int]
+    softcap: float | None
+
+
+def _projection(module: nn.Module, rows: int) -> tuple[int, list[torch.Tensor | None]] | None:
+    """How `module` runs a bfloat16 prompt of `rows` rows on the tiles, as a kind and its
+    tensors; None where it would not run there."""
+    if not getattr(module, "tiles_take", lambda *_: False)(rows, torch.bfloat16):
+        return None
+    if type(module) is NativeLinear:
+        return BF16, [module.weight, module.bias_f32]
+    if type(module) is Int8Linear:
+        scale = module.scale_f32 if module.block_scale is None else None
+        return Q8, [module.qweight, scale, module.block_scale, module.bias_f32, module.bias]
+    if type(module) is Int4Linear:
+        return Q4, [module.codes, module.q4_scale, module.q4_offset, module.bias_f32, module.bias]
+    return None
+
+
+def _layer(layer: Layer, rows: int) -> list[tuple[int, list[torch.Tensor | None]]] | None:
+    """The layer's q/k/v, o, gate/up and down projections, or None."""
+    attn, mlp = layer.self_attn, layer.mlp
+    gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
+    if (
+        attn.qkv_proj is None
+        or attn.q_norm is not None
+        or attn.k_norm is not None
+        or gate_up is None
+        or down is None
+        or getattr(mlp, "tp", attn.tp).size != 1
+        # native_layers.mlp_on_tiles' shapes: gate and up stacked, whole blocks of 32
+        or gate_up.in_features != down.out_features
+        or gate_up.out_features != 2 * down.in_features
+        or down.in_features % 32 != 0
+    ):
+        return None
+    parts = [_projection(m, rows) for m in (attn.qkv_proj, attn.o_proj, gate_up, down)]
+    return None if any(part is None for part in parts) else parts  # type: ignore[return-value]
+
+
+def plan(
+    layers: Sequence[Layer], rows: int, backend: PagedAttention, cache: torch.dtype
+) -> Plan | None:
+    """The plan for a bfloat16 prompt of `rows` rows, or None where some layer would not run
+    every call of it on the native prompt path."""
+    norms: list[torch.Tensor] = []
+    params: list[torch.Tensor | None] = []
+    spec: list[int] = []
+    first = layers[0]
+    eps = first.input_layernorm.eps
+    shape = (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim)
+    for layer in layers:
+        attn = layer.self_attn
+        if (
+            attn.tp.size != 1
+            or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != shape
+            or layer.input_layernorm.eps != eps
+            or layer.post_attention_layernorm.eps != eps
+        ):
+            return None
+        parts = _layer(layer, rows)
+        if parts is None:
+            return None
+        for kind, tensors in parts:
+            spec.append(kind)
+            params += tensors
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            w = norm.weight
+            if w.dtype != torch.bfloat16 or not w.is_contiguous():
+                return None
+            norms.append(w)
+    windows = backend.loop_windows(len(layers), cache)
+    if windows is None or any(w is not None and w <= 0 for w in windows):
+        return None
+    flat = [] if all(w is None for w in windows) else [w or 0 for w in windows]
+    return Plan(norms, params, spec, flat, backend.softcap)
+
+
+def _one_token_tail(lens: list[int]) -> int:
+    """How many of the step's last requests add one token each (a mixed step's decode rows)."""
+    tail = 0
+    while tail < len(lens) and lens[len(lens) - 1 - tail] == 1:
+        tail += 1
+    return tail
+
+
+def takes(
+    layers: Sequence[Layer], backend: object, h: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch,
+) -> bool:  # fmt: skip
+    """Whether the step's facts (not its layers') let the loop run it."""
+    if fb.mode is not ForwardMode.EXTEND or fb.lora is not None or not layers:
+        return False
+    attn = layers[0].self_attn
+    dim, t = attn.head_dim, h.shape[0]
+    cos, signed_sin = rope
+    kv = fb.kv_cache
+    loc = fb.out_cache_loc
+    return (
+        isinstance(backend, PagedAttention)
+        and backend.takes_rope
+        and h.dtype == torch.bfloat16
+        and h.dim() == 2
+        and h.is_contiguous()
+        and h.device.type == "cpu"
+        # the tiles' prompt attention (attention._native_prompt for bfloat16)
+        and dim % 32 == 0
+        and dim <= 256
+        and attn.num_heads % attn.num_kv_heads == 0
+        and cos.dtype == signed_sin.dtype == torch.bfloat16
+        and cos.shape == signed_sin.shape == (t, 1, dim)
+        and cos.stride(2) == signed_sin.stride(2) == 1
+        and not kv.format.quantized
+        and kv.k_buffers[0].dtype == kv.v_buffers[0].dtype == torch.bfloat16
+        and kv.k_buffers[0].shape[1:] == (attn.num_kv_heads, dim)
+        and all(b.is_contiguous() for b in (*kv.k_buffers, *kv.v_buffers))
+        and loc.dtype == torch.int64
+        and loc.dim() == 1
+        and loc.shape[0] == t
+        and loc.is_contiguous()
+        and _one_token_tail(fb.extend_lens_cpu) < 2
+        and not torch.compiler.is_compiling()
+        and not torch.is_grad_enabled()
+        and cpu_kernels.available()
+        and cpu_kernels.amx()
+    )
+
+
+def run(
+    layers: Sequence[Layer],
+    backend: object,
+    h: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    fb: ForwardBatch,
+    plans: dict[int, Plan | None],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the last layer's output, the residual stream before it), as `fused_forward`'s loop
+    returns them, or None when the step stays in Python. `plans` caches `plan` per row count
+    (the model's weights do not change once loaded)."""
+    if not takes(layers, backend, h, rope, fb):
+        return None
+    assert isinstance(backend, PagedAttention)
+    rows = h.shape[0]
+    if rows not in plans:
+        plans[rows] = plan(layers, rows, backend, fb.kv_cache.k_buffers[0].dtype)
+    step = plans[rows]
+    if step is None:
+        return None
+    out, residual = torch.ops.stallfree.prefill_layers(
+        *arguments(layers, backend, h, rope, fb, step)
+    )
+    return out, residual
+
+
+def arguments(
+    layers: Sequence[Layer],
+    backend: PagedAttention,
+    h: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    fb: ForwardBatch,
+    step: Plan,
+) -> tuple[object, ...]:
+    """`prefill_layers`' arguments for this step."""
+    first = layers[0].self_attn
+    kv = fb.kv_cache
+    return (
+        h,
+        *rope,
+        kv.k_buffers,
+        kv.v_buffers,
+        fb.out_cache_loc,
+        fb.req_to_token,
+        list(fb.extend_lens_cpu),
+        list(fb.prefix_lens_cpu),
+        fb.req_pool_indices_cpu.tolist(),
+        first.num_heads,
+        first.num_kv_heads,
+        backend.scale,
+        step.norms,
+        layers[0].input_layernorm.eps,
+        step.params,
+        step.spec,
+        step.softcap,
+        step.windows,
+    )

@@ -1,0 +1,256 @@
+"""A prompt's layer loop in C++ (`native_prompt_loop.py`, csrc/prompt_layers.cpp): the same
+logits bit for bit as the Python loop over the same native ops, in bfloat16, int8 and int4,
+for one prompt, several, prompts with a cached prefix, a sliding window they outgrow, biases
+and a soft-capped backend, each step counted to have made the one native call where the AMX
+tiles take its products; steps it does not run (too few or too many rows, per-head q/k norms,
+float32, a mixed step's decode tail, the loop turned off) stay in Python with the same result;
+its fake gives the op's shapes; a malformed call is an error, not a crash."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from stallfree.runtime.memory.pool import KVCache
+from stallfree.runtime.model import cpu_kernels, native_prompt_loop
+from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
+from stallfree.runtime.model.loader import LoadedModel, load_model
+from tests.hf_models import make_llama, make_mistral, make_qwen2, make_qwen3
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(), reason="native CPU kernels unavailable here"
+)
+
+# head dim 32 (the tiles' prompt attention), every width a whole number of tile blocks
+SHAPE: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 3,
+}
+
+
+class _Count(TorchDispatchMode):
+    """Native and aten calls by name (a native op counts once, its inner calls not at all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _batch(loaded: LoadedModel, requests: list[tuple[int, int]], seed: int = 0) -> ForwardBatch:
+    """An extend step of `requests` as (cached prefix, new tokens) each, over a cache of its
+    own whose slots are a random permutation and whose prefixes hold random keys and values."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(p + n for p, n in requests)
+    slots = len(requests) * width + 1
+    kv = KVCache(loaded.kv_cache_shape(), slots, loaded.dtype, torch.device("cpu"))
+    for buf in (*kv.k_buffers, *kv.v_buffers):
+        buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
+    order = torch.randperm(slots - 1, generator=gen) + 1
+    req_to_token = order[: len(requests) * width].view(len(requests), width).clone()
+    ids, positions, locs = [], [], []
+    for row, (prefix, new) in enumerate(requests):
+        ids += torch.randint(0, 256, (new,), generator=gen).tolist()
+        positions += range(prefix, prefix + new)
+        locs += req_to_token[row, prefix : prefix + new].tolist()
+    rows = torch.arange(len(requests))
+    seq_lens = torch.tensor([p + n for p, n in requests])
+    return ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        batch_size=len(requests),
+        input_ids=torch.tensor(ids),
+        positions=torch.tensor(positions),
+        out_cache_loc=torch.tensor(locs),
+        req_pool_indices=rows,
+        seq_lens=seq_lens,
+        req_pool_indices_cpu=rows.clone(),
+        seq_lens_cpu=seq_lens.clone(),
+        extend_lens_cpu=[n for _, n in requests],
+        prefix_lens_cpu=[p for p, _ in requests],
+        req_to_token=req_to_token,
+        kv_cache=kv,
+    )
+
+
+def _step(path: Path, dtype: str, quantization: str, requests: list[tuple[int, int]],
+          loop: bool, monkeypatch: pytest.MonkeyPatch,
+          backend: Callable[[Any], None] | None = None,
+          ) -> tuple[torch.Tensor, list[torch.Tensor], int]:  # fmt: skip
+    """(logits, the caches after the step, how many `prefill_layers` calls the step made)."""
+    monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "1" if loop else "0")
+    loaded = load_model(str(path), dtype, torch.device("cpu"), 0, quantization=quantization)
+    if backend is not None:
+        backend(loaded.model.attn_backend)
+    fb = _batch(loaded, requests)
+    with _Count() as counter:
+        logits = loaded.model(fb)
+    caches = [*fb.kv_cache.k_buffers, *fb.kv_cache.v_buffers]
+    return logits, caches, counter.calls["stallfree.prefill_layers"]
+
+
+def _same(path: Path, dtype: str, quantization: str, requests: list[tuple[int, int]],
+          monkeypatch: pytest.MonkeyPatch,
+          backend: Callable[[Any], None] | None = None) -> int:  # fmt: skip
+    """The loop's step against Python's, bit for bit (logits and caches); the loop's calls."""
+    python, python_caches, off = _step(
+        path, dtype, quantization, requests, False, monkeypatch, backend
+    )
+    looped, looped_caches, calls = _step(
+        path, dtype, quantization, requests, True, monkeypatch, backend
+    )
+    assert off == 0
+    assert torch.equal(python, looped)
+    assert all(torch.equal(a, b) for a, b in zip(python_caches, looped_caches, strict=True))
+    return calls
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_llama(tmp_path_factory.mktemp("prompt_loop"), **SHAPE)
+
+
+REQUESTS = [
+    [(0, 40)],
+    [(0, 23), (0, 64), (0, 17)],  # three prompts, none a multiple of the tiles' 16 rows
+    [(11, 30), (0, 25), (70, 33)],  # two with a cached prefix: their keys gathered
+    [(0, 200), (0, 56)],  # the tiles' most rows
+]
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("requests", REQUESTS)
+def test_loop_equals_the_python_loop_bit_for_bit(
+    llama_dir: Path, quantization: str, requests: list[tuple[int, int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    calls = _same(llama_dir, "bfloat16", quantization, requests, monkeypatch)
+    assert calls == int(cpu_kernels.amx())
+
+
+def _softcap(backend: Any) -> None:
+    backend.softcap = 8.0  # Gemma 2's kind of cap, low enough to bite on these scores
+
+
+# Qwen2: biases on q, k and v (int8 and int4 add theirs after the product, in the dtype);
+# Mistral: a window of 16 that 40 tokens, and a prefix of 9 with 30 new ones, outgrow (keys
+# gathered from the cache from the first one a query sees); a soft-capped backend
+FAMILIES: list[tuple[Callable[..., Path], dict[str, Any], Callable[[Any], None] | None]] = [
+    (make_qwen2, {}, None),
+    (make_mistral, {"sliding_window": 16}, None),
+    (make_llama, {}, _softcap),
+]
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize(("make", "config", "backend"), FAMILIES)
+def test_other_families_take_the_loop_bit_for_bit(
+    tmp_path: Path, make: Callable[..., Path], config: dict[str, Any],
+    backend: Callable[[Any], None] | None, quantization: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    path = make(tmp_path, **SHAPE, **config)
+    requests = [(0, 40), (9, 30)]
+    assert _same(path, "bfloat16", quantization, requests, monkeypatch, backend) == int(
+        cpu_kernels.amx()
+    )
+    if cpu_kernels.amx():
+        loaded = load_model(str(path), "bfloat16", torch.device("cpu"), 0, quantization="none")
+        if backend is not None:
+            backend(loaded.model.attn_backend)
+        step = native_prompt_loop.plan(
+            list(loaded.model.model.layers), 70, loaded.model.attn_backend, torch.bfloat16
+        )
+        assert step is not None
+        assert step.windows == ([16] * 3 if make is make_mistral else [])
+        assert step.softcap == (8.0 if backend is _softcap else None)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "requests"),
+    [
+        ("bfloat16", [(0, 12)]),  # the matrix-vector kernels' rows, not the tiles'
+        ("bfloat16", [(0, 200), (0, 100)]),  # past the tiles' 256 rows: oneDNN's product
+        ("float32", [(0, 40)]),  # no tiles for float32
+        ("bfloat16", [(0, 40), (5, 1), (7, 1)]),  # a mixed step's two decode rows
+    ],
+)
+def test_steps_it_does_not_take_stay_in_python(
+    llama_dir: Path, dtype: str, requests: list[tuple[int, int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    assert _same(llama_dir, dtype, "none", requests, monkeypatch) == 0
+
+
+def test_per_head_qk_norms_stay_in_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = make_qwen3(tmp_path, **SHAPE)
+    assert _same(path, "bfloat16", "none", [(0, 40)], monkeypatch) == 0
+
+
+def test_one_decode_row_after_a_prompt_takes_the_loop(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A single trailing one-token row is any request to `PagedAttention._extend`."""
+    calls = _same(llama_dir, "bfloat16", "none", [(0, 40), (6, 1)], monkeypatch)
+    assert calls == int(cpu_kernels.amx())
+
+
+def _arguments(path: Path, requests: list[tuple[int, int]]) -> tuple[LoadedModel, tuple[Any, ...]]:
+    loaded = load_model(str(path), "bfloat16", torch.device("cpu"), 0, quantization="none")
+    fb = _batch(loaded, requests)
+    model = loaded.model
+    layers = list(model.model.layers)
+    h = model.embed(fb.input_ids)
+    rope = model.model.rotary_emb(fb.positions, h.dtype)
+    step = native_prompt_loop.plan(layers, h.shape[0], model.attn_backend, torch.bfloat16)
+    assert step is not None
+    return loaded, native_prompt_loop.arguments(layers, model.attn_backend, h, rope, fb, step)
+
+
+needs_tiles = pytest.mark.skipif(not cpu_kernels.amx(), reason="the AMX tiles are not in use")
+
+
+@needs_tiles
+def test_the_fake_matches_the_op(llama_dir: Path) -> None:
+    _, args = _arguments(llama_dir, [(0, 24), (5, 20)])
+    torch.library.opcheck(
+        torch.ops.stallfree.prefill_layers, args, test_utils=("test_schema", "test_faketensor")
+    )
+
+
+@needs_tiles
+def test_a_malformed_call_is_an_error_not_a_crash(llama_dir: Path) -> None:
+    _, args = _arguments(llama_dir, [(0, 24), (5, 20)])
+    op = torch.ops.stallfree.prefill_layers
+    names = [a.name for a in op.default._schema.arguments]
+
+    def call(**changes: Any) -> None:
+        values = list(args)
+        for name, value in changes.items():
+            values[names.index(name)] = value
+        op(*values)
+
+    with pytest.raises(RuntimeError, match="do not add up"):
+        call(extend_lens=[24, 19])
+    with pytest.raises(RuntimeError, match="outside req_to_token"):
+        call(pool_rows=[0, 2])
+    with pytest.raises(RuntimeError, match="outside req_to_token"):
+        call(prefix_lens=[0, 10_000])
+    with pytest.raises(RuntimeError, match="a prefix length and a pool row per request"):
+        call(prefix_lens=[0])
+    with pytest.raises(RuntimeError, match="unknown projection kind"):
+        call(spec=[9, *args[names.index("spec")][1:]])
+    with pytest.raises(RuntimeError, match="params ran out"):
+        call(params=args[names.index("params")][:-2])
+    with pytest.raises(RuntimeError, match="one per layer"):
+        call(windows=[4])
