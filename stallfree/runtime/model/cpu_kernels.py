@@ -60,6 +60,7 @@ _HEADERS = (
     "attention_impl.h",
     "amx_tiles.h",
     "prefill_attention_impl.h",
+    "layer_calls.h",
 )
 _CSRC = Path(__file__).with_name("csrc")
 

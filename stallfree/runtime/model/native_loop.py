@@ -116,7 +116,7 @@ def _apart(
     return spec, params
 
 
-def _qk_norms(
+def qk_norms(
     layers: Sequence[Layer], dtype: torch.dtype
 ) -> tuple[list[torch.Tensor], float] | None:
     """Every layer's q and k norm weights and their one epsilon; ([], 0.0) where no layer has
@@ -170,7 +170,7 @@ def plan(layers: Sequence[Layer], rows: int, dtype: torch.dtype) -> Plan | None:
     spec: list[int] = []
     first = layers[0]
     shape = (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim)
-    qk = _qk_norms(layers, dtype)
+    qk = qk_norms(layers, dtype)
     if qk is None:
         return None
     for layer in layers:

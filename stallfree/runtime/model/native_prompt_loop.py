@@ -6,13 +6,13 @@ during which the second compute thread waits for the first.
 
 It takes an extend step only where every layer would have run on the AMX tiles' prompt products
 and the native prompt ops anyway: bfloat16 Llama-family layers with a joint q/k/v projection and
-a stacked gate/up projection (`fuse_projections`), no per-head q/k norms, each projection on the
-tiles at this row count (`tiles_take`: more rows than the matrix-vector kernels take, up to
-native_layers.PROMPT_TILES_MAX_ROWS, none of them `--prepack-prompt-weights`' copies past its
-threshold), head dims the tiles' prompt attention takes, a cache in the model's dtype, no LoRA
-rows, tensor-parallel size 1, not compiled, and no mixed step's one-token tail (two or more
-trailing decode rows, which `PagedAttention` runs as a decode batch). Everything else stays in
-Python. `STALLFREE_NATIVE_LOOP=0` turns it off, with the decode step's loop.
+a stacked gate/up projection (`fuse_projections`), with per-head q/k norms (Qwen3) or without,
+each projection on the tiles at this row count (`tiles_take`: more rows than the matrix-vector
+kernels take, up to native_layers.PROMPT_TILES_MAX_ROWS, none of them `--prepack-prompt-weights`'
+copies past its threshold), head dims the tiles' prompt attention takes, a cache in the model's
+dtype, no LoRA rows, tensor-parallel size 1, not compiled, and no mixed step's one-token tail
+(two or more trailing decode rows, which `PagedAttention` runs as a decode batch). Everything
+else stays in Python. `STALLFREE_NATIVE_LOOP=0` turns it off, with the decode step's loop.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stallfree.runtime.model import cpu_kernels
+from stallfree.runtime.model import cpu_kernels, native_loop
 from stallfree.runtime.model.attention import PagedAttention
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.native_layers import NativeLinear
@@ -46,6 +46,9 @@ class Plan:
     spec: list[int]
     windows: list[int]
     softcap: float | None
+    # each layer's q and k norm weights (Qwen3), none for layers without, and their epsilon
+    qk_norms: list[torch.Tensor]
+    qk_eps: float
 
 
 def _projection(module: nn.Module, rows: int) -> tuple[int, list[torch.Tensor | None]] | None:
@@ -69,8 +72,6 @@ def _layer(layer: Layer, rows: int) -> list[tuple[int, list[torch.Tensor | None]
     gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
     if (
         attn.qkv_proj is None
-        or attn.q_norm is not None
-        or attn.k_norm is not None
         or gate_up is None
         or down is None
         or getattr(mlp, "tp", attn.tp).size != 1
@@ -95,6 +96,9 @@ def plan(
     first = layers[0]
     eps = first.input_layernorm.eps
     shape = (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim)
+    qk = native_loop.qk_norms(layers, torch.bfloat16)
+    if qk is None:
+        return None
     for layer in layers:
         attn = layer.self_attn
         if (
@@ -119,7 +123,7 @@ def plan(
     if windows is None or any(w is not None and w <= 0 for w in windows):
         return None
     flat = [] if all(w is None for w in windows) else [w or 0 for w in windows]
-    return Plan(norms, params, spec, flat, backend.softcap)
+    return Plan(norms, params, spec, flat, backend.softcap, *qk)
 
 
 def _one_token_tail(lens: list[int]) -> int:
@@ -228,4 +232,6 @@ def arguments(
         step.spec,
         step.softcap,
         step.windows,
+        step.qk_norms,
+        step.qk_eps,
     )

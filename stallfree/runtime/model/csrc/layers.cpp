@@ -10,14 +10,17 @@
 // gate/up, SiLU * up, down. With per-head q/k norms (Qwen3) the projection's q and k are
 // normed apart and attention takes the three (`decode_attention`), as the Python layer does,
 // and so where q, k and v are three projections (float32 with biases); a soft-cap and each
-// layer's window (0: none) go to the attention op as Python passes them. A projection is one of the `Kind`s below, its tensors taken in
-// order from `params` as `spec` says (runtime/model/native_loop.py builds both).
+// layer's window (0: none) go to the attention op as Python passes them. A projection is one
+// of the `Kind`s below, its tensors taken in order from `params` as `spec` says
+// (runtime/model/native_loop.py builds both).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/rms_norm.h>
 #include <torch/library.h>
+
+#include "layer_calls.h"
 
 #include <optional>
 #include <tuple>
@@ -27,11 +30,6 @@ namespace sf {
 namespace {
 
 using OptTensor = std::optional<at::Tensor>;
-
-template <class Sig>
-c10::TypedOperatorHandle<Sig> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
 
 // how a projection runs, and how many of `params` it takes (its bias, possibly None, last)
 enum Kind : int64_t {
@@ -46,36 +44,37 @@ enum Kind : int64_t {
 
 struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>
-      linear = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(
+      linear = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(
           "stallfree::linear");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const std::vector<at::Tensor>&)> group =
-      op<at::Tensor(const at::Tensor&, const std::vector<at::Tensor>&)>("stallfree::linear_group");
+      find_op<at::Tensor(const at::Tensor&, const std::vector<at::Tensor>&)>(
+          "stallfree::linear_group");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const OptTensor&)>
-      q8 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      q8 = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const OptTensor&)>("stallfree::linear_q8");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const OptTensor&)>
-      q8_blocks = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      q8_blocks = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const OptTensor&)>("stallfree::linear_q8_blocks");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, const OptTensor&)>
-      q4 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      q4 = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const OptTensor&)>("stallfree::linear_q4");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("stallfree::rms_norm");
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("stallfree::rms_norm");
   c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
-      add_rms_norm = op<std::tuple<at::Tensor, at::Tensor>(
+      add_rms_norm = find_op<std::tuple<at::Tensor, at::Tensor>(
           const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
           "stallfree::add_rms_norm");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul =
-      op<at::Tensor(const at::Tensor&)>("stallfree::silu_mul");
+      find_op<at::Tensor(const at::Tensor&)>("stallfree::silu_mul");
   c10::TypedOperatorHandle<at::Tensor(
       const at::Tensor&, int64_t, int64_t, const OptTensor&, const OptTensor&, const at::Tensor&,
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, std::optional<double>, std::optional<double>, std::optional<int64_t>)>
-      attention = op<at::Tensor(const at::Tensor&, int64_t, int64_t, const OptTensor&,
+      attention = find_op<at::Tensor(const at::Tensor&, int64_t, int64_t, const OptTensor&,
                                 const OptTensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, std::optional<double>, std::optional<double>,
@@ -85,7 +84,7 @@ struct Ops {
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const at::Tensor&, std::optional<double>, std::optional<double>,
       std::optional<int64_t>)>
-      attention3 = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      attention3 = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const OptTensor&, const OptTensor&, const at::Tensor&,
                                  const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, const at::Tensor&, std::optional<double>,
@@ -165,9 +164,7 @@ struct Projections {
 // (native_layers.rms_norm_reference): float32 statistics, the weight applied in the dtype.
 at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   if (x.is_contiguous()) return ops().rms_norm.call(x, weight, eps);
-  if (x.scalar_type() == at::kFloat) return at::rms_norm(x, weight.sizes(), weight, eps);
-  const at::Tensor h = at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps);
-  return at::mul(weight, h.to(x.scalar_type()));
+  return head_norm_reference(x, weight, eps);
 }
 
 // A layer's attention, from its normed input to the heads' outputs [T, H * D], as

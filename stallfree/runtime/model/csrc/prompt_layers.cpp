@@ -5,7 +5,8 @@
 // between the calls (module calls, the checks each op's wrapper makes, views and frames), during
 // which the other compute thread waits.
 //
-// Each layer is: RMSNorm (the first layer's) or add + RMSNorm; the joint q/k/v projection; RoPE
+// Each layer is: RMSNorm (the first layer's) or add + RMSNorm; the joint q/k/v projection (its
+// q and k heads normed with per-head q/k norms, Qwen3's); RoPE
 // on q and k with the K/V write (`rope_write`); each request's attention over its own new keys,
 // or over its keys gathered from the cache where it has a prefix or outgrows its window
 // (`prefill_attention`); the output projection; add + RMSNorm; gate/up with SiLU * up written
@@ -19,6 +20,8 @@
 #include <ATen/ops/index_select.h>
 #include <torch/library.h>
 
+#include "layer_calls.h"
+
 #include <algorithm>
 #include <optional>
 #include <tuple>
@@ -28,11 +31,6 @@ namespace sf {
 namespace {
 
 using OptTensor = std::optional<at::Tensor>;
-
-template <class Sig>
-c10::TypedOperatorHandle<Sig> find(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
 
 // how a projection runs on the tiles, and the tensors it takes off `params`
 enum Kind : int64_t {
@@ -57,13 +55,13 @@ using Attend = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor
                           std::optional<int64_t>);
 
 struct Ops {
-  c10::TypedOperatorHandle<PromptBf16> bf16 = find<PromptBf16>("stallfree::linear_bf16_prompt");
-  c10::TypedOperatorHandle<Prompt8> q8 = find<Prompt8>("stallfree::linear_q8_prompt");
-  c10::TypedOperatorHandle<Prompt4> q4 = find<Prompt4>("stallfree::linear_q4_prompt");
-  c10::TypedOperatorHandle<Norm> rms_norm = find<Norm>("stallfree::rms_norm");
-  c10::TypedOperatorHandle<AddNorm> add_rms_norm = find<AddNorm>("stallfree::add_rms_norm");
-  c10::TypedOperatorHandle<RopeWrite> rope_write = find<RopeWrite>("stallfree::rope_write");
-  c10::TypedOperatorHandle<Attend> attend = find<Attend>("stallfree::prefill_attention");
+  c10::TypedOperatorHandle<PromptBf16> bf16 = find_op<PromptBf16>("stallfree::linear_bf16_prompt");
+  c10::TypedOperatorHandle<Prompt8> q8 = find_op<Prompt8>("stallfree::linear_q8_prompt");
+  c10::TypedOperatorHandle<Prompt4> q4 = find_op<Prompt4>("stallfree::linear_q4_prompt");
+  c10::TypedOperatorHandle<Norm> rms_norm = find_op<Norm>("stallfree::rms_norm");
+  c10::TypedOperatorHandle<AddNorm> add_rms_norm = find_op<AddNorm>("stallfree::add_rms_norm");
+  c10::TypedOperatorHandle<RopeWrite> rope_write = find_op<RopeWrite>("stallfree::rope_write");
+  c10::TypedOperatorHandle<Attend> attend = find_op<Attend>("stallfree::prefill_attention");
 };
 
 const Ops& ops() {
@@ -138,6 +136,8 @@ struct Attention {
   int64_t num_heads, num_kv_heads;
   std::optional<double> scale, softcap;
   const std::vector<int64_t>& windows;  // empty, or each layer's (0: none)
+  const std::vector<at::Tensor>& qk_norms;  // empty, or each layer's q and k norm weights
+  double qk_eps;
 
   at::Tensor operator()(const at::Tensor& qkv, size_t l) const {
     const Ops& o = ops();
@@ -146,6 +146,15 @@ struct Attention {
                 "prefill_layers: the q/k/v projection's width is not a whole number of heads");
     const int64_t dim = qkv.size(1) / width;
     const at::Tensor heads = qkv.view({t, width, dim});
+    if (!qk_norms.empty()) {
+      // per-head q and k norms (Qwen3), as `LlamaAttention.project` runs them on a prompt's
+      // strided head views, written back over the projection's q and k so that the one call
+      // below rotates and writes them (the same bits as rotating the normed copies apart)
+      const at::Tensor q = heads.narrow(1, 0, num_heads);
+      const at::Tensor k = heads.narrow(1, num_heads, num_kv_heads);
+      q.copy_(head_norm_reference(q, qk_norms[2 * l], qk_eps));
+      k.copy_(head_norm_reference(k, qk_norms[2 * l + 1], qk_eps));
+    }
     const at::Tensor v = heads.narrow(1, num_heads + num_kv_heads, num_kv_heads);
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     const at::Tensor rotated =
@@ -188,12 +197,15 @@ std::tuple<at::Tensor, at::Tensor> prefill_layers(
     const std::vector<int64_t>& pool_rows, int64_t num_heads, int64_t num_kv_heads,
     std::optional<double> scale, const std::vector<at::Tensor>& norms, double eps,
     const c10::List<OptTensor>& params, const std::vector<int64_t>& spec,
-    std::optional<double> softcap, const std::vector<int64_t>& windows) {
+    std::optional<double> softcap, const std::vector<int64_t>& windows,
+    const std::vector<at::Tensor>& qk_norms, double qk_eps) {
   const size_t layers = k_caches.size();
   TORCH_CHECK(v_caches.size() == layers && norms.size() == 2 * layers,
               "prefill_layers: expected a K and V cache and two norms per layer");
   TORCH_CHECK(windows.empty() || windows.size() == layers,
               "prefill_layers: expected no windows or one per layer");
+  TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2 * layers,
+              "prefill_layers: expected no q/k norms or two per layer");
   TORCH_CHECK(prefix_lens.size() == extend_lens.size() && pool_rows.size() == extend_lens.size(),
               "prefill_layers: expected a prefix length and a pool row per request");
   TORCH_CHECK(h.dim() == 2, "prefill_layers: expected h as [rows, hidden]");
@@ -207,7 +219,8 @@ std::tuple<at::Tensor, at::Tensor> prefill_layers(
   const Ops& o = ops();
   const Attention attend{cos,         signed_sin,  k_caches,  v_caches,     out_cache_loc,
                          req_to_token, extend_lens, prefix_lens, pool_rows, num_heads,
-                         num_kv_heads, scale,       softcap,   windows};
+                         num_kv_heads, scale,       softcap,   windows,      qk_norms,
+                         qk_eps};
   Projections proj{params, spec};
   const int64_t rows = h.size(0);
   at::Tensor x, residual, out = h;
@@ -236,8 +249,8 @@ TORCH_LIBRARY_FRAGMENT(stallfree, m) {
       "prefill_layers(Tensor h, Tensor cos, Tensor signed_sin, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, Tensor out_cache_loc, Tensor req_to_token, int[] extend_lens, "
       "int[] prefix_lens, int[] pool_rows, int num_heads, int num_kv_heads, float? scale, "
-      "Tensor[] norms, float eps, Tensor?[] params, int[] spec, float? softcap, int[] windows) "
-      "-> (Tensor, Tensor)");
+      "Tensor[] norms, float eps, Tensor?[] params, int[] spec, float? softcap, int[] windows, "
+      "Tensor[] qk_norms, float qk_eps) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(stallfree, CPU, m) { m.impl("prefill_layers", &sf::prefill_layers); }
