@@ -1,0 +1,67 @@
+"""The prompt's layer loop in C++ inside the engine: prompts, one with a cached prefix, give the
+same greedy tokens with the loop on as with it off (the Python loop), the loop takes their
+prefills where the AMX tiles are in use, and every pool is full again afterwards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stallfree import Engine, SamplingParams
+from stallfree.runtime.model import cpu_kernels, native_prompt_loop
+from tests.engine_util import engine_config, random_prompts
+from tests.hf_models import make_llama
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(), reason="native CPU kernels unavailable here"
+)
+
+# head dim 32 (the tiles' prompt attention), every width a whole number of tile blocks
+SHAPE: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+async def _generate(
+    path: Path, loop: bool, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[list[int]], int]:
+    """Each prompt's greedy tokens, one request at a time, and how many steps the loop took."""
+    monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "1" if loop else "0")
+    taken = 0
+    run = native_prompt_loop.run
+
+    def counted(*args: Any) -> Any:
+        nonlocal taken
+        out = run(*args)
+        taken += out is not None
+        return out
+
+    monkeypatch.setattr(native_prompt_loop, "run", counted)
+    base = random_prompts(1, seed=4, lo=40, hi=40)[0]
+    # the third shares the first's 40 tokens: its prefill attends over a cached prefix
+    prompts = [base, random_prompts(1, seed=5, lo=70, hi=70)[0], base + [7, 9, 11] * 8]
+    cfg = engine_config(str(path), model={"dtype": "bfloat16"})
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    async with Engine(cfg) as engine:
+        results = [await engine.complete(p, params) for p in prompts]
+        await engine.wait_idle()
+        assert results[2].cached_tokens >= 32  # the prefix cache served the first's tokens
+        assert engine.pool_usage().all_free
+    return [r.token_ids for r in results], taken
+
+
+async def test_the_loop_gives_the_python_loops_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make_llama(tmp_path, **SHAPE)
+    python, off = await _generate(path, False, monkeypatch)
+    looped, taken = await _generate(path, True, monkeypatch)
+    assert off == 0
+    assert looped == python
+    # every prompt's prefill (the third's 24 new tokens after its cached 40 included)
+    assert taken == (3 if cpu_kernels.amx() else 0)
