@@ -54,16 +54,21 @@ class Plan:
 def _projection(module: nn.Module, rows: int) -> tuple[int, list[torch.Tensor | None]] | None:
     """How `module` runs a bfloat16 prompt of `rows` rows on the tiles, as a kind and its
     tensors; None where it would not run there."""
-    if not getattr(module, "tiles_take", lambda *_: False)(rows, torch.bfloat16):
-        return None
+    tensors: list[torch.Tensor | None]
     if type(module) is NativeLinear:
-        return BF16, [module.weight, module.bias_f32]
-    if type(module) is Int8Linear:
+        kind, tensors = BF16, [module.weight, module.bias_f32]
+    elif type(module) is Int8Linear:
         scale = module.scale_f32 if module.block_scale is None else None
-        return Q8, [module.qweight, scale, module.block_scale, module.bias_f32, module.bias]
-    if type(module) is Int4Linear:
-        return Q4, [module.codes, module.q4_scale, module.q4_offset, module.bias_f32, module.bias]
-    return None
+        kind, tensors = (
+            Q8,
+            [module.qweight, scale, module.block_scale, module.bias_f32, module.bias],
+        )
+    elif type(module) is Int4Linear:
+        kind = Q4
+        tensors = [module.codes, module.q4_scale, module.q4_offset, module.bias_f32, module.bias]
+    else:
+        return None
+    return (kind, tensors) if module.tiles_take(rows, torch.bfloat16) else None
 
 
 def _layer(layer: Layer, rows: int) -> list[tuple[int, list[torch.Tensor | None]]] | None:
