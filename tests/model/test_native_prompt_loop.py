@@ -2,9 +2,9 @@
 logits and cache bit for bit as the Python loop over the same native ops, in bfloat16, int8 and
 int4, for one prompt, several, prompts with a cached prefix, a sliding window they outgrow,
 biases, Qwen3's per-head q/k norms and a soft-capped backend, each step counted to have made
-the one native call where the AMX tiles take its products; steps it does not run (too few or
-too many rows, float32, a mixed step's decode tail, the loop turned off) stay in Python with
-the same result; its fake gives the op's shapes; a malformed call is an error, not a crash."""
+the one native call where the AMX tiles take its products (and, past their rows, oneDNN's for
+dense layers); steps it does not run (too few rows, integer layers past the tiles, float32, a
+mixed step's decode tail, the loop turned off) stay in Python with the same result; its fake gives the op's shapes; a malformed call is an error, not a crash."""
 
 from __future__ import annotations
 
@@ -126,6 +126,7 @@ REQUESTS = [
     [(0, 23), (0, 64), (0, 17)],  # three prompts, none a multiple of the tiles' 16 rows
     [(11, 30), (0, 25), (70, 33)],  # two with a cached prefix: their keys gathered
     [(0, 200), (0, 56)],  # the tiles' most rows
+    [(0, 300), (40, 97)],  # past them: oneDNN's products (bfloat16), Python's (int8, int4)
 ]
 
 
@@ -136,7 +137,8 @@ def test_loop_equals_the_python_loop_bit_for_bit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     calls = _same(llama_dir, "bfloat16", quantization, requests, monkeypatch)
-    assert calls == int(cpu_kernels.amx())
+    past_tiles = sum(n for _, n in requests) > 256
+    assert calls == int(cpu_kernels.amx() and not (past_tiles and quantization != "none"))
 
 
 def _softcap(backend: Any) -> None:
@@ -185,7 +187,6 @@ def test_other_families_take_the_loop_bit_for_bit(
     ("dtype", "requests"),
     [
         ("bfloat16", [(0, 12)]),  # the matrix-vector kernels' rows, not the tiles'
-        ("bfloat16", [(0, 200), (0, 100)]),  # past the tiles' 256 rows: oneDNN's product
         ("float32", [(0, 40)]),  # no tiles for float32
         ("bfloat16", [(0, 40), (5, 1), (7, 1)]),  # a mixed step's two decode rows
     ],
@@ -195,6 +196,21 @@ def test_steps_it_does_not_take_stay_in_python(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     assert _same(llama_dir, dtype, "none", requests, monkeypatch) == 0
+
+
+def test_one_plan_serves_every_row_count_past_the_tiles(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past 256 rows the products are all F.linear whatever the count: one plan for all."""
+    monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "1")
+    loaded = load_model(str(llama_dir), "bfloat16", torch.device("cpu"), 0, quantization="none")
+    for requests in ([(0, 257)], [(0, 300), (0, 150)], [(0, 40)]):
+        loaded.model(_batch(loaded, requests))
+    plans = loaded.model._prompt_plans
+    assert sorted(plans) == ([40, 257] if cpu_kernels.amx() else [])
+    if cpu_kernels.amx():
+        assert set(plans[257].spec) == {native_prompt_loop.TORCH}
+        assert native_prompt_loop.TORCH not in plans[40].spec
 
 
 def test_one_decode_row_after_a_prompt_takes_the_loop(

@@ -4,15 +4,17 @@ driven from C++ over the same operators, so the result is bit for bit the Python
 the Python between the calls is gone: about 10 module calls, their checks and frames per layer,
 during which the second compute thread waits for the first.
 
-It takes an extend step only where every layer would have run on the AMX tiles' prompt products
-and the native prompt ops anyway: bfloat16 Llama-family layers with a joint q/k/v projection and
-a stacked gate/up projection (`fuse_projections`), with per-head q/k norms (Qwen3) or without,
-each projection on the tiles at this row count (`tiles_take`: more rows than the matrix-vector
-kernels take, up to native_layers.PROMPT_TILES_MAX_ROWS, none of them `--prepack-prompt-weights`'
-copies past its threshold), head dims the tiles' prompt attention takes, a cache in the model's
-dtype, no LoRA rows, tensor-parallel size 1, not compiled, and no mixed step's one-token tail
-(two or more trailing decode rows, which `PagedAttention` runs as a decode batch). Everything
-else stays in Python. `STALLFREE_NATIVE_LOOP=0` turns it off, with the decode step's loop.
+It takes an extend step only where every call of it would have been native or torch's own
+anyway: bfloat16 Llama-family layers with a joint q/k/v projection and a stacked gate/up
+projection (`fuse_projections`), with per-head q/k norms (Qwen3) or without, each projection on
+the AMX tiles at this row count (`tiles_take`: more rows than the matrix-vector kernels take, up
+to native_layers.PROMPT_TILES_MAX_ROWS) or, past that, a dense layer's F.linear (`at::linear`
+there; an integer layer's dequantised product past the tiles stays in Python, and so does any
+layer with `--prepack-prompt-weights`' copy past its threshold), head dims the tiles' prompt
+attention takes, a cache in the model's dtype, no LoRA rows, tensor-parallel size 1, not
+compiled, and no mixed step's one-token tail (two or more trailing decode rows, which
+`PagedAttention` runs as a decode batch). Everything else stays in Python.
+`STALLFREE_NATIVE_LOOP=0` turns it off, with the decode step's loop.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stallfree.runtime.model import cpu_kernels, native_loop
+from stallfree.runtime.model import cpu_kernels, native_layers, native_loop
 from stallfree.runtime.model.attention import PagedAttention
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.native_layers import NativeLinear
@@ -32,8 +34,9 @@ from stallfree.runtime.model.quant import Int4Linear, Int8Linear
 
 Layer = Any  # llama.py's `LlamaDecoderLayer` (llama.py imports this module)
 
-# csrc/prompt_layers.cpp's projection kinds
-BF16, Q8, Q4 = range(3)
+# csrc/prompt_layers.cpp's projection kinds: the tiles' products, and oneDNN's (F.linear)
+BF16, Q8, Q4, TORCH = range(4)
+TILES = (BF16, Q8, Q4)
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,16 @@ class Plan:
 
 
 def _projection(module: nn.Module, rows: int) -> tuple[int, list[torch.Tensor | None]] | None:
-    """How `module` runs a bfloat16 prompt of `rows` rows on the tiles, as a kind and its
-    tensors; None where it would not run there."""
+    """How `module` runs a bfloat16 prompt of `rows` rows, as a kind and its tensors: on the
+    tiles, or (a dense layer past their rows) F.linear; None where it would run otherwise (an
+    integer layer past the tiles' rows, a layer with `--prepack-prompt-weights`' copy)."""
     tensors: list[torch.Tensor | None]
+    if (
+        type(module) is NativeLinear
+        and rows > native_layers.PROMPT_TILES_MAX_ROWS
+        and module.weight_prepacked is None
+    ):
+        return TORCH, [module.weight, module.bias]  # NativeLinear.forward's F.linear
     if type(module) is NativeLinear:
         kind, tensors = BF16, [module.weight, module.bias_f32]
     elif type(module) is Int8Linear:
@@ -87,7 +97,13 @@ def _layer(layer: Layer, rows: int) -> list[tuple[int, list[torch.Tensor | None]
     ):
         return None
     parts = [_projection(m, rows) for m in (attn.qkv_proj, attn.o_proj, gate_up, down)]
-    return None if any(part is None for part in parts) else parts  # type: ignore[return-value]
+    if any(part is None for part in parts):
+        return None
+    # the MLP's two products both on the tiles (the packed hand-off), or both F.linear
+    mlp_kinds = [part[0] for part in parts[2:] if part is not None]
+    if (mlp_kinds[0] in TILES) != (mlp_kinds[1] in TILES):
+        return None
+    return parts  # type: ignore[return-value]
 
 
 def plan(
@@ -195,7 +211,8 @@ def run(
     if not takes(layers, backend, h, rope, fb):
         return None
     assert isinstance(backend, PagedAttention)
-    rows = h.shape[0]
+    # past the tiles' rows every row count takes the same plan: one entry for all of them
+    rows = min(h.shape[0], native_layers.PROMPT_TILES_MAX_ROWS + 1)
     if rows not in plans:
         plans[rows] = plan(layers, rows, backend, fb.kv_cache.k_buffers[0].dtype)
     step = plans[rows]

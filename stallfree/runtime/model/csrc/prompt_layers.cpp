@@ -1,16 +1,17 @@
 // A prompt's decoder layers in one call (`prefill_layers`): the loop that
-// `LlamaDecoderLayer.fused_forward` runs in Python for an extend step whose products all run on
-// the AMX tiles' prompt product, driven from C++ over the same operators in the same order on the
-// same inputs, so its result is bit for bit the Python loop's. What it removes is the Python
-// between the calls (module calls, the checks each op's wrapper makes, views and frames), during
-// which the other compute thread waits.
+// `LlamaDecoderLayer.fused_forward` runs in Python for a bfloat16 extend step, driven from C++
+// over the same operators in the same order on the same inputs, so its result is bit for bit the
+// Python loop's. What it removes is the Python between the calls (module calls, the checks each
+// op's wrapper makes, views and frames), during which the other compute thread waits.
 //
 // Each layer is: RMSNorm (the first layer's) or add + RMSNorm; the joint q/k/v projection (its
-// q and k heads normed with per-head q/k norms, Qwen3's); RoPE
-// on q and k with the K/V write (`rope_write`); each request's attention over its own new keys,
-// or over its keys gathered from the cache where it has a prefix or outgrows its window
-// (`prefill_attention`); the output projection; add + RMSNorm; gate/up with SiLU * up written
-// packed for the down projection, which reads it as it is (`native_layers.mlp_on_tiles`).
+// q and k heads normed with per-head q/k norms, Qwen3's); RoPE on q and k with the K/V write
+// (`rope_write`); each request's attention over its own new keys, or over its keys gathered
+// from the cache where it has a prefix or outgrows its window (`prefill_attention`); the output
+// projection; add + RMSNorm; then the MLP. On the AMX tiles' prompt product (up to 256 rows)
+// gate/up writes SiLU * up packed for the down projection, which reads it as it is
+// (`native_layers.mlp_on_tiles`); past them each product is oneDNN's (`at::linear`, as F.linear)
+// and gate/up, `silu_mul` and down are three calls (`native_layers.gate_up_silu`'s way).
 // A projection is one of the `Kind`s below, its tensors taken in order from `params` as `spec`
 // says (runtime/model/native_prompt_loop.py builds both).
 #include <ATen/core/Tensor.h>
@@ -18,6 +19,7 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/index_select.h>
+#include <ATen/ops/linear.h>
 #include <torch/library.h>
 
 #include "layer_calls.h"
@@ -37,6 +39,7 @@ enum Kind : int64_t {
   kBf16 = 0,  // linear_bf16_prompt: weight, bias_f32
   kQ8 = 1,    // linear_q8_prompt: qweight, row scales?, block scales?, bias_f32?, bias?
   kQ4 = 2,    // linear_q4_prompt: codes, group scales, group offsets, bias_f32?, bias?
+  kTorch = 3,  // at::linear (oneDNN): weight, bias? (bfloat16 past the tiles' rows)
 };
 
 using Prompt8 = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
@@ -46,6 +49,7 @@ using Prompt4 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tenso
 using PromptBf16 = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
                               bool, int64_t);
 using Norm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
+using SiluMul = at::Tensor(const at::Tensor&);
 using AddNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                    const at::Tensor&, double);
 using RopeWrite = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
@@ -59,6 +63,7 @@ struct Ops {
   c10::TypedOperatorHandle<Prompt8> q8 = find_op<Prompt8>("stallfree::linear_q8_prompt");
   c10::TypedOperatorHandle<Prompt4> q4 = find_op<Prompt4>("stallfree::linear_q4_prompt");
   c10::TypedOperatorHandle<Norm> rms_norm = find_op<Norm>("stallfree::rms_norm");
+  c10::TypedOperatorHandle<SiluMul> silu_mul = find_op<SiluMul>("stallfree::silu_mul");
   c10::TypedOperatorHandle<AddNorm> add_rms_norm = find_op<AddNorm>("stallfree::add_rms_norm");
   c10::TypedOperatorHandle<RopeWrite> rope_write = find_op<RopeWrite>("stallfree::rope_write");
   c10::TypedOperatorHandle<Attend> attend = find_op<Attend>("stallfree::prefill_attention");
@@ -88,6 +93,9 @@ struct Projections {
     return params.get(p++);
   }
 
+  // whether the next projection runs on oneDNN (an MLP's two then run apart)
+  bool next_on_torch() const { return s < spec.size() && spec[s] == kTorch; }
+
   at::Tensor apply(const at::Tensor& x, bool silu = false, bool pack = false, int64_t rows = 0) {
     TORCH_CHECK(s < spec.size(), "prefill_layers: spec ran out");
     const Ops& o = ops();
@@ -112,6 +120,11 @@ struct Projections {
         const at::Tensor out =
             o.q4.call(x, c, scale, offset, epilogue ? bias_f32 : std::nullopt, silu, pack, rows);
         return epilogue || !bias ? out : at::add(out, *bias);
+      }
+      case kTorch: {
+        TORCH_CHECK(!epilogue, "prefill_layers: a product on oneDNN has no SiLU or packed output");
+        const at::Tensor w = need("a weight");
+        return at::linear(x, w, maybe("a bias"));
       }
       default:
         TORCH_CHECK(false, "prefill_layers: unknown projection kind ", spec[s - 1]);
@@ -233,8 +246,13 @@ std::tuple<at::Tensor, at::Tensor> prefill_layers(
     }
     const at::Tensor attn = proj.apply(attend(proj.apply(x), l));
     std::tie(residual, x) = o.add_rms_norm.call(residual, attn, norms[2 * l + 1], eps);
-    const at::Tensor packed = proj.apply(x, /*silu=*/true, /*pack=*/true);
-    out = proj.apply(packed, false, false, rows);
+    if (proj.next_on_torch()) {
+      // past the tiles' rows: gate/up, silu_mul, down (native_layers.gate_up_silu's way)
+      out = proj.apply(o.silu_mul.call(proj.apply(x)));
+    } else {
+      const at::Tensor packed = proj.apply(x, /*silu=*/true, /*pack=*/true);
+      out = proj.apply(packed, false, false, rows);
+    }
   }
   TORCH_CHECK(proj.p == params.size() && proj.s == spec.size(),
               "prefill_layers: params or spec left over after the last layer");
