@@ -2,8 +2,8 @@
 logits and cache bit for bit as the Python loop over the same native ops, in bfloat16, int8 and
 int4, for one prompt, several, prompts with a cached prefix, a sliding window they outgrow,
 biases, Qwen3's per-head q/k norms and a soft-capped backend, each step counted to have made
-the one native call where the AMX tiles take its products (and, past their rows, oneDNN's for
-dense layers); steps it does not run (too few rows, integer layers past the tiles, float32, a
+the one native call where the AMX tiles take its products (and oneDNN's: past their rows for
+dense layers, and on `--prepack-prompt-weights`' copies); steps it does not run (too few rows, integer layers past the tiles, float32, a
 mixed step's decode tail, the loop turned off) stay in Python with the same result; its fake gives the op's shapes; a malformed call is an error, not a crash."""
 
 from __future__ import annotations
@@ -86,11 +86,14 @@ def _batch(loaded: LoadedModel, requests: list[tuple[int, int]], seed: int = 0) 
 
 def _step(path: Path, dtype: str, quantization: str, requests: list[tuple[int, int]],
           loop: bool, monkeypatch: pytest.MonkeyPatch,
-          backend: Callable[[Any], None] | None = None,
+          backend: Callable[[Any], None] | None = None, prepack: bool = False,
           ) -> tuple[torch.Tensor, list[torch.Tensor], int]:  # fmt: skip
     """(logits, the caches after the step, how many `prefill_layers` calls the step made)."""
     monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "1" if loop else "0")
-    loaded = load_model(str(path), dtype, torch.device("cpu"), 0, quantization=quantization)
+    loaded = load_model(
+        str(path), dtype, torch.device("cpu"), 0, quantization=quantization,
+        prepack_prompt_weights=prepack,
+    )  # fmt: skip
     if backend is not None:
         backend(loaded.model.attn_backend)
     fb = _batch(loaded, requests)
@@ -102,13 +105,13 @@ def _step(path: Path, dtype: str, quantization: str, requests: list[tuple[int, i
 
 def _same(path: Path, dtype: str, quantization: str, requests: list[tuple[int, int]],
           monkeypatch: pytest.MonkeyPatch,
-          backend: Callable[[Any], None] | None = None) -> int:  # fmt: skip
+          backend: Callable[[Any], None] | None = None, prepack: bool = False) -> int:  # fmt: skip
     """The loop's step against Python's, bit for bit (logits and caches); the loop's calls."""
     python, python_caches, off = _step(
-        path, dtype, quantization, requests, False, monkeypatch, backend
+        path, dtype, quantization, requests, False, monkeypatch, backend, prepack
     )
     looped, looped_caches, calls = _step(
-        path, dtype, quantization, requests, True, monkeypatch, backend
+        path, dtype, quantization, requests, True, monkeypatch, backend, prepack
     )
     assert off == 0
     assert torch.equal(python, looped)
@@ -196,6 +199,24 @@ def test_steps_it_does_not_take_stay_in_python(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     assert _same(llama_dir, dtype, "none", requests, monkeypatch) == 0
+
+
+@pytest.mark.parametrize("requests", [[(0, 40)], [(0, 70), (9, 30)], [(0, 300)]])
+def test_prepacked_copies_take_the_loop_bit_for_bit(
+    llama_dir: Path, requests: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--prepack-prompt-weights`: up to 64 rows the tiles, from 65 the blocked copy."""
+    calls = _same(llama_dir, "bfloat16", "none", requests, monkeypatch, prepack=True)
+    assert calls == int(cpu_kernels.amx())
+    if cpu_kernels.amx():
+        loaded = load_model(
+            str(llama_dir), "bfloat16", torch.device("cpu"), 0, prepack_prompt_weights=True
+        )
+        layers = list(loaded.model.model.layers)
+        rows = sum(n for _, n in requests)
+        step = native_prompt_loop.plan(layers, rows, loaded.model.attn_backend, torch.bfloat16)
+        assert step is not None
+        assert (native_prompt_loop.PREPACKED in step.spec) == (rows >= 65)
 
 
 def test_one_plan_serves_every_row_count_past_the_tiles(

@@ -8,9 +8,9 @@ It takes an extend step only where every call of it would have been native or to
 anyway: bfloat16 Llama-family layers with a joint q/k/v projection and a stacked gate/up
 projection (`fuse_projections`), with per-head q/k norms (Qwen3) or without, each projection on
 the AMX tiles at this row count (`tiles_take`: more rows than the matrix-vector kernels take, up
-to native_layers.PROMPT_TILES_MAX_ROWS) or, past that, a dense layer's F.linear (`at::linear`
-there; an integer layer's dequantised product past the tiles stays in Python, and so does any
-layer with `--prepack-prompt-weights`' copy past its threshold), head dims the tiles' prompt
+to native_layers.PROMPT_TILES_MAX_ROWS), on `--prepack-prompt-weights`' blocked copy past its
+threshold, or, past the tiles' rows, a dense layer's F.linear (`at::linear` there; an integer
+layer's dequantised product past the tiles stays in Python), head dims the tiles' prompt
 attention takes, a cache in the model's dtype, no LoRA rows, tensor-parallel size 1, not
 compiled, and no mixed step's one-token tail (two or more trailing decode rows, which
 `PagedAttention` runs as a decode batch). Everything else stays in Python.
@@ -34,8 +34,9 @@ from stallfree.runtime.model.quant import Int4Linear, Int8Linear
 
 Layer = Any  # llama.py's `LlamaDecoderLayer` (llama.py imports this module)
 
-# csrc/prompt_layers.cpp's projection kinds: the tiles' products, and oneDNN's (F.linear)
-BF16, Q8, Q4, TORCH = range(4)
+# csrc/prompt_layers.cpp's projection kinds: the tiles' products, and oneDNN's (F.linear, or on
+# `--prepack-prompt-weights`' blocked copy)
+BF16, Q8, Q4, TORCH, PREPACKED = range(5)
 TILES = (BF16, Q8, Q4)
 
 
@@ -56,15 +57,16 @@ class Plan:
 
 def _projection(module: nn.Module, rows: int) -> tuple[int, list[torch.Tensor | None]] | None:
     """How `module` runs a bfloat16 prompt of `rows` rows, as a kind and its tensors: on the
-    tiles, or (a dense layer past their rows) F.linear; None where it would run otherwise (an
-    integer layer past the tiles' rows, a layer with `--prepack-prompt-weights`' copy)."""
+    tiles, on `--prepack-prompt-weights`' copy past its threshold, or (a dense layer past the
+    tiles' rows) F.linear; None where it would run otherwise (an integer layer past the tiles'
+    rows)."""
     tensors: list[torch.Tensor | None]
-    if (
-        type(module) is NativeLinear
-        and rows > native_layers.PROMPT_TILES_MAX_ROWS
-        and module.weight_prepacked is None
-    ):
-        return TORCH, [module.weight, module.bias]  # NativeLinear.forward's F.linear
+    if type(module) is NativeLinear and rows > native_layers.dense_max_rows(torch.bfloat16):
+        # NativeLinear.forward's order: the prepacked copy, the tiles, F.linear
+        if module.weight_prepacked is not None and rows >= native_layers.PREPACKED_MIN_ROWS:
+            return PREPACKED, [module.weight_prepacked, module.bias]
+        if rows > native_layers.PROMPT_TILES_MAX_ROWS:
+            return TORCH, [module.weight, module.bias]
     if type(module) is NativeLinear:
         kind, tensors = BF16, [module.weight, module.bias_f32]
     elif type(module) is Int8Linear:

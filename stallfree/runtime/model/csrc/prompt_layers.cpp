@@ -10,12 +10,14 @@
 // from the cache where it has a prefix or outgrows its window (`prefill_attention`); the output
 // projection; add + RMSNorm; then the MLP. On the AMX tiles' prompt product (up to 256 rows)
 // gate/up writes SiLU * up packed for the down projection, which reads it as it is
-// (`native_layers.mlp_on_tiles`); past them each product is oneDNN's (`at::linear`, as F.linear)
-// and gate/up, `silu_mul` and down are three calls (`native_layers.gate_up_silu`'s way).
+// (`native_layers.mlp_on_tiles`); past them each product is oneDNN's (`at::linear`, as F.linear,
+// or on `--prepack-prompt-weights`' blocked copy past its threshold) and gate/up, `silu_mul` and
+// down are three calls (`native_layers.gate_up_silu`'s way).
 // A projection is one of the `Kind`s below, its tensors taken in order from `params` as `spec`
 // says (runtime/model/native_prompt_loop.py builds both).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/index_select.h>
@@ -26,6 +28,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -40,6 +43,7 @@ enum Kind : int64_t {
   kQ8 = 1,    // linear_q8_prompt: qweight, row scales?, block scales?, bias_f32?, bias?
   kQ4 = 2,    // linear_q4_prompt: codes, group scales, group offsets, bias_f32?, bias?
   kTorch = 3,  // at::linear (oneDNN): weight, bias? (bfloat16 past the tiles' rows)
+  kPrepacked = 4,  // oneDNN on its blocked copy (`--prepack-prompt-weights`): copy, bias?
 };
 
 using Prompt8 = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
@@ -74,6 +78,22 @@ const Ops& ops() {
   return o;
 }
 
+// oneDNN's product on its blocked copy of a weight (`native_layers.packed_linear`), looked up on
+// first use: a torch built without oneDNN has no such operator and never plans one
+at::Tensor prepacked_linear(const at::Tensor& x, const at::Tensor& packed, const OptTensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.emplace_back(x);
+  stack.emplace_back(packed);
+  stack.emplace_back(bias);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(stack);
+  return stack.back().toTensor();
+}
+
 // Reads projections off `params` / `spec` in order and runs them as the Python layers do:
 // plain (q/k/v, o), with SiLU * up written packed (gate/up), or on such a packed input of
 // `rows` rows (down). An integer layer's bias goes in the epilogue (float32) with SiLU or
@@ -94,7 +114,9 @@ struct Projections {
   }
 
   // whether the next projection runs on oneDNN (an MLP's two then run apart)
-  bool next_on_torch() const { return s < spec.size() && spec[s] == kTorch; }
+  bool next_on_torch() const {
+    return s < spec.size() && (spec[s] == kTorch || spec[s] == kPrepacked);
+  }
 
   at::Tensor apply(const at::Tensor& x, bool silu = false, bool pack = false, int64_t rows = 0) {
     TORCH_CHECK(s < spec.size(), "prefill_layers: spec ran out");
@@ -125,6 +147,11 @@ struct Projections {
         TORCH_CHECK(!epilogue, "prefill_layers: a product on oneDNN has no SiLU or packed output");
         const at::Tensor w = need("a weight");
         return at::linear(x, w, maybe("a bias"));
+      }
+      case kPrepacked: {
+        TORCH_CHECK(!epilogue, "prefill_layers: a product on oneDNN has no SiLU or packed output");
+        const at::Tensor w = need("a packed weight");
+        return prepacked_linear(x, w, maybe("a bias"));
       }
       default:
         TORCH_CHECK(false, "prefill_layers: unknown projection kind ", spec[s - 1]);
@@ -272,3 +299,6 @@ TORCH_LIBRARY_FRAGMENT(stallfree, m) {
 }
 
 TORCH_LIBRARY_IMPL(stallfree, CPU, m) { m.impl("prefill_layers", &sf::prefill_layers); }
+// `--prepack-prompt-weights`' blocked copies are oneDNN tensors among `params`, which send the
+// call to this backend's key
+TORCH_LIBRARY_IMPL(stallfree, MkldnnCPU, m) { m.impl("prefill_layers", &sf::prefill_layers); }
