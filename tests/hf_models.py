@@ -27,6 +27,16 @@ _COMMON: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+# A tiny model whose bfloat16 prompts the AMX tiles take whole (runtime/model/
+# native_prompt_loop.py): head dim 32 for the tiles' prompt attention, every width a whole
+# number of tile blocks
+TILES_SHAPE: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

@@ -12,19 +12,11 @@ import pytest
 from stallfree import Engine, SamplingParams
 from stallfree.runtime.model import cpu_kernels, native_prompt_loop
 from tests.engine_util import engine_config, random_prompts
-from tests.hf_models import make_llama
+from tests.hf_models import TILES_SHAPE, make_llama
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="native CPU kernels unavailable here"
 )
-
-# head dim 32 (the tiles' prompt attention), every width a whole number of tile blocks
-SHAPE: dict[str, Any] = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 
 
 async def _generate(
@@ -58,7 +50,7 @@ async def _generate(
 async def test_the_loop_gives_the_python_loops_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = make_llama(tmp_path, **SHAPE)
+    path = make_llama(tmp_path, **TILES_SHAPE)
     python, off = await _generate(path, False, monkeypatch)
     looped, taken = await _generate(path, True, monkeypatch)
     assert off == 0

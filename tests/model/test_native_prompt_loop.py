@@ -8,45 +8,25 @@ mixed step's decode tail, the loop turned off) stay in Python with the same resu
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from stallfree.runtime.memory.pool import KVCache
 from stallfree.runtime.model import cpu_kernels, native_prompt_loop
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.loader import LoadedModel, load_model
-from tests.hf_models import make_llama, make_mistral, make_qwen2, make_qwen3
+from tests.hf_models import TILES_SHAPE, make_llama, make_mistral, make_qwen2, make_qwen3
+from tests.model.native_util import OpCalls, needs_amx
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="native CPU kernels unavailable here"
 )
 
-# head dim 32 (the tiles' prompt attention), every width a whole number of tile blocks
-SHAPE: dict[str, Any] = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 3,
-}
-
-
-class _Count(TorchDispatchMode):
-    """Native and aten calls by name (a native op counts once, its inner calls not at all)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.calls[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+SHAPE: dict[str, Any] = {**TILES_SHAPE, "num_hidden_layers": 3}
 
 
 def _batch(loaded: LoadedModel, requests: list[tuple[int, int]], seed: int = 0) -> ForwardBatch:
@@ -97,10 +77,10 @@ def _step(path: Path, dtype: str, quantization: str, requests: list[tuple[int, i
     if backend is not None:
         backend(loaded.model.attn_backend)
     fb = _batch(loaded, requests)
-    with _Count() as counter:
+    with OpCalls() as ops:
         logits = loaded.model(fb)
     caches = [*fb.kv_cache.k_buffers, *fb.kv_cache.v_buffers]
-    return logits, caches, counter.calls["stallfree.prefill_layers"]
+    return logits, caches, ops.calls.count("stallfree.prefill_layers")
 
 
 def _same(path: Path, dtype: str, quantization: str, requests: list[tuple[int, int]],
@@ -254,10 +234,7 @@ def _arguments(path: Path, requests: list[tuple[int, int]]) -> tuple[LoadedModel
     return loaded, native_prompt_loop.arguments(layers, model.attn_backend, h, rope, fb, step)
 
 
-needs_tiles = pytest.mark.skipif(not cpu_kernels.amx(), reason="the AMX tiles are not in use")
-
-
-@needs_tiles
+@needs_amx
 def test_the_fake_matches_the_op(llama_dir: Path) -> None:
     _, args = _arguments(llama_dir, [(0, 24), (5, 20)])
     torch.library.opcheck(
@@ -265,7 +242,7 @@ def test_the_fake_matches_the_op(llama_dir: Path) -> None:
     )
 
 
-@needs_tiles
+@needs_amx
 def test_a_malformed_call_is_an_error_not_a_crash(llama_dir: Path) -> None:
     _, args = _arguments(llama_dir, [(0, 24), (5, 20)])
     op = torch.ops.stallfree.prefill_layers

@@ -168,21 +168,10 @@ def plan(layers: Sequence[Layer], rows: int, dtype: torch.dtype) -> Plan | None:
     norms: list[torch.Tensor] = []
     params: list[torch.Tensor | None] = []
     spec: list[int] = []
-    first = layers[0]
-    shape = (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim)
     qk = qk_norms(layers, dtype)
-    if qk is None:
+    if qk is None or not same_layers(layers):
         return None
     for layer in layers:
-        attn = layer.self_attn
-        if (
-            attn.tp.size != 1
-            or getattr(layer.mlp, "tp", attn.tp).size != 1
-            or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != shape
-            or layer.input_layernorm.eps != first.input_layernorm.eps
-            or layer.post_attention_layernorm.eps != first.input_layernorm.eps
-        ):
-            return None
         parts = _parts(layer, rows, dtype)
         if parts is None:
             return None
@@ -193,16 +182,43 @@ def plan(layers: Sequence[Layer], rows: int, dtype: torch.dtype) -> Plan | None:
     return Plan(norms, params, spec, qk_norms=qk[0], qk_eps=qk[1])
 
 
+def same_layers(layers: Sequence[Layer]) -> bool:
+    """Whether every layer is a whole one (tensor-parallel size 1) with the first's head shape
+    and norm epsilon, as both loops (this one and native_prompt_loop's) pass them once."""
+    first = layers[0]
+    shape = (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim)
+    eps = first.input_layernorm.eps
+    for layer in layers:
+        attn = layer.self_attn
+        if (
+            attn.tp.size != 1
+            or getattr(layer.mlp, "tp", attn.tp).size != 1
+            or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != shape
+            or layer.input_layernorm.eps != eps
+            or layer.post_attention_layernorm.eps != eps
+        ):
+            return False
+    return True
+
+
+def layer_windows(backend: PagedAttention, layers: int, cache: torch.dtype) -> list[int] | None:
+    """Each layer's window as the loops' ops take it (0: none; [] where no layer has one), or
+    None where the cache is not one the native ops read (or a window is one they would not
+    take as the Python loop passes it)."""
+    windows = backend.loop_windows(layers, cache)
+    if windows is None or any(w is not None and w <= 0 for w in windows):
+        return None
+    return [] if all(w is None for w in windows) else [w or 0 for w in windows]
+
+
 def _with_attention(
     step: Plan | None, backend: PagedAttention, layers: int, cache: torch.dtype
 ) -> Plan | None:
-    """`step` with the backend's windows and soft-cap, or None where the cache is not one the
-    native ops read (or a window is one they would not take as the Python loop passes it)."""
-    windows = backend.loop_windows(layers, cache)
-    if step is None or windows is None or any(w is not None and w <= 0 for w in windows):
+    """`step` with the backend's windows and soft-cap, or None where `layer_windows` is."""
+    windows = layer_windows(backend, layers, cache)
+    if step is None or windows is None:
         return None
-    flat = [] if all(w is None for w in windows) else [w or 0 for w in windows]
-    return replace(step, windows=flat, softcap=backend.softcap)
+    return replace(step, windows=windows, softcap=backend.softcap)
 
 
 def run(

@@ -20,7 +20,6 @@ compiled, and no mixed step's one-token tail (two or more trailing decode rows, 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,19 +39,8 @@ BF16, Q8, Q4, TORCH, PREPACKED = range(5)
 TILES = (BF16, Q8, Q4)
 
 
-@dataclass(frozen=True)
-class Plan:
-    """Every layer's norms and projections for one row count, in `prefill_layers`' order, with
-    each layer's window (0: none; empty: none anywhere) and the scores' soft-cap."""
-
-    norms: list[torch.Tensor]
-    params: list[torch.Tensor | None]
-    spec: list[int]
-    windows: list[int]
-    softcap: float | None
-    # each layer's q and k norm weights (Qwen3), none for layers without, and their epsilon
-    qk_norms: list[torch.Tensor]
-    qk_eps: float
+# the plan of a prompt's layers: native_loop's, its kinds this module's
+Plan = native_loop.Plan
 
 
 def _projection(module: nn.Module, rows: int) -> tuple[int, list[torch.Tensor | None]] | None:
@@ -91,7 +79,6 @@ def _layer(layer: Layer, rows: int) -> list[tuple[int, list[torch.Tensor | None]
         attn.qkv_proj is None
         or gate_up is None
         or down is None
-        or getattr(mlp, "tp", attn.tp).size != 1
         # native_layers.mlp_on_tiles' shapes: gate and up stacked, whole blocks of 32
         or gate_up.in_features != down.out_features
         or gate_up.out_features != 2 * down.in_features
@@ -116,21 +103,11 @@ def plan(
     norms: list[torch.Tensor] = []
     params: list[torch.Tensor | None] = []
     spec: list[int] = []
-    first = layers[0]
-    eps = first.input_layernorm.eps
-    shape = (first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim)
     qk = native_loop.qk_norms(layers, torch.bfloat16)
-    if qk is None:
+    windows = native_loop.layer_windows(backend, len(layers), cache)
+    if qk is None or windows is None or not native_loop.same_layers(layers):
         return None
     for layer in layers:
-        attn = layer.self_attn
-        if (
-            attn.tp.size != 1
-            or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != shape
-            or layer.input_layernorm.eps != eps
-            or layer.post_attention_layernorm.eps != eps
-        ):
-            return None
         parts = _layer(layer, rows)
         if parts is None:
             return None
@@ -142,11 +119,9 @@ def plan(
             if w.dtype != torch.bfloat16 or not w.is_contiguous():
                 return None
             norms.append(w)
-    windows = backend.loop_windows(len(layers), cache)
-    if windows is None or any(w is not None and w <= 0 for w in windows):
-        return None
-    flat = [] if all(w is None for w in windows) else [w or 0 for w in windows]
-    return Plan(norms, params, spec, flat, backend.softcap, *qk)
+    return Plan(
+        norms, params, spec, qk_norms=qk[0], qk_eps=qk[1], windows=windows, softcap=backend.softcap
+    )
 
 
 def _one_token_tail(lens: list[int]) -> int:

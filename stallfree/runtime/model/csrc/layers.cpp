@@ -63,11 +63,6 @@ struct Ops {
                          const at::Tensor&, const OptTensor&)>("stallfree::linear_q4");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm =
       find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("stallfree::rms_norm");
-  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
-      add_rms_norm = find_op<std::tuple<at::Tensor, at::Tensor>(
-          const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
-          "stallfree::add_rms_norm");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul =
       find_op<at::Tensor(const at::Tensor&)>("stallfree::silu_mul");
   c10::TypedOperatorHandle<at::Tensor(
@@ -98,22 +93,7 @@ const Ops& ops() {
 }
 
 // Reads projections off `params` / `spec` in order.
-struct Projections {
-  const c10::List<OptTensor>& params;
-  const std::vector<int64_t>& spec;
-  size_t p = 0, s = 0;
-
-  at::Tensor need(const char* what) {
-    TORCH_CHECK(p < params.size(), "decode_layers: params ran out at ", what);
-    OptTensor t = params.get(p++);
-    TORCH_CHECK(t.has_value(), "decode_layers: ", what, " is missing");
-    return *t;
-  }
-  OptTensor maybe() {
-    TORCH_CHECK(p < params.size(), "decode_layers: params ran out at a bias");
-    return params.get(p++);
-  }
-
+struct Projections : PlanCursor {
   // whether q, k and v come as three projections (`kApart` taken off the spec)
   bool apart() {
     if (s >= spec.size() || spec[s] != kApart) return false;
@@ -122,9 +102,8 @@ struct Projections {
   }
 
   at::Tensor apply(const at::Tensor& x) {
-    TORCH_CHECK(s < spec.size(), "decode_layers: spec ran out");
     const Ops& o = ops();
-    switch (spec[s++]) {
+    switch (kind()) {
       case kNative: {
         const at::Tensor w = need("a weight");
         return o.linear.call(x, w, maybe());
@@ -234,32 +213,19 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     std::optional<double> softcap, const std::vector<int64_t>& windows,
     const std::vector<at::Tensor>& qk_norms, double qk_eps) {
   const size_t layers = k_caches.size();
-  TORCH_CHECK(v_caches.size() == layers && norms.size() == 2 * layers,
-              "decode_layers: expected a K and V cache and two norms per layer");
-  TORCH_CHECK(windows.empty() || windows.size() == layers,
-              "decode_layers: expected no windows or one per layer");
-  TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2 * layers,
-              "decode_layers: expected no q/k norms or two per layer");
+  check_layer_lists("decode_layers", layers, v_caches.size(), norms.size(), windows.size(),
+                    qk_norms.size());
   const Ops& o = ops();
   const Attention attend{cos, signed_sin, k_caches, v_caches, out_cache_loc, req_to_token,
                          req_pool_indices, seq_lens, num_heads, num_kv_heads, scale, softcap,
                          windows, qk_norms, qk_eps};
-  Projections proj{params, spec};
-  at::Tensor x, residual, out = h;
-  for (size_t l = 0; l < layers; ++l) {
-    if (l == 0) {
-      residual = out;
-      x = o.rms_norm.call(out, norms[0], eps);
-    } else {
-      std::tie(residual, x) = o.add_rms_norm.call(residual, out, norms[2 * l], eps);
-    }
-    const at::Tensor attn = proj.apply(attend(proj, x, l));
-    std::tie(residual, x) = o.add_rms_norm.call(residual, attn, norms[2 * l + 1], eps);
-    out = proj.apply(o.silu_mul.call(proj.apply(x)));
-  }
-  TORCH_CHECK(proj.p == params.size() && proj.s == spec.size(),
-              "decode_layers: params or spec left over after the last layer");
-  return {out, residual};
+  Projections proj{{"decode_layers", params, spec}};
+  auto result = residual_layers(
+      h, norms, eps, layers,
+      [&](const at::Tensor& x, size_t l) { return proj.apply(attend(proj, x, l)); },
+      [&](const at::Tensor& x) { return proj.apply(o.silu_mul.call(proj.apply(x))); });
+  proj.check_done();
+  return result;
 }
 
 }  // namespace

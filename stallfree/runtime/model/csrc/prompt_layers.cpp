@@ -52,10 +52,7 @@ using Prompt4 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tenso
                            const at::Tensor&, const OptTensor&, bool, bool, int64_t);
 using PromptBf16 = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
                               bool, int64_t);
-using Norm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using SiluMul = at::Tensor(const at::Tensor&);
-using AddNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                   const at::Tensor&, double);
 using RopeWrite = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                              const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&);
 using Attend = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
@@ -66,9 +63,7 @@ struct Ops {
   c10::TypedOperatorHandle<PromptBf16> bf16 = find_op<PromptBf16>("stallfree::linear_bf16_prompt");
   c10::TypedOperatorHandle<Prompt8> q8 = find_op<Prompt8>("stallfree::linear_q8_prompt");
   c10::TypedOperatorHandle<Prompt4> q4 = find_op<Prompt4>("stallfree::linear_q4_prompt");
-  c10::TypedOperatorHandle<Norm> rms_norm = find_op<Norm>("stallfree::rms_norm");
   c10::TypedOperatorHandle<SiluMul> silu_mul = find_op<SiluMul>("stallfree::silu_mul");
-  c10::TypedOperatorHandle<AddNorm> add_rms_norm = find_op<AddNorm>("stallfree::add_rms_norm");
   c10::TypedOperatorHandle<RopeWrite> rope_write = find_op<RopeWrite>("stallfree::rope_write");
   c10::TypedOperatorHandle<Attend> attend = find_op<Attend>("stallfree::prefill_attention");
 };
@@ -98,31 +93,16 @@ at::Tensor prepacked_linear(const at::Tensor& x, const at::Tensor& packed, const
 // plain (q/k/v, o), with SiLU * up written packed (gate/up), or on such a packed input of
 // `rows` rows (down). An integer layer's bias goes in the epilogue (float32) with SiLU or
 // packing, else it is added to the product in the dtype (`QuantLinear.tile_product`).
-struct Projections {
-  const c10::List<OptTensor>& params;
-  const std::vector<int64_t>& spec;
-  size_t p = 0, s = 0;
-
-  at::Tensor need(const char* what) {
-    OptTensor t = maybe(what);
-    TORCH_CHECK(t.has_value(), "prefill_layers: ", what, " is missing");
-    return *t;
-  }
-  OptTensor maybe(const char* what) {
-    TORCH_CHECK(p < params.size(), "prefill_layers: params ran out at ", what);
-    return params.get(p++);
-  }
-
+struct Projections : PlanCursor {
   // whether the next projection runs on oneDNN (an MLP's two then run apart)
   bool next_on_torch() const {
     return s < spec.size() && (spec[s] == kTorch || spec[s] == kPrepacked);
   }
 
   at::Tensor apply(const at::Tensor& x, bool silu = false, bool pack = false, int64_t rows = 0) {
-    TORCH_CHECK(s < spec.size(), "prefill_layers: spec ran out");
     const Ops& o = ops();
     const bool epilogue = silu || pack;
-    switch (spec[s++]) {
+    switch (kind()) {
       case kBf16: {
         const at::Tensor w = need("a weight");
         return o.bf16.call(x, w, maybe("a bias"), silu, pack, rows);
@@ -240,12 +220,8 @@ std::tuple<at::Tensor, at::Tensor> prefill_layers(
     std::optional<double> softcap, const std::vector<int64_t>& windows,
     const std::vector<at::Tensor>& qk_norms, double qk_eps) {
   const size_t layers = k_caches.size();
-  TORCH_CHECK(v_caches.size() == layers && norms.size() == 2 * layers,
-              "prefill_layers: expected a K and V cache and two norms per layer");
-  TORCH_CHECK(windows.empty() || windows.size() == layers,
-              "prefill_layers: expected no windows or one per layer");
-  TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2 * layers,
-              "prefill_layers: expected no q/k norms or two per layer");
+  check_layer_lists("prefill_layers", layers, v_caches.size(), norms.size(), windows.size(),
+                    qk_norms.size());
   TORCH_CHECK(prefix_lens.size() == extend_lens.size() && pool_rows.size() == extend_lens.size(),
               "prefill_layers: expected a prefix length and a pool row per request");
   TORCH_CHECK(h.dim() == 2, "prefill_layers: expected h as [rows, hidden]");
@@ -261,29 +237,21 @@ std::tuple<at::Tensor, at::Tensor> prefill_layers(
                          req_to_token, extend_lens, prefix_lens, pool_rows, num_heads,
                          num_kv_heads, scale,       softcap,   windows,      qk_norms,
                          qk_eps};
-  Projections proj{params, spec};
+  Projections proj{{"prefill_layers", params, spec}};
   const int64_t rows = h.size(0);
-  at::Tensor x, residual, out = h;
-  for (size_t l = 0; l < layers; ++l) {
-    if (l == 0) {
-      residual = out;
-      x = o.rms_norm.call(out, norms[0], eps);
-    } else {
-      std::tie(residual, x) = o.add_rms_norm.call(residual, out, norms[2 * l], eps);
-    }
-    const at::Tensor attn = proj.apply(attend(proj.apply(x), l));
-    std::tie(residual, x) = o.add_rms_norm.call(residual, attn, norms[2 * l + 1], eps);
-    if (proj.next_on_torch()) {
-      // past the tiles' rows: gate/up, silu_mul, down (native_layers.gate_up_silu's way)
-      out = proj.apply(o.silu_mul.call(proj.apply(x)));
-    } else {
-      const at::Tensor packed = proj.apply(x, /*silu=*/true, /*pack=*/true);
-      out = proj.apply(packed, false, false, rows);
-    }
-  }
-  TORCH_CHECK(proj.p == params.size() && proj.s == spec.size(),
-              "prefill_layers: params or spec left over after the last layer");
-  return {out, residual};
+  auto result = residual_layers(
+      h, norms, eps, layers,
+      [&](const at::Tensor& x, size_t l) { return proj.apply(attend(proj.apply(x), l)); },
+      [&](const at::Tensor& x) {
+        if (proj.next_on_torch()) {
+          // oneDNN's products: gate/up, silu_mul, down (native_layers.gate_up_silu's way)
+          return proj.apply(o.silu_mul.call(proj.apply(x)));
+        }
+        const at::Tensor packed = proj.apply(x, /*silu=*/true, /*pack=*/true);
+        return proj.apply(packed, false, false, rows);
+      });
+  proj.check_done();
+  return result;
 }
 
 }  // namespace
