@@ -94,6 +94,15 @@ at::Tensor without_inputs(at::Tensor out, const std::optional<at::Tensor>& bias,
 constexpr int64_t kGrain = 64;
 // chunks of 16 rows x 32 values a thread packs at least (each a 16 x 16 transpose)
 constexpr int64_t kPackGrain = 64;
+// activations (bfloat16 bytes) below which each thread packs them for itself (prompt_on_tiles)
+constexpr int64_t kOwnPackBytes = int64_t{1} << 20;
+
+// `buf` grown to hold m x k packed activations, at its first 64-byte boundary
+uint32_t* aligned_pack_buffer(std::vector<uint32_t>& buf, int64_t m, int64_t k) {
+  return reinterpret_cast<uint32_t*>(
+      (reinterpret_cast<uintptr_t>(scratch(buf, amx::packed_gemm_size(m, k) + 16)) + 63) &
+      ~uintptr_t{63});
+}
 
 // Dense bfloat16 products of kAmxMinRows to kAmxMaxRows rows go to the AMX tiles where
 // `set_amx` turned them on (isa_amx.cpp); above, oneDNN's blocked product (F.linear). At one
@@ -341,32 +350,44 @@ at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int
   Out o = out_of(out, width);
   o.bf16 = true;
   if (pack) o.packed_chunks = chunks;
-  const uint32_t* xp;
+  // Small activations are packed by every thread for itself, inside the product's parallel
+  // region: each thread reads all of them anyway, and packing them once, shared, took a
+  // parallel region of its own and left each thread's half to be fetched from the other
+  // core (the next call's stores then invalidating it there again). SmolLM2's shapes at
+  // 16-256 rows took 0.93 of the time this way; the 1B Llama's at 32-128 rows the same time,
+  // at 256 rows (1 MB packed) 1.045, so larger ones are still packed once (one process,
+  // alternating). 64-byte aligned: the packing stores whole vectors.
+  const bool own = !packed_in && m * k * 2 < kOwnPackBytes;
+  const auto* xd = static_cast<const uint16_t*>(x.data_ptr());
+  const uint32_t* shared = nullptr;
   if (packed_in) {
-    xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
-  } else {
+    shared = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  } else if (!own) {
     thread_local std::vector<uint32_t> buf;
-    // 64-byte aligned: the packing stores whole vectors
-    auto* mine = reinterpret_cast<uint32_t*>(
-        (reinterpret_cast<uintptr_t>(scratch(buf, amx::packed_gemm_size(m, k) + 16)) + 63) &
-        ~uintptr_t{63});
-    // the packing shared by the threads, by blocks of 32 values: done by the calling thread
-    // alone, it left the others waiting (5% of a 256-token prompt's time on the calling
-    // thread, SmolLM2 bf16); shared, the products took 0.95-0.97 of the time at 128-256 rows
-    // and the same at 32-64 (SmolLM2's and a 1B Llama's shapes, one process alternating)
-    const auto* xd = static_cast<const uint16_t*>(x.data_ptr());
+    auto* mine = aligned_pack_buffer(buf, m, k);
+    // shared by the threads, by blocks of 32 values: done by the calling thread alone, it
+    // left the others waiting (5% of a 256-token prompt's time on the calling thread,
+    // SmolLM2 bf16); shared, the products took 0.95-0.97 of the time at 128-256 rows (one
+    // process alternating)
     at::parallel_for(0, k / 32, std::max<int64_t>(1, kPackGrain / chunks),
                      [&](int64_t b0, int64_t b1) { amx::pack_x_gemm(xd, m, k, mine, b0, b1); });
-    xp = mine;
+    shared = mine;
   }
+  auto operand = [&]() -> const uint32_t* {
+    if (!own) return shared;
+    thread_local std::vector<uint32_t> buf;
+    auto* mine = aligned_pack_buffer(buf, m, k);
+    amx::pack_x_gemm(xd, m, k, mine, 0, k / 32);
+    return mine;
+  };
   // blocks of 32 weight rows (16 gate rows and their up rows), a thread's share contiguous
   if (silu) {
     at::parallel_for(0, width / 16, 1, [&](int64_t b0, int64_t b1) {
-      gemm(xp, m, b0 * 16, b1 * 16, width, o);
+      gemm(operand(), m, b0 * 16, b1 * 16, width, o);
     });
   } else {
     at::parallel_for(0, (n + 31) / 32, 1, [&](int64_t b0, int64_t b1) {
-      gemm(xp, m, b0 * 32, std::min(n, b1 * 32), 0, o);
+      gemm(operand(), m, b0 * 32, std::min(n, b1 * 32), 0, o);
     });
   }
   return out;
