@@ -1,7 +1,7 @@
 """The native matrix-vector kernels against the machine's read bandwidth and torch's kernels.
 
     python benchmarks/bench_gemv.py [--formats bf16 int8 q8_0 int4 f32] [--rows 1 2 4 8 16]
-        [--copies N] [--repeats 3] [--threads 2]
+        [--copies N] [--repeats 3] [--threads 2] [--seconds 10]
 
 SmolLM2-135M's five projection shapes (q/k/v 960x576, o 576x576, gate/up 3072x576, down
 576x1536, the tied output 49152x576), each held in distinct copies so that every call reads
@@ -11,8 +11,10 @@ step's copies to fill twice the machine's L3 cache in the format measured (a 300
 memory's bandwidth); `--copies N` sets the least count. For each format and row count: the
 time per step's worth of the five shapes (one call each), the bytes they read over that time,
 and that as a share of the machine's read bandwidth (read_probe.py: a streaming AVX2 read of
-1 GiB on both threads, plain and with a software prefetch, the faster of the two, best of 5,
-in a child process). torch's own kernel for the
+1 GiB on both threads, plain and with a software prefetch, the faster of the two). The probe
+and the steps alternate for `--seconds`: every round reads the bandwidth once and then times
+one pass over every copy at each row count, and the share is taken per round, since this
+machine's memory speed drifts by a third within minutes. torch's own kernel for the
 format is timed beside it (bf16: F.linear; int8: _weight_int8pack_mm; f32: F.linear; q8_0, a
 GGUF's Q8_0 with a float16 scale per block of 32, and int4: the native kernel only, torch has no
 kernel for block scales and its int4 weight kernel needs its own packing). Every copy has its
@@ -34,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from read_probe import on_huge_pages, read_bandwidth
+from read_probe import Prober, on_huge_pages
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 
@@ -78,7 +80,7 @@ def copies_for(fmt: str, least: int) -> int:
     return max(least, math.ceil(2 * l3_bytes() / copy_bytes(fmt)))
 
 
-def child(fmt: str, rows: list[int], copies: int, threads: int) -> None:
+def child(fmt: str, rows: list[int], copies: int, threads: int, seconds: float) -> None:
     import torch
 
     from stallfree.runtime.model import cpu_kernels
@@ -86,16 +88,13 @@ def child(fmt: str, rows: list[int], copies: int, threads: int) -> None:
     torch.set_num_threads(threads)
     isa = cpu_kernels.isa()
     ops = torch.ops.stallfree
-    bandwidth = read_bandwidth()
     copies = copies_for(fmt, copies)
-    result: dict[str, object] = {
-        "format": fmt,
-        "isa": isa,
-        "bandwidth": bandwidth,
-        "copies": copies,
-    }
+    result: dict[str, object] = {"format": fmt, "isa": isa, "copies": copies}
+    # m -> ([native calls per shape], [torch's calls per shape], bytes of one step)
+    steps: dict[int, tuple[list[list], list[list], int]] = {}  # type: ignore[type-arg]
     for m in rows:
-        native_s = torch_s = 0.0
+        natives: list[list] = []  # type: ignore[type-arg]
+        refs: list[list] = []  # type: ignore[type-arg]
         nbytes = 0
         for n, k in SHAPES:
             count = copies if n < 10000 else max(4, copies // 6)
@@ -154,22 +153,51 @@ def child(fmt: str, rows: list[int], copies: int, threads: int) -> None:
                 ]
                 ref = []
                 nbytes += n * k // 2 + n * g * 4
-            native_s += _per_call(native)
-            torch_s += _per_call(ref) if ref else 0.0
-        result[f"m{m}"] = {"native_s": native_s, "torch_s": torch_s or None, "bytes": nbytes}
+            natives.append(native)
+            refs.append(ref)
+        steps[m] = (natives, refs, nbytes)
+    # rounds: the probe's bandwidth, then each row count's step (one pass over every copy),
+    # the share of the bandwidth taken per round
+    prober = Prober()
+    for natives, _, _ in steps.values():
+        for calls in natives:
+            _pass(calls[:2])
+    bandwidths: list[float] = []
+    times: dict[int, list[float]] = {m: [] for m in rows}
+    shares: dict[int, list[float]] = {m: [] for m in rows}
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(bandwidths) < 3:
+        bw = prober.read(1) * 1e9
+        bandwidths.append(bw)
+        for m, (natives, _, nbytes) in steps.items():
+            step = sum(_pass(calls) for calls in natives)
+            times[m].append(step)
+            shares[m].append(nbytes / step / bw)
+    result["bandwidth"] = statistics.median(bandwidths) / 1e9
+    result["rounds"] = len(bandwidths)
+    for m, (_, refs, nbytes) in steps.items():
+        torch_s = sum(_per_call(calls) for calls in refs if calls)
+        result[f"m{m}"] = {
+            "native_s": statistics.median(times[m]),
+            "share": statistics.median(shares[m]),
+            "torch_s": torch_s or None,
+            "bytes": nbytes,
+        }
     print(json.dumps(result))
+
+
+def _pass(calls: list) -> float:  # type: ignore[type-arg]
+    """Seconds per call over one pass through `calls`."""
+    t0 = time.perf_counter()
+    for c in calls:
+        c()
+    return (time.perf_counter() - t0) / len(calls)
 
 
 def _per_call(calls: list) -> float:  # type: ignore[type-arg]
     for c in calls[:2]:
         c()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for c in calls:
-            c()
-        best = min(best, (time.perf_counter() - t0) / len(calls))
-    return best
+    return min(_pass(calls) for _ in range(3))
 
 
 def main() -> None:
@@ -179,10 +207,11 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.rows, args.copies, args.threads)
+        child(args.child, args.rows, args.copies, args.threads, args.seconds)
         return
     print(f"threads {args.threads}; load average at start: {os.getloadavg()[0]:.2f}")
     runs: dict[str, list[dict]] = {f: [] for f in args.formats}
@@ -190,11 +219,13 @@ def main() -> None:
         for fmt in args.formats:
             cmd = [sys.executable, __file__, "--child", fmt, "--copies", str(args.copies)]
             cmd += ["--threads", str(args.threads), "--rows", *map(str, args.rows)]
+            cmd += ["--seconds", str(args.seconds)]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             runs[fmt].append(json.loads(out.strip().splitlines()[-1]))
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
     print(
-        "\n| format | rows | native: us per step of 5 shapes | GB/s | % of read bandwidth | torch: us | native / torch speed |"
+        "\n| format | rows | native: us per step of 5 shapes | GB/s | % of read bandwidth "
+        "(median of rounds) | torch: us | native / torch speed |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for fmt, rs in runs.items():
@@ -208,8 +239,10 @@ def main() -> None:
             gbs = nbytes / nat / 1e9
             tcol = f"{tor_s * 1e6:.0f}" if tor_s else "–"
             ratio = f"{tor_s / nat:.2f}x" if tor_s else "–"
+            share = statistics.median(r[key]["share"] for r in rs)
             print(
-                f"| {fmt} | {m} | {nat * 1e6:.0f} | {gbs:.1f} | {100 * gbs / bw:.0f}% of {bw:.1f} | {tcol} | {ratio} |"
+                f"| {fmt} | {m} | {nat * 1e6:.0f} | {gbs:.1f} | {100 * share:.0f}% of {bw:.1f} "
+                f"| {tcol} | {ratio} |"
             )
     print(f"\nISA: {runs[args.formats[0]][0]['isa']}")
     held = ", ".join(f"{fmt} {rs[0]['copies']}" for fmt, rs in runs.items())
