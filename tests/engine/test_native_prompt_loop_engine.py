@@ -1,6 +1,8 @@
 """The prompt's layer loop in C++ inside the engine: prompts, one with a cached prefix, give the
 same greedy tokens with the loop on as with it off (the Python loop), the loop takes their
-prefills where the AMX tiles are in use, and every pool is full again afterwards."""
+prefills where the AMX tiles are in use, and every pool is full again afterwards; with mixed
+steps on, the steps that carry running streams' decode rows with a prompt's chunk take it too,
+with the same tokens."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 import pytest
 
 from stallfree import Engine, SamplingParams
-from stallfree.runtime.model import cpu_kernels, native_prompt_loop
+from stallfree.runtime.model import cpu_kernels, native_layers, native_prompt_loop
 from tests.engine_util import engine_config, random_prompts
 from tests.hf_models import TILES_SHAPE, make_llama
 
@@ -57,3 +59,54 @@ async def test_the_loop_gives_the_python_loops_tokens(
     assert looped == python
     # every prompt's prefill (the third's 24 new tokens after its cached 40 included)
     assert taken == (3 if cpu_kernels.amx() else 0)
+
+
+def _decode_tail(lens: list[int]) -> int:
+    tail = 0
+    while tail < len(lens) and lens[len(lens) - 1 - tail] == 1:
+        tail += 1
+    return tail
+
+
+async def _mixed(
+    path: Path, loop: bool, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[list[int]], int, int]:
+    """test_mixed_chunk's workload (three streams decoding while two long prompts are
+    prefilled in chunks, their decode rows mixed in) on a bfloat16 model, in steps of up to 40
+    rows: the outputs, the mixed steps with two or more decode rows and more rows than the
+    matrix-vector kernels take, and how many of those the loop took."""
+    from tests.engine.test_mixed_chunk import run_workload
+
+    monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "1" if loop else "0")
+    tails = taken = 0
+    run = native_prompt_loop.run
+
+    def counted(*args: Any) -> Any:
+        nonlocal tails, taken
+        out = run(*args)
+        h, fb = args[2], args[4]
+        if _decode_tail(fb.extend_lens_cpu) >= 2 and h.shape[0] > native_layers.AMX_MAX_ROWS:
+            tails += 1
+            taken += out is not None
+        return out
+
+    monkeypatch.setattr(native_prompt_loop, "run", counted)
+    result = await run_workload(
+        str(path), True, True, True, model={"dtype": "bfloat16"},
+        scheduler={"chunked_prefill_size": 40, "max_prefill_tokens": 48},
+    )  # fmt: skip
+    assert result.counters.mixed_batches > 0
+    return result.outputs, tails, taken
+
+
+async def test_mixed_steps_take_the_loop_with_their_decode_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make_llama(tmp_path, **TILES_SHAPE)
+    python, tails, off = await _mixed(path, False, monkeypatch)
+    looped, looped_tails, taken = await _mixed(path, True, monkeypatch)
+    assert off == 0
+    assert looped == python
+    assert tails == 0 and looped_tails > 0, (tails, looped_tails, taken)  # off: never asked
+    # every mixed step with a decode tail, where the tiles are in use
+    assert taken == (looped_tails if cpu_kernels.amx() else 0)

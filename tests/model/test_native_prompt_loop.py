@@ -1,10 +1,12 @@
 """A prompt's layer loop in C++ (`native_prompt_loop.py`, csrc/prompt_layers.cpp): the same
 logits and cache bit for bit as the Python loop over the same native ops, in bfloat16, int8 and
 int4, for one prompt, several, prompts with a cached prefix, a sliding window they outgrow,
-biases, Qwen3's per-head q/k norms and a soft-capped backend, each step counted to have made
-the one native call where the AMX tiles take its products (and oneDNN's: past their rows for
-dense layers, and on `--prepack-prompt-weights`' copies); steps it does not run (too few rows, integer layers past the tiles, float32, a
-mixed step's decode tail, the loop turned off) stay in Python with the same result; its fake gives the op's shapes; a malformed call is an error, not a crash."""
+biases, Qwen3's per-head q/k norms, a soft-capped backend and a mixed step's decode rows, each
+step counted to have made the one native call where the AMX tiles take its products (and
+oneDNN's: past their rows for dense layers, and on `--prepack-prompt-weights`' copies); steps
+it does not run (too few rows, integer layers past the tiles, float32, the loop turned off)
+stay in Python with the same result; its fake gives the op's shapes; a malformed call is an
+error, not a crash."""
 
 from __future__ import annotations
 
@@ -171,7 +173,7 @@ def test_other_families_take_the_loop_bit_for_bit(
     [
         ("bfloat16", [(0, 12)]),  # the matrix-vector kernels' rows, not the tiles'
         ("float32", [(0, 40)]),  # no tiles for float32
-        ("bfloat16", [(0, 40), (5, 1), (7, 1)]),  # a mixed step's two decode rows
+        ("float32", [(0, 40), (5, 1), (7, 1)]),  # nor for a float32 mixed step
     ],
 )
 def test_steps_it_does_not_take_stay_in_python(
@@ -212,6 +214,42 @@ def test_one_plan_serves_every_row_count_past_the_tiles(
     if cpu_kernels.amx():
         assert set(plans[257].spec) == {native_prompt_loop.TORCH}
         assert native_prompt_loop.TORCH not in plans[40].spec
+
+
+# A mixed step (`--enable-mixed-chunk`): a prefill chunk, then the running streams' decode rows,
+# one token each after their cached keys. Two or more such rows take the decode attention op
+# together, in the loop as in Python (`PagedAttention._extend_with_tail`).
+MIXED = [
+    [(0, 40), (5, 1), (7, 1)],
+    [(30, 25), (0, 18), (9, 1), (61, 1), (3, 1)],  # a prefix-cached chunk, three decode rows
+    [(0, 24), *[(10 + 3 * i, 1) for i in range(20)]],  # more decode rows than prompt rows
+]
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("requests", MIXED)
+def test_a_mixed_steps_decode_rows_take_the_loop_bit_for_bit(
+    llama_dir: Path, quantization: str, requests: list[tuple[int, int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    with OpCalls() as ops:
+        calls = _same(llama_dir, "bfloat16", quantization, requests, monkeypatch)
+    assert calls == int(cpu_kernels.amx())
+    # the Python loop's decode rows: one decode_attention call a layer (the loop's own calls
+    # run inside prefill_layers, below the dispatch mode that counts)
+    assert ops.calls.count("stallfree.decode_attention") == SHAPE["num_hidden_layers"]
+
+
+@pytest.mark.parametrize(("make", "config", "backend"), FAMILIES)
+def test_a_mixed_step_of_other_families_takes_the_loop_bit_for_bit(
+    tmp_path: Path, make: Callable[..., Path], config: dict[str, Any],
+    backend: Callable[[Any], None] | None, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Qwen3's q/k norms, biases, a window the decode rows outgrow, a soft-cap."""
+    path = make(tmp_path, **SHAPE, **config)
+    requests = [(20, 30), (0, 17), (40, 1), (12, 1)]
+    calls = _same(path, "bfloat16", "none", requests, monkeypatch, backend)
+    assert calls == int(cpu_kernels.amx())
 
 
 def test_one_decode_row_after_a_prompt_takes_the_loop(

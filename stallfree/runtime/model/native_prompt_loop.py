@@ -12,8 +12,9 @@ to native_layers.PROMPT_TILES_MAX_ROWS), on `--prepack-prompt-weights`' blocked 
 threshold, or, past the tiles' rows, a dense layer's F.linear (`at::linear` there; an integer
 layer's dequantised product past the tiles stays in Python), head dims the tiles' prompt
 attention takes, a cache in the model's dtype, no LoRA rows, tensor-parallel size 1, not
-compiled, and no mixed step's one-token tail (two or more trailing decode rows, which
-`PagedAttention` runs as a decode batch). Everything else stays in Python.
+compiled. A mixed step's one-token tail (two or more trailing decode rows) takes the decode
+attention op inside the loop, as `PagedAttention` runs it in Python. Everything else stays in
+Python.
 `STALLFREE_NATIVE_LOOP=0` turns it off, with the decode step's loop.
 """
 
@@ -124,14 +125,6 @@ def plan(
     )
 
 
-def _one_token_tail(lens: list[int]) -> int:
-    """How many of the step's last requests add one token each (a mixed step's decode rows)."""
-    tail = 0
-    while tail < len(lens) and lens[len(lens) - 1 - tail] == 1:
-        tail += 1
-    return tail
-
-
 def takes(
     layers: Sequence[Layer], backend: object, h: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch,
@@ -166,7 +159,8 @@ def takes(
         and loc.dim() == 1
         and loc.shape[0] == t
         and loc.is_contiguous()
-        and _one_token_tail(fb.extend_lens_cpu) < 2
+        # a decode tail's rows take the native decode attention (`decode_attention`)
+        and fb.req_to_token.dtype in (torch.int32, torch.int64)
         and not torch.compiler.is_compiling()
         and not torch.is_grad_enabled()
         and cpu_kernels.available()

@@ -7,8 +7,10 @@
 // Each layer is: RMSNorm (the first layer's) or add + RMSNorm; the joint q/k/v projection (its
 // q and k heads normed with per-head q/k norms, Qwen3's); RoPE on q and k with the K/V write
 // (`rope_write`); each request's attention over its own new keys, or over its keys gathered
-// from the cache where it has a prefix or outgrows its window (`prefill_attention`); the output
-// projection; add + RMSNorm; then the MLP. On the AMX tiles' prompt product (up to 256 rows)
+// from the cache where it has a prefix or outgrows its window (`prefill_attention`), and a
+// mixed step's trailing one-token rows (its decode rows, two or more) through the decode
+// attention op together (`decode_attention`: their RoPE, K/V write and attention read through
+// `req_to_token`), as `PagedAttention._extend_with_tail` takes them; the output projection; add + RMSNorm; then the MLP. On the AMX tiles' prompt product (up to 256 rows)
 // gate/up writes SiLU * up packed for the down projection, which reads it as it is
 // (`native_layers.mlp_on_tiles`); past them each product is oneDNN's (`at::linear`, as F.linear,
 // or on `--prepack-prompt-weights`' blocked copy past its threshold) and gate/up, `silu_mul` and
@@ -20,6 +22,7 @@
 #include <ATen/core/stack.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
@@ -58,6 +61,12 @@ using RopeWrite = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Ten
 using Attend = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                           int64_t, std::optional<double>, std::optional<double>,
                           std::optional<int64_t>);
+using DecodeAttend = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const OptTensor&, const OptTensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&,
+                                const at::Tensor&, std::optional<double>, std::optional<double>,
+                                std::optional<int64_t>);
 
 struct Ops {
   c10::TypedOperatorHandle<PromptBf16> bf16 = find_op<PromptBf16>("stallfree::linear_bf16_prompt");
@@ -66,6 +75,8 @@ struct Ops {
   c10::TypedOperatorHandle<SiluMul> silu_mul = find_op<SiluMul>("stallfree::silu_mul");
   c10::TypedOperatorHandle<RopeWrite> rope_write = find_op<RopeWrite>("stallfree::rope_write");
   c10::TypedOperatorHandle<Attend> attend = find_op<Attend>("stallfree::prefill_attention");
+  c10::TypedOperatorHandle<DecodeAttend> decode =
+      find_op<DecodeAttend>("stallfree::decode_attention");
 };
 
 const Ops& ops() {
@@ -142,7 +153,9 @@ struct Projections : PlanCursor {
 // A layer's attention from the joint q/k/v projection [T, (H + 2 KVH) * D] to the heads'
 // outputs [T, H * D], as `PagedAttention.forward` and `_extend` run an extend step: q and k
 // rotated and K/V written in one call, then each request's rows attend over their own new keys
-// (no prefix, no window they outgrow) or over their keys gathered from the cache.
+// (no prefix, no window they outgrow) or over their keys gathered from the cache. A decode
+// tail (`tail` > 0: the last requests, one new token each) takes one `decode_attention` call
+// on its unrotated rows instead, as `PagedAttention._extend_with_tail` does.
 struct Attention {
   const at::Tensor& cos;
   const at::Tensor& signed_sin;
@@ -158,6 +171,9 @@ struct Attention {
   const std::vector<int64_t>& windows;  // empty, or each layer's (0: none)
   const std::vector<at::Tensor>& qk_norms;  // empty, or each layer's q and k norm weights
   double qk_eps;
+  int64_t tail;           // the decode tail's rows (requests), 0 for none
+  at::Tensor tail_pool;   // their pool rows and sequence lengths, int64
+  at::Tensor tail_lens;
 
   at::Tensor operator()(const at::Tensor& qkv, size_t l) const {
     const Ops& o = ops();
@@ -177,37 +193,62 @@ struct Attention {
     }
     const at::Tensor v = heads.narrow(1, num_heads + num_kv_heads, num_kv_heads);
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
-    const at::Tensor rotated =
-        o.rope_write.call(heads.narrow(1, 0, num_heads + num_kv_heads), cos, signed_sin,
-                          num_heads, v, k_cache, v_cache, out_cache_loc);
-    const at::Tensor q = rotated.narrow(1, 0, num_heads);
-    const at::Tensor k = rotated.narrow(1, num_heads, num_kv_heads);
     const int64_t layer_window = windows.empty() ? 0 : windows[l];
+    const int64_t head = t - tail;  // the rows before the decode tail
     std::vector<at::Tensor> outs;
-    int64_t start = 0;
-    for (size_t i = 0; i < extend_lens.size(); ++i) {
-      const int64_t n = extend_lens[i], prefix = prefix_lens[i], seq = prefix + n;
-      std::optional<int64_t> window;
-      if (layer_window > 0 && seq > layer_window) window = layer_window;
-      const at::Tensor chunk = q.narrow(0, start, n);
-      if (prefix == 0 && !window) {
-        outs.push_back(o.attend.call(chunk, k.narrow(0, start, n), v.narrow(0, start, n), 0, 0,
-                                     scale, softcap, std::nullopt));
-      } else {
-        // keys before the first query's window are never seen
-        const int64_t first = window ? std::max<int64_t>(0, prefix + 1 - *window) : 0;
-        const at::Tensor slots = req_to_token.select(0, pool_rows[i]).narrow(0, first, seq - first);
-        outs.push_back(o.attend.call(chunk, at::index_select(k_cache, 0, slots),
-                                     at::index_select(v_cache, 0, slots), prefix, first, scale,
-                                     softcap, window));
+    if (head > 0) {
+      const at::Tensor rotated = o.rope_write.call(
+          heads.narrow(0, 0, head).narrow(1, 0, num_heads + num_kv_heads), cos.narrow(0, 0, head),
+          signed_sin.narrow(0, 0, head), num_heads, v.narrow(0, 0, head), k_cache, v_cache,
+          out_cache_loc.narrow(0, 0, head));
+      const at::Tensor q = rotated.narrow(1, 0, num_heads);
+      const at::Tensor k = rotated.narrow(1, num_heads, num_kv_heads);
+      int64_t start = 0;
+      for (size_t i = 0; i + tail < extend_lens.size(); ++i) {
+        const int64_t n = extend_lens[i], prefix = prefix_lens[i], seq = prefix + n;
+        std::optional<int64_t> window;
+        if (layer_window > 0 && seq > layer_window) window = layer_window;
+        const at::Tensor chunk = q.narrow(0, start, n);
+        if (prefix == 0 && !window) {
+          outs.push_back(o.attend.call(chunk, k.narrow(0, start, n), v.narrow(0, start, n), 0,
+                                       0, scale, softcap, std::nullopt));
+        } else {
+          // keys before the first query's window are never seen
+          const int64_t first = window ? std::max<int64_t>(0, prefix + 1 - *window) : 0;
+          const at::Tensor slots =
+              req_to_token.select(0, pool_rows[i]).narrow(0, first, seq - first);
+          outs.push_back(o.attend.call(chunk, at::index_select(k_cache, 0, slots),
+                                       at::index_select(v_cache, 0, slots), prefix, first, scale,
+                                       softcap, window));
+        }
+        start += n;
       }
-      start += n;
+      TORCH_CHECK(start == head, "prefill_layers: the requests' lengths do not add up to the rows");
     }
-    TORCH_CHECK(start == t, "prefill_layers: the requests' lengths do not add up to the rows");
+    if (tail > 0) {
+      const at::Tensor rows = heads.narrow(0, head, tail);
+      const OptTensor c = cos.narrow(0, head, tail), s = signed_sin.narrow(0, head, tail);
+      std::optional<int64_t> window;
+      if (layer_window > 0) window = layer_window;
+      outs.push_back(o.decode.call(rows.narrow(1, 0, num_heads),
+                                   rows.narrow(1, num_heads, num_kv_heads), v.narrow(0, head, tail),
+                                   c, s, k_cache, v_cache, out_cache_loc.narrow(0, head, tail),
+                                   req_to_token, tail_pool, tail_lens, scale, softcap, window));
+    }
     const at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs);
     return out.reshape({t, num_heads * dim});
   }
 };
+
+// How many of the step's last requests add one token each, where two or more do (a mixed
+// step's decode rows, `PagedAttention._one_token_tail`); else 0
+int64_t decode_tail(const std::vector<int64_t>& extend_lens) {
+  int64_t tail = 0;
+  while (tail < static_cast<int64_t>(extend_lens.size()) &&
+         extend_lens[extend_lens.size() - 1 - tail] == 1)
+    ++tail;
+  return tail >= 2 ? tail : 0;
+}
 
 std::tuple<at::Tensor, at::Tensor> prefill_layers(
     const at::Tensor& h, const at::Tensor& cos, const at::Tensor& signed_sin,
@@ -233,10 +274,17 @@ std::tuple<at::Tensor, at::Tensor> prefill_layers(
                 "prefill_layers: request ", i, "'s pool row or length is outside req_to_token");
   }
   const Ops& o = ops();
-  const Attention attend{cos,         signed_sin,  k_caches,  v_caches,     out_cache_loc,
+  const int64_t tail = decode_tail(extend_lens);
+  at::Tensor tail_pool = at::empty({tail}, at::kLong), tail_lens = at::empty({tail}, at::kLong);
+  for (int64_t j = 0; j < tail; ++j) {
+    const size_t i = extend_lens.size() - tail + j;
+    tail_pool.data_ptr<int64_t>()[j] = pool_rows[i];
+    tail_lens.data_ptr<int64_t>()[j] = prefix_lens[i] + 1;
+  }
+  const Attention attend{cos,          signed_sin,  k_caches,    v_caches,  out_cache_loc,
                          req_to_token, extend_lens, prefix_lens, pool_rows, num_heads,
-                         num_kv_heads, scale,       softcap,   windows,      qk_norms,
-                         qk_eps};
+                         num_kv_heads, scale,       softcap,     windows,   qk_norms,
+                         qk_eps,       tail,        tail_pool,   tail_lens};
   Projections proj{{"prefill_layers", params, spec}};
   const int64_t rows = h.size(0);
   auto result = residual_layers(
