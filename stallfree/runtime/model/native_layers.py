@@ -238,21 +238,32 @@ class NativeLinear(nn.Linear):
         return native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the weight is bfloat16 on the CPU (`use_native_linears` checked): the input's facts
-        # are checked once here, not again in `linear`
-        if (
-            x.dtype == torch.bfloat16
-            and self.weight.is_contiguous()
-            and applies(x)
-            and x.numel() <= dense_max_rows(x.dtype) * self.in_features
-        ):
+        # the weight is bfloat16 on the CPU (`use_native_linears` checked), so only a bfloat16
+        # input can take a native route; its facts are read once here, not again per route
+        # (nor in `linear`). The routes, in order: the matrix-vector kernel (`applies`, up to
+        # `dense_max_rows`), the prepacked copy (`prepacked_prompt`), the tiles' prompt
+        # product (`prompt_on_tiles`), else F.linear.
+        if x.dtype != torch.bfloat16 or torch.compiler.is_compiling():
+            return F.linear(x, self.weight, self.bias)
+        rows = x.numel() // max(self.in_features, 1)
+        native = x.device.type == "cpu" and x.is_contiguous() and cpu_kernels.available()
+        weight_contiguous = self.weight.is_contiguous()
+        dense_rows = dense_max_rows(torch.bfloat16)
+        if native and weight_contiguous and rows <= dense_rows:
             out: torch.Tensor = torch.ops.stallfree.linear(x, self.weight, self.bias_f32)
             return out
-        if self.prepacked_prompt(x):
+        if self.weight_prepacked is not None and rows >= PREPACKED_MIN_ROWS:
             return packed_linear(x, self.weight_prepacked, self.bias)
-        if prompt_on_tiles(x, self.weight):
-            rows = x.reshape(-1, self.in_features)
-            out = torch.ops.stallfree.linear_bf16_prompt(rows, self.weight, self.bias_f32)
+        if (
+            native
+            and weight_contiguous
+            and dense_rows < rows <= PROMPT_TILES_MAX_ROWS
+            and self.out_features % 16 == 0
+            and self.in_features % 32 == 0
+            and cpu_kernels.amx()
+        ):
+            flat = x.reshape(-1, self.in_features)
+            out = torch.ops.stallfree.linear_bf16_prompt(flat, self.weight, self.bias_f32)
             return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
