@@ -13,6 +13,7 @@ import pytest
 
 from stallfree import Engine, SamplingParams
 from stallfree.runtime.model import cpu_kernels, native_layers, native_prompt_loop
+from stallfree.runtime.model.attention import one_token_tail
 from tests.engine_util import engine_config, random_prompts
 from tests.hf_models import TILES_SHAPE, make_llama
 
@@ -61,13 +62,6 @@ async def test_the_loop_gives_the_python_loops_tokens(
     assert taken == (3 if cpu_kernels.amx() else 0)
 
 
-def _decode_tail(lens: list[int]) -> int:
-    tail = 0
-    while tail < len(lens) and lens[len(lens) - 1 - tail] == 1:
-        tail += 1
-    return tail
-
-
 async def _mixed(
     path: Path, loop: bool, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[list[list[int]], int, int]:
@@ -85,7 +79,7 @@ async def _mixed(
         nonlocal tails, taken
         out = run(*args)
         h, fb = args[2], args[4]
-        if _decode_tail(fb.extend_lens_cpu) >= 2 and h.shape[0] > native_layers.AMX_MAX_ROWS:
+        if one_token_tail(fb.extend_lens_cpu) >= 2 and h.shape[0] > native_layers.AMX_MAX_ROWS:
             tails += 1
             taken += out is not None
         return out

@@ -293,6 +293,15 @@ def joint_qk(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def one_token_tail(lens: list[int]) -> int:
+    """How many of an extend step's last requests add one token each (a mixed step's decode
+    rows, last by construction)."""
+    tail = 0
+    while tail < len(lens) and lens[len(lens) - 1 - tail] == 1:
+        tail += 1
+    return tail
+
+
 def rope_qk(
     q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -455,11 +464,7 @@ class PagedAttention:
         # the same for every layer of a pass: counted at its first layer (a layer id not above
         # the last one is a new pass, as for the decode plans)
         if fb is not self._tail_fb or layer_id <= self._tail_layer:
-            lens = fb.extend_lens_cpu
-            tail = 0
-            while tail < len(lens) and lens[len(lens) - 1 - tail] == 1:
-                tail += 1
-            self._tail_fb, self._tail = fb, tail
+            self._tail_fb, self._tail = fb, one_token_tail(fb.extend_lens_cpu)
         self._tail_layer = layer_id
         tail = self._tail
         if tail < 2 or not native_decode_supported(

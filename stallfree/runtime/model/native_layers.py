@@ -247,21 +247,12 @@ class NativeLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // max(self.in_features, 1)
         native = x.device.type == "cpu" and x.is_contiguous() and cpu_kernels.available()
-        weight_contiguous = self.weight.is_contiguous()
-        dense_rows = dense_max_rows(torch.bfloat16)
-        if native and weight_contiguous and rows <= dense_rows:
+        if native and self.weight.is_contiguous() and rows <= dense_max_rows(torch.bfloat16):
             out: torch.Tensor = torch.ops.stallfree.linear(x, self.weight, self.bias_f32)
             return out
         if self.weight_prepacked is not None and rows >= PREPACKED_MIN_ROWS:
             return packed_linear(x, self.weight_prepacked, self.bias)
-        if (
-            native
-            and weight_contiguous
-            and dense_rows < rows <= PROMPT_TILES_MAX_ROWS
-            and self.out_features % 16 == 0
-            and self.in_features % 32 == 0
-            and cpu_kernels.amx()
-        ):
+        if native and _tiles_rows(rows, self.weight):
             flat = x.reshape(-1, self.in_features)
             out = torch.ops.stallfree.linear_bf16_prompt(flat, self.weight, self.bias_f32)
             return out.view(*x.shape[:-1], self.out_features)
