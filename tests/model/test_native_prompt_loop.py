@@ -1,10 +1,10 @@
 """A prompt's layer loop in C++ (`native_prompt_loop.py`, csrc/prompt_layers.cpp): the same
-logits and cache bit for bit as the Python loop over the same native ops, in bfloat16, int8 and
-int4, for one prompt, several, prompts with a cached prefix, a sliding window they outgrow,
+logits and cache bit for bit as the Python loop over the same native ops, in bfloat16, int8,
+int4 and float32, for one prompt, several, prompts with a cached prefix, a sliding window they outgrow,
 biases, Qwen3's per-head q/k norms, a soft-capped backend and a mixed step's decode rows, each
 step counted to have made the one native call where the AMX tiles take its products (and
 oneDNN's: past their rows for dense layers, and on `--prepack-prompt-weights`' copies); steps
-it does not run (too few rows, integer layers past the tiles, float32, the loop turned off)
+it does not run (too few rows, integer layers past the tiles, the loop turned off)
 stay in Python with the same result; its fake gives the op's shapes; a malformed call is an
 error, not a crash."""
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from stallfree.runtime.memory.pool import KVCache
-from stallfree.runtime.model import cpu_kernels, native_prompt_loop
+from stallfree.runtime.model import cpu_kernels, native_layers, native_prompt_loop
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.loader import LoadedModel, load_model
 from tests.hf_models import TILES_SHAPE, make_llama, make_mistral, make_qwen2, make_qwen3
@@ -168,18 +168,37 @@ def test_other_families_take_the_loop_bit_for_bit(
         assert len(step.qk_norms) == (6 if make is make_qwen3 else 0)
 
 
+FLOAT32 = [
+    [(0, 40)],
+    [(0, 23), (0, 64), (0, 17)],
+    [(11, 30), (0, 25), (70, 33)],  # cached prefixes: their keys gathered
+    [(0, 300), (40, 97)],
+    [(0, 40), (5, 1), (7, 1)],  # a mixed step: its decode rows on the decode attention
+]
+
+
+@pytest.mark.parametrize("requests", FLOAT32)
+def test_a_float32_prompt_takes_the_loop_bit_for_bit(
+    llama_dir: Path, requests: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # oneDNN's products as the Python loop makes them: q, k and v three F.linear calls, gate
+    # and up side by side, o and down F.linear; the native prompt attention's vector path
+    assert _same(llama_dir, "float32", "none", requests, monkeypatch) == 1
+
+
 @pytest.mark.parametrize(
     ("dtype", "requests"),
     [
         ("bfloat16", [(0, 12)]),  # the matrix-vector kernels' rows, not the tiles'
-        ("float32", [(0, 40)]),  # no tiles for float32
-        ("float32", [(0, 40), (5, 1), (7, 1)]),  # nor for a float32 mixed step
+        ("float32", None),  # float32's grouped native call's rows (this CPU's most)
     ],
 )
 def test_steps_it_does_not_take_stay_in_python(
-    llama_dir: Path, dtype: str, requests: list[tuple[int, int]],
+    llama_dir: Path, dtype: str, requests: list[tuple[int, int]] | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
+    if requests is None:
+        requests = [(0, native_layers.dense_max_rows(torch.float32))]
     assert _same(llama_dir, dtype, "none", requests, monkeypatch) == 0
 
 

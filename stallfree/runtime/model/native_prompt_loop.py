@@ -5,14 +5,17 @@ the Python between the calls is gone: about 10 module calls, their checks and fr
 during which the second compute thread waits for the first.
 
 It takes an extend step only where every call of it would have been native or torch's own
-anyway: bfloat16 Llama-family layers with a joint q/k/v projection and a stacked gate/up
+anyway. In bfloat16: Llama-family layers with a joint q/k/v projection and a stacked gate/up
 projection (`fuse_projections`), with per-head q/k norms (Qwen3) or without, each projection on
 the AMX tiles at this row count (`tiles_take`: more rows than the matrix-vector kernels take, up
 to native_layers.PROMPT_TILES_MAX_ROWS), on `--prepack-prompt-weights`' blocked copy past its
 threshold, or, past the tiles' rows, a dense layer's F.linear (`at::linear` there; an integer
 layer's dequantised product past the tiles stays in Python), head dims the tiles' prompt
-attention takes, a cache in the model's dtype, no LoRA rows, tensor-parallel size 1, not
-compiled. A mixed step's one-token tail (two or more trailing decode rows) takes the decode
+attention takes. In float32 (dense layers, which keep transformers' separate projections and
+sums), past the rows of the grouped native call: q, k and v three F.linear calls, o and down
+F.linear, gate and up side by side (`native_layers.side_by_side`), the prompt attention's
+vector path. Either way: a cache in the model's dtype, no LoRA rows, tensor-parallel size 1,
+not compiled. A mixed step's one-token tail (two or more trailing decode rows) takes the decode
 attention op inside the loop, as `PagedAttention` runs it in Python. Everything else stays in
 Python.
 `STALLFREE_NATIVE_LOOP=0` turns it off, with the decode step's loop.
@@ -34,9 +37,10 @@ from stallfree.runtime.model.quant import Int4Linear, Int8Linear
 
 Layer = Any  # llama.py's `LlamaDecoderLayer` (llama.py imports this module)
 
-# csrc/prompt_layers.cpp's projection kinds: the tiles' products, and oneDNN's (F.linear, or on
-# `--prepack-prompt-weights`' blocked copy)
-BF16, Q8, Q4, TORCH, PREPACKED = range(5)
+# csrc/prompt_layers.cpp's projection kinds: the tiles' products, oneDNN's (F.linear, or on
+# `--prepack-prompt-weights`' blocked copy), float32's gate and up side by side (the count
+# follows), and float32's q, k and v as three calls (APART: the next three projections)
+BF16, Q8, Q4, TORCH, PREPACKED, SIDE, APART = range(7)
 TILES = (BF16, Q8, Q4)
 
 
@@ -72,7 +76,40 @@ def _projection(module: nn.Module, rows: int) -> tuple[int, list[torch.Tensor | 
     return (kind, tensors) if module.tiles_take(rows, torch.bfloat16) else None
 
 
-def _layer(layer: Layer, rows: int) -> list[tuple[int, list[torch.Tensor | None]]] | None:
+Part = tuple[list[int], list[torch.Tensor | None]]  # a projection's spec entries and tensors
+
+
+def _float32_layer(layer: Layer, rows: int) -> list[Part] | None:
+    """A float32 layer's projections as the Python loop runs a prompt past the grouped native
+    call's rows, or None: q, k and v three F.linear calls (`LlamaAttention.project`), o and
+    down F.linear, gate and up `native_layers.side_by_side` (each its own torch.mm into one
+    output, so `silu_mul` reads them in one pass)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if rows <= native_layers.dense_max_rows(torch.float32):
+        return None
+    # a mixture of experts' MLP has none of these
+    gate, up, down = (getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
+    if attn.qkv_proj is not None or getattr(mlp, "gate_up_proj", None) is not None:
+        return None
+    plain = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, down)
+    if any(type(m) is not nn.Linear or m.weight.dtype != torch.float32 for m in plain):
+        return None
+    side = native_layers.group_weights([gate, up], torch.float32)
+    if side is None:
+        return None
+    qkv: Part = ([APART], [])
+    for m in plain[:3]:
+        qkv[0].append(TORCH)
+        qkv[1].extend([m.weight, m.bias])
+    return [
+        qkv,
+        ([TORCH], [attn.o_proj.weight, attn.o_proj.bias]),
+        ([SIDE, len(side)], list(side)),
+        ([TORCH], [down.weight, down.bias]),
+    ]
+
+
+def _layer(layer: Layer, rows: int) -> list[Part] | None:
     """The layer's q/k/v, o, gate/up and down projections, or None."""
     attn, mlp = layer.self_attn, layer.mlp
     gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
@@ -93,31 +130,32 @@ def _layer(layer: Layer, rows: int) -> list[tuple[int, list[torch.Tensor | None]
     mlp_kinds = [part[0] for part in parts[2:] if part is not None]
     if (mlp_kinds[0] in TILES) != (mlp_kinds[1] in TILES):
         return None
-    return parts  # type: ignore[return-value]
+    return [([kind], tensors) for kind, tensors in parts]  # type: ignore[misc]
 
 
 def plan(
-    layers: Sequence[Layer], rows: int, backend: PagedAttention, cache: torch.dtype
-) -> Plan | None:
-    """The plan for a bfloat16 prompt of `rows` rows, or None where some layer would not run
-    every call of it on the native prompt path."""
+    layers: Sequence[Layer], rows: int, backend: PagedAttention, cache: torch.dtype,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Plan | None:  # fmt: skip
+    """The plan for a prompt of `rows` rows in `dtype` (bfloat16 or float32), or None where
+    some layer would not run every call of it on the native prompt path."""
     norms: list[torch.Tensor] = []
     params: list[torch.Tensor | None] = []
     spec: list[int] = []
-    qk = native_loop.qk_norms(layers, torch.bfloat16)
+    qk = native_loop.qk_norms(layers, dtype)
     windows = native_loop.layer_windows(backend, len(layers), cache)
     if qk is None or windows is None or not native_loop.same_layers(layers):
         return None
     for layer in layers:
-        parts = _layer(layer, rows)
+        parts = _float32_layer(layer, rows) if dtype == torch.float32 else _layer(layer, rows)
         if parts is None:
             return None
-        for kind, tensors in parts:
-            spec.append(kind)
+        for kinds, tensors in parts:
+            spec += kinds
             params += tensors
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             w = norm.weight
-            if w.dtype != torch.bfloat16 or not w.is_contiguous():
+            if w.dtype != dtype or not w.is_contiguous():
                 return None
             norms.append(w)
     return Plan(
@@ -137,22 +175,27 @@ def takes(
     cos, signed_sin = rope
     kv = fb.kv_cache
     loc = fb.out_cache_loc
+    dtype = h.dtype
+    if dtype == torch.bfloat16:
+        # the tiles' products and prompt attention (attention._native_prompt for bfloat16)
+        native = dim % 32 == 0 and cpu_kernels.amx()
+    else:
+        # float32: oneDNN's products, the native prompt attention's vector path
+        native = dtype == torch.float32 and dim % 16 == 0
     return (
-        isinstance(backend, PagedAttention)
+        native
+        and isinstance(backend, PagedAttention)
         and backend.takes_rope
-        and h.dtype == torch.bfloat16
         and h.dim() == 2
         and h.is_contiguous()
         and h.device.type == "cpu"
-        # the tiles' prompt attention (attention._native_prompt for bfloat16)
-        and dim % 32 == 0
         and dim <= 256
         and attn.num_heads % attn.num_kv_heads == 0
-        and cos.dtype == signed_sin.dtype == torch.bfloat16
+        and cos.dtype == signed_sin.dtype == dtype
         and cos.shape == signed_sin.shape == (t, 1, dim)
         and cos.stride(2) == signed_sin.stride(2) == 1
         and not kv.format.quantized
-        and kv.k_buffers[0].dtype == kv.v_buffers[0].dtype == torch.bfloat16
+        and kv.k_buffers[0].dtype == kv.v_buffers[0].dtype == dtype
         and kv.k_buffers[0].shape[1:] == (attn.num_kv_heads, dim)
         and all(b.is_contiguous() for b in (*kv.k_buffers, *kv.v_buffers))
         and loc.dtype == torch.int64
@@ -164,7 +207,6 @@ def takes(
         and not torch.compiler.is_compiling()
         and not torch.is_grad_enabled()
         and cpu_kernels.available()
-        and cpu_kernels.amx()
     )
 
 
@@ -185,7 +227,7 @@ def run(
     # past the tiles' rows every row count takes the same plan: one entry for all of them
     rows = min(h.shape[0], native_layers.PROMPT_TILES_MAX_ROWS + 1)
     if rows not in plans:
-        plans[rows] = plan(layers, rows, backend, fb.kv_cache.k_buffers[0].dtype)
+        plans[rows] = plan(layers, rows, backend, fb.kv_cache.k_buffers[0].dtype, h.dtype)
     step = plans[rows]
     if step is None:
         return None

@@ -1,5 +1,5 @@
 // A prompt's decoder layers in one call (`prefill_layers`): the loop that
-// `LlamaDecoderLayer.fused_forward` runs in Python for a bfloat16 extend step, driven from C++
+// `LlamaDecoderLayer.fused_forward` runs in Python for a bfloat16 or float32 extend step, driven from C++
 // over the same operators in the same order on the same inputs, so its result is bit for bit the
 // Python loop's. What it removes is the Python between the calls (module calls, the checks each
 // op's wrapper makes, views and frames), during which the other compute thread waits.
@@ -14,7 +14,10 @@
 // gate/up writes SiLU * up packed for the down projection, which reads it as it is
 // (`native_layers.mlp_on_tiles`); past them each product is oneDNN's (`at::linear`, as F.linear,
 // or on `--prepack-prompt-weights`' blocked copy past its threshold) and gate/up, `silu_mul` and
-// down are three calls (`native_layers.gate_up_silu`'s way).
+// down are three calls (`native_layers.gate_up_silu`'s way). A float32 layer keeps its
+// projections apart, as transformers does: q, k and v are three `at::linear` calls joined for
+// the attention, gate and up each a torch.mm into its columns of one output
+// (`native_layers.side_by_side`), then `silu_mul` and down.
 // A projection is one of the `Kind`s below, its tensors taken in order from `params` as `spec`
 // says (runtime/model/native_prompt_loop.py builds both).
 #include <ATen/core/Tensor.h>
@@ -25,6 +28,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 
 #include "layer_calls.h"
@@ -47,6 +51,10 @@ enum Kind : int64_t {
   kQ4 = 2,    // linear_q4_prompt: codes, group scales, group offsets, bias_f32?, bias?
   kTorch = 3,  // at::linear (oneDNN): weight, bias? (bfloat16 past the tiles' rows)
   kPrepacked = 4,  // oneDNN on its blocked copy (`--prepack-prompt-weights`): copy, bias?
+  // float32's gate and up (`native_layers.side_by_side`): spec's next value is the count, then
+  // that many weights, each one's torch.mm written into its columns of one output
+  kSide = 5,
+  kApart = 6,  // not a projection: q, k and v are the next three, each its own call (float32)
 };
 
 using Prompt8 = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
@@ -107,7 +115,13 @@ at::Tensor prepacked_linear(const at::Tensor& x, const at::Tensor& packed, const
 struct Projections : PlanCursor {
   // whether the next projection runs on oneDNN (an MLP's two then run apart)
   bool next_on_torch() const {
-    return s < spec.size() && (spec[s] == kTorch || spec[s] == kPrepacked);
+    return s < spec.size() && (spec[s] == kTorch || spec[s] == kPrepacked || spec[s] == kSide);
+  }
+  // whether q, k and v come as three projections (`kApart` taken off the spec)
+  bool apart() {
+    if (s >= spec.size() || spec[s] != kApart) return false;
+    ++s;
+    return true;
   }
 
   at::Tensor apply(const at::Tensor& x, bool silu = false, bool pack = false, int64_t rows = 0) {
@@ -143,6 +157,26 @@ struct Projections : PlanCursor {
         TORCH_CHECK(!epilogue, "prefill_layers: a product on oneDNN has no SiLU or packed output");
         const at::Tensor w = need("a packed weight");
         return prepacked_linear(x, w, maybe("a bias"));
+      }
+      case kSide: {
+        TORCH_CHECK(!epilogue, "prefill_layers: a side-by-side product has no SiLU or packed output");
+        TORCH_CHECK(s < spec.size(), "prefill_layers: a side-by-side group without its count");
+        const int64_t count = spec[s++];
+        TORCH_CHECK(count > 0, "prefill_layers: a side-by-side group of ", count, " weights");
+        std::vector<at::Tensor> ws;
+        int64_t width = 0;
+        for (int64_t i = 0; i < count; ++i) {
+          ws.push_back(need("a side-by-side weight"));
+          width += ws.back().size(0);
+        }
+        at::Tensor out = at::empty({x.size(0), width}, x.options());
+        int64_t col = 0;
+        for (const at::Tensor& w : ws) {
+          at::Tensor cols = out.narrow(1, col, w.size(0));
+          at::mm_out(cols, x, w.t());
+          col += w.size(0);
+        }
+        return out;
       }
       default:
         TORCH_CHECK(false, "prefill_layers: unknown projection kind ", spec[s - 1]);
@@ -289,7 +323,19 @@ std::tuple<at::Tensor, at::Tensor> prefill_layers(
   const int64_t rows = h.size(0);
   auto result = residual_layers(
       h, norms, eps, layers,
-      [&](const at::Tensor& x, size_t l) { return proj.apply(attend(proj.apply(x), l)); },
+      [&](const at::Tensor& x, size_t l) {
+        at::Tensor qkv;
+        if (proj.apart()) {
+          // three products joined for the attention, which reads them as one [T, heads, D]
+          const at::Tensor q = proj.apply(x);
+          const at::Tensor k = proj.apply(x);
+          const at::Tensor v = proj.apply(x);
+          qkv = at::cat({q, k, v}, 1);
+        } else {
+          qkv = proj.apply(x);
+        }
+        return proj.apply(attend(qkv, l));
+      },
       [&](const at::Tensor& x) {
         if (proj.next_on_torch()) {
           // oneDNN's products: gate/up, silu_mul, down (native_layers.gate_up_silu's way)
