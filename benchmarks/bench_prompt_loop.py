@@ -2,17 +2,20 @@
 (`torch.ops.stallfree.prefill_layers`), one process per model and repeat, alternating.
 
     python benchmarks/bench_prompt_loop.py MODEL [MODEL ...] [--quantization none]
-        [--rows 32 64 128 256] [--rounds 30] [--repeats 3] [--threads 2]
+        [--dtype bfloat16|float32] [--rows 32 64 128 256] [--rounds 30] [--repeats 3]
+        [--threads 2]
 
-MODEL: a GGUF file or a Hugging Face directory, loaded in bfloat16 (`--quantization gguf`
-keeps a GGUF's Q8_0 / Q4 blocks as they are). Each repeat starts a fresh process per model,
+MODEL: a GGUF file or a Hugging Face directory, loaded in `--dtype` (bfloat16 by default;
+`--quantization gguf` keeps a GGUF's Q8_0 / Q4 blocks as they are). Each repeat starts a fresh process per model,
 the models interleaved; in it every round runs one prompt of each row count through the model
 both ways (`STALLFREE_NATIVE_LOOP=0`, then `=1`, the order reversed every other round), each
 forward timed whole (embedding, layers, the last row's logits). Both ways give the same bits
 (tests/model/test_native_prompt_loop.py). Prints each way's median milliseconds and the
 median over rounds of C++ / Python, per repeat, then the medians over repeats, with the load
-average. The C++ loop runs where the AMX tiles take every product (17-256 rows); elsewhere
-both ways are the Python loop.
+average. In bfloat16 the C++ loop runs where the AMX tiles take every product (17-256 rows), and
+past them for dense layers (oneDNN's products); in float32 past the grouped native call's rows
+(oneDNN's products, the projections kept apart as the Python loop keeps them); elsewhere both
+ways are the Python loop.
 """
 
 from __future__ import annotations
@@ -27,14 +30,16 @@ import time
 from pathlib import Path
 
 
-def measure(model: str, quantization: str, rows_list: list[int], rounds: int) -> dict[str, list]:
+def measure(
+    model: str, quantization: str, dtype: str, rows_list: list[int], rounds: int
+) -> dict[str, list]:
     import torch
 
     from stallfree.runtime.model.compile import throwaway_batch
     from stallfree.runtime.model.forward_batch import ForwardMode
     from stallfree.runtime.model.loader import load_model
 
-    loaded = load_model(model, "bfloat16", torch.device("cpu"), 0, quantization=quantization)
+    loaded = load_model(model, dtype, torch.device("cpu"), 0, quantization=quantization)
     gen = torch.Generator().manual_seed(0)
     batches = []
     for rows in rows_list:
@@ -71,6 +76,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("models", nargs="+")
     p.add_argument("--quantization", default="none", choices=["none", "gguf", "int8", "int4"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--rows", type=int, nargs="+", default=[32, 64, 128, 256])
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
@@ -81,7 +87,7 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-        result = measure(args.models[0], args.quantization, args.rows, args.rounds)
+        result = measure(args.models[0], args.quantization, args.dtype, args.rows, args.rounds)
         print(json.dumps(result))
         return
     load = os.getloadavg()[0]
@@ -89,7 +95,7 @@ def main() -> None:
     for repeat in range(args.repeats):
         for model in args.models:
             cmd = [sys.executable, __file__, model, "--child", "--quantization", args.quantization,
-                   "--rounds", str(args.rounds), "--threads", str(args.threads),
+                   "--dtype", args.dtype, "--rounds", str(args.rounds), "--threads", str(args.threads),
                    "--rows", *map(str, args.rows)]  # fmt: skip
             done = subprocess.run(cmd, check=True, capture_output=True, text=True)
             result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -100,7 +106,7 @@ def main() -> None:
                 note = "" if taken else " (the C++ loop did not take it)"
                 print(f"  repeat {repeat + 1} {name} {rows} rows: python {py:.2f} ms, "
                       f"C++ {cc:.2f} ms, C++ / python {ratio:.3f}{note}", flush=True)  # fmt: skip
-    print(f"quantization {args.quantization}, threads {args.threads}, {args.rounds} rounds a "
+    print(f"{args.dtype}, quantization {args.quantization}, threads {args.threads}, {args.rounds} rounds a "
           f"repeat, {args.repeats} repeats; load {load:.2f} at start, "
           f"{os.getloadavg()[0]:.2f} at end")  # fmt: skip
     print("| model | rows | python: ms | C++: ms | C++ / python (median of repeats) |")

@@ -1,6 +1,6 @@
 """The prompt's layer loop in C++ inside the engine: prompts, one with a cached prefix, give the
 same greedy tokens with the loop on as with it off (the Python loop), the loop takes their
-prefills where the AMX tiles are in use, and every pool is full again afterwards; with mixed
+prefills where the AMX tiles are in use (bfloat16) and on any CPU with the kernels (float32), and every pool is full again afterwards; with mixed
 steps on, the steps that carry running streams' decode rows with a prompt's chunk take it too,
 with the same tokens."""
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 
 
 async def _generate(
-    path: Path, loop: bool, monkeypatch: pytest.MonkeyPatch
+    path: Path, loop: bool, monkeypatch: pytest.MonkeyPatch, dtype: str = "bfloat16"
 ) -> tuple[list[list[int]], int]:
     """Each prompt's greedy tokens, one request at a time, and how many steps the loop took."""
     monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "1" if loop else "0")
@@ -40,7 +40,7 @@ async def _generate(
     base = random_prompts(1, seed=4, lo=40, hi=40)[0]
     # the third shares the first's 40 tokens: its prefill attends over a cached prefix
     prompts = [base, random_prompts(1, seed=5, lo=70, hi=70)[0], base + [7, 9, 11] * 8]
-    cfg = engine_config(str(path), model={"dtype": "bfloat16"})
+    cfg = engine_config(str(path), model={"dtype": dtype})
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     async with Engine(cfg) as engine:
         results = [await engine.complete(p, params) for p in prompts]
@@ -60,6 +60,18 @@ async def test_the_loop_gives_the_python_loops_tokens(
     assert looped == python
     # every prompt's prefill (the third's 24 new tokens after its cached 40 included)
     assert taken == (3 if cpu_kernels.amx() else 0)
+
+
+async def test_a_float32_model_takes_the_loop_with_the_python_loops_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # float32 needs no tiles: oneDNN's products, the prompt attention's vector path
+    path = make_llama(tmp_path, **TILES_SHAPE)
+    python, off = await _generate(path, False, monkeypatch, "float32")
+    looped, taken = await _generate(path, True, monkeypatch, "float32")
+    assert off == 0
+    assert looped == python
+    assert taken == 3
 
 
 async def _mixed(
