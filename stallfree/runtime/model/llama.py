@@ -353,7 +353,7 @@ class LlamaForCausalLM(nn.Module):
         self._plain_layers: bool | None = None
         # native_loop's plans per (rows, dtype) of a decode step
         self._loop_plans: dict[tuple[int, torch.dtype], native_loop.Plan | None] = {}
-        # native_prompt_loop's plans per row count of a bfloat16 prompt
+        # native_prompt_loop's plans per row count of a prompt
         self._prompt_plans: dict[int, native_prompt_loop.Plan | None] = {}
         # compile_layers' two compiled halves of a decoder layer; None: eager
         self.compiled: tuple[Callable[..., Any], Callable[..., Any]] | None = None

@@ -150,6 +150,11 @@ def plan(
     windows = native_loop.layer_windows(backend, len(layers), cache)
     if qk is None or windows is None or not native_loop.same_layers(layers):
         return None
+    if dtype == torch.float32 and qk[0]:
+        # Qwen3's per-head norms: the Python loop norms float32 q and k as the projections'
+        # own contiguous tensors, the loop on strided head views of the joined q/k/v, and
+        # torch's float32 statistics differ in their last bits between the two
+        return None
     for layer in layers:
         parts = _float32_layer(layer, rows) if dtype == torch.float32 else _layer(layer, rows)
         if parts is None:
