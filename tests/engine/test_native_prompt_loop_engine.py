@@ -65,7 +65,7 @@ async def test_the_loop_gives_the_python_loops_tokens(
 async def test_a_float32_model_takes_the_loop_with_the_python_loops_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # float32 needs no tiles: oneDNN's products, the prompt attention's vector path
+    # float32 needs no tiles: torch's own products, the prompt attention's vector path
     path = make_llama(tmp_path, **TILES_SHAPE)
     python, off = await _generate(path, False, monkeypatch, "float32")
     looped, taken = await _generate(path, True, monkeypatch, "float32")

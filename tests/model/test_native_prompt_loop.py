@@ -181,7 +181,7 @@ FLOAT32 = [
 def test_a_float32_prompt_takes_the_loop_bit_for_bit(
     llama_dir: Path, requests: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # oneDNN's products as the Python loop makes them: q, k and v three F.linear calls, gate
+    # torch's products as the Python loop makes them: q, k and v three F.linear calls, gate
     # and up side by side, o and down F.linear; the native prompt attention's vector path
     assert _same(llama_dir, "float32", "none", requests, monkeypatch) == 1
 

@@ -189,7 +189,7 @@ def takes(
         # the tiles' products and prompt attention (attention._native_prompt for bfloat16)
         native = dim % 32 == 0 and cpu_kernels.amx()
     else:
-        # float32: oneDNN's products, the native prompt attention's vector path
+        # float32: torch's own products (MKL's), the native prompt attention's vector path
         native = dtype == torch.float32 and dim % 16 == 0
     return (
         native
