@@ -1,6 +1,6 @@
 // A prompt's decoder layers in one call (`prefill_layers`): the loop that
-// `LlamaDecoderLayer.fused_forward` runs in Python for a bfloat16 or float32 extend step, driven from C++
-// over the same operators in the same order on the same inputs, so its result is bit for bit the
+// `LlamaDecoderLayer.fused_forward` runs in Python for a bfloat16 or float32 extend step, driven
+// from C++ over the same operators in the same order on the same inputs, so its result is bit for bit the
 // Python loop's. What it removes is the Python between the calls (module calls, the checks each
 // op's wrapper makes, views and frames), during which the other compute thread waits.
 //
@@ -49,7 +49,7 @@ enum Kind : int64_t {
   kBf16 = 0,  // linear_bf16_prompt: weight, bias_f32
   kQ8 = 1,    // linear_q8_prompt: qweight, row scales?, block scales?, bias_f32?, bias?
   kQ4 = 2,    // linear_q4_prompt: codes, group scales, group offsets, bias_f32?, bias?
-  kTorch = 3,  // at::linear (oneDNN): weight, bias? (bfloat16 past the tiles' rows)
+  kTorch = 3,  // at::linear: weight, bias? (bfloat16 past the tiles' rows: oneDNN; float32)
   kPrepacked = 4,  // oneDNN on its blocked copy (`--prepack-prompt-weights`): copy, bias?
   // float32's gate and up (`native_layers.side_by_side`): spec's next value is the count, then
   // that many weights, each one's torch.mm written into its columns of one output
