@@ -59,7 +59,8 @@ class _Count(TorchDispatchMode):
 def _step(path: Path, dtype: str, quantization: str, lens: list[int], loop: bool,
           monkeypatch: pytest.MonkeyPatch,
           backend: Callable[[Any], None] | None = None) -> tuple[torch.Tensor, dict, int]:  # fmt: skip
-    """(logits, the model's loop plans, how many `decode_layers` calls the step made)."""
+    """(logits, the model's loop plans as the step ran them, how many `decode_layers` calls
+    the step made)."""
     monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "1" if loop else "0")
     loaded = load_model(str(path), dtype, torch.device("cpu"), 0, quantization=quantization)
     if backend is not None:
@@ -72,7 +73,15 @@ def _step(path: Path, dtype: str, quantization: str, lens: list[int], loop: bool
         v.copy_(torch.randn(v.shape).to(v.dtype))
     with _Count() as counter:
         logits = loaded.model(fb)
-    return logits, dict(loaded.model._loop_plans), counter.calls["stallfree.decode_layers"]
+    # the cached plans with the backend's windows and soft-cap, which each step adds
+    plans = {
+        key: native_loop.with_attention(
+            step, loaded.model.attn_backend, len(loaded.model.model.layers),
+            fb.kv_cache.k_buffers[0].dtype,
+        )
+        for key, step in loaded.model._loop_plans.items()
+    }  # fmt: skip
+    return logits, plans, counter.calls["stallfree.decode_layers"]
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +167,40 @@ def test_qwen3_at_twenty_rows(
     assert calls == runs
     assert (plans[(20, torch.bfloat16)] is not None) == runs
     assert torch.equal(python, looped)
+
+
+def test_a_window_or_cap_set_after_a_step_reaches_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the plan is cached per row count and dtype; the backend's window and soft-cap are read
+    # per step, as the Python loop reads them
+    path = make_mistral(tmp_path, num_hidden_layers=3, sliding_window=8)
+    loaded = load_model(str(path), "float32", torch.device("cpu"), 0, quantization="none")
+    backend = loaded.model.attn_backend
+
+    def decode() -> torch.Tensor:
+        fb = throwaway_batch(loaded, ForwardMode.DECODE, [40, 25], 1)
+        gen = torch.Generator().manual_seed(0)
+        for k, v in zip(fb.kv_cache.k_buffers, fb.kv_cache.v_buffers, strict=True):
+            k.copy_(torch.randn(k.shape, generator=gen).to(k.dtype))
+            v.copy_(torch.randn(v.shape, generator=gen).to(v.dtype))
+        return loaded.model(fb)
+
+    monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "1")
+    before = decode()  # the plan cached, the window in force
+    for change in ("window", "cap"):
+        if change == "window":
+            backend.sliding_window = None  # type: ignore[attr-defined]
+        else:
+            _softcap(backend)
+        monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "1")
+        with _Count() as counter:
+            looped = decode()
+        assert counter.calls["stallfree.decode_layers"] == 1
+        monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "0")
+        assert torch.equal(looped, decode())
+        assert not torch.equal(looped, before)
+        before = looped
 
 
 def test_a_mixture_of_experts_stays_in_python(

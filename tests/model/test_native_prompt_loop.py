@@ -200,6 +200,32 @@ def test_a_float32_prompt_of_other_families_takes_the_loop_bit_for_bit(
     assert calls == (0 if make is make_qwen3 else 1)
 
 
+def test_a_window_or_cap_set_after_a_step_reaches_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the plan is cached per row count; the backend's window and soft-cap are read per step,
+    # as the Python loop reads them (float32: the loop runs without the tiles too)
+    path = make_mistral(tmp_path, **SHAPE, sliding_window=16)
+    requests = [(0, 40)]
+    loaded = load_model(str(path), "float32", torch.device("cpu"), 0, quantization="none")
+    backend = loaded.model.attn_backend
+    monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "1")
+    windowed = loaded.model(_batch(loaded, requests))  # the plan cached, the window in force
+    for change in ("window", "cap"):
+        if change == "window":
+            backend.sliding_window = None  # type: ignore[attr-defined]
+        else:
+            _softcap(backend)
+        monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "1")
+        with OpCalls() as ops:
+            looped = loaded.model(_batch(loaded, requests))
+        assert ops.calls.count("stallfree.prefill_layers") == 1
+        monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "0")
+        assert torch.equal(looped, loaded.model(_batch(loaded, requests)))
+        assert not torch.equal(looped, windowed)
+        windowed = looped
+
+
 @pytest.mark.parametrize(
     ("dtype", "requests"),
     [

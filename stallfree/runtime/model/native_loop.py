@@ -211,10 +211,12 @@ def layer_windows(backend: PagedAttention, layers: int, cache: torch.dtype) -> l
     return [] if all(w is None for w in windows) else [w or 0 for w in windows]
 
 
-def _with_attention(
+def with_attention(
     step: Plan | None, backend: PagedAttention, layers: int, cache: torch.dtype
 ) -> Plan | None:
-    """`step` with the backend's windows and soft-cap, or None where `layer_windows` is."""
+    """`step` with the backend's windows and soft-cap as they are now, or None where
+    `layer_windows` is. Both loops ask on every step, not once per plan: the backend's window
+    and soft-cap can be set after the model is loaded (the Python loop reads them per call)."""
     windows = layer_windows(backend, layers, cache)
     if step is None or windows is None:
         return None
@@ -246,10 +248,8 @@ def run(
         return None
     key = (h.shape[0], h.dtype)
     if key not in plans:
-        # windows, soft-cap and the cache's format are the model's own: asked once per plan
-        step = plan(layers, h.shape[0], h.dtype)
-        plans[key] = _with_attention(step, backend, len(layers), kv.k_buffers[0].dtype)
-    step = plans[key]
+        plans[key] = plan(layers, h.shape[0], h.dtype)
+    step = with_attention(plans[key], backend, len(layers), kv.k_buffers[0].dtype)
     if step is None:
         return None
     args = arguments(layers, backend, h, rope, fb, step)

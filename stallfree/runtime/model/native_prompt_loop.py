@@ -237,7 +237,9 @@ def run(
     rows = min(h.shape[0], native_layers.PROMPT_TILES_MAX_ROWS + 1)
     if rows not in plans:
         plans[rows] = plan(layers, rows, backend, fb.kv_cache.k_buffers[0].dtype, h.dtype)
-    step = plans[rows]
+    step = native_loop.with_attention(
+        plans[rows], backend, len(layers), fb.kv_cache.k_buffers[0].dtype
+    )
     if step is None:
         return None
     out, residual = torch.ops.stallfree.prefill_layers(
