@@ -322,14 +322,18 @@ def test_one_decode_row_after_a_prompt_takes_the_loop(
     assert calls == int(cpu_kernels.amx())
 
 
-def _arguments(path: Path, requests: list[tuple[int, int]]) -> tuple[LoadedModel, tuple[Any, ...]]:
-    loaded = load_model(str(path), "bfloat16", torch.device("cpu"), 0, quantization="none")
+def _arguments(
+    path: Path, requests: list[tuple[int, int]], dtype: torch.dtype = torch.bfloat16
+) -> tuple[LoadedModel, tuple[Any, ...]]:
+    loaded = load_model(str(path), str(dtype).removeprefix("torch."), torch.device("cpu"), 0,
+                        quantization="none")  # fmt: skip
     fb = _batch(loaded, requests)
     model = loaded.model
     layers = list(model.model.layers)
     h = model.embed(fb.input_ids)
     rope = model.model.rotary_emb(fb.positions, h.dtype)
-    step = native_prompt_loop.plan(layers, h.shape[0], model.attn_backend, torch.bfloat16)
+    cache = fb.kv_cache.k_buffers[0].dtype
+    step = native_prompt_loop.plan(layers, h.shape[0], model.attn_backend, cache, dtype)
     assert step is not None
     return loaded, native_prompt_loop.arguments(layers, model.attn_backend, h, rope, fb, step)
 
@@ -370,3 +374,29 @@ def test_a_malformed_call_is_an_error_not_a_crash(llama_dir: Path) -> None:
         call(windows=[4])
     with pytest.raises(RuntimeError, match="two per layer"):
         call(qk_norms=args[names.index("norms")][:2])
+
+
+def test_a_malformed_float32_plan_is_an_error_not_a_crash(llama_dir: Path) -> None:
+    _, args = _arguments(llama_dir, [(0, 24), (5, 20)], torch.float32)
+    op = torch.ops.stallfree.prefill_layers
+    names = [a.name for a in op.default._schema.arguments]
+    spec, params = args[names.index("spec")], args[names.index("params")]
+    side = spec.index(native_prompt_loop.SIDE)  # the first layer's gate/up: SIDE, its count
+
+    def call(**changes: Any) -> None:
+        values = list(args)
+        for name, value in changes.items():
+            values[names.index(name)] = value
+        with torch.inference_mode():  # as the engine runs it (the weights are parameters)
+            op(*values)
+
+    call()  # the plan as made runs
+    with pytest.raises(RuntimeError, match="a side-by-side group of 0 weights"):
+        call(spec=[*spec[: side + 1], 0, *spec[side + 2 :]])
+    with pytest.raises(RuntimeError, match="a side-by-side weight is missing"):
+        call(spec=[*spec[: side + 1], 10_000, *spec[side + 2 :]])
+    with pytest.raises(RuntimeError, match="without its count"):
+        call(spec=[*spec[: side + 1]])
+    # q, k and v apart with a weight of the wrong width: torch's own error
+    with pytest.raises(RuntimeError):
+        call(params=[params[0][:, :8], *params[1:]])
