@@ -201,6 +201,42 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_llama(tmp_path_factory.mktemp("quant"), tie_word_embeddings=True)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_projections_take_no_random_init(
+    llama: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stacked q/k/v and gate/up linears are made without nn.Linear's random init, which
+    filled each one before its stacked rows overwrote it (on the 1B Llama, 2.9 s of a 3.6 s
+    load); their weights are the checkpoint's rows, stacked."""
+    from safetensors.torch import load_file
+
+    inits: list[tuple[int, ...]] = []
+    real = torch.nn.init.kaiming_uniform_
+
+    def counted(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if not tensor.is_meta:  # the model is built on the meta device, its init skipped
+            inits.append(tuple(tensor.shape))
+        return real(tensor, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", counted)
+    loaded = load_model(str(llama), dtype, CPU, 0, quantization="none")
+    assert inits == []
+    ckpt = load_file(str(llama / "model.safetensors"))
+    fused = 0
+    for i, layer in enumerate(loaded.model.model.layers):
+        for module, parts in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj"))):  # fmt: skip
+            name = "qkv_proj" if module is layer.self_attn else "gate_up_proj"
+            joint = getattr(module, name)
+            if joint is None:
+                continue
+            kind = "self_attn" if module is layer.self_attn else "mlp"
+            rows = [ckpt[f"model.layers.{i}.{kind}.{p}.weight"] for p in parts]
+            assert torch.equal(joint.weight, torch.cat(rows).to(joint.weight.dtype))
+            fused += 1
+    assert fused == (2 * len(loaded.model.model.layers) if dtype == "bfloat16" else 0)
+
+
 def _dequantised_copy(packed: torch.nn.Module, dense: torch.nn.Module) -> torch.nn.Module:
     """`dense` with every weight that `packed` quantized replaced by its dequantised values."""
     with torch.no_grad():
