@@ -1,10 +1,11 @@
 """The native CPU kernels' variants for tests: which this CPU has, a parametrize mark over
 them, switching to one (tests/model/conftest.py has the fixtures that put the process back
 and turn the AMX tiles on), a mark for tests that need the tiles, and a recorder of the ops a
-piece of code calls."""
+piece of code calls, and a backend changed after a first step."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -57,3 +58,13 @@ class OpCalls(TorchDispatchMode):
     def native(self) -> list[str]:
         """The stallfree ops among them, in order."""
         return [name for name in self.calls if name.startswith("stallfree.")]
+
+
+def window_then_cap(backend: Any) -> Iterator[None]:
+    """A windowed `PagedAttention` changed after a model's first step, as a caller may change
+    it: its window turned off, then a soft-cap set (Gemma 2's kind, low enough to bite on
+    random scores); the loop runs once after each change."""
+    backend.sliding_window = None
+    yield
+    backend.softcap = 8.0
+    yield

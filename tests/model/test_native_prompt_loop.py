@@ -22,7 +22,7 @@ from stallfree.runtime.model import cpu_kernels, native_layers, native_prompt_lo
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.loader import LoadedModel, load_model
 from tests.hf_models import TILES_SHAPE, make_llama, make_mistral, make_qwen2, make_qwen3
-from tests.model.native_util import OpCalls, needs_amx
+from tests.model.native_util import OpCalls, needs_amx, window_then_cap
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="native CPU kernels unavailable here"
@@ -211,11 +211,7 @@ def test_a_window_or_cap_set_after_a_step_reaches_the_loop(
     backend = loaded.model.attn_backend
     monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "1")
     windowed = loaded.model(_batch(loaded, requests))  # the plan cached, the window in force
-    for change in ("window", "cap"):
-        if change == "window":
-            backend.sliding_window = None  # type: ignore[attr-defined]
-        else:
-            _softcap(backend)
+    for _ in window_then_cap(backend):
         monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "1")
         with OpCalls() as ops:
             looped = loaded.model(_batch(loaded, requests))
@@ -268,7 +264,7 @@ def test_one_plan_serves_every_row_count_past_the_tiles(
     loaded = load_model(str(llama_dir), "bfloat16", torch.device("cpu"), 0, quantization="none")
     for requests in ([(0, 257)], [(0, 300), (0, 150)], [(0, 40)]):
         loaded.model(_batch(loaded, requests))
-    plans = loaded.model._prompt_plans
+    plans = {rows: step for (rows, *_), step in loaded.model._prompt_plans.items()}
     assert sorted(plans) == ([40, 257] if cpu_kernels.amx() else [])
     if cpu_kernels.amx():
         assert set(plans[257].spec) == {native_prompt_loop.TORCH}

@@ -550,6 +550,13 @@ class PagedAttention:
             and cpu_kernels.available()
         )
 
+    def loop_facts(self) -> tuple[object, ...]:
+        """What the native loops' plans take from this backend besides its cache: the windows
+        and the soft-cap. Part of their plans' cache key, since either can be set after the
+        model is loaded, and the Python loop reads them on every call."""
+        layers = None if self.layer_windows is None else tuple(self.layer_windows)
+        return (self.sliding_window, layers, self.softcap)
+
     def loop_windows(self, layers: int, cache_dtype: torch.dtype) -> list[int | None] | None:
         """Each of `layers` layers' window (None: full attention) as the native decode ops
         take it, or None where a cache in `cache_dtype` is not one they read (`native_loop`

@@ -351,10 +351,10 @@ class LlamaForCausalLM(nn.Module):
         self.tied_head: Int8Linear | None = None
         # whether every layer is a plain LlamaDecoderLayer (`_fuses_residual`); None: not asked
         self._plain_layers: bool | None = None
-        # native_loop's plans per (rows, dtype) of a decode step
-        self._loop_plans: dict[tuple[int, torch.dtype], native_loop.Plan | None] = {}
-        # native_prompt_loop's plans per row count of a prompt
-        self._prompt_plans: dict[int, native_prompt_loop.Plan | None] = {}
+        # native_loop's plans per (rows, dtype, the backend's loop_facts) of a decode step
+        self._loop_plans: dict[native_loop.PlanKey, native_loop.Plan | None] = {}
+        # native_prompt_loop's plans the same way for a prompt (rows past the tiles' as one)
+        self._prompt_plans: dict[native_loop.PlanKey, native_prompt_loop.Plan | None] = {}
         # compile_layers' two compiled halves of a decoder layer; None: eager
         self.compiled: tuple[Callable[..., Any], Callable[..., Any]] | None = None
 

@@ -36,6 +36,10 @@ Layer = Any
 NATIVE, Q8_ROWS, Q8_BLOCKS, Q4, TORCH, GROUP, APART = range(7)
 
 
+# a cached plan's key: (rows, dtype, the backend's `loop_facts()`)
+PlanKey = tuple[int, torch.dtype, tuple[object, ...]]
+
+
 def enabled() -> bool:
     return os.environ.get("STALLFREE_NATIVE_LOOP", "1").strip().lower() not in (
         "0",
@@ -211,12 +215,10 @@ def layer_windows(backend: PagedAttention, layers: int, cache: torch.dtype) -> l
     return [] if all(w is None for w in windows) else [w or 0 for w in windows]
 
 
-def with_attention(
+def _with_attention(
     step: Plan | None, backend: PagedAttention, layers: int, cache: torch.dtype
 ) -> Plan | None:
-    """`step` with the backend's windows and soft-cap as they are now, or None where
-    `layer_windows` is. Both loops ask on every step, not once per plan: the backend's window
-    and soft-cap can be set after the model is loaded (the Python loop reads them per call)."""
+    """`step` with the backend's windows and soft-cap, or None where `layer_windows` is."""
     windows = layer_windows(backend, layers, cache)
     if step is None or windows is None:
         return None
@@ -229,11 +231,12 @@ def run(
     h: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
     fb: ForwardBatch,
-    plans: dict[tuple[int, torch.dtype], Plan | None],
+    plans: dict[PlanKey, Plan | None],
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the last layer's output, the residual stream before it), as `fused_forward`'s loop
-    returns them, or None when the step stays in Python. `plans` caches `plan` per row count
-    and dtype (the model's weights do not change once loaded)."""
+    returns them, or None when the step stays in Python. `plans` caches `plan` per row count,
+    dtype and the backend's windows and soft-cap (`PagedAttention.loop_facts`: the model's
+    weights do not change once loaded, but those can be set)."""
     if fb.mode is not ForwardMode.DECODE or fb.lora is not None or not layers:
         return None
     first = layers[0].self_attn
@@ -246,10 +249,11 @@ def run(
         )
     ):
         return None
-    key = (h.shape[0], h.dtype)
+    key = (h.shape[0], h.dtype, backend.loop_facts())
     if key not in plans:
-        plans[key] = plan(layers, h.shape[0], h.dtype)
-    step = with_attention(plans[key], backend, len(layers), kv.k_buffers[0].dtype)
+        step = plan(layers, h.shape[0], h.dtype)
+        plans[key] = _with_attention(step, backend, len(layers), kv.k_buffers[0].dtype)
+    step = plans[key]
     if step is None:
         return None
     args = arguments(layers, backend, h, rope, fb, step)

@@ -225,21 +225,21 @@ def run(
     h: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
     fb: ForwardBatch,
-    plans: dict[int, Plan | None],
+    plans: dict[native_loop.PlanKey, Plan | None],
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the last layer's output, the residual stream before it), as `fused_forward`'s loop
-    returns them, or None when the step stays in Python. `plans` caches `plan` per row count
-    (the model's weights do not change once loaded)."""
+    returns them, or None when the step stays in Python. `plans` caches `plan` per row count,
+    dtype and the backend's windows and soft-cap (`PagedAttention.loop_facts`), as
+    `native_loop.run` caches its own."""
     if not takes(layers, backend, h, rope, fb):
         return None
     assert isinstance(backend, PagedAttention)
     # past the tiles' rows every row count takes the same plan: one entry for all of them
     rows = min(h.shape[0], native_layers.PROMPT_TILES_MAX_ROWS + 1)
-    if rows not in plans:
-        plans[rows] = plan(layers, rows, backend, fb.kv_cache.k_buffers[0].dtype, h.dtype)
-    step = native_loop.with_attention(
-        plans[rows], backend, len(layers), fb.kv_cache.k_buffers[0].dtype
-    )
+    key = (rows, h.dtype, backend.loop_facts())
+    if key not in plans:
+        plans[key] = plan(layers, rows, backend, fb.kv_cache.k_buffers[0].dtype, h.dtype)
+    step = plans[key]
     if step is None:
         return None
     out, residual = torch.ops.stallfree.prefill_layers(
