@@ -91,9 +91,7 @@ def _float32_layer(layer: Layer, rows: int) -> list[Part] | None:
     gate, up, down = (getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
     if attn.qkv_proj is not None or getattr(mlp, "gate_up_proj", None) is not None:
         return None
-    if not (isinstance(gate, nn.Linear) and isinstance(up, nn.Linear)):
-        return None
-    if type(down) is not nn.Linear:
+    if not (isinstance(gate, nn.Linear) and isinstance(up, nn.Linear) and down is not None):
         return None
     plain = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, down)
     if any(type(m) is not nn.Linear or m.weight.dtype != torch.float32 for m in plain):
