@@ -26,6 +26,7 @@ from stallfree.runtime.model.gemma import GEMMA_MODELS
 from stallfree.runtime.model.hf_fallback import TransformersForCausalLM, hidden_size, resolve_impl
 from stallfree.runtime.model.llama import LlamaForCausalLM
 from stallfree.runtime.model.native_layers import use_native_linears
+from stallfree.runtime.model.padded_rows import pad_rows
 from stallfree.runtime.model.parallel import (
     TPGroup,
     apply_shard,
@@ -147,9 +148,9 @@ def load_model(
     `transformers`, or `auto` for an architecture with no native family; a checkpoint's own
     code only with `trust_remote_code`), else `_load`; then a native family's dense bfloat16
     linears switched to the native kernels (native_layers.py) where the CPU has them (with
-    `prepack_prompt_weights`, each beside a oneDNN copy for prompts), a CPU
-    model's weights moved to huge pages (memory/huge_pages.py), and the load's freed memory
-    handed back."""
+    `prepack_prompt_weights`, each beside a oneDNN copy for prompts) and, on the CPU, their
+    rows padded by a cache line (padded_rows.py), a CPU model's weights moved to huge pages
+    (memory/huge_pages.py), and the load's freed memory handed back."""
     if model_impl_for(path_or_preset, model_impl) == "transformers":
         path, device = Path(path_or_preset), torch.device(device)
         loaded = _load_fallback(path, dtype, device, tp, quantization, trust_remote_code)
@@ -157,6 +158,8 @@ def load_model(
         loaded = _load(path_or_preset, dtype, device, seed, tp, quantization)
     if isinstance(loaded.model, LlamaForCausalLM):
         use_native_linears(loaded.model, prepack=prepack_prompt_weights)
+        if torch.device(device).type == "cpu":
+            pad_rows(loaded.model)
     release_free_heap()  # the load's temporaries (memory/heap.py)
     if torch.device(device).type == "cpu" and move_to_huge_pages(loaded.model):
         release_free_heap()  # the storages the weights were moved from

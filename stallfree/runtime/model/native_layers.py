@@ -18,6 +18,7 @@ from torch import nn
 
 from stallfree.runtime.model import cpu_kernels
 from stallfree.runtime.model.decode_rows import in_decode
+from stallfree.runtime.model.padded_rows import rows_contiguous
 
 # Up to this many rows (tokens) a dense bfloat16 linear runs on the native matrix-vector
 # kernel, which streams the weights once for all rows; a larger call (a prefill chunk) is a
@@ -159,7 +160,7 @@ def linear(
         and x.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
         and x.numel() <= dense_max_rows(x.dtype) * weight.shape[-1]
-        and weight.is_contiguous()
+        and rows_contiguous(weight)
     ):
         out: torch.Tensor = torch.ops.stallfree.linear(x, weight, bias_f32)
         return out
@@ -202,13 +203,13 @@ def side_by_side(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor | Non
 
 def group_weights(layers: list[nn.Module], dtype: torch.dtype) -> list[torch.Tensor] | None:
     """The weights `grouped` hands its one call for inputs in `dtype` (plain linears without
-    bias, contiguous, on the CPU, in `dtype`), or None where any layer is not one."""
+    bias, rows contiguous, on the CPU, in `dtype`), or None where any layer is not one."""
     weights: list[torch.Tensor] = []
     for layer in layers:
         if not isinstance(layer, nn.Linear) or layer.bias is not None:
             return None
         w = layer.weight
-        if w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu":
+        if w.dtype != dtype or not rows_contiguous(w) or w.device.type != "cpu":
             return None
         weights.append(w)
     return weights
@@ -247,7 +248,7 @@ class NativeLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // max(self.in_features, 1)
         native = x.device.type == "cpu" and x.is_contiguous() and cpu_kernels.available()
-        if native and self.weight.is_contiguous() and rows <= dense_max_rows(torch.bfloat16):
+        if native and rows_contiguous(self.weight) and rows <= dense_max_rows(torch.bfloat16):
             out: torch.Tensor = torch.ops.stallfree.linear(x, self.weight, self.bias_f32)
             return out
         if self.weight_prepacked is not None and rows >= PREPACKED_MIN_ROWS:
@@ -348,7 +349,7 @@ def _tiles_rows(rows: int, weight: torch.Tensor) -> bool:
         dense_max_rows(weight.dtype) < rows <= PROMPT_TILES_MAX_ROWS
         and weight.shape[0] % 16 == 0
         and weight.shape[1] % 32 == 0
-        and weight.is_contiguous()
+        and rows_contiguous(weight)
         and cpu_kernels.amx()
     )
 

@@ -26,6 +26,7 @@ from stallfree.runtime.model import native_layers
 from stallfree.runtime.model.attention import PagedAttention
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.native_layers import NativeLinear
+from stallfree.runtime.model.padded_rows import rows_contiguous
 from stallfree.runtime.model.quant import Int4Linear, Int8Linear
 
 # The layers are llama.py's `LlamaDecoderLayer`s (llama.py imports this module, so they are
@@ -72,7 +73,7 @@ def _projection(
     if isinstance(module, NativeLinear):
         if (
             dtype == torch.bfloat16
-            and module.weight.is_contiguous()
+            and rows_contiguous(module.weight)
             and rows <= native_layers.dense_max_rows(dtype)
         ):
             return [NATIVE], [module.weight, module.bias_f32]

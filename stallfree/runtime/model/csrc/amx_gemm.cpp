@@ -384,15 +384,16 @@ struct Q4Weight {
   }
 };
 
-// A bfloat16 weight as it is: a block is its 64 bytes
+// A bfloat16 weight as it is, `ld` values from one row to the next: a block is its 64 bytes
 struct BF16Weight {
   static constexpr int64_t kBlockBytes = 64;
   static constexpr bool kDirect = true;
   const uint16_t* w;
   int64_t k;
+  int64_t ld;
 
-  const char* row(int64_t n) const { return reinterpret_cast<const char*>(w + n * k); }
-  __m512i block(int64_t n, int64_t b) const { return _mm512_loadu_si512(w + n * k + b * 32); }
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(w + n * ld); }
+  __m512i block(int64_t n, int64_t b) const { return _mm512_loadu_si512(w + n * ld + b * 32); }
 };
 
 // A block of weights, `rows` (16 or 32) rows from row n by `nb` blocks of 32 values from block
@@ -445,7 +446,7 @@ void gemm_parked(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const fl
                  int64_t n0, int64_t n1, int64_t pair, Out out) {
   configure_gemm();
   constexpr int64_t bb = Wt::kBlockBytes;  // stored bytes per block of 32 values
-  const int64_t stride = k / 32 * bb;       // bytes per weight row
+  const int64_t stride = q.row(1) - q.row(0);  // bytes per weight row
   const int64_t kblocks = k / 32;
   const int64_t kstep = kKBlock / 32;
   const int64_t chunks = (m + 15) / 16;
@@ -550,7 +551,7 @@ void gemm_resident(const uint32_t* xp, int64_t m, int64_t k, const Wt& q, const 
                    int64_t n0, int64_t n1, int64_t pair, Out out) {
   configure_gemm();
   constexpr int64_t bb = Wt::kBlockBytes;
-  const int64_t stride = k / 32 * bb;  // bytes per weight row
+  const int64_t stride = q.row(1) - q.row(0);  // bytes per weight row
   const int64_t kblocks = k / 32;
   const int64_t chunks = (m + 15) / 16;
   const BlockRows br{m, n1, pair, bias, out};
@@ -631,9 +632,9 @@ void gemm_q4(const uint32_t* xp, int64_t m, int64_t k, const uint8_t* codes,
   gemm_impl(xp, m, k, Q4Weight{codes, gscale, goffset, k}, bias, n0, n1, pair, out);
 }
 
-void gemm_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, const float* bias,
-               int64_t n0, int64_t n1, int64_t pair, Out out) {
-  gemm_impl(xp, m, k, BF16Weight{w, k}, bias, n0, n1, pair, out);
+void gemm_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, int64_t ldw,
+               const float* bias, int64_t n0, int64_t n1, int64_t pair, Out out) {
+  gemm_impl(xp, m, k, BF16Weight{w, k, ldw}, bias, n0, n1, pair, out);
 }
 
 }  // namespace amx
@@ -651,8 +652,8 @@ void gemm_q8(const uint32_t*, int64_t, int64_t, const int8_t*, const float*, con
              const float*, int64_t, int64_t, int64_t, Out) {}
 void gemm_q4(const uint32_t*, int64_t, int64_t, const uint8_t*, const uint16_t*,
              const uint16_t*, const float*, int64_t, int64_t, int64_t, Out) {}
-void gemm_bf16(const uint32_t*, int64_t, int64_t, const uint16_t*, const float*, int64_t,
-               int64_t, int64_t, Out) {}
+void gemm_bf16(const uint32_t*, int64_t, int64_t, const uint16_t*, int64_t, const float*,
+               int64_t, int64_t, int64_t, Out) {}
 }  // namespace amx
 }  // namespace sf
 

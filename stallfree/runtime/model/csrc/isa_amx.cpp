@@ -70,12 +70,12 @@ inline void prefetch_rows(const char* wb, int64_t stride, int64_t blocks, int64_
 
 // One block of 16 weight rows against one chunk of `mc` activation rows.
 // `rows` of the chunk's `mc` (packed) rows are written out
-void block(const uint32_t* xp, int rows, int mc, int64_t k, const uint16_t* w, const float* bias,
-           int64_t n, int64_t m0, Out out) {
-  const int64_t stride = k * 2;  // bytes per weight row
+void block(const uint32_t* xp, int rows, int mc, int64_t k, const uint16_t* w, int64_t ldw,
+           const float* bias, int64_t n, int64_t m0, Out out) {
+  const int64_t stride = ldw * 2;  // bytes per weight row
   const int64_t bstride = 4 * mc;
   const int64_t blocks = k / 32;
-  const char* wb = reinterpret_cast<const char*>(w + n * k);
+  const char* wb = reinterpret_cast<const char*>(w + n * ldw);
   _tile_zero(0);
   _tile_zero(1);
   int64_t b = 0;
@@ -136,14 +136,14 @@ void pack_x(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp) {
   }
 }
 
-void gemv_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, const float* bias,
-               int64_t n0, int64_t n1, Out out) {
+void gemv_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, int64_t ldw,
+               const float* bias, int64_t n0, int64_t n1, Out out) {
   const int mc = static_cast<int>(chunk_rows(m));
   configure(mc);
   for (int64_t n = n0; n + 16 <= n1; n += 16)
     for (int64_t m0 = 0; m0 < m; m0 += mc)
-      block(xp + m0 * (k / 2), static_cast<int>(std::min<int64_t>(mc, m - m0)), mc, k, w, bias,
-            n, m0, out);
+      block(xp + m0 * (k / 2), static_cast<int>(std::min<int64_t>(mc, m - m0)), mc, k, w, ldw,
+            bias, n, m0, out);
   _tile_release();
 }
 
@@ -564,8 +564,8 @@ namespace amx {
 bool request_tiles() { return false; }
 int64_t packed_size(int64_t, int64_t) { return 0; }
 void pack_x(const uint16_t*, int64_t, int64_t, uint32_t*) {}
-void gemv_bf16(const uint32_t*, int64_t, int64_t, const uint16_t*, const float*, int64_t,
-               int64_t, Out) {}
+void gemv_bf16(const uint32_t*, int64_t, int64_t, const uint16_t*, int64_t, const float*,
+               int64_t, int64_t, Out) {}
 int64_t packed_q8_size(int64_t, int64_t) { return 0; }
 int64_t packed_q8_scales(int64_t, int64_t) { return 0; }
 void pack_q8(const Q8Act&, uint32_t*, float*) {}

@@ -202,11 +202,11 @@ void dense_tile(const float* xs, int64_t xs_stride, const void* x, int64_t k, co
 constexpr int64_t kPassRows = 16 * kTileM;
 
 template <bool BF16>
-void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, const float* bias,
-                  int64_t n0, int64_t n1, Out out) {
+void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, int64_t ldw,
+                  const float* bias, int64_t n0, int64_t n1, Out out) {
   constexpr int64_t es = BF16 ? 2 : 4;
   const int64_t k16 = k - k % 16;
-  const int64_t ahead = kTileN * k * es;  // the next tile's rows, at the same column
+  const int64_t ahead = kTileN * ldw * es;  // the next tile's rows, at the same column
   for (int64_t p0 = 0; p0 < m; p0 += kPassRows) {
     const int64_t p1 = std::min(m, p0 + kPassRows);
     const float* xs = static_cast<const float*>(x) + p0 * k;  // row p0 of the pass
@@ -227,7 +227,7 @@ void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, const floa
       xs_stride = k16;
     }
     for (int64_t n = n0; n < n1; n += kTileN) {
-      const Tile4 t = tile_at(w, k * es, n, n1);
+      const Tile4 t = tile_at(w, ldw * es, n, n1);
       for (int64_t m0 = p0; m0 < p1; m0 += kTileM) {
         const float* xm = xs + (m0 - p0) * xs_stride;
         switch (std::min<int64_t>(kTileM, p1 - m0)) {
@@ -423,14 +423,14 @@ void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
   }
 }
 
-void gemv_dense_bf16(const void* x, int64_t m, int64_t k, const void* w, const float* bias,
-                     int64_t n0, int64_t n1, Out out) {
-  gemv_dense_t<true>(x, m, k, w, bias, n0, n1, out);
+void gemv_dense_bf16(const void* x, int64_t m, int64_t k, const void* w, int64_t ldw,
+                     const float* bias, int64_t n0, int64_t n1, Out out) {
+  gemv_dense_t<true>(x, m, k, w, ldw, bias, n0, n1, out);
 }
 
-void gemv_dense_f32(const void* x, int64_t m, int64_t k, const void* w, const float* bias,
-                    int64_t n0, int64_t n1, Out out) {
-  gemv_dense_t<false>(x, m, k, w, bias, n0, n1, out);
+void gemv_dense_f32(const void* x, int64_t m, int64_t k, const void* w, int64_t ldw,
+                    const float* bias, int64_t n0, int64_t n1, Out out) {
+  gemv_dense_t<false>(x, m, k, w, ldw, bias, n0, n1, out);
 }
 
 // 8 float32 values to bfloat16, rounded to nearest even (as f32_to_bf16 rounds a finite value)

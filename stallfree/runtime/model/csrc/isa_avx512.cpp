@@ -350,13 +350,13 @@ inline __m512 dot_bf16(__m512 acc, __m512i x, __m512i w) {
 inline __m512 dot_f32(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
 
 template <int MB, bool BF16>
-void dense_tile(const void* x, int64_t k, const void* const* w, const TileOut& t) {
+void dense_tile(const void* x, int64_t k, int64_t ldw, const void* const* w, const TileOut& t) {
   __m512 acc[MB][kTileN];
 #pragma GCC unroll 4
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < kTileN; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t ahead = 2 * kTileN * k;  // the tile after next, at the same column
+  const int64_t ahead = 2 * kTileN * ldw;  // the tile after next, at the same column
   if constexpr (BF16) {
     const uint16_t* ws[kTileN];
     const uint16_t* xs[MB];
@@ -388,34 +388,34 @@ void dense_tile(const void* x, int64_t k, const void* const* w, const TileOut& t
 #undef SF_DENSE_STEP
 
 template <bool BF16>
-void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, const float* bias,
-                  int64_t n0, int64_t n1, Out out) {
+void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, int64_t ldw,
+                  const float* bias, int64_t n0, int64_t n1, Out out) {
   const int64_t esize = BF16 ? 2 : 4;
   for (int64_t n = n0; n < n1; n += kTileN) {
     const int nb = static_cast<int>(std::min<int64_t>(kTileN, n1 - n));
     const void* rows[kTileN];
     for (int j = 0; j < kTileN; ++j)
-      rows[j] = static_cast<const char*>(w) + (n + std::min(j, nb - 1)) * k * esize;
+      rows[j] = static_cast<const char*>(w) + (n + std::min(j, nb - 1)) * ldw * esize;
     for (int64_t m0 = 0; m0 < m; m0 += kTileM) {
       const TileOut t{out, m0, n, nb, nullptr, bias};
       switch (std::min<int64_t>(kTileM, m - m0)) {
-        case 1: dense_tile<1, BF16>(x, k, rows, t); break;
-        case 2: dense_tile<2, BF16>(x, k, rows, t); break;
-        case 3: dense_tile<3, BF16>(x, k, rows, t); break;
-        default: dense_tile<4, BF16>(x, k, rows, t); break;
+        case 1: dense_tile<1, BF16>(x, k, ldw, rows, t); break;
+        case 2: dense_tile<2, BF16>(x, k, ldw, rows, t); break;
+        case 3: dense_tile<3, BF16>(x, k, ldw, rows, t); break;
+        default: dense_tile<4, BF16>(x, k, ldw, rows, t); break;
       }
     }
   }
 }
 
-void gemv_dense_bf16(const void* x, int64_t m, int64_t k, const void* w, const float* bias,
-                     int64_t n0, int64_t n1, Out out) {
-  gemv_dense_t<true>(x, m, k, w, bias, n0, n1, out);
+void gemv_dense_bf16(const void* x, int64_t m, int64_t k, const void* w, int64_t ldw,
+                     const float* bias, int64_t n0, int64_t n1, Out out) {
+  gemv_dense_t<true>(x, m, k, w, ldw, bias, n0, n1, out);
 }
 
-void gemv_dense_f32(const void* x, int64_t m, int64_t k, const void* w, const float* bias,
-                    int64_t n0, int64_t n1, Out out) {
-  gemv_dense_t<false>(x, m, k, w, bias, n0, n1, out);
+void gemv_dense_f32(const void* x, int64_t m, int64_t k, const void* w, int64_t ldw,
+                    const float* bias, int64_t n0, int64_t n1, Out out) {
+  gemv_dense_t<false>(x, m, k, w, ldw, bias, n0, n1, out);
 }
 
 // float32: torch.rms_norm's arithmetic, x * rsqrt(mean(x^2) + eps) * w.

@@ -74,8 +74,9 @@ using DequantQ8Fn = void (*)(const int8_t* w, const float* scale, const uint16_t
 using DequantQ4Fn = void (*)(const uint8_t* codes, const uint16_t* gscale,
                              const uint16_t* goffset, int64_t k, int64_t n0, int64_t n1,
                              Out out);
-// dense weights: w bf16 (x bf16) or float32 (x float32), [n, k] row-major
-using GemvDenseFn = void (*)(const void* x, int64_t m, int64_t k, const void* w,
+// dense weights: w bf16 (x bf16) or float32 (x float32), [n, k] row-major, `ldw` values from
+// one weight row to the next (k, or more where the loader padded the rows: weights.py)
+using GemvDenseFn = void (*)(const void* x, int64_t m, int64_t k, const void* w, int64_t ldw,
                              const float* bias, int64_t n0, int64_t n1, Out out);
 // rows [r0, r1) of x [rows, dim]: out = norm(x) * w; with `delta`, x + delta is written to
 // `sum` first and normalised (transformers' order: the sum rounded to the dtype first)
@@ -116,8 +117,8 @@ int64_t packed_size(int64_t m, int64_t k);
 void pack_x(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp);
 // gemv_bf16's product for the whole blocks of 16 output rows in [n0, n1) (the caller runs the
 // rest on the AVX-512 variant); `xp` from pack_x
-void gemv_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, const float* bias,
-               int64_t n0, int64_t n1, Out out);
+void gemv_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, int64_t ldw,
+               const float* bias, int64_t n0, int64_t n1, Out out);
 // the prompt product of int8 weights (amx_gemm.cpp): y = x @ (w * scale).T (+ bias), the weight
 // dequantised to bfloat16 block by block into cache (bfloat16 and int4 weights below), for blocks of 16 output rows in [n0, n1)
 // (n1 - n0 a multiple of 16); `xp` from pack_x_gemm (`packed_gemm_size` uint32 values, 64-byte
@@ -132,9 +133,9 @@ void pack_x_gemm(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp, int64_t 
 void gemm_q8(const uint32_t* xp, int64_t m, int64_t k, const int8_t* w, const float* scale,
              const uint16_t* bscale, const float* bias, int64_t n0, int64_t n1, int64_t pair,
              Out out);
-// the same for a bfloat16 weight as it is
-void gemm_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, const float* bias,
-               int64_t n0, int64_t n1, int64_t pair, Out out);
+// the same for a bfloat16 weight as it is, `ldw` values a row
+void gemm_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, int64_t ldw,
+               const float* bias, int64_t n0, int64_t n1, int64_t pair, Out out);
 // the same for int4 codes (16 bytes per group of 32, float16 scale and offset per group)
 void gemm_q4(const uint32_t* xp, int64_t m, int64_t k, const uint8_t* codes,
              const uint16_t* gscale, const uint16_t* goffset, const float* bias, int64_t n0,

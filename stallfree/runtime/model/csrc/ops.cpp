@@ -132,18 +132,27 @@ const uint32_t* packed_x(const at::Tensor& x, int64_t m, int64_t k) {
   return xp;
 }
 
-// One weight's rows [0, n) on the tiles, 16 at a time over the threads; the last n % 16 rows
-// on the AVX-512 kernel.
-void dense_bf16_amx(const at::Tensor& x, int64_t m, int64_t k, const void* w, int64_t n,
-                    const float* b, Out o) {
+// One weight's rows [0, n) (`ldw` values apart) on the tiles, 16 at a time over the threads;
+// the last n % 16 rows on the AVX-512 kernel.
+void dense_bf16_amx(const at::Tensor& x, int64_t m, int64_t k, const void* w, int64_t ldw,
+                    int64_t n, const float* b, Out o) {
   g_amx_calls.fetch_add(1, std::memory_order_relaxed);
   const uint32_t* xp = packed_x(x, m, k);
   const auto* wp = static_cast<const uint16_t*>(w);
   const int64_t whole = n / 16 * 16;
   at::parallel_for(0, whole / 16, kGrain / 16, [&](int64_t b0, int64_t b1) {
-    amx::gemv_bf16(xp, m, k, wp, b, b0 * 16, b1 * 16, o);
+    amx::gemv_bf16(xp, m, k, wp, ldw, b, b0 * 16, b1 * 16, o);
   });
-  if (whole < n) K().gemv_bf16(x.data_ptr(), m, k, w, b, whole, n, o);
+  if (whole < n) K().gemv_bf16(x.data_ptr(), m, k, w, ldw, b, whole, n, o);
+}
+
+// A dense weight [out, in] whose rows are contiguous: the values from one row to the next
+// (its `in`, or more where the loader padded the rows, weights.py)
+int64_t row_stride(const at::Tensor& w, const at::Tensor& x, const char* op) {
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 2 &&
+                  (w.stride(1) == 1 || w.size(1) <= 1) && w.stride(0) >= w.size(1),
+              op, ": weight must be an [out, in] tensor of the input's dtype with contiguous rows");
+  return w.size(0) <= 1 ? w.size(1) : w.stride(0);
 }
 
 struct Q8Buffers {
@@ -455,15 +464,18 @@ at::Tensor linear_q4_prompt(const at::Tensor& x, const at::Tensor& codes,
 at::Tensor linear_bf16_prompt(const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias, bool silu, bool pack,
                               int64_t rows) {
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.is_contiguous(),
-              "linear_bf16_prompt: weight must be a contiguous bfloat16 [out, in] tensor");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
+                  (weight.stride(1) == 1 || weight.size(1) <= 1) &&
+                  weight.stride(0) >= weight.size(1),
+              "linear_bf16_prompt: weight must be a bfloat16 [out, in] tensor with contiguous rows");
   const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t ldw = n <= 1 ? k : weight.stride(0);
   const auto* w = static_cast<const uint16_t*>(weight.data_ptr());
   const float* b = opt_bias(bias, n);
   return prompt_on_tiles("linear_bf16_prompt", x, n, k, silu, bias, pack, rows,
                          [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, int64_t pair,
                              Out o) {
-                           amx::gemm_bf16(xp, m, k, w, b, n0, n1, pair, o);
+                           amx::gemm_bf16(xp, m, k, w, ldw, b, n0, n1, pair, o);
                          });
 }
 
@@ -548,9 +560,7 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias) {
   check_act(x, "linear");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 2 &&
-                  weight.is_contiguous(),
-              "linear: weight must be a contiguous [out, in] tensor of the input's dtype");
+  const int64_t ldw = row_stride(weight, x, "linear");
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(x.size(-1) == k, "linear: input has ", x.size(-1), " features, weight ", k);
   at::Tensor out = at::empty(out_shape(x, n), x.options());
@@ -561,11 +571,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
   const void* w = weight.data_ptr();
   const Out o = out_of(out, n);
   if (amx_applies(x, m, k)) {
-    dense_bf16_amx(x, m, k, w, n, b, o);
+    dense_bf16_amx(x, m, k, w, ldw, n, b, o);
     return out;
   }
   const auto fn = x.scalar_type() == at::kBFloat16 ? K().gemv_bf16 : K().gemv_f32;
-  at::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) { fn(xp, m, k, w, b, n0, n1, o); });
+  at::parallel_for(0, n, kGrain,
+                   [&](int64_t n0, int64_t n1) { fn(xp, m, k, w, ldw, b, n0, n1, o); });
   return out;
 }
 
@@ -576,11 +587,11 @@ at::Tensor linear_group(const at::Tensor& x, const std::vector<at::Tensor>& weig
   TORCH_CHECK(!weights.empty(), "linear_group: expected at least one weight");
   const int64_t k = x.size(-1);
   int64_t total = 0;
+  std::vector<int64_t> ldw;
   for (const at::Tensor& w : weights) {
-    TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 2 && w.is_contiguous() &&
-                    w.size(1) == k,
-                "linear_group: each weight must be a contiguous [out, ", k,
-                "] tensor of the input's dtype");
+    ldw.push_back(row_stride(w, x, "linear_group"));
+    TORCH_CHECK(w.size(1) == k, "linear_group: each weight must be an [out, ", k,
+                "] tensor, got one of ", w.size(1), " inputs");
     total += w.size(0);
   }
   at::Tensor out = at::empty(out_shape(x, total), x.options());
@@ -597,7 +608,7 @@ at::Tensor linear_group(const at::Tensor& x, const std::vector<at::Tensor>& weig
   if (amx_applies(x, m, k)) {
     for (size_t i = 0; i < weights.size(); ++i) {
       const Out o{static_cast<char*>(out.data_ptr()) + starts[i] * esize, total, bf16};
-      dense_bf16_amx(x, m, k, weights[i].data_ptr(), weights[i].size(0), nullptr, o);
+      dense_bf16_amx(x, m, k, weights[i].data_ptr(), ldw[i], weights[i].size(0), nullptr, o);
     }
     return out;
   }
@@ -607,7 +618,7 @@ at::Tensor linear_group(const at::Tensor& x, const std::vector<at::Tensor>& weig
       const int64_t hi = std::min(c1, starts[i] + weights[i].size(0));
       if (lo >= hi) continue;
       const Out o{static_cast<char*>(out.data_ptr()) + starts[i] * esize, total, bf16};
-      fn(xp, m, k, weights[i].data_ptr(), nullptr, lo - starts[i], hi - starts[i], o);
+      fn(xp, m, k, weights[i].data_ptr(), ldw[i], nullptr, lo - starts[i], hi - starts[i], o);
     }
   });
   return out;
