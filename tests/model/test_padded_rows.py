@@ -3,7 +3,7 @@ kernel that reads a dense weight (the matrix-vector products on each instruction
 the AMX decode tiles, the tiles' prompt product with its SiLU pair and packed hand-off) gives
 the bits it gives for the same values stored contiguously; a weight whose rows are not
 contiguous is refused with a clear error; `pad_rows` pads exactly the bfloat16 linears whose
-rows are a multiple of 2 KB and that nothing else shares, without changing a value; and a
+rows are a multiple of 2 KB and that nothing else shares (a tied head, a view kept elsewhere), without changing a value; and a
 padded model gives the unpadded one's logits bit for bit through both C++ layer loops, which
 still take its steps."""
 
@@ -123,13 +123,15 @@ def test_pad_rows_pads_unshared_bfloat16_rows_of_a_multiple_of_2_kb(
         m.embed = nn.Embedding(32, 1024, dtype=torch.bfloat16)
         m.head = nn.Linear(1024, 32, bias=False, dtype=torch.bfloat16)
         m.head.weight = m.embed.weight  # tied
+        m.viewed = nn.Linear(1024, 32, bias=False, dtype=torch.bfloat16)
+        m.viewed.halves = [m.viewed.weight[:16], m.viewed.weight[16:]]  # its storage shared
         return m.requires_grad_(False)
 
     m, ref = model(), model()
     assert pad_rows(m) == 2
     assert is_padded(m.wide.weight) and is_padded(m.down.weight)
     assert m.wide.weight.stride() == (1024 + 32, 1)
-    assert not any(is_padded(x.weight) for x in (m.narrow, m.f32, m.embed, m.head))
+    assert not any(is_padded(x.weight) for x in (m.narrow, m.f32, m.embed, m.head, m.viewed))
     assert m.head.weight is m.embed.weight
     for name, p in m.named_parameters():
         assert torch.equal(p, dict(ref.named_parameters())[name]), name

@@ -53,32 +53,32 @@ def is_padded(w: torch.Tensor) -> bool:
     return rows_contiguous(w) and w.shape[0] > 1 and w.stride(0) > w.shape[1]
 
 
-def _holders(model: nn.Module) -> dict[int, int]:
-    """How many module slots (parameters, buffers, plain attributes) hold each tensor."""
-    count: dict[int, int] = {}
-    for module in model.modules():
-        held = [
-            *module._parameters.values(),
-            *module._buffers.values(),
-            *(v for v in vars(module).values() if isinstance(v, torch.Tensor)),
-        ]
-        for value in vars(module).values():
-            if isinstance(value, (list, tuple)):
-                held += [v for v in value if isinstance(v, torch.Tensor)]
-        for t in held:
-            if t is not None:
-                count[id(t)] = count.get(id(t), 0) + 1
-    return count
+def _held(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors `module` itself holds: parameters, buffers, plain attributes and lists of
+    them (a fused layer's list of weights)."""
+    held = [
+        *(p for p in module._parameters.values() if p is not None),
+        *(b for b in module._buffers.values() if b is not None),
+    ]
+    for value in vars(module).values():
+        if isinstance(value, torch.Tensor):
+            held.append(value)
+        elif isinstance(value, (list, tuple)):
+            held += [v for v in value if isinstance(v, torch.Tensor)]
+    return held
 
 
-def _storage_users(model: nn.Module) -> dict[int, int]:
-    """How many distinct tensors of `model` use each storage (by its data pointer)."""
+def _sharing(model: nn.Module) -> tuple[dict[int, int], dict[int, int]]:
+    """How many module slots hold each tensor (by id), and how many distinct tensors use each
+    storage (by its data pointer)."""
+    holders: dict[int, int] = {}
     users: dict[int, set[int]] = {}
     for module in model.modules():
-        for t in [*module._parameters.values(), *module._buffers.values()]:
-            if t is not None and t.device.type == "cpu" and not t.is_mkldnn:
+        for t in _held(module):
+            holders[id(t)] = holders.get(id(t), 0) + 1
+            if t.device.type == "cpu" and not t.is_mkldnn and not t.is_sparse:
                 users.setdefault(t.untyped_storage().data_ptr(), set()).add(id(t))
-    return {ptr: len(ids) for ptr, ids in users.items()}
+    return holders, {ptr: len(ids) for ptr, ids in users.items()}
 
 
 def pad_rows(model: nn.Module) -> int:
@@ -87,8 +87,7 @@ def pad_rows(model: nn.Module) -> int:
     returns how many."""
     if not enabled():
         return 0
-    holders = _holders(model)
-    users = _storage_users(model)
+    holders, users = _sharing(model)
     padded = 0
     extra = PAD_BYTES // torch.tensor([], dtype=torch.bfloat16).element_size()
     with torch.no_grad():
