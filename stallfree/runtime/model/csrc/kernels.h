@@ -75,7 +75,7 @@ using DequantQ4Fn = void (*)(const uint8_t* codes, const uint16_t* gscale,
                              const uint16_t* goffset, int64_t k, int64_t n0, int64_t n1,
                              Out out);
 // dense weights: w bf16 (x bf16) or float32 (x float32), [n, k] row-major, `ldw` values from
-// one weight row to the next (k, or more where the loader padded the rows: weights.py)
+// one weight row to the next (k, or more where the loader padded the rows: padded_rows.py)
 using GemvDenseFn = void (*)(const void* x, int64_t m, int64_t k, const void* w, int64_t ldw,
                              const float* bias, int64_t n0, int64_t n1, Out out);
 // rows [r0, r1) of x [rows, dim]: out = norm(x) * w; with `delta`, x + delta is written to

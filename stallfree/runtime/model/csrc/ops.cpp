@@ -147,7 +147,7 @@ void dense_bf16_amx(const at::Tensor& x, int64_t m, int64_t k, const void* w, in
 }
 
 // A dense weight [out, in] whose rows are contiguous: the values from one row to the next
-// (its `in`, or more where the loader padded the rows, weights.py)
+// (its `in`, or more where the loader padded the rows, padded_rows.py)
 int64_t row_stride(const at::Tensor& w, const at::Tensor& x, const char* op) {
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 2 &&
                   (w.stride(1) == 1 || w.size(1) <= 1) && w.stride(0) >= w.size(1),
