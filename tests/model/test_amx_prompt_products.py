@@ -236,7 +236,9 @@ def test_a_bfloat16_prompt_layer_takes_the_tiles_between_the_decode_kernels_and_
 def test_bfloat16_prompt_bad_arguments_are_errors(tiles: None) -> None:
     op = torch.ops.stallfree.linear_bf16_prompt
     x = torch.randn(20, 64).bfloat16()
-    with pytest.raises(RuntimeError, match=r"weight must be a bfloat16 .* with contiguous rows"):
+    with pytest.raises(
+        RuntimeError, match=r"weight must be a BFloat16 \[out, in\] tensor with contiguous rows"
+    ):
         op(x, torch.randn(32, 64), None)
     with pytest.raises(RuntimeError, match="out_features of 16"):
         op(x, torch.randn(24, 64).bfloat16(), None)

@@ -21,7 +21,7 @@ from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.model.loader import load_model
 from stallfree.runtime.model.padded_rows import is_padded, pad_rows, rows_contiguous
 from tests.hf_models import make_llama
-from tests.model.native_util import OpCalls, each_isa, needs_amx, needs_kernels, set_isa
+from tests.model.native_util import VARIANTS, OpCalls, needs_amx, needs_kernels, set_isa
 
 
 def padded(w: torch.Tensor, extra: int) -> torch.Tensor:
@@ -40,18 +40,19 @@ def weight(n: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return (torch.randn(n, k, generator=g) * 0.05).to(dtype)
 
 
+# each variant this CPU has, and the AVX-512 one again with the AMX tiles where they are in use
+ROUTES = [(isa, False) for isa in VARIANTS] + ([("avx512", True)] if cpu_kernels.amx() else [])
+
+
 @needs_kernels
-@each_isa
+@pytest.mark.parametrize(("isa", "amx"), ROUTES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("amx", [False, True])
 def test_matrix_vector_kernels_read_padded_rows_as_contiguous_ones(
-    isa: str, dtype: torch.dtype, amx: bool, restore_variant: None
+    isa: str, amx: bool, dtype: torch.dtype, restore_variant: None
 ) -> None:
     set_isa(isa)
-    if amx and isa != "avx512":
-        pytest.skip("the AMX tiles run beside the AVX-512 variant only")
-    if amx and not torch.ops.stallfree.set_amx(True):
-        pytest.skip("no AMX tiles here")
+    if amx:
+        assert torch.ops.stallfree.set_amx(True)
     for n, k in [(48, 1024), (37, 96), (64, 2048)]:
         w = weight(n, k, dtype, n + k)
         bias = torch.randn(n)

@@ -50,7 +50,7 @@ def enabled() -> bool:
     return thp_mode() in ("always", "madvise")
 
 
-def _module_tensors(model: nn.Module) -> list[torch.Tensor]:
+def module_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Every tensor the modules hold: parameters, buffers, and tensors (or lists of them) kept
     as plain attributes (a fused layer's list of weights)."""
     found: list[torch.Tensor] = []
@@ -73,7 +73,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
     groups: dict[int, list[torch.Tensor]] = {}
     storages: dict[int, torch.UntypedStorage] = {}
     seen: set[int] = set()
-    for t in _module_tensors(model):
+    for t in module_tensors(model):
         # an opaque oneDNN copy (`--prepack-prompt-weights`) has no storage to move
         if id(t) in seen or t.device.type != "cpu" or t.is_sparse or t.is_mkldnn:
             continue

@@ -31,6 +31,8 @@ import os
 import torch
 from torch import nn
 
+from stallfree.runtime.memory.huge_pages import module_tensors
+
 logger = logging.getLogger(__name__)
 
 PAD_BYTES = 64
@@ -53,31 +55,15 @@ def is_padded(w: torch.Tensor) -> bool:
     return rows_contiguous(w) and w.shape[0] > 1 and w.stride(0) > w.shape[1]
 
 
-def _held(module: nn.Module) -> list[torch.Tensor]:
-    """The tensors `module` itself holds: parameters, buffers, plain attributes and lists of
-    them (a fused layer's list of weights)."""
-    held = [
-        *(p for p in module._parameters.values() if p is not None),
-        *(b for b in module._buffers.values() if b is not None),
-    ]
-    for value in vars(module).values():
-        if isinstance(value, torch.Tensor):
-            held.append(value)
-        elif isinstance(value, (list, tuple)):
-            held += [v for v in value if isinstance(v, torch.Tensor)]
-    return held
-
-
 def _sharing(model: nn.Module) -> tuple[dict[int, int], dict[int, int]]:
     """How many module slots hold each tensor (by id), and how many distinct tensors use each
     storage (by its data pointer)."""
     holders: dict[int, int] = {}
     users: dict[int, set[int]] = {}
-    for module in model.modules():
-        for t in _held(module):
-            holders[id(t)] = holders.get(id(t), 0) + 1
-            if t.device.type == "cpu" and not t.is_mkldnn and not t.is_sparse:
-                users.setdefault(t.untyped_storage().data_ptr(), set()).add(id(t))
+    for t in module_tensors(model):  # a tensor once per slot that holds it
+        holders[id(t)] = holders.get(id(t), 0) + 1
+        if t.device.type == "cpu" and not t.is_mkldnn and not t.is_sparse:
+            users.setdefault(t.untyped_storage().data_ptr(), set()).add(id(t))
     return holders, {ptr: len(ids) for ptr, ids in users.items()}
 
 
@@ -89,7 +75,6 @@ def pad_rows(model: nn.Module) -> int:
         return 0
     holders, users = _sharing(model)
     padded = 0
-    extra = PAD_BYTES // torch.tensor([], dtype=torch.bfloat16).element_size()
     with torch.no_grad():
         for module in model.modules():
             if not isinstance(module, nn.Linear):
@@ -107,6 +92,7 @@ def pad_rows(model: nn.Module) -> int:
             ):
                 continue
             n, k = w.shape
+            extra = PAD_BYTES // w.element_size()
             wide = torch.zeros(n, k + extra, dtype=w.dtype)
             wide[:, :k].copy_(w)
             w.set_(wide.untyped_storage(), 0, (n, k), (k + extra, 1))

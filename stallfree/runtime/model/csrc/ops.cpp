@@ -146,12 +146,12 @@ void dense_bf16_amx(const at::Tensor& x, int64_t m, int64_t k, const void* w, in
   if (whole < n) K().gemv_bf16(x.data_ptr(), m, k, w, ldw, b, whole, n, o);
 }
 
-// A dense weight [out, in] whose rows are contiguous: the values from one row to the next
-// (its `in`, or more where the loader padded the rows, padded_rows.py)
-int64_t row_stride(const at::Tensor& w, const at::Tensor& x, const char* op) {
-  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.dim() == 2 &&
-                  (w.stride(1) == 1 || w.size(1) <= 1) && w.stride(0) >= w.size(1),
-              op, ": weight must be an [out, in] tensor of the input's dtype with contiguous rows");
+// A dense weight [out, in] of `dtype` whose rows are contiguous: the values from one row to
+// the next (its `in`, or more where the loader padded the rows, padded_rows.py)
+int64_t row_stride(const at::Tensor& w, at::ScalarType dtype, const char* op) {
+  TORCH_CHECK(w.scalar_type() == dtype && w.dim() == 2 && (w.stride(1) == 1 || w.size(1) <= 1) &&
+                  w.stride(0) >= w.size(1),
+              op, ": weight must be a ", dtype, " [out, in] tensor with contiguous rows");
   return w.size(0) <= 1 ? w.size(1) : w.stride(0);
 }
 
@@ -464,12 +464,8 @@ at::Tensor linear_q4_prompt(const at::Tensor& x, const at::Tensor& codes,
 at::Tensor linear_bf16_prompt(const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias, bool silu, bool pack,
                               int64_t rows) {
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
-                  (weight.stride(1) == 1 || weight.size(1) <= 1) &&
-                  weight.stride(0) >= weight.size(1),
-              "linear_bf16_prompt: weight must be a bfloat16 [out, in] tensor with contiguous rows");
+  const int64_t ldw = row_stride(weight, at::kBFloat16, "linear_bf16_prompt");
   const int64_t n = weight.size(0), k = weight.size(1);
-  const int64_t ldw = n <= 1 ? k : weight.stride(0);
   const auto* w = static_cast<const uint16_t*>(weight.data_ptr());
   const float* b = opt_bias(bias, n);
   return prompt_on_tiles("linear_bf16_prompt", x, n, k, silu, bias, pack, rows,
@@ -560,7 +556,7 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias) {
   check_act(x, "linear");
-  const int64_t ldw = row_stride(weight, x, "linear");
+  const int64_t ldw = row_stride(weight, x.scalar_type(), "linear");
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(x.size(-1) == k, "linear: input has ", x.size(-1), " features, weight ", k);
   at::Tensor out = at::empty(out_shape(x, n), x.options());
@@ -589,7 +585,7 @@ at::Tensor linear_group(const at::Tensor& x, const std::vector<at::Tensor>& weig
   int64_t total = 0;
   std::vector<int64_t> ldw;
   for (const at::Tensor& w : weights) {
-    ldw.push_back(row_stride(w, x, "linear_group"));
+    ldw.push_back(row_stride(w, x.scalar_type(), "linear_group"));
     TORCH_CHECK(w.size(1) == k, "linear_group: each weight must be an [out, ", k,
                 "] tensor, got one of ", w.size(1), " inputs");
     total += w.size(0);
