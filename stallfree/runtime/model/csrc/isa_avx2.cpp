@@ -4,7 +4,7 @@
 // them without VNNI (|x| times w with x's sign, `vpmaddubsw` then `vpmaddwd`), bfloat16
 // widened to float32 and multiplied with FMA. The matrix-vector products walk tiles of four
 // weight rows, each weight vector multiplied into up to three (dense) or two (integer)
-// activation rows, with the next tile's lines prefetched: a product that read each weight row
+// activation rows, with a later tile's lines prefetched into L2: a product that read each weight row
 // once per activation row, one chain of FMAs at a time, read bfloat16 at 10 GB/s at one row and
 // 2.7 at eight on 2 threads, under torch's own AVX2 path.
 
@@ -115,8 +115,8 @@ void quantize(const void* x, bool x_bf16, int64_t row, Q8Act& a) {
 // ---- matrix-vector products: tiles of 4 weight rows ------------------------------------
 //
 // Each weight vector loaded is multiplied into every activation row of the pass (up to
-// kTileM), and the four rows' sums are independent chains; the lines of the next tile's
-// rows, at the same column, are prefetched as this one is read (as isa_avx512.cpp does).
+// kTileM), and the four rows' sums are independent chains; the lines of a later tile's rows,
+// at the same column, are prefetched into L2 as this one is read (kernels.h, prefetch_ahead).
 
 constexpr int kTileM = 3;  // activation rows per pass: 12 accumulators of the 16 registers
 
@@ -166,11 +166,11 @@ void dense_tile(const float* xs, int64_t xs_stride, const void* x, int64_t k, co
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
         w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
         w1 = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-        if ((k0 & 31) == 0) _mm_prefetch(p + ahead, _MM_HINT_T0);
+        if ((k0 & 31) == 0) _mm_prefetch(p + ahead, _MM_HINT_T1);
       } else {
         w0 = _mm256_loadu_ps(reinterpret_cast<const float*>(p));
         w1 = _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8);
-        _mm_prefetch(p + ahead, _MM_HINT_T0);
+        _mm_prefetch(p + ahead, _MM_HINT_T1);
       }
 #pragma GCC unroll 3
       for (int i = 0; i < MB; ++i) {
@@ -206,7 +206,7 @@ void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, int64_t ld
                   const float* bias, int64_t n0, int64_t n1, Out out) {
   constexpr int64_t es = BF16 ? 2 : 4;
   const int64_t k16 = k - k % 16;
-  const int64_t ahead = kTileN * ldw * es;  // the next tile's rows, at the same column
+  const int64_t ahead = prefetch_ahead(kTileN * ldw * es);
   for (int64_t p0 = 0; p0 < m; p0 += kPassRows) {
     const int64_t p1 = std::min(m, p0 + kPassRows);
     const float* xs = static_cast<const float*>(x) + p0 * k;  // row p0 of the pass
@@ -284,7 +284,7 @@ void q8_tile(const Q8Act& a, const Tile4& t, const uint16_t* const* bs, int64_t 
     for (int j = 0; j < kTileN; ++j) {
       const char* p = t.w[j] + b * 32;
       wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      if ((b & 1) == 0) _mm_prefetch(p + ahead, _MM_HINT_T0);
+      if ((b & 1) == 0) _mm_prefetch(p + ahead, _MM_HINT_T1);
     }
 #pragma GCC unroll 2
     for (int i = 0; i < MB; ++i) {
@@ -316,7 +316,7 @@ template <bool Blocked>
 void gemv_q8_t(const Q8Act& a, const int8_t* w, const float* scale, const uint16_t* bscale,
                const float* bias, int64_t n0, int64_t n1, Out out) {
   const int64_t k = a.k, blocks = k / 32;
-  const int64_t ahead = kTileN * k;
+  const int64_t ahead = prefetch_ahead(kTileN * k);
   for (int64_t n = n0; n < n1; n += kTileN) {
     const Tile4 t = tile_at(w, k, n, n1);
     const uint16_t* bs[kTileN];
@@ -375,7 +375,7 @@ void q4_tile(const Q8Act& a, const Tile4& t, const uint16_t* const* gs, const ui
       const char* p = t.w[j] + g * 16;
       const __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
       wv[j] = _mm256_and_si256(_mm256_srlv_epi32(c, shift), low);
-      if ((g & 3) == 0) _mm_prefetch(p + ahead, _MM_HINT_T0);
+      if ((g & 3) == 0) _mm_prefetch(p + ahead, _MM_HINT_T1);
     }
 #pragma GCC unroll 2
     for (int i = 0; i < MB; ++i) {
@@ -404,7 +404,7 @@ void q4_tile(const Q8Act& a, const Tile4& t, const uint16_t* const* gs, const ui
 void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
              const uint16_t* goffset, const float* bias, int64_t n0, int64_t n1, Out out) {
   const int64_t groups = a.k / 32;
-  const int64_t ahead = kTileN * groups * 16;
+  const int64_t ahead = prefetch_ahead(kTileN * groups * 16);
   for (int64_t n = n0; n < n1; n += kTileN) {
     const Tile4 t = tile_at(codes, groups * 16, n, n1);
     const uint16_t* gs[kTileN];

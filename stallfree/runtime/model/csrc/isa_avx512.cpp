@@ -135,7 +135,7 @@ struct TileOut {
     __m512 ws[kTileN];                                                           \
     _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) {                    \
       wv[j] = _mm512_maskz_loadu_epi8(lm, w[j] + (c) * 64);                      \
-      _mm_prefetch(reinterpret_cast<const char*>(w[j] + (c) * 64 + ahead), _MM_HINT_T0); \
+      _mm_prefetch(reinterpret_cast<const char*>(w[j] + (c) * 64) + ahead, _MM_HINT_T1); \
       if constexpr (Blocked) ws[j] = expand2(bs[j] + (c) * 2, lm);               \
     }                                                                            \
     _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {                        \
@@ -166,7 +166,7 @@ template <int MB, bool Blocked>
 void q8_tile(const Q8Act& a, const int8_t* const* w, const uint16_t* const* bs,
              const TileOut& t) {
   const int64_t stride = a.kp / 64, full = a.k / 64;  // a last chunk may hold 32 values
-  const int64_t ahead = 2 * kTileN * a.k;  // the tile after next, at the same column
+  const int64_t ahead = prefetch_ahead(kTileN * a.k);
   const __m512i zero = _mm512_setzero_si512();
   const uint8_t* absq[MB];
   const uint64_t* neg[MB];
@@ -233,7 +233,7 @@ void gemv_q8(const Q8Act& a, const int8_t* w, const float* scale, const uint16_t
     __m512 sc[kTileN];                                                                   \
     _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) {                           \
       const __m512i cv = _mm512_maskz_loadu_epi8(lm, codes[j] + (c) * 64);               \
-      _mm_prefetch(reinterpret_cast<const char*>(codes[j] + (c) * 64 + ahead), _MM_HINT_T0); \
+      _mm_prefetch(reinterpret_cast<const char*>(codes[j] + (c) * 64) + ahead, _MM_HINT_T1); \
       lo[j] = _mm512_and_si512(cv, low);                                                 \
       hi[j] = _mm512_and_si512(_mm512_srli_epi16(cv, 4), low);                           \
       sc[j] = expand4(_mm_maskz_loadu_epi16(sm, gs[j] + (c) * 4));                       \
@@ -270,10 +270,10 @@ template <int MB>
 void q4_tile(const Q8Act& a, const uint8_t* const* codes, const uint16_t* const* gs,
              const uint16_t* const* go, const TileOut& t) {
   const int64_t groups = a.k / 32, full = groups / 4;
-  // the tile after next, at the same column, as the int8 and dense kernels fetch: one tile
-  // ahead (a tile's rows of int4 codes are half an int8 tile's bytes) left SmolLM2's four
-  // shapes at 1-2 rows 1.09-1.10x the time (from memory, one process, alternating)
-  const int64_t ahead = 2 * kTileN * groups * 16;
+  // tiles ahead, as the int8 and dense kernels fetch (with prefetcht0 on an Intel machine, one
+  // tile ahead, half an int8 tile's bytes, left SmolLM2's four shapes at 1-2 rows 1.09-1.10x
+  // the time of two)
+  const int64_t ahead = prefetch_ahead(kTileN * groups * 16);
   const __m512i low = _mm512_set1_epi8(0x0f);
   const __m512i zero = _mm512_setzero_si512();
   const __m512i expand = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -335,7 +335,7 @@ void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
     WT wv[kTileN];                                                             \
     _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) {                  \
       wv[j] = LOADW(lm, ws[j] + (k0));                                         \
-      _mm_prefetch(reinterpret_cast<const char*>(ws[j] + (k0) + ahead), _MM_HINT_T0); \
+      _mm_prefetch(reinterpret_cast<const char*>(ws[j] + (k0)) + ahead, _MM_HINT_T1); \
     }                                                                          \
     _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {                      \
       const WT xv = LOADX(lm, xs[i] + (k0));                                   \
@@ -356,7 +356,7 @@ void dense_tile(const void* x, int64_t k, int64_t ldw, const void* const* w, con
   for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < kTileN; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t ahead = 2 * kTileN * ldw;  // the tile after next, at the same column
+  const int64_t ahead = prefetch_ahead(kTileN * ldw * (BF16 ? 2 : 4));
   if constexpr (BF16) {
     const uint16_t* ws[kTileN];
     const uint16_t* xs[MB];
