@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from stallfree.runtime.model import cpu_kernels, native_layers
 from stallfree.runtime.model.quant import quantize_int4, quantize_int8
-from tests.model.native_util import each_isa, needs_kernels, set_isa
+from tests.model.native_util import VARIANTS, each_isa, needs_kernels, set_isa
 
 pytestmark = [needs_kernels, pytest.mark.usefixtures("restore_variant")]
 
@@ -87,6 +87,36 @@ def test_linear_q8_equals_its_emulation(
     assert out.dtype == dtype and out.shape == (m, n)
     # float32 sums in another order; bfloat16 adds the output's rounding
     assert _rel(out, ref, None if bf16 else bound) < (8e-3 if bf16 else 1e-5)
+
+
+@pytest.mark.skipif("avx512" not in VARIANTS, reason="no AVX-512 variant on this CPU")
+@pytest.mark.parametrize("per_block", [False, True])
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_avx512_int8_product_takes_a_weight_of_minus_128(m: int, per_block: bool) -> None:
+    """The AVX-512 int8 dot multiplies w + 128 (unsigned) by the activation's signed codes from
+    an offset of -128 times their sums, so a weight code of -128 counts as itself. (The old form,
+    |x| against w negated where x < 0, wrapped -128 to itself and flipped those products' signs.
+    The AVX2 variant keeps that form, as ggml's AVX2 dot does: every quantizer here and
+    llama.cpp's write codes in [-127, 127].) Up to 4 rows, which take this kernel whether or
+    not the AMX tiles are on."""
+    set_isa("avx512")
+    g = torch.Generator().manual_seed(m)
+    n, k = 24, 96
+    x = torch.randn(m, k, generator=g)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    q[:, ::3] = -128  # a third of the codes, against activations of both signs
+    if per_block:
+        bscale = (torch.rand(n, k // 32, generator=g) / 50 + 0.001).half()
+        out = torch.ops.stallfree.linear_q8_blocks(x, q, bscale, None)
+        codes = q.double() * bscale.double().repeat_interleave(32, 1)
+        scale = torch.ones(n, dtype=torch.float64)
+    else:
+        scale = torch.rand(n, generator=g) / 50 + 0.001
+        out = torch.ops.stallfree.linear_q8(x, q, scale, None)
+        codes = q.double()  # an int8 tensor's abs() keeps -128
+    ref = q8_emulation(x, codes, scale)
+    bound = q8_emulation(x.abs(), codes.abs(), scale)
+    assert _rel(out, ref, bound) < 1e-5
 
 
 @each_isa

@@ -72,14 +72,12 @@ inline __m512 exp_ps(__m512 x) { return exp_avx512(x); }
 void quantize(const void* x, bool x_bf16, int64_t row, Q8Act& a) {
   const int64_t k = a.k, kp = a.kp;
   int8_t* q = a.q + row * kp;
-  uint8_t* absq = a.absq + row * kp;
   float* d = a.d + row * (kp / 32);
   float* bsum = a.bsum + row * (kp / 32);
   for (int64_t b = 0; b < kp / 32; ++b) {
     const int64_t k0 = b * 32;
     if (k0 >= k) {
       std::fill(q + k0, q + k0 + 32, 0);
-      std::fill(absq + k0, absq + k0 + 32, 0);
       d[b] = 0.f;
       bsum[b] = 0.f;
       continue;
@@ -103,15 +101,16 @@ void quantize(const void* x, bool x_bf16, int64_t row, Q8Act& a) {
     __m128i c0 = _mm512_cvtsepi32_epi8(i0), c1 = _mm512_cvtsepi32_epi8(i1);
     __m256i c = _mm256_set_m128i(c1, c0);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0), c);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(absq + k0), _mm256_abs_epi8(c));
     d[b] = scale;
     bsum[b] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
   }
-  uint64_t* neg = a.neg + row * (kp / 64);
+  int32_t* offset = a.offset + row * (kp / 4);
   float* dvec = a.dvec + row * (kp / 64) * 16;
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t c = 0; c < kp / 64; ++c) {
-    __m512i v = _mm512_loadu_si512(q + c * 64);
-    neg[c] = _mm512_movepi8_mask(v);
+    const __m512i v = _mm512_loadu_si512(q + c * 64);
+    const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, v);  // 128 * sums
+    _mm512_storeu_si512(offset + c * 16, _mm512_sub_epi32(_mm512_setzero_si512(), sum));
     __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(d[2 * c]), _mm256_set1_ps(d[2 * c + 1]), 1);
     _mm512_storeu_ps(dvec + c * 16, dv);
   }
@@ -129,22 +128,28 @@ struct TileOut {
 // The loop bodies are macros, written once for the whole chunks and once for the masked
 // tail: a lambda or a helper taking the accumulators by reference made GCC keep them in
 // memory (16 stores per iteration).
+//
+// `vpdpbusd` multiplies unsigned bytes by signed ones. The weight goes in as the unsigned
+// operand, w + 128 (its sign bit flipped, once per weight vector), the activation's signed
+// codes as they are, and each lane's sum starts from -128 times the sum of its four codes
+// (`Q8Act::offset`, once per row): the lane holds exactly sum(w * x), in one instruction per
+// weight vector and activation row. (|x| against w negated where x < 0 took a masked subtract
+// more, and wrapped a weight of -128.)
 #define SF_Q8_STEP(c, lm)                                                        \
   {                                                                              \
     __m512i wv[kTileN];                                                          \
     __m512 ws[kTileN];                                                           \
     _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) {                    \
-      wv[j] = _mm512_maskz_loadu_epi8(lm, w[j] + (c) * 64);                      \
+      wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(lm, w[j] + (c) * 64), bias); \
       _mm_prefetch(reinterpret_cast<const char*>(w[j] + (c) * 64) + ahead, _MM_HINT_T1); \
       if constexpr (Blocked) ws[j] = expand2(bs[j] + (c) * 2, lm);               \
     }                                                                            \
     _Pragma("GCC unroll 4") for (int i = 0; i < MB; ++i) {                        \
-      const __m512i ax = _mm512_loadu_si512(absq[i] + (c) * 64);                 \
-      const __mmask64 ng = neg[i][c];                                            \
+      const __m512i xq = _mm512_loadu_si512(xs[i] + (c) * 64);                   \
+      const __m512i off = _mm512_loadu_si512(offset[i] + (c) * 16);              \
       const __m512 dv = _mm512_loadu_ps(dvec[i] + (c) * 16);                     \
       _Pragma("GCC unroll 4") for (int j = 0; j < kTileN; ++j) {                  \
-        const __m512i sw = _mm512_mask_sub_epi8(wv[j], ng, zero, wv[j]);         \
-        const __m512i dot = _mm512_dpbusd_epi32(zero, ax, sw);                   \
+        const __m512i dot = _mm512_dpbusd_epi32(off, wv[j], xq);                  \
         const __m512 d = Blocked ? _mm512_mul_ps(dv, ws[j]) : dv;                \
         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, acc[i][j]);      \
       }                                                                          \
@@ -167,13 +172,13 @@ void q8_tile(const Q8Act& a, const int8_t* const* w, const uint16_t* const* bs,
              const TileOut& t) {
   const int64_t stride = a.kp / 64, full = a.k / 64;  // a last chunk may hold 32 values
   const int64_t ahead = prefetch_ahead(kTileN * a.k);
-  const __m512i zero = _mm512_setzero_si512();
-  const uint8_t* absq[MB];
-  const uint64_t* neg[MB];
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int8_t* xs[MB];
+  const int32_t* offset[MB];
   const float* dvec[MB];
   for (int i = 0; i < MB; ++i) {
-    absq[i] = a.absq + (t.m0 + i) * a.kp;
-    neg[i] = a.neg + (t.m0 + i) * stride;
+    xs[i] = a.q + (t.m0 + i) * a.kp;
+    offset[i] = a.offset + (t.m0 + i) * (a.kp / 4);
     dvec[i] = a.dvec + (t.m0 + i) * stride * 16;
   }
   __m512 acc[MB][kTileN];

@@ -158,7 +158,7 @@ int64_t row_stride(const at::Tensor& w, at::ScalarType dtype, const char* op) {
 struct Q8Buffers {
   std::vector<int8_t> q;
   std::vector<uint8_t> absq;
-  std::vector<uint64_t> neg;
+  std::vector<int32_t> offset;
   std::vector<float> d, dvec, bsum;
 };
 
@@ -173,7 +173,7 @@ Q8Act quantize_act(const at::Tensor& x, int64_t k) {
   const int64_t rows = a.m > 16 ? (a.m + 15) / 16 * 16 : a.m;
   a.q = scratch(buf.q, rows * a.kp);
   a.absq = scratch(buf.absq, a.m * a.kp);
-  a.neg = scratch(buf.neg, a.m * a.kp / 64);
+  a.offset = scratch(buf.offset, a.m * a.kp / 4);
   a.d = scratch(buf.d, a.m * a.kp / 32);
   a.bsum = scratch(buf.bsum, a.m * a.kp / 32);
   a.dvec = scratch(buf.dvec, a.m * a.kp / 64 * 16);
