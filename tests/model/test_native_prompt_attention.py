@@ -312,3 +312,25 @@ def test_bad_arguments_are_errors_not_crashes() -> None:
         op(q, k, k, 0, 0, None, None, 0)
     with pytest.raises(RuntimeError, match="contiguous heads"):
         op(q.transpose(0, 1).contiguous().transpose(0, 1), k, k)
+
+
+def test_a_bfloat16_prompt_without_amx_on_the_cpu_takes_the_vector_path() -> None:
+    """On a CPU without AMX tiles (a Zen 4) SDPA's bfloat16 products have no tiles either, and
+    the native op's vector path is the faster: a bfloat16 prompt goes there, head dims of 16 x
+    odd included. Where the CPU has tiles and they are off, SDPA keeps it."""
+    args = (0, 0, None, None, None)
+    for dim in (64, 48):
+        case = Case(50, 0, 0, 8, 2, dim, None, None, None, torch.bfloat16)
+        q, k, v = inputs(case, 5)
+        want = exact(case, q, k, v)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(attention.cpu_kernels, "amx", lambda: False)
+            mp.setattr(attention, "_cpu_has_amx", lambda: False)
+            with OpCalls() as ops:
+                assert_near(attention.attend_prompt(q, k, v, *args), want, torch.bfloat16)
+            assert ops.calls.count("stallfree.prefill_attention") == 1
+            assert not any("scaled_dot_product" in c for c in ops.calls)
+            mp.setattr(attention, "_cpu_has_amx", lambda: True)
+            with OpCalls() as ops:
+                sdpa_near(attention.attend_prompt(q, k, v, *args), want)
+            assert ops.calls.count("stallfree.prefill_attention") == 0
