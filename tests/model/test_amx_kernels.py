@@ -360,7 +360,9 @@ def test_a_bfloat16_layer_on_the_avx2_variant_keeps_every_row_count_native(
         cpu_kernels.isa()
 
 
-@pytest.mark.skipif("avx512" not in VARIANTS, reason="no AVX-512 variant of the native kernels here")
+@pytest.mark.skipif(
+    "avx512" not in VARIANTS, reason="no AVX-512 variant of the native kernels here"
+)
 def test_a_bfloat16_layer_on_avx512_without_tiles_stays_native_up_to_96_rows(
     monkeypatch: pytest.MonkeyPatch, restore_variant: None
 ) -> None:
