@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from stallfree.runtime.memory.pool import KVCache
-from stallfree.runtime.model import cpu_kernels
+from stallfree.runtime.model import attention, cpu_kernels
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.loader import LoadedModel, load_model
 from tests.hf_models import make_llama
@@ -120,10 +120,13 @@ def test_decode_rows_of_a_mixed_step_take_one_native_call(
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
     # one native call per layer takes the three decode rows; each prompt row its own attention
     assert counter.calls["stallfree.decode_attention"] == LAYERS
-    # (a float32 prompt's on the native prompt kernel, a bfloat16 one's on SDPA)
+    # (a float32 prompt's on the native prompt kernel; a bfloat16 one's where
+    # attention._bf16_prompt_native sends it: the tiles where they are in use and take the
+    # head dim, the vector path on a CPU without tiles, else SDPA)
     sdpa = sum(n for name, n in counter.calls.items() if "scaled_dot_product" in name)
     native = counter.calls["stallfree.prefill_attention"]
-    assert (native, sdpa) == ((n_p * LAYERS, 0) if dtype == "float32" else (0, n_p * LAYERS))
+    on_native = dtype == "float32" or attention._bf16_prompt_native(loaded.arch.head_dim)
+    assert (native, sdpa) == ((n_p * LAYERS, 0) if on_native else (0, n_p * LAYERS))
 
 
 def test_one_trailing_decode_row_stays_on_the_extend_path(llama_dir: Path) -> None:
