@@ -17,6 +17,7 @@ kernel computes a prompt shorter than its 512-key split in full, above the diago
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -261,7 +262,9 @@ def _bf16_prompt_native(dim: int) -> bool:
     return not _cpu_has_amx()
 
 
+@functools.cache
 def _cpu_has_amx() -> bool:
+    """Whether the CPU (and OS) give AMX tiles, asked once: each prompt layer's call asks."""
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 

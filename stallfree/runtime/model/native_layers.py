@@ -46,16 +46,16 @@ AVX2_BF16_MAX_ROWS = 1 << 30
 # rows 5828 against 9823, 64 rows 11411 against 14805, 96 rows 17247 against 19398, 128 rows
 # 24405 against 22351, 256 rows 45759 against 41722.
 AVX512_BF16_MAX_ROWS = 96
+# bfloat16's limit per variant without the tiles (cpu_kernels.isa())
+_BF16_MAX_ROWS: dict[str | None, int] = {"avx2": AVX2_BF16_MAX_ROWS, "avx512": AVX512_BF16_MAX_ROWS}
 
 
 def dense_max_rows(dtype: torch.dtype | None = None) -> int:
     """The most rows a dense linear of `dtype` takes to the native kernel on this CPU, in this
     step (a decode step's bfloat16 rows go further: float32 has no tiles)."""
     if not cpu_kernels.amx():
-        if dtype == torch.bfloat16 and cpu_kernels.isa() == "avx2":
-            return AVX2_BF16_MAX_ROWS
-        if dtype == torch.bfloat16 and cpu_kernels.isa() == "avx512":
-            return AVX512_BF16_MAX_ROWS
+        if dtype == torch.bfloat16:
+            return _BF16_MAX_ROWS.get(cpu_kernels.isa(), DENSE_MAX_ROWS)
         return DENSE_MAX_ROWS
     if dtype == torch.bfloat16 and in_decode():
         return AMX_DECODE_MAX_ROWS
