@@ -10,7 +10,7 @@ file's blocks (bfloat16 activations); `FORMAT+compile` (e.g. `bf16+compile`) com
 layers first (`runtime.torch_compile`) and times the step only. A step is `model.forward` on a
 decode batch of `--batch` requests with `--context` tokens of KV each (the KV and `req_to_token` filled once, no
 scheduler), timed as the median of `--steps`. Every linear layer (lm_head included) is timed
-on its own around the call, so "outside linears" is the step minus their sum: norms, RoPE,
+on its own around the call (a dense float32 model's grouped q/k/v and gate/up calls as one each), so "outside linears" is the step minus their sum: norms, RoPE,
 attention, residuals, dispatch. The breakdown runs the layers in Python
 (`STALLFREE_NATIVE_LOOP=0`: the C++ layer loop makes no module calls to time); each step is
 also timed with the loop, whose linears are the same calls, and "outside linears" is given
@@ -89,6 +89,12 @@ class LinearTimer:
             self.bytes += weight.numel() * weight.element_size()
         if enabled and model.arch.tie_word_embeddings:
             self._wrap_output(model)
+        if enabled:
+            # a model whose projections are not stacked (dense float32) runs q/k/v and gate/up
+            # as one native call each, past the modules' forwards
+            from stallfree.runtime.model import native_layers
+
+            self._wrap(native_layers, "grouped")
 
     def _wrap(self, module: torch.nn.Module, attr: str) -> None:
         inner = getattr(module, attr)

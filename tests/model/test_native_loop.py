@@ -22,6 +22,7 @@ from stallfree.runtime.model.compile import throwaway_batch
 from stallfree.runtime.model.decode_rows import decode_rows
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.model.loader import load_model
+from stallfree.runtime.model.native_layers import dense_max_rows
 from stallfree.runtime.model.quant import native_max_rows
 from tests.hf_models import (
     make_llama,
@@ -94,11 +95,13 @@ def test_loop_equals_the_python_loop_bit_for_bit(
     looped, plans, calls = _step(llama_dir, dtype, quantization, lens, True, monkeypatch)
     assert none == {} and off == 0  # off: never planned
     planned = plans[(len(lens), getattr(torch, dtype))]
-    # 20 rows: past the grouped float32 call's rows, and past the integer kernels' (a
-    # prompt-sized product in Python) unless the AMX tiles take a decode step's rows (up to
-    # quant.native_max_rows() there); bfloat16's projections go to F.linear in both loops
+    # 20 rows: past the grouped float32 call's rows unless a decode step's float32 rows go
+    # further on this CPU (a CPU not Intel's: native_layers.dense_max_rows), and past the
+    # integer kernels' (a prompt-sized product in Python) unless the AMX tiles take a decode
+    # step's rows (up to quant.native_max_rows() there); bfloat16's projections go to F.linear
+    # in both loops
     with decode_rows():
-        most = native_max_rows() if quantization != "none" else 16
+        most = native_max_rows() if quantization != "none" else dense_max_rows(torch.float32)
     loop_runs = len(lens) <= most or (dtype == "bfloat16" and quantization == "none")
     assert (planned is not None) == loop_runs
     assert calls == int(loop_runs)

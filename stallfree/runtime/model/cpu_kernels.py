@@ -23,6 +23,7 @@ Environment:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -195,6 +196,21 @@ def amx() -> bool:
     """Whether dense bfloat16 products of a few rows run on the AMX tiles."""
     isa()
     return _state.get("amx") is not None
+
+
+@functools.cache
+def vendor() -> str:
+    """The CPU's vendor as cpuid names it ('GenuineIntel', 'AuthenticAMD'), '' where Linux does
+    not say. torch's float32 products are MKL's, whose fast paths run on Intel's CPUs only
+    (`native_layers.dense_max_rows`)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def reset() -> None:

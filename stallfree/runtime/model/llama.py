@@ -371,12 +371,15 @@ class LlamaForCausalLM(nn.Module):
             return torch.empty((0, self.arch.vocab_size), dtype=torch.float32, device=device)
         h = self.embed(fb.input_ids)
         rope = self.model.rotary_emb(fb.positions, h.dtype)
+        # the output head's rows in a decode step are the step's too (`dense_max_rows`)
         with decode_rows(fb.mode is ForwardMode.DECODE):
             h = self._layers(h, rope, fb)
-        last = _last_tokens(h, fb) if fb.logit_rows is None else h.index_select(0, fb.logit_rows)
-        if fb.logit_positions is not None:
-            last = torch.cat([last, h.index_select(0, fb.logit_positions)])
-        logits = self._output(self.model.norm(last))
+            last = (
+                _last_tokens(h, fb) if fb.logit_rows is None else h.index_select(0, fb.logit_rows)
+            )
+            if fb.logit_positions is not None:
+                last = torch.cat([last, h.index_select(0, fb.logit_positions)])
+            logits = self._output(self.model.norm(last))
         if self.tp.size > 1:
             # each rank's vocab slice (the last one zero-padded), in rank order
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.arch.vocab_size]

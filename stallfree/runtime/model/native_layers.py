@@ -4,8 +4,10 @@ a few rows. Every function here takes the native path only where it applies (a C
 float32 or bfloat16, contiguous, the library loaded) and otherwise computes the torch way, so
 callers never branch on it.
 
-Dense float32 linears stay on torch: its packed MKL matrix-vector product already reads float32
-weights as fast as the native one, and a float32 model keeps transformers' sums bit for bit.
+Dense float32 linears take the native kernel at a few rows like bfloat16's, and a decode step's
+float32 rows go further on a CPU that is not Intel's, where torch's float32 product (MKL's) reads
+the weights at a third of the native kernel's speed. A float32 prompt past those rows stays on
+torch, so it keeps transformers' sums bit for bit.
 """
 
 from __future__ import annotations
@@ -48,11 +50,22 @@ AVX2_BF16_MAX_ROWS = 1 << 30
 AVX512_BF16_MAX_ROWS = 96
 # bfloat16's limit per variant without the tiles (cpu_kernels.isa())
 _BF16_MAX_ROWS: dict[str | None, int] = {"avx2": AVX2_BF16_MAX_ROWS, "avx512": AVX512_BF16_MAX_ROWS}
+# torch's float32 product is MKL's, which takes its fast paths on Intel's CPUs only. Elsewhere
+# (`cpu_kernels.vendor()`) a decode step's float32 rows go to the native kernel up to this many:
+# on a Zen 4, SmolLM2's two MLP shapes, 120 weights, 2 threads, native against F.linear, ms a
+# step: 1 row 5.1 against 15.9 (29.9 against 12.2 GB/s), 8 rows 17.0 against 38.2, 16 rows 21.1
+# against 46.7, 64 rows 69.7 against 97.4, 128 rows 142 against 214, 256 rows 304 against 357,
+# 512 rows 614 against 578.
+F32_DECODE_MAX_ROWS = 256
+_MKL_FAST = ("GenuineIntel", "")  # '': a CPU Linux does not name is taken for Intel's
 
 
 def dense_max_rows(dtype: torch.dtype | None = None) -> int:
     """The most rows a dense linear of `dtype` takes to the native kernel on this CPU, in this
-    step (a decode step's bfloat16 rows go further: float32 has no tiles)."""
+    step (a decode step's bfloat16 rows go further on the tiles; its float32 rows on a CPU where
+    torch's float32 product is slow)."""
+    if dtype == torch.float32 and in_decode() and cpu_kernels.vendor() not in _MKL_FAST:
+        return F32_DECODE_MAX_ROWS
     if not cpu_kernels.amx():
         if dtype == torch.bfloat16:
             return _BF16_MAX_ROWS.get(cpu_kernels.isa(), DENSE_MAX_ROWS)
@@ -162,12 +175,11 @@ def mlp_on_tiles(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> torch.
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias_f32: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, on the native kernel for a few bfloat16 rows (`bias_f32`:
-    the bias in float32, or None)."""
+    """`F.linear(x, weight, bias)`, on the native kernel for a few bfloat16 or float32 rows
+    (`bias_f32`: the bias in float32, or None)."""
     if (
         applies(x)
-        and x.dtype == torch.bfloat16
-        and weight.dtype == torch.bfloat16
+        and x.dtype == weight.dtype
         and x.numel() <= dense_max_rows(x.dtype) * weight.shape[-1]
         and rows_contiguous(weight)
     ):
@@ -225,8 +237,9 @@ def group_weights(layers: list[nn.Module], dtype: torch.dtype) -> list[torch.Ten
 
 
 class NativeLinear(nn.Linear):
-    """nn.Linear whose calls of up to `dense_max_rows()` bfloat16 rows run on the native
-    matrix-vector kernel (bias added in its epilogue); anything else is F.linear."""
+    """nn.Linear whose calls of up to `dense_max_rows()` rows of its dtype (bfloat16 or float32)
+    run on the native matrix-vector kernel (bias added in its epilogue); a bfloat16 prompt past
+    them may take the tiles or a prepacked copy; anything else is F.linear."""
 
     bias_f32: torch.Tensor | None
     weight_prepacked: torch.Tensor | None  # oneDNN's blocked copy (`adopt(prepack=True)`)
@@ -248,18 +261,21 @@ class NativeLinear(nn.Linear):
         return native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the weight is bfloat16 on the CPU (`use_native_linears` checked), so only a bfloat16
-        # input can take a native route; its facts are read once here, not again per route
-        # (nor in `linear`). The routes, in order: the matrix-vector kernel (`applies`, up to
-        # `dense_max_rows`), the prepacked copy (`prepacked_prompt`), the tiles' prompt
-        # product (`prompt_on_tiles`), else F.linear.
-        if x.dtype != torch.bfloat16 or torch.compiler.is_compiling():
+        # the weight is bfloat16 or float32 on the CPU (`use_native_linears` checked), so only
+        # an input of its dtype can take a native route; its facts are read once here, not
+        # again per route (nor in `linear`). The routes, in order: the matrix-vector kernel
+        # (`applies`, up to `dense_max_rows`), then for bfloat16 the prepacked copy
+        # (`prepacked_prompt`) and the tiles' prompt product (`prompt_on_tiles`), else F.linear.
+        dtype = self.weight.dtype
+        if x.dtype != dtype or torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // max(self.in_features, 1)
         native = x.device.type == "cpu" and x.is_contiguous() and cpu_kernels.available()
-        if native and rows_contiguous(self.weight) and rows <= dense_max_rows(torch.bfloat16):
+        if native and rows_contiguous(self.weight) and rows <= dense_max_rows(dtype):
             out: torch.Tensor = torch.ops.stallfree.linear(x, self.weight, self.bias_f32)
             return out
+        if dtype != torch.bfloat16:
+            return F.linear(x, self.weight, self.bias)
         if self.weight_prepacked is not None and rows >= PREPACKED_MIN_ROWS:
             return packed_linear(x, self.weight_prepacked, self.bias)
         if native and _tiles_rows(rows, self.weight):
@@ -364,11 +380,11 @@ def _tiles_rows(rows: int, weight: torch.Tensor) -> bool:
 
 
 def use_native_linears(model: nn.Module, prepack: bool = False) -> int:
-    """Switch every dense bfloat16 CPU nn.Linear of `model` to `NativeLinear`, in place;
-    returns how many (none when the library is not available). With `prepack`, each but the
-    output head (`lm_head`, which sees a prompt's last rows only) also keeps its weight in
-    oneDNN's blocked order for prompts (PREPACKED_MIN_ROWS), where the CPU has the AMX tiles
-    (elsewhere the native kernels or torch's own path are the faster ones)."""
+    """Switch every dense bfloat16 or float32 CPU nn.Linear of `model` to `NativeLinear`, in
+    place; returns how many (none when the library is not available). With `prepack`, each
+    bfloat16 one but the output head (`lm_head`, which sees a prompt's last rows only) also
+    keeps its weight in oneDNN's blocked order for prompts (PREPACKED_MIN_ROWS), where the CPU
+    has the AMX tiles (elsewhere the native kernels or torch's own path are the faster ones)."""
     if not cpu_kernels.available():
         return 0
     pack = prepack and cpu_kernels.amx()
@@ -377,9 +393,12 @@ def use_native_linears(model: nn.Module, prepack: bool = False) -> int:
         if (
             type(module) is nn.Linear
             and module.weight.device.type == "cpu"
-            and module.weight.dtype == torch.bfloat16
+            and module.weight.dtype in _DTYPES
             and module.weight.is_contiguous()
         ):
-            NativeLinear.adopt(module, pack and name.rsplit(".", 1)[-1] != "lm_head")
+            prepack_this = (
+                module.weight.dtype == torch.bfloat16 and name.rsplit(".", 1)[-1] != "lm_head"
+            )
+            NativeLinear.adopt(module, pack and prepack_this)
             count += 1
     return count

@@ -72,7 +72,7 @@ def _projection(
     tensors; None where that is not one of the kinds (the step stays in Python)."""
     if isinstance(module, NativeLinear):
         if (
-            dtype == torch.bfloat16
+            dtype == module.weight.dtype
             and rows_contiguous(module.weight)
             and rows <= native_layers.dense_max_rows(dtype)
         ):

@@ -44,6 +44,9 @@ BF16, Q8, Q4, TORCH, PREPACKED, SIDE, APART = range(7)
 TILES = (BF16, Q8, Q4)
 
 
+# a dense float32 layer: nn.Linear, or the same switched to the native kernels' few rows
+_DENSE = (nn.Linear, NativeLinear)
+
 # the plan of a prompt's layers: native_loop's, its kinds this module's
 Plan = native_loop.Plan
 
@@ -54,6 +57,8 @@ def _projection(module: nn.Module, rows: int) -> tuple[int, list[torch.Tensor | 
     tiles' rows) F.linear; None where it would run otherwise (an integer layer past the tiles'
     rows)."""
     tensors: list[torch.Tensor | None]
+    if type(module) is NativeLinear and module.weight.dtype != torch.bfloat16:
+        return None  # float32's prompt is `_float32_layer`'s
     if type(module) is NativeLinear and rows > native_layers.dense_max_rows(torch.bfloat16):
         # NativeLinear.forward's order: the prepacked copy, the tiles, F.linear
         if module.weight_prepacked is not None and rows >= native_layers.PREPACKED_MIN_ROWS:
@@ -94,7 +99,7 @@ def _float32_layer(layer: Layer, rows: int) -> list[Part] | None:
     if not (isinstance(gate, nn.Linear) and isinstance(up, nn.Linear) and down is not None):
         return None
     plain = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, down)
-    if any(type(m) is not nn.Linear or m.weight.dtype != torch.float32 for m in plain):
+    if any(type(m) not in _DENSE or m.weight.dtype != torch.float32 for m in plain):
         return None
     side = native_layers.group_weights([gate, up], torch.float32)
     if side is None:

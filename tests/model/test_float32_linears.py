@@ -1,0 +1,150 @@
+"""Dense float32 linears on the native matrix-vector kernel: a few rows everywhere, a decode
+step's rows up to F32_DECODE_MAX_ROWS on a CPU that is not Intel's (where torch's float32 product
+is MKL's slow path), a prompt past its few rows on torch (transformers' sums, bit for bit)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stallfree.runtime.model import cpu_kernels, native_layers
+from stallfree.runtime.model.compile import throwaway_batch
+from stallfree.runtime.model.decode_rows import decode_rows
+from stallfree.runtime.model.forward_batch import ForwardMode
+from stallfree.runtime.model.loader import load_model
+from tests.hf_models import make_llama
+from tests.model.native_util import OpCalls
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(), reason="native CPU kernels unavailable here"
+)
+
+
+def _rel(out: torch.Tensor, want: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((out.double() - want).norm() / want.norm())
+
+
+@pytest.fixture
+def vendor(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Set the CPU vendor `native_layers.dense_max_rows` reads."""
+
+    def set_vendor(name: str) -> None:
+        monkeypatch.setattr(cpu_kernels, "vendor", lambda: name)
+
+    return set_vendor
+
+
+def test_the_vendor_is_what_linux_reports() -> None:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo here")
+    named = [line for line in cpuinfo.read_text().splitlines() if line.startswith("vendor_id")]
+    want = named[0].split(":", 1)[1].strip() if named else ""
+    assert cpu_kernels.vendor() == want
+
+
+@pytest.mark.parametrize("name", ["AuthenticAMD", "HygonGenuine", "GenuineIntel", ""])
+def test_a_decode_steps_float32_rows_go_further_only_off_intel(vendor, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Off Intel a decode step's float32 rows take the kernel up to F32_DECODE_MAX_ROWS; on
+    Intel (and a CPU Linux does not name) they keep the few rows bfloat16 has without the decode
+    raise; a prompt's rows keep them everywhere; bfloat16's limit is not touched."""
+    vendor(name)
+    few = native_layers.dense_max_rows(torch.float32)
+    bf16 = native_layers.dense_max_rows(torch.bfloat16)
+    assert few in (native_layers.DENSE_MAX_ROWS, native_layers.AMX_MAX_ROWS)
+    with decode_rows():
+        in_decode = native_layers.dense_max_rows(torch.float32)
+        bf16_decode = native_layers.dense_max_rows(torch.bfloat16)
+    off_intel = name not in ("GenuineIntel", "")
+    assert in_decode == (native_layers.F32_DECODE_MAX_ROWS if off_intel else few)
+    assert native_layers.F32_DECODE_MAX_ROWS == 256
+    vendor("GenuineIntel")
+    assert native_layers.dense_max_rows(torch.bfloat16) == bf16
+    with decode_rows():
+        assert native_layers.dense_max_rows(torch.bfloat16) == bf16_decode
+
+
+@pytest.mark.parametrize("name", ["AuthenticAMD", "GenuineIntel"])
+def test_a_float32_layer_takes_the_kernel_up_to_its_rows(vendor, name: str) -> None:  # type: ignore[no-untyped-def]
+    """A float32 nn.Linear is switched to NativeLinear; its calls up to `dense_max_rows` go to
+    the kernel (close to the float64 product), past them to F.linear (its bits exactly)."""
+    vendor(name)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(100, 72)  # widths off the vector length
+    assert native_layers.use_native_linears(layer) == 1
+    assert isinstance(layer, native_layers.NativeLinear)
+    for decode in (False, True):
+        with decode_rows(decode):
+            most = native_layers.dense_max_rows(torch.float32)
+            for rows in (1, 3, most, most + 1):
+                x = torch.randn(rows, 100)
+                with torch.no_grad(), OpCalls() as ops:
+                    out = layer(x)
+                native = rows <= most
+                assert ("stallfree.linear" in ops.calls) == native, (decode, rows)
+                want = x.double() @ layer.weight.double().T + layer.bias.double()
+                assert _rel(out, want) < 1e-6
+                if not native:
+                    assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
+
+
+def test_a_tied_float32_head_takes_the_kernel_at_a_few_rows() -> None:
+    """`native_layers.linear` (the tied output head) in float32: the kernel at a few rows, past
+    them F.linear's bits."""
+    torch.manual_seed(1)
+    weight = torch.randn(300, 64)
+    most = native_layers.dense_max_rows(torch.float32)
+    for rows in (1, most, most + 1):
+        x = torch.randn(rows, 64)
+        with OpCalls() as ops:
+            out = native_layers.linear(x, weight)
+        assert ("stallfree.linear" in ops.calls) == (rows <= most)
+        assert _rel(out, x.double() @ weight.double().T) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_llama(tmp_path_factory.mktemp("f32"), num_hidden_layers=2)
+
+
+def _decode_step(path: Path, rows: int) -> tuple[torch.Tensor, list[str]]:
+    loaded = load_model(str(path), "float32", torch.device("cpu"), 0, quantization="none")
+    fb = throwaway_batch(loaded, ForwardMode.DECODE, [5 + i for i in range(rows)], 1)
+    torch.manual_seed(0)
+    for k, v in zip(fb.kv_cache.k_buffers, fb.kv_cache.v_buffers, strict=True):
+        k.copy_(torch.randn(k.shape))
+        v.copy_(torch.randn(v.shape))
+    fb.input_ids = torch.randint(0, loaded.arch.vocab_size, (rows,))
+    with OpCalls() as ops:
+        logits = loaded.model(fb)
+    return logits, ops.calls
+
+
+@pytest.mark.parametrize("loop", ["1", "0"])
+def test_a_float32_decode_step_of_20_rows_off_intel_runs_every_product_on_the_kernel(
+    llama_dir: Path, vendor, loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A float32 decode step of 20 rows (past the few rows) off Intel: q/k/v and gate/up as
+    grouped native calls, o, down and the head on the kernel, no aten matrix product, in the
+    C++ loop and in Python alike; on Intel the same step multiplies on torch. The logits agree
+    to float32's rounding and pick the same tokens."""
+    monkeypatch.setenv("STALLFREE_NATIVE_LOOP", loop)
+    vendor("AuthenticAMD")
+    amd, amd_calls = _decode_step(llama_dir, 20)
+    vendor("GenuineIntel")
+    intel, intel_calls = _decode_step(llama_dir, 20)
+    products = ("aten.mm", "aten.addmm", "aten.linear", "aten.matmul")
+    assert not any(name in amd_calls for name in products)
+    if loop == "1":
+        assert "stallfree.decode_layers" in amd_calls
+    else:
+        layers = 2
+        assert amd_calls.count("stallfree.linear_group") == 2 * layers
+        assert amd_calls.count("stallfree.linear") == 2 * layers + 1  # o, down; the head
+    assert any(name in intel_calls for name in products)
+    assert torch.allclose(amd, intel, rtol=1e-4, atol=1e-4)
+    assert torch.equal(amd.argmax(-1), intel.argmax(-1))
