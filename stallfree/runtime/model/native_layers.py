@@ -51,12 +51,19 @@ AVX512_BF16_MAX_ROWS = 96
 # bfloat16's limit per variant without the tiles (cpu_kernels.isa())
 _BF16_MAX_ROWS: dict[str | None, int] = {"avx2": AVX2_BF16_MAX_ROWS, "avx512": AVX512_BF16_MAX_ROWS}
 # torch's float32 product is MKL's, which takes its fast paths on Intel's CPUs only. Elsewhere
-# (`cpu_kernels.vendor()`) a decode step's float32 rows go to the native kernel up to this many:
-# on a Zen 4, SmolLM2's two MLP shapes, 120 weights, 2 threads, native against F.linear, ms a
-# step: 1 row 5.1 against 15.9 (29.9 against 12.2 GB/s), 8 rows 17.0 against 38.2, 16 rows 21.1
-# against 46.7, 64 rows 69.7 against 97.4, 128 rows 142 against 214, 256 rows 304 against 357,
-# 512 rows 614 against 578.
+# (`cpu_kernels.vendor()`) a decode step's float32 rows go to the native kernel up to these
+# many, per variant. On a Zen 4, SmolLM2's two MLP shapes, 120 weights, 2 threads, native
+# against F.linear, ms a step: AVX-512 1 row 5.1 against 15.9 (29.9 against 12.2 GB/s), 8 rows
+# 17.0 against 38.2, 16 rows 21.1 against 46.7, 64 rows 69.7 against 97.4, 128 rows 142 against
+# 214, 256 rows 304 against 357, 512 rows 614 against 578; the AVX2 variant (60 weights) 1 row
+# 8.3 against 20.0, 16 rows 19.7 against 27.6, 32 rows 34.2 against 36.9, 64 rows 67.8 against
+# 52.9.
 F32_DECODE_MAX_ROWS = 256
+AVX2_F32_DECODE_MAX_ROWS = 32
+_F32_DECODE_MAX_ROWS: dict[str | None, int] = {
+    "avx2": AVX2_F32_DECODE_MAX_ROWS,
+    "avx512": F32_DECODE_MAX_ROWS,
+}
 _MKL_FAST = ("GenuineIntel", "")  # '': a CPU Linux does not name is taken for Intel's
 
 
@@ -65,7 +72,7 @@ def dense_max_rows(dtype: torch.dtype | None = None) -> int:
     step (a decode step's bfloat16 rows go further on the tiles; its float32 rows on a CPU where
     torch's float32 product is slow)."""
     if dtype == torch.float32 and in_decode() and cpu_kernels.vendor() not in _MKL_FAST:
-        return F32_DECODE_MAX_ROWS
+        return _F32_DECODE_MAX_ROWS.get(cpu_kernels.isa(), DENSE_MAX_ROWS)
     if not cpu_kernels.amx():
         if dtype == torch.bfloat16:
             return _BF16_MAX_ROWS.get(cpu_kernels.isa(), DENSE_MAX_ROWS)
