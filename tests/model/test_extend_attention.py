@@ -125,17 +125,27 @@ def test_native_rope_refuses_mismatched_tables() -> None:
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels not built")
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
 @pytest.mark.parametrize("rows", [1, 17, 40])
-def test_side_by_side_columns_keep_each_linears_bits(rows: int) -> None:
+def test_side_by_side_columns_keep_each_linears_bits(
+    rows: int, vendor: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A float32 prompt's gate and up go into one tensor, each its own product: the same bits
-    as each F.linear (float32 keeps transformers' sums), and none for bfloat16."""
+    as each F.linear (float32 keeps transformers' sums) on Intel, as each one's oneDNN product
+    (`native_layers.float32_product`) elsewhere, and none for bfloat16."""
+    monkeypatch.setattr(cpu_kernels, "vendor", lambda: vendor)
     g = torch.Generator().manual_seed(rows)
     gate, up = torch.nn.Linear(48, 40, bias=False), torch.nn.Linear(48, 24, bias=False)
     x = torch.randn(2, rows, 48, generator=g)
     with torch.no_grad():
         both = native_layers.side_by_side([gate, up], x)
         assert both is not None and both.shape == (2, rows, 64)
-        assert torch.equal(both[..., :40], gate(x)) and torch.equal(both[..., 40:], up(x))
+        flat = x.reshape(-1, 48)
+        want = [native_layers.float32_product(flat, m.weight, None) for m in (gate, up)]
+        if vendor == "GenuineIntel":
+            assert torch.equal(want[0], gate(flat)) and torch.equal(want[1], up(flat))
+        assert torch.equal(both[..., :40], want[0].view(2, rows, 40))
+        assert torch.equal(both[..., 40:], want[1].view(2, rows, 24))
         assert native_layers.side_by_side([gate.bfloat16(), up.bfloat16()], x.bfloat16()) is None
         biased = torch.nn.Linear(48, 24)
         assert native_layers.side_by_side([gate.float(), biased], x) is None

@@ -71,7 +71,8 @@ def test_a_decode_steps_float32_rows_go_further_only_off_intel(vendor, name: str
 @pytest.mark.parametrize("name", ["AuthenticAMD", "GenuineIntel"])
 def test_a_float32_layer_takes_the_kernel_up_to_its_rows(vendor, name: str) -> None:  # type: ignore[no-untyped-def]
     """A float32 nn.Linear is switched to NativeLinear; its calls up to `dense_max_rows` go to
-    the kernel (close to the float64 product), past them to F.linear (its bits exactly)."""
+    the kernel (close to the float64 product), past them to F.linear on Intel (its bits
+    exactly), oneDNN elsewhere (`float32_product`)."""
     vendor(name)
     torch.manual_seed(0)
     layer = torch.nn.Linear(100, 72)  # widths off the vector length
@@ -88,8 +89,11 @@ def test_a_float32_layer_takes_the_kernel_up_to_its_rows(vendor, name: str) -> N
                 assert ("stallfree.linear" in ops.calls) == native, (decode, rows)
                 want = x.double() @ layer.weight.double().T + layer.bias.double()
                 assert _rel(out, want) < 1e-6
-                if not native:
-                    assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
+                if not native:  # F.linear's bits on Intel, oneDNN's elsewhere
+                    product = native_layers.float32_product(x, layer.weight, layer.bias)
+                    assert torch.equal(out, product)
+                    intel = torch.equal(out, F.linear(x, layer.weight, layer.bias))
+                    assert intel or name != "GenuineIntel"
 
 
 def test_a_tied_float32_head_takes_the_kernel_at_a_few_rows() -> None:
@@ -146,5 +150,33 @@ def test_a_float32_decode_step_of_20_rows_off_intel_runs_every_product_on_the_ke
         assert amd_calls.count("stallfree.linear_group") == 2 * layers
         assert amd_calls.count("stallfree.linear") == 2 * layers + 1  # o, down; the head
     assert any(name in intel_calls for name in products)
+    assert torch.allclose(amd, intel, rtol=1e-4, atol=1e-4)
+    assert torch.equal(amd.argmax(-1), intel.argmax(-1))
+
+
+def _prompt(path: Path, rows: int) -> tuple[torch.Tensor, list[str]]:
+    loaded = load_model(str(path), "float32", torch.device("cpu"), 0, quantization="none")
+    fb = throwaway_batch(loaded, ForwardMode.EXTEND, [rows], rows)
+    fb.input_ids = torch.arange(rows) % loaded.arch.vocab_size
+    with OpCalls() as ops:
+        logits = loaded.model(fb)
+    return logits, ops.calls
+
+
+def test_a_float32_prompt_off_intel_multiplies_on_onednn(
+    llama_dir: Path, vendor, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A float32 prompt past the kernel's rows: off Intel each product (q, k, v, o, gate, up,
+    down) is oneDNN's on the weight as it is; on Intel torch's F.linear and mm (transformers'
+    sums). The two agree to float32's rounding."""
+    monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "0")  # the Python loop: its calls are visible
+    vendor("AuthenticAMD")
+    amd, amd_calls = _prompt(llama_dir, 40)
+    vendor("GenuineIntel")
+    intel, intel_calls = _prompt(llama_dir, 40)
+    layers = 2
+    assert amd_calls.count("mkldnn._linear_pointwise") == 7 * layers
+    assert not any(name in amd_calls for name in ("aten.mm", "aten.addmm"))
+    assert "mkldnn._linear_pointwise" not in intel_calls
     assert torch.allclose(amd, intel, rtol=1e-4, atol=1e-4)
     assert torch.equal(amd.argmax(-1), intel.argmax(-1))

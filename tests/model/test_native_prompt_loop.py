@@ -177,12 +177,16 @@ FLOAT32 = [
 ]
 
 
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
 @pytest.mark.parametrize("requests", FLOAT32)
 def test_a_float32_prompt_takes_the_loop_bit_for_bit(
-    llama_dir: Path, requests: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
-) -> None:
+    llama_dir: Path, requests: list[tuple[int, int]], vendor: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     # torch's products as the Python loop makes them: q, k and v three F.linear calls, gate
-    # and up side by side, o and down F.linear; the native prompt attention's vector path
+    # and up side by side, o and down F.linear (off Intel each on oneDNN:
+    # native_layers.float32_product); the native prompt attention's vector path
+    monkeypatch.setattr(cpu_kernels, "vendor", lambda: vendor)
     assert _same(llama_dir, "float32", "none", requests, monkeypatch) == 1
 
 
@@ -372,12 +376,20 @@ def test_a_malformed_call_is_an_error_not_a_crash(llama_dir: Path) -> None:
         call(qk_norms=args[names.index("norms")][:2])
 
 
-def test_a_malformed_float32_plan_is_an_error_not_a_crash(llama_dir: Path) -> None:
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_a_malformed_float32_plan_is_an_error_not_a_crash(
+    llama_dir: Path, vendor: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off Intel the plan's products are on oneDNN (SIDE_ONEDNN for gate/up), on Intel torch's."""
+    monkeypatch.setattr(cpu_kernels, "vendor", lambda: vendor)
     _, args = _arguments(llama_dir, [(0, 24), (5, 20)], torch.float32)
     op = torch.ops.stallfree.prefill_layers
     names = [a.name for a in op.default._schema.arguments]
     spec, params = args[names.index("spec")], args[names.index("params")]
-    side = spec.index(native_prompt_loop.SIDE)  # the first layer's gate/up: SIDE, its count
+    onednn = vendor != "GenuineIntel"
+    kind = native_prompt_loop.SIDE_ONEDNN if onednn else native_prompt_loop.SIDE
+    assert (native_prompt_loop.SIDE in spec) != onednn
+    side = spec.index(kind)  # the first layer's gate/up: its kind, its count
 
     def call(**changes: Any) -> None:
         values = list(args)

@@ -38,9 +38,10 @@ from stallfree.runtime.model.quant import Int4Linear, Int8Linear
 Layer = Any  # llama.py's `LlamaDecoderLayer` (llama.py imports this module)
 
 # csrc/prompt_layers.cpp's projection kinds: the tiles' products, oneDNN's (F.linear, or on
-# `--prepack-prompt-weights`' blocked copy), float32's gate and up side by side (the count
-# follows), and float32's q, k and v as three calls (APART: the next three projections)
-BF16, Q8, Q4, TORCH, PREPACKED, SIDE, APART = range(7)
+# `--prepack-prompt-weights`' blocked copy, or on a float32 weight as it is where
+# `native_layers.float32_on_onednn`), float32's gate and up side by side (the count follows; on
+# oneDNN: SIDE_ONEDNN), and float32's q, k and v as three calls (APART: the next three)
+BF16, Q8, Q4, TORCH, PREPACKED, SIDE, APART, SIDE_ONEDNN = range(8)
 TILES = (BF16, Q8, Q4)
 
 
@@ -88,7 +89,8 @@ def _float32_layer(layer: Layer, rows: int) -> list[Part] | None:
     """A float32 layer's projections as the Python loop runs a prompt past the grouped native
     call's rows, or None: q, k and v three F.linear calls (`LlamaAttention.project`), o and
     down F.linear, gate and up `native_layers.side_by_side` (each its own torch.mm into one
-    output, so `silu_mul` reads them in one pass)."""
+    output, so `silu_mul` reads them in one pass); each on oneDNN instead where
+    `native_layers.float32_on_onednn`."""
     attn, mlp = layer.self_attn, layer.mlp
     if rows <= native_layers.dense_max_rows(torch.float32):
         return None
@@ -104,15 +106,18 @@ def _float32_layer(layer: Layer, rows: int) -> list[Part] | None:
     side = native_layers.group_weights([gate, up], torch.float32)
     if side is None:
         return None
+    # off Intel each product on oneDNN, as `native_layers.float32_product` and `side_by_side` run it
+    onednn = native_layers.float32_on_onednn()
+    product, side_kind = (PREPACKED, SIDE_ONEDNN) if onednn else (TORCH, SIDE)
     qkv: Part = ([APART], [])
     for m in plain[:3]:
-        qkv[0].append(TORCH)
+        qkv[0].append(product)
         qkv[1].extend([m.weight, m.bias])
     return [
         qkv,
-        ([TORCH], [attn.o_proj.weight, attn.o_proj.bias]),
-        ([SIDE, len(side)], list(side)),
-        ([TORCH], [down.weight, down.bias]),
+        ([product], [attn.o_proj.weight, attn.o_proj.bias]),
+        ([side_kind, len(side)], list(side)),
+        ([product], [down.weight, down.bias]),
     ]
 
 

@@ -50,11 +50,14 @@ enum Kind : int64_t {
   kQ8 = 1,    // linear_q8_prompt: qweight, row scales?, block scales?, bias_f32?, bias?
   kQ4 = 2,    // linear_q4_prompt: codes, group scales, group offsets, bias_f32?, bias?
   kTorch = 3,  // at::linear: weight, bias? (bfloat16 past the tiles' rows: oneDNN; float32)
-  kPrepacked = 4,  // oneDNN on its blocked copy (`--prepack-prompt-weights`): copy, bias?
+  // oneDNN on its blocked copy (`--prepack-prompt-weights`), or on a float32 weight as it is
+  // (off Intel: native_layers.float32_on_onednn): weight, bias?
+  kPrepacked = 4,
   // float32's gate and up (`native_layers.side_by_side`): spec's next value is the count, then
   // that many weights, each one's torch.mm written into its columns of one output
   kSide = 5,
   kApart = 6,  // not a projection: q, k and v are the next three, each its own call (float32)
+  kSideOnednn = 7,  // kSide with each product on oneDNN (float32 off Intel), copied into its columns
 };
 
 using Prompt8 = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
@@ -115,7 +118,8 @@ at::Tensor prepacked_linear(const at::Tensor& x, const at::Tensor& packed, const
 struct Projections : PlanCursor {
   // whether the next projection runs on oneDNN (an MLP's two then run apart)
   bool next_on_torch() const {
-    return s < spec.size() && (spec[s] == kTorch || spec[s] == kPrepacked || spec[s] == kSide);
+    return s < spec.size() && (spec[s] == kTorch || spec[s] == kPrepacked || spec[s] == kSide ||
+                               spec[s] == kSideOnednn);
   }
   // whether q, k and v come as three projections (`kApart` taken off the spec)
   bool apart() {
@@ -158,7 +162,9 @@ struct Projections : PlanCursor {
         const at::Tensor w = need("a packed weight");
         return prepacked_linear(x, w, maybe("a bias"));
       }
-      case kSide: {
+      case kSide:
+      case kSideOnednn: {
+        const bool onednn = spec[s - 1] == kSideOnednn;
         TORCH_CHECK(!epilogue, "prefill_layers: a side-by-side product has no SiLU or packed output");
         TORCH_CHECK(s < spec.size(), "prefill_layers: a side-by-side group without its count");
         const int64_t count = spec[s++];
@@ -173,7 +179,10 @@ struct Projections : PlanCursor {
         int64_t col = 0;
         for (const at::Tensor& w : ws) {
           at::Tensor cols = out.narrow(1, col, w.size(0));
-          at::mm_out(cols, x, w.t());
+          if (onednn)
+            cols.copy_(prepacked_linear(x, w, std::nullopt));
+          else
+            at::mm_out(cols, x, w.t());
           col += w.size(0);
         }
         return out;
