@@ -4,10 +4,11 @@ a few rows. Every function here takes the native path only where it applies (a C
 float32 or bfloat16, contiguous, the library loaded) and otherwise computes the torch way, so
 callers never branch on it.
 
-Dense float32 linears take the native kernel at a few rows like bfloat16's, and a decode step's
-float32 rows go further on a CPU that is not Intel's, where torch's float32 product (MKL's) reads
-the weights at a third of the native kernel's speed. A float32 prompt past those rows stays on
-torch, so it keeps transformers' sums bit for bit.
+Dense float32 linears take the native kernel at a few rows like bfloat16's. On a CPU that is not
+Intel's, where torch's float32 product (MKL's) reads the weights at a third of the native
+kernel's speed, a decode step's float32 rows go further on the kernel and a prompt's run on
+oneDNN (`float32_product`); on Intel's a float32 prompt stays on F.linear, so it keeps
+transformers' sums bit for bit.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ _F32_DECODE_MAX_ROWS: dict[str | None, int] = {
 _MKL_FAST = ("GenuineIntel", "")  # '': a CPU Linux does not name is taken for Intel's
 
 
+def _mkl_slow() -> bool:
+    """Whether torch's float32 product (MKL's) is off its fast paths: a CPU not Intel's."""
+    return cpu_kernels.vendor() not in _MKL_FAST
+
+
 def float32_on_onednn() -> bool:
     """Whether float32 products past the native kernel's rows (a prompt's) run on oneDNN rather
     than F.linear: on a CPU that is not Intel's, where F.linear is MKL's slow path. oneDNN's
@@ -74,7 +80,7 @@ def float32_on_onednn() -> bool:
     on a Zen 4, SmolLM2's two MLP shapes, 60 weights, 2 threads, oneDNN against F.linear, ms a
     step: 64 rows 48.0 against 54.6, 256 rows 141.6 against 181.5, 512 rows 275.2 against 334.8.
     Its sums are not MKL's, so such a prompt's logits are not transformers' bit for bit."""
-    return cpu_kernels.vendor() not in _MKL_FAST
+    return _mkl_slow()
 
 
 def float32_product(
@@ -90,7 +96,7 @@ def dense_max_rows(dtype: torch.dtype | None = None) -> int:
     """The most rows a dense linear of `dtype` takes to the native kernel on this CPU, in this
     step (a decode step's bfloat16 rows go further on the tiles; its float32 rows on a CPU where
     torch's float32 product is slow)."""
-    if dtype == torch.float32 and in_decode() and cpu_kernels.vendor() not in _MKL_FAST:
+    if dtype == torch.float32 and in_decode() and _mkl_slow():
         return _F32_DECODE_MAX_ROWS.get(cpu_kernels.isa(), DENSE_MAX_ROWS)
     if not cpu_kernels.amx():
         if dtype == torch.bfloat16:
@@ -202,7 +208,7 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias_f32: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, on the native kernel for a few bfloat16 or float32 rows
-    (`bias_f32`: the bias in float32, or None)."""
+    (`bias_f32`: the bias in float32, or None); float32 past them as `float32_product`."""
     if (
         applies(x)
         and x.dtype == weight.dtype
@@ -211,6 +217,8 @@ def linear(
     ):
         out: torch.Tensor = torch.ops.stallfree.linear(x, weight, bias_f32)
         return out
+    if x.dtype == weight.dtype == torch.float32:
+        return float32_product(x, weight, bias_f32)
     return F.linear(x, weight, None if bias_f32 is None else bias_f32.to(x.dtype))
 
 
