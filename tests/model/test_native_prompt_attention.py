@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from stallfree.runtime.model import attention
+from stallfree.runtime.model import attention, cpu_kernels
 from tests.model.native_util import OpCalls, each_isa, needs_amx, needs_kernels, set_isa
 
 pytestmark = [needs_kernels, pytest.mark.usefixtures("restore_variant")]
@@ -325,12 +325,12 @@ def test_a_bfloat16_prompt_without_amx_on_the_cpu_takes_the_vector_path() -> Non
         want = exact(case, q, k, v)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(attention.cpu_kernels, "amx", lambda: False)
-            mp.setattr(attention, "_cpu_has_amx", lambda: False)
+            mp.setattr(cpu_kernels, "cpu_has_amx", lambda: False)
             with OpCalls() as ops:
                 assert_near(attention.attend_prompt(q, k, v, *args), want, torch.bfloat16)
             assert ops.calls.count("stallfree.prefill_attention") == 1
             assert not any("scaled_dot_product" in c for c in ops.calls)
-            mp.setattr(attention, "_cpu_has_amx", lambda: True)
+            mp.setattr(cpu_kernels, "cpu_has_amx", lambda: True)
             with OpCalls() as ops:
                 sdpa_near(attention.attend_prompt(q, k, v, *args), want)
             assert ops.calls.count("stallfree.prefill_attention") == 0

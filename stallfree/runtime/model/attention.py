@@ -17,7 +17,6 @@ kernel computes a prompt shorter than its 512-key split in full, above the diago
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -259,13 +258,7 @@ def _bf16_prompt_native(dim: int) -> bool:
     32) where they are in use, or on the vector path where the CPU has no tiles at all."""
     if cpu_kernels.amx():
         return dim % 32 == 0
-    return not _cpu_has_amx()
-
-
-@functools.cache
-def _cpu_has_amx() -> bool:
-    """Whether the CPU (and OS) give AMX tiles, asked once: each prompt layer's call asks."""
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return not cpu_kernels.cpu_has_amx()
 
 
 def attend_prompt(

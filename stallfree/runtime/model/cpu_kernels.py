@@ -213,6 +213,13 @@ def vendor() -> str:
     return ""
 
 
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether the CPU (and the OS) give AMX tiles, whether or not the kernels use them
+    (`amx()`); asked once, since each prompt layer's attention asks."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 def reset() -> None:
     """Forget the choice so the next `isa()` reads the environment again (tests switch
     variants this way; the library itself stays loaded)."""

@@ -254,8 +254,8 @@ def native_quantized(dtype: torch.dtype) -> bool:
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX tiles)."""
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+    avx512_bf16 = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+    return avx512_bf16 or cpu_kernels.cpu_has_amx()
 
 
 def _native_dequantize(layer: _QuantLinearBase) -> bool:
