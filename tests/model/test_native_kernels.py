@@ -89,17 +89,17 @@ def test_linear_q8_equals_its_emulation(
     assert _rel(out, ref, None if bf16 else bound) < (8e-3 if bf16 else 1e-5)
 
 
-@pytest.mark.skipif("avx512" not in VARIANTS, reason="no AVX-512 variant on this CPU")
+@pytest.mark.parametrize("isa", [v for v in ("avx512", "avx2") if v in VARIANTS])
 @pytest.mark.parametrize("per_block", [False, True])
 @pytest.mark.parametrize("m", [1, 3, 4])
-def test_avx512_int8_product_takes_a_weight_of_minus_128(m: int, per_block: bool) -> None:
-    """The AVX-512 int8 dot multiplies w + 128 (unsigned) by the activation's signed codes from
-    an offset of -128 times their sums, so a weight code of -128 counts as itself. (The old form,
-    |x| against w negated where x < 0, wrapped -128 to itself and flipped those products' signs.
-    The AVX2 variant keeps that form, as ggml's AVX2 dot does: every quantizer here and
-    llama.cpp's write codes in [-127, 127].) Up to 4 rows, which take this kernel whether or
-    not the AMX tiles are on."""
-    set_isa("avx512")
+def test_int8_product_takes_a_weight_of_minus_128(isa: str, m: int, per_block: bool) -> None:
+    """A weight code of -128 counts as itself. The AVX-512 int8 dot multiplies w + 128
+    (unsigned) by the activation's signed codes from an offset of -128 times their sums; the
+    AVX2 dot multiplies |w| (0x80 read as 128) by the activation's codes under w's sign. (The
+    old form of both, |x| against w negated where x < 0, wrapped -128 to itself and flipped
+    those products' signs; llama.cpp's quantizers never write -128, but a GGUF file may hold
+    it.) Up to 4 rows, which take these kernels whether or not the AMX tiles are on."""
+    set_isa(isa)
     g = torch.Generator().manual_seed(m)
     n, k = 24, 96
     x = torch.randn(m, k, generator=g)

@@ -64,7 +64,6 @@ inline __m256 exp_ps(__m256 x) { return exp_avx2(x); }
 void quantize(const void* x, bool x_bf16, int64_t row, Q8Act& a) {
   const int64_t k = a.k, kp = a.kp;
   int8_t* q = a.q + row * kp;
-  uint8_t* absq = a.absq + row * kp;
   float* d = a.d + row * (kp / 32);
   float* bsum = a.bsum + row * (kp / 32);
   const char* xr = static_cast<const char*>(x) + row * k * (x_bf16 ? 2 : 4);
@@ -73,7 +72,6 @@ void quantize(const void* x, bool x_bf16, int64_t row, Q8Act& a) {
     const int64_t k0 = b * 32;
     if (k0 >= k) {  // padding: zeros
       std::memset(q + k0, 0, 32);
-      std::memset(absq + k0, 0, 32);
       d[b] = 0.f;
       bsum[b] = 0.f;
       continue;
@@ -105,7 +103,6 @@ void quantize(const void* x, bool x_bf16, int64_t row, Q8Act& a) {
     const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
                                                    _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0), p8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(absq + k0), _mm256_abs_epi8(p8));
     d[b] = amax / 127.f;
     bsum[b] = d[b] * static_cast<float>(_mm_cvtsi128_si32(s4));
   }
@@ -263,10 +260,12 @@ const float* combined_scales(const Q8Act& a, const uint16_t* const* scale, int64
   return comb.data();
 }
 
-// int8: per block of 32, each weight row's codes against each activation row's, llama.cpp's
-// way without VNNI (|x| times w with x's sign, `vpmaddubsw` then `vpmaddwd`), scaled by the
-// activation's block scale (and a Q8_0 weight's) into float lanes. Up to 2 activation rows a
-// pass: 8 accumulators and the tile's 4 weight vectors.
+// int8: per block of 32, each weight row's codes against each activation row's without VNNI
+// (|w| times x with w's sign, `vpmaddubsw` then `vpmaddwd`), scaled by the activation's block
+// scale (and a Q8_0 weight's) into float lanes. The weight gives the unsigned side: |-128| is
+// 0x80, which `vpmaddubsw` reads as 128, so any weight code counts as itself; the activation's
+// codes are in [-127, 127], so negating them never wraps. Up to 2 activation rows a pass: 8
+// accumulators and the tile's 4 weight vectors with their magnitudes.
 constexpr int kTileMQ = 2;
 
 template <int MB, bool Blocked>
@@ -279,22 +278,22 @@ void q8_tile(const Q8Act& a, const Tile4& t, const uint16_t* const* bs, int64_t 
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < kTileN; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m256i wv[kTileN];
+    __m256i wv[kTileN], aw[kTileN];
 #pragma GCC unroll 4
     for (int j = 0; j < kTileN; ++j) {
       const char* p = t.w[j] + b * 32;
       wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      aw[j] = _mm256_abs_epi8(wv[j]);
       if ((b & 1) == 0) _mm_prefetch(p + ahead, _MM_HINT_T1);
     }
 #pragma GCC unroll 2
     for (int i = 0; i < MB; ++i) {
       const int64_t r = m0 + i;
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + r * a.kp + b * 32));
-      const __m256i ax = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.absq + r * a.kp + b * 32));
       const __m256 dv = _mm256_set1_ps(a.d[r * dstride + b]);
 #pragma GCC unroll 4
       for (int j = 0; j < kTileN; ++j) {
-        const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[j], xq)), ones);
+        const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xq, wv[j])), ones);
         const __m256 sc =
             Blocked ? _mm256_broadcast_ss(comb + (i * kTileN + j) * blocks + b) : dv;
         acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), sc, acc[i][j]);

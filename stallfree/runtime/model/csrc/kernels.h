@@ -38,7 +38,6 @@ struct Q8Act {
   int64_t k = 0;          // values per row (a multiple of 32)
   int64_t kp = 0;         // padded row length (a multiple of 128)
   int8_t* q = nullptr;    // [m, kp] signed codes
-  uint8_t* absq = nullptr;  // [m, kp] |codes| (the AVX2 variant's dot)
   int32_t* offset = nullptr;  // [m, kp / 4] -128 times each 4 codes' sum (the AVX-512 dot's)
   float* d = nullptr;     // [m, kp / 32] block scales
   float* dvec = nullptr;  // [m, kp / 64, 16] the two block scales of each 64 values, 8 lanes each

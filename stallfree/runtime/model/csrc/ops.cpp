@@ -157,7 +157,6 @@ int64_t row_stride(const at::Tensor& w, at::ScalarType dtype, const char* op) {
 
 struct Q8Buffers {
   std::vector<int8_t> q;
-  std::vector<uint8_t> absq;
   std::vector<int32_t> offset;
   std::vector<float> d, dvec, bsum;
 };
@@ -172,7 +171,6 @@ Q8Act quantize_act(const at::Tensor& x, int64_t k) {
   // multiple of 16 are allocated, their contents never reach an output
   const int64_t rows = a.m > 16 ? (a.m + 15) / 16 * 16 : a.m;
   a.q = scratch(buf.q, rows * a.kp);
-  a.absq = scratch(buf.absq, a.m * a.kp);
   a.offset = scratch(buf.offset, a.m * a.kp / 4);
   a.d = scratch(buf.d, a.m * a.kp / 32);
   a.bsum = scratch(buf.bsum, a.m * a.kp / 32);
