@@ -59,6 +59,15 @@ def gguf_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         os.environ["STALLFREE_CACHE_DIR"] = before
 
 
+@pytest.fixture
+def float32_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float32 model keeps q/k/v and gate/up apart, transformers' layout, on any CPU (one not
+    Intel's stacks them where the native kernels are built: native_layers.stacks_float32)."""
+    from stallfree.runtime.model import native_layers
+
+    monkeypatch.setattr(native_layers, "stacks_float32", lambda device: False)
+
+
 @pytest.fixture(scope="session")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The tiny random Llama (`hf_models.make_llama` defaults, seed 0), written once per run.

@@ -34,7 +34,7 @@ async def test_fused_projections_equal_merged_peft(llama, adapters, monkeypatch)
     the fused-target adapter adds into the right columns of the fused output."""
     from stallfree.runtime.model import loader
 
-    monkeypatch.setattr(loader, "fuses", lambda dtype, method: True)
+    monkeypatch.setattr(loader, "fuses", lambda *args: True)
     name = "fused-r8"
     async with Engine(lora_config(llama, {name: adapters[name]})) as engine:
         proj, part = engine.lora.table.targets[(0, "k_proj")]

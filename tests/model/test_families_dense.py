@@ -204,6 +204,7 @@ def test_fused_and_quantized_match_hf(dirs: dict[str, Path]) -> None:
         assert (got - want).abs().max().item() <= 0.1 * want.std().item(), name
 
 
+@pytest.mark.usefixtures("float32_apart")
 def test_parameter_names(dirs: dict[str, Path]) -> None:
     stored = set(load_file(str(dirs["qwen3"] / "model.safetensors")))
     ours = {n for n, _ in _ours(dirs["qwen3"]).named_parameters()}
@@ -221,6 +222,7 @@ def test_parameter_names(dirs: dict[str, Path]) -> None:
 # ---------------------------------------------------------------------------- tensor parallel
 
 
+@pytest.mark.usefixtures("float32_apart")
 def test_tp_shards_split_phi3_fused_rows_and_replicate_qk_norms(dirs: dict[str, Path]) -> None:
     d, tp = HEAD_DIM, 2
     full = load_file(str(dirs["phi3"] / "model.safetensors"))

@@ -66,6 +66,7 @@ def test_chunked_prefill_then_decode_matches_hf(gemma_dirs: dict[str, Path], nam
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.usefixtures("float32_apart")
 def test_parameter_names_match_hf(gemma_dirs: dict[str, Path], name: str) -> None:
     stored = set(load_file(str(gemma_dirs[name] / "model.safetensors"))) - {"lm_head.weight"}
     assert {n for n, _ in _ours(gemma_dirs[name]).named_parameters()} == stored

@@ -138,10 +138,10 @@ def _decode_step(path: Path, rows: int) -> tuple[torch.Tensor, list[str]]:
 def test_a_float32_decode_step_of_20_rows_off_intel_runs_every_product_on_the_kernel(
     llama_dir: Path, vendor, loop: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
-    """A float32 decode step of 20 rows (past the few rows) off Intel: q/k/v and gate/up as
-    grouped native calls, o, down and the head on the kernel, no aten matrix product, in the
-    C++ loop and in Python alike; on Intel the same step multiplies on torch. The logits agree
-    to float32's rounding and pick the same tokens."""
+    """A float32 decode step of 20 rows (past the few rows) off Intel: the stacked q/k/v, o,
+    the stacked gate/up, down and the head on the kernel, no aten matrix product, in the C++
+    loop and in Python alike; on Intel (projections apart) the same step multiplies on torch.
+    The logits agree to float32's rounding and pick the same tokens."""
     monkeypatch.setenv("STALLFREE_NATIVE_LOOP", loop)
     vendor("AuthenticAMD")
     amd, amd_calls = _decode_step(llama_dir, 20)
@@ -153,8 +153,9 @@ def test_a_float32_decode_step_of_20_rows_off_intel_runs_every_product_on_the_ke
         assert "stallfree.decode_layers" in amd_calls
     else:
         layers = 2
-        assert amd_calls.count("stallfree.linear_group") == 2 * layers
-        assert amd_calls.count("stallfree.linear") == 2 * layers + 1  # o, down; the head
+        assert "stallfree.linear_group" not in amd_calls
+        # q/k/v, o, gate/up, down; the head
+        assert amd_calls.count("stallfree.linear") == 4 * layers + 1
     assert any(name in intel_calls for name in products)
     assert torch.allclose(amd, intel, rtol=1e-4, atol=1e-4)
     assert torch.equal(amd.argmax(-1), intel.argmax(-1))
@@ -172,17 +173,38 @@ def _prompt(path: Path, rows: int) -> tuple[torch.Tensor, list[str]]:
 def test_a_float32_prompt_off_intel_multiplies_on_onednn(
     llama_dir: Path, vendor, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
-    """A float32 prompt past the kernel's rows: off Intel each product (q, k, v, o, gate, up,
-    down) is oneDNN's on the weight as it is; on Intel torch's F.linear and mm (transformers'
-    sums). The two agree to float32's rounding."""
+    """A float32 prompt past the kernel's rows: off Intel each product (the stacked q/k/v, o,
+    the stacked gate/up, down) is oneDNN's on the weight as it is; on Intel torch's F.linear and
+    mm over the projections apart (transformers' sums). The two agree to float32's rounding."""
     monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "0")  # the Python loop: its calls are visible
     vendor("AuthenticAMD")
     amd, amd_calls = _prompt(llama_dir, 40)
     vendor("GenuineIntel")
     intel, intel_calls = _prompt(llama_dir, 40)
     layers = 2
-    assert amd_calls.count("mkldnn._linear_pointwise") == 7 * layers
+    assert amd_calls.count("mkldnn._linear_pointwise") == 4 * layers
     assert not any(name in amd_calls for name in ("aten.mm", "aten.addmm"))
     assert "mkldnn._linear_pointwise" not in intel_calls
     assert torch.allclose(amd, intel, rtol=1e-4, atol=1e-4)
     assert torch.equal(amd.argmax(-1), intel.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    ("name", "kernels", "stacked"),
+    [("AuthenticAMD", True, True), ("GenuineIntel", True, False), ("AuthenticAMD", False, False)],
+)
+def test_a_float32_model_stacks_its_projections_only_off_intel_with_the_kernels(
+    llama_dir: Path, vendor, name: str, kernels: bool, stacked: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """A dense float32 model keeps q/k/v and gate/up apart (transformers' sums, bit for bit)
+    unless its products leave those sums anyway: off Intel with the kernels built (decode rows
+    on the native kernel, prompts on oneDNN), where one product over the stacked rows is the
+    cheaper. Without the kernels F.linear's MKL keeps transformers' bits, so it stays apart."""
+    vendor(name)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: kernels)
+    loaded = load_model(str(llama_dir), "float32", torch.device("cpu"), 0, quantization="none")
+    for layer in loaded.model.model.layers:
+        assert (layer.self_attn.qkv_proj is not None) == stacked
+        assert (getattr(layer.mlp, "gate_up_proj", None) is not None) == stacked
+        assert hasattr(layer.self_attn, "q_proj") != stacked

@@ -112,6 +112,7 @@ def test_idle_batch_returns_empty_logits() -> None:
 # ---------------------------------------------------------------------------- config parsing
 
 
+@pytest.mark.usefixtures("float32_apart")
 def test_parameter_names_match_hf(hf_dirs: dict[str, Path]) -> None:
     for name, tied in (("qwen2", False), ("llama-tied", True)):
         stored = set(load_file(str(hf_dirs[name] / "model.safetensors")))

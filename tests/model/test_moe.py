@@ -146,6 +146,7 @@ def test_decode_runs_only_the_chosen_experts(hf_dirs: dict[str, Path]) -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.usefixtures("float32_apart")
 def test_parameter_names_match_hf(hf_dirs: dict[str, Path], name: str) -> None:
     stored = set(load_file(str(hf_dirs[name] / "model.safetensors")))
     assert {n for n, _ in _ours(hf_dirs[name]).named_parameters()} == stored

@@ -184,8 +184,9 @@ def test_a_float32_prompt_takes_the_loop_bit_for_bit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     # torch's products as the Python loop makes them: q, k and v three F.linear calls, gate
-    # and up side by side, o and down F.linear (off Intel each on oneDNN:
-    # native_layers.float32_product); the native prompt attention's vector path
+    # and up side by side, o and down F.linear (off Intel the stacked q/k/v and gate/up, each
+    # product on oneDNN: native_layers.float32_product); the native prompt attention's vector
+    # path
     monkeypatch.setattr(cpu_kernels, "vendor", lambda: vendor)
     assert _same(llama_dir, "float32", "none", requests, monkeypatch) == 1
 
@@ -376,20 +377,17 @@ def test_a_malformed_call_is_an_error_not_a_crash(llama_dir: Path) -> None:
         call(qk_norms=args[names.index("norms")][:2])
 
 
-@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
 def test_a_malformed_float32_plan_is_an_error_not_a_crash(
-    llama_dir: Path, vendor: str, monkeypatch: pytest.MonkeyPatch
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Off Intel the plan's products are on oneDNN (SIDE_ONEDNN for gate/up), on Intel torch's."""
-    monkeypatch.setattr(cpu_kernels, "vendor", lambda: vendor)
+    """On Intel a float32 layer's projections apart: q, k and v three calls, gate and up side
+    by side."""
+    monkeypatch.setattr(cpu_kernels, "vendor", lambda: "GenuineIntel")
     _, args = _arguments(llama_dir, [(0, 24), (5, 20)], torch.float32)
     op = torch.ops.stallfree.prefill_layers
     names = [a.name for a in op.default._schema.arguments]
     spec, params = args[names.index("spec")], args[names.index("params")]
-    onednn = vendor != "GenuineIntel"
-    kind = native_prompt_loop.SIDE_ONEDNN if onednn else native_prompt_loop.SIDE
-    assert (native_prompt_loop.SIDE in spec) != onednn
-    side = spec.index(kind)  # the first layer's gate/up: its kind, its count
+    side = spec.index(native_prompt_loop.SIDE)  # the first layer's gate/up: its kind, its count
 
     def call(**changes: Any) -> None:
         values = list(args)
@@ -408,3 +406,24 @@ def test_a_malformed_float32_plan_is_an_error_not_a_crash(
     # q, k and v apart with a weight of the wrong width: torch's own error
     with pytest.raises(RuntimeError):
         call(params=[params[0][:, :8], *params[1:]])
+
+
+def test_a_stacked_float32_plan_multiplies_on_onednn_and_refuses_a_wrong_weight(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off Intel a float32 model stacks q/k/v and gate/up (native_layers.stacks_float32): each
+    layer's four products are oneDNN's on the weights as they are (PREPACKED), none apart or
+    side by side; a weight of the wrong width is torch's error, not a crash."""
+    monkeypatch.setattr(cpu_kernels, "vendor", lambda: "AuthenticAMD")
+    loaded, args = _arguments(llama_dir, [(0, 24), (5, 20)], torch.float32)
+    assert loaded.model.model.layers[0].self_attn.qkv_proj is not None
+    op = torch.ops.stallfree.prefill_layers
+    names = [a.name for a in op.default._schema.arguments]
+    spec, params = args[names.index("spec")], args[names.index("params")]
+    assert spec == [native_prompt_loop.PREPACKED] * 4 * SHAPE["num_hidden_layers"]
+    with torch.inference_mode():
+        op(*args)
+        values = list(args)
+        values[names.index("params")] = [params[0][:, :8], *params[1:]]
+        with pytest.raises(RuntimeError):
+            op(*values)

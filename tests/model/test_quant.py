@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stallfree import Engine, SamplingParams
-from stallfree.runtime.model import ModelLoadError, cpu_kernels, load_model, quant
+from stallfree.runtime.model import ModelLoadError, cpu_kernels, load_model, native_layers, quant
 from stallfree.runtime.model.forward_batch import ForwardMode
 from stallfree.runtime.model.loader import resolve_quantization
 from tests.engine_util import engine_config, random_prompts
@@ -234,7 +234,20 @@ def test_fused_projections_take_no_random_init(
             rows = [ckpt[f"model.layers.{i}.{kind}.{p}.weight"] for p in parts]
             assert torch.equal(joint.weight, torch.cat(rows).to(joint.weight.dtype))
             fused += 1
-    assert fused == (2 * len(loaded.model.model.layers) if dtype == "bfloat16" else 0)
+    stacked = dtype == "bfloat16" or native_layers.stacks_float32(CPU)
+    assert fused == (2 * len(loaded.model.model.layers) if stacked else 0)
+
+
+def test_fusing_a_fused_model_again_changes_nothing(llama: Path) -> None:
+    """`fuse_projections` on a model already stacked (every bfloat16 one; a float32 one off
+    Intel) leaves each stacked layer as it is, where it used to look for the parts it had
+    removed."""
+    loaded = load_model(str(llama), "bfloat16", CPU, 0, quantization="none")
+    layers = loaded.model.model.layers
+    before = [(layer.self_attn.qkv_proj, layer.mlp.gate_up_proj) for layer in layers]
+    assert all(qkv is not None and gate_up is not None for qkv, gate_up in before)
+    assert loaded.model.fuse_projections() == 0
+    assert [(layer.self_attn.qkv_proj, layer.mlp.gate_up_proj) for layer in layers] == before
 
 
 def _dequantised_copy(packed: torch.nn.Module, dense: torch.nn.Module) -> torch.nn.Module:

@@ -222,6 +222,7 @@ def test_rank_parameters_are_shards(tp_runs: list[Any]) -> None:
         assert runs["qwen2_kv1"]["shapes"][f"{attn}.q_proj.bias"] == (4 // TP * d,)
 
 
+@pytest.mark.usefixtures("float32_apart")
 def test_shards_hold_the_checkpoint_slices(model_dirs: dict[str, Path]) -> None:
     """Loading needs no process group: each rank's tensors are the right rows/columns."""
     path = model_dirs["llama_kv1_tied_odd"]

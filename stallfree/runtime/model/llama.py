@@ -464,7 +464,7 @@ class LlamaForCausalLM(nn.Module):
         weight sums in another order than three matmuls, so float32 models that must equal
         transformers' bit for bit are not fused (loader.py decides). Weights in `packed`
         (quantized, possibly on the meta device here) are stacked there, under the fused name;
-        a group mixing packed and dense weights stays as it is.
+        a group mixing packed and dense weights stays as it is, and one already stacked too.
         """
         packed = packed if packed is not None else {}
         fused = 0
@@ -472,15 +472,20 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, LlamaDecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
             base = f"model.layers.{i}."
-            qkv = fused_linear(
-                [attn.q_proj, attn.k_proj, attn.v_proj], base + "self_attn.", "qkv_proj", packed
-            )
+            if attn.qkv_proj is not None:
+                qkv = None
+            else:
+                qkv = fused_linear(
+                    [attn.q_proj, attn.k_proj, attn.v_proj], base + "self_attn.", "qkv_proj", packed
+                )
             if qkv is not None:
                 attn.qkv_proj = qkv
                 del attn.q_proj, attn.k_proj, attn.v_proj
                 fused += 1
             if not isinstance(mlp, LlamaMLP):
                 continue  # an MoE block's experts stay unfused (moe.py)
+            if mlp.gate_up_proj is not None:
+                continue
             gate_up = fused_linear(
                 [mlp.gate_proj, mlp.up_proj], base + "mlp.", "gate_up_proj", packed
             )

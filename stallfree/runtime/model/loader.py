@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from stallfree.runtime.memory.heap import release_free_heap
 from stallfree.runtime.memory.huge_pages import move_to_huge_pages
 from stallfree.runtime.memory.pool import KVCacheShape
+from stallfree.runtime.model import native_layers
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
 from stallfree.runtime.model.bert import ENCODER_ARCHITECTURES
 from stallfree.runtime.model.cross_encoder import CROSS_ENCODER_ARCHITECTURES
@@ -200,7 +201,7 @@ def _load(
                 f"directory, a .gguf file or a preset: {', '.join(PRESETS)}"
             )
         loaded = _load_directory(path, dtype, device, tp)
-    if fuses(loaded.dtype, method):
+    if fuses(loaded.model, loaded.dtype, method, device):
         loaded.model.fuse_projections()
     if method in ("int8", "int4"):
         _quantize(loaded, method)
@@ -244,10 +245,18 @@ def _load_fallback(
     return LoadedModel(model, model.arch, torch_dtype, str(path), path.name)
 
 
-def fuses(dtype: torch.dtype, method: str) -> bool:
+def fuses(model: torch.nn.Module, dtype: torch.dtype, method: str, device: torch.device) -> bool:
     """Whether q/k/v and gate/up run as one matmul each (`fuse_projections`): everywhere but
-    a dense float32 model, whose output equals transformers' bit for bit only unfused."""
-    return dtype not in (torch.float32, torch.float64) or method != "none"
+    a dense float32 model, whose output equals transformers' bit for bit only unfused, unless
+    its products leave torch's sums anyway (a native model where
+    `native_layers.stacks_float32`: a CPU not Intel's, the kernels built)."""
+    if dtype not in (torch.float32, torch.float64) or method != "none":
+        return True
+    return (
+        dtype == torch.float32
+        and isinstance(model, LlamaForCausalLM)
+        and native_layers.stacks_float32(device)
+    )
 
 
 def resolve_quantization(quantization: str, path_or_preset: str, device: torch.device) -> str:
@@ -484,7 +493,7 @@ def _load_gguf_file(path: Path, dtype: str, device: torch.device, method: str) -
     loaded = LoadedModel(
         model=model, arch=ckpt.arch, dtype=torch_dtype, path=str(path), name=path.stem
     )
-    if fuses(torch_dtype, method):
+    if fuses(model, torch_dtype, method, device):
         model.fuse_projections(packed)
     if packed:
         _quantize(loaded, method, packed)

@@ -14,7 +14,9 @@ layer's dequantised product past the tiles stays in Python), head dims the tiles
 attention takes. In float32 (dense layers, which keep transformers' separate projections and
 sums), past the rows of the grouped native call: q, k and v three F.linear calls, o and down
 F.linear, gate and up side by side (`native_layers.side_by_side`), the prompt attention's
-vector path. Either way: a cache in the model's dtype, no LoRA rows, tensor-parallel size 1,
+vector path; on a CPU not Intel's, where the model stacks q/k/v and gate/up
+(`native_layers.stacks_float32`), the four products on oneDNN with the weights as they are
+(`native_layers.float32_product`). Either way: a cache in the model's dtype, no LoRA rows, tensor-parallel size 1,
 not compiled. A mixed step's one-token tail (two or more trailing decode rows) takes the decode
 attention op inside the loop, as `PagedAttention` runs it in Python. Everything else stays in
 Python.
@@ -39,9 +41,9 @@ Layer = Any  # llama.py's `LlamaDecoderLayer` (llama.py imports this module)
 
 # csrc/prompt_layers.cpp's projection kinds: the tiles' products, oneDNN's (F.linear, or on
 # `--prepack-prompt-weights`' blocked copy, or on a float32 weight as it is where
-# `native_layers.float32_on_onednn`), float32's gate and up side by side (the count follows; on
-# oneDNN: SIDE_ONEDNN), and float32's q, k and v as three calls (APART: the next three)
-BF16, Q8, Q4, TORCH, PREPACKED, SIDE, APART, SIDE_ONEDNN = range(8)
+# `native_layers.float32_on_onednn`), float32's gate and up side by side (the count follows),
+# and float32's q, k and v as three calls (APART: the next three)
+BF16, Q8, Q4, TORCH, PREPACKED, SIDE, APART = range(7)
 TILES = (BF16, Q8, Q4)
 
 
@@ -58,8 +60,14 @@ def _projection(module: nn.Module, rows: int) -> tuple[int, list[torch.Tensor | 
     tiles' rows) F.linear; None where it would run otherwise (an integer layer past the tiles'
     rows)."""
     tensors: list[torch.Tensor | None]
+    if type(module) is NativeLinear and module.weight.dtype == torch.float32:
+        # a stacked float32 layer (`native_layers.stacks_float32`), past the native kernel's
+        # rows: `float32_product`, oneDNN on the weight as it is
+        if rows > native_layers.dense_max_rows(torch.float32) and native_layers.float32_on_onednn():
+            return PREPACKED, [module.weight, module.bias]
+        return None
     if type(module) is NativeLinear and module.weight.dtype != torch.bfloat16:
-        return None  # float32's prompt is `_float32_layer`'s
+        return None
     if type(module) is NativeLinear and rows > native_layers.dense_max_rows(torch.bfloat16):
         # NativeLinear.forward's order: the prepacked copy, the tiles, F.linear
         if module.weight_prepacked is not None and rows >= native_layers.PREPACKED_MIN_ROWS:
@@ -86,13 +94,14 @@ Part = tuple[list[int], list[torch.Tensor | None]]  # a projection's spec entrie
 
 
 def _float32_layer(layer: Layer, rows: int) -> list[Part] | None:
-    """A float32 layer's projections as the Python loop runs a prompt past the grouped native
-    call's rows, or None: q, k and v three F.linear calls (`LlamaAttention.project`), o and
-    down F.linear, gate and up `native_layers.side_by_side` (each its own torch.mm into one
-    output, so `silu_mul` reads them in one pass); each on oneDNN instead where
-    `native_layers.float32_on_onednn`."""
+    """A float32 layer's projections apart (transformers' sums) as the Python loop runs a
+    prompt past the grouped native call's rows, or None: q, k and v three F.linear calls
+    (`LlamaAttention.project`), o and down F.linear, gate and up `native_layers.side_by_side`
+    (each its own torch.mm into one output, so `silu_mul` reads them in one pass). Where
+    `native_layers.float32_on_onednn` the model stacks them (`native_layers.stacks_float32`,
+    planned by `_layer`); a layer kept apart there stays in Python."""
     attn, mlp = layer.self_attn, layer.mlp
-    if rows <= native_layers.dense_max_rows(torch.float32):
+    if rows <= native_layers.dense_max_rows(torch.float32) or native_layers.float32_on_onednn():
         return None
     # a mixture of experts' MLP has none of these
     gate, up, down = (getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
@@ -106,18 +115,15 @@ def _float32_layer(layer: Layer, rows: int) -> list[Part] | None:
     side = native_layers.group_weights([gate, up], torch.float32)
     if side is None:
         return None
-    # off Intel each product on oneDNN, as `native_layers.float32_product` and `side_by_side` run it
-    onednn = native_layers.float32_on_onednn()
-    product, side_kind = (PREPACKED, SIDE_ONEDNN) if onednn else (TORCH, SIDE)
     qkv: Part = ([APART], [])
     for m in plain[:3]:
-        qkv[0].append(product)
+        qkv[0].append(TORCH)
         qkv[1].extend([m.weight, m.bias])
     return [
         qkv,
-        ([product], [attn.o_proj.weight, attn.o_proj.bias]),
-        ([side_kind, len(side)], list(side)),
-        ([product], [down.weight, down.bias]),
+        ([TORCH], [attn.o_proj.weight, attn.o_proj.bias]),
+        ([SIDE, len(side)], list(side)),
+        ([TORCH], [down.weight, down.bias]),
     ]
 
 
@@ -164,7 +170,12 @@ def plan(
         # torch's float32 statistics differ in their last bits between the two
         return None
     for layer in layers:
-        parts = _float32_layer(layer, rows) if dtype == torch.float32 else _layer(layer, rows)
+        stacked = layer.self_attn.qkv_proj is not None
+        parts = (
+            _float32_layer(layer, rows)
+            if dtype == torch.float32 and not stacked
+            else _layer(layer, rows)
+        )
         if parts is None:
             return None
         for kinds, tensors in parts:

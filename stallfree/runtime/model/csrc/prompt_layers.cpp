@@ -57,7 +57,6 @@ enum Kind : int64_t {
   // that many weights, each one's torch.mm written into its columns of one output
   kSide = 5,
   kApart = 6,  // not a projection: q, k and v are the next three, each its own call (float32)
-  kSideOnednn = 7,  // kSide with each product on oneDNN (float32 off Intel), copied into its columns
 };
 
 using Prompt8 = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
@@ -118,8 +117,7 @@ at::Tensor prepacked_linear(const at::Tensor& x, const at::Tensor& packed, const
 struct Projections : PlanCursor {
   // whether the next projection runs on oneDNN (an MLP's two then run apart)
   bool next_on_torch() const {
-    return s < spec.size() && (spec[s] == kTorch || spec[s] == kPrepacked || spec[s] == kSide ||
-                               spec[s] == kSideOnednn);
+    return s < spec.size() && (spec[s] == kTorch || spec[s] == kPrepacked || spec[s] == kSide);
   }
   // whether q, k and v come as three projections (`kApart` taken off the spec)
   bool apart() {
@@ -162,9 +160,7 @@ struct Projections : PlanCursor {
         const at::Tensor w = need("a packed weight");
         return prepacked_linear(x, w, maybe("a bias"));
       }
-      case kSide:
-      case kSideOnednn: {
-        const bool onednn = spec[s - 1] == kSideOnednn;
+      case kSide: {
         TORCH_CHECK(!epilogue, "prefill_layers: a side-by-side product has no SiLU or packed output");
         TORCH_CHECK(s < spec.size(), "prefill_layers: a side-by-side group without its count");
         const int64_t count = spec[s++];
@@ -179,10 +175,7 @@ struct Projections : PlanCursor {
         int64_t col = 0;
         for (const at::Tensor& w : ws) {
           at::Tensor cols = out.narrow(1, col, w.size(0));
-          if (onednn)
-            cols.copy_(prepacked_linear(x, w, std::nullopt));
-          else
-            at::mm_out(cols, x, w.t());
+          at::mm_out(cols, x, w.t());
           col += w.size(0);
         }
         return out;
