@@ -93,7 +93,7 @@ def _work(tp: TPGroup, dirs: dict[str, str]) -> dict[str, Any]:
         before = tp.stats.snapshot()
         loaded = load_model(path, "float32", CPU, 0, tp=tp)
         run = run_greedy(loaded)
-        run["shapes"] = param_shapes(loaded)
+        run["shapes"] = param_shapes(path, tp)
         run["comm"] = tp.stats.delta(before).as_dict()
         run["kv_heads"] = loaded.local_num_kv_heads
         results[name] = run
