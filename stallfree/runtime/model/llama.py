@@ -472,19 +472,16 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, LlamaDecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
             base = f"model.layers.{i}."
-            if attn.qkv_proj is not None:
-                qkv = None
-            else:
-                qkv = fused_linear(
-                    [attn.q_proj, attn.k_proj, attn.v_proj], base + "self_attn.", "qkv_proj", packed
-                )
+            qkv = None
+            if attn.qkv_proj is None:
+                parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+                qkv = fused_linear(parts, base + "self_attn.", "qkv_proj", packed)
             if qkv is not None:
                 attn.qkv_proj = qkv
                 del attn.q_proj, attn.k_proj, attn.v_proj
                 fused += 1
-            if not isinstance(mlp, LlamaMLP):
-                continue  # an MoE block's experts stay unfused (moe.py)
-            if mlp.gate_up_proj is not None:
+            # an MoE block's experts stay unfused (moe.py)
+            if not isinstance(mlp, LlamaMLP) or mlp.gate_up_proj is not None:
                 continue
             gate_up = fused_linear(
                 [mlp.gate_proj, mlp.up_proj], base + "mlp.", "gate_up_proj", packed
