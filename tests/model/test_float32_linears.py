@@ -1,6 +1,8 @@
 """Dense float32 linears on the native matrix-vector kernel: a few rows everywhere, a decode
-step's rows further on a CPU that is not Intel's (256 on the AVX-512 variant, 32 on AVX2) (where torch's float32 product
-is MKL's slow path), a prompt past its few rows on torch (transformers' sums, bit for bit)."""
+step's rows further on a CPU that is not Intel's (256 on the AVX-512 variant, 32 on AVX2),
+where torch's float32 product is MKL's slow path. Past them a prompt multiplies on torch
+(transformers' sums, bit for bit) on Intel, on oneDNN elsewhere, where the model also stacks
+q/k/v and gate/up. The tests set the vendor both ways, so each path runs on any machine."""
 
 from __future__ import annotations
 
