@@ -2,8 +2,8 @@
 
 Every template of `tests/data/chat_templates/` (real templates of popular model families; the
 README there names each one's model and licence), rendered for several conversations with and
-without tools by stallfree's own environment (`use_transformers=False`, what runs where
-transformers is not installed), equals transformers' `apply_chat_template`; where transformers
+without tools by stallfree's own environment (what serves them; `use_transformers=True` is
+transformers' renderer, the reference), equals transformers' `apply_chat_template`; where transformers
 refuses a conversation, ours refuses it too.
 """
 
@@ -105,7 +105,7 @@ def _ours(
     messages: list[dict[str, Any]],
     extra: dict[str, Any],
     turn: bool = True,
-    use_transformers: bool | None = False,
+    use_transformers: bool = False,
 ) -> str:
     return render_chat_template(
         source,
@@ -173,8 +173,8 @@ GENERATION = (
 )
 
 
-@pytest.mark.parametrize("use_transformers", [False, None])
-def test_the_generation_tag_renders_its_body(use_transformers: bool | None) -> None:
+@pytest.mark.parametrize("use_transformers", [False, True])
+def test_the_generation_tag_renders_its_body(use_transformers: bool) -> None:
     messages = CONVERSATIONS["system_and_turns"]
     rendered = render_chat_template(
         GENERATION,
@@ -198,8 +198,8 @@ TOJSON = (
 )
 
 
-@pytest.mark.parametrize("use_transformers", [False, None])
-def test_tojson_takes_json_dumps_keyword_arguments(use_transformers: bool | None) -> None:
+@pytest.mark.parametrize("use_transformers", [False, True])
+def test_tojson_takes_json_dumps_keyword_arguments(use_transformers: bool) -> None:
     content = {"b": [1, 2], "a": "é<&>"}
     rendered = render_chat_template(
         TOJSON,
@@ -228,8 +228,8 @@ def test_strftime_now_and_namespace_are_transformers_own() -> None:
         _ours(hostile, messages, {})
 
 
-@pytest.mark.parametrize("use_transformers", [False, None])
-def test_a_template_that_does_not_compile_is_a_clear_error(use_transformers: bool | None) -> None:
+@pytest.mark.parametrize("use_transformers", [False, True])
+def test_a_template_that_does_not_compile_is_a_clear_error(use_transformers: bool) -> None:
     broken = "{% for m in messages %}{{ m['content'] }"
     with pytest.raises(ChatTemplateError, match="invalid chat template"):
         render_chat_template(
@@ -244,8 +244,8 @@ def test_a_template_that_does_not_compile_is_a_clear_error(use_transformers: boo
         check_chat_template(broken)
 
 
-@pytest.mark.parametrize("use_transformers", [False, None])
-def test_a_template_that_raises_names_its_reason(use_transformers: bool | None) -> None:
+@pytest.mark.parametrize("use_transformers", [False, True])
+def test_a_template_that_raises_names_its_reason(use_transformers: bool) -> None:
     raising = "{{ raise_exception('only user turns, please') }}"
     with pytest.raises(ChatTemplateError, match="failed to render: only user turns, please"):
         render_chat_template(
@@ -280,9 +280,33 @@ def test_without_a_generation_prompt_each_template_renders_as_transformers_rende
                 want = _transformers(source, messages, {}, turn=False)
             except Exception:
                 continue
-            for use_transformers in (False, None):
+            for use_transformers in (False, True):
                 got = _ours(source, messages, {}, turn=False, use_transformers=use_transformers)
                 assert got == want, path.name
             if want != _transformers(source, messages, {}, turn=True):
                 without_header += 1
     assert without_header >= 20  # the flag reached the templates (most open a turn when asked)
+
+
+def test_an_engine_serves_a_chat_without_importing_transformers(llama: str) -> None:
+    """The serving path renders with this module's environment: importing transformers, which
+    the engine's start-up check of the template did where it was installed, took 0.87 s of a
+    server's start-up. A fresh process, since this one has transformers loaded already."""
+    import subprocess
+    import sys
+
+    script = f"""
+import asyncio, sys
+from stallfree import Engine, load_config
+async def main():
+    async with Engine(load_config(model={{"path": {llama!r}}})) as engine:
+        text = engine.tokenizer.apply_chat_template([{{"role": "user", "content": "hi"}}])
+        assert "hi" in text, text
+    print("transformers" in sys.modules)
+asyncio.run(main())
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
