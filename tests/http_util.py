@@ -89,9 +89,16 @@ def warnings_logged() -> Iterator[list[logging.LogRecord]]:
             logging.getLogger(name).removeHandler(handler)
 
 
-def read_to_end(sock: socket.socket, timeout: float = 5) -> bytes:
+async def read_to_end(sock: socket.socket, timeout: float = 5) -> bytes:
     """What `sock` still holds until the server's reset (or close); fails (timeout) if the
-    server never ends the connection."""
+    server never ends the connection. Read on a worker thread: the server runs on this event
+    loop, and an aborted connection's socket is closed by a callback the loop runs after the
+    abort (and after the write timeout it counts), so a blocking read here held the loop and
+    timed out whenever the test looked between the two."""
+    return await asyncio.to_thread(_read_to_end, sock, timeout)
+
+
+def _read_to_end(sock: socket.socket, timeout: float) -> bytes:
     sock.settimeout(timeout)
     parts = []
     try:

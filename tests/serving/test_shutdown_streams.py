@@ -90,7 +90,7 @@ async def test_streams_that_are_not_read_are_reset_at_the_deadline_and_the_serve
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["code"] == "shutting_down"
         for sock in socks:
-            assert b"data: [DONE]" not in read_to_end(sock)
+            assert b"data: [DONE]" not in await read_to_end(sock)
         await settle(live.engine)
         assert finished(live.engine, "abort") == 8 * 4 + 1
 
@@ -114,5 +114,5 @@ async def test_an_answer_left_unread_does_not_hold_the_stop():
         # nothing ran past the grace period (uvicorn's own 5 s wait for the unread buffer
         # would end in an error line): nothing is logged
         assert records == [], [r.getMessage() for r in records]
-        assert read_to_end(sock).startswith(b"HTTP/1.1 200")
+        assert (await read_to_end(sock)).startswith(b"HTTP/1.1 200")
         await settle(live.engine)

@@ -119,7 +119,7 @@ async def test_clients_that_never_read_are_closed_and_their_requests_freed():
         assert counters().generation_tokens <= requests * (MAX_UNREAD + 32)
 
         for sock in socks:
-            sent = read_to_end(sock)
+            sent = await read_to_end(sock)
             assert sent.startswith(b"HTTP/1.1 200"), sent[:100]
             assert b"data: [DONE]" not in sent  # cut off mid-stream
         await settle(live.engine)
@@ -166,7 +166,7 @@ async def test_a_whole_answer_the_client_does_not_read_is_dropped_after_the_time
         sock = never_reading(live.port, body)
         conns = budget(live.server)
         await until(lambda: conns.write_timeouts == 1)
-        sent = read_to_end(sock)
+        sent = await read_to_end(sock)
         assert sent.startswith(b"HTTP/1.1 200")
         await settle(live.engine)
         # the answer was complete before the write stalled: nothing was aborted
@@ -182,6 +182,6 @@ async def test_the_write_timeout_closes_a_native_stream_too():
         sock = never_reading(live.port, body, route="/generate")
         conns = budget(live.server)
         await until(lambda: conns.write_timeouts == 1)
-        assert b"[DONE]" not in read_to_end(sock)
+        assert b"[DONE]" not in await read_to_end(sock)
         await settle(live.engine)
         assert finished(live.engine, "abort") == 1
