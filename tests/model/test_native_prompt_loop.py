@@ -427,3 +427,18 @@ def test_a_stacked_float32_plan_multiplies_on_onednn_and_refuses_a_wrong_weight(
         values[names.index("params")] = [params[0][:, :8], *params[1:]]
         with pytest.raises(RuntimeError):
             op(*values)
+
+
+def test_a_stacked_float32_layer_on_intel_takes_the_loop_as_f_linear(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float32 model stacked where MKL is fast (a LoRA test forces that) plans its four
+    products as `native_layers.float32_product` runs them there, F.linear (TORCH), and the loop
+    equals the Python loop bit for bit."""
+    monkeypatch.setattr(cpu_kernels, "vendor", lambda: "GenuineIntel")
+    monkeypatch.setattr(native_layers, "stacks_float32", lambda device: True)
+    loaded, args = _arguments(llama_dir, [(0, 24), (5, 20)], torch.float32)
+    assert loaded.model.model.layers[0].self_attn.qkv_proj is not None
+    names = [a.name for a in torch.ops.stallfree.prefill_layers.default._schema.arguments]
+    assert args[names.index("spec")] == [native_prompt_loop.TORCH] * 4 * SHAPE["num_hidden_layers"]
+    assert _same(llama_dir, "float32", "none", [(0, 40), (9, 30)], monkeypatch) == 1

@@ -16,10 +16,10 @@ sums), past the rows of the grouped native call: q, k and v three F.linear calls
 F.linear, gate and up side by side (`native_layers.side_by_side`), the prompt attention's
 vector path; on a CPU not Intel's, where the model stacks q/k/v and gate/up
 (`native_layers.stacks_float32`), the four products on oneDNN with the weights as they are
-(`native_layers.float32_product`). Either way: a cache in the model's dtype, no LoRA rows, tensor-parallel size 1,
-not compiled. A mixed step's one-token tail (two or more trailing decode rows) takes the decode
-attention op inside the loop, as `PagedAttention` runs it in Python. Everything else stays in
-Python.
+(`native_layers.float32_product`). Either way: a cache in the model's dtype, no LoRA rows,
+tensor-parallel size 1, not compiled. A mixed step's one-token tail (two or more trailing
+decode rows) takes the decode attention op inside the loop, as `PagedAttention` runs it in
+Python. Everything else stays in Python.
 `STALLFREE_NATIVE_LOOP=0` turns it off, with the decode step's loop.
 """
 
@@ -61,13 +61,13 @@ def _projection(module: nn.Module, rows: int) -> tuple[int, list[torch.Tensor | 
     rows)."""
     tensors: list[torch.Tensor | None]
     if type(module) is NativeLinear and module.weight.dtype == torch.float32:
-        # a stacked float32 layer (`native_layers.stacks_float32`), past the native kernel's
-        # rows: `float32_product`, oneDNN on the weight as it is
-        if rows > native_layers.dense_max_rows(torch.float32) and native_layers.float32_on_onednn():
-            return PREPACKED, [module.weight, module.bias]
-        return None
-    if type(module) is NativeLinear and module.weight.dtype != torch.bfloat16:
-        return None
+        # a stacked float32 layer (`native_layers.stacks_float32`) past the native kernel's
+        # rows, as `native_layers.float32_product` runs it: oneDNN on the weight as it is, or
+        # F.linear
+        if rows <= native_layers.dense_max_rows(torch.float32):
+            return None
+        onednn = native_layers.float32_on_onednn()
+        return (PREPACKED if onednn else TORCH), [module.weight, module.bias]
     if type(module) is NativeLinear and rows > native_layers.dense_max_rows(torch.bfloat16):
         # NativeLinear.forward's order: the prepacked copy, the tiles, F.linear
         if module.weight_prepacked is not None and rows >= native_layers.PREPACKED_MIN_ROWS:

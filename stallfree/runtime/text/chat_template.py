@@ -91,7 +91,7 @@ def _without_none(message: Any) -> Any:
     return {k: v for k, v in message.items() if v is not None}
 
 
-# ------------------------------------------------------------------ transformers' renderer (the tests')
+# ------------------------------------------------------------- transformers' renderer (the tests')
 
 
 @functools.cache
