@@ -83,7 +83,7 @@ def copies_for(fmt: str, least: int) -> int:
 def child(fmt: str, rows: list[int], copies: int, threads: int, seconds: float) -> None:
     import torch
 
-    from stallfree.runtime.model import cpu_kernels
+    from stallfree.runtime.model import cpu_kernels, quant
 
     torch.set_num_threads(threads)
     isa = cpu_kernels.isa()
@@ -116,11 +116,15 @@ def child(fmt: str, rows: list[int], copies: int, threads: int, seconds: float) 
                         for _ in range(count)
                     ]
                 )
+                # the native kernel's copies in the layout the engine gives them (16 rows in
+                # the lanes on AVX-512 without tiles: quant.rows_in_lanes), torch's row-major
+                lanes = quant.rows_in_lanes((n, k))
+                nqs = on_huge_pages([quant.to_lanes(q) for q in qs]) if lanes else qs
                 if fmt == "int8":
                     scales = [torch.rand(n, generator=gen) / 100 for _ in qs]
                     native = [
                         lambda q=q, x=x, s=s: ops.linear_q8(x, q, s, None)
-                        for q, s in zip(qs, scales, strict=True)
+                        for q, s in zip(nqs, scales, strict=True)
                     ]
                     ref = [
                         lambda q=q, x=x, s=s.bfloat16(): torch.ops.aten._weight_int8pack_mm(x, q, s)
@@ -131,9 +135,11 @@ def child(fmt: str, rows: list[int], copies: int, threads: int, seconds: float) 
                     blocks = on_huge_pages(
                         [(torch.rand(n, k // 32, generator=gen) / 100).half() for _ in qs]
                     )
+                    if lanes:
+                        blocks = on_huge_pages([quant.scales_to_lanes(b) for b in blocks])
                     native = [
                         lambda q=q, x=x, b=b: ops.linear_q8_blocks(x, q, b, None)
-                        for q, b in zip(qs, blocks, strict=True)
+                        for q, b in zip(nqs, blocks, strict=True)
                     ]
                     ref = []
                     nbytes += n * k + n * (k // 32) * 2

@@ -23,16 +23,21 @@ def _linear_group(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     return _rows_out(x, sum(w.shape[0] for w in weights))
 
 
+def _q8_rows(qweight: torch.Tensor) -> int:
+    """An int8 weight's output rows: row-major [out, in], or 16 a group in the lanes (3-D)."""
+    return qweight.shape[0] * (16 if qweight.dim() == 3 else 1)
+
+
 def _linear_q8(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    return _rows_out(x, qweight.shape[0])
+    return _rows_out(x, _q8_rows(qweight))
 
 
 def _linear_q8_blocks(
     x: torch.Tensor, qweight: torch.Tensor, bscale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    return _rows_out(x, qweight.shape[0])
+    return _rows_out(x, _q8_rows(qweight))
 
 
 def _prompt_out(x: torch.Tensor, n: int, silu: bool, pack: bool, rows: int) -> torch.Tensor:

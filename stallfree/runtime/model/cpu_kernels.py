@@ -43,6 +43,7 @@ _SOURCES = (
     "ops.cpp",
     "isa_avx512.cpp",
     "isa_avx2.cpp",
+    "q8_lanes.cpp",
     "isa_amx.cpp",
     "amx_gemm.cpp",
     "attention.cpp",

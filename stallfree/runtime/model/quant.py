@@ -280,6 +280,8 @@ class _QuantLinearBase(nn.Module, abc.ABC):
         self.register_buffer("bias_f32", f32, persistent=False)
         # set by a subclass whose weight the native kernels take
         self.native = False
+        # set by Int8Linear where its codes are laid out with 16 rows in the lanes
+        self.lanes = False
 
     def _on_native(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and self.takes_native(
@@ -338,6 +340,7 @@ class _QuantLinearBase(nn.Module, abc.ABC):
             and self.out_features % 16 == 0
             and not torch.compiler.is_compiling()
             and cpu_kernels.amx()
+            and not self.lanes
         )
 
     def silu_product(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -399,6 +402,52 @@ class _QuantLinearBase(nn.Module, abc.ABC):
         """The dense weight [out, in] in the model's dtype, in the shared workspace."""
 
 
+# An int8 weight's layout on the AVX-512 variant without the AMX tiles: 16 output rows in the
+# vector lanes (csrc/q8_lanes.cpp), uint8 [out / 16, in / 4, 64] holding w + 128, and a Q8_0
+# weight's block scales likewise [out / 16, in / 32, 16]. Its product scales each block once per
+# 8 integer dots instead of once per dot. SmolLM2's five projection shapes, 30 copies, two
+# threads on a Zen 4, us a step, row-major against lanes: 8 rows 1908 / 2033 against 1453 /
+# 1257, 16 rows 3627 / 3285 against 2185 / 2167; 1-4 rows, which read at the memory's pace,
+# the same. `STALLFREE_INT8_LANES=0` keeps the row-major layout.
+LANES_ENV = "STALLFREE_INT8_LANES"
+
+
+def rows_in_lanes(shape: tuple[int, int]) -> bool:
+    """Whether an int8 weight of `shape` [out, in] that the native kernels take is laid out
+    with 16 rows in the lanes: whole groups of 16 rows and blocks of 32 inputs, on the AVX-512
+    variant, the AMX tiles not in use (their kernels read the row-major weight)."""
+    if os.environ.get(LANES_ENV, "1").strip() in ("0", "off", "false", "no"):
+        return False
+    rows, cols = shape
+    return (
+        rows % 16 == 0
+        and cols % GROUP_SIZE == 0
+        and cpu_kernels.isa() == "avx512"
+        and not cpu_kernels.amx()
+    )
+
+
+def to_lanes(q: torch.Tensor) -> torch.Tensor:
+    """Row-major int8 codes [out, in] as 16 rows in the lanes: uint8 [out / 16, in / 4, 64]
+    (lane r of a vector holds row r's 4 inputs), each w + 128."""
+    rows, cols = q.shape
+    u = torch.bitwise_xor(q.contiguous().view(torch.uint8), 0x80)
+    return u.view(rows // 16, 16, cols // 4, 4).permute(0, 2, 1, 3).reshape(rows // 16, -1, 64)
+
+
+def from_lanes(u: torch.Tensor) -> torch.Tensor:
+    """`to_lanes`'s inverse: the row-major int8 codes [out, in]."""
+    groups, quads, _ = u.shape
+    rows = u.view(groups, quads, 16, 4).permute(0, 2, 1, 3).reshape(groups * 16, quads * 4)
+    return torch.bitwise_xor(rows, 0x80).view(torch.int8)
+
+
+def scales_to_lanes(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales [out, in / 32] as the lanes take them: [out / 16, in / 32, 16]."""
+    rows, blocks = scale.shape
+    return scale.view(rows // 16, 16, blocks).transpose(1, 2).contiguous()
+
+
 class Int8Linear(_QuantLinearBase):
     """`x @ (q * scale).T (+ bias)` from int8 rows, in the activations' dtype.
 
@@ -423,10 +472,14 @@ class Int8Linear(_QuantLinearBase):
         self.scale_f32: torch.Tensor | None
         self.block_scale: torch.Tensor | None
         self.block_scale_dt: torch.Tensor | None
-        self.register_buffer("qweight", weight.q.contiguous())
+        # the native kernels' layout: 16 rows in the lanes on AVX-512 without tiles
+        self.lanes = native and rows_in_lanes(weight.shape)
+        q = weight.q.contiguous()
+        self.register_buffer("qweight", to_lanes(q) if self.lanes else q)
         if isinstance(weight, BlockQuant8):
             # float16 for the kernel; in the model's dtype, one per block, for the dense path
-            self.register_buffer("block_scale", weight.scale.half().contiguous())
+            half = weight.scale.half().contiguous()
+            self.register_buffer("block_scale", scales_to_lanes(half) if self.lanes else half)
             scale_dt = weight.scale.to(dtype)[..., None].contiguous()
             self.register_buffer("block_scale_dt", scale_dt, persistent=False)
             for name in ("scales", "row_scale", "scale_f32"):
@@ -476,7 +529,7 @@ class Int8Linear(_QuantLinearBase):
         if _native_dequantize(self):
             torch.ops.stallfree.dequantize_q8(self.qweight, self.scale_f32, self.block_scale, out)
             return out
-        out.copy_(self.qweight)
+        out.copy_(self.codes())
         if self.block_scale_dt is not None:
             blocks = out.view(self.out_features, -1, GROUP_SIZE)
             blocks.mul_(self.block_scale_dt)
@@ -484,9 +537,20 @@ class Int8Linear(_QuantLinearBase):
         assert self.row_scale is not None
         return out.mul_(self.row_scale)
 
+    def codes(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The int8 codes [out, in] row-major (rows `ids` only, where given), whichever layout
+        `qweight` holds."""
+        if not self.lanes:
+            return self.qweight if ids is None else self.qweight.index_select(0, ids)
+        if ids is None:
+            return from_lanes(self.qweight)
+        groups, quads, _ = self.qweight.shape
+        picked = self.qweight.view(groups, quads, 16, 4)[ids // 16, :, ids % 16]
+        return torch.bitwise_xor(picked.reshape(ids.numel(), quads * 4), 0x80).view(torch.int8)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` dequantised: the embedding lookup of a tied output matrix."""
-        rows = self.qweight.index_select(0, ids).to(self.dtype)
+        rows = self.codes(ids).to(self.dtype)
         if self.block_scale_dt is not None:
             blocks = rows.view(rows.shape[0], -1, GROUP_SIZE)
             scale = self.block_scale_dt.index_select(0, ids)

@@ -106,6 +106,19 @@ const Kernels& kernels();
 namespace avx2 {
 const Kernels& kernels();
 }
+// int8 weights with 16 output rows in the vector lanes (q8_lanes.cpp): uint8 [n / 16, k / 4,
+// 16, 4], each value w + 128; block scales (GGUF's Q8_0) float16 [n / 16, k / 32, 16]. Built
+// for AVX-512 with VNNI whichever variant is selected; callers check the CPU has it.
+namespace lanes {
+// corr [m, k / 32]: -128 times the sum of each block's 32 codes (gemv_q8's starting sums)
+void block_corrections(const Q8Act& a, int32_t* corr);
+// gemv_q8's product for the groups of 16 output rows [g0, g1)
+void gemv_q8(const Q8Act& a, const int32_t* corr, const uint8_t* w, const float* scale,
+             const uint16_t* bscale, const float* bias, int64_t g0, int64_t g1, Out out);
+// dequant_q8's for the groups [g0, g1): rows written dense, `out.ldo` values apart
+void dequant_q8(const uint8_t* w, const float* scale, const uint16_t* bscale, int64_t k,
+                int64_t g0, int64_t g1, Out out);
+}  // namespace lanes
 // AMX tiles for dense bfloat16 at a few rows (isa_amx.cpp), beside the AVX-512 variant
 namespace amx {
 // whether the CPU reports AMX-TILE and AMX-BF16 and the kernel granted this process the tile

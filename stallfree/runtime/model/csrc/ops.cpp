@@ -241,23 +241,61 @@ Out out_of(at::Tensor& out, int64_t n) {
   return Out{out.data_ptr(), n, out.scalar_type() == at::kBFloat16};
 }
 
+// An int8 weight as the products take it: row-major int8 [out, in], or with 16 output rows in
+// the lanes (q8_lanes.cpp), uint8 [out / 16, in / 4, 64], which only the AVX-512 variant's
+// kernel reads (whichever variant is selected: quant.py lays a weight out so only where it
+// was).
+struct Q8Weight {
+  int64_t n = 0, k = 0;
+  bool lanes = false;
+};
+
+Q8Weight q8_weight(const at::Tensor& qweight, const char* op) {
+  Q8Weight w;
+  w.lanes = qweight.scalar_type() == at::kByte && qweight.dim() == 3 && qweight.size(2) == 64;
+  TORCH_CHECK((w.lanes || (qweight.scalar_type() == at::kChar && qweight.dim() == 2)) &&
+                  qweight.is_contiguous(),
+              op, ": qweight must be a contiguous int8 [out, in] tensor, or uint8 [out / 16, in "
+              "/ 4, 64] (16 rows in the lanes)");
+  TORCH_CHECK(!w.lanes || cpu_has("avx512"), op,
+              ": a weight with its rows in the lanes needs AVX-512 with VNNI");
+  w.n = w.lanes ? qweight.size(0) * 16 : qweight.size(0);
+  w.k = w.lanes ? qweight.size(1) * 4 : qweight.size(1);
+  TORCH_CHECK(w.k % 32 == 0, op, ": in_features must be a multiple of 32, got ", w.k);
+  return w;
+}
+
+// The product on a weight with its rows in the lanes, the groups of 16 rows over the threads
+void q8_lanes(const Q8Act& a, const at::Tensor& qweight, const float* s, const uint16_t* bs,
+              const float* b, int64_t n, Out o) {
+  thread_local std::vector<int32_t> cbuf;
+  int32_t* corr = scratch(cbuf, a.m * (a.k / 32));
+  lanes::block_corrections(a, corr);
+  const uint8_t* w = qweight.data_ptr<uint8_t>();
+  at::parallel_for(0, n / 16, kGrain / 16, [&](int64_t g0, int64_t g1) {
+    lanes::gemv_q8(a, corr, w, s, bs, b, g0, g1, o);
+  });
+}
+
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                      const std::optional<at::Tensor>& bias) {
   check_act(x, "linear_q8");
-  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous(),
-              "linear_q8: qweight must be a contiguous int8 [out, in] tensor");
-  const int64_t n = qweight.size(0), k = qweight.size(1);
+  const Q8Weight qw = q8_weight(qweight, "linear_q8");
+  const int64_t n = qw.n, k = qw.k;
   TORCH_CHECK(x.size(-1) == k, "linear_q8: input has ", x.size(-1), " features, weight ", k);
-  TORCH_CHECK(k % 32 == 0, "linear_q8: in_features must be a multiple of 32, got ", k);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n && scale.is_contiguous(),
               "linear_q8: scale must be float32 [out]");
   at::Tensor out = at::empty(out_shape(x, n), x.options());
   const float* b = opt_bias(bias, n);
   if (x.numel() == 0) return without_inputs(out, bias, false);
   const Q8Act a = quantize_act(x, k);
-  const int8_t* w = qweight.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
   const Out o = out_of(out, n);
+  if (qw.lanes) {
+    q8_lanes(a, qweight, s, nullptr, b, n, o);
+    return out;
+  }
+  const int8_t* w = qweight.data_ptr<int8_t>();
   if (amx_q8_applies(a.m)) {
     q8_amx(a, w, s, nullptr, b, n, o);
     return out;
@@ -268,15 +306,14 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::T
   return out;
 }
 
-// int8 weights with a float16 scale per block of 32 (GGUF's Q8_0 as the file stores it)
+// int8 weights with a float16 scale per block of 32 (GGUF's Q8_0 as the file stores it; with
+// the rows in the lanes, the scales too: [out / 16, in / 32, 16])
 at::Tensor linear_q8_blocks(const at::Tensor& x, const at::Tensor& qweight,
                             const at::Tensor& bscale, const std::optional<at::Tensor>& bias) {
   check_act(x, "linear_q8_blocks");
-  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous(),
-              "linear_q8_blocks: qweight must be a contiguous int8 [out, in] tensor");
-  const int64_t n = qweight.size(0), k = qweight.size(1);
+  const Q8Weight qw = q8_weight(qweight, "linear_q8_blocks");
+  const int64_t n = qw.n, k = qw.k;
   TORCH_CHECK(x.size(-1) == k, "linear_q8_blocks: input has ", x.size(-1), " features, weight ", k);
-  TORCH_CHECK(k % 32 == 0, "linear_q8_blocks: in_features must be a multiple of 32, got ", k);
   TORCH_CHECK(bscale.scalar_type() == at::kHalf && bscale.numel() == n * (k / 32) &&
                   bscale.is_contiguous(),
               "linear_q8_blocks: block scales must be float16 [out, in / 32]");
@@ -284,9 +321,13 @@ at::Tensor linear_q8_blocks(const at::Tensor& x, const at::Tensor& qweight,
   const float* b = opt_bias(bias, n);
   if (x.numel() == 0) return without_inputs(out, bias, false);
   const Q8Act a = quantize_act(x, k);
-  const int8_t* w = qweight.data_ptr<int8_t>();
   const auto* bs = static_cast<const uint16_t*>(bscale.data_ptr());
   const Out o = out_of(out, n);
+  if (qw.lanes) {
+    q8_lanes(a, qweight, nullptr, bs, b, n, o);
+    return out;
+  }
+  const int8_t* w = qweight.data_ptr<int8_t>();
   if (amx_q8_applies(a.m)) {
     q8_amx(a, w, nullptr, bs, b, n, o);
     return out;
@@ -477,10 +518,8 @@ at::Tensor linear_bf16_prompt(const at::Tensor& x, const at::Tensor& weight,
 // prompt path of the integer layers, one pass instead of torch's convert, scale and add.
 void dequantize_q8(const at::Tensor& qweight, const std::optional<at::Tensor>& scale,
                    const std::optional<at::Tensor>& bscale, at::Tensor& out) {
-  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous(),
-              "dequantize_q8: qweight must be a contiguous int8 [out, in] tensor");
-  const int64_t n = qweight.size(0), k = qweight.size(1);
-  TORCH_CHECK(k % 32 == 0, "dequantize_q8: in_features must be a multiple of 32, got ", k);
+  const Q8Weight qw = q8_weight(qweight, "dequantize_q8");
+  const int64_t n = qw.n, k = qw.k;
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == n && out.size(1) == k &&
                   (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
               "dequantize_q8: out must be a contiguous float32 or bfloat16 [out, in] tensor");
@@ -497,8 +536,15 @@ void dequantize_q8(const at::Tensor& qweight, const std::optional<at::Tensor>& s
                 "dequantize_q8: scale must be float32 [out] where no block scales are given");
     s = scale->data_ptr<float>();
   }
-  const int8_t* w = qweight.data_ptr<int8_t>();
   const Out o = out_of(out, k);
+  if (qw.lanes) {
+    const uint8_t* w = qweight.data_ptr<uint8_t>();
+    at::parallel_for(0, n / 16, 1, [&](int64_t g0, int64_t g1) {
+      lanes::dequant_q8(w, s, bs, k, g0, g1, o);
+    });
+    return;
+  }
+  const int8_t* w = qweight.data_ptr<int8_t>();
   const auto fn = K().dequant_q8;
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) { fn(w, s, bs, k, n0, n1, o); });
 }

@@ -1,0 +1,227 @@
+// int8 weights with their output rows in the vector lanes, for the AVX-512 variant without
+// the AMX tiles.
+//
+// The row-major kernel (isa_avx512.cpp, gemv_q8) holds 64 inputs of one weight row in a
+// vector, so each `vpdpbusd` yields sums that span two of the activation's blocks of 32, and
+// every one is converted to float and scaled at once: a convert and an FMA per dot, per
+// activation row. Here a vector holds 4 inputs of 16 weight rows ([n / 16, k / 4, 16, 4]):
+// the activation's 4 codes are broadcast to every lane, 8 dots cover a block of 32 inputs in
+// int32, and only then is the block converted and scaled, once per 8 dots. On a Zen 4 that
+// took SmolLM2's five projection shapes at 16 rows from 3.3 to 2.0-2.2 ms a step (section
+// "int8 weights with their rows in the lanes" of docs/performance.md), where `vpdpbusd`
+// itself, not the conversions, is now what binds.
+//
+// The weight is stored as w + 128 (unsigned, `vpdpbusd`'s first operand); each activation
+// row's block sum starts from -128 times the sum of its 32 codes (`corr`), so the int32 lanes
+// hold exactly sum(w * x), a code of -128 included.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,fma,f16c")
+
+namespace sf {
+namespace lanes {
+namespace {
+
+constexpr int kRows = 8;        // activation rows a tile holds (the rest in further passes)
+constexpr int kAheadBytes = 2048;  // prefetch distance into L2: four blocks of one group
+
+inline void store16(Out out, int64_t m, int64_t n, __m512 v) {
+  if (out.bf16) {
+    auto* p = static_cast<uint16_t*>(out.ptr) + m * out.ldo + n;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+  } else {
+    _mm512_storeu_ps(static_cast<float*>(out.ptr) + m * out.ldo + n, v);
+  }
+}
+
+// MB activation rows from m0 against NB groups of 16 weight rows from g0. Blocked: a float16
+// scale per (weight row, block) in `bscale` [n / 16, k / 32, 16]; else one per row (`scale`).
+template <int MB, int NB, bool Blocked>
+void tile(const Q8Act& a, const int32_t* corr, const uint8_t* w, const float* scale,
+          const uint16_t* bscale, const float* bias, int64_t m0, int64_t g0, bool prefetch,
+          Out out) {
+  const int64_t k = a.k, kb = k / 32, cb = a.kp / 32;
+  const uint8_t* wg[NB];
+  const uint16_t* sg[NB];
+  for (int j = 0; j < NB; ++j) {
+    wg[j] = w + (g0 + j) * 16 * k;
+    sg[j] = Blocked ? bscale + (g0 + j) * kb * 16 : nullptr;
+  }
+  const int8_t* xq[MB];
+  const float* xd[MB];
+  const int32_t* xc[MB];
+  for (int i = 0; i < MB; ++i) {
+    xq[i] = a.q + (m0 + i) * a.kp;
+    xd[i] = a.d + (m0 + i) * cb;
+    xc[i] = corr + (m0 + i) * kb;
+  }
+  __m512 acc[MB][NB];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < kb; ++b) {
+    __m512i dot[MB][NB];
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m512i c = _mm512_set1_epi32(xc[i][b]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) dot[i][j] = c;
+    }
+#pragma GCC unroll 8
+    for (int q = 0; q < 8; ++q) {
+      __m512i wv[NB];
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* p = wg[j] + (b * 8 + q) * 64;
+        wv[j] = _mm512_loadu_si512(p);
+        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T1);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i) {
+        int32_t four;
+        __builtin_memcpy(&four, xq[i] + b * 32 + q * 4, 4);
+        const __m512i xv = _mm512_set1_epi32(four);
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; ++j) dot[i][j] = _mm512_dpbusd_epi32(dot[i][j], wv[j], xv);
+      }
+    }
+    __m512 ws[NB];
+    if constexpr (Blocked) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j)
+        ws[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg[j] + b * 16)));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m512 d = _mm512_set1_ps(xd[i][b]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) {
+        const __m512 v = _mm512_cvtepi32_ps(dot[i][j]);
+        if constexpr (Blocked) {
+          acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(v, d), ws[j], acc[i][j]);
+        } else {
+          acc[i][j] = _mm512_fmadd_ps(v, d, acc[i][j]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n = (g0 + j) * 16;
+    const __m512 s = Blocked ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(scale + n);
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) store16(out, m0 + i, n, _mm512_fmadd_ps(acc[i][j], s, bv));
+  }
+}
+
+// every activation row against NB groups from g0, kRows rows a pass (the groups' weights
+// stay in L1 / L2 for the passes after the first, which alone prefetches)
+template <int NB, bool Blocked>
+void groups(const Q8Act& a, const int32_t* corr, const uint8_t* w, const float* scale,
+            const uint16_t* bscale, const float* bias, int64_t g0, Out out) {
+  for (int64_t m0 = 0; m0 < a.m; m0 += kRows) {
+    const bool first = m0 == 0;
+    const int64_t mb = std::min<int64_t>(kRows, a.m - m0);
+#define SF_LANES_TILE(MB) \
+  tile<MB, NB, Blocked>(a, corr, w, scale, bscale, bias, m0, g0, first, out)
+    if constexpr (NB == 4) {
+      if (mb == 1) SF_LANES_TILE(1); else SF_LANES_TILE(2);
+    } else if constexpr (NB == 2) {
+      switch (mb) {
+        case 1: SF_LANES_TILE(1); break;
+        case 2: SF_LANES_TILE(2); break;
+        case 3: SF_LANES_TILE(3); break;
+        default: SF_LANES_TILE(4); break;
+      }
+    } else {
+      switch (mb) {
+        case 1: SF_LANES_TILE(1); break;
+        case 2: SF_LANES_TILE(2); break;
+        case 3: SF_LANES_TILE(3); break;
+        case 4: SF_LANES_TILE(4); break;
+        case 5: SF_LANES_TILE(5); break;
+        case 6: SF_LANES_TILE(6); break;
+        case 7: SF_LANES_TILE(7); break;
+        default: SF_LANES_TILE(8); break;
+      }
+    }
+#undef SF_LANES_TILE
+  }
+}
+
+template <bool Blocked>
+void gemv_t(const Q8Act& a, const int32_t* corr, const uint8_t* w, const float* scale,
+            const uint16_t* bscale, const float* bias, int64_t g0, int64_t g1, Out out) {
+  // enough independent sums in flight for the dot's latency: groups side by side where the
+  // rows are few (at most 2 x 4 tiles of dots and sums: 16 of the 32 registers)
+  const int nb = a.m <= 2 ? 4 : (a.m <= 4 ? 2 : 1);
+  int64_t g = g0;
+  if (nb == 4)
+    for (; g + 4 <= g1; g += 4) groups<4, Blocked>(a, corr, w, scale, bscale, bias, g, out);
+  if (nb == 2)
+    for (; g + 2 <= g1; g += 2) groups<2, Blocked>(a, corr, w, scale, bscale, bias, g, out);
+  for (; g < g1; ++g) groups<1, Blocked>(a, corr, w, scale, bscale, bias, g, out);
+}
+
+}  // namespace
+
+void block_corrections(const Q8Act& a, int32_t* corr) {
+  const int64_t kb = a.k / 32;
+  for (int64_t r = 0; r < a.m; ++r) {
+    const int8_t* q = a.q + r * a.kp;
+    for (int64_t b = 0; b < kb; ++b) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 32));
+      const __m512i wide = _mm512_cvtepi8_epi16(v);
+      const __m512i pairs = _mm512_madd_epi16(wide, _mm512_set1_epi16(1));
+      corr[r * kb + b] = -128 * _mm512_reduce_add_epi32(pairs);
+    }
+  }
+}
+
+void gemv_q8(const Q8Act& a, const int32_t* corr, const uint8_t* w, const float* scale,
+             const uint16_t* bscale, const float* bias, int64_t g0, int64_t g1, Out out) {
+  if (bscale)
+    gemv_t<true>(a, corr, w, scale, bscale, bias, g0, g1, out);
+  else
+    gemv_t<false>(a, corr, w, scale, bscale, bias, g0, g1, out);
+}
+
+void dequant_q8(const uint8_t* w, const float* scale, const uint16_t* bscale, int64_t k,
+                int64_t g0, int64_t g1, Out out) {
+  const int64_t kb = k / 32;
+  // one row's 8 four-byte pieces of a block lie 64 bytes apart
+  const __m256i apart = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = w + g * 16 * k;
+    for (int r = 0; r < 16; ++r) {
+      const int64_t n = g * 16 + r;
+      for (int64_t b = 0; b < kb; ++b) {
+        const __m256i u = _mm256_i32gather_epi32(
+            reinterpret_cast<const int*>(wg + b * 512 + r * 4), apart, 1);
+        const __m256i s8 = _mm512_castsi512_si256(
+            _mm512_xor_si512(_mm512_castsi256_si512(u), bias));  // w + 128 -> w
+        const float sc = bscale ? _cvtsh_ss(bscale[(g * kb + b) * 16 + r]) : scale[n];
+        const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(s8)));
+        const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(s8, 1)));
+        const __m512 sv = _mm512_set1_ps(sc);
+        store16(out, n, b * 32, _mm512_mul_ps(f0, sv));
+        store16(out, n, b * 32 + 16, _mm512_mul_ps(f1, sv));
+      }
+    }
+  }
+}
+
+}  // namespace lanes
+}  // namespace sf
+
+#pragma GCC pop_options

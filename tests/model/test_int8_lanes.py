@@ -1,0 +1,178 @@
+"""int8 weights with 16 output rows in the vector lanes (csrc/q8_lanes.cpp, quant.to_lanes):
+the layout's round trip, the products against the exact emulation of the int8 arithmetic
+(row scales and GGUF Q8_0's block scales, row counts 1-40, a code of -128), the dequantised
+weight bit for bit, and where Int8Linear takes the layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stallfree.runtime.model import cpu_kernels, quant
+from stallfree.runtime.model.quant import (
+    Int8Linear,
+    from_lanes,
+    quantize_int8,
+    quantize_int8_blocks,
+    scales_to_lanes,
+    to_lanes,
+)
+from tests.model.native_util import VARIANTS, set_isa
+from tests.model.test_native_kernels import _rel, q8_emulation
+
+pytestmark = [
+    pytest.mark.skipif("avx512" not in VARIANTS, reason="no AVX-512 variant on this CPU"),
+    pytest.mark.usefixtures("restore_variant"),
+]
+
+
+def test_the_lanes_layout_puts_row_r_of_a_group_in_lane_r_and_comes_back() -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-128, 128, (48, 96), generator=g, dtype=torch.int8)
+    u = to_lanes(q)
+    assert u.dtype == torch.uint8 and u.shape == (3, 24, 64)
+    # group 2, inputs 40-43 of row 2 * 16 + 5: vector 10 of the group, lane 5
+    assert u[2, 10, 20:24].tolist() == [int(v) + 128 for v in q[37, 40:44]]
+    assert torch.equal(from_lanes(u), q)
+    s = torch.rand(48, 3, generator=g).half()
+    sl = scales_to_lanes(s)
+    assert sl.shape == (3, 3, 16) and sl[1, 2, 7] == s[23, 2]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, 40),
+    groups=st.integers(1, 6),
+    blocks=st.integers(1, 9),
+    bf16=st.booleans(),
+    bias=st.booleans(),
+    per_block=st.booleans(),
+    variant=st.sampled_from(VARIANTS),
+    seed=st.integers(0, 2**16),
+)
+def test_a_weight_in_the_lanes_equals_the_emulation(
+    m: int,
+    groups: int,
+    blocks: int,
+    bf16: bool,
+    bias: bool,
+    per_block: bool,
+    variant: str,
+    seed: int,
+) -> None:
+    """`linear_q8` and `linear_q8_blocks` on a weight in the lanes, whichever variant is
+    selected (the layout's kernel is the AVX-512 one): the exact emulation's sums, up to the
+    float32 order (and the bfloat16 output's rounding)."""
+    set_isa(variant)
+    g = torch.Generator().manual_seed(seed)
+    n, k = 16 * groups, 32 * blocks
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    x = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g) if bias else None
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    if per_block:
+        bscale = ((torch.rand(n, blocks, generator=g) * 3 - 4).exp2()).half()
+        out = torch.ops.stallfree.linear_q8_blocks(x, to_lanes(q), scales_to_lanes(bscale), b)
+        codes = q.double() * bscale.double().repeat_interleave(32, 1)
+        scale = torch.ones(n, dtype=torch.float64)
+    else:
+        scale = torch.rand(n, generator=g) / 50 + 0.001
+        out = torch.ops.stallfree.linear_q8(x, to_lanes(q), scale, b)
+        codes = q.double()
+    ref = q8_emulation(x, codes, scale) + (0 if b is None else b.double())
+    bound = q8_emulation(x.abs(), codes.abs(), scale) + (0 if b is None else b.double().abs())
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert _rel(out, ref, None if bf16 else bound) < (8e-3 if bf16 else 1e-5)
+
+
+@pytest.mark.parametrize("per_block", [False, True])
+def test_a_weight_in_the_lanes_takes_a_code_of_minus_128(per_block: bool) -> None:
+    """The lanes hold w + 128 and each block's sum starts from -128 times the activation's
+    codes: a code of -128 (which a GGUF file may hold) counts as itself."""
+    set_isa("avx512")
+    g = torch.Generator().manual_seed(3)
+    n, k = 32, 96
+    x = torch.randn(5, k, generator=g)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    q[:, ::3] = -128
+    if per_block:
+        bscale = (torch.rand(n, k // 32, generator=g) / 50 + 0.001).half()
+        out = torch.ops.stallfree.linear_q8_blocks(x, to_lanes(q), scales_to_lanes(bscale), None)
+        codes = q.double() * bscale.double().repeat_interleave(32, 1)
+        scale = torch.ones(n, dtype=torch.float64)
+    else:
+        scale = torch.rand(n, generator=g) / 50 + 0.001
+        out = torch.ops.stallfree.linear_q8(x, to_lanes(q), scale, None)
+        codes = q.double()
+    ref = q8_emulation(x, codes, scale)
+    bound = q8_emulation(x.abs(), codes.abs(), scale)
+    assert _rel(out, ref, bound) < 1e-5
+
+
+@pytest.mark.parametrize("per_block", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantising_a_weight_in_the_lanes_gives_the_row_major_values(
+    per_block: bool, dtype: torch.dtype
+) -> None:
+    set_isa("avx512")
+    g = torch.Generator().manual_seed(4)
+    n, k = 48, 160
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) / 50
+    bscale = (torch.rand(n, k // 32, generator=g) / 50).half()
+    want, got = torch.empty(n, k, dtype=dtype), torch.empty(n, k, dtype=dtype)
+    if per_block:
+        torch.ops.stallfree.dequantize_q8(q, None, bscale, want)
+        torch.ops.stallfree.dequantize_q8(to_lanes(q), None, scales_to_lanes(bscale), got)
+    else:
+        torch.ops.stallfree.dequantize_q8(q, scale, None, want)
+        torch.ops.stallfree.dequantize_q8(to_lanes(q), scale, None, got)
+    assert torch.equal(got, want)
+
+
+def test_a_weight_in_the_lanes_of_the_wrong_width_is_refused() -> None:
+    q = to_lanes(torch.zeros(16, 64, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="input has 32 features, weight 64"):
+        torch.ops.stallfree.linear_q8(torch.zeros(1, 32), q, torch.ones(16), None)
+    with pytest.raises(RuntimeError, match="block scales must be float16"):
+        torch.ops.stallfree.linear_q8_blocks(torch.zeros(1, 64), q, torch.ones(16, 3).half(), None)
+
+
+@pytest.mark.parametrize("make", [quantize_int8, quantize_int8_blocks])
+def test_int8_linear_takes_the_lanes_on_avx512_without_tiles(
+    make: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the AVX-512 variant runs without the AMX tiles, an int8 layer of whole groups of
+    16 rows keeps its codes in the lanes, and its products, dequantised weight and embedding
+    rows are the row-major layer's; `STALLFREE_INT8_LANES=0`, rows not a multiple of 16, or
+    the tiles in use keep the row-major layout."""
+    set_isa("avx512")
+    monkeypatch.setattr(cpu_kernels, "isa", lambda: "avx512")
+    monkeypatch.setattr(cpu_kernels, "amx", lambda: False)
+    g = torch.Generator().manual_seed(5)
+    weight = make(torch.randn(64, 96, generator=g))  # type: ignore[operator]
+    lanes = Int8Linear(weight, None, torch.bfloat16)
+    monkeypatch.setenv(quant.LANES_ENV, "0")
+    rows = Int8Linear(weight, None, torch.bfloat16)
+    monkeypatch.delenv(quant.LANES_ENV)
+    assert lanes.lanes and lanes.qweight.dim() == 3
+    assert not rows.lanes and rows.qweight.dim() == 2
+    assert torch.equal(lanes.codes(), rows.qweight)
+    assert torch.equal(lanes.dequantize().clone(), rows.dequantize().clone())
+    ids = torch.tensor([0, 63, 17, 17, 40])
+    assert torch.equal(lanes.embed(ids), rows.embed(ids))
+    for m in (1, 4, 8, 16):
+        x = torch.randn(m, 96, generator=g).bfloat16()
+        assert (lanes(x).float() - rows(x).float()).abs().max() <= 0.02 * rows(x).abs().max()
+    assert not Int8Linear(make(torch.randn(40, 96, generator=g)), None, torch.bfloat16).lanes  # type: ignore[operator]
+    monkeypatch.setattr(cpu_kernels, "amx", lambda: True)
+    assert not Int8Linear(weight, None, torch.bfloat16).lanes
+
+
+def test_int8_linear_keeps_rows_on_the_avx2_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "isa", lambda: "avx2")
+    monkeypatch.setattr(cpu_kernels, "amx", lambda: False)
+    layer = Int8Linear(quantize_int8(torch.randn(32, 64)), None, torch.bfloat16)
+    assert not layer.lanes and layer.qweight.dim() == 2
