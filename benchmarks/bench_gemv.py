@@ -117,7 +117,8 @@ def child(fmt: str, rows: list[int], copies: int, threads: int, seconds: float) 
                     ]
                 )
                 # the native kernel's copies in the layout the engine gives them (16 rows in
-                # the lanes on AVX-512 without tiles: quant.rows_in_lanes), torch's row-major
+                # the lanes on AVX-512 without tiles: quant.rows_in_lanes, STALLFREE_INT_LANES),
+                # torch's row-major
                 lanes = quant.rows_in_lanes((n, k))
                 nqs = on_huge_pages([quant.to_lanes(q) for q in qs]) if lanes else qs
                 if fmt == "int8":
@@ -153,6 +154,10 @@ def child(fmt: str, rows: list[int], copies: int, threads: int, seconds: float) 
                 )
                 scs = on_huge_pages([torch.rand(n, g, generator=gen).half() for _ in cs])
                 ofs = on_huge_pages([torch.rand(n, g, generator=gen).half() for _ in cs])
+                if quant.rows_in_lanes((n, k)):  # the engine's layout on this CPU
+                    cs = on_huge_pages([quant.codes_to_lanes(c) for c in cs])
+                    scs = on_huge_pages([quant.scales_to_lanes(s) for s in scs])
+                    ofs = on_huge_pages([quant.scales_to_lanes(o) for o in ofs])
                 native = [
                     lambda c=c, x=x, s=s, o=o: ops.linear_q4(x, c, s, o, None)
                     for c, s, o in zip(cs, scs, ofs, strict=True)

@@ -1,7 +1,8 @@
-"""int8 weights with 16 output rows in the vector lanes (csrc/q8_lanes.cpp, quant.to_lanes):
-the layout's round trip, the products against the exact emulation of the int8 arithmetic
-(row scales and GGUF Q8_0's block scales, row counts 1-40, a code of -128), the dequantised
-weight bit for bit, and where Int8Linear takes the layout."""
+"""int8 and int4 weights with 16 output rows in the vector lanes (csrc/q8_lanes.cpp,
+quant.to_lanes, quant.codes_to_lanes): the layouts' round trips, the products against the
+exact emulation of the integer arithmetic (int8 row scales and GGUF Q8_0's block scales, int4
+groups with scale and offset, row counts 1-40, an int8 code of -128), the dequantised weight
+bit for bit, and where Int8Linear and Int4Linear take the layout."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ from hypothesis import strategies as st
 
 from stallfree.runtime.model import cpu_kernels, quant
 from stallfree.runtime.model.quant import (
+    Int4Linear,
     Int8Linear,
+    codes_from_lanes,
+    codes_to_lanes,
     from_lanes,
+    quantize_int4,
     quantize_int8,
     quantize_int8_blocks,
     scales_to_lanes,
@@ -146,7 +151,7 @@ def test_int8_linear_takes_the_lanes_on_avx512_without_tiles(
 ) -> None:
     """Where the AVX-512 variant runs without the AMX tiles, an int8 layer of whole groups of
     16 rows keeps its codes in the lanes, and its products, dequantised weight and embedding
-    rows are the row-major layer's; `STALLFREE_INT8_LANES=0`, rows not a multiple of 16, or
+    rows are the row-major layer's; `STALLFREE_INT_LANES=0`, rows not a multiple of 16, or
     the tiles in use keep the row-major layout."""
     set_isa("avx512")
     monkeypatch.setattr(cpu_kernels, "isa", lambda: "avx512")
@@ -176,3 +181,100 @@ def test_int8_linear_keeps_rows_on_the_avx2_variant(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(cpu_kernels, "amx", lambda: False)
     layer = Int8Linear(quantize_int8(torch.randn(32, 64)), None, torch.bfloat16)
     assert not layer.lanes and layer.qweight.dim() == 2
+
+
+def test_int4_codes_in_the_lanes_put_row_r_in_lane_r_and_come_back() -> None:
+    g = torch.Generator().manual_seed(6)
+    codes = torch.randint(0, 256, (32, 3, 16), generator=g, dtype=torch.uint8)
+    lanes = codes_to_lanes(codes)
+    assert lanes.shape == (2, 3, 4, 64)
+    # row 16 + 9, block 2, bytes 8-11: vector 2 of the block, lane 9
+    assert lanes[1, 2, 2, 36:40].tolist() == codes[25, 2, 8:12].tolist()
+    assert torch.equal(codes_from_lanes(lanes), codes)
+
+
+def _int4(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """An int4 weight's nibble pairs, float16 scales and offsets, and its exact dense values."""
+    w = quantize_int4(torch.randn(n, k, generator=g))
+    q = w.q.view(n, k // 32, 2, 16)
+    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
+    scale = w.scale.half().contiguous()
+    offset = (w.zero - 8 * w.scale).half().contiguous()
+    dense = w.q.double() * scale.double().repeat_interleave(
+        32, 1
+    ) + offset.double().repeat_interleave(32, 1)
+    return codes, scale, offset, dense
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, 40),
+    groups=st.integers(1, 6),
+    blocks=st.integers(1, 9),
+    bf16=st.booleans(),
+    bias=st.booleans(),
+    variant=st.sampled_from(VARIANTS),
+    seed=st.integers(0, 2**16),
+)
+def test_int4_codes_in_the_lanes_equal_the_emulation(
+    m: int, groups: int, blocks: int, bf16: bool, bias: bool, variant: str, seed: int
+) -> None:
+    """`linear_q4` on codes in the lanes, whichever variant is selected: the activation's codes
+    in blocks of 32 times the exact int4 values (code * scale + offset, in float16)."""
+    set_isa(variant)
+    g = torch.Generator().manual_seed(seed)
+    n, k = 16 * groups, 32 * blocks
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    x = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g) if bias else None
+    codes, scale, offset, dense = _int4(n, k, g)
+    out = torch.ops.stallfree.linear_q4(
+        x, codes_to_lanes(codes), scales_to_lanes(scale), scales_to_lanes(offset), b
+    )
+    ones = torch.ones(n, dtype=torch.float64)
+    ref = q8_emulation(x, dense, ones) + (0 if b is None else b.double())
+    bound = q8_emulation(x.abs(), dense.abs(), ones) + (0 if b is None else b.double().abs())
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert _rel(out, ref, None if bf16 else bound) < (8e-3 if bf16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantising_int4_codes_in_the_lanes_gives_the_nibble_pairs_values(
+    dtype: torch.dtype,
+) -> None:
+    set_isa("avx512")
+    g = torch.Generator().manual_seed(7)
+    codes, scale, offset, _ = _int4(48, 160, g)
+    want, got = torch.empty(48, 160, dtype=dtype), torch.empty(48, 160, dtype=dtype)
+    torch.ops.stallfree.dequantize_q4(codes, scale, offset, want)
+    torch.ops.stallfree.dequantize_q4(
+        codes_to_lanes(codes), scales_to_lanes(scale), scales_to_lanes(offset), got
+    )
+    assert torch.equal(got, want)
+
+
+def test_int4_linear_takes_the_lanes_on_avx512_without_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As for int8: the layer's products and dequantised weight (native, and torch's for a
+    compile) are the nibble-pair layer's."""
+    set_isa("avx512")
+    monkeypatch.setattr(cpu_kernels, "isa", lambda: "avx512")
+    monkeypatch.setattr(cpu_kernels, "amx", lambda: False)
+    g = torch.Generator().manual_seed(8)
+    weight = quantize_int4(torch.randn(64, 96, generator=g))
+    lanes = Int4Linear(weight, None, torch.bfloat16)
+    monkeypatch.setenv(quant.LANES_ENV, "0")
+    pairs = Int4Linear(weight, None, torch.bfloat16)
+    monkeypatch.delenv(quant.LANES_ENV)
+    assert lanes.lanes and lanes.codes.dim() == 4
+    assert not pairs.lanes and pairs.codes.dim() == 3
+    assert torch.equal(lanes.dequantize().clone(), pairs.dequantize().clone())
+    monkeypatch.setattr(quant, "_native_dequantize", lambda layer: False)
+    assert torch.equal(lanes.dequantize().clone(), pairs.dequantize().clone())
+    monkeypatch.undo()
+    set_isa("avx512")
+    for m in (1, 4, 8, 16):
+        x = torch.randn(m, 96, generator=g).bfloat16()
+        want = pairs(x).float()
+        assert (lanes(x).float() - want).abs().max() <= 0.02 * want.abs().max()

@@ -111,7 +111,8 @@ def _linear_q4(
     goffset: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    return _rows_out(x, codes.shape[0])
+    # nibble pairs [out, in / 32, 16], or 16 rows in the lanes [out / 16, in / 32, 4, 64]
+    return _rows_out(x, codes.shape[0] * (16 if codes.dim() == 4 else 1))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -402,14 +402,14 @@ class _QuantLinearBase(nn.Module, abc.ABC):
         """The dense weight [out, in] in the model's dtype, in the shared workspace."""
 
 
-# An int8 weight's layout on the AVX-512 variant without the AMX tiles: 16 output rows in the
-# vector lanes (csrc/q8_lanes.cpp), uint8 [out / 16, in / 4, 64] holding w + 128, and a Q8_0
-# weight's block scales likewise [out / 16, in / 32, 16]. Its product scales each block once per
-# 8 integer dots instead of once per dot. SmolLM2's five projection shapes, 30 copies, two
+# An int8 or int4 weight's layout on the AVX-512 variant without the AMX tiles: 16 output rows
+# in the vector lanes (csrc/q8_lanes.cpp): int8 uint8 [out / 16, in / 4, 64] holding w + 128,
+# int4 nibble pairs [out / 16, in / 32, 4, 64], and block scales (and offsets) [out / 16, in /
+# 32, 16]. Its product scales each block once per 8 integer dots instead of once per dot or two. SmolLM2's five projection shapes, 30 copies, two
 # threads on a Zen 4, us a step, row-major against lanes: 8 rows 1908 / 2033 against 1453 /
 # 1257, 16 rows 3627 / 3285 against 2185 / 2167; 1-4 rows, which read at the memory's pace,
-# the same. `STALLFREE_INT8_LANES=0` keeps the row-major layout.
-LANES_ENV = "STALLFREE_INT8_LANES"
+# the same. `STALLFREE_INT_LANES=0` keeps the row-major layout.
+LANES_ENV = "STALLFREE_INT_LANES"
 
 
 def rows_in_lanes(shape: tuple[int, int]) -> bool:
@@ -446,6 +446,22 @@ def scales_to_lanes(scale: torch.Tensor) -> torch.Tensor:
     """Block scales [out, in / 32] as the lanes take them: [out / 16, in / 32, 16]."""
     rows, blocks = scale.shape
     return scale.view(rows // 16, 16, blocks).transpose(1, 2).contiguous()
+
+
+def codes_to_lanes(codes: torch.Tensor) -> torch.Tensor:
+    """int4 nibble pairs [out, in / 32, 16] (byte j: value j low, j + 16 high) as 16 rows in the
+    lanes: [out / 16, in / 32, 4, 64], byte t of lane r in vector q being row r's byte q * 4 +
+    t of the block."""
+    rows, blocks, _ = codes.shape
+    lanes = codes.view(rows // 16, 16, blocks, 4, 4).permute(0, 2, 3, 1, 4)
+    return lanes.reshape(rows // 16, blocks, 4, 64)
+
+
+def codes_from_lanes(lanes: torch.Tensor) -> torch.Tensor:
+    """`codes_to_lanes`'s inverse: the nibble pairs [out, in / 32, 16]."""
+    groups, blocks, _, _ = lanes.shape
+    codes = lanes.view(groups, blocks, 4, 16, 4).permute(0, 3, 1, 2, 4)
+    return codes.reshape(groups * 16, blocks, 16)
 
 
 class Int8Linear(_QuantLinearBase):
@@ -564,6 +580,8 @@ class Int4Linear(_QuantLinearBase):
 
     The codes are held twice, 4 bits each: in the kernel's packed layout, and as plain nibble
     pairs (byte j of a group: element j low, element j + 16 high) that the dense path expands.
+    Where the native kernels take the layer, only the nibble pairs are kept, with 16 rows in
+    the vector lanes where `rows_in_lanes` holds (`codes_to_lanes`).
     """
 
     kernel_max_rows = INT4_KERNEL_MAX_ROWS
@@ -593,7 +611,10 @@ class Int4Linear(_QuantLinearBase):
             pairs = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1)
             self.register_buffer("scales_and_zeros", pairs.to(self.kernel_dtype).contiguous())
         halves = q.view(rows, cols // g, 2, g // 2)
-        self.register_buffer("codes", (halves[:, :, 0] | (halves[:, :, 1] << 4)).contiguous())
+        pairs = (halves[:, :, 0] | (halves[:, :, 1] << 4)).contiguous()
+        # the native kernels' layout: 16 rows in the lanes on AVX-512 without tiles
+        self.lanes = self.native and rows_in_lanes(weight.shape)
+        self.register_buffer("codes", codes_to_lanes(pairs) if self.lanes else pairs)
         self.register_buffer("group_scale", weight.scale.to(dtype)[..., None].contiguous())
         # the dense path computes codes * scale + (zero - 8 * scale)
         offset = weight.zero - 8 * weight.scale
@@ -604,6 +625,12 @@ class Int4Linear(_QuantLinearBase):
         # two scales round at 2^-11, far inside the 4-bit step)
         native_scale = weight.scale.half().contiguous() if self.native else None
         native_offset = offset.half().contiguous() if self.native else None
+        if self.lanes:
+            assert native_scale is not None and native_offset is not None
+            native_scale, native_offset = (
+                scales_to_lanes(native_scale),
+                scales_to_lanes(native_offset),
+            )
         self.register_buffer("q4_scale", native_scale, persistent=False)
         self.register_buffer("q4_offset", native_offset, persistent=False)
 
@@ -640,9 +667,10 @@ class Int4Linear(_QuantLinearBase):
             return dense
         out = _workspace(rows, self.in_features, self.dtype).view(rows, groups, 2, g // 2)
         nibbles = _workspace(rows, self.in_features // 2, torch.uint8).view(rows, groups, g // 2)
-        torch.bitwise_and(self.codes, 15, out=nibbles)
+        codes = codes_from_lanes(self.codes) if self.lanes else self.codes
+        torch.bitwise_and(codes, 15, out=nibbles)
         out[:, :, 0].copy_(nibbles)
-        torch.bitwise_right_shift(self.codes, 4, out=nibbles)
+        torch.bitwise_right_shift(codes, 4, out=nibbles)
         out[:, :, 1].copy_(nibbles)
         dense = out.view(rows, groups, g)
         dense.mul_(self.group_scale).add_(self.group_offset)

@@ -118,6 +118,13 @@ void gemv_q8(const Q8Act& a, const int32_t* corr, const uint8_t* w, const float*
 // dequant_q8's for the groups [g0, g1): rows written dense, `out.ldo` values apart
 void dequant_q8(const uint8_t* w, const float* scale, const uint16_t* bscale, int64_t k,
                 int64_t g0, int64_t g1, Out out);
+// int4 codes likewise (uint8 [n / 16, k / 32, 4, 64]: byte t of lane r in vector q holds row
+// r's codes q * 4 + t low and 16 + q * 4 + t high), scales and offsets float16 [n / 16, k / 32,
+// 16]: gemv_q4's product and dequant_q4's values for the groups [g0, g1)
+void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
+             const uint16_t* goffset, const float* bias, int64_t g0, int64_t g1, Out out);
+void dequant_q4(const uint8_t* codes, const uint16_t* gscale, const uint16_t* goffset,
+                int64_t k, int64_t g0, int64_t g1, Out out);
 }  // namespace lanes
 // AMX tiles for dense bfloat16 at a few rows (isa_amx.cpp), beside the AVX-512 variant
 namespace amx {

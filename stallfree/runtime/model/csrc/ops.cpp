@@ -277,6 +277,28 @@ void q8_lanes(const Q8Act& a, const at::Tensor& qweight, const float* s, const u
   });
 }
 
+// int4 codes as the products take them: nibble pairs [out, in / 32, 16] (byte j of a group:
+// value j low, j + 16 high), or with 16 output rows in the lanes [out / 16, in / 32, 4, 64]
+// (q8_lanes.cpp), read by the AVX-512 kernel whichever variant is selected
+struct Q4Codes {
+  int64_t n = 0, k = 0;
+  bool lanes = false;
+};
+
+Q4Codes q4_codes(const at::Tensor& codes, const char* op) {
+  Q4Codes c;
+  c.lanes = codes.dim() == 4 && codes.size(2) == 4 && codes.size(3) == 64;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  (c.lanes || (codes.dim() == 3 && codes.size(2) == 16)),
+              op, ": codes must be a contiguous uint8 [out, in / 32, 16] tensor, or [out / 16, "
+              "in / 32, 4, 64] (16 rows in the lanes)");
+  TORCH_CHECK(!c.lanes || cpu_has("avx512"), op,
+              ": codes with their rows in the lanes need AVX-512 with VNNI");
+  c.n = codes.size(0) * (c.lanes ? 16 : 1);
+  c.k = codes.size(1) * 32;
+  return c;
+}
+
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                      const std::optional<at::Tensor>& bias) {
   check_act(x, "linear_q8");
@@ -551,10 +573,8 @@ void dequantize_q8(const at::Tensor& qweight, const std::optional<at::Tensor>& s
 
 void dequantize_q4(const at::Tensor& codes, const at::Tensor& gscale, const at::Tensor& goffset,
                    at::Tensor& out) {
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 16 &&
-                  codes.is_contiguous(),
-              "dequantize_q4: codes must be a contiguous uint8 [out, in / 32, 16] tensor");
-  const int64_t n = codes.size(0), groups = codes.size(1), k = groups * 32;
+  const Q4Codes qc = q4_codes(codes, "dequantize_q4");
+  const int64_t n = qc.n, groups = qc.k / 32, k = qc.k;
   for (const at::Tensor* t : {&gscale, &goffset})
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->numel() == n * groups && t->is_contiguous(),
                 "dequantize_q4: group scales and offsets must be float16 [out, in / 32]");
@@ -565,6 +585,12 @@ void dequantize_q4(const at::Tensor& codes, const at::Tensor& gscale, const at::
   const auto* gs = static_cast<const uint16_t*>(gscale.data_ptr());
   const auto* go = static_cast<const uint16_t*>(goffset.data_ptr());
   const Out o = out_of(out, k);
+  if (qc.lanes) {
+    at::parallel_for(0, n / 16, 1, [&](int64_t g0, int64_t g1) {
+      lanes::dequant_q4(c, gs, go, k, g0, g1, o);
+    });
+    return;
+  }
   const auto fn = K().dequant_q4;
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) { fn(c, gs, go, k, n0, n1, o); });
 }
@@ -572,10 +598,8 @@ void dequantize_q4(const at::Tensor& codes, const at::Tensor& gscale, const at::
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& gscale,
                      const at::Tensor& goffset, const std::optional<at::Tensor>& bias) {
   check_act(x, "linear_q4");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 16 &&
-                  codes.is_contiguous(),
-              "linear_q4: codes must be a contiguous uint8 [out, in / 32, 16] tensor");
-  const int64_t n = codes.size(0), groups = codes.size(1), k = groups * 32;
+  const Q4Codes qc = q4_codes(codes, "linear_q4");
+  const int64_t n = qc.n, groups = qc.k / 32, k = qc.k;
   TORCH_CHECK(x.size(-1) == k, "linear_q4: input has ", x.size(-1), " features, weight ", k);
   for (const at::Tensor* t : {&gscale, &goffset})
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->numel() == n * groups && t->is_contiguous(),
@@ -588,6 +612,12 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const auto* gs = static_cast<const uint16_t*>(gscale.data_ptr());
   const auto* go = static_cast<const uint16_t*>(goffset.data_ptr());
   const Out o = out_of(out, n);
+  if (qc.lanes) {
+    at::parallel_for(0, n / 16, kGrain / 16, [&](int64_t g0, int64_t g1) {
+      lanes::gemv_q4(a, c, gs, go, b, g0, g1, o);
+    });
+    return out;
+  }
   if (amx_q4_applies(a.m)) {
     q4_amx(a, c, gs, go, b, n, o);
     return out;

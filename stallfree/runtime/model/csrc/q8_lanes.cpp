@@ -134,6 +134,75 @@ void gemv_t(const Q8Act& a, const int32_t* corr, const uint8_t* w, const float* 
   }
 }
 
+// int4 codes with 16 weight rows in the lanes: per group of 16 rows and block of 32 inputs,
+// 4 vectors of 64 bytes (`codes` [n / 16, k / 32, 4, 64]); byte t of lane r in vector q holds
+// row r's code q * 4 + t of the block in its low nibble and code 16 + q * 4 + t in its high
+// one, so the low nibbles meet the activation's codes q * 4 .. + 3 and the high ones 16 + q *
+// 4 .. + 3, 8 dots a block in int32 (the codes are unsigned, the activation's signed: no
+// correction). w = code * scale + offset per (row, block): the block's sum is d * scale *
+// dot + offset * d * sum(x codes), the second term from the activation's `bsum`.
+template <int MB>
+void tile4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale, const uint16_t* goffset,
+           const float* bias, int64_t m0, int64_t g, bool prefetch, Out out) {
+  constexpr int S = MB >= 4 ? 1 : (MB >= 2 ? 2 : 4);
+  const int64_t kb = a.k / 32, cb = a.kp / 32;
+  const uint8_t* cg = codes + g * 16 * (a.k / 2);
+  const uint16_t* sg = gscale + g * kb * 16;
+  const uint16_t* og = goffset + g * kb * 16;
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  const int8_t* xq[MB];
+  const float* xd[MB];
+  const float* xs[MB];
+  for (int i = 0; i < MB; ++i) {
+    xq[i] = a.q + (m0 + i) * a.kp;
+    xd[i] = a.d + (m0 + i) * cb;
+    xs[i] = a.bsum + (m0 + i) * cb;
+  }
+  __m512 acc[MB];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < kb; ++b) {
+    __m512i dot[MB][S];
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+      for (int t = 0; t < S; ++t) dot[i][t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      const uint8_t* p = cg + (b * 4 + q) * 64;
+      const __m512i v = _mm512_loadu_si512(p);
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(p) + kAheadBytes, _MM_HINT_T1);
+      const __m512i lo = _mm512_and_si512(v, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i) {
+        int32_t x0, x1;
+        __builtin_memcpy(&x0, xq[i] + b * 32 + q * 4, 4);
+        __builtin_memcpy(&x1, xq[i] + b * 32 + 16 + q * 4, 4);
+        __m512i& d0 = dot[i][(2 * q) % S];
+        d0 = _mm512_dpbusd_epi32(d0, lo, _mm512_set1_epi32(x0));
+        __m512i& d1 = dot[i][(2 * q + 1) % S];
+        d1 = _mm512_dpbusd_epi32(d1, hi, _mm512_set1_epi32(x1));
+      }
+    }
+    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg + b * 16)));
+    const __m512 of = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(og + b * 16)));
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      __m512i sum = dot[i][0];
+#pragma GCC unroll 4
+      for (int t = 1; t < S; ++t) sum = _mm512_add_epi32(sum, dot[i][t]);
+      const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xd[i][b]));
+      acc[i] = _mm512_fmadd_ps(v, sc, acc[i]);
+      acc[i] = _mm512_fmadd_ps(of, _mm512_set1_ps(xs[i][b]), acc[i]);
+    }
+  }
+  const int64_t n = g * 16;
+  const __m512 bv = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) store16(out, m0 + i, n, _mm512_add_ps(acc[i], bv));
+}
+
 }  // namespace
 
 void block_corrections(const Q8Act& a, int32_t* corr) {
@@ -178,6 +247,52 @@ void dequant_q8(const uint8_t* w, const float* scale, const uint16_t* bscale, in
         const __m512 sv = _mm512_set1_ps(sc);
         store16(out, n, b * 32, _mm512_mul_ps(f0, sv));
         store16(out, n, b * 32 + 16, _mm512_mul_ps(f1, sv));
+      }
+    }
+  }
+}
+
+void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
+             const uint16_t* goffset, const float* bias, int64_t g0, int64_t g1, Out out) {
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t m0 = 0; m0 < a.m; m0 += kRows) {
+      const bool first = m0 == 0;
+#define SF_LANES_TILE(MB) tile4<MB>(a, codes, gscale, goffset, bias, m0, g, first, out)
+      switch (std::min<int64_t>(kRows, a.m - m0)) {
+        case 1: SF_LANES_TILE(1); break;
+        case 2: SF_LANES_TILE(2); break;
+        case 3: SF_LANES_TILE(3); break;
+        case 4: SF_LANES_TILE(4); break;
+        case 5: SF_LANES_TILE(5); break;
+        case 6: SF_LANES_TILE(6); break;
+        case 7: SF_LANES_TILE(7); break;
+        default: SF_LANES_TILE(8); break;
+      }
+#undef SF_LANES_TILE
+    }
+  }
+}
+
+void dequant_q4(const uint8_t* codes, const uint16_t* gscale, const uint16_t* goffset,
+                int64_t k, int64_t g0, int64_t g1, Out out) {
+  const int64_t kb = k / 32;
+  // one row's 4 four-byte pieces of a block lie 64 bytes apart
+  const __m128i apart = _mm_setr_epi32(0, 64, 128, 192);
+  const __m512i low = _mm512_set1_epi32(0x0f);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* cg = codes + g * 16 * (k / 2);
+    for (int r = 0; r < 16; ++r) {
+      const int64_t n = g * 16 + r;
+      for (int64_t b = 0; b < kb; ++b) {
+        const __m128i bytes =
+            _mm_i32gather_epi32(reinterpret_cast<const int*>(cg + b * 256 + r * 4), apart, 1);
+        const __m512i v = _mm512_cvtepu8_epi32(bytes);
+        const __m512 sc = _mm512_set1_ps(_cvtsh_ss(gscale[(g * kb + b) * 16 + r]));
+        const __m512 of = _mm512_set1_ps(_cvtsh_ss(goffset[(g * kb + b) * 16 + r]));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        store16(out, n, b * 32, _mm512_fmadd_ps(lo, sc, of));
+        store16(out, n, b * 32 + 16, _mm512_fmadd_ps(hi, sc, of));
       }
     }
   }
