@@ -41,6 +41,17 @@ inline void store16(Out out, int64_t m, int64_t n, __m512 v) {
   }
 }
 
+// Four vectors of 16 lanes (lane r: row r's 4 bytes) into rows: out[j]'s 128-bit lane L holds
+// row 4L + j's 16 bytes, the four inputs' pieces in order.
+inline void transpose4(const __m512i* v, __m512i* out) {
+  const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
 // MB activation rows from m0 against the 16 weight rows of group g. Blocked: a float16 scale
 // per (weight row, block) in `bscale` [n / 16, k / 32, 16]; else one per row (`scale`).
 // S chains of dots per row, the block's 8 dots split between them where the rows are too few
@@ -226,28 +237,41 @@ void gemv_q8(const Q8Act& a, const int32_t* corr, const uint8_t* w, const float*
     gemv_t<false>(a, corr, w, scale, bscale, bias, g0, g1, out);
 }
 
+// Dequantising transposes each block in registers (gathering each row's 8 pieces took a
+// 64-row Q8_0 prompt's products from 54-63% to 43-44% of the bfloat16 peak). The codes stay
+// w + 128, read unsigned: (c - 128) * s is c * s - 128 * s, one FMA.
+template <int L>
+inline void dequant_q8_lane(const __m512i* t, int64_t g, int64_t b, int64_t kb,
+                            const float* scale, const uint16_t* bscale, Out out) {
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    const int r = 4 * L + j;
+    const int64_t n = g * 16 + r;
+    const float sc = bscale ? _cvtsh_ss(bscale[(g * kb + b) * 16 + r]) : scale[n];
+    const __m512 sv = _mm512_set1_ps(sc), off = _mm512_set1_ps(-128.f * sc);
+    const __m128i first = _mm512_extracti32x4_epi32(t[j], L);
+    const __m128i second = _mm512_extracti32x4_epi32(t[j + 4], L);
+    store16(out, n, b * 32, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first)), sv, off));
+    store16(out, n, b * 32 + 16,
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second)), sv, off));
+  }
+}
+
 void dequant_q8(const uint8_t* w, const float* scale, const uint16_t* bscale, int64_t k,
                 int64_t g0, int64_t g1, Out out) {
   const int64_t kb = k / 32;
-  // one row's 8 four-byte pieces of a block lie 64 bytes apart
-  const __m256i apart = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
-  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wg = w + g * 16 * k;
-    for (int r = 0; r < 16; ++r) {
-      const int64_t n = g * 16 + r;
-      for (int64_t b = 0; b < kb; ++b) {
-        const __m256i u = _mm256_i32gather_epi32(
-            reinterpret_cast<const int*>(wg + b * 512 + r * 4), apart, 1);
-        const __m256i s8 = _mm512_castsi512_si256(
-            _mm512_xor_si512(_mm512_castsi256_si512(u), bias));  // w + 128 -> w
-        const float sc = bscale ? _cvtsh_ss(bscale[(g * kb + b) * 16 + r]) : scale[n];
-        const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(s8)));
-        const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(s8, 1)));
-        const __m512 sv = _mm512_set1_ps(sc);
-        store16(out, n, b * 32, _mm512_mul_ps(f0, sv));
-        store16(out, n, b * 32 + 16, _mm512_mul_ps(f1, sv));
-      }
+    for (int64_t b = 0; b < kb; ++b) {
+      __m512i v[8], t[8];
+#pragma GCC unroll 8
+      for (int q = 0; q < 8; ++q) v[q] = _mm512_loadu_si512(wg + (b * 8 + q) * 64);
+      transpose4(v, t);          // inputs 0-15 of each row
+      transpose4(v + 4, t + 4);  // inputs 16-31
+      dequant_q8_lane<0>(t, g, b, kb, scale, bscale, out);
+      dequant_q8_lane<1>(t, g, b, kb, scale, bscale, out);
+      dequant_q8_lane<2>(t, g, b, kb, scale, bscale, out);
+      dequant_q8_lane<3>(t, g, b, kb, scale, bscale, out);
     }
   }
 }
@@ -273,27 +297,38 @@ void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
   }
 }
 
+template <int L>
+inline void dequant_q4_lane(const __m512i* t, int64_t g, int64_t b, int64_t kb,
+                            const uint16_t* gscale, const uint16_t* goffset, Out out) {
+  const __m512i low = _mm512_set1_epi32(0x0f);
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    const int r = 4 * L + j;
+    const int64_t n = g * 16 + r;
+    const __m512i c = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(t[j], L));
+    const __m512 sc = _mm512_set1_ps(_cvtsh_ss(gscale[(g * kb + b) * 16 + r]));
+    const __m512 of = _mm512_set1_ps(_cvtsh_ss(goffset[(g * kb + b) * 16 + r]));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(c, low));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4));
+    store16(out, n, b * 32, _mm512_fmadd_ps(lo, sc, of));
+    store16(out, n, b * 32 + 16, _mm512_fmadd_ps(hi, sc, of));
+  }
+}
+
 void dequant_q4(const uint8_t* codes, const uint16_t* gscale, const uint16_t* goffset,
                 int64_t k, int64_t g0, int64_t g1, Out out) {
   const int64_t kb = k / 32;
-  // one row's 4 four-byte pieces of a block lie 64 bytes apart
-  const __m128i apart = _mm_setr_epi32(0, 64, 128, 192);
-  const __m512i low = _mm512_set1_epi32(0x0f);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* cg = codes + g * 16 * (k / 2);
-    for (int r = 0; r < 16; ++r) {
-      const int64_t n = g * 16 + r;
-      for (int64_t b = 0; b < kb; ++b) {
-        const __m128i bytes =
-            _mm_i32gather_epi32(reinterpret_cast<const int*>(cg + b * 256 + r * 4), apart, 1);
-        const __m512i v = _mm512_cvtepu8_epi32(bytes);
-        const __m512 sc = _mm512_set1_ps(_cvtsh_ss(gscale[(g * kb + b) * 16 + r]));
-        const __m512 of = _mm512_set1_ps(_cvtsh_ss(goffset[(g * kb + b) * 16 + r]));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-        store16(out, n, b * 32, _mm512_fmadd_ps(lo, sc, of));
-        store16(out, n, b * 32 + 16, _mm512_fmadd_ps(hi, sc, of));
-      }
+    for (int64_t b = 0; b < kb; ++b) {
+      __m512i v[4], t[4];
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) v[q] = _mm512_loadu_si512(cg + (b * 4 + q) * 64);
+      transpose4(v, t);  // each row's 16 bytes: the nibble pairs of its block
+      dequant_q4_lane<0>(t, g, b, kb, gscale, goffset, out);
+      dequant_q4_lane<1>(t, g, b, kb, gscale, goffset, out);
+      dequant_q4_lane<2>(t, g, b, kb, gscale, goffset, out);
+      dequant_q4_lane<3>(t, g, b, kb, gscale, goffset, out);
     }
   }
 }
