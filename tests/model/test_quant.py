@@ -352,3 +352,21 @@ async def test_quantized_engine_serves_and_frees_everything(worker: str) -> None
         want = [(await engine.complete(p, params)).token_ids for p in prompts]
     assert got == want
     assert all(len(t) == 8 for t in got)
+
+
+def test_quantize_takes_each_packed_weight_out_as_its_layer_is_built(llama: Path) -> None:
+    """A GGUF file's packed weights leave `packed` as their layers are built (the tied output
+    matrix too), so a layer that re-lays its codes out (quant.rows_in_lanes) frees the file's
+    order as it goes instead of holding every weight twice until the load ends."""
+    loaded = load_model(str(llama), "bfloat16", CPU, 0)
+    model = loaded.model
+    down = model.model.layers[0].mlp.down_proj
+    embed = model.model.embed_tokens.weight.detach()
+    packed: dict[str, quant.QuantizedWeight] = {
+        "model.layers.0.mlp.down_proj.weight": quant.quantize_int8_blocks(down.weight.detach()),
+        "model.embed_tokens.weight": quant.quantize_int8_blocks(embed),
+    }
+    swapped = model.quantize("gguf", torch.bfloat16, packed)
+    assert packed == {}
+    assert isinstance(swapped["model.layers.0.mlp.down_proj"], quant.Int8Linear)
+    assert isinstance(model.tied_head, quant.Int8Linear)

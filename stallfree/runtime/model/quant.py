@@ -410,6 +410,7 @@ class _QuantLinearBase(nn.Module, abc.ABC):
 # 1257, 16 rows 3627 / 3285 against 2185 / 2167; 1-4 rows, which read at the memory's pace,
 # the same. `STALLFREE_INT_LANES=0` keeps the row-major layout.
 LANES_ENV = "STALLFREE_INT_LANES"
+_SIGN_BITS = -0x7F7F7F80  # 0x80808080 as an int32
 
 
 def rows_in_lanes(shape: tuple[int, int]) -> bool:
@@ -431,8 +432,11 @@ def to_lanes(q: torch.Tensor) -> torch.Tensor:
     """Row-major int8 codes [out, in] as 16 rows in the lanes: uint8 [out / 16, in / 4, 64]
     (lane r of a vector holds row r's 4 inputs), each w + 128."""
     rows, cols = q.shape
-    u = torch.bitwise_xor(q.contiguous().view(torch.uint8), 0x80)
-    return u.view(rows // 16, 16, cols // 4, 4).permute(0, 2, 1, 3).reshape(rows // 16, -1, 64)
+    # moved as 4-byte words (a byte-wise permute took about 1 s a GB), one copy, each byte's
+    # sign bit flipped in place
+    words = q.contiguous().view(torch.int32).view(rows // 16, 16, cols // 4)
+    lanes = words.permute(0, 2, 1).contiguous().bitwise_xor_(_SIGN_BITS)
+    return _bytes_of(lanes, (rows // 16, cols // 4, 64))
 
 
 def from_lanes(u: torch.Tensor) -> torch.Tensor:
@@ -453,8 +457,19 @@ def codes_to_lanes(codes: torch.Tensor) -> torch.Tensor:
     lanes: [out / 16, in / 32, 4, 64], byte t of lane r in vector q being row r's byte q * 4 +
     t of the block."""
     rows, blocks, _ = codes.shape
-    lanes = codes.view(rows // 16, 16, blocks, 4, 4).permute(0, 2, 3, 1, 4)
-    return lanes.reshape(rows // 16, blocks, 4, 64)
+    words = codes.contiguous().view(torch.int32).view(rows // 16, 16, blocks, 4)
+    lanes = words.permute(0, 2, 3, 1).contiguous()
+    return _bytes_of(lanes, (rows // 16, blocks, 4, 64))
+
+
+def _bytes_of(words: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous tensor's bytes as uint8 of `shape`, on its storage but not a view of it:
+    a view keeps its base (`_base`), so a weight moved to huge pages (`Tensor.set_`) would
+    leave the base and its old storage behind (the 1B Q8_0 model: 1 GB more resident)."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return torch.empty(0, dtype=torch.uint8).set_(words.untyped_storage(), 0, shape, strides)
 
 
 def codes_from_lanes(lanes: torch.Tensor) -> torch.Tensor:
