@@ -46,6 +46,27 @@ def test_the_lanes_layout_puts_row_r_of_a_group_in_lane_r_and_comes_back() -> No
     assert sl.shape == (3, 3, 16) and sl[1, 2, 7] == s[23, 2]
 
 
+def _lanes_product(
+    x: torch.Tensor, q: torch.Tensor, per_block: bool, g: torch.Generator, b: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`linear_q8_blocks` (float16 scales per block, spread over three octaves) or `linear_q8`
+    (a scale per row) on `q` laid out in the lanes; with the exact emulation's sums and the
+    sums of the absolute terms, which bound a float sum's rounding error."""
+    n, k = q.shape
+    if per_block:
+        bscale = ((torch.rand(n, k // 32, generator=g) * 3 - 4).exp2()).half()
+        out = torch.ops.stallfree.linear_q8_blocks(x, to_lanes(q), scales_to_lanes(bscale), b)
+        codes = q.double() * bscale.double().repeat_interleave(32, 1)
+        scale = torch.ones(n, dtype=torch.float64)
+    else:
+        scale = torch.rand(n, generator=g) / 50 + 0.001
+        out = torch.ops.stallfree.linear_q8(x, to_lanes(q), scale, b)
+        codes = q.double()
+    ref = q8_emulation(x, codes, scale) + (0 if b is None else b.double())
+    bound = q8_emulation(x.abs(), codes.abs(), scale) + (0 if b is None else b.double().abs())
+    return out, ref, bound
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     m=st.integers(1, 40),
@@ -77,17 +98,7 @@ def test_a_weight_in_the_lanes_equals_the_emulation(
     x = torch.randn(m, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g) if bias else None
     q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    if per_block:
-        bscale = ((torch.rand(n, blocks, generator=g) * 3 - 4).exp2()).half()
-        out = torch.ops.stallfree.linear_q8_blocks(x, to_lanes(q), scales_to_lanes(bscale), b)
-        codes = q.double() * bscale.double().repeat_interleave(32, 1)
-        scale = torch.ones(n, dtype=torch.float64)
-    else:
-        scale = torch.rand(n, generator=g) / 50 + 0.001
-        out = torch.ops.stallfree.linear_q8(x, to_lanes(q), scale, b)
-        codes = q.double()
-    ref = q8_emulation(x, codes, scale) + (0 if b is None else b.double())
-    bound = q8_emulation(x.abs(), codes.abs(), scale) + (0 if b is None else b.double().abs())
+    out, ref, bound = _lanes_product(x, q, per_block, g, b)
     assert out.dtype == dtype and out.shape == (m, n)
     assert _rel(out, ref, None if bf16 else bound) < (8e-3 if bf16 else 1e-5)
 
@@ -102,17 +113,7 @@ def test_a_weight_in_the_lanes_takes_a_code_of_minus_128(per_block: bool) -> Non
     x = torch.randn(5, k, generator=g)
     q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     q[:, ::3] = -128
-    if per_block:
-        bscale = (torch.rand(n, k // 32, generator=g) / 50 + 0.001).half()
-        out = torch.ops.stallfree.linear_q8_blocks(x, to_lanes(q), scales_to_lanes(bscale), None)
-        codes = q.double() * bscale.double().repeat_interleave(32, 1)
-        scale = torch.ones(n, dtype=torch.float64)
-    else:
-        scale = torch.rand(n, generator=g) / 50 + 0.001
-        out = torch.ops.stallfree.linear_q8(x, to_lanes(q), scale, None)
-        codes = q.double()
-    ref = q8_emulation(x, codes, scale)
-    bound = q8_emulation(x.abs(), codes.abs(), scale)
+    out, ref, bound = _lanes_product(x, q, per_block, g, None)
     assert _rel(out, ref, bound) < 1e-5
 
 

@@ -241,17 +241,17 @@ Out out_of(at::Tensor& out, int64_t n) {
   return Out{out.data_ptr(), n, out.scalar_type() == at::kBFloat16};
 }
 
-// An int8 weight as the products take it: row-major int8 [out, in], or with 16 output rows in
-// the lanes (q8_lanes.cpp), uint8 [out / 16, in / 4, 64], which only the AVX-512 variant's
-// kernel reads (whichever variant is selected: quant.py lays a weight out so only where it
-// was).
-struct Q8Weight {
+// An integer weight's shape [n, k] and whether its codes hold 16 output rows in the lanes
+// (q8_lanes.cpp), which only the AVX-512 variant's kernels read, whichever variant is selected
+// (quant.py lays a weight out so only where it was)
+struct IntWeight {
   int64_t n = 0, k = 0;
   bool lanes = false;
 };
 
-Q8Weight q8_weight(const at::Tensor& qweight, const char* op) {
-  Q8Weight w;
+// int8 codes: row-major int8 [out, in], or uint8 [out / 16, in / 4, 64] in the lanes
+IntWeight q8_weight(const at::Tensor& qweight, const char* op) {
+  IntWeight w;
   w.lanes = qweight.scalar_type() == at::kByte && qweight.dim() == 3 && qweight.size(2) == 64;
   TORCH_CHECK((w.lanes || (qweight.scalar_type() == at::kChar && qweight.dim() == 2)) &&
                   qweight.is_contiguous(),
@@ -277,16 +277,10 @@ void q8_lanes(const Q8Act& a, const at::Tensor& qweight, const float* s, const u
   });
 }
 
-// int4 codes as the products take them: nibble pairs [out, in / 32, 16] (byte j of a group:
-// value j low, j + 16 high), or with 16 output rows in the lanes [out / 16, in / 32, 4, 64]
-// (q8_lanes.cpp), read by the AVX-512 kernel whichever variant is selected
-struct Q4Codes {
-  int64_t n = 0, k = 0;
-  bool lanes = false;
-};
-
-Q4Codes q4_codes(const at::Tensor& codes, const char* op) {
-  Q4Codes c;
+// int4 codes: nibble pairs [out, in / 32, 16] (byte j of a group: value j low, j + 16 high),
+// or [out / 16, in / 32, 4, 64] in the lanes
+IntWeight q4_codes(const at::Tensor& codes, const char* op) {
+  IntWeight c;
   c.lanes = codes.dim() == 4 && codes.size(2) == 4 && codes.size(3) == 64;
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   (c.lanes || (codes.dim() == 3 && codes.size(2) == 16)),
@@ -302,7 +296,7 @@ Q4Codes q4_codes(const at::Tensor& codes, const char* op) {
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                      const std::optional<at::Tensor>& bias) {
   check_act(x, "linear_q8");
-  const Q8Weight qw = q8_weight(qweight, "linear_q8");
+  const IntWeight qw = q8_weight(qweight, "linear_q8");
   const int64_t n = qw.n, k = qw.k;
   TORCH_CHECK(x.size(-1) == k, "linear_q8: input has ", x.size(-1), " features, weight ", k);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n && scale.is_contiguous(),
@@ -333,7 +327,7 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::T
 at::Tensor linear_q8_blocks(const at::Tensor& x, const at::Tensor& qweight,
                             const at::Tensor& bscale, const std::optional<at::Tensor>& bias) {
   check_act(x, "linear_q8_blocks");
-  const Q8Weight qw = q8_weight(qweight, "linear_q8_blocks");
+  const IntWeight qw = q8_weight(qweight, "linear_q8_blocks");
   const int64_t n = qw.n, k = qw.k;
   TORCH_CHECK(x.size(-1) == k, "linear_q8_blocks: input has ", x.size(-1), " features, weight ", k);
   TORCH_CHECK(bscale.scalar_type() == at::kHalf && bscale.numel() == n * (k / 32) &&
@@ -540,7 +534,7 @@ at::Tensor linear_bf16_prompt(const at::Tensor& x, const at::Tensor& weight,
 // prompt path of the integer layers, one pass instead of torch's convert, scale and add.
 void dequantize_q8(const at::Tensor& qweight, const std::optional<at::Tensor>& scale,
                    const std::optional<at::Tensor>& bscale, at::Tensor& out) {
-  const Q8Weight qw = q8_weight(qweight, "dequantize_q8");
+  const IntWeight qw = q8_weight(qweight, "dequantize_q8");
   const int64_t n = qw.n, k = qw.k;
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == n && out.size(1) == k &&
                   (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
@@ -573,7 +567,7 @@ void dequantize_q8(const at::Tensor& qweight, const std::optional<at::Tensor>& s
 
 void dequantize_q4(const at::Tensor& codes, const at::Tensor& gscale, const at::Tensor& goffset,
                    at::Tensor& out) {
-  const Q4Codes qc = q4_codes(codes, "dequantize_q4");
+  const IntWeight qc = q4_codes(codes, "dequantize_q4");
   const int64_t n = qc.n, groups = qc.k / 32, k = qc.k;
   for (const at::Tensor* t : {&gscale, &goffset})
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->numel() == n * groups && t->is_contiguous(),
@@ -598,7 +592,7 @@ void dequantize_q4(const at::Tensor& codes, const at::Tensor& gscale, const at::
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& gscale,
                      const at::Tensor& goffset, const std::optional<at::Tensor>& bias) {
   check_act(x, "linear_q4");
-  const Q4Codes qc = q4_codes(codes, "linear_q4");
+  const IntWeight qc = q4_codes(codes, "linear_q4");
   const int64_t n = qc.n, groups = qc.k / 32, k = qc.k;
   TORCH_CHECK(x.size(-1) == k, "linear_q4: input has ", x.size(-1), " features, weight ", k);
   for (const at::Tensor* t : {&gscale, &goffset})

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -121,28 +122,35 @@ void tile(const Q8Act& a, const int32_t* corr, const uint8_t* w, const float* sc
   for (int i = 0; i < MB; ++i) store16(out, m0 + i, n, _mm512_fmadd_ps(acc[i], s, bv));
 }
 
-// every activation row against the groups [g0, g1), kRows rows a pass over a group (its
-// weights stay in L1 for the passes after the first, which alone prefetches)
+// Every activation row against the groups [g0, g1), kRows rows a pass over a group (its
+// weights stay in L1 for the passes after the first, which alone prefetches): `run(mb, m0,
+// g, first)` runs one tile, `mb` a std::integral_constant of its rows.
+template <class Run>
+void over_tiles(int64_t m, int64_t g0, int64_t g1, Run run) {
+  using std::integral_constant;
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+      const bool first = m0 == 0;
+      switch (std::min<int64_t>(kRows, m - m0)) {
+        case 1: run(integral_constant<int, 1>{}, m0, g, first); break;
+        case 2: run(integral_constant<int, 2>{}, m0, g, first); break;
+        case 3: run(integral_constant<int, 3>{}, m0, g, first); break;
+        case 4: run(integral_constant<int, 4>{}, m0, g, first); break;
+        case 5: run(integral_constant<int, 5>{}, m0, g, first); break;
+        case 6: run(integral_constant<int, 6>{}, m0, g, first); break;
+        case 7: run(integral_constant<int, 7>{}, m0, g, first); break;
+        default: run(integral_constant<int, 8>{}, m0, g, first); break;
+      }
+    }
+  }
+}
+
 template <bool Blocked>
 void gemv_t(const Q8Act& a, const int32_t* corr, const uint8_t* w, const float* scale,
             const uint16_t* bscale, const float* bias, int64_t g0, int64_t g1, Out out) {
-  for (int64_t g = g0; g < g1; ++g) {
-    for (int64_t m0 = 0; m0 < a.m; m0 += kRows) {
-      const bool first = m0 == 0;
-#define SF_LANES_TILE(MB) tile<MB, Blocked>(a, corr, w, scale, bscale, bias, m0, g, first, out)
-      switch (std::min<int64_t>(kRows, a.m - m0)) {
-        case 1: SF_LANES_TILE(1); break;
-        case 2: SF_LANES_TILE(2); break;
-        case 3: SF_LANES_TILE(3); break;
-        case 4: SF_LANES_TILE(4); break;
-        case 5: SF_LANES_TILE(5); break;
-        case 6: SF_LANES_TILE(6); break;
-        case 7: SF_LANES_TILE(7); break;
-        default: SF_LANES_TILE(8); break;
-      }
-#undef SF_LANES_TILE
-    }
-  }
+  over_tiles(a.m, g0, g1, [&](auto mb, int64_t m0, int64_t g, bool first) {
+    tile<decltype(mb)::value, Blocked>(a, corr, w, scale, bscale, bias, m0, g, first, out);
+  });
 }
 
 // int4 codes with 16 weight rows in the lanes: per group of 16 rows and block of 32 inputs,
@@ -278,23 +286,9 @@ void dequant_q8(const uint8_t* w, const float* scale, const uint16_t* bscale, in
 
 void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
              const uint16_t* goffset, const float* bias, int64_t g0, int64_t g1, Out out) {
-  for (int64_t g = g0; g < g1; ++g) {
-    for (int64_t m0 = 0; m0 < a.m; m0 += kRows) {
-      const bool first = m0 == 0;
-#define SF_LANES_TILE(MB) tile4<MB>(a, codes, gscale, goffset, bias, m0, g, first, out)
-      switch (std::min<int64_t>(kRows, a.m - m0)) {
-        case 1: SF_LANES_TILE(1); break;
-        case 2: SF_LANES_TILE(2); break;
-        case 3: SF_LANES_TILE(3); break;
-        case 4: SF_LANES_TILE(4); break;
-        case 5: SF_LANES_TILE(5); break;
-        case 6: SF_LANES_TILE(6); break;
-        case 7: SF_LANES_TILE(7); break;
-        default: SF_LANES_TILE(8); break;
-      }
-#undef SF_LANES_TILE
-    }
-  }
+  over_tiles(a.m, g0, g1, [&](auto mb, int64_t m0, int64_t g, bool first) {
+    tile4<decltype(mb)::value>(a, codes, gscale, goffset, bias, m0, g, first, out);
+  });
 }
 
 template <int L>
