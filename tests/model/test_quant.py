@@ -41,6 +41,43 @@ def test_gguf_blocks_decode_as_the_gguf_library_dequantises(kind: str) -> None:
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(("kind", "header"), [("Q4_0", 2), ("Q4_1", 4)])
+def test_q4_0_and_q4_1_codes_are_the_files_nibble_pairs_as_stored(kind: str, header: int) -> None:
+    """A Q4_0 / Q4_1 block's 16 code bytes already hold element j low and j + 16 high, the int4
+    layers' own pairs: the load copies them (no unpacking to a byte per code and packing again),
+    and an int4 layer built from the weight keeps those bytes."""
+    w = _random_weight(32, 128, seed=3)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
+    size = header + 16
+    stored = torch.from_numpy(raw.reshape(-1, size)[:, header:].copy()).view(32, 4, 16)
+    got = decode_blocks(raw, kind, *w.shape)
+    assert torch.equal(got.pairs, stored)
+    assert torch.equal(quant.pack_pairs(got.q), stored)
+    layer = quant.Int4Linear(got, None, torch.bfloat16)
+    held = quant.codes_from_lanes(layer.codes) if layer.lanes else layer.codes
+    assert torch.equal(held, stored)
+
+
+def test_q4_k_nibble_pairs_hold_each_sub_block_of_32() -> None:
+    """Q4_K packs 64 elements per 32 bytes (the first 32 low, the next 32 high): its pairs are
+    made per sub-block of 32, and unpacked they are the codes the gguf library decodes."""
+    raw = np.random.default_rng(5).integers(0, 256, (16 * 2, 144), dtype=np.uint8)
+    got = decode_blocks(raw, "Q4_K", 16, 512)
+    assert got.pairs.shape == (16, 16, 16)
+    chunks = torch.from_numpy(raw.reshape(-1, 144)[:, 16:].copy()).view(-1, 4, 32)
+    codes = torch.stack([chunks & 15, chunks >> 4], dim=2).reshape(16, 512)
+    assert torch.equal(got.q, codes)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_nibble_pairs_pack_and_unpack_any_group(group: int) -> None:
+    codes = torch.randint(0, 16, (8, 256), dtype=torch.uint8)
+    pairs = quant.pack_pairs(codes, group)
+    assert pairs.shape == (8, 256 // group, group // 2)
+    assert torch.equal(pairs[:, 0, 0], codes[:, 0] | (codes[:, group // 2] << 4))
+    assert torch.equal(quant.unpack_pairs(pairs).reshape(8, 256), codes)
+
+
 def _k_blocks(kind: str, rows: int, cols: int) -> np.ndarray:
     """Random super-blocks of a K type the gguf library cannot quantize (Q5_K, Q6_K), with
     sane float16 scales: any bytes are a valid block."""

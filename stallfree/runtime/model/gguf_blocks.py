@@ -38,12 +38,25 @@ REQUANTIZED_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 
 
 def _fp16(raw: np.ndarray, start: int) -> np.ndarray:
-    return raw[:, start : start + 2].copy().view(np.float16).astype(np.float32)[:, 0]
+    """The float16 at byte `start` of each block ([blocks, bytes]), as float32: one pass."""
+    words = raw.view(np.float16)  # the blocks' sizes are even, so each row is whole words
+    return words[:, start // 2].astype(np.float32)
 
 
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """[blocks, 16] bytes -> [blocks, 32] codes: the low nibbles, then the high ones."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+def _pairs(qs: np.ndarray) -> np.ndarray:
+    """[blocks, 16] bytes already in `GroupQuant`'s nibble pairs (element j low, j + 16 high),
+    as Q4_0 and Q4_1 store them: one copy of the codes."""
+    return np.ascontiguousarray(qs)
+
+
+def _k4_pairs(chunks: np.ndarray) -> np.ndarray:
+    """Q4_K's [blocks, 4, 32] bytes (per 64 elements: elements 0-31 in the low nibbles, 32-63
+    in the high) as nibble pairs of its 8 sub-blocks of 32: [blocks, 8, 16]."""
+    low, high = chunks & 0x0F, chunks >> 4
+    out = np.empty((chunks.shape[0], 4, 2, 16), np.uint8)
+    out[:, :, 0] = low[:, :, :16] | (low[:, :, 16:] << 4)
+    out[:, :, 1] = high[:, :, :16] | (high[:, :, 16:] << 4)
+    return out.reshape(-1, 8, 16)
 
 
 def _k4_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -58,9 +71,11 @@ def _k4_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
-def _group(rows: int, cols: int, q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> GroupQuant:
+def _group(
+    rows: int, cols: int, pairs: np.ndarray, scale: np.ndarray, zero: np.ndarray
+) -> GroupQuant:
     return GroupQuant(
-        torch.from_numpy(np.ascontiguousarray(q.reshape(rows, cols), dtype=np.uint8)),
+        torch.from_numpy(np.ascontiguousarray(pairs.reshape(rows, cols // 32, 16))),
         torch.from_numpy(np.ascontiguousarray(scale.reshape(rows, cols // 32))),
         torch.from_numpy(np.ascontiguousarray(zero.reshape(rows, cols // 32))),
     )
@@ -98,21 +113,20 @@ def decode_blocks(
     if type_name == "Q4_0":
         b = raw.reshape(-1, 18)
         d = _fp16(b, 0)
-        return _group(rows, cols, _nibbles(b[:, 2:]), d, np.zeros_like(d))
+        return _group(rows, cols, _pairs(b[:, 2:]), d, np.zeros_like(d))
     if type_name == "Q4_1":
         b = raw.reshape(-1, 20)
         d, m = _fp16(b, 0), _fp16(b, 2)
-        return _group(rows, cols, _nibbles(b[:, 4:]), d, m + 8 * d)
+        return _group(rows, cols, _pairs(b[:, 4:]), d, m + 8 * d)
     if type_name == "Q4_K":
         b = raw.reshape(-1, 144)
         d, dmin = _fp16(b, 0), _fp16(b, 2)
         sc, mn = _k4_scales(b[:, 4:16])
         # 4 chunks of 32 bytes, each 2 sub-blocks: low nibbles, then high
-        chunks = b[:, 16:].reshape(-1, 4, 32)
-        q = np.concatenate([chunks & 0x0F, chunks >> 4], axis=2).reshape(-1, 8, 32)
+        pairs = _k4_pairs(b[:, 16:].reshape(-1, 4, 32))
         scale = d[:, None] * sc
         zero = 8 * scale - dmin[:, None] * mn
-        return _group(rows, cols, q, scale, zero)
+        return _group(rows, cols, pairs, scale, zero)
     if type_name == "Q8_0":
         return _q8_0(raw.reshape(rows, -1), rows, cols)
     raise ValueError(f"GGUF type {type_name} is not kept quantized")

@@ -41,17 +41,28 @@ _INNER_K_TILES = 2
 
 @dataclass(slots=True)
 class GroupQuant:
-    """Unsigned 4-bit codes `q` [out, in] (0..15) with a scale and a zero point per group of
-    `group_size` inputs ([out, in // group_size], float32): `w = (q - 8) * scale + zero`."""
+    """Unsigned 4-bit codes (0..15) with a scale and a zero point per group of `group_size`
+    inputs ([out, in // group_size], float32): `w = (q - 8) * scale + zero`.
 
-    q: torch.Tensor
+    The codes are held as nibble pairs, `pairs` [out, in // group_size, group_size // 2]
+    uint8: byte j of a group holds element j in its low nibble and element j + group_size / 2
+    in its high one. That is how GGUF's Q4_0 and Q4_1 blocks store them and what the int4
+    layers keep, so a file's codes are copied, never unpacked and packed again."""
+
+    pairs: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     group_size: int = GROUP_SIZE
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (int(self.q.shape[0]), int(self.q.shape[1]))
+        rows, groups, half = self.pairs.shape
+        return (int(rows), int(groups * half * 2))
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The codes unpacked, uint8 [out, in]."""
+        return unpack_pairs(self.pairs).reshape(self.shape)
 
     def dequantize(self) -> torch.Tensor:
         g = self.group_size
@@ -61,7 +72,19 @@ class GroupQuant:
 
     def rows(self, order: torch.Tensor) -> GroupQuant:
         """The same weight with its output rows reordered (or sliced) by `order`."""
-        return GroupQuant(self.q[order], self.scale[order], self.zero[order], self.group_size)
+        return GroupQuant(self.pairs[order], self.scale[order], self.zero[order], self.group_size)
+
+
+def pack_pairs(q: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """4-bit codes [out, in] (uint8, 0..15) as `GroupQuant`'s nibble pairs."""
+    rows, cols = q.shape
+    halves = q.to(torch.uint8).view(rows, cols // group_size, 2, group_size // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).contiguous()
+
+
+def unpack_pairs(pairs: torch.Tensor) -> torch.Tensor:
+    """`pack_pairs`' inverse: the codes [out, groups, group_size] of nibble pairs."""
+    return torch.cat([pairs & 15, pairs >> 4], dim=-1)
 
 
 @dataclass(slots=True)
@@ -129,7 +152,7 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         return BlockQuant8(torch.cat([b.q for b in blocks]), torch.cat([b.scale for b in blocks]))
     groups = [p for p in parts if isinstance(p, GroupQuant)]
     return GroupQuant(
-        torch.cat([g.q for g in groups]),
+        torch.cat([g.pairs for g in groups]),
         torch.cat([g.scale for g in groups]),
         torch.cat([g.zero for g in groups]),
         groups[0].group_size,
@@ -180,7 +203,8 @@ def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> GroupQu
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = ((high - low) / 15.0).clamp_min(1e-12)
     q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-    return GroupQuant(q.reshape(rows, cols).to(torch.uint8), scale, low + 8 * scale, group_size)
+    codes = pack_pairs(q.reshape(rows, cols).to(torch.uint8), group_size)
+    return GroupQuant(codes, scale, low + 8 * scale, group_size)
 
 
 def int4_fits(shape: tuple[int, int], group_size: int = GROUP_SIZE) -> bool:
@@ -603,14 +627,13 @@ class Int4Linear(_QuantLinearBase):
 
     def __init__(self, weight: GroupQuant, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__(bias, dtype)
-        self.out_features, self.in_features = rows, cols = weight.shape
+        self.out_features, self.in_features = weight.shape
         self.group_size = g = weight.group_size
         self.qweight: torch.Tensor
         self.scales_and_zeros: torch.Tensor
         self.codes: torch.Tensor
         self.group_scale: torch.Tensor
         self.group_offset: torch.Tensor
-        q = weight.q.to(torch.uint8)
         self.native = g == GROUP_SIZE and native_quantized(dtype)
         if self.native:
             # the native kernel reads `codes` with float32 scales and offsets per group;
@@ -619,14 +642,13 @@ class Int4Linear(_QuantLinearBase):
             self.register_buffer("scales_and_zeros", None)
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                q.to(torch.int32).contiguous(), _INNER_K_TILES
+                weight.q.to(torch.int32).contiguous(), _INNER_K_TILES
             )
             self.register_buffer("qweight", packed)
             # the kernel's layout: [in // group, out, (scale, zero)]
             pairs = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1)
             self.register_buffer("scales_and_zeros", pairs.to(self.kernel_dtype).contiguous())
-        halves = q.view(rows, cols // g, 2, g // 2)
-        pairs = (halves[:, :, 0] | (halves[:, :, 1] << 4)).contiguous()
+        pairs = weight.pairs.contiguous()
         # the native kernels' layout: 16 rows in the lanes on AVX-512 without tiles
         self.lanes = self.native and rows_in_lanes(weight.shape)
         self.register_buffer("codes", codes_to_lanes(pairs) if self.lanes else pairs)
