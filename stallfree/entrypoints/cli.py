@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import signal
 import sys
@@ -129,6 +130,12 @@ async def _generate(args: argparse.Namespace, config: StallfreeConfig) -> int:
 def _serve(config: StallfreeConfig) -> int:
     if config.parallel.node_rank > 0:
         return serve_worker_node(config)
+    if config.replicas.data_parallel_size == 1:
+        # the cyclic collector stays off through the imports and the load: they make about
+        # 230 thousand objects that all live on, and its three full passes over them were
+        # 0.2-0.3 s of SmolLM2's start-up. The app collects once and turns it back on as the
+        # engine starts (server/app.py, `freeze_heap`).
+        gc.disable()
     if needs_extra("stallfree serve", "server", SERVER_MODULES):
         return 2
     if config.replicas.data_parallel_size > 1:

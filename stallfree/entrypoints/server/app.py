@@ -47,7 +47,8 @@ def create_app(engine_or_config: Engine | StallfreeConfig, freeze_heap: bool = F
     built it from a config, drains and shuts it down).
 
     `freeze_heap`, for a process that is only this server (`serve`): once the engine has
-    started, what the process holds moves out of the garbage collector's sight (`gc.freeze`),
+    started, what the process holds moves out of the garbage collector's sight (`gc.freeze`)
+    and the collector is on (`serve` starts with it off),
     so a full collection walks only what requests made since. Without it, a collection that a
     large request's objects set off walks the whole model stack too: one 4 MB chat body held
     `/health` 190 ms, 50 ms frozen."""
@@ -87,8 +88,11 @@ def _lifespan(
             await disagg.start()
             app.state.sf.disagg = disagg
         if freeze_heap:
+            # one full pass, then out of its sight; `serve` ran its start-up with the collector
+            # off (cli.py), and it is on from here
             gc.collect()
             gc.freeze()
+            gc.enable()
         try:
             yield
         finally:
