@@ -427,15 +427,27 @@ def _tiles_rows(rows: int, weight: torch.Tensor) -> bool:
     )
 
 
+def prepack_pays() -> bool:
+    """Whether `--prepack-prompt-weights` keeps oneDNN's blocked copy on this CPU: with the AMX
+    tiles in use, or on the AVX-512 variant where the CPU has AVX512-BF16 (a Zen 4), whose
+    prompts past AVX512_BF16_MAX_ROWS go to F.linear and its re-layout of the weight on every
+    call (SmolLM2's four shapes, 30 copies, 2 threads on a Zen 4: oneDNN on such a copy took
+    0.84x F.linear's time at 128 rows and 0.90x at 256). Elsewhere (AVX2; AVX-512 without
+    BF16) the native kernel takes every bfloat16 row count, or is the faster."""
+    if cpu_kernels.amx():
+        return True
+    return cpu_kernels.isa() == "avx512" and torch.cpu._is_avx512_bf16_supported()
+
+
 def use_native_linears(model: nn.Module, prepack: bool = False) -> int:
     """Switch every dense bfloat16 or float32 CPU nn.Linear of `model` to `NativeLinear`, in
     place; returns how many (none when the library is not available). With `prepack`, each
     bfloat16 one but the output head (`lm_head`, which sees a prompt's last rows only) also
-    keeps its weight in oneDNN's blocked order for prompts (PREPACKED_MIN_ROWS), where the CPU
-    has the AMX tiles (elsewhere the native kernels or torch's own path are the faster ones)."""
+    keeps its weight in oneDNN's blocked order for prompts (PREPACKED_MIN_ROWS), where that
+    pays (`prepack_pays`)."""
     if not cpu_kernels.available():
         return 0
-    pack = prepack and cpu_kernels.amx()
+    pack = prepack and prepack_pays()
     count = 0
     for name, module in model.named_modules():
         if (
