@@ -197,8 +197,7 @@ def test_int4_codes_in_the_lanes_put_row_r_in_lane_r_and_come_back() -> None:
 def _int4(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
     """An int4 weight's nibble pairs, float16 scales and offsets, and its exact dense values."""
     w = quantize_int4(torch.randn(n, k, generator=g))
-    q = w.q.view(n, k // 32, 2, 16)
-    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
+    codes = w.pairs.contiguous()  # element j low, j + 16 high
     scale = w.scale.half().contiguous()
     offset = (w.zero - 8 * w.scale).half().contiguous()
     dense = w.q.double() * scale.double().repeat_interleave(

@@ -137,8 +137,7 @@ def test_linear_q4_equals_its_emulation(
     dtype = torch.bfloat16 if bf16 else torch.float32
     x = torch.randn(m, k, generator=g).to(dtype)
     w = quantize_int4(torch.randn(n, k, generator=g))
-    q = w.q.view(n, groups, 2, 16)
-    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
+    codes = w.pairs.contiguous()  # element j low, j + 16 high
     # the kernel holds scales and offsets in float16: the emulation uses those values
     scale = w.scale.half().contiguous()
     offset = (w.zero - 8 * w.scale).half().contiguous()
@@ -336,8 +335,7 @@ def test_dequantize_writes_the_dense_weight(
     out = torch.empty(n, k, dtype=dtype)
     if form == "int4":
         w = quantize_int4(torch.randn(n, k, generator=g))
-        q = w.q.view(n, blocks, 2, 16)
-        codes = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
+        codes = w.pairs.contiguous()  # element j low, j + 16 high
         scale = w.scale.half().contiguous()
         offset = (w.zero - 8 * w.scale).half().contiguous()
         torch.ops.stallfree.dequantize_q4(codes, scale, offset, out)

@@ -43,12 +43,6 @@ def _fp16(raw: np.ndarray, start: int) -> np.ndarray:
     return words[:, start // 2].astype(np.float32)
 
 
-def _pairs(qs: np.ndarray) -> np.ndarray:
-    """[blocks, 16] bytes already in `GroupQuant`'s nibble pairs (element j low, j + 16 high),
-    as Q4_0 and Q4_1 store them: one copy of the codes."""
-    return np.ascontiguousarray(qs)
-
-
 def _k4_pairs(chunks: np.ndarray) -> np.ndarray:
     """Q4_K's [blocks, 4, 32] bytes (per 64 elements: elements 0-31 in the low nibbles, 32-63
     in the high) as nibble pairs of its 8 sub-blocks of 32: [blocks, 8, 16]."""
@@ -74,6 +68,8 @@ def _k4_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _group(
     rows: int, cols: int, pairs: np.ndarray, scale: np.ndarray, zero: np.ndarray
 ) -> GroupQuant:
+    """`pairs`: [blocks, 16] nibble pairs (element j low, j + 16 high). Q4_0's and Q4_1's code
+    bytes are already these, so they are copied once here, never unpacked."""
     return GroupQuant(
         torch.from_numpy(np.ascontiguousarray(pairs.reshape(rows, cols // 32, 16))),
         torch.from_numpy(np.ascontiguousarray(scale.reshape(rows, cols // 32))),
@@ -113,11 +109,11 @@ def decode_blocks(
     if type_name == "Q4_0":
         b = raw.reshape(-1, 18)
         d = _fp16(b, 0)
-        return _group(rows, cols, _pairs(b[:, 2:]), d, np.zeros_like(d))
+        return _group(rows, cols, b[:, 2:], d, np.zeros_like(d))
     if type_name == "Q4_1":
         b = raw.reshape(-1, 20)
         d, m = _fp16(b, 0), _fp16(b, 2)
-        return _group(rows, cols, _pairs(b[:, 4:]), d, m + 8 * d)
+        return _group(rows, cols, b[:, 4:], d, m + 8 * d)
     if type_name == "Q4_K":
         b = raw.reshape(-1, 144)
         d, dmin = _fp16(b, 0), _fp16(b, 2)
