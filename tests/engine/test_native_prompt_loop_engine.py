@@ -1,6 +1,7 @@
 """The prompt's layer loop in C++ inside the engine: prompts, one with a cached prefix, give the
 same greedy tokens with the loop on as with it off (the Python loop), the loop takes their
-prefills where the AMX tiles are in use (bfloat16) and on any CPU with the kernels (float32), and every pool is full again afterwards; with mixed
+prefills where the bfloat16 prompt products run (the AMX tiles, or the AVX-512 variant without
+them) and on any CPU with the kernels (float32), and every pool is full again afterwards; with mixed
 steps on, the steps that carry running streams' decode rows with a prompt's chunk take it too,
 with the same tokens."""
 
@@ -10,16 +11,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from stallfree import Engine, SamplingParams
 from stallfree.runtime.model import cpu_kernels, native_layers, native_prompt_loop
-from stallfree.runtime.model.attention import one_token_tail
+from stallfree.runtime.model.attention import bf16_prompt_native, one_token_tail
 from tests.engine_util import engine_config, random_prompts
 from tests.hf_models import TILES_SHAPE, make_llama
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="native CPU kernels unavailable here"
 )
+
+
+def _bf16_loop() -> bool:
+    """Whether a bfloat16 prompt takes the loop here: its products on `linear_bf16_prompt`, its
+    attention on the native prompt op."""
+    dim = TILES_SHAPE["hidden_size"] // TILES_SHAPE["num_attention_heads"]
+    return native_layers.prompt_product_max_rows() > 0 and bf16_prompt_native(dim)
 
 
 async def _generate(
@@ -58,8 +67,10 @@ async def test_the_loop_gives_the_python_loops_tokens(
     looped, taken = await _generate(path, True, monkeypatch)
     assert off == 0
     assert looped == python
-    # every prompt's prefill (the third's 24 new tokens after its cached 40 included)
-    assert taken == (3 if cpu_kernels.amx() else 0)
+    # every prompt's prefill of more rows than the matrix-vector kernels take (the third's 24
+    # new tokens after its cached 40 included where the tiles take 17 rows and more)
+    dense = native_layers.dense_max_rows(torch.bfloat16)
+    assert taken == (sum(new > dense for new in (40, 70, 24)) if _bf16_loop() else 0)
 
 
 async def test_a_float32_model_takes_the_loop_with_the_python_loops_tokens(
@@ -91,7 +102,8 @@ async def _mixed(
         nonlocal tails, taken
         out = run(*args)
         h, fb = args[2], args[4]
-        if one_token_tail(fb.extend_lens_cpu) >= 2 and h.shape[0] > native_layers.AMX_MAX_ROWS:
+        dense = native_layers.dense_max_rows(torch.bfloat16)  # the matrix-vector kernels'
+        if one_token_tail(fb.extend_lens_cpu) >= 2 and h.shape[0] > dense:
             tails += 1
             taken += out is not None
         return out
@@ -114,5 +126,5 @@ async def test_mixed_steps_take_the_loop_with_their_decode_rows(
     assert off == 0
     assert looped == python
     assert tails == 0 and looped_tails > 0, (tails, looped_tails, taken)  # off: never asked
-    # every mixed step with a decode tail, where the tiles are in use
-    assert taken == (looped_tails if cpu_kernels.amx() else 0)
+    # every mixed step with a decode tail, where the prompt products run
+    assert taken == (looped_tails if _bf16_loop() else 0)

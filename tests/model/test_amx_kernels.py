@@ -363,12 +363,13 @@ def test_a_bfloat16_layer_on_the_avx2_variant_keeps_every_row_count_native(
 @pytest.mark.skipif(
     "avx512" not in VARIANTS, reason="no AVX-512 variant of the native kernels here"
 )
-def test_a_bfloat16_layer_on_avx512_without_tiles_stays_native_up_to_96_rows(
+def test_a_bfloat16_layer_on_avx512_without_tiles_takes_the_kernel_then_the_prompt_product(
     monkeypatch: pytest.MonkeyPatch, restore_variant: None
 ) -> None:
-    """AVX512-BF16 without the AMX tiles (a Zen 4): the native product is as compute-bound as
-    oneDNN's past 16 rows and F.linear re-lays the weight per call, so bfloat16 calls stay on
-    the kernel up to AVX512_BF16_MAX_ROWS, then go to F.linear; float32 keeps DENSE_MAX_ROWS."""
+    """AVX512-BF16 without the AMX tiles (a Zen 4): bfloat16 calls stay on the matrix-vector
+    kernel up to AVX512_BF16_MAX_ROWS, then take the prompt product on `vdpbf16ps`
+    (`linear_bf16_prompt`, csrc/bf16_gemm.cpp) at any row count, never F.linear; float32 keeps
+    DENSE_MAX_ROWS."""
     monkeypatch.setenv("STALLFREE_CPU_ISA", "avx512")
     monkeypatch.setenv("STALLFREE_CPU_AMX", "0")
     cpu_kernels.reset()
@@ -376,16 +377,23 @@ def test_a_bfloat16_layer_on_avx512_without_tiles_stays_native_up_to_96_rows(
         assert cpu_kernels.isa() == "avx512" and not cpu_kernels.amx()
         assert native_layers.dense_max_rows(torch.float32) == native_layers.DENSE_MAX_ROWS
         most = native_layers.dense_max_rows(torch.bfloat16)
-        assert most == native_layers.AVX512_BF16_MAX_ROWS == 96
+        assert most == native_layers.AVX512_BF16_MAX_ROWS == 24
         layer = torch.nn.Linear(96, 64).bfloat16()
         assert native_layers.use_native_linears(layer) == 1
+        rows_and_ops = (
+            (1, "stallfree.linear"),
+            (native_layers.DENSE_MAX_ROWS + 1, "stallfree.linear"),
+            (most, "stallfree.linear"),
+            (most + 1, "stallfree.linear_bf16_prompt"),
+            (native_layers.PROMPT_TILES_MAX_ROWS + 45, "stallfree.linear_bf16_prompt"),
+        )
         with torch.no_grad():
-            for rows, native in ((1, True), (native_layers.DENSE_MAX_ROWS + 1, True),
-                                 (most, True), (most + 1, False)):  # fmt: skip
+            for rows, op in rows_and_ops:
                 x = torch.randn(rows, 96).bfloat16()
                 with OpCalls() as ops:
                     out = layer(x)
-                assert ("stallfree.linear" in ops.calls) == native, rows
+                assert op in ops.calls and "aten.addmm" not in ops.calls, (rows, ops.calls)
+                assert ("stallfree.linear" in ops.calls) == (op == "stallfree.linear"), rows
                 want = x.double() @ layer.weight.double().T + layer.bias.double()
                 assert _rel(out, want) < 8e-3
     finally:

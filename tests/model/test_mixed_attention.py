@@ -121,11 +121,11 @@ def test_decode_rows_of_a_mixed_step_take_one_native_call(
     # one native call per layer takes the three decode rows; each prompt row its own attention
     assert counter.calls["stallfree.decode_attention"] == LAYERS
     # (a float32 prompt's on the native prompt kernel; a bfloat16 one's where
-    # attention._bf16_prompt_native sends it: the tiles where they are in use and take the
+    # attention.bf16_prompt_native sends it: the tiles where they are in use and take the
     # head dim, the vector path on a CPU without tiles, else SDPA)
     sdpa = sum(n for name, n in counter.calls.items() if "scaled_dot_product" in name)
     native = counter.calls["stallfree.prefill_attention"]
-    on_native = dtype == "float32" or attention._bf16_prompt_native(loaded.arch.head_dim)
+    on_native = dtype == "float32" or attention.bf16_prompt_native(loaded.arch.head_dim)
     assert (native, sdpa) == ((n_p * LAYERS, 0) if on_native else (0, n_p * LAYERS))
 
 

@@ -3,7 +3,8 @@ logits and cache bit for bit as the Python loop over the same native ops, in bfl
 int4 and float32, for one prompt, several, prompts with a cached prefix, a sliding window they outgrow,
 biases, Qwen3's per-head q/k norms, a soft-capped backend and a mixed step's decode rows, each
 step counted to have made the one native call where the AMX tiles take its products (and
-oneDNN's: past their rows for dense layers, and on `--prepack-prompt-weights`' copies); steps
+oneDNN's: past their rows for dense layers, and on `--prepack-prompt-weights`' copies), or
+without them a dense bfloat16 layer's on `vdpbf16ps` (the AVX-512 variant); steps
 it does not run (too few rows, integer layers past the tiles, the loop turned off)
 stay in Python with the same result; its fake gives the op's shapes; a malformed call is an
 error, not a crash."""
@@ -18,11 +19,11 @@ import pytest
 import torch
 
 from stallfree.runtime.memory.pool import KVCache
-from stallfree.runtime.model import cpu_kernels, native_layers, native_prompt_loop
+from stallfree.runtime.model import attention, cpu_kernels, native_layers, native_prompt_loop
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.loader import LoadedModel, load_model
 from tests.hf_models import TILES_SHAPE, make_llama, make_mistral, make_qwen2, make_qwen3
-from tests.model.native_util import OpCalls, needs_amx, window_then_cap
+from tests.model.native_util import OpCalls, window_then_cap
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="native CPU kernels unavailable here"
@@ -101,6 +102,21 @@ def _same(path: Path, dtype: str, quantization: str, requests: list[tuple[int, i
     return calls
 
 
+def _bf16_loop() -> bool:
+    """Whether a dense bfloat16 prompt past the matrix-vector kernels' rows takes the loop here:
+    its products on `linear_bf16_prompt` (the tiles, or `vdpbf16ps` on the AVX-512 variant
+    without them) and its attention on the native prompt op."""
+    return native_layers.prompt_product_max_rows() > 0 and attention.bf16_prompt_native(
+        SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
+    )
+
+
+needs_bf16_loop = pytest.mark.skipif(
+    not cpu_kernels.available() or not _bf16_loop(),
+    reason="no bfloat16 prompt products here (neither the AMX tiles nor the AVX-512 variant)",
+)
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_llama(tmp_path_factory.mktemp("prompt_loop"), **SHAPE)
@@ -122,8 +138,11 @@ def test_loop_equals_the_python_loop_bit_for_bit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     calls = _same(llama_dir, "bfloat16", quantization, requests, monkeypatch)
-    past_tiles = sum(n for _, n in requests) > 256
-    assert calls == int(cpu_kernels.amx() and not (past_tiles and quantization != "none"))
+    past_tiles = sum(n for _, n in requests) > native_layers.PROMPT_TILES_MAX_ROWS
+    if quantization == "none":
+        assert calls == int(_bf16_loop())
+    else:  # integer layers' prompt products are the tiles' only
+        assert calls == int(cpu_kernels.amx() and not past_tiles)
 
 
 def _softcap(backend: Any) -> None:
@@ -152,10 +171,9 @@ def test_other_families_take_the_loop_bit_for_bit(
 ) -> None:  # fmt: skip
     path = make(tmp_path, **SHAPE, **config)
     requests = [(0, 40), (9, 30)]
-    assert _same(path, "bfloat16", quantization, requests, monkeypatch, backend) == int(
-        cpu_kernels.amx()
-    )
-    if cpu_kernels.amx():
+    looped = _bf16_loop() if quantization == "none" else cpu_kernels.amx()
+    assert _same(path, "bfloat16", quantization, requests, monkeypatch, backend) == int(looped)
+    if _bf16_loop():
         loaded = load_model(str(path), "bfloat16", torch.device("cpu"), 0, quantization="none")
         if backend is not None:
             backend(loaded.model.attn_backend)
@@ -249,7 +267,8 @@ def test_prepacked_copies_take_the_loop_bit_for_bit(
 ) -> None:
     """`--prepack-prompt-weights`: up to 64 rows the tiles, from 65 the blocked copy."""
     calls = _same(llama_dir, "bfloat16", "none", requests, monkeypatch, prepack=True)
-    assert calls == int(cpu_kernels.amx())
+    # (without the tiles no copy is kept: native_layers.prepack_pays)
+    assert calls == int(_bf16_loop())
     if cpu_kernels.amx():
         loaded = load_model(
             str(llama_dir), "bfloat16", torch.device("cpu"), 0, prepack_prompt_weights=True
@@ -264,16 +283,19 @@ def test_prepacked_copies_take_the_loop_bit_for_bit(
 def test_one_plan_serves_every_row_count_past_the_tiles(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Past 256 rows the products are all F.linear whatever the count: one plan for all."""
+    """Past 256 rows the products are all F.linear whatever the count (with the tiles), or all
+    the prompt product (`vdpbf16ps` without them): one plan for all."""
     monkeypatch.setenv("STALLFREE_NATIVE_LOOP", "1")
     loaded = load_model(str(llama_dir), "bfloat16", torch.device("cpu"), 0, quantization="none")
     for requests in ([(0, 257)], [(0, 300), (0, 150)], [(0, 40)]):
         loaded.model(_batch(loaded, requests))
     plans = {rows: step for (rows, *_), step in loaded.model._prompt_plans.items()}
-    assert sorted(plans) == ([40, 257] if cpu_kernels.amx() else [])
+    assert sorted(plans) == ([40, 257] if _bf16_loop() else [])
     if cpu_kernels.amx():
         assert set(plans[257].spec) == {native_prompt_loop.TORCH}
         assert native_prompt_loop.TORCH not in plans[40].spec
+    elif _bf16_loop():
+        assert set(plans[257].spec) == set(plans[40].spec) == {native_prompt_loop.BF16}
 
 
 # A mixed step (`--enable-mixed-chunk`): a prefill chunk, then the running streams' decode rows,
@@ -294,10 +316,11 @@ def test_a_mixed_steps_decode_rows_take_the_loop_bit_for_bit(
 ) -> None:  # fmt: skip
     with OpCalls() as ops:
         calls = _same(llama_dir, "bfloat16", quantization, requests, monkeypatch)
-    assert calls == int(cpu_kernels.amx())
+    looped = _bf16_loop() if quantization == "none" else cpu_kernels.amx()
+    assert calls == int(looped)
     # one decode_attention call a layer for the decode rows in each Python loop that ran (the
     # C++ loop's own calls run inside prefill_layers, below the dispatch mode that counts)
-    python_loops = 1 if cpu_kernels.amx() else 2
+    python_loops = 1 if looped else 2
     assert (
         ops.calls.count("stallfree.decode_attention") == python_loops * SHAPE["num_hidden_layers"]
     )
@@ -312,7 +335,7 @@ def test_a_mixed_step_of_other_families_takes_the_loop_bit_for_bit(
     path = make(tmp_path, **SHAPE, **config)
     requests = [(20, 30), (0, 17), (40, 1), (12, 1)]
     calls = _same(path, "bfloat16", "none", requests, monkeypatch, backend)
-    assert calls == int(cpu_kernels.amx())
+    assert calls == int(_bf16_loop())
 
 
 def test_one_decode_row_after_a_prompt_takes_the_loop(
@@ -320,7 +343,7 @@ def test_one_decode_row_after_a_prompt_takes_the_loop(
 ) -> None:
     """A single trailing one-token row is any request to `PagedAttention._extend`."""
     calls = _same(llama_dir, "bfloat16", "none", [(0, 40), (6, 1)], monkeypatch)
-    assert calls == int(cpu_kernels.amx())
+    assert calls == int(_bf16_loop())
 
 
 def _arguments(
@@ -339,7 +362,7 @@ def _arguments(
     return loaded, native_prompt_loop.arguments(layers, model.attn_backend, h, rope, fb, step)
 
 
-@needs_amx
+@needs_bf16_loop
 def test_the_fake_matches_the_op(llama_dir: Path) -> None:
     _, args = _arguments(llama_dir, [(0, 24), (5, 20)])
     torch.library.opcheck(
@@ -347,7 +370,7 @@ def test_the_fake_matches_the_op(llama_dir: Path) -> None:
     )
 
 
-@needs_amx
+@needs_bf16_loop
 def test_a_malformed_call_is_an_error_not_a_crash(llama_dir: Path) -> None:
     _, args = _arguments(llama_dir, [(0, 24), (5, 20)])
     op = torch.ops.stallfree.prefill_layers

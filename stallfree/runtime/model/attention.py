@@ -249,11 +249,11 @@ def _native_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
         and not torch.compiler.is_compiling()
         and cpu_kernels.available()
-        and (dtype == torch.float32 or _bf16_prompt_native(dim))
+        and (dtype == torch.float32 or bf16_prompt_native(dim))
     )
 
 
-def _bf16_prompt_native(dim: int) -> bool:
+def bf16_prompt_native(dim: int) -> bool:
     """A bfloat16 prompt's attention on the native op: on the tiles (head dims a multiple of
     32) where they are in use, or on the vector path where the CPU has no tiles at all."""
     if cpu_kernels.amx():

@@ -46,6 +46,7 @@ _SOURCES = (
     "q8_lanes.cpp",
     "isa_amx.cpp",
     "amx_gemm.cpp",
+    "bf16_gemm.cpp",
     "attention.cpp",
     "attention_avx512.cpp",
     "attention_avx2.cpp",
@@ -61,6 +62,7 @@ _HEADERS = (
     "attention.h",
     "attention_impl.h",
     "amx_tiles.h",
+    "blocks16.h",
     "prefill_attention_impl.h",
     "layer_calls.h",
 )

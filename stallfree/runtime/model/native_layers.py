@@ -42,13 +42,15 @@ AMX_DECODE_MAX_ROWS = 32
 # there (only by asking: `--dtype auto` picks float32 on such CPUs) sends every dense call to
 # the native kernel.
 AVX2_BF16_MAX_ROWS = 1 << 30
-# On the AVX-512 variant without the tiles (Zen 4 has AVX512-BF16 and no AMX) the native
-# product is bound by its `vdpbf16ps` past about 16 rows, as oneDNN's is, and F.linear pays for
-# re-laying the weight on every call: SmolLM2's five shapes, 30 copies, two threads on a Zen 4,
-# native against F.linear, us a step: 8 rows 1864 against 6426, 16 rows 2940 against 7868, 32
-# rows 5828 against 9823, 64 rows 11411 against 14805, 96 rows 17247 against 19398, 128 rows
-# 24405 against 22351, 256 rows 45759 against 41722.
-AVX512_BF16_MAX_ROWS = 96
+# On the AVX-512 variant without the tiles (Zen 4 has AVX512-BF16 and no AMX) the
+# matrix-vector kernel beats F.linear, which re-lays the weight out on every call, at every
+# row count to 96 (SmolLM2's five shapes, 30 copies, two threads on a Zen 4, us a step: 8 rows
+# 1864 against 6426, 32 rows 5828 against 9823, 96 rows 17247 against 19398), but past 24 rows
+# the prompt product (`linear_bf16_prompt` on `vdpbf16ps`, csrc/bf16_gemm.cpp) beats both:
+# SmolLM2's four stacked shapes, 30 copies, two threads, the prompt product against the
+# matrix-vector kernel, ms a step: 16 rows 12.8 against 13.2, 24 rows 18.3 against 16.6, 32
+# rows 18.7 against 21.7, 64 rows 33.7 against 38.4, 96 rows 48.9 against 55.6.
+AVX512_BF16_MAX_ROWS = 24
 # bfloat16's limit per variant without the tiles (cpu_kernels.isa())
 _BF16_MAX_ROWS: dict[str | None, int] = {"avx2": AVX2_BF16_MAX_ROWS, "avx512": AVX512_BF16_MAX_ROWS}
 # torch's float32 product is MKL's, which takes its fast paths on Intel's CPUs only. Elsewhere
@@ -219,7 +221,9 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias_f32: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, on the native kernel for a few bfloat16 or float32 rows
-    (`bias_f32`: the bias in float32, or None); float32 past them as `float32_product`."""
+    (`bias_f32`: the bias in float32, or None); bfloat16 past them on the prompt product where
+    it takes them (`prompt_on_tiles`: an integer layer's dequantised weight without the AMX
+    tiles, for one), float32 as `float32_product`."""
     if (
         applies(x)
         and x.dtype == weight.dtype
@@ -230,6 +234,10 @@ def linear(
         return out
     if x.dtype == weight.dtype == torch.float32:
         return float32_product(x, weight, bias_f32)
+    if prompt_on_tiles(x, weight):
+        flat = x.reshape(-1, weight.shape[-1])
+        out = torch.ops.stallfree.linear_bf16_prompt(flat, weight, bias_f32)
+        return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, None if bias_f32 is None else bias_f32.to(x.dtype))
 
 
@@ -408,10 +416,30 @@ def packed_linear(
     return out
 
 
+# Without the tiles, on the AVX-512 variant (AVX512-BF16: a Zen 4), `linear_bf16_prompt` runs
+# on `vdpbf16ps` (csrc/bf16_gemm.cpp) at any row count: it walks the weight once per 256
+# activation rows, as the tiles do, but keeps ahead of oneDNN past that too. SmolLM2's four
+# stacked shapes, 30 copies, two threads on a Zen 4, ms a step, the prompt product / oneDNN on
+# its prepacked copy / F.linear: 128 rows 68.1 / 77.4 / 93.0, 256 rows 133.4 / 142.1 / 158.0,
+# 512 rows 282.1 / 277.7 / 296.5, 1024 rows 523.4 / 541.1 / 596.8 (the CPU's peak, a register
+# loop of `vdpbf16ps`: 459 GFLOP/s; the prompt product 389-415 of it from 64 rows).
+VECTOR_PROMPT_MAX_ROWS = 1 << 30
+
+
+def prompt_product_max_rows() -> int:
+    """The most rows a bfloat16 prompt's product takes on `linear_bf16_prompt` on this CPU: the
+    AMX tiles' PROMPT_TILES_MAX_ROWS, any number on the AVX-512 variant without them, none
+    elsewhere (the AVX2 variant's matrix-vector kernel takes every row count)."""
+    if cpu_kernels.amx():
+        return PROMPT_TILES_MAX_ROWS
+    return VECTOR_PROMPT_MAX_ROWS if cpu_kernels.isa() == "avx512" else 0
+
+
 def prompt_on_tiles(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a bfloat16 prompt's product with `weight` runs on the tiles' prompt product:
-    more rows than the matrix-vector kernels take, up to PROMPT_TILES_MAX_ROWS, whole blocks of
-    16 outputs and 32 inputs, the AMX tiles in use."""
+    """Whether a bfloat16 prompt's product with `weight` runs on the prompt product
+    (`linear_bf16_prompt`: the tiles, or `vdpbf16ps` without them): more rows than the
+    matrix-vector kernels take, up to `prompt_product_max_rows`, whole blocks of 16 outputs and
+    32 inputs."""
     rows = x.numel() // max(weight.shape[-1], 1)
     return x.dtype == weight.dtype == torch.bfloat16 and _tiles_rows(rows, weight) and applies(x)
 
@@ -419,24 +447,19 @@ def prompt_on_tiles(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _tiles_rows(rows: int, weight: torch.Tensor) -> bool:
     """`prompt_on_tiles` without the input's own checks: the row count and the weight."""
     return (
-        dense_max_rows(weight.dtype) < rows <= PROMPT_TILES_MAX_ROWS
+        dense_max_rows(weight.dtype) < rows <= prompt_product_max_rows()
         and weight.shape[0] % 16 == 0
         and weight.shape[1] % 32 == 0
         and rows_contiguous(weight)
-        and cpu_kernels.amx()
     )
 
 
 def prepack_pays() -> bool:
     """Whether `--prepack-prompt-weights` keeps oneDNN's blocked copy on this CPU: with the AMX
-    tiles in use, or on the AVX-512 variant where the CPU has AVX512-BF16 (a Zen 4), whose
-    prompts past AVX512_BF16_MAX_ROWS go to F.linear and its re-layout of the weight on every
-    call (SmolLM2's four shapes, 30 copies, 2 threads on a Zen 4: oneDNN on such a copy took
-    0.84x F.linear's time at 128 rows and 0.90x at 256). Elsewhere (AVX2; AVX-512 without
-    BF16) the native kernel takes every bfloat16 row count, or is the faster."""
-    if cpu_kernels.amx():
-        return True
-    return cpu_kernels.isa() == "avx512" and torch.cpu._is_avx512_bf16_supported()
+    tiles in use. Without them the AVX-512 variant's prompt product (VECTOR_PROMPT_MAX_ROWS
+    above) is ahead of oneDNN on such a copy, and the AVX2 variant's matrix-vector kernel
+    takes every bfloat16 row count."""
+    return cpu_kernels.amx()
 
 
 def use_native_linears(model: nn.Module, prepack: bool = False) -> int:

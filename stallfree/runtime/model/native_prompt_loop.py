@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from stallfree.runtime.model import cpu_kernels, native_layers, native_loop
-from stallfree.runtime.model.attention import PagedAttention
+from stallfree.runtime.model.attention import PagedAttention, bf16_prompt_native
 from stallfree.runtime.model.forward_batch import ForwardBatch, ForwardMode
 from stallfree.runtime.model.native_layers import NativeLinear
 from stallfree.runtime.model.quant import Int4Linear, Int8Linear
@@ -72,7 +72,7 @@ def _projection(module: nn.Module, rows: int) -> tuple[int, list[torch.Tensor | 
         # NativeLinear.forward's order: the prepacked copy, the tiles, F.linear
         if module.weight_prepacked is not None and rows >= native_layers.PREPACKED_MIN_ROWS:
             return PREPACKED, [module.weight_prepacked, module.bias]
-        if rows > native_layers.PROMPT_TILES_MAX_ROWS:
+        if rows > native_layers.prompt_product_max_rows():
             return TORCH, [module.weight, module.bias]
     if type(module) is NativeLinear:
         kind, tensors = BF16, [module.weight, module.bias_f32]
@@ -205,8 +205,13 @@ def takes(
     loc = fb.out_cache_loc
     dtype = h.dtype
     if dtype == torch.bfloat16:
-        # the tiles' products and prompt attention (attention._native_prompt for bfloat16)
-        native = dim % 32 == 0 and cpu_kernels.amx()
+        # the prompt products (the tiles, or `vdpbf16ps` without them) and the native prompt
+        # attention (attention._native_prompt for bfloat16)
+        native = (
+            dim % 32 == 0
+            and native_layers.prompt_product_max_rows() > 0
+            and bf16_prompt_native(dim)
+        )
     else:
         # float32: torch's own products (MKL's), the native prompt attention's vector path
         native = dtype == torch.float32 and dim % 16 == 0
@@ -253,7 +258,8 @@ def run(
     if not takes(layers, backend, h, rope, fb):
         return None
     assert isinstance(backend, PagedAttention)
-    # past the tiles' rows every row count takes the same plan: one entry for all of them
+    # past the tiles' rows every row count takes the same plan (as it does past the thresholds
+    # below them where the prompt product takes any number): one entry for all of them
     rows = min(h.shape[0], native_layers.PROMPT_TILES_MAX_ROWS + 1)
     key = (rows, h.dtype, backend.loop_facts())
     if key not in plans:

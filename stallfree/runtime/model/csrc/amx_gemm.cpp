@@ -83,76 +83,6 @@ void configure_gemm() {
   load_config(cfg);
 }
 
-// Outputs r[w] lane i (output feature n + w, activation row m0 + i; n a multiple of 16) as
-// the next prompt product's packed activations (`out.packed_chunks`): rounded to bfloat16,
-// features 2p and 2p + 1 in one 32-bit value, 16 rows to a vector, which is pack_x_gemm's
-// order as it is, so no transpose; rows past the prompt's are zero there, as pack_x_gemm
-// leaves them.
-void write_packed(const __m512 (&r)[16], int rows, int64_t n, int64_t m0, Out out) {
-  const __mmask16 live = rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
-  auto* dst = static_cast<uint32_t*>(out.ptr) + (n / 32 * out.packed_chunks + m0 / 16) * 256 +
-              (n % 32) / 2 * 16;
-#pragma GCC unroll 8
-  for (int w = 0; w < 16; w += 2) {
-    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(r[w]));
-    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(r[w + 1]));
-    const __m512i v = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
-    _mm512_store_si512(dst + w / 2 * 16, _mm512_maskz_mov_epi32(live, v));
-  }
-}
-
-// A finished accumulator c[r][i] (weight row n + r, activation row m0 + i) into the output's
-// rows m0 .. m0 + rows - 1, columns n .. n + 15, the bias added, in the output's dtype
-void write_tile(const float* c, int rows, const float* bias, int64_t n, int64_t m0, Out out) {
-  __m512 r[16];
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c + 16 * i);
-  if (out.packed_chunks) {
-#pragma GCC unroll 16
-    for (int w = 0; w < 16; ++w)
-      if (bias) r[w] = _mm512_add_ps(r[w], _mm512_set1_ps(bias[n + w]));
-    write_packed(r, rows, n, m0, out);
-    return;
-  }
-  write_block(r, rows, bias, n, m0, out);
-}
-
-// A gate/up pair's finished accumulators (g and u: c[r][i] for weight row n + r, activation
-// row m0 + i) as silu(gate) * up into the output's rows m0 .. m0 + rows - 1, columns n .. n +
-// 15, each bias added first. A bfloat16 output takes the unfused path's roundings exactly
-// (silu_mul on a bfloat16 gate_up): gate and up rounded, silu(gate) rounded, the product
-// rounded. The arithmetic is elementwise, so it runs before the transpose (a weight row's
-// bias is a broadcast there) and only the product is transposed: one transpose where gate
-// and up took one each. A 256-row SmolLM2 gate/up product took 0.93 of the time, a 1B
-// Llama's 0.97 (one process, alternating).
-void write_silu(const float* g, const float* u, int rows, const float* bias, int64_t n,
-                int64_t pair, int64_t m0, Out out) {
-  __m512 r[16];
-  const __m512 one = _mm512_set1_ps(1.f);
-  const auto round = [](__m512 v) { return widen_bf16((__m256i)_mm512_cvtneps_pbh(v)); };
-#pragma GCC unroll 16
-  for (int w = 0; w < 16; ++w) {
-    __m512 gv = _mm512_load_ps(g + 16 * w), uv = _mm512_load_ps(u + 16 * w);
-    if (bias) {
-      gv = _mm512_add_ps(gv, _mm512_set1_ps(bias[n + w]));
-      uv = _mm512_add_ps(uv, _mm512_set1_ps(bias[pair + n + w]));
-    }
-    if (out.bf16) {
-      gv = round(gv);
-      uv = round(uv);
-    }
-    __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-    if (out.bf16) sv = round(sv);
-    r[w] = _mm512_mul_ps(sv, uv);
-  }
-  if (out.packed_chunks) {
-    write_packed(r, rows, n, m0, out);
-    return;
-  }
-  transpose16(r);
-  for (int i = 0; i < rows; ++i) store_row(out, (m0 + i) * out.ldo + n, r[i]);
-}
-
 // Prefetches the lines of one block of weights (`rows` rows from `base`, `bytes` of each) a
 // share at a time, while the block before it is multiplied
 struct BlockPrefetch {
@@ -418,25 +348,6 @@ StepFn step_for(int wt, int xc) {
 
 }  // namespace
 
-int64_t packed_gemm_size(int64_t m, int64_t k) { return (m + 15) / 16 * 16 * (k / 2); }
-
-void pack_x_gemm(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp, int64_t b0, int64_t b1) {
-  const int64_t chunks = (m + 15) / 16;
-  for (int64_t b = b0; b < b1; ++b)
-    for (int64_t c = 0; c < chunks; ++c) {
-      __m512 r[16];
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i)
-        r[i] = c * 16 + i < m
-                   ? _mm512_loadu_ps(reinterpret_cast<const float*>(x + (c * 16 + i) * k + b * 32))
-                   : _mm512_setzero_ps();
-      transpose16(r);  // r[p]: value pair p of each of the 16 rows
-      uint32_t* dst = xp + (b * chunks + c) * 256;
-#pragma GCC unroll 16
-      for (int p = 0; p < 16; ++p) _mm512_store_ps(reinterpret_cast<float*>(dst + p * 16), r[p]);
-    }
-}
-
 namespace {
 
 // Rows n0 .. n1 of the product for activations past kResidentBytes: k in blocks of kKBlock,
@@ -646,8 +557,6 @@ void gemm_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, int6
 
 namespace sf {
 namespace amx {
-int64_t packed_gemm_size(int64_t, int64_t) { return 0; }
-void pack_x_gemm(const uint16_t*, int64_t, int64_t, uint32_t*, int64_t, int64_t) {}
 void gemm_q8(const uint32_t*, int64_t, int64_t, const int8_t*, const float*, const uint16_t*,
              const float*, int64_t, int64_t, int64_t, Out) {}
 void gemm_q4(const uint32_t*, int64_t, int64_t, const uint8_t*, const uint16_t*,

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "vec_exp.h"
 
 #if SF_HAVE_AMX
 #pragma GCC push_options

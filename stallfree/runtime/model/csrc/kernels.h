@@ -126,6 +126,20 @@ void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
 void dequant_q4(const uint8_t* codes, const uint16_t* gscale, const uint16_t* goffset,
                 int64_t k, int64_t g0, int64_t g1, Out out);
 }  // namespace lanes
+// The prompt products' packed activations and the bfloat16 prompt product without the AMX
+// tiles (bf16_gemm.cpp; AVX-512 with BF16, which the AVX-512 variant requires)
+namespace avx512 {
+// uint32 values pack_x_gemm writes for m rows of k values (k % 32 == 0), 64-byte aligned by
+// the caller: chunks of 16 rows, value pairs interleaved, every chunk's first 32 values, then
+// every chunk's next 32, ... (the order the AMX tiles' prompt products read too)
+int64_t packed_gemm_size(int64_t m, int64_t k);
+// (blocks of 32 values [b0, b1) of every chunk: threads share the packing by blocks)
+void pack_x_gemm(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp, int64_t b0, int64_t b1);
+// amx::gemm_bf16's product and epilogues (below) with `vdpbf16ps`: for blocks of 16 output rows
+// in [n0, n1), a bfloat16 weight as it is, `ldw` values a row
+void gemm_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, int64_t ldw,
+               const float* bias, int64_t n0, int64_t n1, int64_t pair, Out out);
+}  // namespace avx512
 // AMX tiles for dense bfloat16 at a few rows (isa_amx.cpp), beside the AVX-512 variant
 namespace amx {
 // whether the CPU reports AMX-TILE and AMX-BF16 and the kernel granted this process the tile
@@ -141,12 +155,7 @@ void gemv_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, int6
                const float* bias, int64_t n0, int64_t n1, Out out);
 // the prompt product of int8 weights (amx_gemm.cpp): y = x @ (w * scale).T (+ bias), the weight
 // dequantised to bfloat16 block by block into cache (bfloat16 and int4 weights below), for blocks of 16 output rows in [n0, n1)
-// (n1 - n0 a multiple of 16); `xp` from pack_x_gemm (`packed_gemm_size` uint32 values, 64-byte
-// aligned): chunks of 16 rows, value pairs interleaved, every chunk's first 32 values, then
-// every chunk's next 32, ...
-int64_t packed_gemm_size(int64_t m, int64_t k);
-// (blocks of 32 values [b0, b1) of every chunk: threads share the packing by blocks)
-void pack_x_gemm(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp, int64_t b0, int64_t b1);
+// (n1 - n0 a multiple of 16); `xp` from avx512::pack_x_gemm.
 // With `pair` > 0 the weight is a gate and up projection's stacked rows (up row j at pair +
 // j), [n0, n1) are gate rows, and the output [m, pair] is silu(gate) * up (a bfloat16 one with
 // silu_mul's roundings).

@@ -100,7 +100,7 @@ constexpr int64_t kOwnPackBytes = int64_t{1} << 20;
 // `buf` grown to hold m x k packed activations, at its first 64-byte boundary
 uint32_t* aligned_pack_buffer(std::vector<uint32_t>& buf, int64_t m, int64_t k) {
   return reinterpret_cast<uint32_t*>(
-      (reinterpret_cast<uintptr_t>(scratch(buf, amx::packed_gemm_size(m, k) + 16)) + 63) &
+      (reinterpret_cast<uintptr_t>(scratch(buf, avx512::packed_gemm_size(m, k) + 16)) + 63) &
       ~uintptr_t{63});
 }
 
@@ -366,11 +366,15 @@ at::Tensor linear_q8_blocks(const at::Tensor& x, const at::Tensor& qweight,
 // bfloat16 values), written without the transpose a row-major output takes; that product
 // takes them as its `x` with their row count (`rows`), and packs nothing (an MLP's gate/up
 // product feeding its down product: native_layers.mlp_on_tiles).
+// A bfloat16 weight's product runs without the tiles too, on the AVX-512 variant
+// (bf16_gemm.cpp: `vdpbf16ps`, with the same packed activations and epilogues; `vector`).
 template <typename Gemm>
 at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int64_t k, bool silu,
                            const std::optional<at::Tensor>& bias, bool pack, int64_t rows,
-                           Gemm gemm) {
-  TORCH_CHECK(g_amx, name, ": the AMX tiles are not in use in this process");
+                           Gemm gemm, bool vector = false) {
+  TORCH_CHECK(g_amx || (vector && g_kernels == &avx512::kernels()), name,
+              vector ? ": neither the AMX tiles nor the AVX-512 variant is in use in this process"
+                     : ": the AMX tiles are not in use in this process");
   TORCH_CHECK(k % 32 == 0 && n % 16 == 0, name,
               ": in_features must be a multiple of 32 and out_features of 16, got ", k, " and ",
               n);
@@ -410,7 +414,7 @@ at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int
   } else {
     out = at::empty(out_shape(x, width), x.options());
   }
-  g_amx_calls.fetch_add(1, std::memory_order_relaxed);
+  if (g_amx) g_amx_calls.fetch_add(1, std::memory_order_relaxed);
   Out o = out_of(out, width);
   o.bf16 = true;
   if (pack) o.packed_chunks = chunks;
@@ -434,14 +438,14 @@ at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int
     // SmolLM2 bf16); shared, the products took 0.95-0.97 of the time at 128-256 rows (one
     // process alternating)
     at::parallel_for(0, k / 32, std::max<int64_t>(1, kPackGrain / chunks),
-                     [&](int64_t b0, int64_t b1) { amx::pack_x_gemm(xd, m, k, mine, b0, b1); });
+                     [&](int64_t b0, int64_t b1) { avx512::pack_x_gemm(xd, m, k, mine, b0, b1); });
     shared = mine;
   }
   auto operand = [&]() -> const uint32_t* {
     if (!own) return shared;
     thread_local std::vector<uint32_t> buf;
     auto* mine = aligned_pack_buffer(buf, m, k);
-    amx::pack_x_gemm(xd, m, k, mine, 0, k / 32);
+    avx512::pack_x_gemm(xd, m, k, mine, 0, k / 32);
     return mine;
   };
   // blocks of 32 weight rows (16 gate rows and their up rows), a thread's share contiguous
@@ -523,11 +527,16 @@ at::Tensor linear_bf16_prompt(const at::Tensor& x, const at::Tensor& weight,
   const int64_t n = weight.size(0), k = weight.size(1);
   const auto* w = static_cast<const uint16_t*>(weight.data_ptr());
   const float* b = opt_bias(bias, n);
-  return prompt_on_tiles("linear_bf16_prompt", x, n, k, silu, bias, pack, rows,
-                         [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, int64_t pair,
-                             Out o) {
-                           amx::gemm_bf16(xp, m, k, w, ldw, b, n0, n1, pair, o);
-                         });
+  const bool tiles = g_amx;
+  return prompt_on_tiles(
+      "linear_bf16_prompt", x, n, k, silu, bias, pack, rows,
+      [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, int64_t pair, Out o) {
+        if (tiles)
+          amx::gemm_bf16(xp, m, k, w, ldw, b, n0, n1, pair, o);
+        else
+          avx512::gemm_bf16(xp, m, k, w, ldw, b, n0, n1, pair, o);
+      },
+      true);
 }
 
 // A quantized weight written dense into `out` [n, k] (float32 or bfloat16, contiguous): the

@@ -1,0 +1,164 @@
+// Prompt-sized bfloat16 products on AVX-512 BF16 without the AMX tiles (a Zen 4):
+// y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), the weight read in place, the activations packed
+// once per call in the prompt products' order (pack_x_gemm, shared with amx_gemm.cpp), and the
+// same epilogues as the tiles (blocks16.h): a row-major output, a gate/up pair's
+// silu(gate) * up, or the next product's packed activations.
+//
+// torch's F.linear hands oneDNN the row-major weight, which it re-lays out into its blocked
+// order on every call; keeping oneDNN's copy as well (`--prepack-prompt-weights`) holds the
+// dense weights twice. This product needs neither. It is computed transposed, as the tiles
+// compute it: a vector holds one value pair of 16 activation rows (the packed order as it
+// is), a weight row's pair is broadcast from the row-major weight, and `vdpbf16ps` adds both
+// products into the 16 lanes. A pass holds 8 weight rows by 3 chunks of 16 activation rows in
+// 24 accumulators, so each step of a pair loads 3 activation vectors and 8 broadcasts for 24
+// multiplies; 16 weight rows (two passes) finish 16 x 16 output blocks, transposed in
+// registers as the tiles' are. The weight rows of a block stay in L1 or L2 while every chunk
+// of a block of kMBlock activation rows passes over them, and the first chunks' passes
+// prefetch the next block's rows into L2.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels.h"
+#include "vec_exp.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+
+namespace sf {
+namespace avx512 {
+namespace {
+
+#include "blocks16.h"
+
+// weight rows and activation chunks (16 rows each) per pass: 24 accumulators, 3 activation
+// vectors and a broadcast in 28 of the 32 vector registers
+constexpr int kPassRows = 8;
+constexpr int kPassChunks = 3;
+// activation rows per walk over the weights: their packed values (16 x k bfloat16 per chunk:
+// 288 KB at 576 features, 768 KB at 1536) stay in the 1 MB L2 of a Zen 4 core
+constexpr int64_t kMBlockChunks = 16;
+
+inline __m512i broadcast_pair(const uint16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+// Accumulators for weight rows w[0..7] against XC chunks of packed activations (`x` at the
+// first chunk's block 0, `cstride` values from one block of 32 to the next) over `kb` blocks of
+// 32 values, stored to dst + c * 256 + j * 16 (a chunk's 16 x 16 block, weight row j's lanes).
+// With `pf`, each block's line of the rows pf[0..7] is prefetched into L2 as it goes.
+template <int XC>
+void pass(const uint16_t* const (&w)[kPassRows], const uint32_t* x, int64_t kb, int64_t cstride,
+          float* dst, const char* const* pf) {
+  __m512 acc[kPassRows][XC];
+#pragma GCC unroll 8
+  for (int j = 0; j < kPassRows; ++j)
+#pragma GCC unroll 3
+    for (int c = 0; c < XC; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < kb; ++b) {
+    if (pf)
+#pragma GCC unroll 8
+      for (int j = 0; j < kPassRows; ++j) _mm_prefetch(pf[j] + b * 64, _MM_HINT_T1);
+    const uint32_t* xb = x + b * cstride;
+#pragma GCC unroll 16
+    for (int p = 0; p < 16; ++p) {
+      __m512i xv[XC];
+#pragma GCC unroll 3
+      for (int c = 0; c < XC; ++c) xv[c] = _mm512_load_si512(xb + c * 256 + p * 16);
+#pragma GCC unroll 8
+      for (int j = 0; j < kPassRows; ++j) {
+        const __m512i wv = broadcast_pair(w[j] + b * 32 + 2 * p);
+#pragma GCC unroll 3
+        for (int c = 0; c < XC; ++c)
+          acc[j][c] = _mm512_dpbf16_ps(acc[j][c], (__m512bh)xv[c], (__m512bh)wv);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < kPassRows; ++j)
+#pragma GCC unroll 3
+    for (int c = 0; c < XC; ++c) _mm512_store_ps(dst + c * 256 + j * 16, acc[j][c]);
+}
+
+using PassFn = void (*)(const uint16_t* const (&)[kPassRows], const uint32_t*, int64_t, int64_t,
+                        float*, const char* const*);
+constexpr PassFn kPasses[kPassChunks] = {pass<1>, pass<2>, pass<3>};
+
+}  // namespace
+
+int64_t packed_gemm_size(int64_t m, int64_t k) { return (m + 15) / 16 * 16 * (k / 2); }
+
+void pack_x_gemm(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp, int64_t b0, int64_t b1) {
+  const int64_t chunks = (m + 15) / 16;
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m512 r[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i)
+        r[i] = c * 16 + i < m
+                   ? _mm512_loadu_ps(reinterpret_cast<const float*>(x + (c * 16 + i) * k + b * 32))
+                   : _mm512_setzero_ps();
+      transpose16(r);  // r[p]: value pair p of each of the 16 rows
+      uint32_t* dst = xp + (b * chunks + c) * 256;
+#pragma GCC unroll 16
+      for (int p = 0; p < 16; ++p) _mm512_store_ps(reinterpret_cast<float*>(dst + p * 16), r[p]);
+    }
+}
+
+void gemm_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, int64_t ldw,
+               const float* bias, int64_t n0, int64_t n1, int64_t pair, Out out) {
+  if (n0 >= n1 || m <= 0) return;
+  const int64_t kb = k / 32;
+  const int64_t chunks = (m + 15) / 16;
+  const int64_t cstride = chunks * 256;
+  const int tiles = pair ? 2 : 1;  // blocks of 16 weight rows per output block: gate and up
+  // the first weight row of block t of the outputs at n
+  const auto first = [&](int64_t n, int t) { return t ? pair + n : n; };
+  // finished accumulators, block t's chunk c at acc[t] + c * 256
+  alignas(64) float acc[2][kPassChunks * 256];
+  for (int64_t mb = 0; mb < chunks; mb += kMBlockChunks) {
+    const int64_t mbe = std::min(chunks, mb + kMBlockChunks);
+    for (int64_t n = n0; n < n1; n += 16) {
+      // the next block's rows (this walk's, or the next walk's first), fetched meanwhile
+      const int64_t nn = n + 16 < n1 ? n + 16 : (mbe < chunks ? n0 : -1);
+      // the walk's chunks in groups of at most kPassChunks, as even as they go (16 chunks as
+      // 3, 3, 3, 3, 2, 2: a pass of one chunk makes 9 loads for 8 multiplies)
+      const int64_t groups = (mbe - mb + kPassChunks - 1) / kPassChunks;
+      for (int64_t g = 0, c = mb; g < groups; ++g) {
+        const int xc = static_cast<int>((mbe - mb) / groups + (g < (mbe - mb) % groups));
+        for (int t = 0; t < tiles; ++t)
+          for (int h = 0; h < 2; ++h) {
+            const uint16_t* rows[kPassRows];
+            const char* next[kPassRows];
+            for (int j = 0; j < kPassRows; ++j) {
+              rows[j] = w + (first(n, t) + h * kPassRows + j) * ldw;
+              if (nn >= 0)
+                next[j] = reinterpret_cast<const char*>(
+                    w + (first(nn, t) + h * kPassRows + j) * ldw);
+            }
+            kPasses[xc - 1](rows, xp + c * 256, kb, cstride, acc[t] + h * kPassRows * 16,
+                            c == mb && nn >= 0 ? next : nullptr);
+          }
+        for (int i = 0; i < xc; ++i) {
+          const int64_t m0 = (c + i) * 16;
+          const int live = static_cast<int>(std::min<int64_t>(16, m - m0));
+          if (pair)
+            write_silu(acc[0] + i * 256, acc[1] + i * 256, live, bias, n, pair, m0, out);
+          else
+            write_tile(acc[0] + i * 256, live, bias, n, m0, out);
+        }
+        c += xc;
+      }
+    }
+  }
+}
+
+}  // namespace avx512
+}  // namespace sf
+
+#pragma GCC pop_options
