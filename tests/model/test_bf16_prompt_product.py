@@ -96,6 +96,27 @@ def test_every_pass_width_and_walk(vector: None, m: int, threads: int) -> None:
     assert torch.equal(alone[0], got[-1])
 
 
+# Where a walk's packed activations pass 768 KB (long rows) the product walks k in blocks of
+# 512 values, up to 8 blocks of 16 weight rows taking turns over each with their accumulators
+# parked: 300 rows of 4128 values (a walk of 256 rows is 2 MB; 129 blocks of 32: eight blocks
+# of k and one of a single block), 176 weight rows (a group of 8 blocks and one of 3), and 40
+# rows of them (200 KB: the resident walk)
+@pytest.mark.parametrize("m", [40, 257, 300])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_rows_walk_k_in_blocks(vector: None, m: int, threads: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    n, k, inter = 176, 4128, 144
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g)
+    gu = (torch.randn(2 * inter, k, generator=g) * 0.05).bfloat16()
+    out, fused, plain = on_threads(
+        threads, lambda: (op(x, w, b), op(x, gu, None, True), op(x, gu, None))
+    )
+    assert rel(out, x.double() @ w.double().T + b.double()) < 8e-3
+    assert torch.equal(fused, torch.ops.stallfree.silu_mul(plain))
+
+
 @pytest.mark.parametrize("m", [17, 64, 256, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_silu_in_the_epilogue_has_the_bits_of_silu_mul(vector: None, m: int, bias: bool) -> None:

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
 #include "vec_exp.h"
@@ -39,8 +40,13 @@ namespace {
 constexpr int kPassRows = 8;
 constexpr int kPassChunks = 3;
 // activation rows per walk over the weights: their packed values (16 x k bfloat16 per chunk:
-// 288 KB at 576 features, 768 KB at 1536) stay in the 1 MB L2 of a Zen 4 core
+// 288 KB at 576 features, 768 KB at 1536) stay in the 1 MB L2 of a Zen 4 core up to
+// kResidentBytes; past that (the parked walk) a block of kKBlocks blocks of 32 values of them
+// does, while kNGroup blocks of 16 weight rows take turns over it
 constexpr int64_t kMBlockChunks = 16;
+constexpr int64_t kResidentBytes = int64_t{768} << 10;
+constexpr int64_t kKBlocks = 16;
+constexpr int64_t kNGroup = 8;
 
 inline __m512i broadcast_pair(const uint16_t* p) {
   int32_t v;
@@ -48,18 +54,20 @@ inline __m512i broadcast_pair(const uint16_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// Accumulators for weight rows w[0..7] against XC chunks of packed activations (`x` at the
-// first chunk's block 0, `cstride` values from one block of 32 to the next) over `kb` blocks of
-// 32 values, stored to dst + c * 256 + j * 16 (a chunk's 16 x 16 block, weight row j's lanes).
-// With `pf`, each block's line of the rows pf[0..7] is prefetched into L2 as it goes.
+// Accumulators for weight rows w[0..7] (each at its first value of this pass) against XC chunks
+// of packed activations (`x` at the first chunk's first block of this pass, `cstride` values
+// from one block of 32 to the next) over `kb` blocks of 32 values, starting from zero (`first`)
+// or from `dst`, stored to dst + c * 256 + j * 16 (a chunk's 16 x 16 block, weight row j's
+// lanes). With `pf`, each block's line of the rows pf[0..7] is prefetched into L2 as it goes.
 template <int XC>
 void pass(const uint16_t* const (&w)[kPassRows], const uint32_t* x, int64_t kb, int64_t cstride,
-          float* dst, const char* const* pf) {
+          bool first, float* dst, const char* const* pf) {
   __m512 acc[kPassRows][XC];
 #pragma GCC unroll 8
   for (int j = 0; j < kPassRows; ++j)
 #pragma GCC unroll 3
-    for (int c = 0; c < XC; ++c) acc[j][c] = _mm512_setzero_ps();
+    for (int c = 0; c < XC; ++c)
+      acc[j][c] = first ? _mm512_setzero_ps() : _mm512_load_ps(dst + c * 256 + j * 16);
   for (int64_t b = 0; b < kb; ++b) {
     if (pf)
 #pragma GCC unroll 8
@@ -86,8 +94,127 @@ void pass(const uint16_t* const (&w)[kPassRows], const uint32_t* x, int64_t kb, 
 }
 
 using PassFn = void (*)(const uint16_t* const (&)[kPassRows], const uint32_t*, int64_t, int64_t,
-                        float*, const char* const*);
+                        bool, float*, const char* const*);
 constexpr PassFn kPasses[kPassChunks] = {pass<1>, pass<2>, pass<3>};
+
+// The chunks [c0, c1) in groups of at most kPassChunks, as even as they go (16 chunks as 3, 3,
+// 3, 3, 2, 2: a pass of one chunk makes 9 loads for 8 multiplies): fn(first chunk, count)
+template <class Fn>
+void chunk_groups(int64_t c0, int64_t c1, const Fn& fn) {
+  const int64_t count = c1 - c0, groups = (count + kPassChunks - 1) / kPassChunks;
+  for (int64_t g = 0, c = c0; g < groups; ++g) {
+    const int xc = static_cast<int>(count / groups + (g < count % groups));
+    fn(c, xc);
+    c += xc;
+  }
+}
+
+// One call's product over its blocks of 16 output rows (a gate/up pair's 16 gate rows and
+// their up rows, whose outputs meet in write_silu), in one of two walks.
+struct Walk {
+  const uint32_t* xp;
+  int64_t m;
+  int64_t kb;      // blocks of 32 values
+  int64_t chunks;  // of 16 activation rows
+  const uint16_t* w;
+  int64_t ldw;
+  const float* bias;
+  int64_t pair;
+  Out out;
+
+  int tiles() const { return pair ? 2 : 1; }
+  // the first weight row of tile t of the output block at n
+  int64_t row(int64_t n, int t) const { return t ? pair + n : n; }
+
+  // The passes of the output block at n for chunks [c, c + xc) over blocks of 32 [b0, b1),
+  // tile t's accumulators at acc[t] (a chunk's 16 x 16 block each, 256 floats apart). With
+  // `nn` >= 0, the lines of the block at nn from block nb0 on are prefetched meanwhile.
+  void passes(int64_t n, int64_t c, int xc, int64_t b0, int64_t b1, bool first,
+              float* const* acc, int64_t nn, int64_t nb0) const {
+    for (int t = 0; t < tiles(); ++t)
+      for (int h = 0; h < 16 / kPassRows; ++h) {
+        const uint16_t* rows[kPassRows];
+        const char* next[kPassRows];
+        for (int j = 0; j < kPassRows; ++j) {
+          rows[j] = w + (row(n, t) + h * kPassRows + j) * ldw + b0 * 32;
+          if (nn >= 0)
+            next[j] = reinterpret_cast<const char*>(w + (row(nn, t) + h * kPassRows + j) * ldw +
+                                                    nb0 * 32);
+        }
+        kPasses[xc - 1](rows, xp + (b0 * chunks + c) * 256, b1 - b0, chunks * 256, first,
+                        acc[t] + h * kPassRows * 16, nn >= 0 ? next : nullptr);
+      }
+  }
+
+  // the finished outputs of the block at n for chunks [c, c + xc), tile t's at acc[t]
+  void finish(int64_t n, int64_t c, int xc, const float* const* acc) const {
+    for (int i = 0; i < xc; ++i) {
+      const int64_t m0 = (c + i) * 16;
+      const int live = static_cast<int>(std::min<int64_t>(16, m - m0));
+      if (pair)
+        write_silu(acc[0] + i * 256, acc[1] + i * 256, live, bias, n, pair, m0, out);
+      else
+        write_tile(acc[0] + i * 256, live, bias, n, m0, out);
+    }
+  }
+
+  // Each block of weight rows over all of k while kMBlockChunks chunks of activations pass
+  // over it, its accumulators in registers and then on the stack; the first chunks' passes
+  // prefetch the next block's rows (this walk's, or the next walk's first).
+  void resident(int64_t n0, int64_t n1) const {
+    alignas(64) float a[2][kPassChunks * 256];
+    float* acc[2] = {a[0], a[1]};
+    for (int64_t mb = 0; mb < chunks; mb += kMBlockChunks) {
+      const int64_t mbe = std::min(chunks, mb + kMBlockChunks);
+      for (int64_t n = n0; n < n1; n += 16) {
+        const int64_t nn = n + 16 < n1 ? n + 16 : (mbe < chunks ? n0 : -1);
+        chunk_groups(mb, mbe, [&](int64_t c, int xc) {
+          passes(n, c, xc, 0, kb, true, acc, c == mb ? nn : -1, 0);
+          finish(n, c, xc, acc);
+        });
+      }
+    }
+  }
+
+  // Where a walk's packed activations pass kResidentBytes (long rows: a 1B model's 2048 and
+  // 8192 features), k in blocks of kKBlocks: up to kNGroup blocks of weight rows take turns
+  // over one block of k of the walk's activations (256 KB at 256 rows) while it is in L2,
+  // their accumulators parked in L2 between blocks of k.
+  void parked(int64_t n0, int64_t n1) const {
+    thread_local std::vector<float> park_buf;
+    const int64_t per_block = int64_t{2} * kMBlockChunks * 256;  // two tiles' chunks
+    float* park = scratch(park_buf, kNGroup * per_block + 16);
+    park = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(park) + 63) & ~uintptr_t{63});
+    for (int64_t mb = 0; mb < chunks; mb += kMBlockChunks) {
+      const int64_t mbe = std::min(chunks, mb + kMBlockChunks);
+      for (int64_t g0 = n0; g0 < n1; g0 += 16 * kNGroup) {
+        const int64_t g1 = std::min(n1, g0 + 16 * kNGroup);
+        for (int64_t b0 = 0; b0 < kb; b0 += kKBlocks) {
+          const int64_t b1 = std::min(kb, b0 + kKBlocks);
+          for (int64_t n = g0; n < g1; n += 16) {
+            float* base = park + (n - g0) / 16 * per_block;
+            // the next block's slice: the group's next block, or its first at the next block
+            // of k, or the next group's (or the next walk's) first
+            int64_t nn = n + 16, nb0 = b0;
+            if (nn >= g1) {
+              nn = g0;
+              nb0 = b1;
+              if (b1 >= kb) {
+                nn = g1 < n1 ? g1 : (mbe < chunks ? n0 : -1);
+                nb0 = 0;
+              }
+            }
+            chunk_groups(mb, mbe, [&](int64_t c, int xc) {
+              float* acc[2] = {base + (c - mb) * 256, base + (kMBlockChunks + c - mb) * 256};
+              passes(n, c, xc, b0, b1, b0 == 0, acc, c == mb ? nn : -1, nb0);
+              if (b1 == kb) finish(n, c, xc, acc);
+            });
+          }
+        }
+      }
+    }
+  }
+};
 
 }  // namespace
 
@@ -113,49 +240,11 @@ void pack_x_gemm(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp, int64_t 
 void gemm_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, int64_t ldw,
                const float* bias, int64_t n0, int64_t n1, int64_t pair, Out out) {
   if (n0 >= n1 || m <= 0) return;
-  const int64_t kb = k / 32;
-  const int64_t chunks = (m + 15) / 16;
-  const int64_t cstride = chunks * 256;
-  const int tiles = pair ? 2 : 1;  // blocks of 16 weight rows per output block: gate and up
-  // the first weight row of block t of the outputs at n
-  const auto first = [&](int64_t n, int t) { return t ? pair + n : n; };
-  // finished accumulators, block t's chunk c at acc[t] + c * 256
-  alignas(64) float acc[2][kPassChunks * 256];
-  for (int64_t mb = 0; mb < chunks; mb += kMBlockChunks) {
-    const int64_t mbe = std::min(chunks, mb + kMBlockChunks);
-    for (int64_t n = n0; n < n1; n += 16) {
-      // the next block's rows (this walk's, or the next walk's first), fetched meanwhile
-      const int64_t nn = n + 16 < n1 ? n + 16 : (mbe < chunks ? n0 : -1);
-      // the walk's chunks in groups of at most kPassChunks, as even as they go (16 chunks as
-      // 3, 3, 3, 3, 2, 2: a pass of one chunk makes 9 loads for 8 multiplies)
-      const int64_t groups = (mbe - mb + kPassChunks - 1) / kPassChunks;
-      for (int64_t g = 0, c = mb; g < groups; ++g) {
-        const int xc = static_cast<int>((mbe - mb) / groups + (g < (mbe - mb) % groups));
-        for (int t = 0; t < tiles; ++t)
-          for (int h = 0; h < 2; ++h) {
-            const uint16_t* rows[kPassRows];
-            const char* next[kPassRows];
-            for (int j = 0; j < kPassRows; ++j) {
-              rows[j] = w + (first(n, t) + h * kPassRows + j) * ldw;
-              if (nn >= 0)
-                next[j] = reinterpret_cast<const char*>(
-                    w + (first(nn, t) + h * kPassRows + j) * ldw);
-            }
-            kPasses[xc - 1](rows, xp + c * 256, kb, cstride, acc[t] + h * kPassRows * 16,
-                            c == mb && nn >= 0 ? next : nullptr);
-          }
-        for (int i = 0; i < xc; ++i) {
-          const int64_t m0 = (c + i) * 16;
-          const int live = static_cast<int>(std::min<int64_t>(16, m - m0));
-          if (pair)
-            write_silu(acc[0] + i * 256, acc[1] + i * 256, live, bias, n, pair, m0, out);
-          else
-            write_tile(acc[0] + i * 256, live, bias, n, m0, out);
-        }
-        c += xc;
-      }
-    }
-  }
+  const Walk walk{xp, m, k / 32, (m + 15) / 16, w, ldw, bias, pair, out};
+  if (std::min(walk.chunks, kMBlockChunks) * 16 * k * 2 <= kResidentBytes)
+    walk.resident(n0, n1);
+  else
+    walk.parked(n0, n1);
 }
 
 }  // namespace avx512
