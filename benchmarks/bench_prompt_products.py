@@ -5,7 +5,8 @@
 
 The ways, on the same weights and inputs: `F.linear` (oneDNN re-lays the weight out on every
 call), stallfree's `NativeLinear` as the engine has it (the AMX tiles' prompt product up to 256
-rows where the CPU has them), the same with `--prepack-prompt-weights` (a copy of the weight in
+rows where the CPU has them; without them on AVX-512, its `vdpbf16ps` prompt product past 24
+rows), the same with `--prepack-prompt-weights` (a copy of the weight in
 oneDNN's blocked order for more than 64 rows; only where the CPU has the tiles, as in the
 engine), and, with `--vllm-python`, vLLM's CPU backend's
 own product (`onednn_mm` on a weight it re-laid at load). With `--vllm-python` the script runs
@@ -17,7 +18,9 @@ The shapes are a model's four projections of one layer (SmolLM2-135M: q/k/v stac
 16384 x 2048, 2048 x 8192), `--copies` times (different weights, so they come from memory).
 Every round calls each way once over all copies, the order reversed every other round, for
 `--seconds` per row count; it prints each way's median milliseconds and the median over
-rounds of its time over F.linear's, so the machine's drifting speed cancels in the ratios.
+rounds of its time over F.linear's, so the machine's drifting speed cancels in the ratios, and
+stallfree's GFLOP/s as a share of the machine's bfloat16 peak (the best 2048-cube torch.mm,
+measured at the start).
 """
 
 from __future__ import annotations
@@ -86,6 +89,23 @@ def ways(model: str, copies: int) -> tuple[dict[str, Callable], Callable]:  # ty
     return found, inputs
 
 
+def bf16_peak(trials: int = 5) -> float:
+    """GFLOP/s of the best of `trials` bfloat16 2048-cube products (torch.mm: oneDNN's blocked
+    kernel at its most efficient shape), the reference the prompt products are a share of."""
+    import torch
+
+    a = torch.randn(2048, 2048).to(torch.bfloat16)
+    b = torch.randn(2048, 2048).to(torch.bfloat16)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        best = min(best, (time.perf_counter() - t0) / 4)
+    return 2 * 2048**3 / best / 1e9
+
+
 def measure(args: argparse.Namespace) -> None:
     import torch
 
@@ -96,9 +116,11 @@ def measure(args: argparse.Namespace) -> None:
         f"{args.model}, {copies} copies of its four shapes, {args.threads} threads; "
         f"load average at start {os.getloadavg()[0]:.2f}"
     )
+    peak = bf16_peak()
+    print(f"the machine's bfloat16 peak: {peak:.0f} GFLOP/s (the best 2048-cube torch.mm)")
     head = " | ".join(f"{w}: ms | ÷ F.linear" for w in found)
-    print(f"| rows | {head} |")
-    print("|" + " --- |" * (1 + 2 * len(found)))
+    print(f"| rows | {head} | stallfree GFLOP/s (% of the peak) |")
+    print("|" + " --- |" * (2 + 2 * len(found)))
     with torch.inference_mode():
         for rows in args.rows:
             inputs(rows)
@@ -119,6 +141,9 @@ def measure(args: argparse.Namespace) -> None:
             for ts in times.values():
                 ratio = statistics.median(a / b for a, b in zip(ts, base, strict=True))
                 cells += [f"{1e3 * statistics.median(ts):.2f}", f"{ratio:.3f}"]
+            flops = 2 * rows * copies * sum(n * k for n, k in SHAPES[args.model])
+            rate = flops / statistics.median(times["stallfree"]) / 1e9
+            cells.append(f"{rate:.0f} ({100 * rate / peak:.0f}%)")
             print(f"| {rows} | " + " | ".join(cells) + f" |  ({rnd} rounds)", flush=True)
     print(f"load average at end {os.getloadavg()[0]:.2f}")
 
