@@ -100,6 +100,12 @@ struct V {
   static T exp(T x) { return exp_avx2(x); }
 };
 
+// no bfloat16 dot products on this variant: a bfloat16 prompt's scores widen to float32
+constexpr bool kScorePairs = false;
+template <int NQ>
+void prompt_scores_pairs(const uint32_t* qs, int64_t dp, const uint32_t* kt, int64_t kt_stride,
+                         float scale, float* s);  // never instantiated (kScorePairs)
+
 #include "attention_impl.h"
 #include "prefill_attention_impl.h"
 

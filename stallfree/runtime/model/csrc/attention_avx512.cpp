@@ -87,6 +87,32 @@ struct V {
   static T exp(T x) { return exp_avx512(x); }
 };
 
+// A bfloat16 prompt's scores on `vdpbf16ps` (prefill_attention_impl.h: its keys transposed
+// as value pairs, the queries' pairs broadcast, the scale applied to the sums)
+constexpr bool kScorePairs = true;
+
+// scores[i, 0 .. kPromptKeys) = scale * q_i . k_(tb + j) for NQ query vectors of `qs` (each
+// `dp` value pairs), the keys' pairs at kt + d * kt_stride (kPromptKeys lanes a pair row)
+template <int NQ>
+void prompt_scores_pairs(const uint32_t* qs, int64_t dp, const uint32_t* kt, int64_t kt_stride,
+                         float scale, float* s) {
+  constexpr int NV = kPromptKeys / 16;
+  __m512 acc[NQ][NV];
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dp; ++d) {
+    __m512i k[NV];
+    for (int c = 0; c < NV; ++c) k[c] = _mm512_loadu_si512(kt + d * kt_stride + c * 16);
+    for (int i = 0; i < NQ; ++i) {
+      const __m512i q = _mm512_set1_epi32(static_cast<int>(qs[i * dp + d]));
+      for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)k[c], (__m512bh)q);
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(s + i * kPromptKeys + c * 16, _mm512_mul_ps(acc[i][c], sv));
+}
+
 #include "attention_impl.h"
 #include "prefill_attention_impl.h"
 

@@ -1,6 +1,7 @@
 // The prompt-attention kernel over a vector type `V` (V::W float lanes): included by each
 // variant's translation unit after its decode kernel (attention_impl.h), inside the same
-// namespace, so it shares that file's vector struct. Includes nothing itself.
+// namespace, so it shares that file's vector struct, and after its `kScorePairs` and
+// `prompt_scores_pairs`. Includes nothing itself.
 //
 // One request's n queries at positions prefix .. prefix + n - 1 attend causally over its keys
 // (optionally the last `window` of them), in two phases:
@@ -11,7 +12,12 @@
 //      them; key blocks stop at the item's last query position, the diagonal block masked.
 // The scores are plain multiply-adds of broadcast query elements with the transposed keys (no
 // horizontal sums), the softmax is online per query vector, and the values are read where
-// they lie (bfloat16 widened in registers).
+// they lie (bfloat16 widened in registers). Where the variant has bfloat16 dot products
+// (`kScorePairs`: AVX-512 BF16) a bfloat16 prompt's keys are transposed as value pairs
+// instead (dims 2e and 2e + 1 of a key in one 32-bit lane: [D / 2][keys]), its queries kept
+// as bfloat16 pairs, and each step of `vdpbf16ps` adds two dims' exact products in float32:
+// half the steps of the widened path, the scale applied to the sums (not folded into the
+// query, which would round it to bfloat16).
 
 constexpr int64_t kKeys = kPromptKeys;
 constexpr int64_t kRows = kPromptRows;
@@ -90,6 +96,9 @@ void prompt_values(const float* p, int64_t nb, const T* vp, int64_t v_stride, in
   }
 }
 
+// whether a prompt's scores take the pairs path (both phases ask)
+inline bool score_pairs(const PrefillAttn& a) { return kScorePairs && a.bf16 && a.dim % 2 == 0; }
+
 template <typename T>
 void prompt_item(const PrefillAttn& a, int64_t item, float* qs, float* acc, float* s, float* m,
                  float* l) {
@@ -101,9 +110,15 @@ void prompt_item(const PrefillAttn& a, int64_t item, float* qs, float* acc, floa
   const int64_t nr = std::min(kRows, a.n - r0);
   const int64_t nq = nr * G;  // query vectors: row-major over (row, head of the group)
   const T* q = static_cast<const T*>(a.q);
+  const bool pairs = std::is_same_v<T, uint16_t> && score_pairs(a);
+  uint32_t* qp = reinterpret_cast<uint32_t*>(qs);  // the pairs path's queries: D / 2 pairs each
   for (int64_t r = 0; r < nr; ++r)
     for (int64_t g = 0; g < G; ++g) {
       const T* src = q + (r0 + r) * a.q_stride + (kvh * G + g) * D;
+      if (pairs) {
+        std::memcpy(qp + (r * G + g) * (D / 2), src, D * sizeof(T));
+        continue;
+      }
       float* dst = qs + (r * G + g) * D;
       for (int64_t c = 0; c < D; ++c) {
         if constexpr (std::is_same_v<T, float>) {
@@ -131,8 +146,17 @@ void prompt_item(const PrefillAttn& a, int64_t item, float* qs, float* acc, floa
   for (int64_t tb = lowest(p_first) / kKeys * kKeys; tb < j_end; tb += kKeys) {
     const int64_t nb = std::min(kKeys, j_end - tb);
     for (int64_t i = 0; i < nq; i += kQTile) {
-      const float* qi = qs + i * D;
       float* si = s + i * kKeys;
+      if (pairs) {
+        const uint32_t* kp = reinterpret_cast<const uint32_t*>(kt) + tb;
+        with_count<kQTile>(nq - i, [&](auto tile) {
+          if constexpr (kScorePairs)
+            prompt_scores_pairs<decltype(tile)::value>(qp + i * (D / 2), D / 2, kp, a.kt_stride,
+                                                       a.scale, si);
+        });
+        continue;
+      }
+      const float* qi = qs + i * D;
       with_count<kQTile>(nq - i, [&](auto tile) {
         prompt_scores<decltype(tile)::value>(qi, D, kt + tb, a.kt_stride, si);
       });
@@ -215,6 +239,27 @@ void transpose_keys(const PrefillAttn& a, int64_t t0, int64_t t1) {
   constexpr int64_t kTile = 16;
   const int64_t D = a.dim;
   const T* k = static_cast<const T*>(a.k);
+  if (std::is_same_v<T, uint16_t> && score_pairs(a)) {
+    // value pairs: row e of a head's [D / 2][kt_stride] holds dims 2e and 2e + 1 of each key
+    // (the head's first half of its float32 rows; the buffer is zeroed, so the padding is)
+    uint32_t tile[kTile * 128];
+    for (int64_t h = 0; h < a.kv_heads; ++h)
+      for (int64_t tb = t0; tb < t1; tb += kTile) {
+        const int64_t nt = std::min(kTile, t1 - tb);
+        for (int64_t i = 0; i < nt; ++i) {
+          const T* src = k + (tb + i) * a.k_stride + h * D;
+          for (int64_t e = 0; e < D / 2; ++e) {
+            uint32_t v;
+            std::memcpy(&v, src + 2 * e, sizeof v);
+            tile[e * kTile + i] = v;
+          }
+        }
+        uint32_t* dst = reinterpret_cast<uint32_t*>(a.kt + h * D * a.kt_stride) + tb;
+        for (int64_t e = 0; e < D / 2; ++e)
+          for (int64_t i = 0; i < nt; ++i) dst[e * a.kt_stride + i] = tile[e * kTile + i];
+      }
+    return;
+  }
   float tile[kTile * 256];  // D <= 256 (checked by the binding)
   for (int64_t h = 0; h < a.kv_heads; ++h)
     for (int64_t tb = t0; tb < t1; tb += kTile) {
