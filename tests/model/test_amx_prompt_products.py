@@ -143,8 +143,9 @@ def test_without_the_tiles_the_prompt_runs_dense(
     restore_variant: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the tiles are not in use (the AVX2 variant, a CPU without AMX, or
-    STALLFREE_CPU_AMX=0) the layer keeps the dense path, and the op refuses rather than run
-    without tiles (restore_variant puts the process's tiles back)."""
+    STALLFREE_CPU_AMX=0) the layer takes no tiles (on the AVX-512 variant the vector prompt
+    product: test_bf16_prompt_product.py; else the dense path), and on the AVX2 variant the op
+    refuses rather than run without either (restore_variant puts the process's tiles back)."""
     if not VARIANTS:
         pytest.skip("native CPU kernels unavailable here")
     monkeypatch.setattr(cpu_kernels, "amx", lambda: False)
@@ -159,8 +160,10 @@ def test_without_the_tiles_the_prompt_runs_dense(
     # row-major codes, as a layer has them where the tiles are in use (quant.rows_in_lanes)
     monkeypatch.setenv(quant.LANES_ENV, "0")
     lin = layer(64, 64, True, 1)
-    torch.ops.stallfree.set_amx(False)
-    with pytest.raises(RuntimeError, match="AMX tiles are not in use"):
+    if "avx2" not in VARIANTS:
+        return
+    torch.ops.stallfree.set_isa("avx2")
+    with pytest.raises(RuntimeError, match="neither the AMX tiles nor the AVX-512 variant"):
         torch.ops.stallfree.linear_q8_prompt(x, lin.qweight, None, lin.block_scale, None)
 
 

@@ -4,8 +4,10 @@ row count (one chunk of 16 to several walks of 256 rows), height and width, with
 or two; its epilogues as the tiles' (a bias in float32, silu(gate) * up with the bits of
 silu_mul after the product, the next product's packed activations with the bits of the
 row-major output packed again); the layers take it past the matrix-vector kernels' rows, an
-MLP as one gate/up call handing its packed output to down, an integer layer's prompt on its
-dequantised weight; on the AVX2 variant it is an error, not a crash."""
+MLP as one gate/up call handing its packed output to down; an integer weight's product (int8
+with row or block scales, int4; its rows in the vector lanes or row-major) dequantises it 16
+rows at a time as it walks it, with the dense path's values and no dense workspace; on the
+AVX2 variant it is an error, not a crash."""
 
 from __future__ import annotations
 
@@ -169,28 +171,98 @@ def test_layers_take_it_past_the_matrix_vector_rows(vector: None) -> None:
         assert "stallfree.linear" in ops.calls and "stallfree.silu_mul" in ops.calls
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_an_integer_layers_prompt_multiplies_its_dequantised_weight_on_it(
-    vector: None, kind: str
-) -> None:
-    """Without the tiles an integer layer's prompt dequantises its weight (one native pass) and
-    multiplies it here, not on F.linear, with the dense path's numerics."""
-    g = torch.Generator().manual_seed(1)
-    w = torch.randn(96, 128, generator=g) * 0.05
-    lin: quant.QuantLinear
-    if kind == "int4":
-        lin = quant.Int4Linear(quant.quantize_int4(w), torch.randn(96), torch.bfloat16)
+INT_KINDS = ("int8 rows", "int8 blocks", "int4")
+
+
+def int_layer(
+    n: int, k: int, kind: str, lanes: bool, seed: int, bias: bool = False
+) -> quant.QuantLinear:
+    """An integer layer of `kind` with its rows in the vector lanes or row-major."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    b = torch.randn(n, generator=g) if bias else None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(quant.LANES_ENV, "1" if lanes else "0")
+        if kind == "int4":
+            lin: quant.QuantLinear = quant.Int4Linear(quant.quantize_int4(w), b, torch.bfloat16)
+        else:
+            weight = (
+                quant.quantize_int8_blocks(w) if kind == "int8 blocks" else quant.quantize_int8(w)
+            )
+            lin = quant.Int8Linear(weight, b, torch.bfloat16)
+    assert lin.lanes == lanes
+    return lin
+
+
+def int_op(
+    lin: quant.QuantLinear, x: torch.Tensor, silu: bool = False, pack: bool = False, rows: int = 0
+) -> torch.Tensor:
+    out: torch.Tensor
+    if isinstance(lin, quant.Int4Linear):
+        out = torch.ops.stallfree.linear_q4_prompt(
+            x, lin.codes, lin.q4_scale, lin.q4_offset, None, silu, pack, rows
+        )
     else:
-        lin = quant.Int8Linear(quant.quantize_int8(w), torch.randn(96), torch.bfloat16)
-    x = torch.randn(300, 128, generator=g).bfloat16()
+        scale = lin.scale_f32 if lin.block_scale is None else None
+        out = torch.ops.stallfree.linear_q8_prompt(
+            x, lin.qweight, scale, lin.block_scale, None, silu, pack, rows
+        )
+    return out
+
+
+# An integer weight's prompt product dequantises its rows 16 at a time into cache as it walks
+# them (`gemm_dequant`), in either layout, to the dense path's values: the product of the
+# dequantised weight within one bfloat16 rounding, and silu(gate) * up with silu_mul's bits
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    m=st.integers(1, 300),
+    n16=st.integers(1, 12),
+    kblocks=st.integers(1, 20),
+    kind=st.sampled_from(INT_KINDS),
+    lanes=st.booleans(),
+    threads=st.integers(1, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_an_integer_weights_product_equals_its_dense_one(
+    vector: None, m: int, n16: int, kblocks: int, kind: str, lanes: bool, threads: int, seed: int
+) -> None:
+    n, k = 32 * n16, 32 * kblocks
+    lin = int_layer(n, k, kind, lanes, seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    out, fused, plain = on_threads(
+        threads, lambda: (int_op(lin, x), int_op(lin, x, silu=True), int_op(lin, x))
+    )
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert rel(out, x.double() @ lin.dequantize().double().T) < 8e-3
+    assert torch.equal(fused, torch.ops.stallfree.silu_mul(plain))
+
+
+@pytest.mark.parametrize("kind", INT_KINDS)
+@pytest.mark.parametrize("lanes", [True, False])
+def test_an_integer_layers_prompt_takes_it_without_a_dense_workspace(
+    vector: None, kind: str, lanes: bool
+) -> None:
+    """Without the tiles an integer layer's prompt, and its MLP's packed hand-off, run on the
+    dequantising product: no dense copy of the weight (`dequantize_*`), no F.linear."""
+    lin = int_layer(128, 128, kind, lanes, 1, bias=True)  # gate and up of 64 rows each
+    down = int_layer(128, 64, kind, lanes, 2)
+    x = torch.randn(300, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
     with pytest.MonkeyPatch.context() as mp, torch.inference_mode():
         mp.setattr(cpu_kernels, "amx", lambda: False)
         with OpCalls() as ops:
             out = lin(x)
-    assert "stallfree.linear_bf16_prompt" in ops.calls
+            mlp = native_layers.mlp_on_tiles(lin, down, x)
+    assert len([c for c in ops.calls if c.endswith("_prompt")]) == 3, ops.calls
+    assert not any(c.startswith("stallfree.dequantize") for c in ops.calls), ops.calls
     assert not {"aten.addmm", "aten.mm", "aten.linear"} & set(ops.calls), ops.calls
+    assert lin.bias is not None
     want = x.double() @ lin.dequantize().double().T + lin.bias.double()
     assert rel(out, want) < 8e-3
+    assert mlp is not None
+    with torch.inference_mode():
+        assert torch.equal(mlp, down(native_layers.gate_up_silu(lin, x)))
 
 
 @pytest.mark.skipif("avx2" not in VARIANTS, reason="no AVX2 variant here")

@@ -103,9 +103,10 @@ def _same(path: Path, dtype: str, quantization: str, requests: list[tuple[int, i
 
 
 def _bf16_loop() -> bool:
-    """Whether a dense bfloat16 prompt past the matrix-vector kernels' rows takes the loop here:
-    its products on `linear_bf16_prompt` (the tiles, or `vdpbf16ps` on the AVX-512 variant
-    without them) and its attention on the native prompt op."""
+    """Whether a bfloat16 prompt past the matrix-vector kernels' rows takes the loop here: its
+    products on the prompt products (the tiles, or `vdpbf16ps` on the AVX-512 variant without
+    them, an integer weight dequantised as it goes) and its attention on the native prompt
+    op."""
     return native_layers.prompt_product_max_rows() > 0 and attention.bf16_prompt_native(
         SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
     )
@@ -138,11 +139,11 @@ def test_loop_equals_the_python_loop_bit_for_bit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     calls = _same(llama_dir, "bfloat16", quantization, requests, monkeypatch)
-    past_tiles = sum(n for _, n in requests) > native_layers.PROMPT_TILES_MAX_ROWS
+    rows = sum(n for _, n in requests)
     if quantization == "none":
         assert calls == int(_bf16_loop())
-    else:  # integer layers' prompt products are the tiles' only
-        assert calls == int(cpu_kernels.amx() and not past_tiles)
+    else:  # integer layers past the tiles' rows (with them) stay in Python
+        assert calls == int(_bf16_loop() and rows <= native_layers.prompt_product_max_rows())
 
 
 def _softcap(backend: Any) -> None:
@@ -171,8 +172,9 @@ def test_other_families_take_the_loop_bit_for_bit(
 ) -> None:  # fmt: skip
     path = make(tmp_path, **SHAPE, **config)
     requests = [(0, 40), (9, 30)]
-    looped = _bf16_loop() if quantization == "none" else cpu_kernels.amx()
-    assert _same(path, "bfloat16", quantization, requests, monkeypatch, backend) == int(looped)
+    assert _same(path, "bfloat16", quantization, requests, monkeypatch, backend) == int(
+        _bf16_loop()
+    )
     if _bf16_loop():
         loaded = load_model(str(path), "bfloat16", torch.device("cpu"), 0, quantization="none")
         if backend is not None:
@@ -316,7 +318,7 @@ def test_a_mixed_steps_decode_rows_take_the_loop_bit_for_bit(
 ) -> None:  # fmt: skip
     with OpCalls() as ops:
         calls = _same(llama_dir, "bfloat16", quantization, requests, monkeypatch)
-    looped = _bf16_loop() if quantization == "none" else cpu_kernels.amx()
+    looped = _bf16_loop()
     assert calls == int(looped)
     # one decode_attention call a layer for the decode rows in each Python loop that ran (the
     # C++ loop's own calls run inside prefill_layers, below the dispatch mode that counts)

@@ -8,7 +8,9 @@ It takes an extend step only where every call of it would have been native or to
 anyway. In bfloat16: Llama-family layers with a joint q/k/v projection and a stacked gate/up
 projection (`fuse_projections`), with per-head q/k norms (Qwen3) or without, each projection on
 the AMX tiles at this row count (`tiles_take`: more rows than the matrix-vector kernels take, up
-to native_layers.PROMPT_TILES_MAX_ROWS), on `--prepack-prompt-weights`' blocked copy past its
+to native_layers.PROMPT_TILES_MAX_ROWS) or without them on the AVX-512 variant's prompt product
+(any row count; an integer weight dequantised 16 rows at a time as it goes), on
+`--prepack-prompt-weights`' blocked copy past its
 threshold, or, past the tiles' rows, a dense layer's F.linear (`at::linear` there; an integer
 layer's dequantised product past the tiles stays in Python), head dims the tiles' prompt
 attention takes. In float32 (dense layers, which keep transformers' separate projections and
@@ -54,11 +56,14 @@ _DENSE = (nn.Linear, NativeLinear)
 Plan = native_loop.Plan
 
 
-def _projection(module: nn.Module, rows: int) -> tuple[int, list[torch.Tensor | None]] | None:
-    """How `module` runs a bfloat16 prompt of `rows` rows, as a kind and its tensors: on the
-    tiles, on `--prepack-prompt-weights`' copy past its threshold, or (a dense layer past the
-    tiles' rows) F.linear; None where it would run otherwise (an integer layer past the tiles'
-    rows)."""
+def _projection(
+    module: nn.Module, rows: int, dtype: torch.dtype
+) -> tuple[int, list[torch.Tensor | None]] | None:
+    """How `module` runs a prompt of `rows` rows in `dtype`, as a kind and its tensors: on the
+    prompt products (the tiles, or without them on the AVX-512 variant at any row count, an
+    integer weight dequantised as it goes), on `--prepack-prompt-weights`' copy past its
+    threshold, or (a dense layer past the tiles' rows) F.linear; None where it would run
+    otherwise (an integer layer past the tiles' rows, or of a float32 model)."""
     tensors: list[torch.Tensor | None]
     if type(module) is NativeLinear and module.weight.dtype == torch.float32:
         # a stacked float32 layer (`native_layers.stacks_float32`) past the native kernel's
@@ -87,7 +92,9 @@ def _projection(module: nn.Module, rows: int) -> tuple[int, list[torch.Tensor | 
         tensors = [module.codes, module.q4_scale, module.q4_offset, module.bias_f32, module.bias]
     else:
         return None
-    return (kind, tensors) if module.tiles_take(rows, torch.bfloat16) else None
+    # (an integer layer of a float32 model runs its prompt in Python: the prompt products take
+    # bfloat16 activations)
+    return (kind, tensors) if module.tiles_take(rows, dtype) else None
 
 
 Part = tuple[list[int], list[torch.Tensor | None]]  # a projection's spec entries and tensors
@@ -127,7 +134,7 @@ def _float32_layer(layer: Layer, rows: int) -> list[Part] | None:
     ]
 
 
-def _layer(layer: Layer, rows: int) -> list[Part] | None:
+def _layer(layer: Layer, rows: int, dtype: torch.dtype) -> list[Part] | None:
     """The layer's q/k/v, o, gate/up and down projections, or None."""
     attn, mlp = layer.self_attn, layer.mlp
     gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
@@ -141,7 +148,7 @@ def _layer(layer: Layer, rows: int) -> list[Part] | None:
         or down.in_features % 32 != 0
     ):
         return None
-    parts = [_projection(m, rows) for m in (attn.qkv_proj, attn.o_proj, gate_up, down)]
+    parts = [_projection(m, rows, dtype) for m in (attn.qkv_proj, attn.o_proj, gate_up, down)]
     if any(part is None for part in parts):
         return None
     # the MLP's two products both on the tiles (the packed hand-off), or both F.linear
@@ -174,7 +181,7 @@ def plan(
         parts = (
             _float32_layer(layer, rows)
             if dtype == torch.float32 and not stacked
-            else _layer(layer, rows)
+            else _layer(layer, rows, dtype)
         )
         if parts is None:
             return None

@@ -1,5 +1,6 @@
 // Prompt-sized bfloat16 products on AVX-512 BF16 without the AMX tiles (a Zen 4):
-// y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), the weight read in place, the activations packed
+// y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), the weight read in place (an int8 or int4
+// weight dequantised 16 rows at a time into cache first: `gemm_dequant`), the activations packed
 // once per call in the prompt products' order (pack_x_gemm, shared with amx_gemm.cpp), and the
 // same epilogues as the tiles (blocks16.h): a row-major output, a gate/up pair's
 // silu(gate) * up, or the next product's packed activations.
@@ -121,10 +122,23 @@ struct Walk {
   const float* bias;
   int64_t pair;
   Out out;
+  // an integer weight's source (`src.fill` set): each block's rows are dequantised into
+  // `dq` (tile t's 16 rows of k values at dq + t * 16 * k) before its passes, and `w` is unused
+  RowSource src;
+  uint16_t* dq;
 
   int tiles() const { return pair ? 2 : 1; }
   // the first weight row of tile t of the output block at n
   int64_t row(int64_t n, int t) const { return t ? pair + n : n; }
+  // where the passes read weight row r of tile t of the output block at n (r < 16)
+  const uint16_t* weight_row(int64_t n, int t, int64_t r) const {
+    return src.fill ? dq + (t * 16 + r) * (kb * 32) : w + (row(n, t) + r) * ldw;
+  }
+  // an integer weight's rows of the output block at n into `dq`
+  void dequantise(int64_t n) const {
+    if (src.fill)
+      for (int t = 0; t < tiles(); ++t) src.fill(src.ctx, row(n, t), dq + t * 16 * (kb * 32));
+  }
 
   // The passes of the output block at n for chunks [c, c + xc) over blocks of 32 [b0, b1),
   // tile t's accumulators at acc[t] (a chunk's 16 x 16 block each, 256 floats apart). With
@@ -136,7 +150,7 @@ struct Walk {
         const uint16_t* rows[kPassRows];
         const char* next[kPassRows];
         for (int j = 0; j < kPassRows; ++j) {
-          rows[j] = w + (row(n, t) + h * kPassRows + j) * ldw + b0 * 32;
+          rows[j] = weight_row(n, t, h * kPassRows + j) + b0 * 32;
           if (nn >= 0)
             next[j] = reinterpret_cast<const char*>(w + (row(nn, t) + h * kPassRows + j) * ldw +
                                                     nb0 * 32);
@@ -167,7 +181,10 @@ struct Walk {
     for (int64_t mb = 0; mb < chunks; mb += kMBlockChunks) {
       const int64_t mbe = std::min(chunks, mb + kMBlockChunks);
       for (int64_t n = n0; n < n1; n += 16) {
-        const int64_t nn = n + 16 < n1 ? n + 16 : (mbe < chunks ? n0 : -1);
+        // (an integer weight's next rows are read in order by its dequantisation instead)
+        int64_t nn = n + 16 < n1 ? n + 16 : (mbe < chunks ? n0 : -1);
+        if (src.fill) nn = -1;
+        dequantise(n);
         chunk_groups(mb, mbe, [&](int64_t c, int xc) {
           passes(n, c, xc, 0, kb, true, acc, c == mb ? nn : -1, 0);
           finish(n, c, xc, acc);
@@ -237,10 +254,22 @@ void pack_x_gemm(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp, int64_t 
     }
 }
 
+void gemm_dequant(const uint32_t* xp, int64_t m, int64_t k, RowSource src, const float* bias,
+                  int64_t n0, int64_t n1, int64_t pair, Out out) {
+  if (n0 >= n1 || m <= 0) return;
+  // a block's rows dequantised once per walk of 256 activation rows, read from L1 or L2 by
+  // every pass (the resident walk only: the parked one would dequantise them per block of k)
+  thread_local std::vector<uint16_t> dq_buf;
+  uint16_t* dq = scratch(dq_buf, 2 * 16 * k + 32);
+  dq = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(dq) + 63) & ~uintptr_t{63});
+  const Walk walk{xp, m, k / 32, (m + 15) / 16, nullptr, k, bias, pair, out, src, dq};
+  walk.resident(n0, n1);
+}
+
 void gemm_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, int64_t ldw,
                const float* bias, int64_t n0, int64_t n1, int64_t pair, Out out) {
   if (n0 >= n1 || m <= 0) return;
-  const Walk walk{xp, m, k / 32, (m + 15) / 16, w, ldw, bias, pair, out};
+  const Walk walk{xp, m, k / 32, (m + 15) / 16, w, ldw, bias, pair, out, RowSource{}, nullptr};
   if (std::min(walk.chunks, kMBlockChunks) * 16 * k * 2 <= kResidentBytes)
     walk.resident(n0, n1);
   else

@@ -139,6 +139,16 @@ void pack_x_gemm(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp, int64_t 
 // in [n0, n1), a bfloat16 weight as it is, `ldw` values a row
 void gemm_bf16(const uint32_t* xp, int64_t m, int64_t k, const uint16_t* w, int64_t ldw,
                const float* bias, int64_t n0, int64_t n1, int64_t pair, Out out);
+// An integer weight's rows for gemm_dequant: fill(ctx, row, dst) writes the 16 rows from `row`
+// (a multiple of 16) dequantised to bfloat16 into dst, k values a row (the dense path's values)
+struct RowSource {
+  void (*fill)(const void* ctx, int64_t row, uint16_t* dst) = nullptr;
+  const void* ctx = nullptr;
+};
+// gemm_bf16's product on an integer weight, its rows dequantised 16 at a time into cache as
+// the product walks them (amx::gemm_q8 and gemm_q4's way), not whole into a workspace
+void gemm_dequant(const uint32_t* xp, int64_t m, int64_t k, RowSource src, const float* bias,
+                  int64_t n0, int64_t n1, int64_t pair, Out out);
 }  // namespace avx512
 // AMX tiles for dense bfloat16 at a few rows (isa_amx.cpp), beside the AVX-512 variant
 namespace amx {

@@ -461,15 +461,66 @@ at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int
   return out;
 }
 
+// Without the tiles (the AVX-512 variant) an integer weight's prompt product dequantises its
+// rows 16 at a time into cache as it walks them (avx512::gemm_dequant), in either layout: the
+// rows in the lanes (lanes::dequant_q8 / dequant_q4, a group at a time) or row-major (the
+// variant's dequant_q8 / dequant_q4).
+struct Q8Rows {
+  const void* w;
+  const float* scale;
+  const uint16_t* bscale;
+  int64_t k;
+  bool lanes;
+  static void fill(const void* ctx, int64_t row, uint16_t* dst) {
+    const auto& q = *static_cast<const Q8Rows*>(ctx);
+    Out o;
+    o.ptr = dst;
+    o.ldo = q.k;
+    o.bf16 = true;
+    // every pointer moved to the block's first row, so it is row 0 of `dst`
+    const uint16_t* bs = q.bscale ? q.bscale + row * (q.k / 32) : nullptr;
+    const float* s = q.scale ? q.scale + row : nullptr;
+    if (q.lanes)  // the group's bytes, and its block scales [k / 32, 16], are contiguous
+      lanes::dequant_q8(static_cast<const uint8_t*>(q.w) + row * q.k, s, bs, q.k, 0, 1, o);
+    else
+      K().dequant_q8(static_cast<const int8_t*>(q.w) + row * q.k, s, bs, q.k, 0, 16, o);
+  }
+};
+
+struct Q4Rows {
+  const uint8_t* codes;
+  const uint16_t* gscale;
+  const uint16_t* goffset;
+  int64_t k;
+  bool lanes;
+  static void fill(const void* ctx, int64_t row, uint16_t* dst) {
+    const auto& q = *static_cast<const Q4Rows*>(ctx);
+    Out o;
+    o.ptr = dst;
+    o.ldo = q.k;
+    o.bf16 = true;
+    // every pointer moved to the block's first row, so it is row 0 of `dst` (a group of 16
+    // rows in the lanes: its codes and its scales [k / 32, 16] are contiguous too)
+    const int64_t groups = q.k / 32;
+    const uint8_t* c = q.codes + row * groups * 16;
+    const uint16_t* gs = q.gscale + row * groups;
+    const uint16_t* go = q.goffset + row * groups;
+    if (q.lanes)
+      lanes::dequant_q4(c, gs, go, q.k, 0, 1, o);
+    else
+      K().dequant_q4(c, gs, go, q.k, 0, 16, o);
+  }
+};
+
 // int8 weights with one of `scale` (float32 [out]) or `bscale` (float16 [out, in / 32])
 at::Tensor linear_q8_prompt(const at::Tensor& x, const at::Tensor& qweight,
                             const std::optional<at::Tensor>& scale,
                             const std::optional<at::Tensor>& bscale,
                             const std::optional<at::Tensor>& bias, bool silu, bool pack,
                             int64_t rows) {
-  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 && qweight.is_contiguous(),
-              "linear_q8_prompt: qweight must be a contiguous int8 [out, in] tensor");
-  const int64_t n = qweight.size(0), k = qweight.size(1);
+  const IntWeight qw = q8_weight(qweight, "linear_q8_prompt");
+  TORCH_CHECK(!(g_amx && qw.lanes), "linear_q8_prompt: the AMX tiles read a row-major weight");
+  const int64_t n = qw.n, k = qw.k;
   TORCH_CHECK(scale.has_value() != bscale.has_value(),
               "linear_q8_prompt: one of scale and bscale");
   const float* s = nullptr;
@@ -484,25 +535,31 @@ at::Tensor linear_q8_prompt(const at::Tensor& x, const at::Tensor& qweight,
                 "linear_q8_prompt: block scales must be float16 [out, in / 32]");
     bs = static_cast<const uint16_t*>(bscale->data_ptr());
   }
-  const int8_t* w = qweight.data_ptr<int8_t>();
+  const void* w = qweight.data_ptr();
   const float* b = opt_bias(bias, n);
-  return prompt_on_tiles("linear_q8_prompt", x, n, k, silu, bias, pack, rows,
-                         [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, int64_t pair,
-                             Out o) {
-                           amx::gemm_q8(xp, m, k, w, s, bs, b, n0, n1, pair, o);
-                         });
+  const bool tiles = g_amx;
+  const Q8Rows src{w, s, bs, k, qw.lanes};
+  return prompt_on_tiles(
+      "linear_q8_prompt", x, n, k, silu, bias, pack, rows,
+      [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, int64_t pair, Out o) {
+        if (tiles)
+          amx::gemm_q8(xp, m, k, static_cast<const int8_t*>(w), s, bs, b, n0, n1, pair, o);
+        else
+          avx512::gemm_dequant(xp, m, k, avx512::RowSource{&Q8Rows::fill, &src}, b, n0, n1,
+                               pair, o);
+      },
+      true);
 }
 
-// int4 codes ([out, in / 32, 16]: 16 bytes per group of 32) with float16 scale and offset per
-// group
+// int4 codes ([out, in / 32, 16]: 16 bytes per group of 32, or [out / 16, in / 32, 4, 64] in
+// the lanes) with float16 scale and offset per group
 at::Tensor linear_q4_prompt(const at::Tensor& x, const at::Tensor& codes,
                             const at::Tensor& gscale, const at::Tensor& goffset,
                             const std::optional<at::Tensor>& bias, bool silu, bool pack,
                             int64_t rows) {
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == 16 &&
-                  codes.is_contiguous(),
-              "linear_q4_prompt: codes must be a contiguous uint8 [out, in / 32, 16] tensor");
-  const int64_t n = codes.size(0), k = codes.size(1) * 32;
+  const IntWeight qc = q4_codes(codes, "linear_q4_prompt");
+  TORCH_CHECK(!(g_amx && qc.lanes), "linear_q4_prompt: the AMX tiles read row-major codes");
+  const int64_t n = qc.n, k = qc.k;
   const int64_t groups = n * (k / 32);
   TORCH_CHECK(gscale.scalar_type() == at::kHalf && gscale.numel() == groups &&
                   gscale.is_contiguous() && goffset.scalar_type() == at::kHalf &&
@@ -512,11 +569,18 @@ at::Tensor linear_q4_prompt(const at::Tensor& x, const at::Tensor& codes,
   const auto* gs = static_cast<const uint16_t*>(gscale.data_ptr());
   const auto* go = static_cast<const uint16_t*>(goffset.data_ptr());
   const float* b = opt_bias(bias, n);
-  return prompt_on_tiles("linear_q4_prompt", x, n, k, silu, bias, pack, rows,
-                         [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, int64_t pair,
-                             Out o) {
-                           amx::gemm_q4(xp, m, k, c, gs, go, b, n0, n1, pair, o);
-                         });
+  const bool tiles = g_amx;
+  const Q4Rows src{c, gs, go, k, qc.lanes};
+  return prompt_on_tiles(
+      "linear_q4_prompt", x, n, k, silu, bias, pack, rows,
+      [&](const uint32_t* xp, int64_t m, int64_t n0, int64_t n1, int64_t pair, Out o) {
+        if (tiles)
+          amx::gemm_q4(xp, m, k, c, gs, go, b, n0, n1, pair, o);
+        else
+          avx512::gemm_dequant(xp, m, k, avx512::RowSource{&Q4Rows::fill, &src}, b, n0, n1,
+                               pair, o);
+      },
+      true);
 }
 
 // a bfloat16 weight [out, in] as it is
