@@ -7,7 +7,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
