@@ -25,17 +25,28 @@ pytestmark = pytest.mark.skipif(
     "avx512" not in VARIANTS, reason="no AVX-512 variant of the native kernels here"
 )
 
-op = torch.ops.stallfree.linear_bf16_prompt
+
+def op(*args: object) -> torch.Tensor:
+    """`linear_bf16_prompt`, looked up per call: the library is not loaded where the kernels
+    are off (STALLFREE_CPU_KERNELS=0), and the module must still import there to be skipped."""
+    out: torch.Tensor = torch.ops.stallfree.linear_bf16_prompt(*args)
+    return out
 
 
 @pytest.fixture
-def vector(restore_variant: None) -> Iterator[None]:
+def vector(monkeypatch: pytest.MonkeyPatch, restore_variant: None) -> Iterator[None]:
     """The AVX-512 variant with the AMX tiles off (a Zen 4's state, or Intel's with
-    STALLFREE_CPU_AMX=0), the usual state afterwards."""
-    torch.ops.stallfree.set_isa("avx512")
-    assert not torch.ops.stallfree.set_amx(False)
+    STALLFREE_CPU_AMX=0), in the library and in the layers' routing alike (whichever variant
+    the process runs: CI runs this module under STALLFREE_CPU_ISA=avx2 too); the usual state
+    afterwards."""
+    monkeypatch.setenv("STALLFREE_CPU_ISA", "avx512")
+    monkeypatch.setenv("STALLFREE_CPU_AMX", "0")
+    cpu_kernels.reset()
+    assert cpu_kernels.isa() == "avx512" and not cpu_kernels.amx()
     yield
-    torch.ops.stallfree.set_amx(cpu_kernels.amx())
+    monkeypatch.undo()
+    cpu_kernels.reset()
+    cpu_kernels.isa()
 
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
