@@ -461,6 +461,15 @@ at::Tensor prompt_on_tiles(const char* name, const at::Tensor& x, int64_t n, int
   return out;
 }
 
+// 16 dense bfloat16 rows of k values at `dst`: where a RowSource writes a block
+Out block_rows(uint16_t* dst, int64_t k) {
+  Out o;
+  o.ptr = dst;
+  o.ldo = k;
+  o.bf16 = true;
+  return o;
+}
+
 // Without the tiles (the AVX-512 variant) an integer weight's prompt product dequantises its
 // rows 16 at a time into cache as it walks them (avx512::gemm_dequant), in either layout: the
 // rows in the lanes (lanes::dequant_q8 / dequant_q4, a group at a time) or row-major (the
@@ -473,10 +482,7 @@ struct Q8Rows {
   bool lanes;
   static void fill(const void* ctx, int64_t row, uint16_t* dst) {
     const auto& q = *static_cast<const Q8Rows*>(ctx);
-    Out o;
-    o.ptr = dst;
-    o.ldo = q.k;
-    o.bf16 = true;
+    const Out o = block_rows(dst, q.k);
     // every pointer moved to the block's first row, so it is row 0 of `dst`
     const uint16_t* bs = q.bscale ? q.bscale + row * (q.k / 32) : nullptr;
     const float* s = q.scale ? q.scale + row : nullptr;
@@ -495,10 +501,7 @@ struct Q4Rows {
   bool lanes;
   static void fill(const void* ctx, int64_t row, uint16_t* dst) {
     const auto& q = *static_cast<const Q4Rows*>(ctx);
-    Out o;
-    o.ptr = dst;
-    o.ldo = q.k;
-    o.bf16 = true;
+    const Out o = block_rows(dst, q.k);
     // every pointer moved to the block's first row, so it is row 0 of `dst` (a group of 16
     // rows in the lanes: its codes and its scales [k / 32, 16] are contiguous too)
     const int64_t groups = q.k / 32;
