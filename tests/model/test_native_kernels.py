@@ -180,6 +180,24 @@ def test_dense_linear_equals_torch(isa: str, m: int, n: int, k: int, bias: bool,
         assert _rel(out, ref, bound if dtype == torch.float32 else None) < tol
 
 
+@pytest.mark.skipif("avx512" not in VARIANTS, reason="no AVX-512 variant on this CPU")
+@pytest.mark.parametrize("k", [32, 63, 576, 1000])
+def test_one_row_equals_its_row_in_a_batch_bit_for_bit(k: int) -> None:
+    """On the AVX-512 variant (without the tiles) a single row runs its own loop, the paced
+    one; each row's sums are taken in the same order whatever the batch, so a row alone and
+    the same row among four give the same bits, in bfloat16 and float32."""
+    set_isa("avx512")
+    g = torch.Generator().manual_seed(k)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(4, k, generator=g).to(dtype)
+        w = torch.randn(70, k, generator=g).to(dtype)
+        b = torch.randn(70, generator=g)
+        batch = torch.ops.stallfree.linear(x, w, b)
+        for i in range(4):
+            alone = torch.ops.stallfree.linear(x[i : i + 1].clone(), w, b)
+            assert torch.equal(alone[0], batch[i]), (dtype, i)
+
+
 @each_isa
 @pytest.mark.parametrize("m", [47, 48, 49, 97, 150])
 def test_dense_linear_over_many_rows_equals_torch(isa: str, m: int) -> None:

@@ -349,6 +349,22 @@ void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
     }                                                                          \
   }
 
+// One activation row: the four weight rows are taken one after another, not unrolled, so the
+// four sums live in memory (a store and a load per step). That paces the loads: on a Zen 4 the
+// unrolled loop (sums in registers) read the decode step's weights 5-18% slower, from memory,
+// with the same prefetches (docs/performance.md, "A paced loop for one row").
+#define SF_PACED_STEP(k0, LOAD, FMA, WT)                                           \
+  {                                                                               \
+    const WT xv = LOAD(xs[0] + (k0));                                             \
+    _Pragma("GCC unroll 1") for (int j = 0; j < kTileN; ++j) {                     \
+      const WT wv = LOAD(ws[j] + (k0));                                           \
+      _mm_prefetch(reinterpret_cast<const char*>(ws[j] + (k0)) + ahead, _MM_HINT_T1); \
+      acc[0][j] = FMA(acc[0][j], xv, wv);                                         \
+    }                                                                             \
+  }
+
+inline __m512i load_si512(const uint16_t* p) { return _mm512_loadu_si512(p); }
+
 inline __m512 dot_bf16(__m512 acc, __m512i x, __m512i w) {
   return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
 }
@@ -368,6 +384,8 @@ void dense_tile(const void* x, int64_t k, int64_t ldw, const void* const* w, con
     for (int j = 0; j < kTileN; ++j) ws[j] = static_cast<const uint16_t*>(w[j]);
     for (int i = 0; i < MB; ++i) xs[i] = static_cast<const uint16_t*>(x) + (t.m0 + i) * k;
     int64_t k0 = 0;
+    if constexpr (MB == 1)
+      for (; k0 + 32 <= k; k0 += 32) SF_PACED_STEP(k0, load_si512, dot_bf16, __m512i)
     for (; k0 + 32 <= k; k0 += 32)
       SF_DENSE_STEP(k0, 0xffffffffu, _mm512_maskz_loadu_epi16, _mm512_maskz_loadu_epi16, dot_bf16, __m512i)
     if (k0 < k) {
@@ -380,6 +398,8 @@ void dense_tile(const void* x, int64_t k, int64_t ldw, const void* const* w, con
     for (int j = 0; j < kTileN; ++j) ws[j] = static_cast<const float*>(w[j]);
     for (int i = 0; i < MB; ++i) xs[i] = static_cast<const float*>(x) + (t.m0 + i) * k;
     int64_t k0 = 0;
+    if constexpr (MB == 1)
+      for (; k0 + 16 <= k; k0 += 16) SF_PACED_STEP(k0, _mm512_loadu_ps, dot_f32, __m512)
     for (; k0 + 16 <= k; k0 += 16)
       SF_DENSE_STEP(k0, 0xffff, _mm512_maskz_loadu_ps, _mm512_maskz_loadu_ps, dot_f32, __m512)
     if (k0 < k) {
@@ -391,6 +411,7 @@ void dense_tile(const void* x, int64_t k, int64_t ldw, const void* const* w, con
   for (int i = 0; i < MB; ++i) store4(t.out, t.m0 + i, t.n, t.nb, hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), nullptr, t.bias);
 }
 #undef SF_DENSE_STEP
+#undef SF_PACED_STEP
 
 template <bool BF16>
 void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, int64_t ldw,
