@@ -351,7 +351,7 @@ void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
 
 // One activation row: the four weight rows are taken one after another, not unrolled, so the
 // four sums live in memory (a store and a load per step). That paces the loads: on a Zen 4 the
-// unrolled loop (sums in registers) read the decode step's weights 5-18% slower, from memory,
+// unrolled loop (sums in registers) took 4-16% longer on a decode step's weights from memory,
 // with the same prefetches (docs/performance.md, "A paced loop for one row").
 #define SF_PACED_STEP(k0, LOAD, FMA, WT)                                           \
   {                                                                               \
@@ -362,8 +362,6 @@ void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
       acc[0][j] = FMA(acc[0][j], xv, wv);                                         \
     }                                                                             \
   }
-
-inline __m512i load_si512(const uint16_t* p) { return _mm512_loadu_si512(p); }
 
 inline __m512 dot_bf16(__m512 acc, __m512i x, __m512i w) {
   return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
@@ -385,7 +383,7 @@ void dense_tile(const void* x, int64_t k, int64_t ldw, const void* const* w, con
     for (int i = 0; i < MB; ++i) xs[i] = static_cast<const uint16_t*>(x) + (t.m0 + i) * k;
     int64_t k0 = 0;
     if constexpr (MB == 1)
-      for (; k0 + 32 <= k; k0 += 32) SF_PACED_STEP(k0, load_si512, dot_bf16, __m512i)
+      for (; k0 + 32 <= k; k0 += 32) SF_PACED_STEP(k0, _mm512_loadu_si512, dot_bf16, __m512i)
     for (; k0 + 32 <= k; k0 += 32)
       SF_DENSE_STEP(k0, 0xffffffffu, _mm512_maskz_loadu_epi16, _mm512_maskz_loadu_epi16, dot_bf16, __m512i)
     if (k0 < k) {
