@@ -52,6 +52,13 @@ class ModelConfig(_Section):
         "AMX; the decode kernels read the first copy): prompt products about a fifth faster, "
         "the dense weights' memory twice",
     )
+    compact_decode_weights: bool = Field(
+        False,
+        description="Keep a second, lossless copy of each dense bfloat16 linear of a native "
+        "family in 12 bits a value, which decode steps of up to 4 rows multiply (CPUs with "
+        "AVX-512 BF16; same outputs): a decode step reads about 0.75 of the weights' bytes, "
+        "the weights take 1.75x their memory",
+    )
     model_impl: Literal["auto", "native", "transformers"] = Field(
         "auto",
         description="Which modelling code runs the model: native (stallfree's own families) "

@@ -425,5 +425,5 @@ def test_instruction_set_pragmas_come_after_the_system_headers() -> None:
         late = [line for line in lines[start:] if line.startswith("#include <")]
         assert not late, f"{source.name}: system headers under the target pragma: {late}"
     # isa_avx512, isa_avx2, isa_amx, amx_gemm, amx_prefill_attention, attention_avx512,
-    # attention_avx2, rope (AVX2 without FMA), q8_lanes, bf16_gemm
-    assert variants == 10
+    # attention_avx2, rope (AVX2 without FMA), q8_lanes, bf16_gemm, compact_bf16
+    assert variants == 11

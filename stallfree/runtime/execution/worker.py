@@ -76,6 +76,7 @@ class WorkerSpec:
     dtype: str
     quantization: str
     prepack_prompt_weights: bool
+    compact_decode_weights: bool
     device: str  # "cpu" or "cuda"
     seed: int
     page_size: int
@@ -135,6 +136,7 @@ def worker_spec(config: StallfreeConfig, num_kv_slots: int, max_context_len: int
         dtype=config.model.dtype,
         quantization=config.model.quantization,
         prepack_prompt_weights=config.model.prepack_prompt_weights,
+        compact_decode_weights=config.model.compact_decode_weights,
         device=device,
         seed=config.model.seed,
         page_size=config.cache.page_size,
@@ -209,6 +211,7 @@ class _Worker:
         kwargs: dict[str, Any] = {"tp": self.tp} if self.tp is not None else {}
         kwargs["quantization"] = spec.quantization
         kwargs["prepack_prompt_weights"] = spec.prepack_prompt_weights
+        kwargs["compact_decode_weights"] = spec.compact_decode_weights
         loaded = load_model(spec.model_path, spec.dtype, self.device, spec.seed, **kwargs)
         arch = loaded.arch
         kv_heads = arch.num_kv_heads

@@ -19,6 +19,28 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return _rows_out(x, weight.shape[0])
 
 
+def _linear_compact(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    codes: torch.Tensor,
+    tables: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return _rows_out(x, weight.shape[0])
+
+
+def _compact_bf16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight's compact form: 1.5 bytes a value, and 16 table bytes a row."""
+    n, k = weight.shape
+    return weight.new_empty((n, k + k // 2), dtype=torch.uint8), weight.new_empty(
+        (n, 16), dtype=torch.uint8
+    )
+
+
+def _uncompact_bf16(codes: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    return codes.new_empty((codes.shape[0], codes.shape[1] * 2 // 3), dtype=torch.bfloat16)
+
+
 def _linear_group(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     return _rows_out(x, sum(w.shape[0] for w in weights))
 
@@ -207,6 +229,9 @@ def _decode_layers(h: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Ten
 FAKES: dict[str, Callable[..., Any]] = {
     "linear": _linear,
     "linear_group": _linear_group,
+    "linear_compact": _linear_compact,
+    "compact_bf16": _compact_bf16,
+    "uncompact_bf16": _uncompact_bf16,
     "linear_q8": _linear_q8,
     "linear_q8_blocks": _linear_q8_blocks,
     "linear_q8_prompt": _linear_q8_prompt,

@@ -44,6 +44,7 @@ _SOURCES = (
     "isa_avx512.cpp",
     "isa_avx2.cpp",
     "q8_lanes.cpp",
+    "compact_bf16.cpp",
     "isa_amx.cpp",
     "amx_gemm.cpp",
     "bf16_gemm.cpp",
@@ -59,6 +60,7 @@ _SOURCES = (
 _HEADERS = (
     "vec_exp.h",
     "kernels.h",
+    "avx512_tile.h",
     "attention.h",
     "attention_impl.h",
     "amx_tiles.h",

@@ -349,6 +349,9 @@ class LlamaForCausalLM(nn.Module):
         # the int8 output matrix of a quantized model whose embedding is tied to it: it also
         # serves the embedding lookup (see quantize)
         self.tied_head: Int8Linear | None = None
+        # the tied output matrix's compact form for decode rows (`compact_tied_head`)
+        self.register_buffer("head_codes", None, persistent=False)
+        self.register_buffer("head_tables", None, persistent=False)
         # whether every layer is a plain LlamaDecoderLayer (`_fuses_residual`); None: not asked
         self._plain_layers: bool | None = None
         # native_loop's plans per (rows, dtype, the backend's loop_facts) of a decode step
@@ -539,11 +542,27 @@ class LlamaForCausalLM(nn.Module):
                 swapped["lm_head"] = head
         return swapped
 
+    def compact_tied_head(self) -> bool:
+        """`--compact-decode-weights` for an output matrix tied to the embedding (no nn.Linear
+        of its own): its compact form beside it, which `_output` multiplies for decode rows.
+        Returns whether it has one."""
+        weight = self.model.embed_tokens.weight
+        if not (
+            self.arch.tie_word_embeddings
+            and self.tied_head is None
+            and isinstance(weight, torch.Tensor)
+            and native_layers.compact_applies(weight)
+        ):
+            return False
+        self.head_codes, self.head_tables = torch.ops.stallfree.compact_bf16(weight.detach())
+        return True
+
     def _output(self, x: torch.Tensor) -> torch.Tensor:
         if self.tied_head is not None:
             return self.tied_head.matmul(x)
         if self.arch.tie_word_embeddings:
-            return native_layers.linear(x, self.model.embed_tokens.weight)
+            compact = None if self.head_codes is None else (self.head_codes, self.head_tables)
+            return native_layers.linear(x, self.model.embed_tokens.weight, compact=compact)
         out: torch.Tensor = self.lm_head(x)
         return out
 

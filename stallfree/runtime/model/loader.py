@@ -144,12 +144,14 @@ def load_model(
     model_impl: str = "auto",
     trust_remote_code: bool = False,
     prepack_prompt_weights: bool = False,
+    compact_decode_weights: bool = False,
 ) -> LoadedModel:
     """The model through transformers' modelling code when `model_impl` says so (hf_fallback.py:
     `transformers`, or `auto` for an architecture with no native family; a checkpoint's own
     code only with `trust_remote_code`), else `_load`; then a native family's dense bfloat16
     linears switched to the native kernels (native_layers.py) where the CPU has them (with
-    `prepack_prompt_weights`, each beside a oneDNN copy for prompts) and, on the CPU, their
+    `prepack_prompt_weights`, each beside a oneDNN copy for prompts; with
+    `compact_decode_weights`, beside a compact copy for decode rows) and, on the CPU, their
     rows padded by a cache line (padded_rows.py), a CPU model's weights moved to huge pages
     (memory/huge_pages.py), and the load's freed memory handed back."""
     if model_impl_for(path_or_preset, model_impl) == "transformers":
@@ -158,7 +160,11 @@ def load_model(
     else:
         loaded = _load(path_or_preset, dtype, device, seed, tp, quantization)
     if isinstance(loaded.model, LlamaForCausalLM):
-        use_native_linears(loaded.model, prepack=prepack_prompt_weights)
+        use_native_linears(
+            loaded.model, prepack=prepack_prompt_weights, compact=compact_decode_weights
+        )
+        if compact_decode_weights:
+            loaded.model.compact_tied_head()
         if torch.device(device).type == "cpu":
             pad_rows(loaded.model)
     release_free_heap()  # the load's temporaries (memory/heap.py)

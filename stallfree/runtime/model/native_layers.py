@@ -218,19 +218,31 @@ def mlp_on_tiles(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> torch.
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias_f32: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias_f32: torch.Tensor | None = None,
+    compact: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, on the native kernel for a few bfloat16 or float32 rows
-    (`bias_f32`: the bias in float32, or None); bfloat16 past them on the prompt product where
-    it takes them (`prompt_on_tiles`: an integer layer's dequantised weight without the AMX
-    tiles, for one), float32 as `float32_product`."""
+    (`bias_f32`: the bias in float32, or None), from `compact` (the weight's compact codes and
+    tables, `compact_bf16`) up to `compact_max_rows` rows where given; bfloat16 past them on the
+    prompt product where it takes them (`prompt_on_tiles`: an integer layer's dequantised
+    weight without the AMX tiles, for one), float32 as `float32_product`."""
+    if (
+        compact is not None
+        and applies(x)
+        and x.dtype == weight.dtype
+        and x.numel() <= compact_max_rows() * weight.shape[-1]
+    ):
+        out: torch.Tensor = torch.ops.stallfree.linear_compact(x, weight, *compact, bias_f32)
+        return out
     if (
         applies(x)
         and x.dtype == weight.dtype
         and x.numel() <= dense_max_rows(x.dtype) * weight.shape[-1]
         and rows_contiguous(weight)
     ):
-        out: torch.Tensor = torch.ops.stallfree.linear(x, weight, bias_f32)
+        out = torch.ops.stallfree.linear(x, weight, bias_f32)
         return out
     if x.dtype == weight.dtype == torch.float32:
         return float32_product(x, weight, bias_f32)
@@ -298,12 +310,16 @@ class NativeLinear(nn.Linear):
 
     bias_f32: torch.Tensor | None
     weight_prepacked: torch.Tensor | None  # oneDNN's blocked copy (`adopt(prepack=True)`)
+    # the weight's compact form for decode rows (`adopt(compact=True)`, `compact_rows`)
+    compact_codes: torch.Tensor | None
+    compact_tables: torch.Tensor | None
 
     @classmethod
-    def adopt(cls, layer: nn.Linear, prepack: bool = False) -> NativeLinear:
+    def adopt(cls, layer: nn.Linear, prepack: bool = False, compact: bool = False) -> NativeLinear:
         """`layer` itself, its class switched (its parameters are kept, not copied); with
         `prepack`, beside a copy of its weight in oneDNN's blocked order for prompts
-        (`prepacked_prompt`)."""
+        (`prepacked_prompt`); with `compact`, beside its compact form for decode rows where the
+        weight has one (`compact_applies`)."""
         layer.__class__ = cls
         native = layer if isinstance(layer, NativeLinear) else None
         assert native is not None
@@ -313,7 +329,16 @@ class NativeLinear(nn.Linear):
         if prepack:
             packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
         native.register_buffer("weight_prepacked", packed, persistent=False)
+        codes = tables = None
+        if compact and compact_applies(layer.weight):
+            codes, tables = torch.ops.stallfree.compact_bf16(layer.weight.detach())
+        native.register_buffer("compact_codes", codes, persistent=False)
+        native.register_buffer("compact_tables", tables, persistent=False)
         return native
+
+    def compact_rows(self, rows: int) -> bool:
+        """Whether `rows` rows of bfloat16 take the compact form (`compact_max_rows`)."""
+        return self.compact_codes is not None and rows <= compact_max_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the weight is bfloat16 or float32 on the CPU (`use_native_linears` checked), so only
@@ -326,8 +351,13 @@ class NativeLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // max(self.in_features, 1)
         native = x.device.type == "cpu" and x.is_contiguous() and cpu_kernels.available()
+        if native and self.compact_rows(rows):
+            out: torch.Tensor = torch.ops.stallfree.linear_compact(
+                x, self.weight, self.compact_codes, self.compact_tables, self.bias_f32
+            )
+            return out
         if native and rows_contiguous(self.weight) and rows <= dense_max_rows(dtype):
-            out: torch.Tensor = torch.ops.stallfree.linear(x, self.weight, self.bias_f32)
+            out = torch.ops.stallfree.linear(x, self.weight, self.bias_f32)
             return out
         if dtype != torch.bfloat16:
             return float32_product(x, self.weight, self.bias)
@@ -462,12 +492,46 @@ def prepack_pays() -> bool:
     return cpu_kernels.amx()
 
 
-def use_native_linears(model: nn.Module, prepack: bool = False) -> int:
+# With `--compact-decode-weights` each dense bfloat16 linear also keeps its weight in 12 bits a
+# value (csrc/compact_bf16.cpp: each value's low byte and a 4-bit code into its row's 16 high
+# bytes; lossless), and calls of up to this many rows multiply that form, with the dense
+# kernel's bits. A decode step reads about 0.75 of the bytes; a prompt reads the dense weight as
+# before, so the weights take 1.75x their memory. SmolLM2's four stacked shapes, many copies
+# from memory on 2 MB pages, two threads on a Zen 4, the compact form's time over the dense
+# kernel's: 1 row 0.81-0.94 (the down projection's 576 x 1536 worst), 4 rows 0.83-0.85, 8 rows
+# 0.96-1.06, 16 rows 1.02-1.12 (there the products are no longer bound by the bytes). Where
+# the AMX tiles are in use they take bfloat16 decode rows from AMX_MIN_ROWS (csrc/ops.cpp's
+# kAmxMinRows), so the compact form takes fewer there (`compact_max_rows`).
+COMPACT_MAX_ROWS = 4
+AMX_MIN_ROWS = 3
+
+
+def compact_max_rows() -> int:
+    """The most rows a call takes to the compact form on this CPU (COMPACT_MAX_ROWS)."""
+    return min(COMPACT_MAX_ROWS, AMX_MIN_ROWS - 1) if cpu_kernels.amx() else COMPACT_MAX_ROWS
+
+
+def compact_applies(weight: torch.Tensor) -> bool:
+    """Whether `weight` gets a compact form: bfloat16 [out, in] on the CPU, rows contiguous,
+    `in` a multiple of 64, on the AVX-512 variant (which has `vdpbf16ps`)."""
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.device.type == "cpu"
+        and weight.shape[1] % 64 == 0
+        and weight.shape[1] > 0
+        and rows_contiguous(weight)
+        and cpu_kernels.isa() == "avx512"
+    )
+
+
+def use_native_linears(model: nn.Module, prepack: bool = False, compact: bool = False) -> int:
     """Switch every dense bfloat16 or float32 CPU nn.Linear of `model` to `NativeLinear`, in
     place; returns how many (none when the library is not available). With `prepack`, each
     bfloat16 one but the output head (`lm_head`, which sees a prompt's last rows only) also
     keeps its weight in oneDNN's blocked order for prompts (PREPACKED_MIN_ROWS), where that
-    pays (`prepack_pays`)."""
+    pays (`prepack_pays`). With `compact`, each bfloat16 one also keeps its compact form for
+    decode rows (COMPACT_MAX_ROWS)."""
     if not cpu_kernels.available():
         return 0
     pack = prepack and prepack_pays()
@@ -482,6 +546,6 @@ def use_native_linears(model: nn.Module, prepack: bool = False) -> int:
             prepack_this = (
                 module.weight.dtype == torch.bfloat16 and name.rsplit(".", 1)[-1] != "lm_head"
             )
-            NativeLinear.adopt(module, pack and prepack_this)
+            NativeLinear.adopt(module, pack and prepack_this, compact)
             count += 1
     return count

@@ -34,7 +34,7 @@ from stallfree.runtime.model.quant import Int4Linear, Int8Linear
 Layer = Any
 
 # csrc/layers.cpp's projection kinds (APART: q, k and v are the next three projections)
-NATIVE, Q8_ROWS, Q8_BLOCKS, Q4, TORCH, GROUP, APART = range(7)
+NATIVE, Q8_ROWS, Q8_BLOCKS, Q4, TORCH, GROUP, APART, COMPACT = range(8)
 
 
 # a cached plan's key: (rows, dtype, the backend's `loop_facts()`)
@@ -71,6 +71,13 @@ def _projection(
     """How `module` runs `rows` rows of `dtype` in the Python loop, as a kind and its
     tensors; None where that is not one of the kinds (the step stays in Python)."""
     if isinstance(module, NativeLinear):
+        if dtype == module.weight.dtype and module.compact_rows(rows):
+            return [COMPACT], [
+                module.weight,
+                module.compact_codes,
+                module.compact_tables,
+                module.bias_f32,
+            ]
         if (
             dtype == module.weight.dtype
             and rows_contiguous(module.weight)

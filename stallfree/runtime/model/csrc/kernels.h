@@ -126,6 +126,24 @@ void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
 void dequant_q4(const uint8_t* codes, const uint16_t* gscale, const uint16_t* goffset,
                 int64_t k, int64_t g0, int64_t g1, Out out);
 }  // namespace lanes
+// bfloat16 weights in 12 bits a value, losslessly (compact_bf16.cpp): per row k low bytes and
+// k / 2 bytes of 4-bit codes into the row's table of 16 high bytes (uint8 [n, 1.5 k] and
+// [n, 16]); k % 64 == 0. A row that does not fit has 0xFF at its table's code 0.
+namespace compact {
+// rows [r0, r1) of w (`ldw` values a row) into codes and tables
+void pack(const uint16_t* w, int64_t ldw, int64_t k, int64_t r0, int64_t r1, uint8_t* codes,
+          uint8_t* tables);
+// rows [r0, r1) back to bfloat16, k values a row (a row that does not fit: undefined values)
+void unpack(const uint8_t* codes, const uint8_t* tables, int64_t k, int64_t r0, int64_t r1,
+            uint16_t* out);
+bool fits(const uint8_t* tables, int64_t r);
+// gemv_bf16's product for rows [n0, n1) with their dense kernel's bits, from the codes; a tile
+// with a row that does not fit from `dense` (the weight as it is, `ldw` values a row). AVX-512
+// with BF16 only: callers check the CPU has it.
+void gemv(const uint16_t* x, int64_t m, int64_t k, const uint8_t* codes, const uint8_t* tables,
+          const uint16_t* dense, int64_t ldw, const float* bias, int64_t n0, int64_t n1,
+          Out out);
+}  // namespace compact
 // The prompt products' packed activations and the bfloat16 prompt product without the AMX
 // tiles (bf16_gemm.cpp; AVX-512 with BF16, which the AVX-512 variant requires)
 namespace avx512 {

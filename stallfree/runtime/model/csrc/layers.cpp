@@ -40,12 +40,17 @@ enum Kind : int64_t {
   kTorch = 4,       // at::linear(x, weight, bias)
   kGroup = 5,       // stallfree::linear_group(x, weights): spec's next value is the count
   kApart = 6,       // not a projection: q, k and v are the next three, each its own call
+  kCompact = 7,     // stallfree::linear_compact(x, weight, codes, tables, bias_f32)
 };
 
 struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>
       linear = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(
           "stallfree::linear");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const OptTensor&)>
+      compact = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const OptTensor&)>("stallfree::linear_compact");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const std::vector<at::Tensor>&)> group =
       find_op<at::Tensor(const at::Tensor&, const std::vector<at::Tensor>&)>(
           "stallfree::linear_group");
@@ -120,6 +125,11 @@ struct Projections : PlanCursor {
         const at::Tensor c = need("int4 codes"), scale = need("group scales"),
                          offset = need("group offsets");
         return o.q4.call(x, c, scale, offset, maybe());
+      }
+      case kCompact: {
+        const at::Tensor w = need("a weight"), codes = need("compact codes"),
+                         tables = need("compact tables");
+        return o.compact.call(x, w, codes, tables, maybe());
       }
       case kTorch: {
         const at::Tensor w = need("a weight");

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -720,6 +721,77 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
+// A bfloat16 weight [n, k] (rows contiguous, k % 64 == 0) in the compact form
+// (compact_bf16.cpp): codes uint8 [n, 1.5 k] and tables uint8 [n, 16]
+std::tuple<at::Tensor, at::Tensor> compact_bf16(const at::Tensor& weight) {
+  const int64_t ldw = row_stride(weight, at::kBFloat16, "compact_bf16");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(k % 64 == 0 && k > 0, "compact_bf16: in_features must be a positive multiple of 64, got ", k);
+  at::Tensor codes = at::empty({n, k + k / 2}, weight.options().dtype(at::kByte));
+  at::Tensor tables = at::empty({n, 16}, weight.options().dtype(at::kByte));
+  const auto* w = static_cast<const uint16_t*>(weight.data_ptr());
+  uint8_t* c = codes.data_ptr<uint8_t>();
+  uint8_t* t = tables.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) { compact::pack(w, ldw, k, r0, r1, c, t); });
+  return {codes, tables};
+}
+
+void check_compact(const at::Tensor& codes, const at::Tensor& tables, int64_t n, int64_t k,
+                   const char* op) {
+  TORCH_CHECK(k % 64 == 0 && k > 0, op, ": in_features must be a positive multiple of 64, got ", k);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
+                  codes.size(0) == n && codes.size(1) == k + k / 2,
+              op, ": codes must be a contiguous uint8 [", n, ", ", k + k / 2, "] tensor");
+  TORCH_CHECK(tables.scalar_type() == at::kByte && tables.is_contiguous() && tables.dim() == 2 &&
+                  tables.size(0) == n && tables.size(1) == 16,
+              op, ": tables must be a contiguous uint8 [", n, ", 16] tensor");
+}
+
+// The compact form back to bfloat16 [n, k]; a row that does not fit comes back as zeros
+// (its values are the dense weight's, which the compact form does not hold)
+at::Tensor uncompact_bf16(const at::Tensor& codes, const at::Tensor& tables) {
+  TORCH_CHECK(codes.dim() == 2 && codes.size(1) % 96 == 0, "uncompact_bf16: codes must be [n, 1.5 k], k % 64 == 0");
+  const int64_t n = codes.size(0), k = codes.size(1) / 3 * 2;
+  check_compact(codes, tables, n, k, "uncompact_bf16");
+  at::Tensor out = at::empty({n, k}, codes.options().dtype(at::kBFloat16));
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint8_t* t = tables.data_ptr<uint8_t>();
+  auto* o = static_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    compact::unpack(c, t, k, r0, r1, o);
+    for (int64_t r = r0; r < r1; ++r)
+      if (!compact::fits(t, r)) std::fill(o + r * k, o + (r + 1) * k, uint16_t{0});
+  });
+  return out;
+}
+
+// `linear` on bfloat16 rows from a weight's compact form (`weight` itself for the rows that do
+// not fit): the dense kernel's bits, from 0.75 of its bytes. AVX-512 with BF16 only.
+at::Tensor linear_compact(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& codes,
+                          const at::Tensor& tables, const std::optional<at::Tensor>& bias) {
+  check_act(x, "linear_compact");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_compact: expected bfloat16 input, got ",
+              x.scalar_type());
+  TORCH_CHECK(cpu_has("avx512"), "linear_compact: needs AVX-512 with BF16");
+  const int64_t ldw = row_stride(weight, at::kBFloat16, "linear_compact");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(x.size(-1) == k, "linear_compact: input has ", x.size(-1), " features, weight ", k);
+  check_compact(codes, tables, n, k, "linear_compact");
+  at::Tensor out = at::empty(out_shape(x, n), x.options());
+  const float* b = opt_bias(bias, n);
+  if (x.numel() == 0) return without_inputs(out, bias, false);
+  const int64_t m = x.numel() / k;
+  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
+  const auto* w = static_cast<const uint16_t*>(weight.data_ptr());
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint8_t* t = tables.data_ptr<uint8_t>();
+  const Out o = out_of(out, n);
+  at::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
+    compact::gemv(xp, m, k, c, t, w, ldw, b, n0, n1, o);
+  });
+  return out;
+}
+
 // Several weights of one input width, their outputs side by side in one [rows, sum N] tensor:
 // the q/k/v (or gate/up) projections of a model whose weights are not stacked, in one call.
 at::Tensor linear_group(const at::Tensor& x, const std::vector<at::Tensor>& weights) {
@@ -843,6 +915,9 @@ TORCH_LIBRARY(stallfree, m) {
   m.def("amx_calls() -> int");
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_group(Tensor x, Tensor[] weights) -> Tensor");
+  m.def("compact_bf16(Tensor weight) -> (Tensor, Tensor)");
+  m.def("uncompact_bf16(Tensor codes, Tensor tables) -> Tensor");
+  m.def("linear_compact(Tensor x, Tensor weight, Tensor codes, Tensor tables, Tensor? bias) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("linear_q8_blocks(Tensor x, Tensor qweight, Tensor bscale, Tensor? bias) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor codes, Tensor gscale, Tensor goffset, Tensor? bias) -> Tensor");
@@ -868,6 +943,9 @@ TORCH_LIBRARY(stallfree, m) {
 TORCH_LIBRARY_IMPL(stallfree, CPU, m) {
   m.impl("linear", &sf::linear);
   m.impl("linear_group", &sf::linear_group);
+  m.impl("compact_bf16", &sf::compact_bf16);
+  m.impl("uncompact_bf16", &sf::uncompact_bf16);
+  m.impl("linear_compact", &sf::linear_compact);
   m.impl("linear_q8", &sf::linear_q8);
   m.impl("linear_q8_blocks", &sf::linear_q8_blocks);
   m.impl("linear_q8_prompt", &sf::linear_q8_prompt);
