@@ -7,7 +7,8 @@ weights are read.
 Each (format, repeat) runs in a fresh process, formats interleaved. A format is a dtype and a
 quantization: `f32` and `bf16` are dense, `int8` / `int4` quantize at load, `gguf` keeps the
 file's blocks (bfloat16 activations); `FORMAT+compile` (e.g. `bf16+compile`) compiles the
-layers first (`runtime.torch_compile`) and times the step only. A step is `model.forward` on a
+layers first (`runtime.torch_compile`) and times the step only; `bf16+compact` loads with
+`--compact-decode-weights` (the bytes read are then the compact form's). A step is `model.forward` on a
 decode batch of `--batch` requests with `--context` tokens of KV each (the KV and `req_to_token` filled once, no
 scheduler), timed as the median of `--steps`. Every linear layer (lm_head included) is timed
 on its own around the call (a dense float32 model's grouped q/k/v and gate/up calls as one each), so "outside linears" is the step minus their sum: norms, RoPE,
@@ -61,6 +62,9 @@ def linear_bytes(module: torch.nn.Module) -> int:
     from stallfree.runtime.model.quant import weight_bytes
 
     if isinstance(module, torch.nn.Linear):
+        codes = getattr(module, "compact_codes", None)  # --compact-decode-weights' form
+        if codes is not None:
+            return codes.numel() + module.compact_tables.numel()
         return module.weight.numel() * module.weight.element_size()
     if getattr(module, "native", False):  # what the native kernel reads
         names = ("qweight", "scale_f32", "block_scale", "codes", "q4_scale", "q4_offset")
@@ -84,7 +88,9 @@ class LinearTimer:
                 if enabled and module is not model.tied_head:
                     self._wrap(module, "forward")
                 self.bytes += linear_bytes(module)
-        if model.tied_head is None and model.arch.tie_word_embeddings:
+        if model.head_codes is not None:
+            self.bytes += model.head_codes.numel() + model.head_tables.numel()
+        elif model.tied_head is None and model.arch.tie_word_embeddings:
             weight = model.model.embed_tokens.weight
             self.bytes += weight.numel() * weight.element_size()
         if enabled and model.arch.tie_word_embeddings:
@@ -165,7 +171,14 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     base, _, variant = args.format.partition("+")
     dtype, quantization = FORMATS[base]
-    loaded = load_model(args.model, dtype, torch.device("cpu"), 0, quantization=quantization)
+    loaded = load_model(
+        args.model,
+        dtype,
+        torch.device("cpu"),
+        0,
+        quantization=quantization,
+        compact_decode_weights=variant == "compact",
+    )
     compiled = variant == "compile"
     compile_s = None
     if compiled:
@@ -230,7 +243,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None)
     p.add_argument(
-        "--formats", nargs="+", default=["f32", "bf16", "int8", "gguf"], help="add +compile"
+        "--formats",
+        nargs="+",
+        default=["f32", "bf16", "int8", "gguf"],
+        help="add +compile, or bf16+compact",
     )
     p.add_argument("--batch", nargs="+", type=int, default=[1, 16])
     p.add_argument("--context", type=int, default=256)

