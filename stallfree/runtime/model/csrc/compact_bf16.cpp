@@ -8,9 +8,11 @@
 // kept as its values' low bytes (the exponent's last bit and the mantissa) and a 4-bit code per
 // value into a table of 16 high bytes of the row's own: code 0 is 0x00 (zero, and the
 // subnormals), codes 1-15 the row's 15 most frequent others. A row whose values take more high
-// bytes than that does not fit; it is marked (its table's code 0 is 0xFF) and read from the
-// dense weight instead. In all-MiniLM-L6-v2's weights (trained, rounded to bfloat16) 302 of
-// 52,157 rows did not fit; in SmolLM2's none.
+// bytes than that does not fit; it is marked (its table's code 0 is 0xFF), and its values are
+// read from the dense weight instead, in the same tile as the rows around it. In
+// all-MiniLM-L6-v2's weights (trained, rounded to bfloat16) 302 of 52,157 rows did not fit, in
+// SmolLM2's 9 of 204,672; in a 1B Llama's random Gaussian ones (rows of 2048 and 8192 values)
+// 8.5%, their smallest values spanning more powers of two.
 //
 // A row is k low bytes, then k / 2 code bytes (1.5 bytes a value, 0.75 of bfloat16's), rows
 // back to back. Within each block of 64 values the low bytes and codes are laid out so that
@@ -142,16 +144,38 @@ inline void decode(const uint8_t* lo, const uint8_t* nib, __m512i table, __m512i
   w1 = _mm512_unpackhi_epi8(low, high);
 }
 
+// How far into a row that does not fit its dense values are fetched ahead (it is read where the
+// row's codes would be; the rows around it usually fit, so the next tiles' are not fetched)
+constexpr int64_t kDenseAhead = 1024;
+
+// Block b of weight row j: decoded from its codes, or (`dense` not null: a row that does not
+// fit) its values as they are
+inline void block(const uint8_t* row, const uint16_t* dense, __m512i table, int64_t b,
+                  int64_t ahead, __m512i& w0, __m512i& w1) {
+  if (dense != nullptr) {
+    const uint16_t* p = dense + b * 64;
+    _mm_prefetch(reinterpret_cast<const char*>(p) + kDenseAhead, _MM_HINT_T1);
+    w0 = _mm512_loadu_si512(p);
+    w1 = _mm512_loadu_si512(p + 32);
+    return;
+  }
+  const uint8_t* lo = row + b * kBlockBytes;
+  _mm_prefetch(reinterpret_cast<const char*>(lo) + ahead, _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(lo + 64) + ahead, _MM_HINT_T1);
+  decode(lo, lo + 64, table, w0, w1);
+}
+
 inline __m512 dot(__m512 acc, __m512i x, __m512i w) {
   return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
 }
 
-// rows n .. n + nb - 1 (their low bytes at rows[j]) times activation rows m0 .. m0 + MB - 1.
-// One activation row takes the weight rows one after another, not unrolled (the dense
-// kernel's paced loop, for the same reason).
+// rows n .. n + nb - 1 (their codes at rows[j], or their dense values at dense[j] where not
+// null) times activation rows m0 .. m0 + MB - 1. One activation row takes the weight rows one
+// after another, not unrolled (the dense kernel's paced loop, for the same reason).
 template <int MB>
-void tile(const uint16_t* x, int64_t k, const uint8_t* const* rows, const __m512i* tables,
-          int64_t m0, int64_t n, int nb, const float* bias, Out out, int64_t ahead) {
+void tile(const uint16_t* x, int64_t k, const uint8_t* const* rows, const uint16_t* const* dense,
+          const __m512i* tables, int64_t m0, int64_t n, int nb, const float* bias, Out out,
+          int64_t ahead) {
   __m512 acc[MB][kTileN];
 #pragma GCC unroll 4
   for (int i = 0; i < MB; ++i)
@@ -165,24 +189,14 @@ void tile(const uint16_t* x, int64_t k, const uint8_t* const* rows, const __m512
       const __m512i x1 = _mm512_loadu_si512(xs[0] + b * 64 + 32);
 #pragma GCC unroll 1
       for (int j = 0; j < kTileN; ++j) {
-        const uint8_t* lo = rows[j] + b * kBlockBytes;
-        const uint8_t* nib = lo + 64;
-        _mm_prefetch(reinterpret_cast<const char*>(lo) + ahead, _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(nib) + ahead, _MM_HINT_T1);
         __m512i w0, w1;
-        decode(lo, nib, tables[j], w0, w1);
+        block(rows[j], dense[j], tables[j], b, ahead, w0, w1);
         acc[0][j] = dot(dot(acc[0][j], x0, w0), x1, w1);
       }
     } else {
       __m512i w0[kTileN], w1[kTileN];
 #pragma GCC unroll 4
-      for (int j = 0; j < kTileN; ++j) {
-        const uint8_t* lo = rows[j] + b * kBlockBytes;
-        const uint8_t* nib = lo + 64;
-        _mm_prefetch(reinterpret_cast<const char*>(lo) + ahead, _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(nib) + ahead, _MM_HINT_T1);
-        decode(lo, nib, tables[j], w0[j], w1[j]);
-      }
+      for (int j = 0; j < kTileN; ++j) block(rows[j], dense[j], tables[j], b, ahead, w0[j], w1[j]);
       // the dense kernel's order: each 32 values into every row's sums before the next 32
 #pragma GCC unroll 4
       for (int i = 0; i < MB; ++i) {
@@ -210,29 +224,24 @@ void gemv(const uint16_t* x, int64_t m, int64_t k, const uint8_t* codes, const u
           Out out) {
   const int64_t row_bytes = k + k / 2;
   const int64_t ahead = prefetch_ahead(kTileN * row_bytes);
-  const GemvDenseFn dense_gemv = avx512::kernels().gemv_bf16;
   for (int64_t n = n0; n < n1; n += kTileN) {
     const int nb = static_cast<int>(std::min<int64_t>(kTileN, n1 - n));
-    bool all_fit = true;
-    for (int j = 0; j < nb; ++j) all_fit = all_fit && fits(tables, n + j);
-    if (!all_fit) {  // a row that does not fit: the tile from the dense weight
-      dense_gemv(x, m, k, dense, ldw, bias, n, n + nb, out);
-      continue;
-    }
     const uint8_t* rows[kTileN];
+    const uint16_t* dense_rows[kTileN];
     __m512i tabs[kTileN];
     for (int j = 0; j < kTileN; ++j) {
       const int64_t r = n + std::min(j, nb - 1);
       rows[j] = codes + r * row_bytes;
+      dense_rows[j] = fits(tables, r) ? nullptr : dense + r * ldw;
       tabs[j] = _mm512_broadcast_i32x4(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(tables + r * kCodes)));
     }
     for (int64_t m0 = 0; m0 < m; m0 += kTileM) {
       switch (std::min<int64_t>(kTileM, m - m0)) {
-        case 1: tile<1>(x, k, rows, tabs, m0, n, nb, bias, out, ahead); break;
-        case 2: tile<2>(x, k, rows, tabs, m0, n, nb, bias, out, ahead); break;
-        case 3: tile<3>(x, k, rows, tabs, m0, n, nb, bias, out, ahead); break;
-        default: tile<4>(x, k, rows, tabs, m0, n, nb, bias, out, ahead); break;
+        case 1: tile<1>(x, k, rows, dense_rows, tabs, m0, n, nb, bias, out, ahead); break;
+        case 2: tile<2>(x, k, rows, dense_rows, tabs, m0, n, nb, bias, out, ahead); break;
+        case 3: tile<3>(x, k, rows, dense_rows, tabs, m0, n, nb, bias, out, ahead); break;
+        default: tile<4>(x, k, rows, dense_rows, tabs, m0, n, nb, bias, out, ahead); break;
       }
     }
   }

@@ -137,8 +137,8 @@ void pack(const uint16_t* w, int64_t ldw, int64_t k, int64_t r0, int64_t r1, uin
 void unpack(const uint8_t* codes, const uint8_t* tables, int64_t k, int64_t r0, int64_t r1,
             uint16_t* out);
 bool fits(const uint8_t* tables, int64_t r);
-// gemv_bf16's product for rows [n0, n1) with their dense kernel's bits, from the codes; a tile
-// with a row that does not fit from `dense` (the weight as it is, `ldw` values a row). AVX-512
+// gemv_bf16's product for rows [n0, n1) with their dense kernel's bits, from the codes; a row
+// that does not fit from `dense` (the weight as it is, `ldw` values a row). AVX-512
 // with BF16 only: callers check the CPU has it.
 void gemv(const uint16_t* x, int64_t m, int64_t k, const uint8_t* codes, const uint8_t* tables,
           const uint16_t* dense, int64_t ldw, const float* bias, int64_t n0, int64_t n1,
