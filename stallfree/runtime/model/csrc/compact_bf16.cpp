@@ -61,8 +61,9 @@ void pack(const uint16_t* w, int64_t ldw, int64_t k, int64_t r0, int64_t r1, uin
     // code 0 is 0x00; then the most frequent others (ties: the lower byte first)
     std::array<int, 256> order{};
     for (int b = 0; b < 256; ++b) order[b] = b;
-    std::stable_sort(order.begin() + 1, order.end(),
-                     [&](int a, int b) { return count[a] > count[b]; });
+    std::partial_sort(order.begin() + 1, order.begin() + kCodes, order.end(), [&](int a, int b) {
+      return count[a] > count[b] || (count[a] == count[b] && a < b);
+    });
     std::array<int, 256> code;
     code.fill(-1);
     int64_t fits = count[0];
