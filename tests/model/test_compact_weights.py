@@ -178,8 +178,8 @@ def test_decode_rows_take_the_compact_form_and_prompts_the_dense_weight(bias: bo
         with torch.inference_mode():
             want = plain(x)
         assert torch.equal(bits(got), bits(want))
-        took = "stallfree.linear_compact" in calls.native()
-        assert took is (rows <= native_layers.compact_max_rows()), rows
+        on_compact_form = "stallfree.linear_compact" in calls.native()
+        assert on_compact_form is (rows <= native_layers.compact_max_rows()), rows
 
 
 def test_a_cpu_without_the_avx512_variant_compacts_nothing(

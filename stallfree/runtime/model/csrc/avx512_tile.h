@@ -1,10 +1,13 @@
-// The AVX-512 matrix-vector kernels' tile epilogue, shared by the dense kernel (isa_avx512.cpp)
+// The AVX-512 matrix-vector kernels' tile shape and epilogue, shared by the dense kernel (isa_avx512.cpp)
 // and the compact bfloat16 one (compact_bf16.cpp), whose outputs must be the dense kernel's bits.
 // Intrinsics only, no standard headers: it is included after a file's AVX-512 target pragma.
 #pragma once
 
 namespace sf {
 namespace avx512 {
+
+constexpr int kTileN = 4;  // weight rows a tile
+constexpr int kTileM = 4;  // activation rows a tile
 
 // the four sums of a tile row's accumulators, in one register
 inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {

@@ -129,8 +129,8 @@ namespace {
 using avx512::hsum4;
 using avx512::store4;
 
-constexpr int kTileN = 4;  // weight rows a tile, as the dense kernel's
-constexpr int kTileM = 4;  // activation rows a tile
+using avx512::kTileM;
+using avx512::kTileN;
 
 // The values of a block of 64 of one row: 0-31 in `w0`, 32-63 in `w1`
 inline void decode(const uint8_t* lo, const uint8_t* nib, __m512i table, __m512i& w0,

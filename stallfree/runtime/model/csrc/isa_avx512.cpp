@@ -25,9 +25,6 @@ namespace sf {
 namespace avx512 {
 namespace {
 
-constexpr int kTileN = 4;
-constexpr int kTileM = 4;
-
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
