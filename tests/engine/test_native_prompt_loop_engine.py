@@ -125,6 +125,10 @@ async def test_mixed_steps_take_the_loop_with_their_decode_rows(
     looped, looped_tails, taken = await _mixed(path, True, monkeypatch)
     assert off == 0
     assert looped == python
-    assert tails == 0 and looped_tails > 0, (tails, looped_tails, taken)  # off: never asked
+    assert tails == 0, tails  # off: never asked
+    if native_layers.dense_max_rows(torch.bfloat16) < 40:
+        # the workload has such steps wherever a step of up to 40 rows is past the
+        # matrix-vector kernels (on the AVX2 variant they take every row count: none is)
+        assert looped_tails > 0, (looped_tails, taken)
     # every mixed step with a decode tail, where the prompt products run
     assert taken == (looped_tails if _bf16_loop() else 0)
