@@ -145,13 +145,21 @@ def test_tp2_fused_and_quantized_is_close_to_tp1(
     row-parallel ones with a scale per half row, so the two sizes agree to quantization noise,
     not bit for bit."""
     ref = run_greedy(load_model(str(model_dirs[name]), "float32", CPU, 0, quantization="int8"))
+    dense = run_greedy(load_model(str(model_dirs[name]), "float32", CPU, 0))["logits"][0]
+    # tp=1's own quantization noise: the largest distance of its logits from float32's. Each
+    # size quantizes on its own (other scales for the row-parallel halves), so the two are two
+    # draws of that noise and lie within twice it of each other; a shard scaled wrongly is off
+    # by the logits' whole spread. (A fixed 0.1 x the logits' spread held on a Zen 4 and missed
+    # on a Zen 3 with the kernels on or off: 0.107 there, whose float32 noise alone is 0.096.)
+    noise = (ref["logits"][0] - dense).abs().max().item()
+    assert 0 < noise < 0.2 * dense.std().item()
     for runs in tp_runs:
         run = runs[f"{name}:int8"]
         assert run["kinds"] == ["Int8Linear", "Int8Linear", "Int8Linear"]
         # the first forward (the prefill) sees the same tokens at both sizes
         got, want = run["logits"][0], ref["logits"][0]
         assert got.shape == want.shape
-        assert (got - want).abs().max().item() <= 0.1 * want.std().item()
+        assert (got - want).abs().max().item() <= 2 * noise
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     for a, b in zip(
         tp_runs[0][f"{name}:int8"]["logits"], tp_runs[1][f"{name}:int8"]["logits"], strict=True
