@@ -1,6 +1,7 @@
 """The native matrix-vector kernels against the machine's read bandwidth and torch's kernels.
 
-    python benchmarks/bench_gemv.py [--formats bf16 int8 q8_0 int4 f32] [--rows 1 2 4 8 16]
+    python benchmarks/bench_gemv.py [--formats bf16 bf16c int8 q8_0 int4 f32]
+        [--rows 1 2 4 8 16]
         [--copies N] [--repeats 3] [--threads 2] [--seconds 10]
 
 SmolLM2-135M's five projection shapes (q/k/v 960x576, o 576x576, gate/up 3072x576, down
@@ -15,8 +16,9 @@ and that as a share of the machine's read bandwidth (read_probe.py: a streaming 
 and the steps alternate for `--seconds`: every round reads the bandwidth once and then times
 one pass over every copy at each row count, and the share is taken per round, since this
 machine's memory speed drifts by a third within minutes. torch's own kernel for the
-format is timed beside it (bf16: F.linear; int8: _weight_int8pack_mm; f32: F.linear; q8_0, a
-GGUF's Q8_0 with a float16 scale per block of 32, and int4: the native kernel only, torch has no
+format is timed beside it (bf16: F.linear; bf16c, the compact form of bfloat16 weights that
+`--compact-decode-weights` keeps, counted at its 1.5 bytes a value and 16 a row: F.linear on
+the dense weight; int8: _weight_int8pack_mm; f32: F.linear; q8_0, a GGUF's Q8_0 with a float16 scale per block of 32, and int4: the native kernel only, torch has no
 kernel for block scales and its int4 weight kernel needs its own packing). Every copy has its
 own scales, so they are read from memory with the weight. Each (format, repeat)
 runs in a fresh process; formats interleave; medians are printed with the load average.
@@ -46,6 +48,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 # values); the output layer counts a sixth, as `child` holds a sixth as many copies of it
 _BYTES_PER_VALUE = {
     "bf16": 2.0,
+    "bf16c": 1.5,
     "f32": 4.0,
     "int8": 1.0,
     "q8_0": 1.0 + 2 / 32,
@@ -109,6 +112,20 @@ def child(fmt: str, rows: list[int], copies: int, threads: int, seconds: float) 
                 native = [lambda w=w, x=x: ops.linear(x, w, None) for w in ws]
                 ref = [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in ws]
                 nbytes += n * k * ws[0].element_size()
+            elif fmt == "bf16c":
+                # the compact form (--compact-decode-weights) of trained-like rows: Gaussian
+                # values of 0.02's scale, whose high bytes fit a row's table but for a few rows
+                # (those are read from their dense copy, which the count leaves out)
+                ws = [(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for _ in range(count)]
+                forms = [ops.compact_bf16(w) for w in ws]
+                codes = on_huge_pages([c for c, _ in forms])
+                tables = on_huge_pages([t for _, t in forms])
+                native = [
+                    lambda w=w, c=c, t=t, x=x: ops.linear_compact(x, w, c, t, None)
+                    for w, c, t in zip(ws, codes, tables, strict=True)
+                ]
+                ref = [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in ws]
+                nbytes += n * (k + k // 2) + n * 16
             elif fmt in ("int8", "q8_0"):
                 qs = on_huge_pages(
                     [

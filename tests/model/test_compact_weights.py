@@ -2,8 +2,9 @@
 its weight in 12 bits a value as well (csrc/compact_bf16.cpp), losslessly, and decode rows (up
 to `COMPACT_MAX_ROWS`) multiply that form with the dense kernel's bits; a row that does not
 fit in it is read from the dense weight; prompts keep the dense weight; the flag reaches the
-loader and the worker processes, the C++ layer loop and a tied output matrix; a CPU without
-AVX-512 BF16 compacts nothing."""
+loader and the worker processes, the C++ layer loop and a tied output matrix; each variant of
+the kernels (AVX-512, AVX2) has its own product, with its own dense kernel's bits; without the
+kernels nothing is compacted."""
 
 from __future__ import annotations
 
@@ -14,22 +15,14 @@ import torch
 from torch import nn
 
 from stallfree.runtime.model import cpu_kernels, native_layers, native_loop
-from tests.model.native_util import VARIANTS, OpCalls, set_isa
-
-needs_avx512 = pytest.mark.skipif(
-    "avx512" not in VARIANTS, reason="no AVX-512 variant on this CPU (the compact form needs it)"
-)
-# the selected variant: a linear takes the compact form only on the AVX-512 one
-selected_avx512 = pytest.mark.skipif(
-    cpu_kernels.isa() != "avx512", reason="the AVX-512 variant is not the one selected"
-)
+from tests.model.native_util import OpCalls, each_isa, needs_kernels, set_isa
 
 
-@pytest.fixture
-def avx512(restore_variant: None) -> None:
-    """The AVX-512 variant without the AMX tiles: the dense kernel the compact form's products
-    equal (the tiles, where a CPU has them, take 3 rows and more with other sums)."""
-    set_isa("avx512")
+def use_variant(isa: str) -> None:
+    """The variant `isa` without the AMX tiles: the dense kernel whose bits that variant's
+    compact product gives (the tiles, where a CPU has them, take 3 rows and more with other
+    sums)."""
+    set_isa(isa)
     torch.ops.stallfree.set_amx(False)
 
 
@@ -50,7 +43,7 @@ def unfit_row(k: int) -> torch.Tensor:
     return row.to(torch.bfloat16)
 
 
-@needs_avx512
+@needs_kernels
 @pytest.mark.parametrize("k", [64, 192, 576])
 def test_a_weight_comes_back_bit_for_bit(k: int) -> None:
     w = gaussian(37, k)
@@ -69,7 +62,7 @@ def test_a_weight_comes_back_bit_for_bit(k: int) -> None:
     assert torch.equal(bits(back[~fits]), torch.zeros_like(bits(w[~fits])))
 
 
-@needs_avx512
+@needs_kernels
 def test_the_table_holds_zero_then_the_rows_most_frequent_high_bytes() -> None:
     # one row: 1.0 (0x3F80) x 40, -0.5 (0xBF00) x 20, 0.25 (0x3E80) x 4; all else zero
     row = torch.zeros(64)
@@ -84,8 +77,12 @@ def test_the_table_holds_zero_then_the_rows_most_frequent_high_bytes() -> None:
     assert int(codes[0, 63]) == 0x80 and int(codes[0, 64 + 31]) >> 4 == 3
 
 
-@needs_avx512
-def test_a_row_that_does_not_fit_is_marked_and_read_from_the_dense_weight(avx512: None) -> None:
+@needs_kernels
+@each_isa
+def test_a_row_that_does_not_fit_is_marked_and_read_from_the_dense_weight(
+    isa: str, restore_variant: None
+) -> None:
+    use_variant(isa)
     w = gaussian(9, 128)
     w[2] = unfit_row(128)
     codes, tables = torch.ops.stallfree.compact_bf16(w)
@@ -96,13 +93,18 @@ def test_a_row_that_does_not_fit_is_marked_and_read_from_the_dense_weight(avx512
     assert torch.equal(bits(got), bits(torch.ops.stallfree.linear(x, w, None)))
 
 
-@needs_avx512
+@needs_kernels
+@each_isa
 @pytest.mark.parametrize("k", [64, 128, 576])
 @pytest.mark.parametrize("n", [1, 3, 4, 37, 64])
-def test_products_are_the_dense_kernels_bits(n: int, k: int, avx512: None) -> None:
-    """Every row count from 1 to 16 (the tile's 4 rows and past them), outputs past a tile of 4
-    weight rows, a bias or none, a weight whose rows lie further apart than its width (the
-    padded layout), a row that does not fit."""
+def test_products_are_the_dense_kernels_bits(
+    n: int, k: int, isa: str, restore_variant: None
+) -> None:
+    """On each variant, against that variant's dense kernel: every row count from 1 to 16 (its
+    tiles of 3 or 4 rows and past them), outputs past a tile of 4 weight rows, a bias or none,
+    a weight whose rows lie further apart than its width (the padded layout), a row that does
+    not fit."""
+    use_variant(isa)
     g = torch.Generator().manual_seed(n * 1000 + k)
     wide = (torch.randn(n, k + 32, generator=g) * 0.05).to(torch.bfloat16)
     w = wide[:, :k]  # rows k + 32 values apart
@@ -119,7 +121,7 @@ def test_products_are_the_dense_kernels_bits(n: int, k: int, avx512: None) -> No
             assert torch.equal(bits(got), bits(want)), (rows, b is None)
 
 
-@needs_avx512
+@needs_kernels
 def test_bad_inputs_are_refused_with_a_clear_error() -> None:
     ops = torch.ops.stallfree
     with pytest.raises(RuntimeError, match="multiple of 64"):
@@ -139,7 +141,7 @@ def test_bad_inputs_are_refused_with_a_clear_error() -> None:
         ops.linear_compact(torch.randn(2, 128).to(torch.bfloat16), w, codes, tables, None)
 
 
-@needs_avx512
+@needs_kernels
 def test_the_fakes_match_the_ops() -> None:
     """torch.compile traces the ops through their fakes (cpu_kernel_fakes.py)."""
     w = gaussian(40, 64)
@@ -165,7 +167,7 @@ def bf16_linear(n: int, k: int, bias: bool) -> nn.Linear:
     return layer
 
 
-@selected_avx512
+@needs_kernels
 @pytest.mark.parametrize("bias", [False, True])
 def test_decode_rows_take_the_compact_form_and_prompts_the_dense_weight(bias: bool) -> None:
     plain = native_layers.NativeLinear.adopt(bf16_linear(96, 128, bias))
@@ -182,16 +184,17 @@ def test_decode_rows_take_the_compact_form_and_prompts_the_dense_weight(bias: bo
         assert on_compact_form is (rows <= native_layers.compact_max_rows()), rows
 
 
-def test_a_cpu_without_the_avx512_variant_compacts_nothing(
+def test_each_variant_compacts_and_the_torch_path_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(cpu_kernels, "isa", lambda: "avx2")
-    assert not native_layers.compact_applies(gaussian(8, 64))
+    for isa in ("avx512", "avx2"):
+        monkeypatch.setattr(cpu_kernels, "isa", lambda isa=isa: isa)
+        assert native_layers.compact_applies(gaussian(8, 64))
     monkeypatch.setattr(cpu_kernels, "isa", lambda: None)
     assert not native_layers.compact_applies(gaussian(8, 64))
 
 
-@selected_avx512
+@needs_kernels
 def test_only_bfloat16_weights_of_whole_blocks_of_64_are_compacted() -> None:
     assert native_layers.compact_applies(gaussian(8, 64))
     assert not native_layers.compact_applies(gaussian(8, 96))
@@ -200,7 +203,7 @@ def test_only_bfloat16_weights_of_whole_blocks_of_64_are_compacted() -> None:
     assert not native_layers.compact_applies(gaussian(64, 8).t())  # rows not contiguous
 
 
-@selected_avx512
+@needs_kernels
 def test_the_loader_compacts_every_dense_linear_and_a_tied_head(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from stallfree.runtime.model.loader import load_model
     from tests.hf_models import make_llama
@@ -217,7 +220,7 @@ def test_the_loader_compacts_every_dense_linear_and_a_tied_head(tmp_path) -> Non
             assert (loaded.model.head_codes is not None) is (on and head)
 
 
-@selected_avx512
+@needs_kernels
 def test_greedy_output_is_the_same_and_the_layer_loop_takes_the_compact_form(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from stallfree import Engine
     from tests.engine_util import engine_config, random_prompts, run_greedy
@@ -226,22 +229,30 @@ def test_greedy_output_is_the_same_and_the_layer_loop_takes_the_compact_form(tmp
     path = str(make_llama(tmp_path, tie_word_embeddings=True))
     prompts = random_prompts(4, seed=3)
 
-    async def run(on: bool) -> tuple[list[list[int]], list[native_loop.Plan | None]]:
+    async def run(
+        on: bool,
+    ) -> tuple[list[list[int]], list[tuple[native_loop.PlanKey, native_loop.Plan | None]]]:
         cfg = engine_config(path, model={"dtype": "bfloat16", "compact_decode_weights": on})
         async with Engine(cfg) as engine:
+            # four streams together, then one alone: steps of 4 rows and of 1
             out = await run_greedy(engine, prompts, 12)
+            out += await run_greedy(engine, prompts[:1], 12)
             await engine.wait_idle()
             assert engine.pool_usage().all_free
             model = engine.core.loaded.model
-            return out, list(model._loop_plans.values())
+            return out, list(model._loop_plans.items())
 
     plain, plain_plans = asyncio.run(run(False))
     compact, compact_plans = asyncio.run(run(True))
     assert compact == plain
-    assert all(p is None or native_loop.COMPACT not in p.spec for p in plain_plans)
-    looped = [p for p in compact_plans if p is not None]
+    assert all(p is None or native_loop.COMPACT not in p.spec for _, p in plain_plans)
+    # a plan per row count: the compact form up to compact_max_rows (the 4 rows' plan is past
+    # it on the AVX2 variant, whose limit is 2)
+    looped = [(key[0], p) for key, p in compact_plans if p is not None]
     if native_loop.enabled():
-        assert looped and all(native_loop.COMPACT in p.spec for p in looped)
+        assert any(rows <= native_layers.compact_max_rows() for rows, _ in looped)
+        for rows, p in looped:
+            assert (native_loop.COMPACT in p.spec) is (rows <= native_layers.compact_max_rows())
 
 
 def test_the_flag_sets_the_model_setting_and_reaches_the_workers() -> None:

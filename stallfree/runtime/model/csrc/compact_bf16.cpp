@@ -21,9 +21,11 @@
 // position 16 (j / 8) + j % 8, value 32 + j at 16 (j / 8) + 8 + j % 8; the code of position
 // p < 32 in the low nibble of code byte p, of p >= 32 in the high nibble of code byte p - 32.
 //
-// The product takes the dense kernel's steps in its order (isa_avx512.cpp: `vdpbf16ps` on 32
-// values at a time, four weight rows a tile, the same sums and epilogue), so its outputs are
-// the dense kernel's bits. Only k % 64 == 0 is compacted (the loader keeps the others dense).
+// The product below (the AVX-512 variant's) takes the dense kernel's steps in its order
+// (isa_avx512.cpp: `vdpbf16ps` on 32 values at a time, four weight rows a tile, the same sums
+// and epilogue), so its outputs are the dense kernel's bits; the AVX2 variant's, in
+// isa_avx2.cpp, takes its own dense kernel's from the same layout. Only k % 64 == 0 is
+// compacted (the loader keeps the others dense).
 
 #include <immintrin.h>
 
@@ -39,9 +41,7 @@ namespace compact {
 
 namespace {
 
-constexpr int kCodes = 16;
 constexpr uint8_t kUnfit = 0xFF;
-constexpr int64_t kBlockBytes = 96;  // a block of 64 values: 64 low bytes, then 32 code bytes
 
 // where value j (0-63) of a block of 64 sits in the block's low bytes and codes
 inline int position(int j) {

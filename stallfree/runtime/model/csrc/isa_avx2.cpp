@@ -193,6 +193,23 @@ void dense_tile(const float* xs, int64_t xs_stride, const void* x, int64_t k, co
   }
 }
 
+// bfloat16 activation rows [p0, p1) of x [m, k] as dense_tile reads them: per 16 values, the 8
+// even-indexed then the 8 odd-indexed in float32, k16 values a row (this thread's buffer)
+const float* split_bf16(const void* x, int64_t k, int64_t k16, int64_t p0, int64_t p1) {
+  thread_local std::vector<float> split;
+  scratch(split, static_cast<size_t>((p1 - p0) * k16 + 8));
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t i = p0; i < p1; ++i)
+    for (int64_t k0 = 0; k0 < k16; k0 += 16) {
+      const __m256i v = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i * k + k0));
+      float* dst = split.data() + (i - p0) * k16 + k0;
+      _mm256_storeu_ps(dst, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+      _mm256_storeu_ps(dst + 8, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
+    }
+  return split.data();
+}
+
 // activation rows per pass over the weights: a bfloat16 prompt (which stays on this kernel,
 // native_layers.AVX2_BF16_MAX_ROWS) is split into float32 this many rows at a time (1.5 MB
 // at 8192 features, not the whole chunk's), the weights re-read once per pass
@@ -209,18 +226,7 @@ void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, int64_t ld
     const float* xs = static_cast<const float*>(x) + p0 * k;  // row p0 of the pass
     int64_t xs_stride = k;
     if constexpr (BF16) {
-      thread_local std::vector<float> split;
-      scratch(split, static_cast<size_t>((p1 - p0) * k16 + 8));
-      const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-      for (int64_t i = p0; i < p1; ++i)
-        for (int64_t k0 = 0; k0 < k16; k0 += 16) {
-          const __m256i v = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i * k + k0));
-          float* dst = split.data() + (i - p0) * k16 + k0;
-          _mm256_storeu_ps(dst, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-          _mm256_storeu_ps(dst + 8, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
-        }
-      xs = split.data();
+      xs = split_bf16(x, k, k16, p0, p1);
       xs_stride = k16;
     }
     for (int64_t n = n0; n < n1; n += kTileN) {
@@ -231,6 +237,151 @@ void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, int64_t ld
           case 1: dense_tile<BF16, 1>(xm, xs_stride, x, k, t, m0, ahead, bias, out); break;
           case 2: dense_tile<BF16, 2>(xm, xs_stride, x, k, t, m0, ahead, bias, out); break;
           default: dense_tile<BF16, 3>(xm, xs_stride, x, k, t, m0, ahead, bias, out); break;
+        }
+      }
+    }
+  }
+}
+
+// ---- bfloat16 weights in the compact form (compact_bf16.cpp's layout) ----------------------
+//
+// A block of 64 values of a row is decoded to its four runs of 16 values in order, each the
+// vector a load of those 16 dense values gives, and each run goes into the sums as dense_tile
+// puts it there: every accumulator takes the same products in the same order, so the outputs
+// are gemv_dense_bf16's bits. The codes of the block's positions 0-31 (its low bytes' first 32)
+// are the low nibbles of its 32 code bytes and those of positions 32-63 the high nibbles, so two
+// `vpshufb` against the row's table (in both 128-bit lanes) give the high bytes of all 64, and
+// `vpunpck{l,h}bw` of low and high bytes, per 128-bit lane, give values 0-15 (low of positions
+// 0-31), 16-31 (low of 32-63), 32-47 (high of 0-31) and 48-63 (high of 32-63).
+
+// the high bytes of a block's positions 0-31 (`h0`) and 32-63 (`h1`)
+inline void compact_highs(const uint8_t* lo, __m256i table, __m256i& h0, __m256i& h1) {
+  const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + 64));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  h0 = _mm256_shuffle_epi8(table, _mm256_and_si256(nib, mask));
+  h1 = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(nib, 4), mask));
+}
+
+// run s (values 16 s .. 16 s + 15) of a block whose low bytes are at `lo`
+inline __m256i compact_run(const uint8_t* lo, __m256i h0, __m256i h1, int s) {
+  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + (s & 1) * 32));
+  const __m256i high = (s & 1) ? h1 : h0;
+  return s < 2 ? _mm256_unpacklo_epi8(low, high) : _mm256_unpackhi_epi8(low, high);
+}
+
+// One or two activation rows (MB, the call's m): weight rows n .. n + nb - 1 (their codes at
+// rows[j] with tables[j], or their dense values at dense[j] where not null: a row that does not
+// fit) decoded block by block in the registers, each run going into dense_tile<true, MB>'s sums
+// in its order (8 sums, the two high-byte vectors and a run fit the 16 registers; three rows'
+// 12 sums would not)
+template <int MB>
+void compact_regs(const float* xs, int64_t k, const uint8_t* const* rows,
+                  const uint16_t* const* dense, const __m256i* tables, int64_t n, int nb,
+                  int64_t ahead, const float* bias, Out out) {
+  static_assert(MB == 1 || MB == 2);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 acc[MB][kTileN], odd[MB == 1 ? kTileN : 1];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < kTileN; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int j = 0; j < (MB == 1 ? kTileN : 1); ++j) odd[j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k / 64; ++b) {
+#pragma GCC unroll 1
+    for (int j = 0; j < kTileN; ++j) {
+      const uint8_t* lo = rows[j] + b * compact::kBlockBytes;
+      const uint16_t* d = dense[j] == nullptr ? nullptr : dense[j] + b * 64;
+      __m256i h0 = high, h1 = high;
+      if (d == nullptr) {
+        _mm_prefetch(reinterpret_cast<const char*>(lo) + ahead, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(lo) + 64 + ahead, _MM_HINT_T1);
+        compact_highs(lo, tables[j], h0, h1);
+      }
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        const __m256i v =
+            d == nullptr ? compact_run(lo, h0, h1, s)
+                         : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + 16 * s));
+        const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        for (int i = 0; i < MB; ++i) {
+          const float* xi = xs + i * k + b * 64 + 16 * s;
+          acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xi), w0, acc[i][j]);
+          if constexpr (MB == 1)
+            odd[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 8), w1, odd[j]);
+          else
+            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 8), w1, acc[i][j]);
+        }
+      }
+    }
+  }
+  if constexpr (MB == 1)
+    for (int j = 0; j < kTileN; ++j) acc[0][j] = _mm256_add_ps(acc[0][j], odd[j]);
+  for (int i = 0; i < MB; ++i) {
+    alignas(16) float v[4];
+    _mm_store_ps(v, hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+    for (int j = 0; j < nb; ++j) store(out, i, n + j, bias ? v[j] + bias[n + j] : v[j]);
+  }
+}
+
+// a row's values 0 .. k - 1 from its codes, as bfloat16
+void compact_decode(const uint8_t* row, __m256i table, int64_t k, int64_t ahead, uint16_t* dst) {
+  for (int64_t b = 0; b < k / 64; ++b) {
+    const uint8_t* lo = row + b * compact::kBlockBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(lo) + ahead, _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(lo) + 64 + ahead, _MM_HINT_T1);
+    __m256i h0, h1;
+    compact_highs(lo, table, h0, h1);
+    for (int s = 0; s < 4; ++s)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * 64 + 16 * s),
+                          compact_run(lo, h0, h1, s));
+  }
+}
+
+// One or two rows: in the registers (compact_regs). More: each tile's four rows decoded once
+// into this thread's buffer, and dense_tile run on it for every group of activation rows, so
+// the sums are dense_tile's by construction (decoding per group of three, in the registers,
+// took 1.2-1.4x the dense kernel's time at 4 and 8 rows: 12 sums and the decoded values
+// overflow the 16 registers).
+void gemv_compact(const uint16_t* x, int64_t m, int64_t k, const uint8_t* codes,
+                  const uint8_t* tables, const uint16_t* dense, int64_t ldw, const float* bias,
+                  int64_t n0, int64_t n1, Out out) {
+  const int64_t row_bytes = k + k / 2;
+  const int64_t ahead = prefetch_ahead(kTileN * row_bytes);
+  thread_local std::vector<uint16_t> decoded;
+  uint16_t* buf = m > 2 ? scratch(decoded, static_cast<size_t>(kTileN * k)) : nullptr;
+  for (int64_t p0 = 0; p0 < m; p0 += kPassRows) {
+    const int64_t p1 = std::min(m, p0 + kPassRows);
+    const float* xs = split_bf16(x, k, k, p0, p1);
+    for (int64_t n = n0; n < n1; n += kTileN) {
+      const int nb = static_cast<int>(std::min<int64_t>(kTileN, n1 - n));
+      const uint8_t* rows[kTileN];
+      const uint16_t* dense_rows[kTileN];
+      __m256i tabs[kTileN];
+      for (int j = 0; j < kTileN; ++j) {
+        const int64_t r = n + std::min(j, nb - 1);
+        rows[j] = codes + r * row_bytes;
+        dense_rows[j] = compact::fits(tables, r) ? nullptr : dense + r * ldw;
+        tabs[j] = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(tables + r * compact::kCodes)));
+      }
+      if (m <= 2) {
+        if (m == 1) compact_regs<1>(xs, k, rows, dense_rows, tabs, n, nb, ahead, bias, out);
+        else compact_regs<2>(xs, k, rows, dense_rows, tabs, n, nb, ahead, bias, out);
+        continue;
+      }
+      Tile4 t;
+      t.n = n;
+      t.nb = nb;
+      for (int j = 0; j < kTileN; ++j) {
+        if (dense_rows[j] == nullptr) compact_decode(rows[j], tabs[j], k, ahead, buf + j * k);
+        t.w[j] = reinterpret_cast<const char*>(dense_rows[j] ? dense_rows[j] : buf + j * k);
+      }
+      for (int64_t m0 = p0; m0 < p1; m0 += kTileM) {
+        const float* xm = xs + (m0 - p0) * k;
+        // ahead 0: dense_tile's prefetch touches the lines it reads (the codes were fetched)
+        switch (std::min<int64_t>(kTileM, p1 - m0)) {
+          case 1: dense_tile<true, 1>(xm, k, x, k, t, m0, 0, bias, out); break;
+          case 2: dense_tile<true, 2>(xm, k, x, k, t, m0, 0, bias, out); break;
+          default: dense_tile<true, 3>(xm, k, x, k, t, m0, 0, bias, out); break;
         }
       }
     }
@@ -616,7 +767,7 @@ void dequant_q4(const uint8_t* codes, const uint16_t* gscale, const uint16_t* go
 const Kernels& kernels() {
   static const Kernels k{"avx2",          quantize,       gemv_q8,  gemv_q4,
                          gemv_dense_bf16, gemv_dense_f32, rms_norm, silu_mul,
-                         dequant_q8,      dequant_q4};
+                         dequant_q8,      dequant_q4,     gemv_compact};
   return k;
 }
 

@@ -548,7 +548,7 @@ void dequant_q4(const uint8_t* codes, const uint16_t* gscale, const uint16_t* go
 const Kernels& kernels() {
   static const Kernels k{"avx512",        quantize,       gemv_q8,  gemv_q4,
                          gemv_dense_bf16, gemv_dense_f32, rms_norm, silu_mul,
-                         dequant_q8,      dequant_q4};
+                         dequant_q8,      dequant_q4,     compact::gemv};
   return k;
 }
 

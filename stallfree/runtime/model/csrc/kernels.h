@@ -86,6 +86,12 @@ using RmsNormFn = void (*)(const void* x, const void* delta, void* sum, const vo
 // rows [r0, r1) of gu [rows, 2 * inter]: out = silu(gate) * up, each rounded to the dtype
 using SiluMulFn = void (*)(const void* gu, void* out, int64_t r0, int64_t r1, int64_t inter,
                            bool bf16);
+// gemv_bf16's product with its bits, for x [m, k] bfloat16 and a weight in the compact form
+// (namespace compact below): codes uint8 [n, 1.5 k] and tables [n, 16]; a row that does not
+// fit is read from `dense` (the weight as it is, `ldw` values a row); k % 64 == 0
+using GemvCompactFn = void (*)(const uint16_t* x, int64_t m, int64_t k, const uint8_t* codes,
+                               const uint8_t* tables, const uint16_t* dense, int64_t ldw,
+                               const float* bias, int64_t n0, int64_t n1, Out out);
 
 struct Kernels {
   const char* name;
@@ -98,6 +104,7 @@ struct Kernels {
   SiluMulFn silu_mul;
   DequantQ8Fn dequant_q8;
   DequantQ4Fn dequant_q4;
+  GemvCompactFn gemv_compact;
 };
 
 namespace avx512 {
@@ -130,6 +137,8 @@ void dequant_q4(const uint8_t* codes, const uint16_t* gscale, const uint16_t* go
 // k / 2 bytes of 4-bit codes into the row's table of 16 high bytes (uint8 [n, 1.5 k] and
 // [n, 16]); k % 64 == 0. A row that does not fit has 0xFF at its table's code 0.
 namespace compact {
+constexpr int kCodes = 16;           // a row's table of high bytes
+constexpr int64_t kBlockBytes = 96;  // a block of 64 values: 64 low bytes, then 32 code bytes
 // rows [r0, r1) of w (`ldw` values a row) into codes and tables
 void pack(const uint16_t* w, int64_t ldw, int64_t k, int64_t r0, int64_t r1, uint8_t* codes,
           uint8_t* tables);
@@ -137,9 +146,7 @@ void pack(const uint16_t* w, int64_t ldw, int64_t k, int64_t r0, int64_t r1, uin
 void unpack(const uint8_t* codes, const uint8_t* tables, int64_t k, int64_t r0, int64_t r1,
             uint16_t* out);
 bool fits(const uint8_t* tables, int64_t r);
-// gemv_bf16's product for rows [n0, n1) with their dense kernel's bits, from the codes; a row
-// that does not fit from `dense` (the weight as it is, `ldw` values a row). AVX-512
-// with BF16 only: callers check the CPU has it.
+// the AVX-512 variant's gemv_compact (its Kernels entry; the AVX2 variant's is its own)
 void gemv(const uint16_t* x, int64_t m, int64_t k, const uint8_t* codes, const uint8_t* tables,
           const uint16_t* dense, int64_t ldw, const float* bias, int64_t n0, int64_t n1,
           Out out);

@@ -766,13 +766,12 @@ at::Tensor uncompact_bf16(const at::Tensor& codes, const at::Tensor& tables) {
 }
 
 // `linear` on bfloat16 rows from a weight's compact form (`weight` itself for the rows that do
-// not fit): the dense kernel's bits, from 0.75 of its bytes. AVX-512 with BF16 only.
+// not fit): the selected variant's dense kernel's bits, from 0.75 of its bytes.
 at::Tensor linear_compact(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& codes,
                           const at::Tensor& tables, const std::optional<at::Tensor>& bias) {
   check_act(x, "linear_compact");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_compact: expected bfloat16 input, got ",
               x.scalar_type());
-  TORCH_CHECK(cpu_has("avx512"), "linear_compact: needs AVX-512 with BF16");
   const int64_t ldw = row_stride(weight, at::kBFloat16, "linear_compact");
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(x.size(-1) == k, "linear_compact: input has ", x.size(-1), " features, weight ", k);
@@ -787,7 +786,7 @@ at::Tensor linear_compact(const at::Tensor& x, const at::Tensor& weight, const a
   const uint8_t* t = tables.data_ptr<uint8_t>();
   const Out o = out_of(out, n);
   at::parallel_for(0, n, kGrain, [&](int64_t n0, int64_t n1) {
-    compact::gemv(xp, m, k, c, t, w, ldw, b, n0, n1, o);
+    K().gemv_compact(xp, m, k, c, t, w, ldw, b, n0, n1, o);
   });
   return out;
 }
