@@ -55,8 +55,8 @@ class ModelConfig(_Section):
     compact_decode_weights: bool = Field(
         False,
         description="Keep a second, lossless copy of each dense bfloat16 linear of a native "
-        "family in 12 bits a value, which decode steps of up to 4 rows multiply (CPUs with "
-        "AVX-512 BF16; same outputs): a decode step reads about 0.75 of the weights' bytes, "
+        "family in 12 bits a value, which decode steps of up to 4 rows multiply (2 on "
+        "AVX2-only CPUs; same outputs): a decode step reads about 0.75 of the weights' bytes, "
         "the weights take 1.75x their memory",
     )
     model_impl: Literal["auto", "native", "transformers"] = Field(
