@@ -139,6 +139,50 @@ inline Tile4 tile_at(const void* w, int64_t row_bytes, int64_t n, int64_t n1) {
   return t;
 }
 
+// A tile's sums for MB activation rows, and the order of their products, which the dense and
+// compact bfloat16 products share so that their outputs are the same bits: per 16 values of
+// weight row j, `w0` (its even-indexed values) and `w1` (its odd-indexed ones) against each
+// row's split activations (`xi`: 8 even, then 8 odd). One row keeps the odd products in sums of
+// their own (two chains a weight row), more rows add both into one sum.
+template <int MB>
+struct Sums {
+  __m256 acc[MB][kTileN], odd[MB == 1 ? kTileN : 1];
+
+  Sums() {
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < kTileN; ++j) acc[i][j] = _mm256_setzero_ps();
+    for (int j = 0; j < (MB == 1 ? kTileN : 1); ++j) odd[j] = _mm256_setzero_ps();
+  }
+
+  // weight row j's 16 values at column k0 into every activation row's sum
+  inline void add(int j, const float* xs, int64_t xs_stride, int64_t k0, __m256 w0, __m256 w1) {
+#pragma GCC unroll 3
+    for (int i = 0; i < MB; ++i) {
+      const float* xi = xs + i * xs_stride + k0;
+      acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xi), w0, acc[i][j]);
+      if constexpr (MB == 1)
+        odd[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 8), w1, odd[j]);
+      else
+        acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 8), w1, acc[i][j]);
+    }
+  }
+
+  // the four weight rows' totals for each activation row: v[i][j]
+  inline void totals(float (*v)[4]) {
+    if constexpr (MB == 1)
+      for (int j = 0; j < kTileN; ++j) acc[0][j] = _mm256_add_ps(acc[0][j], odd[j]);
+    for (int i = 0; i < MB; ++i)
+      _mm_storeu_ps(v[i], hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+  }
+};
+
+// a bfloat16 weight's 16 values (32 bytes) as w0 (even-indexed) and w1 (odd-indexed) float
+// vectors, without a shuffle (see dense_tile)
+inline void widen_bf16x16(__m256i v, __m256& w0, __m256& w1) {
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  w1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
 // Dense: 16 values a step. A bfloat16 weight's 32 bytes become two float vectors without a
 // shuffle: the even-indexed values (shifted into the high half of each lane) and the
 // odd-indexed ones (masked); the activations are split the same way once per call
@@ -149,46 +193,30 @@ void dense_tile(const float* xs, int64_t xs_stride, const void* x, int64_t k, co
                 int64_t m0, int64_t ahead, const float* bias, Out out) {
   constexpr int64_t es = BF16 ? 2 : 4;
   const int64_t k16 = k - k % 16;
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  __m256 acc[MB][kTileN], odd[MB == 1 ? kTileN : 1];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < kTileN; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int j = 0; j < (MB == 1 ? kTileN : 1); ++j) odd[j] = _mm256_setzero_ps();
+  Sums<MB> sums;
   for (int64_t k0 = 0; k0 < k16; k0 += 16) {
 #pragma GCC unroll 4
     for (int j = 0; j < kTileN; ++j) {
       const char* p = t.w[j] + k0 * es;
       __m256 w0, w1;
       if constexpr (BF16) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        w1 = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), w0, w1);
         if ((k0 & 31) == 0) _mm_prefetch(p + ahead, _MM_HINT_T1);
       } else {
         w0 = _mm256_loadu_ps(reinterpret_cast<const float*>(p));
         w1 = _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8);
         _mm_prefetch(p + ahead, _MM_HINT_T1);
       }
-#pragma GCC unroll 3
-      for (int i = 0; i < MB; ++i) {
-        const float* xi = xs + i * xs_stride + k0;
-        acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xi), w0, acc[i][j]);
-        if constexpr (MB == 1)
-          odd[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 8), w1, odd[j]);
-        else
-          acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 8), w1, acc[i][j]);
-      }
+      sums.add(j, xs, xs_stride, k0, w0, w1);
     }
   }
-  if constexpr (MB == 1)
-    for (int j = 0; j < kTileN; ++j) acc[0][j] = _mm256_add_ps(acc[0][j], odd[j]);
+  float v[MB][4];
+  sums.totals(v);
   for (int i = 0; i < MB; ++i) {
-    alignas(16) float v[4];
-    _mm_store_ps(v, hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
     for (int j = 0; j < t.nb; ++j) {
       for (int64_t kk = k16; kk < k; ++kk)
-        v[j] += xval(x, BF16, (m0 + i) * k + kk) * xval(t.w[j], BF16, kk);
-      store(out, m0 + i, t.n + j, bias ? v[j] + bias[t.n + j] : v[j]);
+        v[i][j] += xval(x, BF16, (m0 + i) * k + kk) * xval(t.w[j], BF16, kk);
+      store(out, m0 + i, t.n + j, bias ? v[i][j] + bias[t.n + j] : v[i][j]);
     }
   }
 }
@@ -198,14 +226,15 @@ void dense_tile(const float* xs, int64_t xs_stride, const void* x, int64_t k, co
 const float* split_bf16(const void* x, int64_t k, int64_t k16, int64_t p0, int64_t p1) {
   thread_local std::vector<float> split;
   scratch(split, static_cast<size_t>((p1 - p0) * k16 + 8));
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t i = p0; i < p1; ++i)
     for (int64_t k0 = 0; k0 < k16; k0 += 16) {
-      const __m256i v = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i * k + k0));
+      __m256 even, odd;
+      widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                        static_cast<const uint16_t*>(x) + i * k + k0)),
+                    even, odd);
       float* dst = split.data() + (i - p0) * k16 + k0;
-      _mm256_storeu_ps(dst, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-      _mm256_storeu_ps(dst + 8, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
+      _mm256_storeu_ps(dst, even);
+      _mm256_storeu_ps(dst + 8, odd);
     }
   return split.data();
 }
@@ -254,8 +283,12 @@ void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, int64_t ld
 // `vpunpck{l,h}bw` of low and high bytes, per 128-bit lane, give values 0-15 (low of positions
 // 0-31), 16-31 (low of 32-63), 32-47 (high of 0-31) and 48-63 (high of 32-63).
 
-// the high bytes of a block's positions 0-31 (`h0`) and 32-63 (`h1`)
-inline void compact_highs(const uint8_t* lo, __m256i table, __m256i& h0, __m256i& h1) {
+// the high bytes of a block's positions 0-31 (`h0`) and 32-63 (`h1`); the block `ahead`
+// bytes on is fetched into L2
+inline void compact_highs(const uint8_t* lo, __m256i table, int64_t ahead, __m256i& h0,
+                          __m256i& h1) {
+  _mm_prefetch(reinterpret_cast<const char*>(lo) + ahead, _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(lo) + 64 + ahead, _MM_HINT_T1);
   const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + 64));
   const __m256i mask = _mm256_set1_epi8(0x0F);
   h0 = _mm256_shuffle_epi8(table, _mm256_and_si256(nib, mask));
@@ -279,57 +312,36 @@ void compact_regs(const float* xs, int64_t k, const uint8_t* const* rows,
                   const uint16_t* const* dense, const __m256i* tables, int64_t n, int nb,
                   int64_t ahead, const float* bias, Out out) {
   static_assert(MB == 1 || MB == 2);
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  __m256 acc[MB][kTileN], odd[MB == 1 ? kTileN : 1];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < kTileN; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int j = 0; j < (MB == 1 ? kTileN : 1); ++j) odd[j] = _mm256_setzero_ps();
+  Sums<MB> sums;
   for (int64_t b = 0; b < k / 64; ++b) {
 #pragma GCC unroll 1
     for (int j = 0; j < kTileN; ++j) {
       const uint8_t* lo = rows[j] + b * compact::kBlockBytes;
       const uint16_t* d = dense[j] == nullptr ? nullptr : dense[j] + b * 64;
-      __m256i h0 = high, h1 = high;
-      if (d == nullptr) {
-        _mm_prefetch(reinterpret_cast<const char*>(lo) + ahead, _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(lo) + 64 + ahead, _MM_HINT_T1);
-        compact_highs(lo, tables[j], h0, h1);
-      }
+      __m256i h0 = _mm256_setzero_si256(), h1 = h0;
+      if (d == nullptr) compact_highs(lo, tables[j], ahead, h0, h1);
 #pragma GCC unroll 4
       for (int s = 0; s < 4; ++s) {
-        const __m256i v =
-            d == nullptr ? compact_run(lo, h0, h1, s)
-                         : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + 16 * s));
-        const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-        for (int i = 0; i < MB; ++i) {
-          const float* xi = xs + i * k + b * 64 + 16 * s;
-          acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xi), w0, acc[i][j]);
-          if constexpr (MB == 1)
-            odd[j] = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 8), w1, odd[j]);
-          else
-            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 8), w1, acc[i][j]);
-        }
+        __m256 w0, w1;
+        widen_bf16x16(d == nullptr ? compact_run(lo, h0, h1, s)
+                                   : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + 16 * s)),
+                      w0, w1);
+        sums.add(j, xs, k, b * 64 + 16 * s, w0, w1);
       }
     }
   }
-  if constexpr (MB == 1)
-    for (int j = 0; j < kTileN; ++j) acc[0][j] = _mm256_add_ps(acc[0][j], odd[j]);
-  for (int i = 0; i < MB; ++i) {
-    alignas(16) float v[4];
-    _mm_store_ps(v, hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
-    for (int j = 0; j < nb; ++j) store(out, i, n + j, bias ? v[j] + bias[n + j] : v[j]);
-  }
+  float v[MB][4];
+  sums.totals(v);
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < nb; ++j) store(out, i, n + j, bias ? v[i][j] + bias[n + j] : v[i][j]);
 }
 
 // a row's values 0 .. k - 1 from its codes, as bfloat16
 void compact_decode(const uint8_t* row, __m256i table, int64_t k, int64_t ahead, uint16_t* dst) {
   for (int64_t b = 0; b < k / 64; ++b) {
     const uint8_t* lo = row + b * compact::kBlockBytes;
-    _mm_prefetch(reinterpret_cast<const char*>(lo) + ahead, _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(lo) + 64 + ahead, _MM_HINT_T1);
     __m256i h0, h1;
-    compact_highs(lo, table, h0, h1);
+    compact_highs(lo, table, ahead, h0, h1);
     for (int s = 0; s < 4; ++s)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * 64 + 16 * s),
                           compact_run(lo, h0, h1, s));
