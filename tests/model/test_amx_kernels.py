@@ -322,25 +322,40 @@ def test_every_block_count_keeps_its_pairs_in_order(tiles: None, blocks: int) ->
 
 
 @pytest.mark.skipif("avx2" not in VARIANTS, reason="no AVX2 variant of the native kernels here")
-def test_a_bfloat16_layer_on_the_avx2_variant_keeps_every_row_count_native(
+def test_a_bfloat16_layer_on_the_avx2_variant_widens_a_prompt_past_the_kernel(
     monkeypatch: pytest.MonkeyPatch, restore_variant: None
 ) -> None:
     """Without AVX512-BF16, torch's bfloat16 product is several times slower than the AVX2
-    kernel at any row count, so a bfloat16 layer never leaves it there; float32 still does
-    past DENSE_MAX_ROWS."""
+    kernel, so a bfloat16 layer stays on the kernel up to AVX2_BF16_MAX_ROWS and past them
+    multiplies in float32 (`widened_product`, the weight widened a block of rows at a time),
+    never torch's bfloat16 product; float32 still leaves the kernel past DENSE_MAX_ROWS."""
     monkeypatch.setenv("STALLFREE_CPU_ISA", "avx2")
     cpu_kernels.reset()
+    seen: list[torch.dtype] = []
+    product = native_layers.float32_product
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        seen.extend((x.dtype, w.dtype))
+        return product(x, w, b)
+
+    monkeypatch.setattr(native_layers, "float32_product", spy)
     try:
         assert cpu_kernels.isa() == "avx2" and not cpu_kernels.amx()
         assert native_layers.dense_max_rows(torch.float32) == native_layers.DENSE_MAX_ROWS
+        most = native_layers.dense_max_rows(torch.bfloat16)
+        assert most == native_layers.AVX2_BF16_MAX_ROWS
         layer = torch.nn.Linear(96, 64).bfloat16()
         assert native_layers.use_native_linears(layer) == 1
         with torch.no_grad():
-            for rows in (1, native_layers.DENSE_MAX_ROWS + 1, 300):
+            for rows in (1, native_layers.DENSE_MAX_ROWS + 1, most, most + 1, 300):
+                seen.clear()
                 x = torch.randn(rows, 96).bfloat16()
                 with OpCalls() as ops:
                     out = layer(x)
-                assert "stallfree.linear" in ops.calls and "aten.addmm" not in ops.calls
+                assert out.dtype == torch.bfloat16
+                widened = rows > most
+                assert ("stallfree.linear" in ops.calls) != widened
+                assert seen == ([torch.float32] * 2 if widened else [])
                 want = x.double() @ layer.weight.double().T + layer.bias.double()
                 assert _rel(out, want) < 8e-3
             # an integer layer's prompt rows past its kernels' dequantise, then the same
@@ -348,12 +363,14 @@ def test_a_bfloat16_layer_on_the_avx2_variant_keeps_every_row_count_native(
                 quant.Int8Linear(quant.quantize_int8(torch.randn(64, 96)), None, torch.bfloat16),
                 quant.Int4Linear(quant.quantize_int4(torch.randn(64, 96)), None, torch.bfloat16),
             ):
-                x = torch.randn(300, 96).bfloat16()
-                with OpCalls() as ops:
-                    out = lin(x)
-                assert "stallfree.linear" in ops.calls
-                assert not {"aten.mm", "aten.addmm", "aten.linear"} & set(ops.calls)
-                assert _rel(out, x.double() @ lin.dequantize().double().T) < 8e-3
+                for rows in (most, 300):
+                    seen.clear()
+                    x = torch.randn(rows, 96).bfloat16()
+                    with OpCalls() as ops:
+                        out = lin(x)
+                    assert ("stallfree.linear" in ops.calls) == (rows <= most)
+                    assert seen == ([torch.float32] * 2 if rows > most else [])
+                    assert _rel(out, x.double() @ lin.dequantize().double().T) < 8e-3
     finally:
         monkeypatch.undo()
         cpu_kernels.reset()

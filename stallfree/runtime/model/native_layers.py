@@ -13,6 +13,7 @@ transformers' sums bit for bit.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, cast
 
 import torch
@@ -39,9 +40,9 @@ AMX_DECODE_MAX_ROWS = 32
 # (SmolLM2's five shapes, 2 threads: 128 rows 477 against 119 ms a step), and 3.6x at 512;
 # allowed AVX-512 without BF16 (a Cascade Lake's set, which gets this variant too), 1.16-2.93x
 # at 8-512 rows. A bfloat16 model
-# there (only by asking: `--dtype auto` picks float32 on such CPUs) sends every dense call to
-# the native kernel.
-AVX2_BF16_MAX_ROWS = 1 << 30
+# there (only by asking: `--dtype auto` picks float32 on such CPUs) sends its dense calls to
+# the native kernel up to this many rows, and a prompt's past them to `widened_product`.
+AVX2_BF16_MAX_ROWS = 128
 # On the AVX-512 variant without the tiles (Zen 4 has AVX512-BF16 and no AMX) the
 # matrix-vector kernel beats F.linear, which re-lays the weight out on every call, at every
 # row count to 96 (SmolLM2's five shapes, 30 copies, two threads on a Zen 4, us a step: 8 rows
@@ -103,6 +104,66 @@ def float32_product(
     if x.device.type == "cpu" and not torch.compiler.is_compiling() and float32_on_onednn():
         return packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# A bfloat16 prompt past AVX2_BF16_MAX_ROWS on the AVX2 variant is multiplied in float32 on
+# `float32_product` (MKL's or oneDNN's, near the CPU's float32 peak at a prompt's rows), its
+# weight widened into a float32 buffer WIDEN_BLOCK_BYTES at most at a time (a block of rows
+# that stays in the cache for the product that reads it), the output rounded to bfloat16 once,
+# as the native kernel rounds its float32 sums. The matrix-vector kernel multiplies each weight
+# vector into three activation rows at a time, loading the activations for every product. On
+# a Zen 3 (AVX2 only, 2 threads, a float32 2048^3 product at about 128 GFLOP/s), SmolLM2's
+# four stacked shapes, 8 copies on 2 MB pages, ms for all 32, the kernel against this with 2 /
+# 4 / 16 MB blocks: 96 rows 70.8 against 76.0 / 67.3 / 67.8, 128 rows 79.1 against 71.6 / 73.5
+# / 74.5, 160 rows 84.4 against 89.4 / 85.4 / 82.7, 192 rows 100.4 against 100.6 / 93.2 /
+# 92.5, 256 rows 144.2 against 125.6 / 122.1 / 124.1.
+WIDEN_BLOCK_BYTES = 4 << 20
+
+
+class _WidenBuffers(threading.local):
+    def __init__(self) -> None:
+        self.by_width: dict[int, torch.Tensor] = {}
+
+
+_widen_buffers = _WidenBuffers()
+
+
+def widens(rows: int, dtype: torch.dtype) -> bool:
+    """Whether `rows` rows of `dtype` take `widened_product`: bfloat16 past AVX2_BF16_MAX_ROWS
+    on the AVX2 variant, outside torch.compile's tracing."""
+    return (
+        dtype == torch.bfloat16
+        and rows > AVX2_BF16_MAX_ROWS
+        and cpu_kernels.isa() == "avx2"
+        and not torch.compiler.is_compiling()
+    )
+
+
+def widened_product(
+    x: torch.Tensor, weight: torch.Tensor, bias_f32: torch.Tensor | None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for bfloat16 `x` and `weight` on the CPU, in float32 on
+    `float32_product`: the weight's rows widened a block at a time into this thread's buffer
+    (WIDEN_BLOCK_BYTES), the sums rounded to bfloat16 once (`bias_f32` added before)."""
+    n, k = weight.shape
+    flat = x.reshape(-1, k).float()
+    step = max(1, min(n, WIDEN_BLOCK_BYTES // (4 * max(k, 1))))
+    buf = _widen_buffers.by_width.get(k)
+    if buf is None or buf.shape[0] < step:
+        buf = _widen_buffers.by_width[k] = torch.empty(step, k, dtype=torch.float32)
+    if step >= n:
+        block = buf[:n]
+        block.copy_(weight)
+        out = float32_product(flat, block, bias_f32).to(torch.bfloat16)
+        return out.view(*x.shape[:-1], n)
+    out = torch.empty(flat.shape[0], n, dtype=torch.bfloat16)
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        block = buf[: n1 - n0]
+        block.copy_(weight[n0:n1])
+        bias = None if bias_f32 is None else bias_f32[n0:n1]
+        out[:, n0:n1] = float32_product(flat, block, bias)
+    return out.view(*x.shape[:-1], n)
 
 
 def dense_max_rows(dtype: torch.dtype | None = None) -> int:
@@ -246,6 +307,12 @@ def linear(
         return out
     if x.dtype == weight.dtype == torch.float32:
         return float32_product(x, weight, bias_f32)
+    if (
+        applies(x)
+        and x.dtype == weight.dtype
+        and widens(x.numel() // max(weight.shape[-1], 1), x.dtype)
+    ):
+        return widened_product(x, weight, bias_f32)
     if prompt_on_tiles(x, weight):
         flat = x.reshape(-1, weight.shape[-1])
         out = torch.ops.stallfree.linear_bf16_prompt(flat, weight, bias_f32)
@@ -361,6 +428,8 @@ class NativeLinear(nn.Linear):
             return out
         if dtype != torch.bfloat16:
             return float32_product(x, self.weight, self.bias)
+        if native and widens(rows, dtype):
+            return widened_product(x, self.weight, self.bias_f32)
         if self.weight_prepacked is not None and rows >= PREPACKED_MIN_ROWS:
             return packed_linear(x, self.weight_prepacked, self.bias)
         if native and _tiles_rows(rows, self.weight):
