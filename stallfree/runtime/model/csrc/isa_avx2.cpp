@@ -4,7 +4,7 @@
 // them without VNNI (|x| times w with x's sign, `vpmaddubsw` then `vpmaddwd`), bfloat16
 // widened to float32 and multiplied with FMA. The matrix-vector products walk tiles of four
 // weight rows, each weight vector multiplied into up to three (dense) or two (integer)
-// activation rows, with a later tile's lines prefetched into L2: a product that read each weight row
+// activation rows, with the weight's later lines fetched in address order: a product that read each weight row
 // once per activation row, one chain of FMAs at a time, read bfloat16 at 10 GB/s at one row and
 // 2.7 at eight on 2 threads, under torch's own AVX2 path.
 
@@ -112,8 +112,8 @@ void quantize(const void* x, bool x_bf16, int64_t row, Q8Act& a) {
 // ---- matrix-vector products: tiles of 4 weight rows ------------------------------------
 //
 // Each weight vector loaded is multiplied into every activation row of the pass (up to
-// kTileM), and the four rows' sums are independent chains; the lines of a later tile's rows,
-// at the same column, are prefetched into L2 as this one is read (kernels.h, prefetch_ahead).
+// kTileM), and the four rows' sums are independent chains; the weight's lines kFetchDistance
+// ahead are fetched into L1 in address order as the tile is read (Ahead).
 
 constexpr int kTileM = 3;  // activation rows per pass: 12 accumulators of the 16 registers
 
@@ -137,6 +137,45 @@ inline Tile4 tile_at(const void* w, int64_t row_bytes, int64_t n, int64_t n1) {
   for (int j = 0; j < kTileN; ++j)
     t.w[j] = static_cast<const char*>(w) + (n + std::min(j, t.nb - 1)) * row_bytes;
   return t;
+}
+
+// The weight's later lines, fetched as one stream in address order. A tile's rows are
+// contiguous in a row-major weight and so are successive tiles, so step s of `steps` over a
+// tile fetches its share of the tile's bytes (whole lines) `distance` bytes past the tile's
+// first byte plus s shares: the fetches run through memory in order at the pace the tile is
+// read, whatever the row a step reads. Fetching each row's own line at the same column (four
+// streams a tile, 576-1536 bytes long) read a Q8_0 weight at 8-14 GB/s on a Zen 3 against
+// 16-20 this way (2 threads, a 230 MB weight, the integer product's loop; a plain read: 19-25).
+struct Ahead {
+  const char* from = nullptr;  // the tile's first byte plus the distance
+  int64_t step = 0;            // bytes a step fetches: 0 fetches nothing
+
+  inline void at(int64_t s) const {
+    const char* p = from + s * step;
+    for (int64_t o = 0; o < step; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+  }
+};
+
+// How far ahead of its reads a product fetches the weight, in bytes, whatever the tile's size.
+// SmolLM2's five shapes, 30 copies, 2 threads, a Zen 3, us a step at one row, 8 KB / 4 KB ahead
+// in two rounds: Q8_0 1641 / 1655, 1587 / 1583; bf16 3500 / 3113, 2813 / 2740; int4 1124 / 1542,
+// 1052 / 943; f32 5785 / 6559, 5511 / 6636 (a f32 tile of 576 values is 9 KB).
+constexpr int64_t kFetchDistance = 8192;
+
+// The first kFetchDistance bytes of a thread's rows (`bytes` in all from `from`), fetched
+// before its first tile: the tiles' own fetches start that far on. (A 576 x 576 projection's
+// rows are 166 KB a thread, read in about 8 us at 20 GB/s.)
+inline void fetch_start(const void* from, int64_t bytes) {
+  const char* p = static_cast<const char*>(from);
+  for (int64_t o = 0; o < std::min(bytes, kFetchDistance); o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
+// tile t's fetches over `steps` steps, its rows `row_bytes` apart
+inline Ahead ahead_of(const Tile4& t, int64_t row_bytes, int64_t steps) {
+  Ahead a;
+  a.from = t.w[0] + kFetchDistance;
+  a.step = steps > 0 ? ((kTileN * row_bytes + steps - 1) / steps + 63) / 64 * 64 : 0;
+  return a;
 }
 
 // A tile's sums for MB activation rows, and the order of their products, which the dense and
@@ -190,22 +229,21 @@ inline void widen_bf16x16(__m256i v, __m256& w0, __m256& w1) {
 // vectors against the activations as they are.
 template <bool BF16, int MB>
 void dense_tile(const float* xs, int64_t xs_stride, const void* x, int64_t k, const Tile4& t,
-                int64_t m0, int64_t ahead, const float* bias, Out out) {
+                int64_t m0, const Ahead& ahead, const float* bias, Out out) {
   constexpr int64_t es = BF16 ? 2 : 4;
   const int64_t k16 = k - k % 16;
   Sums<MB> sums;
   for (int64_t k0 = 0; k0 < k16; k0 += 16) {
+    ahead.at(k0 / 16);
 #pragma GCC unroll 4
     for (int j = 0; j < kTileN; ++j) {
       const char* p = t.w[j] + k0 * es;
       __m256 w0, w1;
       if constexpr (BF16) {
         widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), w0, w1);
-        if ((k0 & 31) == 0) _mm_prefetch(p + ahead, _MM_HINT_T1);
       } else {
         w0 = _mm256_loadu_ps(reinterpret_cast<const float*>(p));
         w1 = _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8);
-        _mm_prefetch(p + ahead, _MM_HINT_T1);
       }
       sums.add(j, xs, xs_stride, k0, w0, w1);
     }
@@ -249,7 +287,7 @@ void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, int64_t ld
                   const float* bias, int64_t n0, int64_t n1, Out out) {
   constexpr int64_t es = BF16 ? 2 : 4;
   const int64_t k16 = k - k % 16;
-  const int64_t ahead = prefetch_ahead(kTileN * ldw * es);
+  fetch_start(static_cast<const char*>(w) + n0 * ldw * es, (n1 - n0) * ldw * es);
   for (int64_t p0 = 0; p0 < m; p0 += kPassRows) {
     const int64_t p1 = std::min(m, p0 + kPassRows);
     const float* xs = static_cast<const float*>(x) + p0 * k;  // row p0 of the pass
@@ -260,8 +298,11 @@ void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, int64_t ld
     }
     for (int64_t n = n0; n < n1; n += kTileN) {
       const Tile4 t = tile_at(w, ldw * es, n, n1);
+      const Ahead first = ahead_of(t, ldw * es, k16 / 16);
       for (int64_t m0 = p0; m0 < p1; m0 += kTileM) {
         const float* xm = xs + (m0 - p0) * xs_stride;
+        // the tile's first group of rows fetches the weight; the others read it from the cache
+        const Ahead& ahead = m0 == p0 ? first : Ahead{};
         switch (std::min<int64_t>(kTileM, p1 - m0)) {
           case 1: dense_tile<BF16, 1>(xm, xs_stride, x, k, t, m0, ahead, bias, out); break;
           case 2: dense_tile<BF16, 2>(xm, xs_stride, x, k, t, m0, ahead, bias, out); break;
@@ -283,12 +324,8 @@ void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, int64_t ld
 // `vpunpck{l,h}bw` of low and high bytes, per 128-bit lane, give values 0-15 (low of positions
 // 0-31), 16-31 (low of 32-63), 32-47 (high of 0-31) and 48-63 (high of 32-63).
 
-// the high bytes of a block's positions 0-31 (`h0`) and 32-63 (`h1`); the block `ahead`
-// bytes on is fetched into L2
-inline void compact_highs(const uint8_t* lo, __m256i table, int64_t ahead, __m256i& h0,
-                          __m256i& h1) {
-  _mm_prefetch(reinterpret_cast<const char*>(lo) + ahead, _MM_HINT_T1);
-  _mm_prefetch(reinterpret_cast<const char*>(lo) + 64 + ahead, _MM_HINT_T1);
+// the high bytes of a block's positions 0-31 (`h0`) and 32-63 (`h1`)
+inline void compact_highs(const uint8_t* lo, __m256i table, __m256i& h0, __m256i& h1) {
   const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + 64));
   const __m256i mask = _mm256_set1_epi8(0x0F);
   h0 = _mm256_shuffle_epi8(table, _mm256_and_si256(nib, mask));
@@ -310,16 +347,17 @@ inline __m256i compact_run(const uint8_t* lo, __m256i h0, __m256i h1, int s) {
 template <int MB>
 void compact_regs(const float* xs, int64_t k, const uint8_t* const* rows,
                   const uint16_t* const* dense, const __m256i* tables, int64_t n, int nb,
-                  int64_t ahead, const float* bias, Out out) {
+                  const Ahead& ahead, const float* bias, Out out) {
   static_assert(MB == 1 || MB == 2);
   Sums<MB> sums;
   for (int64_t b = 0; b < k / 64; ++b) {
+    ahead.at(b);
 #pragma GCC unroll 1
     for (int j = 0; j < kTileN; ++j) {
       const uint8_t* lo = rows[j] + b * compact::kBlockBytes;
       const uint16_t* d = dense[j] == nullptr ? nullptr : dense[j] + b * 64;
       __m256i h0 = _mm256_setzero_si256(), h1 = h0;
-      if (d == nullptr) compact_highs(lo, tables[j], ahead, h0, h1);
+      if (d == nullptr) compact_highs(lo, tables[j], h0, h1);
 #pragma GCC unroll 4
       for (int s = 0; s < 4; ++s) {
         __m256 w0, w1;
@@ -337,11 +375,15 @@ void compact_regs(const float* xs, int64_t k, const uint8_t* const* rows,
 }
 
 // a row's values 0 .. k - 1 from its codes, as bfloat16
-void compact_decode(const uint8_t* row, __m256i table, int64_t k, int64_t ahead, uint16_t* dst) {
+// (one row after another: the tile's bytes in address order, fetched kFetchDistance ahead)
+void compact_decode(const uint8_t* row, __m256i table, int64_t k, uint16_t* dst) {
   for (int64_t b = 0; b < k / 64; ++b) {
     const uint8_t* lo = row + b * compact::kBlockBytes;
+    const char* next = reinterpret_cast<const char*>(lo) + kFetchDistance;
+    _mm_prefetch(next, _MM_HINT_T0);
+    _mm_prefetch(next + 64, _MM_HINT_T0);
     __m256i h0, h1;
-    compact_highs(lo, table, ahead, h0, h1);
+    compact_highs(lo, table, h0, h1);
     for (int s = 0; s < 4; ++s)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * 64 + 16 * s),
                           compact_run(lo, h0, h1, s));
@@ -357,7 +399,7 @@ void gemv_compact(const uint16_t* x, int64_t m, int64_t k, const uint8_t* codes,
                   const uint8_t* tables, const uint16_t* dense, int64_t ldw, const float* bias,
                   int64_t n0, int64_t n1, Out out) {
   const int64_t row_bytes = k + k / 2;
-  const int64_t ahead = prefetch_ahead(kTileN * row_bytes);
+  fetch_start(codes + n0 * row_bytes, (n1 - n0) * row_bytes);
   thread_local std::vector<uint16_t> decoded;
   uint16_t* buf = m > 2 ? scratch(decoded, static_cast<size_t>(kTileN * k)) : nullptr;
   for (int64_t p0 = 0; p0 < m; p0 += kPassRows) {
@@ -376,6 +418,9 @@ void gemv_compact(const uint16_t* x, int64_t m, int64_t k, const uint8_t* codes,
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(tables + r * compact::kCodes)));
       }
       if (m <= 2) {
+        Tile4 t;
+        t.w[0] = reinterpret_cast<const char*>(codes + n * row_bytes);
+        const Ahead ahead = ahead_of(t, row_bytes, k / 64);
         if (m == 1) compact_regs<1>(xs, k, rows, dense_rows, tabs, n, nb, ahead, bias, out);
         else compact_regs<2>(xs, k, rows, dense_rows, tabs, n, nb, ahead, bias, out);
         continue;
@@ -384,16 +429,17 @@ void gemv_compact(const uint16_t* x, int64_t m, int64_t k, const uint8_t* codes,
       t.n = n;
       t.nb = nb;
       for (int j = 0; j < kTileN; ++j) {
-        if (dense_rows[j] == nullptr) compact_decode(rows[j], tabs[j], k, ahead, buf + j * k);
+        if (dense_rows[j] == nullptr) compact_decode(rows[j], tabs[j], k, buf + j * k);
         t.w[j] = reinterpret_cast<const char*>(dense_rows[j] ? dense_rows[j] : buf + j * k);
       }
       for (int64_t m0 = p0; m0 < p1; m0 += kTileM) {
         const float* xm = xs + (m0 - p0) * k;
-        // ahead 0: dense_tile's prefetch touches the lines it reads (the codes were fetched)
+        // no fetches: the codes were fetched as they were decoded
+        const Ahead none;
         switch (std::min<int64_t>(kTileM, p1 - m0)) {
-          case 1: dense_tile<true, 1>(xm, k, x, k, t, m0, 0, bias, out); break;
-          case 2: dense_tile<true, 2>(xm, k, x, k, t, m0, 0, bias, out); break;
-          default: dense_tile<true, 3>(xm, k, x, k, t, m0, 0, bias, out); break;
+          case 1: dense_tile<true, 1>(xm, k, x, k, t, m0, none, bias, out); break;
+          case 2: dense_tile<true, 2>(xm, k, x, k, t, m0, none, bias, out); break;
+          default: dense_tile<true, 3>(xm, k, x, k, t, m0, none, bias, out); break;
         }
       }
     }
@@ -433,7 +479,7 @@ constexpr int kTileMQ = 2;
 
 template <int MB, bool Blocked>
 void q8_tile(const Q8Act& a, const Tile4& t, const uint16_t* const* bs, int64_t m0,
-             int64_t ahead, const float* scale, const float* bias, Out out) {
+             const Ahead& ahead, const float* scale, const float* bias, Out out) {
   const int64_t blocks = a.k / 32, dstride = a.kp / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   const float* comb = Blocked ? combined_scales<MB>(a, bs, m0, blocks) : nullptr;
@@ -441,13 +487,12 @@ void q8_tile(const Q8Act& a, const Tile4& t, const uint16_t* const* bs, int64_t 
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < kTileN; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
+    ahead.at(b);
     __m256i wv[kTileN], aw[kTileN];
 #pragma GCC unroll 4
     for (int j = 0; j < kTileN; ++j) {
-      const char* p = t.w[j] + b * 32;
-      wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.w[j] + b * 32));
       aw[j] = _mm256_abs_epi8(wv[j]);
-      if ((b & 1) == 0) _mm_prefetch(p + ahead, _MM_HINT_T1);
     }
 #pragma GCC unroll 2
     for (int i = 0; i < MB; ++i) {
@@ -478,13 +523,15 @@ template <bool Blocked>
 void gemv_q8_t(const Q8Act& a, const int8_t* w, const float* scale, const uint16_t* bscale,
                const float* bias, int64_t n0, int64_t n1, Out out) {
   const int64_t k = a.k, blocks = k / 32;
-  const int64_t ahead = prefetch_ahead(kTileN * k);
+  fetch_start(w + n0 * k, (n1 - n0) * k);
   for (int64_t n = n0; n < n1; n += kTileN) {
     const Tile4 t = tile_at(w, k, n, n1);
+    const Ahead first = ahead_of(t, k, blocks);
     const uint16_t* bs[kTileN];
     for (int j = 0; j < kTileN; ++j)
       bs[j] = Blocked ? bscale + (n + std::min(j, t.nb - 1)) * blocks : nullptr;
     for (int64_t m0 = 0; m0 < a.m; m0 += kTileMQ) {
+      const Ahead& ahead = m0 == 0 ? first : Ahead{};
       if (a.m - m0 >= 2)
         q8_tile<2, Blocked>(a, t, bs, m0, ahead, scale, bias, out);
       else
@@ -519,7 +566,7 @@ inline float offset_sum(const uint16_t* go, const float* bsum, int64_t groups) {
 // unsigned); the offsets' term is a dot product over the groups after the loop
 template <int MB>
 void q4_tile(const Q8Act& a, const Tile4& t, const uint16_t* const* gs, const uint16_t* const* go,
-             int64_t m0, int64_t ahead, const float* bias, Out out) {
+             int64_t m0, const Ahead& ahead, const float* bias, Out out) {
   const int64_t groups = a.k / 32;
   // a group's 16 bytes in both lanes, the upper shifted down a nibble: low nibbles (values
   // 0-15) then high (16-31) after the mask
@@ -531,13 +578,13 @@ void q4_tile(const Q8Act& a, const Tile4& t, const uint16_t* const* gs, const ui
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < kTileN; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    ahead.at(g);
     __m256i wv[kTileN];
 #pragma GCC unroll 4
     for (int j = 0; j < kTileN; ++j) {
       const char* p = t.w[j] + g * 16;
       const __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
       wv[j] = _mm256_and_si256(_mm256_srlv_epi32(c, shift), low);
-      if ((g & 3) == 0) _mm_prefetch(p + ahead, _MM_HINT_T1);
     }
 #pragma GCC unroll 2
     for (int i = 0; i < MB; ++i) {
@@ -566,9 +613,10 @@ void q4_tile(const Q8Act& a, const Tile4& t, const uint16_t* const* gs, const ui
 void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
              const uint16_t* goffset, const float* bias, int64_t n0, int64_t n1, Out out) {
   const int64_t groups = a.k / 32;
-  const int64_t ahead = prefetch_ahead(kTileN * groups * 16);
+  fetch_start(codes + n0 * groups * 16, (n1 - n0) * groups * 16);
   for (int64_t n = n0; n < n1; n += kTileN) {
     const Tile4 t = tile_at(codes, groups * 16, n, n1);
+    const Ahead first = ahead_of(t, groups * 16, groups);
     const uint16_t* gs[kTileN];
     const uint16_t* go[kTileN];
     for (int j = 0; j < kTileN; ++j) {
@@ -577,6 +625,7 @@ void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
       go[j] = goffset + r * groups;
     }
     for (int64_t m0 = 0; m0 < a.m; m0 += kTileMQ) {
+      const Ahead& ahead = m0 == 0 ? first : Ahead{};
       if (a.m - m0 >= 2)
         q4_tile<2>(a, t, gs, go, m0, ahead, bias, out);
       else
