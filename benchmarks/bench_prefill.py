@@ -7,7 +7,8 @@ A prompt's projections are matrix-matrix products: SmolLM2-135M's five shapes (q
 o 576x576, gate/up 3072x576, down 576x1536, the tied output 49152x576; the output only on the
 last row, so it is left out here) at `--rows` tokens, through the layers the engine uses for
 each format: `nn.Linear` as the engine has it (bf16: `NativeLinear`, whose prompts of up to
-256 rows run on the AMX tiles' product where the CPU has it, else oneDNN; f32: oneDNN), `Int8Linear` with one scale per row (int8) or per
+256 rows run on the AMX tiles' product where the CPU has it, else oneDNN; on the AVX2 variant
+the native kernel up to 128 rows, float32 past them (`widened_product`); f32: oneDNN), `Int8Linear` with one scale per row (int8) or per
 block of 32 (q8_0, a GGUF's Q8_0), `Int4Linear` (int4). Above 16 rows the integer layers
 dequantise into a workspace and run the dense product, so their figure counts that too. The
 peak is the best of a 2048 x 2048 x 2048 product in the format's activation dtype (bf16 for

@@ -222,13 +222,15 @@ void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
              const uint16_t* goffset, const float* bias, int64_t n0, int64_t n1, Out out);
 }  // namespace amx
 
-// How far ahead (bytes) the AVX-512 and AVX2 matrix-vector kernels prefetch a weight, into L2
+// How far ahead (bytes) the AVX-512 matrix-vector kernels prefetch a weight, into L2
 // (prefetcht1): the same column of the tile four tiles on, `tile_bytes` being one tile's
 // rows, or fewer tiles where a tile passes 64 KB, so at most 256 KB of L2 is ahead. On Zen 4,
 // where these kernels run without AMX, prefetcht0 two tiles ahead read SmolLM2's bf16 shapes
 // at 22-29 GB/s against a 35 GB/s read probe, and prefetcht1 four tiles ahead at 32-34 (one
 // program, 256 MB of weights, 2 threads; the hint mattered, the distance little). Intel's
 // AMX tiles read the same with either hint (docs/performance.md), and keep their own.
+// (The AVX2 variant fetches the weight as one stream in address order instead: isa_avx2.cpp's
+// Ahead, measured on a Zen 3.)
 inline int64_t prefetch_ahead(int64_t tile_bytes) {
   constexpr int64_t kTiles = 4, kMost = 256 << 10;
   const int64_t tiles = tile_bytes * kTiles <= kMost ? kTiles : std::max<int64_t>(1, kMost / tile_bytes);
