@@ -116,8 +116,10 @@ def float32_product(
 # four stacked shapes, 8 copies on 2 MB pages, ms for all 32, the kernel against this with 2 /
 # 4 / 16 MB blocks: 96 rows 70.8 against 76.0 / 67.3 / 67.8, 128 rows 79.1 against 71.6 / 73.5
 # / 74.5, 160 rows 84.4 against 89.4 / 85.4 / 82.7, 192 rows 100.4 against 100.6 / 93.2 /
-# 92.5, 256 rows 144.2 against 125.6 / 122.1 / 124.1.
-WIDEN_BLOCK_BYTES = 4 << 20
+# 92.5, 256 rows 144.2 against 125.6 / 122.1 / 124.1; a 1B Llama's four shapes (3072 / 2048 /
+# 16384 x 2048, 2048 x 8192) at 256 rows, the kernel against 4 / 16 / 64 MB blocks: 403.2
+# against 339.5 / 326.1 / 319.7.
+WIDEN_BLOCK_BYTES = 16 << 20
 
 
 class _WidenBuffers(threading.local):
