@@ -153,11 +153,6 @@ def widened_product(
     buf = _widen_buffers.by_width.get(k)
     if buf is None or buf.shape[0] < step:
         buf = _widen_buffers.by_width[k] = torch.empty(step, k, dtype=torch.float32)
-    if step >= n:
-        block = buf[:n]
-        block.copy_(weight)
-        out = float32_product(flat, block, bias_f32).to(torch.bfloat16)
-        return out.view(*x.shape[:-1], n)
     out = torch.empty(flat.shape[0], n, dtype=torch.bfloat16)
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)

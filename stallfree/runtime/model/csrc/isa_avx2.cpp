@@ -170,10 +170,11 @@ inline void fetch_start(const void* from, int64_t bytes) {
   for (int64_t o = 0; o < std::min(bytes, kFetchDistance); o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
 }
 
-// tile t's fetches over `steps` steps, its rows `row_bytes` apart
-inline Ahead ahead_of(const Tile4& t, int64_t row_bytes, int64_t steps) {
+// the fetches of the tile whose first row starts at `tile`, over `steps` steps, its rows
+// `row_bytes` apart
+inline Ahead ahead_of(const void* tile, int64_t row_bytes, int64_t steps) {
   Ahead a;
-  a.from = t.w[0] + kFetchDistance;
+  a.from = static_cast<const char*>(tile) + kFetchDistance;
   a.step = steps > 0 ? ((kTileN * row_bytes + steps - 1) / steps + 63) / 64 * 64 : 0;
   return a;
 }
@@ -298,11 +299,11 @@ void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, int64_t ld
     }
     for (int64_t n = n0; n < n1; n += kTileN) {
       const Tile4 t = tile_at(w, ldw * es, n, n1);
-      const Ahead first = ahead_of(t, ldw * es, k16 / 16);
+      const Ahead first = ahead_of(t.w[0], ldw * es, k16 / 16);
       for (int64_t m0 = p0; m0 < p1; m0 += kTileM) {
         const float* xm = xs + (m0 - p0) * xs_stride;
         // the tile's first group of rows fetches the weight; the others read it from the cache
-        const Ahead& ahead = m0 == p0 ? first : Ahead{};
+        const Ahead ahead = m0 == p0 ? first : Ahead{};
         switch (std::min<int64_t>(kTileM, p1 - m0)) {
           case 1: dense_tile<BF16, 1>(xm, xs_stride, x, k, t, m0, ahead, bias, out); break;
           case 2: dense_tile<BF16, 2>(xm, xs_stride, x, k, t, m0, ahead, bias, out); break;
@@ -418,9 +419,7 @@ void gemv_compact(const uint16_t* x, int64_t m, int64_t k, const uint8_t* codes,
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(tables + r * compact::kCodes)));
       }
       if (m <= 2) {
-        Tile4 t;
-        t.w[0] = reinterpret_cast<const char*>(codes + n * row_bytes);
-        const Ahead ahead = ahead_of(t, row_bytes, k / 64);
+        const Ahead ahead = ahead_of(codes + n * row_bytes, row_bytes, k / 64);
         if (m == 1) compact_regs<1>(xs, k, rows, dense_rows, tabs, n, nb, ahead, bias, out);
         else compact_regs<2>(xs, k, rows, dense_rows, tabs, n, nb, ahead, bias, out);
         continue;
@@ -526,12 +525,12 @@ void gemv_q8_t(const Q8Act& a, const int8_t* w, const float* scale, const uint16
   fetch_start(w + n0 * k, (n1 - n0) * k);
   for (int64_t n = n0; n < n1; n += kTileN) {
     const Tile4 t = tile_at(w, k, n, n1);
-    const Ahead first = ahead_of(t, k, blocks);
+    const Ahead first = ahead_of(t.w[0], k, blocks);
     const uint16_t* bs[kTileN];
     for (int j = 0; j < kTileN; ++j)
       bs[j] = Blocked ? bscale + (n + std::min(j, t.nb - 1)) * blocks : nullptr;
     for (int64_t m0 = 0; m0 < a.m; m0 += kTileMQ) {
-      const Ahead& ahead = m0 == 0 ? first : Ahead{};
+      const Ahead ahead = m0 == 0 ? first : Ahead{};
       if (a.m - m0 >= 2)
         q8_tile<2, Blocked>(a, t, bs, m0, ahead, scale, bias, out);
       else
@@ -616,7 +615,7 @@ void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
   fetch_start(codes + n0 * groups * 16, (n1 - n0) * groups * 16);
   for (int64_t n = n0; n < n1; n += kTileN) {
     const Tile4 t = tile_at(codes, groups * 16, n, n1);
-    const Ahead first = ahead_of(t, groups * 16, groups);
+    const Ahead first = ahead_of(t.w[0], groups * 16, groups);
     const uint16_t* gs[kTileN];
     const uint16_t* go[kTileN];
     for (int j = 0; j < kTileN; ++j) {
@@ -625,7 +624,7 @@ void gemv_q4(const Q8Act& a, const uint8_t* codes, const uint16_t* gscale,
       go[j] = goffset + r * groups;
     }
     for (int64_t m0 = 0; m0 < a.m; m0 += kTileMQ) {
-      const Ahead& ahead = m0 == 0 ? first : Ahead{};
+      const Ahead ahead = m0 == 0 ? first : Ahead{};
       if (a.m - m0 >= 2)
         q4_tile<2>(a, t, gs, go, m0, ahead, bias, out);
       else
