@@ -52,12 +52,14 @@ class ModelConfig(_Section):
         "AMX; the decode kernels read the first copy): prompt products about a fifth faster, "
         "the dense weights' memory twice",
     )
-    compact_decode_weights: bool = Field(
-        False,
-        description="Keep a second, lossless copy of each dense bfloat16 linear of a native "
-        "family in 12 bits a value, which decode steps of up to 4 rows multiply (2 on "
-        "AVX2-only CPUs; same outputs): a decode step reads about 0.75 of the weights' bytes, "
-        "the weights take 1.75x their memory",
+    compact_decode_weights: Literal["off", "beside", "only"] = Field(
+        "off",
+        description="Each dense bfloat16 linear of a native family also in 12 bits a value, "
+        "losslessly, which decode steps multiply (same outputs, about 0.75 of the weights' "
+        "bytes read): beside = a second copy for steps of up to 4 rows (2 on AVX2-only CPUs), "
+        "the weights 1.75x their memory; only = the compact form instead of the dense weight "
+        "(prompts decode it a block of rows at a time), the weights about 0.75x their memory, "
+        "one rank and no LoRA; off = neither (true / false: beside / off)",
     )
     model_impl: Literal["auto", "native", "transformers"] = Field(
         "auto",
@@ -96,6 +98,14 @@ class ModelConfig(_Section):
         description="The pooling runner's pooling over the checkpoint's: pooling_type (MEAN, "
         "CLS, LAST, MAX, MEAN_SQRT_LEN) and normalize (true or false)",
     )
+
+    @field_validator("compact_decode_weights", mode="before")
+    @classmethod
+    def _compact_switch(cls, value: Any) -> Any:
+        # the setting was an on/off switch: on is the second copy
+        if isinstance(value, bool):
+            return "beside" if value else "off"
+        return value
 
     @field_validator("override_pooler_config")
     @classmethod
@@ -422,6 +432,15 @@ class StallfreeConfig(BaseSettings):
                 "that address first can run code on every node. Run the group on a trusted "
                 "network only, and say so with --dist-trusted-network "
                 "(parallel.trusted_network = true)"
+            )
+        if self.model.compact_decode_weights == "only" and (
+            par.tp_size > 1 or self.lora.enable_lora or self.runtime.torch_compile
+        ):
+            raise ValueError(
+                "model.compact_decode_weights=only keeps no dense weight, which tensor "
+                "parallelism's partial products, LoRA's base products and torch.compile's "
+                "traced products read; use it with tp_size 1, without LoRA and without "
+                "runtime.torch_compile, or compact_decode_weights=beside"
             )
         if self.runtime.worker == "inprocess" and par.tp_size > 1:
             raise ValueError(

@@ -262,10 +262,17 @@ def test_the_flag_sets_the_model_setting_and_reaches_the_workers() -> None:
     from tests.engine_util import engine_config
 
     parser = build_parser()
-    on = config_from_args(parser.parse_args(["serve", "--model", "x", "--compact-decode-weights"]))
-    off = config_from_args(parser.parse_args(["serve", "--model", "x"]))
-    assert on.model.compact_decode_weights is True
-    assert off.model.compact_decode_weights is False
-    for flag in (True, False):
-        cfg = engine_config("tiny", model={"compact_decode_weights": flag})
-        assert worker_spec(cfg, 64, 128).compact_decode_weights is flag
+
+    def parsed(*flags: str) -> str:
+        args = parser.parse_args(["serve", "--model", "x", *flags])
+        return str(config_from_args(args).model.compact_decode_weights)
+
+    assert parsed("--compact-decode-weights") == "beside"
+    assert parsed("--compact-decode-weights", "only") == "only"
+    assert parsed("--compact-decode-weights=off") == "off"
+    assert parsed() == "off"
+    with pytest.raises(SystemExit):
+        parsed("--compact-decode-weights", "half")
+    for setting, mode in ((True, "beside"), (False, "off"), ("only", "only")):
+        cfg = engine_config("tiny", model={"compact_decode_weights": setting})
+        assert worker_spec(cfg, 64, 128).compact_decode_weights == mode

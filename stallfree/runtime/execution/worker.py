@@ -76,7 +76,7 @@ class WorkerSpec:
     dtype: str
     quantization: str
     prepack_prompt_weights: bool
-    compact_decode_weights: bool
+    compact_decode_weights: str  # off, beside, only
     device: str  # "cpu" or "cuda"
     seed: int
     page_size: int

@@ -69,6 +69,17 @@ def module_tensors(model: nn.Module) -> list[torch.Tensor]:
     return found
 
 
+# the attribute `stay_in_place` sets on a tensor
+_IN_PLACE = "_stallfree_in_place"
+
+
+def stay_in_place(t: torch.Tensor) -> torch.Tensor:
+    """Mark `t` to be left where it is by `move_to_huge_pages` (a mapping whose untouched pages
+    take no memory, which a copy would fill: compact_only.py's rows that do not fit)."""
+    setattr(t, _IN_PLACE, True)
+    return t
+
+
 def move_to_huge_pages(model: nn.Module) -> int:
     """Copy `model`'s CPU weight storages of `MIN_BYTES` or more into one mapping advised for
     huge pages and point their tensors there. Returns the bytes moved (0 where not enabled)."""
@@ -79,7 +90,13 @@ def move_to_huge_pages(model: nn.Module) -> int:
     seen: set[int] = set()
     for t in module_tensors(model):
         # an opaque oneDNN copy (`--prepack-prompt-weights`) has no storage to move
-        if id(t) in seen or t.device.type != "cpu" or t.is_sparse or t.is_mkldnn:
+        if (
+            id(t) in seen
+            or t.device.type != "cpu"
+            or t.is_sparse
+            or t.is_mkldnn
+            or getattr(t, _IN_PLACE, False)
+        ):
             continue
         seen.add(id(t))
         storage = t.untyped_storage()

@@ -41,6 +41,12 @@ def _uncompact_bf16(codes: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return codes.new_empty((codes.shape[0], codes.shape[1] * 2 // 3), dtype=torch.bfloat16)
 
 
+def _decompact_bf16(
+    codes: torch.Tensor, tables: torch.Tensor, weight: torch.Tensor, start: int, out: torch.Tensor
+) -> None:
+    return None
+
+
 def _linear_group(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     return _rows_out(x, sum(w.shape[0] for w in weights))
 
@@ -232,6 +238,7 @@ FAKES: dict[str, Callable[..., Any]] = {
     "linear_compact": _linear_compact,
     "compact_bf16": _compact_bf16,
     "uncompact_bf16": _uncompact_bf16,
+    "decompact_bf16": _decompact_bf16,
     "linear_q8": _linear_q8,
     "linear_q8_blocks": _linear_q8_blocks,
     "linear_q8_prompt": _linear_q8_prompt,

@@ -21,6 +21,7 @@ from stallfree.runtime.memory.pool import KVCacheShape
 from stallfree.runtime.model import native_layers
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
 from stallfree.runtime.model.bert import ENCODER_ARCHITECTURES
+from stallfree.runtime.model.compact_only import keep_compact_only
 from stallfree.runtime.model.cross_encoder import CROSS_ENCODER_ARCHITECTURES
 from stallfree.runtime.model.fused_weights import is_fused, split_fused
 from stallfree.runtime.model.gemma import GEMMA_MODELS
@@ -144,29 +145,40 @@ def load_model(
     model_impl: str = "auto",
     trust_remote_code: bool = False,
     prepack_prompt_weights: bool = False,
-    compact_decode_weights: bool = False,
+    compact_decode_weights: str | bool = "off",
 ) -> LoadedModel:
     """The model through transformers' modelling code when `model_impl` says so (hf_fallback.py:
     `transformers`, or `auto` for an architecture with no native family; a checkpoint's own
     code only with `trust_remote_code`), else `_load`; then a native family's dense bfloat16
     linears switched to the native kernels (native_layers.py) where the CPU has them (with
     `prepack_prompt_weights`, each beside a oneDNN copy for prompts; with
-    `compact_decode_weights`, beside a compact copy for decode rows) and, on the CPU, their
-    rows padded by a cache line (padded_rows.py), a CPU model's weights moved to huge pages
-    (memory/huge_pages.py), and the load's freed memory handed back."""
+    `compact_decode_weights` "beside" (or True), beside a compact copy for decode rows, with
+    "only", in that form alone: compact_only.py) and, on the CPU, their rows padded by a cache
+    line (padded_rows.py), a CPU model's weights moved to huge pages (memory/huge_pages.py),
+    and the load's freed memory handed back."""
+    compact = compact_decode_weights
+    if isinstance(compact, bool):
+        compact = "beside" if compact else "off"
+    if compact not in ("off", "beside", "only"):
+        raise ValueError(f"compact_decode_weights must be off, beside or only, not {compact!r}")
+    if compact == "only" and tp is not None and tp.size > 1:
+        raise ValueError(
+            "compact_decode_weights=only runs on one rank (tensor parallelism's "
+            "partial products read the dense weights)"
+        )
     if model_impl_for(path_or_preset, model_impl) == "transformers":
         path, device = Path(path_or_preset), torch.device(device)
         loaded = _load_fallback(path, dtype, device, tp, quantization, trust_remote_code)
     else:
         loaded = _load(path_or_preset, dtype, device, seed, tp, quantization)
     if isinstance(loaded.model, LlamaForCausalLM):
-        use_native_linears(
-            loaded.model, prepack=prepack_prompt_weights, compact=compact_decode_weights
-        )
-        if compact_decode_weights:
+        use_native_linears(loaded.model, prepack=prepack_prompt_weights, compact=compact != "off")
+        if compact != "off":
             loaded.model.compact_tied_head()
         if torch.device(device).type == "cpu":
             pad_rows(loaded.model)
+        if compact == "only":
+            keep_compact_only(loaded.model)
     release_free_heap()  # the load's temporaries (memory/heap.py)
     if torch.device(device).type == "cpu" and move_to_huge_pages(loaded.model):
         release_free_heap()  # the storages the weights were moved from

@@ -124,10 +124,19 @@ WIDEN_BLOCK_BYTES = 16 << 20
 
 class _WidenBuffers(threading.local):
     def __init__(self) -> None:
-        self.by_width: dict[int, torch.Tensor] = {}
+        self.by_width: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
 
 _widen_buffers = _WidenBuffers()
+
+
+def _weight_block(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's buffer for blocks of at least `rows` weight rows of `k` values in `dtype`
+    (one per input width and dtype, grown as needed, reused by every layer)."""
+    buf = _widen_buffers.by_width.get((k, dtype))
+    if buf is None or buf.shape[0] < rows:
+        buf = _widen_buffers.by_width[(k, dtype)] = torch.empty(rows, k, dtype=dtype)
+    return buf
 
 
 def widens(rows: int, dtype: torch.dtype) -> bool:
@@ -142,24 +151,59 @@ def widens(rows: int, dtype: torch.dtype) -> bool:
 
 
 def widened_product(
-    x: torch.Tensor, weight: torch.Tensor, bias_f32: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias_f32: torch.Tensor | None,
+    compact: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for bfloat16 `x` and `weight` on the CPU, in float32 on
     `float32_product`: the weight's rows widened a block at a time into this thread's buffer
-    (WIDEN_BLOCK_BYTES), the sums rounded to bfloat16 once (`bias_f32` added before)."""
+    (WIDEN_BLOCK_BYTES), the sums rounded to bfloat16 once (`bias_f32` added before). With
+    `compact` (a layer kept only in its compact form, `decompacted_product`), each block is
+    decoded from the codes and tables instead, `weight` holding only the rows that do not fit."""
     n, k = weight.shape
     flat = x.reshape(-1, k).float()
     step = max(1, min(n, WIDEN_BLOCK_BYTES // (4 * max(k, 1))))
-    buf = _widen_buffers.by_width.get(k)
-    if buf is None or buf.shape[0] < step:
-        buf = _widen_buffers.by_width[k] = torch.empty(step, k, dtype=torch.float32)
+    buf = _weight_block(step, k, torch.float32)
     out = torch.empty(flat.shape[0], n, dtype=torch.bfloat16)
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
         block = buf[: n1 - n0]
-        block.copy_(weight[n0:n1])
+        if compact is None:
+            block.copy_(weight[n0:n1])
+        else:
+            torch.ops.stallfree.decompact_bf16(*compact, weight, n0, block)
         bias = None if bias_f32 is None else bias_f32[n0:n1]
         out[:, n0:n1] = float32_product(flat, block, bias)
+    return out.view(*x.shape[:-1], n)
+
+
+def decompacted_product(x: torch.Tensor, layer: NativeLinear) -> torch.Tensor:
+    """`layer(x)` for a layer kept only in its compact form (`--compact-decode-weights only`)
+    at more rows than `linear_compact` takes (`compact_only_max_rows`): its weight decoded a
+    block of rows at a time into this thread's buffer (`decompact_bf16`, the rows that do not
+    fit read from `layer.weight`, which holds only those), each block multiplied as the dense
+    weight's rows would be at this row count: widened to float32 (`widens`), else through
+    `linear` on the decoded bfloat16 rows (blocks of whole tiles of 16 rows). The outputs are
+    the dense layer's bits: every output column is its own row's product either way."""
+    weight, bias = layer.weight, layer.bias_f32
+    compact = (layer.compact_codes, layer.compact_tables)
+    assert compact[0] is not None and compact[1] is not None
+    n, k = weight.shape
+    rows = x.numel() // max(k, 1)
+    if applies(x) and widens(rows, x.dtype):
+        return widened_product(x, weight, bias, (compact[0], compact[1]))
+    # whole tiles of 16 rows a block (a block of another count would leave the prompt
+    # product, which takes whole tiles only); a weight of another count in one block
+    step = min(n, max(16, WIDEN_BLOCK_BYTES // (2 * max(k, 1)) // 16 * 16)) if n % 16 == 0 else n
+    buf = _weight_block(step, k, torch.bfloat16)
+    flat = x.reshape(-1, k)
+    out = flat.new_empty(flat.shape[0], n)
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        block = buf[: n1 - n0]
+        torch.ops.stallfree.decompact_bf16(compact[0], compact[1], weight, n0, block)
+        out[:, n0:n1] = linear(flat, block, None if bias is None else bias[n0:n1])
     return out.view(*x.shape[:-1], n)
 
 
@@ -358,7 +402,11 @@ def group_weights(layers: list[nn.Module], dtype: torch.dtype) -> list[torch.Ten
     bias, rows contiguous, on the CPU, in `dtype`), or None where any layer is not one."""
     weights: list[torch.Tensor] = []
     for layer in layers:
-        if not isinstance(layer, nn.Linear) or layer.bias is not None:
+        if (
+            not isinstance(layer, nn.Linear)
+            or layer.bias is not None
+            or getattr(layer, "compact_only", False)
+        ):
             return None
         w = layer.weight
         if w.dtype != dtype or not rows_contiguous(w) or w.device.type != "cpu":
@@ -377,6 +425,9 @@ class NativeLinear(nn.Linear):
     # the weight's compact form for decode rows (`adopt(compact=True)`, `compact_rows`)
     compact_codes: torch.Tensor | None
     compact_tables: torch.Tensor | None
+    # the weight kept only in its compact form, `weight` holding only the rows that do not fit
+    # (compact_only.py, `--compact-decode-weights only`)
+    compact_only: bool = False
 
     @classmethod
     def adopt(cls, layer: nn.Linear, prepack: bool = False, compact: bool = False) -> NativeLinear:
@@ -401,8 +452,11 @@ class NativeLinear(nn.Linear):
         return native
 
     def compact_rows(self, rows: int) -> bool:
-        """Whether `rows` rows of bfloat16 take the compact form (`compact_max_rows`)."""
-        return self.compact_codes is not None and rows <= compact_max_rows()
+        """Whether `rows` rows of bfloat16 take the compact form's product (`compact_max_rows`;
+        `compact_only_max_rows` for a layer kept only in that form)."""
+        if self.compact_codes is None:
+            return False
+        return rows <= (compact_only_max_rows() if self.compact_only else compact_max_rows())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the weight is bfloat16 or float32 on the CPU (`use_native_linears` checked), so only
@@ -411,15 +465,17 @@ class NativeLinear(nn.Linear):
         # (`applies`, up to `dense_max_rows`), then for bfloat16 the prepacked copy
         # (`prepacked_prompt`) and the tiles' prompt product (`prompt_on_tiles`), else F.linear.
         dtype = self.weight.dtype
-        if x.dtype != dtype or torch.compiler.is_compiling():
+        if (x.dtype != dtype or torch.compiler.is_compiling()) and not self.compact_only:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // max(self.in_features, 1)
         native = x.device.type == "cpu" and x.is_contiguous() and cpu_kernels.available()
-        if native and self.compact_rows(rows):
+        if native and x.dtype == dtype and self.compact_rows(rows):
             out: torch.Tensor = torch.ops.stallfree.linear_compact(
                 x, self.weight, self.compact_codes, self.compact_tables, self.bias_f32
             )
             return out
+        if self.compact_only:
+            return decompacted_product(x, self)
         if native and rows_contiguous(self.weight) and rows <= dense_max_rows(dtype):
             out = torch.ops.stallfree.linear(x, self.weight, self.bias_f32)
             return out
@@ -438,8 +494,10 @@ class NativeLinear(nn.Linear):
     def silu_product(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up for this layer as a stacked gate and up projection, where a prompt
         runs on the tiles (`gate_up_silu`); None elsewhere."""
-        if self.prepacked_prompt(x) or not (
-            self.out_features % 32 == 0 and prompt_on_tiles(x, self.weight)
+        if (
+            self.compact_only
+            or self.prepacked_prompt(x)
+            or not (self.out_features % 32 == 0 and prompt_on_tiles(x, self.weight))
         ):
             return None
         rows = x.reshape(-1, self.in_features)
@@ -453,6 +511,7 @@ class NativeLinear(nn.Linear):
         tiles' prompt product (`mlp_on_tiles`)."""
         return (
             not (self.weight_prepacked is not None and rows >= PREPACKED_MIN_ROWS)
+            and not self.compact_only
             and dtype == self.weight.dtype == torch.bfloat16
             and _tiles_rows(rows, self.weight)
             and not torch.compiler.is_compiling()
@@ -584,6 +643,16 @@ def compact_max_rows() -> int:
     if cpu_kernels.isa() == "avx2":
         return AVX2_COMPACT_MAX_ROWS
     return min(COMPACT_MAX_ROWS, AMX_MIN_ROWS - 1) if cpu_kernels.amx() else COMPACT_MAX_ROWS
+
+
+def compact_only_max_rows() -> int:
+    """The most rows a layer kept only in the compact form multiplies on `linear_compact`: on
+    the AVX2 variant every count its dense kernel takes (AVX2_BF16_MAX_ROWS: past two rows the
+    product decodes each tile of four weight rows once into a buffer that kernel reads, with
+    its bits), elsewhere `compact_max_rows`; past that `decompacted_product`."""
+    if cpu_kernels.isa() == "avx2":
+        return AVX2_BF16_MAX_ROWS
+    return compact_max_rows()
 
 
 def compact_applies(weight: torch.Tensor) -> bool:

@@ -78,6 +78,8 @@ def _projection(
                 module.compact_tables,
                 module.bias_f32,
             ]
+        if module.compact_only:
+            return None  # no dense weight: decoded a block at a time (`decompacted_product`)
         if (
             dtype == module.weight.dtype
             and rows_contiguous(module.weight)

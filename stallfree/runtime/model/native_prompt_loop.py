@@ -65,6 +65,8 @@ def _projection(
     threshold, or (a dense layer past the tiles' rows) F.linear; None where it would run
     otherwise (an integer layer past the tiles' rows, or of a float32 model)."""
     tensors: list[torch.Tensor | None]
+    if type(module) is NativeLinear and module.compact_only:
+        return None  # no dense weight to read: its own forward decodes it (compact_only.py)
     if type(module) is NativeLinear and module.weight.dtype == torch.float32:
         # a stacked float32 layer (`native_layers.stacks_float32`) past the native kernel's
         # rows, as `native_layers.float32_product` runs it: oneDNN on the weight as it is, or

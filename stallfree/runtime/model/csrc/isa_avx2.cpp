@@ -391,6 +391,51 @@ void compact_decode(const uint8_t* row, __m256i table, int64_t k, uint16_t* dst)
   }
 }
 
+// a run of 16 bfloat16 values to float32 at `dst`, in order
+inline void store_widened(__m256i v, float* dst) {
+  const __m256i lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(v));
+  const __m256i hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1));
+  _mm256_storeu_ps(dst, _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)));
+  _mm256_storeu_ps(dst + 8, _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16)));
+}
+
+}  // namespace
+
+void decompact(const uint8_t* codes, const uint8_t* tables, const uint16_t* dense, int64_t ldw,
+               int64_t k, int64_t r0, int64_t r1, void* out, bool f32) {
+  const int64_t row_bytes = k + k / 2;
+  for (int64_t r = r0; r < r1; ++r) {
+    const bool fit = compact::fits(tables, r);
+    const uint8_t* row = codes + r * row_bytes;
+    const uint16_t* d = dense + r * ldw;
+    const __m256i table = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(tables + r * compact::kCodes)));
+    for (int64_t b = 0; b < k / 64; ++b) {
+      const uint8_t* lo = row + b * compact::kBlockBytes;
+      __m256i h0 = _mm256_setzero_si256(), h1 = h0;
+      if (fit) {
+        const char* next = reinterpret_cast<const char*>(lo) + kFetchDistance;
+        _mm_prefetch(next, _MM_HINT_T0);
+        _mm_prefetch(next + 64, _MM_HINT_T0);
+        compact_highs(lo, table, h0, h1);
+      }
+      for (int s = 0; s < 4; ++s) {
+        const int64_t at = (r - r0) * k + b * 64 + 16 * s;
+        const __m256i v =
+            fit ? compact_run(lo, h0, h1, s)
+                : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * 64 + 16 * s));
+        if (f32) {
+          store_widened(v, static_cast<float*>(out) + at);
+        } else {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + at), v);
+        }
+      }
+    }
+  }
+}
+
+namespace {
+
 // One or two rows: in the registers (compact_regs). More: each tile's four rows decoded once
 // into this thread's buffer, and dense_tile run on it for every group of activation rows, so
 // the sums are dense_tile's by construction (decoding per group of three, in the registers,

@@ -112,6 +112,13 @@ const Kernels& kernels();
 }
 namespace avx2 {
 const Kernels& kernels();
+// rows [r0, r1) of a bfloat16 weight in the compact form (namespace compact below) decoded
+// into `out`, k values a row from row r0 on: bfloat16, or float32 where `f32`; a row that does
+// not fit is read from `dense` (`ldw` values a row). Built for AVX2 whichever variant is
+// selected (every CPU with a compact form has it): the prompts of `--compact-decode-weights
+// only` decode their weight a block of rows at a time with it.
+void decompact(const uint8_t* codes, const uint8_t* tables, const uint16_t* dense, int64_t ldw,
+               int64_t k, int64_t r0, int64_t r1, void* out, bool f32);
 }
 // int8 weights with 16 output rows in the vector lanes (q8_lanes.cpp): uint8 [n / 16, k / 4,
 // 16, 4], each value w + 128; block scales (GGUF's Q8_0) float16 [n / 16, k / 32, 16]. Built

@@ -765,6 +765,34 @@ at::Tensor uncompact_bf16(const at::Tensor& codes, const at::Tensor& tables) {
   return out;
 }
 
+// Rows start .. start + out.size(0) of a weight kept only in the compact form (`--compact-
+// decode-weights only`) written into `out` [rows, k] (bfloat16, or float32 for the AVX2
+// variant's widened prompt product), the rows that do not fit read from `weight`: a prompt's
+// product decodes its weight a block of rows at a time into a buffer it reuses.
+void decompact_bf16(const at::Tensor& codes, const at::Tensor& tables, const at::Tensor& weight,
+                    int64_t start, const at::Tensor& out) {
+  const int64_t ldw = row_stride(weight, at::kBFloat16, "decompact_bf16");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  check_compact(codes, tables, n, k, "decompact_bf16");
+  TORCH_CHECK(cpu_has("avx2"), "decompact_bf16: needs a CPU with AVX2");
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.is_contiguous() && out.size(1) == k &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "decompact_bf16: out must be a contiguous float32 or bfloat16 [rows, ", k,
+              "] tensor");
+  TORCH_CHECK(start >= 0 && start + out.size(0) <= n, "decompact_bf16: rows ", start, " .. ",
+              start + out.size(0), " are not within the weight's ", n);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint8_t* t = tables.data_ptr<uint8_t>();
+  const auto* w = static_cast<const uint16_t*>(weight.data_ptr());
+  void* o = out.data_ptr();
+  const bool f32 = out.scalar_type() == at::kFloat;
+  const int64_t elem = f32 ? 4 : 2;
+  at::parallel_for(start, start + out.size(0), 16, [&](int64_t r0, int64_t r1) {
+    avx2::decompact(c, t, w, ldw, k, r0, r1, static_cast<char*>(o) + (r0 - start) * k * elem,
+                    f32);
+  });
+}
+
 // `linear` on bfloat16 rows from a weight's compact form (`weight` itself for the rows that do
 // not fit): the selected variant's dense kernel's bits, from 0.75 of its bytes.
 at::Tensor linear_compact(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& codes,
@@ -916,6 +944,7 @@ TORCH_LIBRARY(stallfree, m) {
   m.def("linear_group(Tensor x, Tensor[] weights) -> Tensor");
   m.def("compact_bf16(Tensor weight) -> (Tensor, Tensor)");
   m.def("uncompact_bf16(Tensor codes, Tensor tables) -> Tensor");
+  m.def("decompact_bf16(Tensor codes, Tensor tables, Tensor weight, int start, Tensor(a!) out) -> ()");
   m.def("linear_compact(Tensor x, Tensor weight, Tensor codes, Tensor tables, Tensor? bias) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("linear_q8_blocks(Tensor x, Tensor qweight, Tensor bscale, Tensor? bias) -> Tensor");
@@ -944,6 +973,7 @@ TORCH_LIBRARY_IMPL(stallfree, CPU, m) {
   m.impl("linear_group", &sf::linear_group);
   m.impl("compact_bf16", &sf::compact_bf16);
   m.impl("uncompact_bf16", &sf::uncompact_bf16);
+  m.impl("decompact_bf16", &sf::decompact_bf16);
   m.impl("linear_compact", &sf::linear_compact);
   m.impl("linear_q8", &sf::linear_q8);
   m.impl("linear_q8_blocks", &sf::linear_q8_blocks);
