@@ -8,7 +8,8 @@ Each (format, repeat) runs in a fresh process, formats interleaved. A format is 
 quantization: `f32` and `bf16` are dense, `int8` / `int4` quantize at load, `gguf` keeps the
 file's blocks (bfloat16 activations); `FORMAT+compile` (e.g. `bf16+compile`) compiles the
 layers first (`runtime.torch_compile`) and times the step only; `bf16+compact` loads with
-`--compact-decode-weights` (the bytes read are then the compact form's). A step is `model.forward` on a
+`--compact-decode-weights` (the bytes read are then the compact form's), `bf16+only` with
+`--compact-decode-weights only` (the compact form and the rows that do not fit it). A step is `model.forward` on a
 decode batch of `--batch` requests with `--context` tokens of KV each (the KV and `req_to_token` filled once, no
 scheduler), timed as the median of `--steps`. Every linear layer (lm_head included) is timed
 on its own around the call (a dense float32 model's grouped q/k/v and gate/up calls as one each), so "outside linears" is the step minus their sum: norms, RoPE,
@@ -64,7 +65,10 @@ def linear_bytes(module: torch.nn.Module) -> int:
     if isinstance(module, torch.nn.Linear):
         codes = getattr(module, "compact_codes", None)  # --compact-decode-weights' form
         if codes is not None:
-            return codes.numel() + module.compact_tables.numel()
+            tables = module.compact_tables
+            # the rows that do not fit the form are read dense (table code 0 is 0xFF)
+            unfit = int((tables[:, 0] == 0xFF).sum()) * module.in_features * 2
+            return codes.numel() + tables.numel() + unfit
         return module.weight.numel() * module.weight.element_size()
     if getattr(module, "native", False):  # what the native kernel reads
         names = ("qweight", "scale_f32", "block_scale", "codes", "q4_scale", "q4_offset")
@@ -177,7 +181,7 @@ def child(args: argparse.Namespace) -> None:
         torch.device("cpu"),
         0,
         quantization=quantization,
-        compact_decode_weights=variant == "compact",
+        compact_decode_weights={"compact": "beside", "only": "only"}.get(variant, "off"),
     )
     compiled = variant == "compile"
     compile_s = None
@@ -246,7 +250,7 @@ def main() -> None:
         "--formats",
         nargs="+",
         default=["f32", "bf16", "int8", "gguf"],
-        help="add +compile, or bf16+compact",
+        help="add +compile, or bf16+compact / bf16+only",
     )
     p.add_argument("--batch", nargs="+", type=int, default=[1, 16])
     p.add_argument("--context", type=int, default=256)

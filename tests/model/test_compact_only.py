@@ -94,6 +94,17 @@ def test_the_rows_that_fit_take_no_memory() -> None:
     assert _mapping_rss_kb(sparse) <= 64  # the two rows' pages, not 16 MB
 
 
+def test_a_tensor_marked_to_stay_is_not_padded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stallfree.runtime.memory import huge_pages
+    from stallfree.runtime.model import padded_rows
+
+    monkeypatch.setattr(padded_rows, "enabled", lambda: True)
+    model = nn.Sequential(*(nn.Linear(1024, 64, dtype=torch.bfloat16) for _ in range(2)))
+    huge_pages.stay_in_place(model[0].weight)
+    assert padded_rows.pad_rows(model) == 1
+    assert model[0].weight.stride() == (1024, 1) and model[1].weight.stride()[0] > 1024
+
+
 def test_a_tensor_marked_to_stay_is_not_moved_to_huge_pages(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -124,7 +135,7 @@ def compact_only_layer(
         layers.append(layer)
     dense = native_layers.NativeLinear.adopt(layers[0])
     holder = nn.Module()
-    holder.proj = native_layers.NativeLinear.adopt(layers[1], compact=True)
+    holder.proj = native_layers.NativeLinear.adopt(layers[1])
     assert compact_only.keep_compact_only(holder) == n * k * 2
     return dense, holder.proj
 

@@ -63,18 +63,36 @@ def test_a_weight_comes_back_bit_for_bit(k: int) -> None:
 
 
 @needs_kernels
-def test_the_table_holds_zero_then_the_rows_most_frequent_high_bytes() -> None:
-    # one row: 1.0 (0x3F80) x 40, -0.5 (0xBF00) x 20, 0.25 (0x3E80) x 4; all else zero
+def test_the_table_holds_the_rows_most_frequent_high_bytes() -> None:
+    # one row: 1.0 (0x3F80) x 40, -0.5 (0xBF00) x 20, 0.25 (0x3E80) x 4; nothing else
     row = torch.zeros(64)
     row[:40], row[40:60], row[60:64] = 1.0, -0.5, 0.25
     codes, tables = torch.ops.stallfree.compact_bf16(row.to(torch.bfloat16)[None])
-    assert tables[0, :4].tolist() == [0x00, 0x3F, 0xBF, 0x3E]
+    # then bytes the row does not use, the lower first
+    assert tables[0, :5].tolist() == [0x3F, 0xBF, 0x3E, 0x00, 0x01]
     # the row's bytes: 64 low bytes then 32 code bytes; value 0 (1.0) at position 0 is low
-    # byte 0x80 and code 1 (0x3F), value 63 (0.25 = 0x3E80) at position 16 * 3 + 8 + 7 = 63,
-    # its code 3 in the high nibble of code byte 31
+    # byte 0x80 and code 0 (0x3F), value 63 (0.25 = 0x3E80) at position 16 * 3 + 8 + 7 = 63,
+    # its code 2 in the high nibble of code byte 31
     assert codes.shape == (1, 96)
-    assert int(codes[0, 0]) == 0x80 and int(codes[0, 64]) & 0xF == 1
-    assert int(codes[0, 63]) == 0x80 and int(codes[0, 64 + 31]) >> 4 == 3
+    assert int(codes[0, 0]) == 0x80 and int(codes[0, 64]) & 0xF == 0
+    assert int(codes[0, 63]) == 0x80 and int(codes[0, 64 + 31]) >> 4 == 2
+
+
+@needs_kernels
+def test_sixteen_high_bytes_fit_and_0xff_is_never_code_0() -> None:
+    # 16 powers of 4 (16 high bytes, none of them zero's) fit; a 17th does not
+    sixteen = torch.tensor([4.0**e for e in range(-8, 8)]).repeat(4)
+    rows = torch.stack([sixteen, torch.cat([sixteen[:63], torch.tensor([4.0**9])])])
+    _, tables = torch.ops.stallfree.compact_bf16(rows.to(torch.bfloat16))
+    assert int(tables[0, 0]) != 0xFF and int(tables[1, 0]) == 0xFF
+    # a row made mostly of negative NaNs (high byte 0xFF) fits, 0xFF at another code
+    nan = torch.full((64,), 0xFFBF - 0x10000, dtype=torch.int16)  # a negative NaN
+    nan[:8] = 0x3F80  # 1.0
+    w = nan.view(torch.bfloat16)[None]
+    codes, tables = torch.ops.stallfree.compact_bf16(w)
+    assert int(tables[0, 0]) != 0xFF and 0xFF in tables[0].tolist()
+    back = torch.ops.stallfree.uncompact_bf16(codes, tables)
+    assert torch.equal(bits(back), bits(w))
 
 
 @needs_kernels
@@ -87,7 +105,7 @@ def test_a_row_that_does_not_fit_is_marked_and_read_from_the_dense_weight(
     w[2] = unfit_row(128)
     codes, tables = torch.ops.stallfree.compact_bf16(w)
     assert int(tables[2, 0]) == 0xFF
-    assert (tables[torch.arange(9) != 2, 0] == 0).all()
+    assert (tables[torch.arange(9) != 2, 0] != 0xFF).all()
     x = torch.randn(3, 128).to(torch.bfloat16)
     got = torch.ops.stallfree.linear_compact(x, w, codes, tables, None)
     assert torch.equal(bits(got), bits(torch.ops.stallfree.linear(x, w, None)))

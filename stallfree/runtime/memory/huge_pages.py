@@ -74,10 +74,16 @@ _IN_PLACE = "_stallfree_in_place"
 
 
 def stay_in_place(t: torch.Tensor) -> torch.Tensor:
-    """Mark `t` to be left where it is by `move_to_huge_pages` (a mapping whose untouched pages
-    take no memory, which a copy would fill: compact_only.py's rows that do not fit)."""
+    """Mark `t` to be left where it is by `move_to_huge_pages` and padded_rows.py (a mapping
+    whose untouched pages take no memory, which a copy would fill: compact_only.py's rows that
+    do not fit)."""
     setattr(t, _IN_PLACE, True)
     return t
+
+
+def stays_in_place(t: torch.Tensor) -> bool:
+    """Whether `stay_in_place` marked `t`."""
+    return bool(getattr(t, _IN_PLACE, False))
 
 
 def move_to_huge_pages(model: nn.Module) -> int:
@@ -95,7 +101,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
             or t.device.type != "cpu"
             or t.is_sparse
             or t.is_mkldnn
-            or getattr(t, _IN_PLACE, False)
+            or stays_in_place(t)
         ):
             continue
         seen.add(id(t))

@@ -30,13 +30,16 @@ import mmap
 import torch
 from torch import nn
 
+from stallfree.runtime.memory.heap import release_free_heap
 from stallfree.runtime.memory.huge_pages import stay_in_place
-from stallfree.runtime.model.native_layers import NativeLinear
+from stallfree.runtime.model.native_layers import NativeLinear, compact_applies
 
 logger = logging.getLogger(__name__)
 
 # a compact table's code 0 where the row does not fit (compact_bf16.cpp's kUnfit)
 UNFIT = 0xFF
+# dense bytes given back between returns of the C heap's free pages to the system
+_TRIM_BYTES = 128 << 20
 
 
 def sparse_rows(weight: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -55,28 +58,35 @@ def sparse_rows(weight: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 
 def keep_compact_only(model: nn.Module) -> int:
-    """Every `NativeLinear` of `model` with a compact form but the output matrix (`lm_head`)
-    switched to that form alone, in place: its weight replaced by `sparse_rows`, any prepacked
-    copy dropped. Returns the dense bytes given back."""
-    dropped = kept = 0
+    """Every bfloat16 `NativeLinear` of `model` that has a compact form (`compact_applies`)
+    switched to that form alone, one layer at a time, in place: its codes and tables built, its
+    weight replaced by `sparse_rows` and the dense storage given back before the next layer
+    (the load's peak is the dense weights and one layer's form, not both in full), any
+    prepacked copy dropped. The output matrix (`lm_head`) gets its form beside its dense
+    weight, as `beside` keeps it. Returns the dense bytes given back."""
+    dropped = kept = freed = 0
     with torch.no_grad():
         for name, module in model.named_modules():
-            if (
-                not isinstance(module, NativeLinear)
-                or module.compact_codes is None
-                or module.compact_tables is None
-                or name.rsplit(".", 1)[-1] == "lm_head"
-            ):
+            if not isinstance(module, NativeLinear) or not compact_applies(module.weight):
+                continue
+            codes, tables = torch.ops.stallfree.compact_bf16(module.weight.detach())
+            module.compact_codes, module.compact_tables = codes, tables
+            if name.rsplit(".", 1)[-1] == "lm_head":
                 continue
             weight = module.weight
-            tables = module.compact_tables
             sparse = nn.Parameter(sparse_rows(weight, tables), requires_grad=False)
             stay_in_place(sparse)
             module.weight = sparse
             module.weight_prepacked = None
             module.compact_only = True
-            dropped += weight.numel() * weight.element_size()
+            size = weight.numel() * weight.element_size()
+            dropped += size
+            freed += size
             kept += int((tables[:, 0] == UNFIT).sum()) * weight.shape[1] * weight.element_size()
+            del weight
+            if freed >= _TRIM_BYTES:
+                release_free_heap()  # the C heap keeps blocks under its mmap threshold
+                freed = 0
     if dropped:
         logger.info(
             "weights: %.0f MB of dense bfloat16 kept only in the compact form (%.1f MB of rows "

@@ -172,13 +172,15 @@ def load_model(
     else:
         loaded = _load(path_or_preset, dtype, device, seed, tp, quantization)
     if isinstance(loaded.model, LlamaForCausalLM):
-        use_native_linears(loaded.model, prepack=prepack_prompt_weights, compact=compact != "off")
+        use_native_linears(
+            loaded.model, prepack=prepack_prompt_weights, compact=compact == "beside"
+        )
+        if compact == "only":
+            keep_compact_only(loaded.model)
         if compact != "off":
             loaded.model.compact_tied_head()
         if torch.device(device).type == "cpu":
             pad_rows(loaded.model)
-        if compact == "only":
-            keep_compact_only(loaded.model)
     release_free_heap()  # the load's temporaries (memory/heap.py)
     if torch.device(device).type == "cpu" and move_to_huge_pages(loaded.model):
         release_free_heap()  # the storages the weights were moved from

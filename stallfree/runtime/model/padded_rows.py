@@ -31,7 +31,7 @@ import os
 import torch
 from torch import nn
 
-from stallfree.runtime.memory.huge_pages import module_tensors
+from stallfree.runtime.memory.huge_pages import module_tensors, stays_in_place
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ def pad_rows(model: nn.Module) -> int:
                 or w.shape[0] < 2
                 or (w.shape[1] * w.element_size()) % PADDED_MULTIPLE != 0
                 or not w.is_contiguous()
+                or stays_in_place(w)
                 or holders.get(id(w), 0) != 1
                 or users.get(w.untyped_storage().data_ptr(), 0) != 1
             ):
