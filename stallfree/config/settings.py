@@ -52,14 +52,16 @@ class ModelConfig(_Section):
         "AMX; the decode kernels read the first copy): prompt products about a fifth faster, "
         "the dense weights' memory twice",
     )
-    compact_decode_weights: Literal["off", "beside", "only"] = Field(
-        "off",
+    compact_decode_weights: Literal["auto", "off", "beside", "only"] = Field(
+        "auto",
         description="Each dense bfloat16 linear of a native family also in 12 bits a value, "
         "losslessly, which decode steps multiply (same outputs, about 0.75 of the weights' "
         "bytes read): beside = a second copy for steps of up to 4 rows (2 on AVX2-only CPUs), "
         "the weights 1.75x their memory; only = the compact form instead of the dense weight "
         "(prompts decode it a block of rows at a time), the weights about 0.75x their memory, "
-        "one rank and no LoRA; off = neither (true / false: beside / off)",
+        "one rank, no LoRA, no torch.compile; off = neither; auto = only on a CPU whose "
+        "kernels are the AVX2 variant (no AVX-512 BF16) where only applies, else off "
+        "(true / false: beside / off)",
     )
     model_impl: Literal["auto", "native", "transformers"] = Field(
         "auto",
@@ -514,6 +516,17 @@ class StallfreeConfig(BaseSettings):
         ):
             if on:
                 raise ValueError(f"LoRA adapters (lora.enable_lora) do not compose with {what} yet")
+
+    def compact_weights(self) -> str:
+        """`model.compact_decode_weights` as the loader takes it: `auto` is `off` where `only`
+        does not apply (tensor parallelism, LoRA, torch.compile), else left to the loader,
+        which knows the CPU's kernels."""
+        mode = self.model.compact_decode_weights
+        if mode == "auto" and (
+            self.parallel.tp_size > 1 or self.lora.enable_lora or self.runtime.torch_compile
+        ):
+            return "off"
+        return mode
 
     @property
     def uses_worker_processes(self) -> bool:

@@ -203,7 +203,7 @@ def _load(config: StallfreeConfig, device: torch.device) -> _Model:
         model_impl=model.model_impl,
         trust_remote_code=model.trust_remote_code,
         prepack_prompt_weights=model.prepack_prompt_weights,
-        compact_decode_weights=model.compact_decode_weights,
+        compact_decode_weights=config.compact_weights(),
     )
     if config.hisparse.enabled and isinstance(loaded.model, TransformersForCausalLM):
         raise ModelLoadError(_FALLBACK_IN_PROCESS)

@@ -248,3 +248,38 @@ def test_the_setting_refuses_what_reads_dense_weights() -> None:
         with pytest.raises(ValueError, match="compact_decode_weights=only"):
             StallfreeConfig(model={"compact_decode_weights": "only"}, **other)
         StallfreeConfig(model={"compact_decode_weights": "beside"}, **other)
+
+
+def test_auto_is_only_on_the_avx2_variant_on_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stallfree.runtime.model import cpu_kernels
+    from stallfree.runtime.model.loader import compact_mode
+    from stallfree.runtime.model.parallel import TPGroup
+
+    for isa, mode in (("avx2", "only"), ("avx512", "off"), (None, "off")):
+        monkeypatch.setattr(cpu_kernels, "isa", lambda isa=isa: isa)
+        assert compact_mode("auto", "cpu", None) == mode, isa
+        assert compact_mode("beside", "cpu", None) == "beside"
+        assert compact_mode(True, "cpu", None) == "beside"
+        assert compact_mode(False, "cpu", None) == "off"
+    monkeypatch.setattr(cpu_kernels, "isa", lambda: "avx2")
+    assert compact_mode("auto", "cuda", None) == "off"
+    assert compact_mode("auto", "cpu", TPGroup(0, 2)) == "off"
+    assert compact_mode("auto", "cpu", TPGroup(0, 1)) == "only"
+    with pytest.raises(ValueError, match="auto, off, beside or only"):
+        compact_mode("half", "cpu", None)
+
+
+def test_the_config_leaves_auto_off_where_only_does_not_apply() -> None:
+    from stallfree.config.settings import StallfreeConfig
+
+    assert StallfreeConfig().compact_weights() == "auto"
+    for other in (
+        {"parallel": {"tp_size": 2}, "runtime": {"worker": "process"}},
+        {"lora": {"enable_lora": True}},
+        {"runtime": {"torch_compile": True}},
+    ):
+        assert StallfreeConfig(**other).compact_weights() == "off"
+        assert (
+            StallfreeConfig(model={"compact_decode_weights": "beside"}, **other).compact_weights()
+            == "beside"
+        )

@@ -288,7 +288,7 @@ def test_the_flag_sets_the_model_setting_and_reaches_the_workers() -> None:
     assert parsed("--compact-decode-weights") == "beside"
     assert parsed("--compact-decode-weights", "only") == "only"
     assert parsed("--compact-decode-weights=off") == "off"
-    assert parsed() == "off"
+    assert parsed() == "auto"
     with pytest.raises(SystemExit):
         parsed("--compact-decode-weights", "half")
     for setting, mode in ((True, "beside"), (False, "off"), ("only", "only")):

@@ -76,7 +76,7 @@ class WorkerSpec:
     dtype: str
     quantization: str
     prepack_prompt_weights: bool
-    compact_decode_weights: str  # off, beside, only
+    compact_decode_weights: str  # auto, off, beside, only (StallfreeConfig.compact_weights)
     device: str  # "cpu" or "cuda"
     seed: int
     page_size: int
@@ -136,7 +136,7 @@ def worker_spec(config: StallfreeConfig, num_kv_slots: int, max_context_len: int
         dtype=config.model.dtype,
         quantization=config.model.quantization,
         prepack_prompt_weights=config.model.prepack_prompt_weights,
-        compact_decode_weights=config.model.compact_decode_weights,
+        compact_decode_weights=config.compact_weights(),
         device=device,
         seed=config.model.seed,
         page_size=config.cache.page_size,

@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from stallfree.runtime.memory.heap import release_free_heap
 from stallfree.runtime.memory.huge_pages import move_to_huge_pages
 from stallfree.runtime.memory.pool import KVCacheShape
-from stallfree.runtime.model import native_layers
+from stallfree.runtime.model import cpu_kernels, native_layers
 from stallfree.runtime.model.arch import ModelArchConfig, ModelLoadError
 from stallfree.runtime.model.bert import ENCODER_ARCHITECTURES
 from stallfree.runtime.model.compact_only import keep_compact_only
@@ -156,22 +156,19 @@ def load_model(
     "only", in that form alone: compact_only.py) and, on the CPU, their rows padded by a cache
     line (padded_rows.py), a CPU model's weights moved to huge pages (memory/huge_pages.py),
     and the load's freed memory handed back."""
-    compact = compact_decode_weights
-    if isinstance(compact, bool):
-        compact = "beside" if compact else "off"
-    if compact not in ("off", "beside", "only"):
-        raise ValueError(f"compact_decode_weights must be off, beside or only, not {compact!r}")
-    if compact == "only" and tp is not None and tp.size > 1:
+    if compact_decode_weights == "only" and tp is not None and tp.size > 1:
         raise ValueError(
             "compact_decode_weights=only runs on one rank (tensor parallelism's "
             "partial products read the dense weights)"
         )
+    compact_mode(compact_decode_weights, "meta", tp)  # the setting checked before the load
     if model_impl_for(path_or_preset, model_impl) == "transformers":
         path, device = Path(path_or_preset), torch.device(device)
         loaded = _load_fallback(path, dtype, device, tp, quantization, trust_remote_code)
     else:
         loaded = _load(path_or_preset, dtype, device, seed, tp, quantization)
     if isinstance(loaded.model, LlamaForCausalLM):
+        compact = compact_mode(compact_decode_weights, device, tp)
         use_native_linears(
             loaded.model, prepack=prepack_prompt_weights, compact=compact == "beside"
         )
@@ -185,6 +182,25 @@ def load_model(
     if torch.device(device).type == "cpu" and move_to_huge_pages(loaded.model):
         release_free_heap()  # the storages the weights were moved from
     return loaded
+
+
+def compact_mode(setting: str | bool, device: torch.device | str, tp: TPGroup | None) -> str:
+    """`compact_decode_weights` as `load_model` applies it: True / False are beside / off, and
+    auto is only on a CPU whose native kernels are the AVX2 variant, on one rank, else off.
+    (On that variant the compact form's product takes every decode row count the dense kernel
+    takes, at its bits, and a prompt's widened product decodes it about as fast as it widens
+    the dense weight; on the AVX-512 variant, and with the AMX tiles, decode steps of more
+    rows read the dense weight faster.)"""
+    mode = setting
+    if isinstance(mode, bool):
+        mode = "beside" if mode else "off"
+    if mode not in ("auto", "off", "beside", "only"):
+        raise ValueError(f"compact_decode_weights must be auto, off, beside or only, not {mode!r}")
+    if mode == "auto":
+        one_rank = tp is None or tp.size == 1
+        cpu = torch.device(device).type == "cpu"
+        mode = "only" if cpu and one_rank and cpu_kernels.isa() == "avx2" else "off"
+    return mode
 
 
 def _load(
