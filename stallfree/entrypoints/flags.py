@@ -312,13 +312,15 @@ _MODEL = [
          help="keep a second copy of each dense bfloat16 projection in oneDNN's blocked order "
          "for prompts of more than 64 tokens (CPUs with AMX): faster prompts, the dense weights' "
          "memory twice"),
-    flag("--compact-decode-weights", nargs="?", const="beside", choices=["off", "beside", "only"],
+    flag("--compact-decode-weights", nargs="?", const="beside",
+         choices=["auto", "off", "beside", "only"],
          sets="model.compact_decode_weights",
          help="each dense bfloat16 linear also in 12 bits a value, losslessly, for decode steps "
          "(CPUs with AVX2 or AVX-512): the same outputs from about 0.75 of the bytes. beside "
          "(the flag alone): a second copy, the weights' memory 1.75x; only: instead of the "
          "dense weight, prompts decoding it a block at a time, the memory about 0.75x (one "
-         "rank, no LoRA)"),
+         "rank, no LoRA, no torch.compile); auto: only on a CPU with AVX2 but not AVX-512 "
+         "BF16, where it applies"),
     flag("--model-impl", choices=["auto", "native", "transformers"], sets="model.model_impl",
          help="modelling code: native, or transformers (any causal LM it can build, with "
          "stallfree's paged attention; slower); auto: native for a supported architecture, "
