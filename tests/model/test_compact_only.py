@@ -283,3 +283,18 @@ def test_the_config_leaves_auto_off_where_only_does_not_apply() -> None:
             StallfreeConfig(model={"compact_decode_weights": "beside"}, **other).compact_weights()
             == "beside"
         )
+
+
+def test_a_quantized_tied_embedding_gets_no_compact_head() -> None:
+    # a GGUF's Q8_0 / Q4_1 tied output matrix (Int8Embedding) has no dense weight: the compact
+    # form's head is skipped, not an AttributeError at load (auto is only on the AVX2 variant)
+    from types import SimpleNamespace
+
+    from stallfree.runtime.model.llama import LlamaForCausalLM
+
+    model = SimpleNamespace(
+        arch=SimpleNamespace(tie_word_embeddings=True),
+        tied_head=nn.Linear(4, 4),
+        model=SimpleNamespace(embed_tokens=nn.Module()),
+    )
+    assert LlamaForCausalLM.compact_tied_head(model) is False  # type: ignore[arg-type]

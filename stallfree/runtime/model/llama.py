@@ -546,7 +546,8 @@ class LlamaForCausalLM(nn.Module):
         """`--compact-decode-weights` for an output matrix tied to the embedding (no nn.Linear
         of its own): its compact form beside it, which `_output` multiplies for decode rows.
         Returns whether it has one."""
-        weight = self.model.embed_tokens.weight
+        # (a quantized tied embedding, Int8Embedding, has no dense weight at all)
+        weight = getattr(self.model.embed_tokens, "weight", None)
         if not (
             self.arch.tie_word_embeddings
             and self.tied_head is None
