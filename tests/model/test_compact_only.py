@@ -7,15 +7,13 @@ reads dense weights (tensor parallelism, LoRA, torch.compile)."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 from torch import nn
 
 from stallfree.runtime.model import compact_only, native_layers, native_loop
 from tests.model.native_util import OpCalls, each_isa, needs_kernels
-from tests.model.test_compact_weights import bits, gaussian, unfit_row, use_variant
+from tests.model.test_compact_weights import bits, gaussian, greedy_with, unfit_row, use_variant
 
 
 def with_unfit_rows(n: int, k: int, rows: tuple[int, ...], seed: int = 0) -> torch.Tensor:
@@ -204,28 +202,17 @@ def test_the_loader_keeps_only_the_compact_form_but_the_output_matrix(tmp_path) 
 @needs_kernels
 @pytest.mark.parametrize("tied", [True, False])
 def test_greedy_output_is_the_dense_models(tmp_path, tied: bool) -> None:  # type: ignore[no-untyped-def]
-    from stallfree import Engine
-    from tests.engine_util import engine_config, random_prompts, run_greedy
+    from tests.engine_util import random_prompts
     from tests.hf_models import make_llama
 
     path = str(make_llama(tmp_path, tie_word_embeddings=tied))
     # prompts past linear_compact's rows (decoded a block at a time), and short ones
     prompts = random_prompts(3, seed=5, lo=150, hi=220) + random_prompts(2, seed=6)
-
-    async def run(mode: str) -> tuple[list[list[int]], list[native_loop.Plan | None]]:
-        cfg = engine_config(path, model={"dtype": "bfloat16", "compact_decode_weights": mode})
-        async with Engine(cfg) as engine:
-            out = await run_greedy(engine, prompts, 10)
-            out += await run_greedy(engine, prompts[:1], 10)
-            await engine.wait_idle()
-            assert engine.pool_usage().all_free
-            return out, list(engine.core.loaded.model._loop_plans.values())
-
-    dense, _ = asyncio.run(run("off"))
-    only, plans = asyncio.run(run("only"))
+    dense, _ = greedy_with(path, "off", prompts, 10)
+    only, plans = greedy_with(path, "only", prompts, 10)
     assert only == dense
     if native_loop.enabled():
-        looped = [p for p in plans if p is not None]
+        looped = [p for p in plans.values() if p is not None]
         assert looped and all(native_loop.COMPACT in p.spec for p in looped)
 
 
@@ -267,6 +254,8 @@ def test_auto_is_only_on_the_avx2_variant_on_one_rank(monkeypatch: pytest.Monkey
     assert compact_mode("auto", "cpu", TPGroup(0, 1)) == "only"
     with pytest.raises(ValueError, match="auto, off, beside or only"):
         compact_mode("half", "cpu", None)
+    with pytest.raises(ValueError, match="runs on one rank"):
+        compact_mode("only", "cpu", TPGroup(0, 2))
 
 
 def test_the_config_leaves_auto_off_where_only_does_not_apply() -> None:

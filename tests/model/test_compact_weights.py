@@ -238,35 +238,42 @@ def test_the_loader_compacts_every_dense_linear_and_a_tied_head(tmp_path) -> Non
             assert (loaded.model.head_codes is not None) is (on and head)
 
 
+def greedy_with(
+    path: str, setting: str | bool, prompts: list[list[int]], new_tokens: int
+) -> tuple[list[list[int]], dict[native_loop.PlanKey, native_loop.Plan | None]]:
+    """A bfloat16 engine's greedy outputs with `compact_decode_weights=setting`: every prompt
+    at once, then the first alone (steps of several rows and of one), the pools checked back to
+    full; and the C++ layer loop's plans it made, by row count."""
+    from stallfree import Engine
+    from tests.engine_util import engine_config, run_greedy
+
+    async def run() -> tuple[list[list[int]], dict[native_loop.PlanKey, native_loop.Plan | None]]:
+        cfg = engine_config(path, model={"dtype": "bfloat16", "compact_decode_weights": setting})
+        async with Engine(cfg) as engine:
+            out = await run_greedy(engine, prompts, new_tokens)
+            out += await run_greedy(engine, prompts[:1], new_tokens)
+            await engine.wait_idle()
+            assert engine.pool_usage().all_free
+            return out, dict(engine.core.loaded.model._loop_plans)
+
+    return asyncio.run(run())
+
+
 @needs_kernels
 def test_greedy_output_is_the_same_and_the_layer_loop_takes_the_compact_form(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from stallfree import Engine
-    from tests.engine_util import engine_config, random_prompts, run_greedy
+    from tests.engine_util import random_prompts
     from tests.hf_models import make_llama
 
     path = str(make_llama(tmp_path, tie_word_embeddings=True))
+    # four streams together, then one alone: steps of 4 rows and of 1
     prompts = random_prompts(4, seed=3)
-
-    async def run(
-        on: bool,
-    ) -> tuple[list[list[int]], list[tuple[native_loop.PlanKey, native_loop.Plan | None]]]:
-        cfg = engine_config(path, model={"dtype": "bfloat16", "compact_decode_weights": on})
-        async with Engine(cfg) as engine:
-            # four streams together, then one alone: steps of 4 rows and of 1
-            out = await run_greedy(engine, prompts, 12)
-            out += await run_greedy(engine, prompts[:1], 12)
-            await engine.wait_idle()
-            assert engine.pool_usage().all_free
-            model = engine.core.loaded.model
-            return out, list(model._loop_plans.items())
-
-    plain, plain_plans = asyncio.run(run(False))
-    compact, compact_plans = asyncio.run(run(True))
+    plain, plain_plans = greedy_with(path, False, prompts, 12)
+    compact, compact_plans = greedy_with(path, True, prompts, 12)
     assert compact == plain
-    assert all(p is None or native_loop.COMPACT not in p.spec for _, p in plain_plans)
+    assert all(p is None or native_loop.COMPACT not in p.spec for p in plain_plans.values())
     # a plan per row count: the compact form up to compact_max_rows (the 4 rows' plan is past
     # it on the AVX2 variant, whose limit is 2)
-    looped = [(key[0], p) for key, p in compact_plans if p is not None]
+    looped = [(key[0], p) for key, p in compact_plans.items() if p is not None]
     if native_loop.enabled():
         assert any(rows <= native_layers.compact_max_rows() for rows, _ in looped)
         for rows, p in looped:

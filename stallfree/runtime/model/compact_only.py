@@ -8,8 +8,8 @@ compact form is 0.75 of them, and kept alone it is also 0.75 of the memory rathe
 and prompts past that decode it a block of rows at a time into a buffer the dense products
 read (`native_layers.decompacted_product`), so the outputs stay the dense weight's bits.
 
-The rows that do not fit the form (more than 15 distinct high bytes: a few in trained weights,
-8.5% of a random Gaussian 1B Llama's) are still read dense. They stay in a tensor of the
+The rows that do not fit the form (more than 16 distinct high bytes: a few in trained weights,
+2.1% of a random Gaussian 1B Llama's) are still read dense. They stay in a tensor of the
 weight's shape whose other rows are never written: an anonymous mapping advised against huge
 pages, so only the pages those rows touch take memory, and the kernels read them where they
 read a dense weight's rows (`sparse_rows`). That tensor stays out of the huge pages' arena

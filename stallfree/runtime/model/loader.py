@@ -156,11 +156,6 @@ def load_model(
     "only", in that form alone: compact_only.py) and, on the CPU, their rows padded by a cache
     line (padded_rows.py), a CPU model's weights moved to huge pages (memory/huge_pages.py),
     and the load's freed memory handed back."""
-    if compact_decode_weights == "only" and tp is not None and tp.size > 1:
-        raise ValueError(
-            "compact_decode_weights=only runs on one rank (tensor parallelism's "
-            "partial products read the dense weights)"
-        )
     compact_mode(compact_decode_weights, "meta", tp)  # the setting checked before the load
     if model_impl_for(path_or_preset, model_impl) == "transformers":
         path, device = Path(path_or_preset), torch.device(device)
@@ -185,8 +180,9 @@ def load_model(
 
 
 def compact_mode(setting: str | bool, device: torch.device | str, tp: TPGroup | None) -> str:
-    """`compact_decode_weights` as `load_model` applies it: True / False are beside / off, and
-    auto is only on a CPU whose native kernels are the AVX2 variant, on one rank, else off.
+    """`compact_decode_weights` as `load_model` applies it: True / False are beside / off, only
+    is refused past one rank, and auto is only on a CPU whose native kernels are the AVX2
+    variant, on one rank, else off.
     (On that variant the compact form's product takes every decode row count the dense kernel
     takes, at its bits, and a prompt's widened product decodes it about as fast as it widens
     the dense weight; on the AVX-512 variant, and with the AMX tiles, decode steps of more
@@ -196,8 +192,13 @@ def compact_mode(setting: str | bool, device: torch.device | str, tp: TPGroup | 
         mode = "beside" if mode else "off"
     if mode not in ("auto", "off", "beside", "only"):
         raise ValueError(f"compact_decode_weights must be auto, off, beside or only, not {mode!r}")
+    one_rank = tp is None or tp.size == 1
+    if mode == "only" and not one_rank:
+        raise ValueError(
+            "compact_decode_weights=only runs on one rank (tensor parallelism's "
+            "partial products read the dense weights)"
+        )
     if mode == "auto":
-        one_rank = tp is None or tp.size == 1
         cpu = torch.device(device).type == "cpu"
         mode = "only" if cpu and one_rank and cpu_kernels.isa() == "avx2" else "off"
     return mode

@@ -187,12 +187,12 @@ def decompacted_product(x: torch.Tensor, layer: NativeLinear) -> torch.Tensor:
     `linear` on the decoded bfloat16 rows (blocks of whole tiles of 16 rows). The outputs are
     the dense layer's bits: every output column is its own row's product either way."""
     weight, bias = layer.weight, layer.bias_f32
-    compact = (layer.compact_codes, layer.compact_tables)
-    assert compact[0] is not None and compact[1] is not None
+    codes, tables = layer.compact_codes, layer.compact_tables
+    assert codes is not None and tables is not None
     n, k = weight.shape
     rows = x.numel() // max(k, 1)
     if applies(x) and widens(rows, x.dtype):
-        return widened_product(x, weight, bias, (compact[0], compact[1]))
+        return widened_product(x, weight, bias, (codes, tables))
     # whole tiles of 16 rows a block (a block of another count would leave the prompt
     # product, which takes whole tiles only); a weight of another count in one block
     step = min(n, max(16, WIDEN_BLOCK_BYTES // (2 * max(k, 1)) // 16 * 16)) if n % 16 == 0 else n
@@ -202,7 +202,7 @@ def decompacted_product(x: torch.Tensor, layer: NativeLinear) -> torch.Tensor:
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
         block = buf[: n1 - n0]
-        torch.ops.stallfree.decompact_bf16(compact[0], compact[1], weight, n0, block)
+        torch.ops.stallfree.decompact_bf16(codes, tables, weight, n0, block)
         out[:, n0:n1] = linear(flat, block, None if bias is None else bias[n0:n1])
     return out.view(*x.shape[:-1], n)
 
