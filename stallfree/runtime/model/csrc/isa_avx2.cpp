@@ -117,6 +117,14 @@ void quantize(const void* x, bool x_bf16, int64_t row, Q8Act& a) {
 
 constexpr int kTileM = 3;  // activation rows per pass: 12 accumulators of the 16 registers
 
+// The activation rows of the next group of a pass with `left` rows to go: up to kTileM, but two
+// and two of four, so that no row of a call of two or more sums alone (one row keeps its odd
+// products in sums of their own, Sums<1>), and the compact product may group the same rows its
+// own way (compact_rows) with the same bits.
+inline int group_rows(int64_t left) {
+  return left == 4 ? 2 : static_cast<int>(std::min<int64_t>(kTileM, left));
+}
+
 // the horizontal sums of four vectors, as lanes 0-3
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -300,11 +308,12 @@ void gemv_dense_t(const void* x, int64_t m, int64_t k, const void* w, int64_t ld
     for (int64_t n = n0; n < n1; n += kTileN) {
       const Tile4 t = tile_at(w, ldw * es, n, n1);
       const Ahead first = ahead_of(t.w[0], ldw * es, k16 / 16);
-      for (int64_t m0 = p0; m0 < p1; m0 += kTileM) {
+      for (int64_t m0 = p0, mb = 0; m0 < p1; m0 += mb) {
         const float* xm = xs + (m0 - p0) * xs_stride;
         // the tile's first group of rows fetches the weight; the others read it from the cache
         const Ahead ahead = m0 == p0 ? first : Ahead{};
-        switch (std::min<int64_t>(kTileM, p1 - m0)) {
+        mb = group_rows(p1 - m0);
+        switch (mb) {
           case 1: dense_tile<BF16, 1>(xm, xs_stride, x, k, t, m0, ahead, bias, out); break;
           case 2: dense_tile<BF16, 2>(xm, xs_stride, x, k, t, m0, ahead, bias, out); break;
           default: dense_tile<BF16, 3>(xm, xs_stride, x, k, t, m0, ahead, bias, out); break;
@@ -375,6 +384,82 @@ void compact_regs(const float* xs, int64_t k, const uint8_t* const* rows,
     for (int j = 0; j < nb; ++j) store(out, i, n + j, bias ? v[i][j] + bias[n + j] : v[i][j]);
 }
 
+// The most activation rows compact_rows takes a call (in groups of compact_group); more go
+// through the tile buffer (gemv_compact). SmolLM2's two MLP shapes, 30 copies, 2 threads, a
+// Zen 3, three rounds alternating with the buffer for all: at 3 and 4 rows 0.75-0.80 of the
+// buffer's time (1.04-1.09x the dense kernel's, from 1.07-1.44x), at 5 and 6 0.73-0.92, at 8
+// and 12, where each group of four decodes the tile again, 0.95-1.18.
+constexpr int64_t kCompactRowsMax = 6;
+
+// the activation rows of compact_rows' next group with `left` rows to go: four, but three then
+// two of five, so that no group of a call of two or more rows has one
+inline int compact_group(int64_t left) {
+  return left == 5 ? 3 : static_cast<int>(std::min<int64_t>(4, left));
+}
+
+// MB activation rows (2-4) of a call of 3 .. kCompactRowsMax: the tile's weight rows two at a
+// time, each pair decoded block by block in the registers and each run multiplied into the
+// MB rows' sums of both rows, every sum in Sums<2..3>'s order (dense_tile's for two or more
+// rows: group_rows gives none of one), so the outputs are gemv_dense_bf16's bits. Each
+// activation vector loaded serves both weight rows: 8 sums, the pair's two high-byte vectors
+// each and its four weight vectors. Decoding into a buffer for dense_tile instead (the path
+// past kCompactRowsMax) stored and re-read each run and widened it once per group of three.
+template <int MB>
+void compact_rows(const float* xs, int64_t k, const uint8_t* const* rows,
+                  const uint16_t* const* dense, const __m256i* tables, int64_t n, int nb,
+                  int64_t m0, const char* fetch, int64_t row_bytes, const float* bias, Out out) {
+  static_assert(MB >= 2 && MB <= 4);
+  const int64_t blocks = k / 64;
+  for (int p = 0; p < nb; p += 2) {
+    const int ja = p, jb = p + 1;  // rows past nb repeat the tile's last (tile_at's rule)
+    Ahead ahead;
+    if (fetch != nullptr && blocks > 0) {
+      ahead.from = fetch + p * row_bytes + kFetchDistance;
+      ahead.step = ((2 * row_bytes + blocks - 1) / blocks + 63) / 64 * 64;
+    }
+    __m256 acc[MB][2];
+    for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      ahead.at(b);
+      const uint8_t* la = rows[ja] + b * compact::kBlockBytes;
+      const uint8_t* lb = rows[jb] + b * compact::kBlockBytes;
+      const uint16_t* da = dense[ja] == nullptr ? nullptr : dense[ja] + b * 64;
+      const uint16_t* db = dense[jb] == nullptr ? nullptr : dense[jb] + b * 64;
+      __m256i ha0 = _mm256_setzero_si256(), ha1 = ha0, hb0 = ha0, hb1 = ha0;
+      if (da == nullptr) compact_highs(la, tables[ja], ha0, ha1);
+      if (db == nullptr) compact_highs(lb, tables[jb], hb0, hb1);
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        __m256 a0, a1, b0, b1;
+        widen_bf16x16(da == nullptr ? compact_run(la, ha0, ha1, s)
+                                    : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(da + 16 * s)),
+                      a0, a1);
+        widen_bf16x16(db == nullptr ? compact_run(lb, hb0, hb1, s)
+                                    : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + 16 * s)),
+                      b0, b1);
+#pragma GCC unroll 4
+        for (int i = 0; i < MB; ++i) {
+          const float* xi = xs + i * k + b * 64 + 16 * s;
+          const __m256 xe = _mm256_loadu_ps(xi), xo = _mm256_loadu_ps(xi + 8);
+          acc[i][0] = _mm256_fmadd_ps(xe, a0, acc[i][0]);
+          acc[i][1] = _mm256_fmadd_ps(xe, b0, acc[i][1]);
+          acc[i][0] = _mm256_fmadd_ps(xo, a1, acc[i][0]);
+          acc[i][1] = _mm256_fmadd_ps(xo, b1, acc[i][1]);
+        }
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      // hsum4 sums each of its vectors in the same order whatever its place (Sums::totals')
+      float v[4];
+      _mm_storeu_ps(v, hsum4(acc[i][0], acc[i][1], acc[i][0], acc[i][1]));
+      for (int j = 0; j < 2 && p + j < nb; ++j) {
+        const int64_t col = n + p + j;
+        store(out, m0 + i, col, bias ? v[j] + bias[col] : v[j]);
+      }
+    }
+  }
+}
+
 // a row's values 0 .. k - 1 from its codes, as bfloat16
 // (one row after another: the tile's bytes in address order, fetched kFetchDistance ahead)
 void compact_decode(const uint8_t* row, __m256i table, int64_t k, uint16_t* dst) {
@@ -436,18 +521,20 @@ void decompact(const uint8_t* codes, const uint8_t* tables, const uint16_t* dens
 
 namespace {
 
-// One or two rows: in the registers (compact_regs). More: each tile's four rows decoded once
+// One or two rows: in the registers (compact_regs). Three to kCompactRowsMax: in the registers
+// too, a pair of weight rows at a time (compact_rows). More: each tile's four rows decoded once
 // into this thread's buffer, and dense_tile run on it for every group of activation rows, so
-// the sums are dense_tile's by construction (decoding per group of three, in the registers,
-// took 1.2-1.4x the dense kernel's time at 4 and 8 rows: 12 sums and the decoded values
-// overflow the 16 registers).
+// the sums are dense_tile's by construction. (Decoding the whole tile per group of three in
+// the registers took 1.2-1.4x the dense kernel's time at 4 and 8 rows: 12 sums and the decoded
+// values overflow the 16 registers.)
 void gemv_compact(const uint16_t* x, int64_t m, int64_t k, const uint8_t* codes,
                   const uint8_t* tables, const uint16_t* dense, int64_t ldw, const float* bias,
                   int64_t n0, int64_t n1, Out out) {
   const int64_t row_bytes = k + k / 2;
   fetch_start(codes + n0 * row_bytes, (n1 - n0) * row_bytes);
   thread_local std::vector<uint16_t> decoded;
-  uint16_t* buf = m > 2 ? scratch(decoded, static_cast<size_t>(kTileN * k)) : nullptr;
+  const bool in_regs = m <= kCompactRowsMax;
+  uint16_t* buf = in_regs ? nullptr : scratch(decoded, static_cast<size_t>(kTileN * k));
   for (int64_t p0 = 0; p0 < m; p0 += kPassRows) {
     const int64_t p1 = std::min(m, p0 + kPassRows);
     const float* xs = split_bf16(x, k, k, p0, p1);
@@ -469,6 +556,21 @@ void gemv_compact(const uint16_t* x, int64_t m, int64_t k, const uint8_t* codes,
         else compact_regs<2>(xs, k, rows, dense_rows, tabs, n, nb, ahead, bias, out);
         continue;
       }
+      if (in_regs) {
+        for (int64_t m0 = p0, mb = 0; m0 < p1; m0 += mb) {
+          const float* xm = xs + (m0 - p0) * k;
+          // the tile's first group fetches its codes; the others read them from the cache
+          const char* fetch =
+              m0 == p0 ? reinterpret_cast<const char*>(codes + n * row_bytes) : nullptr;
+          mb = compact_group(p1 - m0);
+          switch (mb) {
+            case 2: compact_rows<2>(xm, k, rows, dense_rows, tabs, n, nb, m0, fetch, row_bytes, bias, out); break;
+            case 3: compact_rows<3>(xm, k, rows, dense_rows, tabs, n, nb, m0, fetch, row_bytes, bias, out); break;
+            default: compact_rows<4>(xm, k, rows, dense_rows, tabs, n, nb, m0, fetch, row_bytes, bias, out); break;
+          }
+        }
+        continue;
+      }
       Tile4 t;
       t.n = n;
       t.nb = nb;
@@ -476,11 +578,12 @@ void gemv_compact(const uint16_t* x, int64_t m, int64_t k, const uint8_t* codes,
         if (dense_rows[j] == nullptr) compact_decode(rows[j], tabs[j], k, buf + j * k);
         t.w[j] = reinterpret_cast<const char*>(dense_rows[j] ? dense_rows[j] : buf + j * k);
       }
-      for (int64_t m0 = p0; m0 < p1; m0 += kTileM) {
+      for (int64_t m0 = p0, mb = 0; m0 < p1; m0 += mb) {
         const float* xm = xs + (m0 - p0) * k;
         // no fetches: the codes were fetched as they were decoded
         const Ahead none;
-        switch (std::min<int64_t>(kTileM, p1 - m0)) {
+        mb = group_rows(p1 - m0);
+        switch (mb) {
           case 1: dense_tile<true, 1>(xm, k, x, k, t, m0, none, bias, out); break;
           case 2: dense_tile<true, 2>(xm, k, x, k, t, m0, none, bias, out); break;
           default: dense_tile<true, 3>(xm, k, x, k, t, m0, none, bias, out); break;
