@@ -629,11 +629,12 @@ def prepack_pays() -> bool:
 # kAmxMinRows), so the compact form takes fewer there (`compact_max_rows`).
 COMPACT_MAX_ROWS = 4
 AMX_MIN_ROWS = 3
-# The AVX2 variant's compact product (csrc/isa_avx2.cpp) decodes one row's blocks in the
-# registers, and for more rows each tile into a buffer that its dense kernel then reads. On a
-# Zen 3 (AVX2 only), the same shapes and copies, its time over the dense kernel's: 1 row
-# 0.74-0.80, 2 rows 0.81-0.94, 4 rows 1.21-1.38 (no longer bound by the bytes: the 16
-# registers hold the sums or the decoded values, not both), 8 rows 1.21-1.42.
+# The AVX2 variant's compact product (csrc/isa_avx2.cpp) decodes the weight in the registers
+# up to 4 rows (3 and 4 a pair of weight rows at a time) and for more rows each tile into a
+# buffer that its dense kernel then reads. On a Zen 3 (AVX2 only), the same shapes and copies,
+# its time over the dense kernel's: 1 row 0.74-0.80, 2 rows 0.81-0.94, 3 rows about 1.09 and
+# 4 rows about 1.07 (medians; 1.20 and 1.25 through the buffer: no longer bound by the bytes),
+# 8 rows 1.21-1.42. A second copy beside the dense weight pays up to 2 rows.
 AVX2_COMPACT_MAX_ROWS = 2
 
 
@@ -647,7 +648,7 @@ def compact_max_rows() -> int:
 
 def compact_only_max_rows() -> int:
     """The most rows a layer kept only in the compact form multiplies on `linear_compact`: on
-    the AVX2 variant every count its dense kernel takes (AVX2_BF16_MAX_ROWS: past two rows the
+    the AVX2 variant every count its dense kernel takes (AVX2_BF16_MAX_ROWS: past four rows the
     product decodes each tile of four weight rows once into a buffer that kernel reads, with
     its bits), elsewhere `compact_max_rows`; past that `decompacted_product`."""
     if cpu_kernels.isa() == "avx2":

@@ -385,11 +385,12 @@ void compact_regs(const float* xs, int64_t k, const uint8_t* const* rows,
 }
 
 // The most activation rows compact_rows takes a call (in groups of compact_group); more go
-// through the tile buffer (gemv_compact). SmolLM2's two MLP shapes, 30 copies, 2 threads, a
-// Zen 3, three rounds alternating with the buffer for all: at 3 and 4 rows 0.75-0.80 of the
-// buffer's time (1.04-1.09x the dense kernel's, from 1.07-1.44x), at 5 and 6 0.73-0.92, at 8
-// and 12, where each group of four decodes the tile again, 0.95-1.18.
-constexpr int64_t kCompactRowsMax = 6;
+// through the tile buffer (gemv_compact). SmolLM2's four decode shapes, 30 copies, 2 threads, a
+// Zen 3, six processes alternating with the buffer for all, the compact product's time over the
+// dense kernel's in each (medians): 3 rows 1.20 -> 1.085, 4 rows 1.25 -> 1.07. With two groups
+// each decodes the tile again: at 6 rows `bench_gemv.py` gave 1.28-1.34 against 1.21-1.33, at 8
+// and 12 0.95-1.18 of the buffer's time on two shapes.
+constexpr int64_t kCompactRowsMax = 4;
 
 // the activation rows of compact_rows' next group with `left` rows to go: four, but three then
 // two of five, so that no group of a call of two or more rows has one
@@ -521,8 +522,8 @@ void decompact(const uint8_t* codes, const uint8_t* tables, const uint16_t* dens
 
 namespace {
 
-// One or two rows: in the registers (compact_regs). Three to kCompactRowsMax: in the registers
-// too, a pair of weight rows at a time (compact_rows). More: each tile's four rows decoded once
+// One or two rows: in the registers (compact_regs). Three and four (kCompactRowsMax): in the
+// registers too, a pair of weight rows at a time (compact_rows). More: each tile's four rows decoded once
 // into this thread's buffer, and dense_tile run on it for every group of activation rows, so
 // the sums are dense_tile's by construction. (Decoding the whole tile per group of three in
 // the registers took 1.2-1.4x the dense kernel's time at 4 and 8 rows: 12 sums and the decoded
