@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stallfree.runtime.model import native_layers
+from stallfree.runtime.model import native_layers, quant
+
+from .native_util import OpCalls, needs_kernels, set_isa
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -78,3 +80,38 @@ def test_widens_only_bfloat16_past_the_kernel_on_the_avx2_variant(
     ):
         monkeypatch.setattr(native_layers.cpu_kernels, "isa", lambda isa=isa: isa)
         assert native_layers.widens(rows, dtype) is want
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["q8_0", "int8_rows", "int4"])
+def test_an_integer_prompt_dequantises_block_by_block_into_the_widened_product(
+    fmt: str, monkeypatch: pytest.MonkeyPatch, restore_variant: None
+) -> None:
+    """On the AVX2 variant an integer layer's bfloat16 prompt past the kernel's rows is widened
+    a block of rows at a time from its codes (`dense_product`): the bits of dequantising the
+    whole weight into the shared workspace and widening that, and no workspace made."""
+    set_isa("avx2")
+    monkeypatch.setattr(native_layers.cpu_kernels, "isa", lambda: "avx2")
+    monkeypatch.setattr(native_layers.cpu_kernels, "amx", lambda: False)
+    monkeypatch.setattr(native_layers, "WIDEN_BLOCK_BYTES", 48 * 4 * 128)  # 48 rows a block
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(160, 128, generator=gen) * 0.05
+    if fmt == "q8_0":
+        layer: quant._QuantLinearBase = quant.Int8Linear(
+            quant.quantize_int8_blocks(w), None, torch.bfloat16
+        )
+    elif fmt == "int8_rows":
+        layer = quant.Int8Linear(quant.quantize_int8(w), None, torch.bfloat16)
+    else:
+        layer = quant.Int4Linear(quant.quantize_int4(w), None, torch.bfloat16)
+    assert layer.native and not layer.lanes
+    x = torch.randn(2, native_layers.AVX2_BF16_MAX_ROWS // 2 + 5, 128, generator=gen).bfloat16()
+    monkeypatch.setattr(quant, "_workspaces", {})
+    calls = OpCalls()
+    with calls:
+        got = layer(x)
+    assert quant._workspaces == {}  # no dense copy of the weight
+    op = "stallfree.dequantize_q4" if fmt == "int4" else "stallfree.dequantize_q8"
+    assert calls.native().count(op) == 4  # 160 rows in blocks of 48
+    want = native_layers.linear(x.reshape(-1, 128), layer.dequantize()).view(2, -1, 160)
+    assert got.shape == want.shape and torch.equal(got, want)

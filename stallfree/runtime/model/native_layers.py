@@ -14,6 +14,7 @@ transformers' sums bit for bit.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -130,7 +131,7 @@ class _WidenBuffers(threading.local):
 _widen_buffers = _WidenBuffers()
 
 
-def _weight_block(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+def weight_block(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     """This thread's buffer for blocks of at least `rows` weight rows of `k` values in `dtype`
     (one per input width and dtype, grown as needed, reused by every layer)."""
     buf = _widen_buffers.by_width.get((k, dtype))
@@ -162,17 +163,34 @@ def widened_product(
     `compact` (a layer kept only in its compact form, `decompacted_product`), each block is
     decoded from the codes and tables instead, `weight` holding only the rows that do not fit."""
     n, k = weight.shape
+
+    def fill(n0: int, block: torch.Tensor) -> None:
+        if compact is None:
+            block.copy_(weight[n0 : n0 + block.shape[0]])
+        else:
+            torch.ops.stallfree.decompact_bf16(*compact, weight, n0, block)
+
+    return widened_blocks(x, n, k, bias_f32, fill)
+
+
+def widened_blocks(
+    x: torch.Tensor,
+    n: int,
+    k: int,
+    bias_f32: torch.Tensor | None,
+    fill: Callable[[int, torch.Tensor], None],
+) -> torch.Tensor:
+    """`widened_product` for a weight [n, k] that `fill(n0, block)` writes a block of rows at a
+    time, from row n0, into a float32 `block` (this thread's buffer): a dense or compact weight,
+    or an integer layer's dequantised rows (`quant._QuantLinearBase.dense_product`)."""
     flat = x.reshape(-1, k).float()
     step = max(1, min(n, WIDEN_BLOCK_BYTES // (4 * max(k, 1))))
-    buf = _weight_block(step, k, torch.float32)
+    buf = weight_block(step, k, torch.float32)
     out = torch.empty(flat.shape[0], n, dtype=torch.bfloat16)
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
         block = buf[: n1 - n0]
-        if compact is None:
-            block.copy_(weight[n0:n1])
-        else:
-            torch.ops.stallfree.decompact_bf16(*compact, weight, n0, block)
+        fill(n0, block)
         bias = None if bias_f32 is None else bias_f32[n0:n1]
         out[:, n0:n1] = float32_product(flat, block, bias)
     return out.view(*x.shape[:-1], n)
@@ -196,7 +214,7 @@ def decompacted_product(x: torch.Tensor, layer: NativeLinear) -> torch.Tensor:
     # whole tiles of 16 rows a block (a block of another count would leave the prompt
     # product, which takes whole tiles only); a weight of another count in one block
     step = min(n, max(16, WIDEN_BLOCK_BYTES // (2 * max(k, 1)) // 16 * 16)) if n % 16 == 0 else n
-    buf = _weight_block(step, k, torch.bfloat16)
+    buf = weight_block(step, k, torch.bfloat16)
     flat = x.reshape(-1, k)
     out = flat.new_empty(flat.shape[0], n)
     for n0 in range(0, n, step):

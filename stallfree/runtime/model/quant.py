@@ -334,10 +334,41 @@ class _QuantLinearBase(nn.Module, abc.ABC):
         elif (prompt := self._prompt(flat)) is not None:
             out = prompt
         else:
-            # the dense product: torch's, except where the native kernel beats it at this many
-            # rows (bfloat16 on the AVX2 variant, native_layers.dense_max_rows)
-            out = native_layers.linear(flat, self.dequantize())
+            out = self.dense_product(flat)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def dense_product(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat @ W.T` on the dense weight: torch's product, except where the native kernel
+        beats it at this many rows (bfloat16 on the AVX2 variant, native_layers.dense_max_rows).
+        Where a bfloat16 prompt is multiplied in float32 (`native_layers.widens`: the AVX2
+        variant), the weight is dequantised a block of rows at a time into the widened block
+        (`dequantize_rows`), not whole into the shared workspace first: the same values, and
+        no dense copy of the weight in memory (a 1B Llama's Q8_0 file: 122 MB of workspaces)."""
+        if (
+            self.native
+            and not self.lanes
+            and flat.dtype == self.dtype == torch.bfloat16
+            and native_layers.applies(flat)
+            and native_layers.widens(flat.shape[0], flat.dtype)
+        ):
+            return native_layers.widened_blocks(
+                flat.contiguous(), self.out_features, self.in_features, None, self._widened_rows
+            )
+        return native_layers.linear(flat, self.dequantize())
+
+    def _widened_rows(self, n0: int, block: torch.Tensor) -> None:
+        """Rows n0 .. n0 + len(block) of the dense weight into the float32 `block`, as
+        `dequantize` writes them in bfloat16 (dequantised to bfloat16 in this thread's buffer,
+        then widened)."""
+        rows = block.shape[0]
+        staged = native_layers.weight_block(rows, self.in_features, torch.bfloat16)[:rows]
+        self.dequantize_rows(n0, staged)
+        block.copy_(staged)
+
+    @abc.abstractmethod
+    def dequantize_rows(self, n0: int, out: torch.Tensor) -> None:
+        """Rows n0 .. n0 + len(out) of the dense weight into `out` (contiguous, the model's
+        dtype), on the native kernels (a native layer whose codes are row-major)."""
 
     def _prompt(self, flat: torch.Tensor) -> torch.Tensor | None:
         """`flat @ W.T` for a prompt's many rows on the AMX tiles' prompt product, which
@@ -583,6 +614,12 @@ class Int8Linear(_QuantLinearBase):
         )
         return out
 
+    def dequantize_rows(self, n0: int, out: torch.Tensor) -> None:
+        n1 = n0 + out.shape[0]
+        scale = None if self.scale_f32 is None else self.scale_f32[n0:n1]
+        blocks = None if self.block_scale is None else self.block_scale[n0:n1]
+        torch.ops.stallfree.dequantize_q8(self.qweight[n0:n1], scale, blocks, out)
+
     def dequantize(self) -> torch.Tensor:
         out = _workspace(self.out_features, self.in_features, self.dtype)
         if _native_dequantize(self):
@@ -699,6 +736,13 @@ class Int4Linear(_QuantLinearBase):
             x, self.qweight, self.group_size, self.scales_and_zeros
         )
         return out
+
+    def dequantize_rows(self, n0: int, out: torch.Tensor) -> None:
+        n1 = n0 + out.shape[0]
+        assert self.q4_scale is not None and self.q4_offset is not None
+        torch.ops.stallfree.dequantize_q4(
+            self.codes[n0:n1], self.q4_scale[n0:n1], self.q4_offset[n0:n1], out
+        )
 
     def dequantize(self) -> torch.Tensor:
         rows, groups, g = self.out_features, self.in_features // self.group_size, self.group_size
