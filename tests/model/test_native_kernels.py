@@ -345,35 +345,50 @@ def test_dequantize_writes_the_dense_weight(
     isa: str, n: int, blocks: int, bf16: bool, form: str, seed: int
 ) -> None:
     """The integer layers' prompt path: the weight written dense in one pass, each value the
-    float32 product (and offset) rounded once to the output's dtype."""
+    float32 product (and offset) rounded once to the output's dtype; with `bf16_values`, a
+    float32 output holding the bfloat16 output's values exactly (the AVX2 variant's widened
+    prompt product reads those)."""
     set_isa(isa)
     g = torch.Generator().manual_seed(seed)
     k = 32 * blocks
     dtype = torch.bfloat16 if bf16 else torch.float32
-    out = torch.empty(n, k, dtype=dtype)
     if form == "int4":
         w = quantize_int4(torch.randn(n, k, generator=g))
         codes = w.pairs.contiguous()  # element j low, j + 16 high
         scale = w.scale.half().contiguous()
         offset = (w.zero - 8 * w.scale).half().contiguous()
-        torch.ops.stallfree.dequantize_q4(codes, scale, offset, out)
+
+        def dequantize(out: torch.Tensor, bf16_values: bool = False) -> None:
+            torch.ops.stallfree.dequantize_q4(codes, scale, offset, out, bf16_values)
+
         want = w.q.float() * scale.float().repeat_interleave(32, 1)
         want = want + offset.float().repeat_interleave(32, 1)
     else:
         q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         if form == "rows":
-            scale = torch.rand(n, generator=g) / 50
-            torch.ops.stallfree.dequantize_q8(q, scale, None, out)
-            want = q.float() * scale[:, None]
+            rows = torch.rand(n, generator=g) / 50
+            args: tuple[torch.Tensor | None, ...] = (rows, None)
+            want = q.float() * rows[:, None]
         else:
             bscale = (torch.rand(n, blocks, generator=g) / 50).half()
-            torch.ops.stallfree.dequantize_q8(q, None, bscale, out)
+            args = (None, bscale)
             want = q.float() * bscale.float().repeat_interleave(32, 1)
+
+        def dequantize(out: torch.Tensor, bf16_values: bool = False) -> None:
+            torch.ops.stallfree.dequantize_q8(q, *args, out, bf16_values)
+
+    out = torch.empty(n, k, dtype=dtype)
+    dequantize(out)
     if bf16:
         # one rounding of the float32 value (an FMA's, for int4, may differ by one ulp)
         assert (out.float() - want.to(dtype).float()).abs().le(want.abs() * 2**-7).all()
     else:
         assert torch.allclose(out, want, rtol=1e-6, atol=1e-7)
+    as_bf16 = torch.empty(n, k, dtype=torch.bfloat16)
+    values = torch.empty(n, k)
+    dequantize(as_bf16)
+    dequantize(values, bf16_values=True)
+    assert torch.equal(values, as_bf16.float())
 
 
 def test_every_fake_matches_its_op() -> None:

@@ -122,12 +122,17 @@ def _dequantize_q8(
     scale: torch.Tensor | None,
     bscale: torch.Tensor | None,
     out: torch.Tensor,
+    bf16_values: bool = False,
 ) -> None:
     return None
 
 
 def _dequantize_q4(
-    codes: torch.Tensor, gscale: torch.Tensor, goffset: torch.Tensor, out: torch.Tensor
+    codes: torch.Tensor,
+    gscale: torch.Tensor,
+    goffset: torch.Tensor,
+    out: torch.Tensor,
+    bf16_values: bool = False,
 ) -> None:
     return None
 

@@ -125,18 +125,21 @@ WIDEN_BLOCK_BYTES = 16 << 20
 
 class _WidenBuffers(threading.local):
     def __init__(self) -> None:
-        self.by_width: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.by_width: dict[tuple[int, torch.dtype, bool], torch.Tensor] = {}
 
 
 _widen_buffers = _WidenBuffers()
 
 
-def weight_block(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+def _weight_block(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     """This thread's buffer for blocks of at least `rows` weight rows of `k` values in `dtype`
-    (one per input width and dtype, grown as needed, reused by every layer)."""
-    buf = _widen_buffers.by_width.get((k, dtype))
+    (one per input width and dtype, grown as needed, reused by every layer). One made under
+    inference mode (the engine's forwards) is an inference tensor, which a product outside it
+    may not write, so each mode has its own."""
+    key = (k, dtype, torch.is_inference_mode_enabled())
+    buf = _widen_buffers.by_width.get(key)
     if buf is None or buf.shape[0] < rows:
-        buf = _widen_buffers.by_width[(k, dtype)] = torch.empty(rows, k, dtype=dtype)
+        buf = _widen_buffers.by_width[key] = torch.empty(rows, k, dtype=dtype)
     return buf
 
 
@@ -182,11 +185,14 @@ def widened_blocks(
 ) -> torch.Tensor:
     """`widened_product` for a weight [n, k] that `fill(n0, block)` writes a block of rows at a
     time, from row n0, into a float32 `block` (this thread's buffer): a dense or compact weight,
-    or an integer layer's dequantised rows (`quant._QuantLinearBase.dense_product`)."""
+    or an integer layer's dequantised rows (`quant._QuantLinearBase.dense_product`). The output
+    is in `x`'s dtype: bfloat16 rounded once from the float32 sums, or float32 (an integer
+    layer of a float32 model: each output column is its own row's product either way, so the
+    blocks give the whole weight's bits where float32_product splits its columns so too)."""
     flat = x.reshape(-1, k).float()
     step = max(1, min(n, WIDEN_BLOCK_BYTES // (4 * max(k, 1))))
-    buf = weight_block(step, k, torch.float32)
-    out = torch.empty(flat.shape[0], n, dtype=torch.bfloat16)
+    buf = _weight_block(step, k, torch.float32)
+    out = torch.empty(flat.shape[0], n, dtype=x.dtype)
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
         block = buf[: n1 - n0]
@@ -214,7 +220,7 @@ def decompacted_product(x: torch.Tensor, layer: NativeLinear) -> torch.Tensor:
     # whole tiles of 16 rows a block (a block of another count would leave the prompt
     # product, which takes whole tiles only); a weight of another count in one block
     step = min(n, max(16, WIDEN_BLOCK_BYTES // (2 * max(k, 1)) // 16 * 16)) if n % 16 == 0 else n
-    buf = weight_block(step, k, torch.bfloat16)
+    buf = _weight_block(step, k, torch.bfloat16)
     flat = x.reshape(-1, k)
     out = flat.new_empty(flat.shape[0], n)
     for n0 in range(0, n, step):

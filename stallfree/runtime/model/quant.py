@@ -340,35 +340,33 @@ class _QuantLinearBase(nn.Module, abc.ABC):
     def dense_product(self, flat: torch.Tensor) -> torch.Tensor:
         """`flat @ W.T` on the dense weight: torch's product, except where the native kernel
         beats it at this many rows (bfloat16 on the AVX2 variant, native_layers.dense_max_rows).
-        Where a bfloat16 prompt is multiplied in float32 (`native_layers.widens`: the AVX2
-        variant), the weight is dequantised a block of rows at a time into the widened block
-        (`dequantize_rows`), not whole into the shared workspace first: the same values, and
-        no dense copy of the weight in memory (a 1B Llama's Q8_0 file: 122 MB of workspaces)."""
-        if (
-            self.native
-            and not self.lanes
-            and flat.dtype == self.dtype == torch.bfloat16
-            and native_layers.applies(flat)
-            and native_layers.widens(flat.shape[0], flat.dtype)
-        ):
-            return native_layers.widened_blocks(
-                flat.contiguous(), self.out_features, self.in_features, None, self._widened_rows
-            )
+        Where the product is a float32 one (a float32 model's rows past the dense kernel's, or a
+        bfloat16 prompt widened to float32 on the AVX2 variant, `native_layers.widens`), the
+        weight is dequantised a block of rows at a time straight into the float32 block that
+        product reads (`dequantize_rows`; for bfloat16 each value rounded as the workspace holds
+        it), not whole into the shared workspace first: the same values, one pass over them
+        fewer, and no dense copy of the weight in memory (a 1B Llama's Q8_0 file: 244 MB of
+        float32 workspaces, 122 MB in bfloat16)."""
+        rows = flat.shape[0]
+        if self.native and not self.lanes and native_layers.applies(flat):
+            dtype = flat.dtype if flat.dtype == self.dtype else None
+            bf16 = dtype == torch.bfloat16 and native_layers.widens(rows, dtype)
+            f32 = dtype == torch.float32 and rows > native_layers.dense_max_rows(dtype)
+            if bf16 or f32:
+                return native_layers.widened_blocks(
+                    flat,
+                    self.out_features,
+                    self.in_features,
+                    None,
+                    lambda n0, block: self.dequantize_rows(n0, block, bf16_values=bf16),
+                )
         return native_layers.linear(flat, self.dequantize())
 
-    def _widened_rows(self, n0: int, block: torch.Tensor) -> None:
-        """Rows n0 .. n0 + len(block) of the dense weight into the float32 `block`, as
-        `dequantize` writes them in bfloat16 (dequantised to bfloat16 in this thread's buffer,
-        then widened)."""
-        rows = block.shape[0]
-        staged = native_layers.weight_block(rows, self.in_features, torch.bfloat16)[:rows]
-        self.dequantize_rows(n0, staged)
-        block.copy_(staged)
-
     @abc.abstractmethod
-    def dequantize_rows(self, n0: int, out: torch.Tensor) -> None:
-        """Rows n0 .. n0 + len(out) of the dense weight into `out` (contiguous, the model's
-        dtype), on the native kernels (a native layer whose codes are row-major)."""
+    def dequantize_rows(self, n0: int, out: torch.Tensor, bf16_values: bool = False) -> None:
+        """Rows n0 .. n0 + len(out) of the dense weight into `out` (contiguous, float32 or
+        bfloat16; with `bf16_values` a float32 `out` holds the values rounded to bfloat16), on
+        the native kernels (a native layer whose codes are row-major)."""
 
     def _prompt(self, flat: torch.Tensor) -> torch.Tensor | None:
         """`flat @ W.T` for a prompt's many rows on the AMX tiles' prompt product, which
@@ -614,11 +612,11 @@ class Int8Linear(_QuantLinearBase):
         )
         return out
 
-    def dequantize_rows(self, n0: int, out: torch.Tensor) -> None:
+    def dequantize_rows(self, n0: int, out: torch.Tensor, bf16_values: bool = False) -> None:
         n1 = n0 + out.shape[0]
         scale = None if self.scale_f32 is None else self.scale_f32[n0:n1]
         blocks = None if self.block_scale is None else self.block_scale[n0:n1]
-        torch.ops.stallfree.dequantize_q8(self.qweight[n0:n1], scale, blocks, out)
+        torch.ops.stallfree.dequantize_q8(self.qweight[n0:n1], scale, blocks, out, bf16_values)
 
     def dequantize(self) -> torch.Tensor:
         out = _workspace(self.out_features, self.in_features, self.dtype)
@@ -737,11 +735,11 @@ class Int4Linear(_QuantLinearBase):
         )
         return out
 
-    def dequantize_rows(self, n0: int, out: torch.Tensor) -> None:
+    def dequantize_rows(self, n0: int, out: torch.Tensor, bf16_values: bool = False) -> None:
         n1 = n0 + out.shape[0]
         assert self.q4_scale is not None and self.q4_offset is not None
         torch.ops.stallfree.dequantize_q4(
-            self.codes[n0:n1], self.q4_scale[n0:n1], self.q4_offset[n0:n1], out
+            self.codes[n0:n1], self.q4_scale[n0:n1], self.q4_offset[n0:n1], out, bf16_values
         )
 
     def dequantize(self) -> torch.Tensor:

@@ -921,16 +921,19 @@ void silu_mul(const void* gu, void* out, int64_t r0, int64_t r1, int64_t inter, 
 }
 
 // 8 values to the output row (float32, or bfloat16 rounded to nearest even as f32_to_bf16
-// rounds a finite value)
+// rounds a finite value; float32 holding those values with `bf16_values`)
 inline void store8(Out out, int64_t row, int64_t c, __m256 v) {
-  if (!out.bf16) {
-    _mm256_storeu_ps(static_cast<float*>(out.ptr) + row * out.ldo + c, v);
-    return;
-  }
   const __m256i u = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(
-      _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+  const __m256i up = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  if (!out.bf16) {
+    const __m256 w = out.bf16_values ? _mm256_castsi256_ps(_mm256_and_si256(
+                                           up, _mm256_set1_epi32(static_cast<int>(0xffff0000u))))
+                                     : v;
+    _mm256_storeu_ps(static_cast<float*>(out.ptr) + row * out.ldo + c, w);
+    return;
+  }
+  const __m256i r = _mm256_srli_epi32(up, 16);
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(
       reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out.ptr) + row * out.ldo + c), packed);

@@ -500,12 +500,15 @@ void silu_mul(const void* gu, void* out, int64_t r0, int64_t r1, int64_t inter, 
   }
 }
 
-// 16 values to the output row at `p` (float32 or bfloat16, round to nearest even)
+// 16 values to the output row at `p` (float32 or bfloat16, round to nearest even; float32
+// holding the bfloat16 values with `bf16_values`)
 inline void store16(Out out, int64_t row, int64_t c, __m512 v) {
   if (out.bf16) {
     _mm256_storeu_si256(
         reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out.ptr) + row * out.ldo + c), to_bf16(v));
   } else {
+    if (out.bf16_values)
+      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
     _mm512_storeu_ps(static_cast<float*>(out.ptr) + row * out.ldo + c, v);
   }
 }

@@ -52,6 +52,9 @@ struct Out {
   // > 0: the output is the next prompt product's packed activations (pack_x_gemm's order, the
   // values rounded to bfloat16) for this many chunks of 16 rows, not rows of `ldo` values
   int64_t packed_chunks = 0;
+  // float32 rows holding each value rounded to bfloat16 (a bfloat16 model's dense weight,
+  // widened; the dequantising kernels only)
+  bool bf16_values = false;
 };
 
 using QuantizeFn = void (*)(const void* x, bool x_bf16, int64_t row, Q8Act& a);

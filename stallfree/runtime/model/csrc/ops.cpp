@@ -608,9 +608,11 @@ at::Tensor linear_bf16_prompt(const at::Tensor& x, const at::Tensor& weight,
 }
 
 // A quantized weight written dense into `out` [n, k] (float32 or bfloat16, contiguous): the
-// prompt path of the integer layers, one pass instead of torch's convert, scale and add.
+// prompt path of the integer layers, one pass instead of torch's convert, scale and add. With
+// `bf16_values` a float32 `out` holds each value rounded to bfloat16: a bfloat16 model's dense
+// weight widened, as the AVX2 variant's float32 prompt product reads it.
 void dequantize_q8(const at::Tensor& qweight, const std::optional<at::Tensor>& scale,
-                   const std::optional<at::Tensor>& bscale, at::Tensor& out) {
+                   const std::optional<at::Tensor>& bscale, at::Tensor& out, bool bf16_values) {
   const IntWeight qw = q8_weight(qweight, "dequantize_q8");
   const int64_t n = qw.n, k = qw.k;
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == n && out.size(1) == k &&
@@ -629,7 +631,8 @@ void dequantize_q8(const at::Tensor& qweight, const std::optional<at::Tensor>& s
                 "dequantize_q8: scale must be float32 [out] where no block scales are given");
     s = scale->data_ptr<float>();
   }
-  const Out o = out_of(out, k);
+  Out o = out_of(out, k);
+  o.bf16_values = bf16_values;
   if (qw.lanes) {
     const uint8_t* w = qweight.data_ptr<uint8_t>();
     at::parallel_for(0, n / 16, 1, [&](int64_t g0, int64_t g1) {
@@ -643,7 +646,7 @@ void dequantize_q8(const at::Tensor& qweight, const std::optional<at::Tensor>& s
 }
 
 void dequantize_q4(const at::Tensor& codes, const at::Tensor& gscale, const at::Tensor& goffset,
-                   at::Tensor& out) {
+                   at::Tensor& out, bool bf16_values) {
   const IntWeight qc = q4_codes(codes, "dequantize_q4");
   const int64_t n = qc.n, groups = qc.k / 32, k = qc.k;
   for (const at::Tensor* t : {&gscale, &goffset})
@@ -655,7 +658,8 @@ void dequantize_q4(const at::Tensor& codes, const at::Tensor& gscale, const at::
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const auto* gs = static_cast<const uint16_t*>(gscale.data_ptr());
   const auto* go = static_cast<const uint16_t*>(goffset.data_ptr());
-  const Out o = out_of(out, k);
+  Out o = out_of(out, k);
+  o.bf16_values = bf16_values;
   if (qc.lanes) {
     at::parallel_for(0, n / 16, 1, [&](int64_t g0, int64_t g1) {
       lanes::dequant_q4(c, gs, go, k, g0, g1, o);
@@ -958,8 +962,12 @@ TORCH_LIBRARY(stallfree, m) {
   m.def(
       "linear_bf16_prompt(Tensor x, Tensor weight, Tensor? bias, bool silu=False, "
       "bool pack=False, int rows=0) -> Tensor");
-  m.def("dequantize_q8(Tensor qweight, Tensor? scale, Tensor? bscale, Tensor(a!) out) -> ()");
-  m.def("dequantize_q4(Tensor codes, Tensor gscale, Tensor goffset, Tensor(a!) out) -> ()");
+  m.def(
+      "dequantize_q8(Tensor qweight, Tensor? scale, Tensor? bscale, Tensor(a!) out, "
+      "bool bf16_values=False) -> ()");
+  m.def(
+      "dequantize_q4(Tensor codes, Tensor gscale, Tensor goffset, Tensor(a!) out, "
+      "bool bf16_values=False) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");

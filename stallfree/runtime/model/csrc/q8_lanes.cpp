@@ -38,6 +38,9 @@ inline void store16(Out out, int64_t m, int64_t n, __m512 v) {
     auto* p = static_cast<uint16_t*>(out.ptr) + m * out.ldo + n;
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
   } else {
+    if (out.bf16_values)
+      v = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
     _mm512_storeu_ps(static_cast<float*>(out.ptr) + m * out.ldo + n, v);
   }
 }
