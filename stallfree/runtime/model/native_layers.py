@@ -154,6 +154,19 @@ def widens(rows: int, dtype: torch.dtype) -> bool:
     )
 
 
+def product_in_float32(x: torch.Tensor, k: int) -> bool:
+    """Whether `linear` multiplies `x`'s rows (a prompt's) with a dense weight of `k` inputs in
+    float32 past the native kernel: float32 rows past `dense_max_rows`, or bfloat16 ones that
+    `widens`. An integer layer's dequantised weight can then go to `widened_blocks` a block of
+    rows at a time (`quant._QuantLinearBase.dense_product`)."""
+    if not applies(x):
+        return False
+    rows = x.numel() // max(k, 1)
+    if x.dtype == torch.float32:
+        return rows > dense_max_rows(torch.float32)
+    return widens(rows, x.dtype)
+
+
 def widened_product(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -347,19 +347,20 @@ class _QuantLinearBase(nn.Module, abc.ABC):
         it), not whole into the shared workspace first: the same values, one pass over them
         fewer, and no dense copy of the weight in memory (a 1B Llama's Q8_0 file: 244 MB of
         float32 workspaces, 122 MB in bfloat16)."""
-        rows = flat.shape[0]
-        if self.native and not self.lanes and native_layers.applies(flat):
-            dtype = flat.dtype if flat.dtype == self.dtype else None
-            bf16 = dtype == torch.bfloat16 and native_layers.widens(rows, dtype)
-            f32 = dtype == torch.float32 and rows > native_layers.dense_max_rows(dtype)
-            if bf16 or f32:
-                return native_layers.widened_blocks(
-                    flat,
-                    self.out_features,
-                    self.in_features,
-                    None,
-                    lambda n0, block: self.dequantize_rows(n0, block, bf16_values=bf16),
-                )
+        if (
+            self.native
+            and not self.lanes
+            and flat.dtype == self.dtype
+            and native_layers.product_in_float32(flat, self.in_features)
+        ):
+            bf16 = flat.dtype == torch.bfloat16
+            return native_layers.widened_blocks(
+                flat,
+                self.out_features,
+                self.in_features,
+                None,
+                lambda n0, block: self.dequantize_rows(n0, block, bf16_values=bf16),
+            )
         return native_layers.linear(flat, self.dequantize())
 
     @abc.abstractmethod

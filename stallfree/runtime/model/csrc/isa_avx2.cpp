@@ -119,8 +119,8 @@ constexpr int kTileM = 3;  // activation rows per pass: 12 accumulators of the 1
 
 // The activation rows of the next group of a pass with `left` rows to go: up to kTileM, but two
 // and two of four, so that no row of a call of two or more sums alone (one row keeps its odd
-// products in sums of their own, Sums<1>), and the compact product may group the same rows its
-// own way (compact_rows) with the same bits.
+// products in sums of their own, Sums<1>), and the compact product may take four rows as one
+// group (compact_rows) with the same bits.
 inline int group_rows(int64_t left) {
   return left == 4 ? 2 : static_cast<int>(std::min<int64_t>(kTileM, left));
 }
@@ -384,40 +384,33 @@ void compact_regs(const float* xs, int64_t k, const uint8_t* const* rows,
     for (int j = 0; j < nb; ++j) store(out, i, n + j, bias ? v[i][j] + bias[n + j] : v[i][j]);
 }
 
-// The most activation rows compact_rows takes a call (in groups of compact_group); more go
-// through the tile buffer (gemv_compact). SmolLM2's four decode shapes, 30 copies, 2 threads, a
-// Zen 3, six processes alternating with the buffer for all, the compact product's time over the
-// dense kernel's in each (medians): 3 rows 1.20 -> 1.085, 4 rows 1.25 -> 1.07. With two groups
-// each decodes the tile again: at 6 rows `bench_gemv.py` gave 1.28-1.34 against 1.21-1.33, at 8
-// and 12 0.95-1.18 of the buffer's time on two shapes.
+// The most activation rows compact_rows takes (all of a call's, as one group); more go through
+// the tile buffer (gemv_compact). SmolLM2's four decode shapes, 30 copies, 2 threads, a Zen 3,
+// six processes alternating with the buffer for all, the compact product's time over the dense
+// kernel's in each (medians): 3 rows 1.20 -> 1.085, 4 rows 1.25 -> 1.07. In two groups each
+// decodes the tile again: at 6 rows `bench_gemv.py` gave 1.28-1.34 against the buffer's
+// 1.21-1.33, at 8 and 12 0.95-1.18 of the buffer's time on two shapes.
 constexpr int64_t kCompactRowsMax = 4;
 
-// the activation rows of compact_rows' next group with `left` rows to go: four, but three then
-// two of five, so that no group of a call of two or more rows has one
-inline int compact_group(int64_t left) {
-  return left == 5 ? 3 : static_cast<int>(std::min<int64_t>(4, left));
-}
-
-// MB activation rows (2-4) of a call of 3 .. kCompactRowsMax: the tile's weight rows two at a
-// time, each pair decoded block by block in the registers and each run multiplied into the
-// MB rows' sums of both rows, every sum in Sums<2..3>'s order (dense_tile's for two or more
-// rows: group_rows gives none of one), so the outputs are gemv_dense_bf16's bits. Each
-// activation vector loaded serves both weight rows: 8 sums, the pair's two high-byte vectors
-// each and its four weight vectors. Decoding into a buffer for dense_tile instead (the path
-// past kCompactRowsMax) stored and re-read each run and widened it once per group of three.
+// The MB activation rows (3 or 4) of a call: the tile's weight rows two at a time, each pair
+// decoded block by block in the registers and each run multiplied into the MB rows' sums of
+// both rows, every sum in Sums<2..3>'s order (dense_tile's for two or more rows: group_rows
+// gives none of one), so the outputs are gemv_dense_bf16's bits. Each activation vector loaded
+// serves both weight rows: 8 sums, the pair's two high-byte vectors each and its four weight
+// vectors. Decoding into a buffer for dense_tile instead (the path past kCompactRowsMax) stored
+// and re-read each run and widened it once per group of three. The pair's codes (from `codes`,
+// the tile's first row's) are fetched as they are read, as Ahead does for a whole tile.
 template <int MB>
 void compact_rows(const float* xs, int64_t k, const uint8_t* const* rows,
                   const uint16_t* const* dense, const __m256i* tables, int64_t n, int nb,
-                  int64_t m0, const char* fetch, int64_t row_bytes, const float* bias, Out out) {
-  static_assert(MB >= 2 && MB <= 4);
+                  const uint8_t* codes, int64_t row_bytes, const float* bias, Out out) {
+  static_assert(MB == 3 || MB == 4);
   const int64_t blocks = k / 64;
   for (int p = 0; p < nb; p += 2) {
     const int ja = p, jb = p + 1;  // rows past nb repeat the tile's last (tile_at's rule)
     Ahead ahead;
-    if (fetch != nullptr && blocks > 0) {
-      ahead.from = fetch + p * row_bytes + kFetchDistance;
-      ahead.step = ((2 * row_bytes + blocks - 1) / blocks + 63) / 64 * 64;
-    }
+    ahead.from = reinterpret_cast<const char*>(codes) + p * row_bytes + kFetchDistance;
+    ahead.step = ((2 * row_bytes + blocks - 1) / blocks + 63) / 64 * 64;
     __m256 acc[MB][2];
     for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
@@ -455,7 +448,7 @@ void compact_rows(const float* xs, int64_t k, const uint8_t* const* rows,
       _mm_storeu_ps(v, hsum4(acc[i][0], acc[i][1], acc[i][0], acc[i][1]));
       for (int j = 0; j < 2 && p + j < nb; ++j) {
         const int64_t col = n + p + j;
-        store(out, m0 + i, col, bias ? v[j] + bias[col] : v[j]);
+        store(out, i, col, bias ? v[j] + bias[col] : v[j]);
       }
     }
   }
@@ -557,19 +550,10 @@ void gemv_compact(const uint16_t* x, int64_t m, int64_t k, const uint8_t* codes,
         else compact_regs<2>(xs, k, rows, dense_rows, tabs, n, nb, ahead, bias, out);
         continue;
       }
-      if (in_regs) {
-        for (int64_t m0 = p0, mb = 0; m0 < p1; m0 += mb) {
-          const float* xm = xs + (m0 - p0) * k;
-          // the tile's first group fetches its codes; the others read them from the cache
-          const char* fetch =
-              m0 == p0 ? reinterpret_cast<const char*>(codes + n * row_bytes) : nullptr;
-          mb = compact_group(p1 - m0);
-          switch (mb) {
-            case 2: compact_rows<2>(xm, k, rows, dense_rows, tabs, n, nb, m0, fetch, row_bytes, bias, out); break;
-            case 3: compact_rows<3>(xm, k, rows, dense_rows, tabs, n, nb, m0, fetch, row_bytes, bias, out); break;
-            default: compact_rows<4>(xm, k, rows, dense_rows, tabs, n, nb, m0, fetch, row_bytes, bias, out); break;
-          }
-        }
+      if (in_regs) {  // 3 or 4 rows, one pass
+        const uint8_t* tile = codes + n * row_bytes;
+        if (m == 3) compact_rows<3>(xs, k, rows, dense_rows, tabs, n, nb, tile, row_bytes, bias, out);
+        else compact_rows<4>(xs, k, rows, dense_rows, tabs, n, nb, tile, row_bytes, bias, out);
         continue;
       }
       Tile4 t;
