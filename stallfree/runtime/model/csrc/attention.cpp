@@ -313,7 +313,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   const int64_t* pool = req_pool_indices.data_ptr<int64_t>();
   const int64_t* loc = out_cache_loc.data_ptr<int64_t>();
   const int64_t slots = k_cache.size(0);
-  int64_t longest = 0, keys = 0;  // keys attended, per KV head
+  int64_t longest = 0, keys = 0;  // keys attended, per request
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_len && pool[b] >= 0 && pool[b] < rows &&
                     loc[b] >= 0 && loc[b] < slots,
@@ -337,13 +337,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   a.heads = H;
   a.kv_heads = KVH;
   a.dim = D;
-  // splits: the longest request cut so that no work item is much above an even share of
-  // kItemsPerThread items per thread (batch 1 fills every thread; one long request among
-  // short ones is cut too), but never below kMinSplitKeys keys
-  const int64_t items = B * KVH;
+  // splits: the longest request cut so that no work item (a request's keys, every KV head)
+  // is much above an even share of kItemsPerThread items per thread (batch 1 fills every
+  // thread; one long request among short ones is cut too), but never below kMinSplitKeys keys
+  const int64_t items = B;
   const int64_t wanted = kItemsPerThread * at::get_num_threads();
   a.splits = std::max<int64_t>(
-      1, std::min((longest * wanted + keys * KVH - 1) / (keys * KVH), longest / kMinSplitKeys));
+      1, std::min((longest * wanted + keys - 1) / keys, longest / kMinSplitKeys));
   a.q = qbuf.data_ptr<float>();
   a.k_cache = k_cache.data_ptr();
   a.v_cache = v_cache.data_ptr();

@@ -3,9 +3,10 @@
 // prefill_attention.cpp bind them to torch.
 //
 // One query per request attends over keys read straight from the cache through its
-// `req_to_token` row (no gather). The work items are (request, KV head, split): a KV head's
-// query group shares every K/V read, and a long context is cut into splits whose partial
-// softmax states (max, sum, unnormalised output) are merged afterwards (flash-decoding).
+// `req_to_token` row (no gather). The work items are (request, split), every KV head of a
+// block of keys in turn: a slot's rows are read as one run, a KV head's query group shares
+// every K/V read, and a long context is cut into splits whose partial softmax states (max,
+// sum, unnormalised output) are merged afterwards (flash-decoding).
 #pragma once
 
 #include <cstdint>
@@ -18,7 +19,7 @@ enum class CacheKind : int { kF32, kBF16, kI8, kE4M3, kE5M2 };
 
 struct DecodeAttn {
   int64_t batch = 0, heads = 0, kv_heads = 0, dim = 0;
-  int64_t splits = 1;  // per request and KV head
+  int64_t splits = 1;  // per request
   // rotated, scaled queries in float32, [batch, heads, dim]
   const float* q = nullptr;
   // the cache [slots, kv_heads, row] of `kind` rows (the new step's K/V already written); `row`
@@ -42,7 +43,7 @@ struct DecodeAttn {
   bool out_bf16 = false;
 };
 
-// items [i0, i1) of batch * kv_heads * splits
+// items [i0, i1) of batch * splits
 using DecodeAttnFn = void (*)(const DecodeAttn& a, int64_t i0, int64_t i1);
 
 // One request's prompt: n queries at positions prefix .. prefix + n - 1 over its keys at

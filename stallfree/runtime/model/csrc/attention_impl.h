@@ -2,10 +2,11 @@
 // variant's translation unit, after its target pragma and inside its own namespace, so every
 // instantiation is compiled for that variant alone. Includes nothing itself.
 //
-// Per work item (request, KV head, split): blocks of kBlock keys; for each key its slot is read
-// from req_to_token, its K row is dotted with the group's queries, the scores are soft-capped,
-// an online softmax rescales the group's float32 accumulators, and its V row is added into all
-// of them. Head dims are multiples of 16 (a whole number of vectors in both variants).
+// Per work item (request, split): blocks of kBlock keys; for each key its slot is read from
+// req_to_token, and for each KV head in turn its K row is dotted with the head's group of
+// queries, the scores are soft-capped, an online softmax rescales the group's float32
+// accumulators, and its V row is added into all of them. Head dims are multiples of 16 (a
+// whole number of vectors in both variants).
 
 constexpr int64_t kBlock = 32;
 
@@ -120,11 +121,11 @@ void scale_by_rows(int64_t G, int64_t D, const typename R::E* c, const int64_t* 
 }
 
 template <typename Slot, typename R>
-void attend_item(const DecodeAttn& a, int64_t item, float* acc, float* scores) {
-  const int64_t D = a.dim, KVH = a.kv_heads, G = a.heads / a.kv_heads;
+void attend_item(const DecodeAttn& a, int64_t item, float* acc, float* scores, float* m,
+                 float* l) {
+  const int64_t D = a.dim, H = a.heads, KVH = a.kv_heads, G = H / KVH;
   const int64_t split = item % a.splits;
-  const int64_t kvh = (item / a.splits) % KVH;
-  const int64_t b = item / (a.splits * KVH);
+  const int64_t b = item / a.splits;
   const int64_t len = a.seq_lens[b];
   const int64_t first = a.window > 0 && len > a.window ? len - a.window : 0;
   const int64_t chunk = (len - first + a.splits - 1) / a.splits;
@@ -135,97 +136,105 @@ void attend_item(const DecodeAttn& a, int64_t item, float* acc, float* scores) {
   const E* kc = static_cast<const E*>(a.k_cache);
   const E* vc = static_cast<const E*>(a.v_cache);
   const int64_t row_len = a.row;
-  const float* q = a.q + (b * a.heads + kvh * G) * D;
+  const int64_t token_len = KVH * row_len;  // a slot's rows, every KV head's, contiguous
 
-  float m[64], l[64];  // G <= 64 (checked by the binding)
-  for (int64_t g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0;
+  for (int64_t h = 0; h < H; ++h) {
+    m[h] = -INFINITY;
+    l[h] = 0;
   }
-  for (int64_t i = 0; i < G * D; i += V::W) V::store(acc + i, V::zero());
+  for (int64_t i = 0; i < H * D; i += V::W) V::store(acc + i, V::zero());
 
-  // slot offsets of this block and the next: the next block's K rows and this block's V rows
-  // are prefetched a block ahead (the keys of a request sit anywhere in the cache), into L2
-  // (prefetcht1): on a Zen 4, prefetcht0's 64-128 lines a block left one bfloat16 layer at 16
-  // requests of 256 keys at 1790 us, against 525 into L2 (1 thread, bench_attention.py)
+  // Every KV head of a block of keys in turn: a slot's rows for all of them are one contiguous
+  // run of memory, read once from start to end (one KV head per item read a run a head wide
+  // out of every slot, KVH strided passes over the same lines). The next block's K and V
+  // rows are prefetched into L2 a block ahead (the keys of a request sit anywhere in the
+  // cache; on a Zen 4 prefetcht0's lines left one bfloat16 layer at 16 requests of 256 keys
+  // at 1790 us against 525 into L2).
   int64_t slot_buf[2][kBlock];
   auto load_slots = [&](int64_t tb, int64_t* out) {
     const int64_t nb = std::min(kBlock, t1 - tb);
-    for (int64_t j = 0; j < nb; ++j)
-      out[j] = (static_cast<int64_t>(row[tb + j]) * KVH + kvh) * row_len;
+    for (int64_t j = 0; j < nb; ++j) out[j] = static_cast<int64_t>(row[tb + j]) * token_len;
   };
   auto prefetch_rows = [&](const E* base, const int64_t* offs, int64_t nb) {
-    for (int64_t j = 0; j < nb; ++j)
-      for (int64_t c = 0; c < row_len; c += 64 / static_cast<int64_t>(sizeof(E)))
-        __builtin_prefetch(base + offs[j] + c, 0, 2);
+    const int64_t bytes = token_len * static_cast<int64_t>(sizeof(E));
+    for (int64_t j = 0; j < nb; ++j) {
+      const char* p = reinterpret_cast<const char*>(base + offs[j]);
+      for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 2);
+    }
   };
   if (t0 < t1) {
     load_slots(t0, slot_buf[0]);
     prefetch_rows(kc, slot_buf[0], std::min(kBlock, t1 - t0));
+    prefetch_rows(vc, slot_buf[0], std::min(kBlock, t1 - t0));
   }
   for (int64_t tb = t0, blk = 0; tb < t1; tb += kBlock, ++blk) {
     const int64_t nb = std::min(kBlock, t1 - tb);
     const int64_t* slots = slot_buf[blk & 1];
-    prefetch_rows(vc, slots, nb);
     if (tb + kBlock < t1) {
       int64_t* next = slot_buf[(blk + 1) & 1];
       load_slots(tb + kBlock, next);
       prefetch_rows(kc, next, std::min(kBlock, t1 - tb - kBlock));
+      prefetch_rows(vc, next, std::min(kBlock, t1 - tb - kBlock));
     }
-    for (int64_t g = 0; g < G; g += kHeadTile)
-      score_heads<R>(q, G, D, kc, slots, nb, g, scores);
-    if constexpr (R::scaled) scale_by_rows<R>(G, D, kc, slots, nb, scores);
-    if (a.softcap > 0) {
-      const float inv = 1.0f / a.softcap;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t j = 0; j < nb; ++j) {
-          float& s = scores[g * kBlock + j];
-          s = std::tanh(s * inv) * a.softcap;
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      const E* kh = kc + kvh * row_len;  // this KV head's row of each slot
+      const E* vh = vc + kvh * row_len;
+      const float* q = a.q + (b * H + kvh * G) * D;
+      float* ah = acc + kvh * G * D;
+      float* mh = m + kvh * G;
+      float* lh = l + kvh * G;
+      for (int64_t g = 0; g < G; g += kHeadTile) score_heads<R>(q, G, D, kh, slots, nb, g, scores);
+      if constexpr (R::scaled) scale_by_rows<R>(G, D, kh, slots, nb, scores);
+      if (a.softcap > 0) {
+        const float inv = 1.0f / a.softcap;
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t j = 0; j < nb; ++j) {
+            float& sc = scores[g * kBlock + j];
+            sc = std::tanh(sc * inv) * a.softcap;
+          }
+      }
+      // online softmax: scores become probabilities relative to the running max
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores + g * kBlock;
+        float bm = -INFINITY;
+        for (int64_t j = 0; j < nb; ++j) bm = std::max(bm, sg[j]);
+        const float mnew = std::max(mh[g], bm);
+        if (mnew > mh[g] && lh[g] > 0) {
+          const typename V::T alpha = V::set1(std::exp(mh[g] - mnew));
+          float* ag = ah + g * D;
+          for (int64_t c = 0; c < D; c += V::W) V::store(ag + c, V::mul(V::load(ag + c), alpha));
+          lh[g] *= std::exp(mh[g] - mnew);
         }
-    }
-    // online softmax: scores become probabilities relative to the running max
-    for (int64_t g = 0; g < G; ++g) {
-      float* s = scores + g * kBlock;
-      float bm = -INFINITY;
-      for (int64_t j = 0; j < nb; ++j) bm = std::max(bm, s[j]);
-      const float mnew = std::max(m[g], bm);
-      if (mnew > m[g] && l[g] > 0) {
-        const typename V::T alpha = V::set1(std::exp(m[g] - mnew));
-        float* ag = acc + g * D;
-        for (int64_t c = 0; c < D; c += V::W) V::store(ag + c, V::mul(V::load(ag + c), alpha));
-        l[g] *= std::exp(m[g] - mnew);
+        mh[g] = mnew;
+        const typename V::T mv = V::set1(mnew);
+        typename V::T sum = V::zero();
+        for (int64_t j = 0; j < kBlock; j += V::W) {
+          typename V::T p = V::exp(V::sub(V::load(sg + j), mv));
+          if (j + V::W > nb) p = V::keep_first(p, std::max<int64_t>(0, nb - j));
+          V::store(sg + j, p);
+          sum = V::add(sum, p);
+        }
+        lh[g] += V::sum(sum);
       }
-      m[g] = mnew;
-      const typename V::T mv = V::set1(mnew);
-      typename V::T sum = V::zero();
-      for (int64_t j = 0; j < kBlock; j += V::W) {
-        typename V::T p = V::exp(V::sub(V::load(s + j), mv));
-        if (j + V::W > nb) p = V::keep_first(p, std::max<int64_t>(0, nb - j));
-        V::store(s + j, p);
-        sum = V::add(sum, p);
-      }
-      l[g] += V::sum(sum);
+      // NOTE: after the sums l: a value row's scale weighs its probability, not its elements
+      if constexpr (R::scaled) scale_by_rows<R>(G, D, vh, slots, nb, scores);
+      for (int64_t g = 0; g < G; g += kHeadTile) add_values<R>(G, D, vh, slots, nb, g, scores, ah);
     }
-    // NOTE: after the sums l: a value row's scale weighs its probability, not its elements
-    if constexpr (R::scaled) scale_by_rows<R>(G, D, vc, slots, nb, scores);
-    for (int64_t g = 0; g < G; g += kHeadTile)
-      add_values<R>(G, D, vc, slots, nb, g, scores, acc);
   }
 
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t h = kvh * G + g;
-    const float* ag = acc + g * D;
+  for (int64_t h = 0; h < H; ++h) {
+    const float* ah = acc + h * D;
     if (a.splits > 1) {
-      float* p = a.partial + ((b * a.heads + h) * a.splits + split) * (D + 2);
-      for (int64_t c = 0; c < D; c += V::W) V::store(p + c, V::load(ag + c));
-      p[D] = m[g];
-      p[D + 1] = l[g];
+      float* p = a.partial + ((b * H + h) * a.splits + split) * (D + 2);
+      for (int64_t c = 0; c < D; c += V::W) V::store(p + c, V::load(ah + c));
+      p[D] = m[h];
+      p[D + 1] = l[h];
       continue;
     }
-    const typename V::T inv = V::set1(l[g] > 0 ? 1.0f / l[g] : 0.0f);
-    const int64_t o = (b * a.heads + h) * D;
+    const typename V::T inv = V::set1(l[h] > 0 ? 1.0f / l[h] : 0.0f);
+    const int64_t o = (b * H + h) * D;
     for (int64_t c = 0; c < D; c += V::W) {
-      const typename V::T y = V::mul(V::load(ag + c), inv);
+      const typename V::T y = V::mul(V::load(ah + c), inv);
       if (a.out_bf16) {
         V::store_bf16(static_cast<uint16_t*>(a.out) + o + c, y);
       } else {
@@ -238,10 +247,11 @@ void attend_item(const DecodeAttn& a, int64_t item, float* acc, float* scores) {
 template <typename Slot, typename R>
 void attend_items(const DecodeAttn& a, int64_t i0, int64_t i1) {
   const int64_t G = a.heads / a.kv_heads;
-  thread_local std::vector<float> acc, scores;
-  float* ap = scratch(acc, G * a.dim);
+  thread_local std::vector<float> acc, scores, ml;
+  float* ap = scratch(acc, a.heads * a.dim);
   float* sp = scratch(scores, G * kBlock);
-  for (int64_t i = i0; i < i1; ++i) attend_item<Slot, R>(a, i, ap, sp);
+  float* mp = scratch(ml, 2 * a.heads);
+  for (int64_t i = i0; i < i1; ++i) attend_item<Slot, R>(a, i, ap, sp, mp, mp + a.heads);
 }
 
 template <typename Slot>
