@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -22,7 +23,8 @@
 namespace sf {
 namespace {
 
-// shortest context per split, and work items wanted per thread (so batch 1 fills every thread)
+// shortest context per split, and work items wanted per thread and KV head (so batch 1 fills
+// every thread, and requests of different lengths leave the threads a share to even out)
 constexpr int64_t kMinSplitKeys = 64;
 constexpr int64_t kItemsPerThread = 2;
 
@@ -340,8 +342,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   // splits: the longest request cut so that no work item (a request's keys, every KV head)
   // is much above an even share of kItemsPerThread items per thread (batch 1 fills every
   // thread; one long request among short ones is cut too), but never below kMinSplitKeys keys
+  // (an item carries every KV head: as many as one per KV head and split would be)
   const int64_t items = B;
-  const int64_t wanted = kItemsPerThread * at::get_num_threads();
+  const int64_t threads = at::get_num_threads();
+  const int64_t wanted = kItemsPerThread * threads * KVH;
   a.splits = std::max<int64_t>(
       1, std::min((longest * wanted + keys - 1) / keys, longest / kMinSplitKeys));
   a.q = qbuf.data_ptr<float>();
@@ -364,7 +368,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
     a.partial = partial.data_ptr<float>();
   }
   const DecodeAttnFn fn = selected_kernel();
-  at::parallel_for(0, items * a.splits, 1, [&](int64_t i0, int64_t i1) { fn(a, i0, i1); });
+  // items taken in turn by whichever thread is free: requests of different lengths make
+  // items of different sizes, which halves given out in advance would leave one thread waiting on
+  const int64_t total = items * a.splits;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, total), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;) fn(a, i, i + 1);
+  });
   if (a.splits > 1) {
     at::parallel_for(0, B * H, 16, [&](int64_t r0, int64_t r1) { reduce_splits(a, r0, r1); });
   }
