@@ -339,11 +339,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   a.heads = H;
   a.kv_heads = KVH;
   a.dim = D;
-  // splits: the longest request cut so that no work item (a request's keys, every KV head)
-  // is much above an even share of kItemsPerThread items per thread (batch 1 fills every
-  // thread; one long request among short ones is cut too), but never below kMinSplitKeys keys
-  // (an item carries every KV head: as many as one per KV head and split would be)
-  const int64_t items = B;
+  // splits: the longest request cut so that no work item (a request's keys over every KV
+  // head) is much above an even share of kItemsPerThread items per thread and KV head (batch
+  // 1 fills every thread; one long request among short ones is cut too), but never below
+  // kMinSplitKeys keys
   const int64_t threads = at::get_num_threads();
   const int64_t wanted = kItemsPerThread * threads * KVH;
   a.splits = std::max<int64_t>(
@@ -370,7 +369,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   const DecodeAttnFn fn = selected_kernel();
   // items taken in turn by whichever thread is free: requests of different lengths make
   // items of different sizes, which halves given out in advance would leave one thread waiting on
-  const int64_t total = items * a.splits;
+  const int64_t total = B * a.splits;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min(threads, total), 1, [&](int64_t, int64_t) {
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;) fn(a, i, i + 1);
